@@ -1,0 +1,36 @@
+# Every target builds .venv itself on a fresh machine: `make demo` and `make test` are all
+# the set-up there is.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+STAMP  := $(VENV)/.installed
+
+.PHONY: venv test lint typecheck unit demo bench crashtest clean
+
+venv: $(STAMP)
+
+# torch first and pinned: on this machine a CPU build of 2.13 lies on disk, while a bare
+# `torch` (or an unpinned range pulled in by a dependency) would fetch a multi-GB CUDA build.
+$(STAMP): pyproject.toml
+	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q "torch==2.13.*"
+	$(BIN)/pip install -q -e ".[dev]"
+	touch $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check ckptstore tests tools
+	$(BIN)/ruff format --check ckptstore tests tools
+
+typecheck: $(STAMP)
+	$(BIN)/mypy
+
+unit: $(STAMP)
+	$(BIN)/python -m pytest -q -x -p no:cacheprovider
+
+test: lint typecheck unit
+
+demo: $(STAMP)
+	$(BIN)/python tools/demo.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

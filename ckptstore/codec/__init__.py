@@ -1,0 +1,1 @@
+"""Codecs: the state tree <-> tensors + typed JSON, and the payload file formats."""

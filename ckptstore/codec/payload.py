@@ -1,0 +1,86 @@
+"""Payload files: one group of tensors <-> one file, in either format, optionally zstd.
+
+File names are ``<group>.safetensors`` or ``<group>.pt``, with ``.rankNNNNN`` before the
+extension for per-rank shards and ``.zst`` after it when compressed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import IntegrityError
+from ..manifest import FileEntry
+from . import safetensors as st
+from . import torchzip, zstd
+
+__all__ = ["group_of", "payload_name", "read_group", "write_group"]
+
+EXT = {"safetensors": ".safetensors", "torch": ".pt"}
+
+
+def payload_name(group: str, fmt: str, compression: str | None, rank: int | None = None) -> str:
+    """The file name of a payload group."""
+    shard = f".rank{rank:05d}" if rank is not None else ""
+    return f"{group}{shard}{EXT[fmt]}" + (".zst" if compression == "zstd" else "")
+
+
+def group_of(name: str) -> str:
+    """The group a payload file name belongs to (its first dot-separated part)."""
+    return name.split(".", 1)[0]
+
+
+def _covering(t: torch.Tensor) -> torch.Tensor:
+    """``torch.save`` writes a tensor's whole storage; copy views into a larger one."""
+    if t.storage_offset() == 0 and t.numel() * t.element_size() == t.untyped_storage().nbytes():
+        return t
+    return t.clone()
+
+
+@contextlib.contextmanager
+def _maybe_zstd(w: Any, compression: str | None) -> Iterator[Any]:
+    if compression != "zstd":
+        yield w
+        return
+    z = zstd.ZstdSink(w)
+    yield z
+    z.close()
+
+
+def write_group(
+    pending: Any,
+    name: str,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    fmt: str,
+    compression: str | None,
+    rank: int | None = None,
+) -> None:
+    """Write one payload file into a pending checkpoint (durable on return)."""
+    with pending.open(name, codec=fmt, compression=compression, rank=rank) as w, _maybe_zstd(
+        w, compression
+    ) as sink:
+        if fmt == "safetensors":
+            st.write_safetensors(sink, tensors)
+        else:
+            torchzip.write_torch(sink, {k: _covering(v) for k, v in tensors.items()})
+
+
+def decode_payload(data: bytearray, entry: FileEntry, where: str) -> dict[str, torch.Tensor]:
+    """Decode the (already checksummed) bytes of a payload file into tensors."""
+    if entry.compression == "zstd":
+        data = zstd.decompress(data, where)
+    if entry.codec == "safetensors":
+        return st.read_tensors(data, where)
+    if entry.codec == "torch":
+        return torchzip.load_tensor_dict(data, where)
+    raise IntegrityError(f"{where}: codec {entry.codec!r} does not hold tensors")
+
+
+def read_group(storage: Any, step: int, name: str, entry: FileEntry) -> dict[str, torch.Tensor]:
+    """Read, checksum and decode one payload file."""
+    data = storage.read_file(step, name, entry)
+    return decode_payload(data, entry, storage.describe(step, name))

@@ -1,0 +1,237 @@
+"""A streaming writer and a validating, zero-copy reader of the ``.safetensors`` format.
+
+The files are standard: ``safetensors.torch.load_file`` reads them. We write them ourselves
+so that tensor bytes stream from the tensor's memory to the file (no serialized copy of the
+whole file in memory, as ``safetensors.torch.save`` makes) while the checksum is computed on
+the way. Tensors are laid out largest element first, so every tensor's data is aligned to
+its element size (the header is padded to 8 bytes) and reads can view the buffer in place.
+
+The reader trusts nothing: the header length, every dtype, shape and offset are bounded and
+checked against the file size, and overlapping or gapped ranges are refused.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import json
+import math
+import struct
+from collections.abc import Mapping
+from typing import Any, Protocol
+
+import torch
+
+from ..errors import IntegrityError
+
+__all__ = [
+    "DTYPE_TO_ST",
+    "ST_TO_DTYPE",
+    "Header",
+    "parse_header",
+    "read_tensors",
+    "tensor_bytes",
+    "write_safetensors",
+]
+
+ST_TO_DTYPE: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "U16": torch.uint16,
+    "U32": torch.uint32,
+    "U64": torch.uint64,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
+    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
+    "C64": torch.complex64,
+}
+DTYPE_TO_ST = {v: k for k, v in ST_TO_DTYPE.items()}
+#: The safetensors library refuses headers over 100 MB; so do we.
+MAX_HEADER_BYTES = 100_000_000
+
+
+class _Sink(Protocol):
+    def write(self, data: Any, /) -> int: ...
+
+
+def tensor_bytes(t: torch.Tensor) -> memoryview:
+    """The bytes of a contiguous CPU tensor, without copying (valid while ``t`` lives)."""
+    if not t.is_contiguous() or t.device.type != "cpu":
+        msg = "tensor_bytes needs a contiguous CPU tensor"
+        raise ValueError(msg)
+    n = t.numel() * t.element_size()
+    if n == 0:
+        return memoryview(b"")
+    buf = (ctypes.c_char * n).from_address(t.data_ptr())
+    return memoryview(buf).cast("B")
+
+
+def _layout(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    return sorted(tensors.items(), key=lambda kv: (-kv[1].element_size(), kv[0]))
+
+
+def build_header(
+    tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
+    """The 8-byte length prefix plus the padded JSON header, and the tensors in file order."""
+    order = _layout(tensors)
+    header: dict[str, Any] = {}
+    if metadata:
+        header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
+    offset = 0
+    for name, t in order:
+        st = DTYPE_TO_ST.get(t.dtype)
+        if st is None:
+            msg = f"tensor {name!r}: dtype {t.dtype} has no safetensors equivalent"
+            raise ValueError(msg)
+        n = t.numel() * t.element_size()
+        header[name] = {"dtype": st, "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+    raw = json.dumps(header, separators=(",", ":")).encode()
+    raw += b" " * (-(8 + len(raw)) % 8)
+    return struct.pack("<Q", len(raw)) + raw, order
+
+
+def write_safetensors(
+    sink: _Sink, tensors: Mapping[str, torch.Tensor], metadata: Mapping[str, str] | None = None
+) -> int:
+    """Stream a ``.safetensors`` file of ``tensors`` (contiguous CPU) into ``sink``.
+
+    Returns:
+        The number of bytes written.
+    """
+    head, order = build_header(tensors, metadata)
+    sink.write(head)
+    total = len(head)
+    for _, t in order:
+        mv = tensor_bytes(t)
+        # Large tensors go in slices so a file-like sink never needs one giant write.
+        step = 64 << 20
+        for i in range(0, len(mv), step):
+            sink.write(mv[i : i + step])
+        total += len(mv)
+    return total
+
+
+class Header:
+    """A validated safetensors header.
+
+    Attributes:
+        data_start: file offset of the first tensor byte.
+        entries: name -> (dtype, shape, start, end), offsets relative to ``data_start``.
+        metadata: the ``__metadata__`` strings.
+    """
+
+    def __init__(
+        self,
+        data_start: int,
+        entries: dict[str, tuple[torch.dtype, list[int], int, int]],
+        metadata: dict[str, str],
+    ) -> None:
+        self.data_start = data_start
+        self.entries = entries
+        self.metadata = metadata
+
+
+def _reject(where: str, what: str) -> IntegrityError:
+    return IntegrityError(f"{where}: not a valid safetensors file: {what}")
+
+
+def parse_header(head: bytes | bytearray | memoryview, file_size: int, where: str) -> Header:
+    """Validate the header at the start of a safetensors file of ``file_size`` bytes.
+
+    ``head`` must hold at least the first ``8 + header length`` bytes of the file (the whole
+    file is fine). Raises :class:`IntegrityError` on any inconsistency.
+    """
+    if file_size < 8 or len(head) < 8:
+        raise _reject(where, f"{file_size} bytes is shorter than the 8-byte header length")
+    (n,) = struct.unpack("<Q", bytes(head[:8]))
+    if n > MAX_HEADER_BYTES or 8 + n > file_size:
+        raise _reject(where, f"header length {n} runs past the file ({file_size} bytes)")
+    if len(head) < 8 + n:
+        msg = "parse_header needs the whole header"
+        raise ValueError(msg)
+    try:
+        doc = json.loads(bytes(head[8 : 8 + n]).decode("utf-8"), object_pairs_hook=_no_dups)
+    except RecursionError:
+        raise _reject(where, "header nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _reject(where, f"header is not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise _reject(where, "header is not a JSON object")
+    meta = doc.pop("__metadata__", None) or {}
+    if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
+        raise _reject(where, "__metadata__ must map strings to strings")
+    data_len = file_size - 8 - n
+    entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
+    for name, info in doc.items():
+        if not isinstance(info, dict):
+            raise _reject(where, f"entry {name!r} is not an object")
+        dtype = ST_TO_DTYPE.get(info.get("dtype"))  # type: ignore[arg-type]
+        if dtype is None:
+            raise _reject(where, f"entry {name!r} has unknown dtype {info.get('dtype')!r}")
+        shape, offs = info.get("shape"), info.get("data_offsets")
+        if not isinstance(shape, list) or not all(_nonneg(s) for s in shape):
+            raise _reject(where, f"entry {name!r} has a malformed shape {shape!r}")
+        if not isinstance(offs, list) or len(offs) != 2 or not all(_nonneg(o) for o in offs):
+            raise _reject(where, f"entry {name!r} has malformed data_offsets {offs!r}")
+        start, end = offs
+        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        if end < start or end - start != size:
+            raise _reject(where, f"entry {name!r}: offsets [{start}, {end}] do not fit shape {shape}")
+        if end > data_len:
+            raise _reject(
+                where, f"entry {name!r}: data [{start}, {end}] runs past the file ({data_len} data bytes)"
+            )
+        entries[name] = (dtype, shape, start, end)
+    pos = 0
+    for name, (_, _, start, end) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
+        if start < pos:
+            raise _reject(where, f"entry {name!r} overlaps the tensor before it")
+        if start > pos:
+            raise _reject(where, f"a gap of {start - pos} bytes before entry {name!r}")
+        pos = end
+    if pos != data_len:
+        raise _reject(where, f"{data_len - pos} bytes after the last tensor")
+    return Header(8 + n, entries, meta)
+
+
+def _nonneg(v: object) -> bool:
+    return isinstance(v, int) and not isinstance(v, bool) and v >= 0
+
+
+def _no_dups(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            msg = f"duplicate key {k!r}"
+            raise ValueError(msg)
+        out[k] = v
+    return out
+
+
+def read_tensors(buf: bytearray, where: str) -> dict[str, torch.Tensor]:
+    """Parse a whole safetensors file held in ``buf`` into tensors.
+
+    Every tensor gets its own storage (one copy out of ``buf``): a tensor that viewed the
+    file buffer would keep the whole file alive, and ``torch.save`` of it would write the
+    whole file again.
+    """
+    header = parse_header(buf, len(buf), where)
+    out: dict[str, torch.Tensor] = {}
+    base = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    for name, (dtype, shape, start, end) in header.entries.items():
+        raw = base[header.data_start + start : header.data_start + end]
+        t = torch.empty(shape, dtype=dtype)
+        if end > start:
+            t.view(-1).view(torch.uint8).copy_(raw)
+        out[name] = t
+    return out

@@ -1,0 +1,72 @@
+"""``.pt`` payloads: ``torch.save`` zip archives, read only with ``weights_only=True``.
+
+``torch.load`` does not check the CRC-32 its zip stores per member, so a flipped byte loads
+silently; ckptstore checks its own CRC32C first, and ``verify`` also walks the zip central
+directory and member CRCs without unpickling anything.
+"""
+
+from __future__ import annotations
+
+import io
+import pickle
+import zipfile
+from collections.abc import Mapping
+from typing import IO, Any
+
+import torch
+
+from ..errors import IntegrityError, UnsafeCheckpointError
+
+__all__ = ["check_zip", "load_tensor_dict", "write_torch"]
+
+
+def write_torch(sink: IO[bytes] | Any, tensors: Mapping[str, torch.Tensor]) -> None:
+    """``torch.save`` a flat ``{name: tensor}`` dict into a writable file object."""
+    torch.save(dict(tensors), sink)
+
+
+def load_tensor_dict(data: bytes | bytearray | memoryview, where: str) -> dict[str, torch.Tensor]:
+    """Load a flat tensor dict saved by :func:`write_torch`, never unpickling code."""
+    check_zip(data, where, deep=False)
+    try:
+        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+    except pickle.UnpicklingError as e:
+        msg = (
+            f"{where}: refused to load: the pickle inside asks for more than tensors and plain "
+            f"data ({e}). ckptstore never falls back to weights_only=False"
+        )
+        raise UnsafeCheckpointError(msg) from None
+    except (RuntimeError, EOFError, ValueError, OSError) as e:
+        raise IntegrityError(f"{where}: torch.load failed: {e}") from None
+    if not isinstance(obj, dict) or not all(
+        isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+    ):
+        raise IntegrityError(f"{where}: payload is not a flat dict of tensors")
+    return obj
+
+
+def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, deep: bool) -> int:
+    """Check a ``.pt`` zip: its central directory, and with ``deep`` every member's CRC-32.
+
+    Returns:
+        The number of members.
+
+    Raises:
+        IntegrityError: the archive is truncated (no central directory) or a member is bad.
+    """
+    fobj = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
+    try:
+        with zipfile.ZipFile(fobj) as zf:
+            names = zf.namelist()
+            if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
+                raise IntegrityError(f"{where}: zip archive has no data.pkl; not a torch.save file")
+            if deep:
+                bad = zf.testzip()
+                if bad is not None:
+                    raise IntegrityError(f"{where}: zip member {bad!r} fails its CRC-32 check")
+            return len(names)
+    except zipfile.BadZipFile as e:
+        msg = f"{where}: not a readable torch zip archive ({e}); the file is truncated or corrupt"
+        raise IntegrityError(msg) from None
+    except (EOFError, OSError, ValueError) as e:
+        raise IntegrityError(f"{where}: zip archive unreadable ({e})") from None

@@ -1,0 +1,474 @@
+"""The state codec: nested Python data <-> (typed JSON tree, groups of tensors).
+
+``state.json`` holds the structure of the state and every non-tensor leaf, typed so that
+everything round-trips exactly: int dict keys stay int, tuples stay tuples, ``-0.0`` and
+``nan`` survive, a ``torch.Size`` comes back a ``torch.Size``. Tensors are replaced by
+references ``{"t": "tensor", "file": group, "key": name}`` into payload files, one group per
+top-level key of the state. Plain JSON scalars (None, bool, int, finite float, str) and lists
+are written bare; everything else is an object tagged with ``"t"``.
+
+Tensors that share storage are stored once: an identical view becomes a second reference to
+the same payload entry (tied weights stay tied), and a view into a tensor that covers its
+whole storage becomes a ``"view"`` node (offset, shape, stride) of that tensor.
+
+Nothing here unpickles unless the caller passes ``allow_pickle=True``.
+"""
+
+from __future__ import annotations
+
+import base64
+import collections
+import math
+import pickle
+import re
+import struct
+from collections.abc import Callable, Mapping
+from typing import Any
+
+import torch
+
+from ..errors import IntegrityError, UnsafeCheckpointError
+
+try:  # numpy is optional: torch does not require it
+    import numpy as np
+except ImportError:  # pragma: no cover - numpy is present wherever tests run
+    np = None
+
+__all__ = ["SUPPORTED_DTYPES", "TreeDecoder", "TreeEncoder", "format_path"]
+
+#: dtype name <-> torch dtype for every dtype the payload formats store.
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {
+    "float64": torch.float64,
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
+    "int16": torch.int16,
+    "int8": torch.int8,
+    "uint8": torch.uint8,
+    "uint16": torch.uint16,
+    "uint32": torch.uint32,
+    "uint64": torch.uint64,
+    "bool": torch.bool,
+    "float8_e4m3fn": torch.float8_e4m3fn,
+    "float8_e5m2": torch.float8_e5m2,
+    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
+    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
+    "complex64": torch.complex64,
+}
+_DTYPE_NAMES = {v: k for k, v in SUPPORTED_DTYPES.items()}
+_ALL_TORCH_DTYPES = {
+    str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
+}
+_MAX_DEPTH = 200
+
+
+def format_path(path: tuple[Any, ...]) -> str:
+    """Spell a path in the state the way Python would index it: ``state['opt']['state'][0]``."""
+    return "state" + "".join(f"[{p!r}]" for p in path)
+
+
+def _float_node(v: float) -> Any:
+    if math.isfinite(v):
+        return v
+    # Keep the exact bits: NaN payloads and the sign of an infinity survive.
+    return {"t": "float", "bits": struct.pack(">d", v).hex()}
+
+
+def _tensor_dtype_name(t: torch.Tensor, path: tuple[Any, ...]) -> str:
+    name = _DTYPE_NAMES.get(t.dtype)
+    if name is None:
+        msg = (
+            f"{format_path(path)}: tensors of dtype {t.dtype} cannot be stored (supported: "
+            f"{', '.join(SUPPORTED_DTYPES)}); convert it, e.g. with .to(torch.float32)"
+        )
+        raise UnsafeCheckpointError(msg)
+    return name
+
+
+class _Occurrence:
+    __slots__ = ("group", "node", "path", "tensor")
+
+    def __init__(
+        self, tensor: torch.Tensor, node: dict[str, Any], group: str, path: tuple[Any, ...]
+    ):
+        self.tensor = tensor
+        self.node = node
+        self.group = group
+        self.path = path
+
+
+class TreeEncoder:
+    """Encodes plain state data into a typed JSON tree and groups of tensors.
+
+    Call :meth:`encode` once per top-level entry, then :meth:`finish` to resolve shared
+    storage and obtain the tensor groups.
+    """
+
+    def __init__(self, *, allow_pickle: bool = False) -> None:
+        self.allow_pickle = allow_pickle
+        self._occurrences: list[_Occurrence] = []
+
+    def encode(self, value: Any, *, group: str, path: tuple[Any, ...]) -> Any:
+        """Encode ``value`` found at ``path``; its tensors go to payload group ``group``."""
+        return self._enc(value, group, path, 0)
+
+    def _enc(self, v: Any, group: str, path: tuple[Any, ...], depth: int) -> Any:
+        if depth > _MAX_DEPTH:
+            raise UnsafeCheckpointError(
+                f"{format_path(path)}: state nested deeper than {_MAX_DEPTH}"
+            )
+        tv = type(v)
+        if v is None or tv is bool or tv is int or tv is str:
+            return v
+        if tv is float:
+            return _float_node(v)
+        if isinstance(v, torch.Tensor):
+            return self._tensor(v, group, path)
+        if tv is list:
+            return [self._enc(x, group, (*path, i), depth + 1) for i, x in enumerate(v)]
+        if tv is tuple:
+            return {
+                "t": "tuple",
+                "v": [self._enc(x, group, (*path, i), depth + 1) for i, x in enumerate(v)],
+            }
+        if tv is dict or tv is collections.OrderedDict:
+            return self._dict(v, group, path, depth)
+        if tv is bytes or tv is bytearray:
+            return {"t": tv.__name__, "b64": base64.b64encode(v).decode("ascii")}
+        if isinstance(v, torch.dtype):
+            return {"t": "dtype", "v": str(v).removeprefix("torch.")}
+        if tv is torch.Size:
+            return {"t": "size", "v": list(v)}
+        if tv is torch.device:
+            return {"t": "device", "v": str(v)}
+        if np is not None and isinstance(v, np.ndarray):
+            return self._ndarray(v, group, path)
+        if np is not None and isinstance(v, np.generic) and v.dtype.kind in "biufc":
+            return {"t": "npscalar", "dtype": v.dtype.str, "hex": v.tobytes().hex()}
+        return self._pickle(v, path, f"objects of type {tv.__module__}.{tv.__qualname__}")
+
+    def _pickle(self, v: Any, path: tuple[Any, ...], what: str) -> Any:
+        if not self.allow_pickle:
+            msg = (
+                f"{format_path(path)}: {what} cannot be stored without pickle. Convert it to "
+                "tensors and plain data (dict/list/tuple/str/int/float/bool/None/bytes), give "
+                "it state_dict()/load_state_dict(), or pass allow_pickle=True if every reader "
+                "of this store is trusted"
+            )
+            raise UnsafeCheckpointError(msg)
+        try:
+            data = pickle.dumps(v, protocol=4)
+        except Exception as e:
+            raise UnsafeCheckpointError(f"{format_path(path)}: cannot pickle {what}: {e}") from e
+        return {"t": "pickle", "b64": base64.b64encode(data).decode("ascii")}
+
+    def _dict(self, v: Mapping[Any, Any], group: str, path: tuple[Any, ...], depth: int) -> Any:
+        keys: list[Any] = []
+        vals: list[Any] = []
+        for k, x in v.items():
+            tk = type(k)
+            if tk is not str and tk is not int:
+                return self._pickle(v, path, f"a dict with a key of type {tk.__name__} ({k!r})")
+            keys.append(k)
+            vals.append(self._enc(x, group, (*path, k), depth + 1))
+        node: dict[str, Any] = {
+            "t": "dict" if type(v) is dict else "odict",
+            "keys": keys,
+            "vals": vals,
+        }
+        meta = getattr(v, "_metadata", None)  # module versions that state_dict() attaches
+        if meta is not None and isinstance(meta, dict):
+            node["meta"] = self._enc(dict(meta), group, (*path, "_metadata"), depth + 1)
+        return node
+
+    def _tensor(self, t: torch.Tensor, group: str, path: tuple[Any, ...]) -> dict[str, Any]:
+        if t.layout != torch.strided:
+            msg = f"{format_path(path)}: {t.layout} tensors cannot be stored; make it dense with .to_dense()"
+            raise UnsafeCheckpointError(msg)
+        if t.is_quantized or t.is_meta:
+            kind = "quantized" if t.is_quantized else "meta"
+            raise UnsafeCheckpointError(f"{format_path(path)}: {kind} tensors cannot be stored")
+        node: dict[str, Any] = {
+            "t": "tensor",
+            "dtype": _tensor_dtype_name(t, path),
+            "shape": list(t.shape),
+        }
+        if isinstance(t, torch.nn.Parameter):
+            node["param"] = True
+        if t.requires_grad:
+            node["requires_grad"] = True
+        self._occurrences.append(_Occurrence(t, node, group, path))
+        return node
+
+    def _ndarray(self, a: Any, group: str, path: tuple[Any, ...]) -> dict[str, Any]:
+        if a.dtype.kind not in "biufc" or a.dtype.str[1:] in ("c16", "f16", "c32"):
+            return self._pickle(a, path, f"numpy arrays of dtype {a.dtype}")
+        native = a.astype(a.dtype.newbyteorder("=")) if not a.dtype.isnative else a
+        t = torch.from_numpy(np.ascontiguousarray(native).copy())
+        node = self._tensor(t, group, path)
+        node["t"] = "ndarray"
+        node["np_dtype"] = a.dtype.str
+        return node
+
+    def finish(
+        self, name_tensor: Callable[[tuple[Any, ...]], str], *, contiguous: bool = True
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Resolve shared storage, name every stored tensor, and return the groups.
+
+        Args:
+            name_tensor: maps a path to the tensor's preferred key inside its group; keys are
+                made unique with a ``#n`` suffix where two paths collide.
+            contiguous: return contiguous CPU tensors (a copy only for non-contiguous or
+                device tensors); ``False`` leaves them as found, for a staging copy to do it.
+            contiguous: return contiguous CPU tensors (a copy only for non-contiguous or
+                device tensors); ``False`` leaves them as found, for a staging copy to do it.
+
+        Returns:
+            ``{group: {key: contiguous CPU tensor}}``, ready for a payload writer.
+        """
+        groups: dict[str, dict[str, torch.Tensor]] = {}
+
+        def store(occ: _Occurrence, tensor: torch.Tensor) -> None:
+            g = groups.setdefault(occ.group, {})
+            key = name_tensor(occ.path)
+            n = 1
+            while key in g:
+                n += 1
+                key = f"{name_tensor(occ.path)}#{n}"
+            t = tensor.detach()
+            if contiguous:
+                if t.device.type != "cpu":
+                    t = t.cpu()
+                if not t.is_contiguous():
+                    t = t.contiguous()
+            g[key] = t
+            occ.node["file"] = occ.group
+            occ.node["key"] = key
+
+        by_storage: dict[tuple[Any, ...], list[_Occurrence]] = {}
+        for occ in self._occurrences:
+            t = occ.tensor
+            nbytes = _storage_nbytes(t)
+            if nbytes == 0 or t.numel() == 0:
+                store(occ, t)
+                continue
+            sid = (t.device.type, t.device.index, t.untyped_storage().data_ptr(), nbytes)
+            by_storage.setdefault(sid, []).append(occ)
+
+        for occs in by_storage.values():
+            base = next((o for o in occs if _covers_storage(o.tensor)), None)
+            stored: dict[tuple[Any, ...], _Occurrence] = {}
+            if base is not None:
+                store(base, base.tensor)
+                stored[_view_key(base.tensor)] = base
+            for occ in occs:
+                if occ is base:
+                    continue
+                vk = _view_key(occ.tensor)
+                first = stored.get(vk)
+                if first is not None:  # identical view: one payload entry, two references
+                    occ.node["file"] = first.node["file"]
+                    occ.node["key"] = first.node["key"]
+                elif base is not None and occ.tensor.dtype == base.tensor.dtype:
+                    occ.node["t"] = "view" if occ.node["t"] == "tensor" else occ.node["t"]
+                    if occ.node["t"] == "view":
+                        occ.node["file"] = base.node["file"]
+                        occ.node["key"] = base.node["key"]
+                        occ.node["offset"] = occ.tensor.storage_offset()
+                        occ.node["stride"] = list(occ.tensor.stride())
+                    else:  # a numpy array viewing a tensor: store a copy
+                        store(occ, occ.tensor)
+                else:
+                    store(occ, occ.tensor)
+                    stored[vk] = occ
+        return groups
+
+
+def _storage_nbytes(t: torch.Tensor) -> int:
+    return int(t.untyped_storage().nbytes())
+
+
+def _covers_storage(t: torch.Tensor) -> bool:
+    return (
+        t.is_contiguous()
+        and t.storage_offset() == 0
+        and t.numel() * t.element_size() == _storage_nbytes(t)
+    )
+
+
+def _view_key(t: torch.Tensor) -> tuple[Any, ...]:
+    return (t.dtype, tuple(t.shape), tuple(t.stride()), t.storage_offset())
+
+
+class TreeDecoder:
+    """Rebuilds plain data from a typed JSON tree and a tensor source.
+
+    Args:
+        get_tensor: returns the stored tensor for ``(group, key)``; it is called once per
+            distinct entry, so references to one entry come back as one tensor object.
+        allow_pickle: unpickle ``"pickle"`` nodes; refused otherwise.
+        where: names the checkpoint in error messages.
+    """
+
+    def __init__(
+        self,
+        get_tensor: Callable[[str, str], torch.Tensor],
+        *,
+        allow_pickle: bool = False,
+        where: str = "state.json",
+    ) -> None:
+        self._get = get_tensor
+        self._cache: dict[tuple[str, str], torch.Tensor] = {}
+        self._params: dict[tuple[str, str, bool], torch.Tensor] = {}
+        self.allow_pickle = allow_pickle
+        self.where = where
+
+    def decode(self, node: Any, path: tuple[Any, ...] = ()) -> Any:
+        """Decode one node (recursively)."""
+        try:
+            return self._dec(node, path, 0)
+        except RecursionError:
+            raise IntegrityError(
+                f"{self.where}: state nested too deeply; the file is hostile"
+            ) from None
+
+    def _bad(self, path: tuple[Any, ...], what: str) -> IntegrityError:
+        return IntegrityError(
+            f"{self.where}: {format_path(path)}: {what}; the checkpoint is corrupt"
+        )
+
+    def _dec(self, n: Any, path: tuple[Any, ...], depth: int) -> Any:
+        if depth > _MAX_DEPTH + 5:
+            raise self._bad(path, "nested too deeply")
+        if n is None or isinstance(n, bool | int | str | float):
+            return n
+        if isinstance(n, list):
+            return [self._dec(x, (*path, i), depth + 1) for i, x in enumerate(n)]
+        if not isinstance(n, dict):
+            raise self._bad(path, f"unexpected JSON {type(n).__name__}")
+        t = n.get("t")
+        try:
+            if t == "dict" or t == "odict":
+                keys, vals = n["keys"], n["vals"]
+                if (
+                    not isinstance(keys, list)
+                    or not isinstance(vals, list)
+                    or len(keys) != len(vals)
+                ):
+                    raise self._bad(path, "dict keys and values do not match")
+                out: dict[Any, Any] = {} if t == "dict" else collections.OrderedDict()
+                for k, x in zip(keys, vals, strict=True):
+                    if isinstance(k, bool) or not isinstance(k, str | int):
+                        raise self._bad(path, f"dict key {k!r} is not str or int")
+                    out[k] = self._dec(x, (*path, k), depth + 1)
+                if "meta" in n:
+                    meta = self._dec(n["meta"], (*path, "_metadata"), depth + 1)
+                    if t == "odict":
+                        out._metadata = meta  # type: ignore[attr-defined]
+                return out
+            if t == "tuple":
+                return tuple(self._dec(x, (*path, i), depth + 1) for i, x in enumerate(n["v"]))
+            if t == "float":
+                return struct.unpack(">d", bytes.fromhex(n["bits"]))[0]
+            if t in ("bytes", "bytearray"):
+                raw = base64.b64decode(n["b64"], validate=True)
+                return raw if t == "bytes" else bytearray(raw)
+            if t == "dtype":
+                dt = _ALL_TORCH_DTYPES.get(n["v"])
+                if dt is None:
+                    raise self._bad(path, f"unknown dtype {n['v']!r}")
+                return dt
+            if t == "size":
+                return torch.Size([int(x) for x in n["v"]])
+            if t == "device":
+                return torch.device(str(n["v"]))
+            if t == "npscalar":
+                if np is None:
+                    raise IntegrityError(
+                        f"{format_path(path)}: numpy is needed to load numpy scalars"
+                    )
+                dt = np.dtype(str(n["dtype"]))
+                if dt.kind not in "biufc":
+                    raise self._bad(path, f"numpy dtype {dt} is not numeric")
+                return np.frombuffer(bytes.fromhex(n["hex"]), dtype=dt)[0]
+            if t in ("tensor", "view", "ndarray"):
+                return self._tensor(n, path)
+            if t == "pickle":
+                if not self.allow_pickle:
+                    msg = (
+                        f"{self.where}: {format_path(path)} holds a pickled object; pickles can run "
+                        "code, so they load only with allow_pickle=True, for stores you trust"
+                    )
+                    raise UnsafeCheckpointError(msg)
+                return pickle.loads(base64.b64decode(n["b64"]))
+        except (KeyError, TypeError, ValueError, struct.error) as e:
+            if isinstance(e, IntegrityError | UnsafeCheckpointError):
+                raise
+            raise self._bad(path, f"malformed {t!r} node ({type(e).__name__}: {e})") from None
+        raise self._bad(path, f"unknown node type {t!r}")
+
+    def _tensor(self, n: Mapping[str, Any], path: tuple[Any, ...]) -> Any:
+        group, key = n["file"], n["key"]
+        if not isinstance(group, str) or not isinstance(key, str):
+            raise self._bad(path, "tensor reference is not (file, key)")
+        dtype = SUPPORTED_DTYPES.get(n["dtype"])
+        if dtype is None:
+            raise self._bad(path, f"unsupported dtype {n['dtype']!r}")
+        shape = [int(s) for s in n["shape"]]
+        base = self._cache.get((group, key))
+        if base is None:
+            base = self._get(group, key)
+            self._cache[(group, key)] = base
+        if n["t"] == "view":
+            if base.dtype != dtype:
+                raise self._bad(path, f"view of {dtype} into a {base.dtype} tensor")
+            stride = [int(s) for s in n["stride"]]
+            offset = int(n["offset"])
+            if len(stride) != len(shape) or offset < 0 or any(s < 0 for s in stride + shape):
+                raise self._bad(path, "malformed view")
+            last = offset + sum((d - 1) * s for d, s in zip(shape, stride, strict=True) if d > 0)
+            if any(d == 0 for d in shape):
+                last = offset
+            if last >= max(base.numel(), 1) and base.numel() > 0:
+                raise self._bad(path, "view runs past the tensor it views")
+            t = torch.as_strided(base, shape, stride, offset)
+        else:
+            t = base
+            if t.dtype != dtype or list(t.shape) != shape:
+                got = f"{t.dtype}{list(t.shape)}"
+                raise self._bad(path, f"payload {group}:{key} is {got}, state.json says {dtype}{shape}")
+        if n["t"] == "ndarray":
+            if np is None:
+                raise IntegrityError(f"{format_path(path)}: numpy is needed to load numpy arrays")
+            want = np.dtype(str(n["np_dtype"]))
+            if want.kind not in "biufc":
+                raise self._bad(path, f"numpy dtype {want} is not numeric")
+            return t.numpy().astype(want, copy=True)
+        if n.get("param"):
+            pk = (group, key, bool(n.get("requires_grad")))
+            p = self._params.get(pk) if n["t"] == "tensor" else None
+            if p is None:
+                p = torch.nn.Parameter(t, requires_grad=bool(n.get("requires_grad")))
+                if n["t"] == "tensor":
+                    self._params[pk] = p
+            return p
+        if n.get("requires_grad") and t.is_floating_point():
+            return t.detach().requires_grad_(True)
+        return t
+
+
+_SAFE_KEY_RE = re.compile(r"[^A-Za-z0-9_.\-#]")
+
+
+def tensor_key(path: tuple[Any, ...]) -> str:
+    """A readable key for a tensor inside its group: its path after the top-level key.
+
+    A model's ``state_dict`` keys come through unchanged (``layer.0.weight``), so the
+    payload of a model loads with plain ``safetensors`` under the names people expect.
+    """
+    inner = path[1:]
+    if not inner:
+        return "_"
+    return ".".join(str(p) for p in inner)

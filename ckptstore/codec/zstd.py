@@ -1,0 +1,62 @@
+"""Optional zstd compression of payload files (``.zst`` appended to the name).
+
+Checksums in the manifest are of the bytes on disk (the compressed stream), so ``verify``
+checks a file without decompressing it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import zstandard
+
+from ..errors import IntegrityError
+
+__all__ = ["ZstdSink", "decompress"]
+
+#: Level 1: about 1 GB/s a core with ratios of 1.1-1.4 on model weights; more costs time
+#: and gains little on floating-point data.
+LEVEL = 1
+
+
+class ZstdSink:
+    """A write-only file object compressing into another one; call :meth:`close` to finish."""
+
+    def __init__(self, raw: Any, *, level: int = LEVEL) -> None:
+        cctx = zstandard.ZstdCompressor(level=level, threads=-1, write_checksum=True)
+        self._w = cctx.stream_writer(raw, closefd=False, write_return_read=True)
+
+    def write(self, data: Any) -> int:
+        """Compress ``data`` into the underlying sink."""
+        return int(self._w.write(data))
+
+    def flush(self) -> None:
+        """No-op: the frame is flushed at :meth:`close`."""
+
+    def writable(self) -> bool:
+        """Always true."""
+        return True
+
+    def seekable(self) -> bool:
+        """Never."""
+        return False
+
+    def close(self) -> None:
+        """End the zstd frame (the underlying sink stays open)."""
+        self._w.close()
+
+
+def decompress(data: bytes | bytearray | memoryview, where: str) -> bytearray:
+    """Decompress a whole zstd stream into a new writable buffer."""
+    out = bytearray()
+    try:
+        dctx = zstandard.ZstdDecompressor()
+        reader = dctx.stream_reader(bytes(data) if isinstance(data, memoryview) else data)
+        while True:
+            chunk = reader.read(64 << 20)
+            if not chunk:
+                break
+            out += chunk
+    except zstandard.ZstdError as e:
+        raise IntegrityError(f"{where}: zstd stream is corrupt ({e})") from None
+    return out

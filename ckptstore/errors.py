@@ -1,0 +1,126 @@
+"""The exception tree of ckptstore.
+
+Every error ckptstore raises on purpose derives from :class:`CkptStoreError`, and where a
+builtin fits the error also derives from it (``BarrierTimeout`` is a ``TimeoutError``,
+``StepExistsError`` a ``FileExistsError``), so existing ``except`` clauses keep working.
+Messages say what happened, where, and what to do. All exceptions pickle with their
+attributes: in a distributed job they are sent from the rank that saw them to every other.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = [
+    "BarrierTimeout",
+    "CkptStoreError",
+    "CommitError",
+    "IntegrityError",
+    "ManifestError",
+    "NoCheckpointError",
+    "StateMismatchError",
+    "StepExistsError",
+    "StoreLockedError",
+    "UnsafeCheckpointError",
+]
+
+
+class CkptStoreError(Exception):
+    """Root of every error ckptstore raises on purpose."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.message = message
+
+    def __str__(self) -> str:
+        return self.message
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        # Subclasses with extra attributes keep them in __dict__; restoring the dict after
+        # construction from the message keeps pickling correct for all of them at once.
+        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
+
+
+def _rebuild(cls: type[CkptStoreError], message: str, state: dict[str, Any]) -> CkptStoreError:
+    exc = cls.__new__(cls)
+    Exception.__init__(exc, message)
+    exc.__dict__.update(state)
+    return exc
+
+
+class CommitError(CkptStoreError, OSError):
+    """A checkpoint could not be written or committed; nothing of it is visible."""
+
+
+class IntegrityError(CkptStoreError, ValueError):
+    """A stored file does not match its manifest (checksum, size, header, zip directory)."""
+
+
+class ManifestError(CkptStoreError, ValueError):
+    """A manifest is missing, malformed, hostile, or from a newer format version."""
+
+
+class NoCheckpointError(CkptStoreError, FileNotFoundError):
+    """The store holds no checkpoint (or none that verifies) where one was required."""
+
+
+class StepExistsError(CkptStoreError, FileExistsError):
+    """A checkpoint for this step is already committed; steps are write-once."""
+
+
+class UnsafeCheckpointError(CkptStoreError, TypeError):
+    """The state holds an object that cannot be stored without pickle."""
+
+
+class StoreLockedError(CkptStoreError, OSError):
+    """Another process holds the store's writer lock."""
+
+
+class StateMismatchError(CkptStoreError, KeyError):
+    """The checkpoint does not fit the object it is restored into.
+
+    Attributes:
+        missing: keys the target expects that the checkpoint lacks.
+        unexpected: keys in the checkpoint the target does not have.
+        mismatched: one line per key whose shape or dtype differs.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing: Sequence[str] = (),
+        unexpected: Sequence[str] = (),
+        mismatched: Sequence[str] = (),
+    ) -> None:
+        super().__init__(message)
+        self.missing = list(missing)
+        self.unexpected = list(unexpected)
+        self.mismatched = list(mismatched)
+
+    def __str__(self) -> str:  # KeyError would quote the message otherwise
+        return self.message
+
+
+class BarrierTimeout(CkptStoreError, TimeoutError):
+    """A distributed wait ran out of time.
+
+    Attributes:
+        missing_ranks: the ranks that did not arrive (empty when unknown).
+        phase: the protocol phase that waited, e.g. ``"save:commit"``.
+        step: the step being saved or restored, if any.
+    """
+
+    def __init__(
+        self,
+        message: str,
+        *,
+        missing_ranks: Sequence[int] = (),
+        phase: str = "",
+        step: int | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.missing_ranks = sorted(missing_ranks)
+        self.phase = phase
+        self.step = step

@@ -1,0 +1,79 @@
+"""Names of the entries in a store's root: committed steps, saves in flight, trash.
+
+Steps are ordered by the number parsed from the name, never as text: ``step-9`` sorts before
+``step-10`` even if someone created the directories by hand without padding.
+"""
+
+from __future__ import annotations
+
+import re
+import uuid
+
+__all__ = [
+    "LOCK_NAME",
+    "MANIFEST_NAME",
+    "PIN_NAME",
+    "STATE_NAME",
+    "is_garbage_name",
+    "parse_step_dirname",
+    "step_dirname",
+    "tmp_dirname",
+    "trash_dirname",
+]
+
+MANIFEST_NAME = "manifest.json"
+STATE_NAME = "state.json"
+PIN_NAME = "pinned"
+LOCK_NAME = ".ckptstore.lock"
+
+_STEP_RE = re.compile(r"step-(\d{1,30})")
+_TMP_RE = re.compile(r"\.tmp-step-\d+-[0-9a-f]{32}(?:-r\d+)?")
+_TRASH_RE = re.compile(r"\.trash-step-\d+-[0-9a-f]{32}")
+#: Largest step we accept: 12 digits pad every realistic run; more is allowed, to 30.
+MAX_STEP = 10**30 - 1
+
+
+def _check_step(step: int) -> int:
+    if isinstance(step, bool) or not isinstance(step, int):
+        msg = f"step must be an int, got {type(step).__name__}"
+        raise TypeError(msg)
+    if not 0 <= step <= MAX_STEP:
+        msg = f"step must be between 0 and {MAX_STEP}, got {step}"
+        raise ValueError(msg)
+    return step
+
+
+def step_dirname(step: int) -> str:
+    """Name of the directory of a committed checkpoint: ``step-`` and 12 digits or more."""
+    return f"step-{_check_step(step):012d}"
+
+
+def parse_step_dirname(name: str) -> int | None:
+    """The step a directory name stands for, or ``None`` if it is not a step directory."""
+    m = _STEP_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
+
+
+def tmp_dirname(step: int) -> str:
+    """A fresh, unique name for the directory of a save in flight."""
+    return f".tmp-step-{_check_step(step):012d}-{uuid.uuid4().hex}"
+
+
+def trash_dirname(step: int) -> str:
+    """A fresh, unique name under which a checkpoint being deleted vanishes at once."""
+    return f".trash-step-{_check_step(step):012d}-{uuid.uuid4().hex}"
+
+
+def is_tmp_name(name: str) -> bool:
+    """Whether ``name`` is the directory of a save in flight (or one that crashed)."""
+    return _TMP_RE.fullmatch(name) is not None
+
+
+def is_trash_name(name: str) -> bool:
+    """Whether ``name`` is a checkpoint that was being deleted."""
+    return _TRASH_RE.fullmatch(name) is not None
+
+
+def is_garbage_name(name: str) -> bool:
+    """Whether ``name`` is a tmp or trash entry (``gc`` removes those that are stale)."""
+    return is_tmp_name(name) or is_trash_name(name)

@@ -1,0 +1,289 @@
+"""The manifest: the commit marker of a checkpoint, its file table and its metadata.
+
+A checkpoint exists if and only if its ``manifest.json`` exists and verifies. The manifest
+carries a CRC32C of its own canonical body (sorted keys, no whitespace), so a torn or edited
+manifest is detected before anything it names is trusted. Everything read from disk is treated
+as hostile: sizes are bounded, names are single path components, types are checked one by one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import datetime as _dt
+import json
+import math
+import re
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ManifestError
+from .integrity import crc32c_of, format_crc, parse_crc
+
+__all__ = [
+    "FORMAT_VERSION",
+    "MAX_MANIFEST_BYTES",
+    "FileEntry",
+    "Manifest",
+    "validate_file_name",
+]
+
+FORMAT_VERSION = 1
+#: A manifest larger than this is refused unread (a hostile or corrupt file).
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: Largest size a manifest may claim for one file (1 PiB): beyond it, it is lying.
+MAX_FILE_BYTES = 1 << 50
+_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
+CODECS = ("safetensors", "torch", "json")
+COMPRESSIONS = (None, "zstd")
+
+
+def validate_file_name(name: object) -> str:
+    """Check that ``name`` is a safe single path component and return it.
+
+    Allowed: ``[A-Za-z0-9._-]``, at most 200 characters, not starting with a dot (so never
+    ``.``, ``..`` or a hidden file), never ``manifest.json`` itself.
+
+    Raises:
+        ManifestError: for anything else, e.g. ``../x`` or ``/etc/passwd``.
+    """
+    if not isinstance(name, str) or not _NAME_RE.fullmatch(name) or name == "manifest.json":
+        msg = (
+            f"unsafe file name {name!r} in manifest: names must be one path component of "
+            "[A-Za-z0-9._-] not starting with '.'; the manifest is corrupt or hostile"
+        )
+        raise ManifestError(msg)
+    return name
+
+
+@dataclasses.dataclass(frozen=True)
+class FileEntry:
+    """One row of the file table."""
+
+    bytes: int
+    crc32c: int
+    codec: str
+    compression: str | None = None
+    rank: int | None = None
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form of the row."""
+        out: dict[str, Any] = {
+            "bytes": self.bytes,
+            "crc32c": format_crc(self.crc32c),
+            "codec": self.codec,
+            "compression": self.compression,
+        }
+        if self.rank is not None:
+            out["rank"] = self.rank
+        return out
+
+
+def _metric_to_json(v: float) -> float | str:
+    if math.isfinite(v):
+        return v
+    return "nan" if math.isnan(v) else ("inf" if v > 0 else "-inf")
+
+
+def _metric_from_json(v: object, where: str) -> float:
+    if isinstance(v, str) and v in ("nan", "inf", "-inf"):
+        return float(v)
+    if isinstance(v, bool) or not isinstance(v, int | float):
+        raise ManifestError(f"{where}: metric must be a number, got {type(v).__name__}")
+    return float(v)
+
+
+@dataclasses.dataclass(frozen=True)
+class Manifest:
+    """The parsed ``manifest.json`` of one checkpoint.
+
+    Attributes:
+        step: the training step.
+        files: the file table, name -> :class:`FileEntry`.
+        created: creation time, ISO 8601 in UTC.
+        format: payload format, ``"safetensors"`` or ``"torch"``.
+        world_size: ranks in the job that saved it.
+        sharded: whether every rank wrote its own files.
+        metrics: numbers for retention (``KeepBest``) and display.
+        metadata: free user metadata (JSON).
+        versions: library versions of the writer.
+        format_version: the on-disk format version.
+    """
+
+    step: int
+    files: Mapping[str, FileEntry]
+    created: str = ""
+    format: str = "safetensors"
+    world_size: int = 1
+    sharded: bool = False
+    metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
+    metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
+    versions: Mapping[str, str] = dataclasses.field(default_factory=dict)
+    format_version: int = FORMAT_VERSION
+
+    @property
+    def total_bytes(self) -> int:
+        """Sum of the sizes of all payload files."""
+        return sum(e.bytes for e in self.files.values())
+
+    @property
+    def created_datetime(self) -> _dt.datetime | None:
+        """``created`` parsed, or ``None`` when absent."""
+        try:
+            return _dt.datetime.fromisoformat(self.created.replace("Z", "+00:00"))
+        except ValueError:
+            return None
+
+    def body(self) -> dict[str, Any]:
+        """The manifest as a JSON object, without its self-checksum."""
+        return {
+            "format_version": self.format_version,
+            "step": self.step,
+            "created": self.created,
+            "format": self.format,
+            "versions": dict(self.versions),
+            "world_size": self.world_size,
+            "sharding": {"kind": "sharded" if self.sharded else "replicated"},
+            "files": {n: e.to_json() for n, e in sorted(self.files.items())},
+            "metrics": {k: _metric_to_json(v) for k, v in sorted(self.metrics.items())},
+            "metadata": dict(self.metadata),
+        }
+
+    def to_bytes(self) -> bytes:
+        """Serialize: readable JSON with a CRC32C of the canonical body under ``checksum``."""
+        body = self.body()
+        crc = crc32c_of(_canonical(body))
+        doc = dict(body, checksum=format_crc(crc))
+        return (json.dumps(doc, indent=1, sort_keys=True, allow_nan=False) + "\n").encode()
+
+    @classmethod
+    def from_bytes(cls, data: bytes, *, where: str = "manifest.json") -> Manifest:
+        """Parse and validate a manifest; every defect is a :class:`ManifestError`."""
+        if len(data) > MAX_MANIFEST_BYTES:
+            raise ManifestError(f"{where}: {len(data)} bytes is larger than any real manifest")
+        try:
+            doc = json.loads(data.decode("utf-8"), object_pairs_hook=_no_duplicates)
+        except ManifestError as e:
+            raise ManifestError(f"{where}: {e}") from None
+        except RecursionError:
+            raise ManifestError(f"{where}: JSON nested too deeply; the file is hostile") from None
+        except (UnicodeDecodeError, ValueError) as e:
+            raise ManifestError(
+                f"{where}: not valid JSON ({e}); the checkpoint is torn or corrupt"
+            ) from None
+        return cls.from_json(doc, where=where)
+
+    @classmethod
+    def from_json(cls, doc: object, *, where: str = "manifest.json") -> Manifest:
+        """Validate a decoded manifest object (see :meth:`from_bytes`)."""
+        if not isinstance(doc, dict):
+            raise ManifestError(f"{where}: a manifest is a JSON object")
+        version = doc.get("format_version")
+        if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+            raise ManifestError(f"{where}: format_version missing or not a positive integer")
+        if version > FORMAT_VERSION:
+            raise ManifestError(
+                f"{where}: written in format version {version} by a newer ckptstore; this one "
+                f"reads format {FORMAT_VERSION}. Upgrade ckptstore to read it."
+            )
+        checksum = doc.get("checksum")
+        body = {k: v for k, v in doc.items() if k != "checksum"}
+        try:
+            expected = parse_crc(checksum)  # type: ignore[arg-type]
+        except (ValueError, TypeError):
+            raise ManifestError(f"{where}: self-checksum missing or malformed") from None
+        actual = crc32c_of(_canonical(body))
+        if actual != expected:
+            raise ManifestError(
+                f"{where}: self-checksum mismatch (stored {format_crc(expected)}, computed "
+                f"{format_crc(actual)}); the manifest was edited or corrupted"
+            )
+        step = _int(doc, "step", where)
+        files_raw = doc.get("files")
+        if not isinstance(files_raw, dict):
+            raise ManifestError(f"{where}: 'files' must be an object")
+        files: dict[str, FileEntry] = {}
+        for name, row in files_raw.items():
+            validate_file_name(name)
+            files[name] = _file_entry(row, f"{where}: file {name!r}")
+        fmt = doc.get("format", "safetensors")
+        if fmt not in ("safetensors", "torch"):
+            raise ManifestError(f"{where}: unknown payload format {fmt!r}")
+        sharding = doc.get("sharding", {"kind": "replicated"})
+        if not isinstance(sharding, dict) or sharding.get("kind") not in ("replicated", "sharded"):
+            raise ManifestError(f"{where}: 'sharding' must be {{'kind': replicated|sharded}}")
+        world_size = _int(doc, "world_size", where, minimum=1)
+        metrics_raw = doc.get("metrics", {})
+        if not isinstance(metrics_raw, dict):
+            raise ManifestError(f"{where}: 'metrics' must be an object")
+        metrics = {
+            str(k): _metric_from_json(v, f"{where}: metric {k!r}") for k, v in metrics_raw.items()
+        }
+        metadata = doc.get("metadata", {})
+        if not isinstance(metadata, dict):
+            raise ManifestError(f"{where}: 'metadata' must be an object")
+        versions = doc.get("versions", {})
+        if not isinstance(versions, dict) or not all(isinstance(v, str) for v in versions.values()):
+            raise ManifestError(f"{where}: 'versions' must map names to strings")
+        created = doc.get("created", "")
+        if not isinstance(created, str):
+            raise ManifestError(f"{where}: 'created' must be a string")
+        return cls(
+            step=step,
+            files=files,
+            created=created,
+            format=fmt,
+            world_size=world_size,
+            sharded=sharding["kind"] == "sharded",
+            metrics=metrics,
+            metadata=metadata,
+            versions=versions,
+            format_version=version,
+        )
+
+
+def _canonical(body: Mapping[str, Any]) -> bytes:
+    return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    out: dict[str, Any] = {}
+    for k, v in pairs:
+        if k in out:
+            raise ManifestError(f"duplicate key {k!r}; the manifest is corrupt or hostile")
+        out[k] = v
+    return out
+
+
+def _int(doc: Mapping[str, Any], key: str, where: str, *, minimum: int = 0) -> int:
+    v = doc.get(key)
+    if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
+        raise ManifestError(f"{where}: {key!r} must be an integer >= {minimum}, got {v!r}")
+    return v
+
+
+def _file_entry(row: object, where: str) -> FileEntry:
+    if not isinstance(row, dict):
+        raise ManifestError(f"{where}: entry must be an object")
+    size = row.get("bytes")
+    if isinstance(size, bool) or not isinstance(size, int) or not 0 <= size <= MAX_FILE_BYTES:
+        raise ManifestError(f"{where}: 'bytes' must be an integer in [0, 2**50], got {size!r}")
+    try:
+        crc = parse_crc(row.get("crc32c"))  # type: ignore[arg-type]
+    except (ValueError, TypeError):
+        raise ManifestError(f"{where}: 'crc32c' must be 8 hex digits") from None
+    codec = row.get("codec")
+    if codec not in CODECS:
+        raise ManifestError(f"{where}: unknown codec {codec!r}")
+    compression = row.get("compression")
+    if compression not in COMPRESSIONS:
+        raise ManifestError(f"{where}: unknown compression {compression!r}")
+    rank = row.get("rank")
+    if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
+        raise ManifestError(f"{where}: 'rank' must be a non-negative integer")
+    return FileEntry(bytes=size, crc32c=crc, codec=codec, compression=compression, rank=rank)
+
+
+def utc_now() -> str:
+    """The current time as the manifest spells it."""
+    now = _dt.datetime.now(_dt.timezone.utc)
+    return now.strftime("%Y-%m-%dT%H:%M:%S.%fZ")

@@ -1,0 +1,143 @@
+"""POSIX filesystem backend: tmp directory, fsync, atomic rename, fsync of the parent."""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+from typing import IO, Any, ClassVar
+
+import filelock
+
+from ..errors import StoreLockedError
+from ..layout import LOCK_NAME
+from .base import Storage
+
+__all__ = ["LocalStorage"]
+
+_WRITE_BUFFER = 8 << 20
+
+
+class LocalStorage(Storage):
+    """A store in a local (or POSIX network) directory."""
+
+    atomic_rename: ClassVar[bool] = True
+    lockable: ClassVar[bool] = True
+
+    def __init__(self, root: str) -> None:
+        super().__init__(os.path.abspath(os.path.expanduser(root)))
+
+    def _p(self, rel: str) -> str:
+        return os.path.join(self.root, rel) if rel else self.root
+
+    def _list(self, rel: str) -> list[str]:
+        try:
+            return os.listdir(self._p(rel))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def _exists(self, rel: str) -> bool:
+        return os.path.lexists(self._p(rel))
+
+    def _is_regular_file(self, rel: str) -> bool:
+        try:
+            st = os.lstat(self._p(rel))
+        except OSError:
+            return False
+        return stat.S_ISREG(st.st_mode)
+
+    def _size(self, rel: str) -> int:
+        return os.lstat(self._p(rel)).st_size
+
+    def _mkdir(self, rel: str) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        os.mkdir(self._p(rel))
+
+    def _open_write(self, rel: str) -> IO[bytes]:
+        return open(self._p(rel), "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115
+
+    def _finish_write(self, f: IO[bytes], rel: str) -> None:
+        f.flush()
+        os.fsync(f.fileno())
+        f.close()
+
+    def _open_read(self, rel: str) -> IO[bytes]:
+        # Open every component without following symlinks: a manifest or a swapped-in link
+        # must never make us read outside the root.
+        head, _, name = rel.rpartition("/")
+        dfd = os.open(self._p(head), os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if head else 0))
+        try:
+            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        try:
+            if not stat.S_ISREG(os.fstat(fd).st_mode):
+                msg = f"{self._p(rel)} is not a regular file"
+                raise OSError(msg)
+        except BaseException:
+            os.close(fd)
+            raise
+        return open(fd, "rb", buffering=0)  # noqa: SIM115
+
+    def _remove(self, rel: str) -> None:
+        os.unlink(self._p(rel))
+
+    def _rmtree(self, rel: str) -> None:
+        p = self._p(rel)
+        st = os.lstat(p)
+        if stat.S_ISDIR(st.st_mode):
+            shutil.rmtree(p)  # fd-based on Linux: never follows symlinks inside
+        else:
+            os.unlink(p)  # a file or a symlink planted where a directory was: unlink only
+
+    def _rename(self, src: str, dst: str) -> None:
+        # rename(2) replaces an existing empty directory silently; callers check first,
+        # under the writer lock.
+        os.rename(self._p(src), self._p(dst))
+
+    def _fsync_dir(self, rel: str) -> None:
+        fd = os.open(self._p(rel), os.O_RDONLY | os.O_DIRECTORY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+
+    def writer_lock(self) -> _WriterLock:
+        """The store's writer lock (``.ckptstore.lock``), acquired without waiting."""
+        return _WriterLock(self._p(LOCK_NAME), self.root)
+
+
+class _WriterLock(contextlib.AbstractContextManager[Any]):
+    """filelock's FileLock that fails at once with :class:`StoreLockedError`."""
+
+    def __init__(self, path: str, root: str) -> None:
+        self.path = path
+        self.root = root
+        self._lock = filelock.FileLock(path, timeout=0, thread_local=False, is_singleton=False)
+
+    @property
+    def is_locked(self) -> bool:
+        return bool(self._lock.is_locked)
+
+    def acquire(self, timeout: float = 0) -> None:
+        os.makedirs(self.root, exist_ok=True)
+        try:
+            self._lock.acquire(timeout=timeout)
+        except filelock.Timeout:
+            msg = (
+                f"{self.root} is locked by another writer ({self.path}); two jobs must not "
+                "write one store. Stop the other job or give this one its own directory"
+            )
+            raise StoreLockedError(msg) from None
+
+    def release(self) -> None:
+        if self._lock.is_locked:
+            self._lock.release(force=True)
+
+    def __enter__(self) -> _WriterLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.release()
