@@ -10,6 +10,7 @@ process group every method returns at once, so the manager is written once and h
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import re
 from typing import Any
@@ -92,7 +93,9 @@ class Coordinator:
             raise self._timeout(e, phase, step) from None
         return box[0]
 
-    def gather(self, obj: Any, phase: str, step: int | None = None, dst: int = 0) -> list[Any] | None:
+    def gather(
+        self, obj: Any, phase: str, step: int | None = None, dst: int = 0
+    ) -> list[Any] | None:
         """Collect one small object per rank on ``dst`` (a list by rank); ``None`` elsewhere."""
         if not self.enabled:
             return [obj]
@@ -117,8 +120,6 @@ class Coordinator:
     def close(self) -> None:
         """Release the private group."""
         if self.enabled and self.group is not None:
-            try:
+            with contextlib.suppress(RuntimeError, ValueError):
                 dist.destroy_process_group(self.group)
-            except (RuntimeError, ValueError):
-                pass
             self.group = None

@@ -35,7 +35,7 @@ from .errors import (
     UnsafeCheckpointError,
 )
 from .integrity import VerifyReport
-from .layout import STATE_NAME, step_dirname
+from .layout import STATE_NAME
 from .manifest import FORMAT_VERSION, Manifest, utc_now
 from .retention import CheckpointInfo, RetentionPolicy, as_policy, plan_deletions
 from .staging import BackgroundWriter, SaveHandle, StagingPool
@@ -63,8 +63,10 @@ def _versions() -> dict[str, str]:
 
 
 def group_name(key: Any, index: int) -> str:
-    """The payload group (file stem) of a top-level key: the key itself when it is a safe
-    name, else ``_<index>``."""
+    """The payload group (file stem) of a top-level key.
+
+    The key itself when it is a safe name, else ``_<index>`` (never a valid key name).
+    """
     if isinstance(key, str) and _GROUP_RE.fullmatch(key):
         return key
     return f"_{index}"
@@ -95,7 +97,7 @@ class CheckpointManager:
         root: str | os.PathLike[str],
         keep: int | RetentionPolicy | Iterable[RetentionPolicy] | None = None,
         *,
-        format: str = "safetensors",  # noqa: A002 - the public name in the design
+        format: str = "safetensors",
         compression: str | None = None,
         async_save: bool = False,
         barrier_timeout: float = 600.0,
@@ -108,8 +110,10 @@ class CheckpointManager:
         if compression not in (None, "zstd"):
             msg = f"compression must be None or 'zstd', got {compression!r}"
             raise ValueError(msg)
-        if isinstance(barrier_timeout, bool) or not isinstance(barrier_timeout, int | float) or not (
-            math.isfinite(barrier_timeout) and barrier_timeout > 0
+        if (
+            isinstance(barrier_timeout, bool)
+            or not isinstance(barrier_timeout, int | float)
+            or not (math.isfinite(barrier_timeout) and barrier_timeout > 0)
         ):
             msg = f"barrier_timeout must be a positive number of seconds, got {barrier_timeout!r}"
             raise ValueError(msg)
@@ -161,7 +165,9 @@ class CheckpointManager:
             return steps[-1]
         if step not in steps:
             have = f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "none"
-            raise NoCheckpointError(f"{self.storage.describe(step)}: no committed checkpoint (have {have})")
+            raise NoCheckpointError(
+                f"{self.storage.describe(step)}: no committed checkpoint (have {have})"
+            )
         return step
 
     # ---- save ------------------------------------------------------------------------
@@ -371,10 +377,10 @@ class CheckpointManager:
             if isinstance(value, BaseException):
                 raise value
             raise CommitError(str(value))
-        manifest = Manifest.from_bytes(value) if isinstance(value, bytes) and value else None
+        if not isinstance(value, bytes):
+            raise CommitError(f"step {step}: rank 0 sent an unexpected outcome {value!r}")
         self._after_commit(step)
-        assert manifest is not None
-        return manifest
+        return Manifest.from_bytes(value) if value else self.storage.read_manifest(step)
 
     def _after_commit(self, step: int) -> None:
         """Retention runs only after a commit; its failure never fails the save."""
@@ -439,7 +445,9 @@ class CheckpointManager:
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise IntegrityError(f"{where}/{STATE_NAME}: not valid JSON ({e})") from None
         if not isinstance(tree, dict) or tree.get("ckptstore_state") != STATE_FORMAT:
-            raise IntegrityError(f"{where}/{STATE_NAME}: not a ckptstore state (format {STATE_FORMAT})")
+            raise IntegrityError(
+                f"{where}/{STATE_NAME}: not a ckptstore state (format {STATE_FORMAT})"
+            )
         root = tree.get("root")
         if not isinstance(root, dict) or not isinstance(root.get("keys"), list):
             raise IntegrityError(f"{where}/{STATE_NAME}: malformed root")
@@ -447,8 +455,8 @@ class CheckpointManager:
         if not isinstance(vals, list) or len(vals) != len(keys):
             raise IntegrityError(f"{where}/{STATE_NAME}: malformed root")
         files_by_group: dict[str, list[str]] = {}
-        for name, e in manifest.files.items():
-            if e.codec != "json":
+        for name, fe in manifest.files.items():
+            if fe.codec != "json":
                 files_by_group.setdefault(payload_codec.group_of(name), []).append(name)
         cache: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -459,7 +467,9 @@ class CheckpointManager:
                     raise IntegrityError(f"{where}: no payload file for group {group!r}")
                 merged: dict[str, torch.Tensor] = {}
                 for n in sorted(names):
-                    merged.update(payload_codec.read_group(self.storage, step, n, manifest.files[n]))
+                    merged.update(
+                        payload_codec.read_group(self.storage, step, n, manifest.files[n])
+                    )
                 cache[group] = merged
             t = cache[group].get(key)
             if t is None:
@@ -481,7 +491,9 @@ class CheckpointManager:
             return (kind if isinstance(kind, str) else "stateful"), node.get("v")
         return None, node
 
-    def _decode(self, step: int, wanted: Iterable[Any] | None) -> tuple[dict[Any, Any], dict[Any, str | None]]:
+    def _decode(
+        self, step: int, wanted: Iterable[Any] | None
+    ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
         _, nodes, dec = self._read(step)
         out: dict[Any, Any] = {}
         kinds: dict[Any, str | None] = {}
@@ -503,7 +515,9 @@ class CheckpointManager:
             raise NoCheckpointError(f"{self.root}: no committed checkpoint to restore")
         return list(reversed(steps))
 
-    def _load_first_good(self, step: int | None, wanted: Iterable[Any] | None) -> tuple[int, dict[Any, Any], dict[Any, str | None]]:
+    def _load_first_good(
+        self, step: int | None, wanted: Iterable[Any] | None
+    ) -> tuple[int, dict[Any, Any], dict[Any, str | None]]:
         """Decode the newest checkpoint that verifies (or exactly ``step``)."""
         skipped: list[str] = []
         for s in self._candidates(step):
@@ -724,8 +738,14 @@ def _commit_error(e: OSError, where: str, previous: int | None) -> CommitError:
         errno.EROFS: "the filesystem is read-only",
         errno.EIO: "an I/O error",
     }.get(e.errno or 0, type(e).__name__)
-    prev = f"step {previous} is still the newest checkpoint" if previous is not None else "nothing was committed"
-    return CommitError(f"saving {where} failed: {reason} ({e}); nothing of it is visible and {prev}")
+    prev = (
+        f"step {previous} is still the newest checkpoint"
+        if previous is not None
+        else "nothing was committed"
+    )
+    return CommitError(
+        f"saving {where} failed: {reason} ({e}); nothing of it is visible and {prev}"
+    )
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

@@ -24,9 +24,10 @@ from torch import nn
 from .errors import StateMismatchError
 
 try:
-    import numpy as np
+    import numpy as _numpy
 except ImportError:  # pragma: no cover
-    np = None
+    _numpy = None  # type: ignore[assignment]
+np: Any = _numpy
 
 __all__ = ["EMA", "RNGState", "Stateful", "de_parallel", "load_module_state", "module_state"]
 
@@ -37,9 +38,13 @@ _PREFIXES = ("module.", "_orig_mod.")
 class Stateful(Protocol):
     """Anything with ``state_dict()`` and ``load_state_dict()``."""
 
-    def state_dict(self) -> Any: ...
+    def state_dict(self) -> Any:
+        """The object's state as tensors and plain data."""
+        ...
 
-    def load_state_dict(self, state_dict: Any, /) -> Any: ...
+    def load_state_dict(self, state_dict: Any, /) -> Any:
+        """Restore the object from what :meth:`state_dict` returned."""
+        ...
 
 
 def _wrapper_types() -> tuple[type, ...]:
@@ -57,6 +62,7 @@ def de_parallel(module: nn.Module) -> nn.Module:
     """Remove every DDP, DataParallel and ``torch.compile`` wrapper, in any nesting."""
     wrappers = _wrapper_types()
     seen = 0
+    inner: Any
     while isinstance(module, wrappers) and seen < 16:
         inner = getattr(module, "_orig_mod", None)
         if inner is None:
@@ -172,7 +178,9 @@ class EMA:
     """
 
     def __init__(self, ema: Any, source: nn.Module | None = None, *, rebuild: bool = False) -> None:
-        if not isinstance(ema, nn.Module) and not isinstance(getattr(ema, "module", None), nn.Module):
+        if not isinstance(ema, nn.Module) and not isinstance(
+            getattr(ema, "module", None), nn.Module
+        ):
             msg = f"EMA(ema=...) must be a module or hold one as .module, got {type(ema).__name__}"
             raise TypeError(msg)
         self.ema = ema
@@ -194,7 +202,7 @@ class EMA:
             or hasattr(obj, "decay")
         ):
             return de_parallel(inner)  # timm ModelEmaV2/V3 and look-alikes
-        return obj  # type: ignore[no-any-return]
+        return obj
 
     def _counter_owner(self) -> Any:
         obj = self.ema
@@ -256,7 +264,8 @@ class RNGState:
         out: dict[str, Any] = {"python": random.getstate(), "torch": torch.get_rng_state()}
         if np is not None:
             out["numpy"] = np.random.get_state()
-        if torch.cuda.is_available() and torch.cuda.is_initialized():
+        cuda_ready = torch.cuda.is_available() and torch.cuda.is_initialized()  # type: ignore[no-untyped-call]
+        if cuda_ready:
             out["cuda"] = torch.cuda.get_rng_state_all()
         return out
 

@@ -39,8 +39,10 @@ class CheckpointInfo:
 class RetentionPolicy(Protocol):
     """Chooses the steps to keep among committed checkpoints."""
 
-    #: Whether :meth:`keep` reads ``CheckpointInfo.metrics`` (so manifests must be read).
-    needs_metrics: bool
+    @property
+    def needs_metrics(self) -> bool:
+        """Whether :meth:`keep` reads ``CheckpointInfo.metrics`` (so manifests are read)."""
+        ...
 
     def keep(self, checkpoints: Sequence[CheckpointInfo]) -> set[int]:
         """The steps this policy wants kept; ``checkpoints`` are in ascending step order."""
@@ -137,7 +139,7 @@ class Union:
     policies: tuple[RetentionPolicy, ...]
 
     @property
-    def needs_metrics(self) -> bool:  # type: ignore[override]
+    def needs_metrics(self) -> bool:
         """Whether any member reads metrics."""
         return any(p.needs_metrics for p in self.policies)
 

@@ -61,7 +61,9 @@ class StagingPool:
 class SaveHandle:
     """The outcome of a save: already done for a synchronous save, pending for an async one."""
 
-    def __init__(self, step: int, future: concurrent.futures.Future[Any] | None = None, result: Any = None):
+    def __init__(
+        self, step: int, future: concurrent.futures.Future[Any] | None = None, result: Any = None
+    ) -> None:
         self.step = step
         self._future = future
         self._result = result

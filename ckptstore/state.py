@@ -29,7 +29,9 @@ def kind_of(value: Any) -> str | None:
         return "rng"
     if isinstance(value, nn.Module):
         return "module"
-    if callable(getattr(value, "state_dict", None)) and callable(getattr(value, "load_state_dict", None)):
+    if callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    ):
         return "stateful"
     return None
 
@@ -91,7 +93,8 @@ def apply_state(
             try:
                 target.load_state_dict(value)
             except (ValueError, KeyError, RuntimeError, TypeError) as e:
-                msg = f"{where}[{key!r}]: {type(target).__name__}.load_state_dict refused the stored state: {e}"
+                name = type(target).__name__
+                msg = f"{where}[{key!r}]: {name}.load_state_dict refused the stored state: {e}"
                 raise StateMismatchError(msg) from e
         else:
             state[key] = value
@@ -105,7 +108,9 @@ def apply_state(
 def _check_module(target: nn.Module, value: Any, *, strict: bool, where: str) -> None:
     """Raise StateMismatchError if ``value`` would not load into ``target``."""
     if not isinstance(value, Mapping):
-        raise StateMismatchError(f"{where}: stored entry is a {type(value).__name__}, not a state dict")
+        raise StateMismatchError(
+            f"{where}: stored entry is a {type(value).__name__}, not a state dict"
+        )
     probe = _Probe(target)
     load_module_state(probe, value, strict=strict, where=where)
 
@@ -119,8 +124,8 @@ class _Probe(nn.Module):
 
         self._sd = de_parallel(target).state_dict()
 
-    def state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._sd
 
-    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:  # type: ignore[override]
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return None

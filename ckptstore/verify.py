@@ -55,7 +55,9 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
                 report.add(f"{where}: missing or not a regular file")
                 continue
             if size != entry.bytes:
-                report.add(f"{where}: {size} bytes, manifest says {entry.bytes}; truncated or replaced")
+                report.add(
+                    f"{where}: {size} bytes, manifest says {entry.bytes}; truncated or replaced"
+                )
                 continue
             if deep:
                 got, crc = storage.checksum_file(step, name)
@@ -65,7 +67,8 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
                     continue
                 if crc != entry.crc32c:
                     report.add(
-                        f"{where}: crc32c {format_crc(crc)} != manifest {format_crc(entry.crc32c)}; corrupt"
+                        f"{where}: crc32c {format_crc(crc)} does not match the manifest's "
+                        f"{format_crc(entry.crc32c)}; the file is corrupt"
                     )
                     continue
             if entry.compression is None and entry.codec in ("safetensors", "torch"):
@@ -111,4 +114,3 @@ def verify_file(path: str | os.PathLike[str], *, deep: bool = True) -> VerifyRep
     except OSError as e:
         report.add(f"{path}: unreadable ({e})")
     return report
-

@@ -60,9 +60,10 @@ def write_group(
     rank: int | None = None,
 ) -> None:
     """Write one payload file into a pending checkpoint (durable on return)."""
-    with pending.open(name, codec=fmt, compression=compression, rank=rank) as w, _maybe_zstd(
-        w, compression
-    ) as sink:
+    with (
+        pending.open(name, codec=fmt, compression=compression, rank=rank) as w,
+        _maybe_zstd(w, compression) as sink,
+    ):
         if fmt == "safetensors":
             st.write_safetensors(sink, tensors)
         else:

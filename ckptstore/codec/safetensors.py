@@ -186,10 +186,13 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int, where: st
         start, end = offs
         size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
         if end < start or end - start != size:
-            raise _reject(where, f"entry {name!r}: offsets [{start}, {end}] do not fit shape {shape}")
+            raise _reject(
+                where, f"entry {name!r}: offsets [{start}, {end}] do not fit shape {shape}"
+            )
         if end > data_len:
             raise _reject(
-                where, f"entry {name!r}: data [{start}, {end}] runs past the file ({data_len} data bytes)"
+                where,
+                f"entry {name!r}: data [{start}, {end}] runs past the file ({data_len} data bytes)",
             )
         entries[name] = (dtype, shape, start, end)
     pos = 0
@@ -227,7 +230,9 @@ def read_tensors(buf: bytearray, where: str) -> dict[str, torch.Tensor]:
     """
     header = parse_header(buf, len(buf), where)
     out: dict[str, torch.Tensor] = {}
-    base = torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    base = (
+        torch.frombuffer(buf, dtype=torch.uint8) if len(buf) else torch.empty(0, dtype=torch.uint8)
+    )
     for name, (dtype, shape, start, end) in header.entries.items():
         raw = base[header.data_start + start : header.data_start + end]
         t = torch.empty(shape, dtype=dtype)

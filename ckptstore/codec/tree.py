@@ -30,9 +30,10 @@ import torch
 from ..errors import IntegrityError, UnsafeCheckpointError
 
 try:  # numpy is optional: torch does not require it
-    import numpy as np
+    import numpy as _numpy
 except ImportError:  # pragma: no cover - numpy is present wherever tests run
-    np = None
+    _numpy = None  # type: ignore[assignment]
+np: Any = _numpy
 
 __all__ = ["SUPPORTED_DTYPES", "TreeDecoder", "TreeEncoder", "format_path"]
 
@@ -92,7 +93,7 @@ class _Occurrence:
 
     def __init__(
         self, tensor: torch.Tensor, node: dict[str, Any], group: str, path: tuple[Any, ...]
-    ):
+    ) -> None:
         self.tensor = tensor
         self.node = node
         self.group = group
@@ -185,7 +186,10 @@ class TreeEncoder:
 
     def _tensor(self, t: torch.Tensor, group: str, path: tuple[Any, ...]) -> dict[str, Any]:
         if t.layout != torch.strided:
-            msg = f"{format_path(path)}: {t.layout} tensors cannot be stored; make it dense with .to_dense()"
+            msg = (
+                f"{format_path(path)}: {t.layout} tensors cannot be stored; "
+                "make it dense with .to_dense()"
+            )
             raise UnsafeCheckpointError(msg)
         if t.is_quantized or t.is_meta:
             kind = "quantized" if t.is_quantized else "meta"
@@ -202,7 +206,7 @@ class TreeEncoder:
         self._occurrences.append(_Occurrence(t, node, group, path))
         return node
 
-    def _ndarray(self, a: Any, group: str, path: tuple[Any, ...]) -> dict[str, Any]:
+    def _ndarray(self, a: Any, group: str, path: tuple[Any, ...]) -> Any:
         if a.dtype.kind not in "biufc" or a.dtype.str[1:] in ("c16", "f16", "c32"):
             return self._pickle(a, path, f"numpy arrays of dtype {a.dtype}")
         native = a.astype(a.dtype.newbyteorder("=")) if not a.dtype.isnative else a
@@ -350,7 +354,7 @@ class TreeDecoder:
             raise self._bad(path, f"unexpected JSON {type(n).__name__}")
         t = n.get("t")
         try:
-            if t == "dict" or t == "odict":
+            if t in {"dict", "odict"}:
                 keys, vals = n["keys"], n["vals"]
                 if (
                     not isinstance(keys, list)
@@ -389,17 +393,18 @@ class TreeDecoder:
                     raise IntegrityError(
                         f"{format_path(path)}: numpy is needed to load numpy scalars"
                     )
-                dt = np.dtype(str(n["dtype"]))
-                if dt.kind not in "biufc":
-                    raise self._bad(path, f"numpy dtype {dt} is not numeric")
-                return np.frombuffer(bytes.fromhex(n["hex"]), dtype=dt)[0]
+                npdt = np.dtype(str(n["dtype"]))
+                if npdt.kind not in "biufc":
+                    raise self._bad(path, f"numpy dtype {npdt} is not numeric")
+                return np.frombuffer(bytes.fromhex(n["hex"]), dtype=npdt)[0]
             if t in ("tensor", "view", "ndarray"):
                 return self._tensor(n, path)
             if t == "pickle":
                 if not self.allow_pickle:
                     msg = (
-                        f"{self.where}: {format_path(path)} holds a pickled object; pickles can run "
-                        "code, so they load only with allow_pickle=True, for stores you trust"
+                        f"{self.where}: {format_path(path)} holds a pickled object; pickles "
+                        "can run code, so they load only with allow_pickle=True, for stores "
+                        "you trust"
                     )
                     raise UnsafeCheckpointError(msg)
                 return pickle.loads(base64.b64decode(n["b64"]))
@@ -438,7 +443,9 @@ class TreeDecoder:
             t = base
             if t.dtype != dtype or list(t.shape) != shape:
                 got = f"{t.dtype}{list(t.shape)}"
-                raise self._bad(path, f"payload {group}:{key} is {got}, state.json says {dtype}{shape}")
+                raise self._bad(
+                    path, f"payload {group}:{key} is {got}, state.json says {dtype}{shape}"
+                )
         if n["t"] == "ndarray":
             if np is None:
                 raise IntegrityError(f"{format_path(path)}: numpy is needed to load numpy arrays")

@@ -43,7 +43,7 @@ class ZstdSink:
 
     def close(self) -> None:
         """End the zstd frame (the underlying sink stays open)."""
-        self._w.close()
+        self._w.close()  # type: ignore[no-untyped-call]
 
 
 def decompress(data: bytes | bytearray | memoryview, where: str) -> bytearray:

@@ -14,10 +14,19 @@ __all__ = ["LocalStorage", "Pending", "Storage", "open_storage", "wait_for_delet
 #: Protocols served by the POSIX backend (atomic rename, fsync, writer lock).
 _LOCAL_PROTOCOLS = ("", "file", "local")
 #: Install hints for fsspec protocols whose package is optional.
-_HINTS = {"s3": "s3fs", "s3a": "s3fs", "gs": "gcsfs", "gcs": "gcsfs", "az": "adlfs", "abfs": "adlfs"}
+_HINTS = {
+    "s3": "s3fs",
+    "s3a": "s3fs",
+    "gs": "gcsfs",
+    "gcs": "gcsfs",
+    "az": "adlfs",
+    "abfs": "adlfs",
+}
 
 
-def open_storage(url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None) -> Storage:
+def open_storage(
+    url: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+) -> Storage:
     """The backend for ``url``: a local path or ``file://`` URL, or any fsspec URL.
 
     Raises:

@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
-from typing import IO, Any, ClassVar
+from typing import IO, ClassVar, Protocol
 
 from ..errors import CommitError, IntegrityError, ManifestError, StepExistsError
 from ..integrity import CRCWriter, crc32c_of, format_crc
@@ -34,12 +34,29 @@ from ..layout import (
 )
 from ..manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, validate_file_name
 
-__all__ = ["Pending", "Storage", "wait_for_deletions"]
+__all__ = ["Pending", "Storage", "WriterLock", "wait_for_deletions"]
 
 log = logging.getLogger("ckptstore")
 
 #: Files are read in slices of this size while their checksum is computed.
 READ_CHUNK = 16 << 20
+
+
+class WriterLock(Protocol):
+    """The store's writer lock: acquired without waiting, held until released."""
+
+    @property
+    def is_locked(self) -> bool:
+        """Whether this process holds it."""
+        ...
+
+    def acquire(self, timeout: float = 0) -> None:
+        """Take the lock or raise StoreLockedError."""
+        ...
+
+    def release(self) -> None:
+        """Give it back."""
+        ...
 
 
 class Pending:
@@ -184,9 +201,9 @@ class Storage(abc.ABC):
         """Root entries that are not committed checkpoints: tmp, trash, manifest-less steps."""
         out = []
         for name in self._list(""):
-            if is_garbage_name(name):
-                out.append(name)
-            elif parse_step_dirname(name) is not None and not self._exists(f"{name}/{MANIFEST_NAME}"):
+            if is_garbage_name(name) or (
+                parse_step_dirname(name) is not None and not self._exists(f"{name}/{MANIFEST_NAME}")
+            ):
                 out.append(name)
         return sorted(out)
 
@@ -257,7 +274,8 @@ class Storage(abc.ABC):
         if got != entry.bytes or extra:
             size = got if not extra else f"more than {entry.bytes}"
             raise IntegrityError(
-                f"{where}: file has {size} bytes, manifest says {entry.bytes}; it is truncated or replaced"
+                f"{where}: file has {size} bytes, manifest says {entry.bytes}; "
+                "it is truncated or replaced"
             )
         if crc != entry.crc32c:
             raise IntegrityError(
@@ -400,7 +418,7 @@ class Storage(abc.ABC):
 
     # ---- locking (local only) -------------------------------------------------------
 
-    def writer_lock(self) -> contextlib.AbstractContextManager[Any] | None:
+    def writer_lock(self) -> WriterLock | None:
         """A non-blocking writer lock object, or ``None`` where locking is not enforced."""
         return None
 
@@ -423,7 +441,9 @@ class _Deleter:
             if self._thread is None or not self._thread.is_alive() or self._pid != os.getpid():
                 self._q = queue.Queue() if self._pid != os.getpid() else self._q
                 self._pid = os.getpid()
-                self._thread = threading.Thread(target=self._run, name="ckptstore-deleter", daemon=True)
+                self._thread = threading.Thread(
+                    target=self._run, name="ckptstore-deleter", daemon=True
+                )
                 self._thread.start()
         self._q.put((storage, rel))
 
@@ -439,7 +459,9 @@ class _Deleter:
                 except FileNotFoundError:
                     pass
                 except OSError as e:
-                    log.warning("background delete of %s failed: %s", storage.describe() + "/" + rel, e)
+                    log.warning(
+                        "background delete of %s failed: %s", storage.describe() + "/" + rel, e
+                    )
             finally:
                 self._q.task_done()
 

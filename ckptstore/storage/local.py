@@ -55,7 +55,7 @@ class LocalStorage(Storage):
         os.mkdir(self._p(rel))
 
     def _open_write(self, rel: str) -> IO[bytes]:
-        return open(self._p(rel), "xb", buffering=_WRITE_BUFFER)  # noqa: SIM115
+        return open(self._p(rel), "xb", buffering=_WRITE_BUFFER)
 
     def _finish_write(self, f: IO[bytes], rel: str) -> None:
         f.flush()
@@ -78,7 +78,7 @@ class LocalStorage(Storage):
         except BaseException:
             os.close(fd)
             raise
-        return open(fd, "rb", buffering=0)  # noqa: SIM115
+        return open(fd, "rb", buffering=0)
 
     def _remove(self, rel: str) -> None:
         os.unlink(self._p(rel))

@@ -62,7 +62,10 @@ class FsspecStorage(Storage):
         for p in found:
             p = str(p)
             parent = posixpath.dirname(p)
-            if posixpath.basename(p) != MANIFEST_NAME or posixpath.dirname(parent).strip("/") != root:
+            if (
+                posixpath.basename(p) != MANIFEST_NAME
+                or posixpath.dirname(parent).strip("/") != root
+            ):
                 continue
             step = parse_step_dirname(posixpath.basename(parent))
             if step is not None:
