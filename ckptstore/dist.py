@@ -3,16 +3,24 @@
 When ``torch.distributed`` is initialized with more than one rank, the coordinator creates
 its own gloo group whose timeout is ``barrier_timeout``, whatever backend training uses, so
 every wait ckptstore makes is bounded and, when it expires, raises :class:`BarrierTimeout`
-naming the ranks that did not arrive (from ``monitored_barrier``) and the phase. Without a
-process group every method returns at once, so the manager is written once and has no
-``if distributed:`` branches.
+naming the ranks that did not arrive and the phase. Without a process group every method
+returns at once, so the manager is written once and has no ``if distributed:`` branches.
+
+Every data collective is preceded by a ``monitored_barrier``: rank 0 learns exactly which
+ranks are missing and publishes the list in the job's key-value store, so the other
+survivors (which ``monitored_barrier`` only tells "rank 0 reported an error") raise the
+same, correct ``missing_ranks``. After a timeout gloo closes the group's connections, so the
+coordinator is marked broken and every later call fails at once instead of waiting again.
 """
 
 from __future__ import annotations
 
 import contextlib
 import datetime
+import itertools
+import json
 import re
+import time
 from typing import Any
 
 import torch.distributed as dist
@@ -22,14 +30,25 @@ from .errors import BarrierTimeout
 __all__ = ["Coordinator"]
 
 _RANKS_RE = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
-_FROM_RANK_RE = re.compile(r"from rank (\d+)")
+#: How long a survivor waits for rank 0's verdict on who is missing.
+_VERDICT_WAIT_S = 10.0
+_instances = itertools.count()
+
+
+def _default_store() -> Any:
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+
+        return _get_default_store()
+    except (ImportError, RuntimeError, ValueError):
+        return None
 
 
 class Coordinator:
     """Barrier, broadcast and gather over a private gloo group, bounded by ``timeout``.
 
     Constructing it is collective when a process group exists (every rank must construct
-    it, as every rank constructs the manager).
+    it, in the same order, as every rank constructs the manager).
     """
 
     def __init__(self, timeout: float) -> None:
@@ -38,6 +57,9 @@ class Coordinator:
         self.rank = dist.get_rank() if self.enabled else 0
         self.world_size = dist.get_world_size() if self.enabled else 1
         self.group: Any = None
+        self._uid = next(_instances)
+        self._seq = 0
+        self._broken: BarrierTimeout | None = None
         if self.enabled:
             self.group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
@@ -48,31 +70,60 @@ class Coordinator:
         """Rank 0 (or the only process)."""
         return self.rank == 0
 
-    def _timeout(self, e: BaseException, phase: str, step: int | None) -> BarrierTimeout:
-        text = str(e)
-        missing: list[int] = []
+    def _key(self) -> str:
+        return f"ckptstore/{self._uid}/{self._seq}/missing"
+
+    def _verdict(self, text: str) -> list[int]:
+        """The missing ranks: parsed on rank 0, fetched from rank 0's verdict elsewhere."""
         m = _RANKS_RE.search(text)
+        store = _default_store()
         if m:
-            missing = [int(x) for x in re.findall(r"\d+", m.group(1))]
-        else:
-            m2 = _FROM_RANK_RE.search(text)
-            if m2:
-                missing = [int(m2.group(1))]
-            elif self.rank != 0:
-                missing = [0]
+            missing = sorted({int(x) for x in re.findall(r"\d+", m.group(1))})
+            if store is not None:
+                with contextlib.suppress(Exception):
+                    store.set(self._key(), json.dumps(missing))
+            return missing
+        if self.rank != 0 and store is not None:
+            deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout)
+            while time.monotonic() < deadline:
+                try:
+                    if store.check([self._key()]):
+                        return [int(r) for r in json.loads(store.get(self._key()))]
+                except Exception:
+                    break  # the store lived in rank 0's process: rank 0 is gone
+                time.sleep(0.05)
+        return [0] if self.rank != 0 else []
+
+    def _fail(self, e: BaseException, phase: str, step: int | None) -> BarrierTimeout:
+        text = str(e)
+        missing = self._verdict(text)
         who = f"rank(s) {', '.join(map(str, missing))}" if missing else "some rank"
         at = f" of step {step}" if step is not None else ""
+        first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
         msg = (
             f"rank {self.rank}: {who} did not arrive at '{phase}'{at} within "
-            f"{self.timeout:g}s. Every rank must call save/restore (not only rank 0), and no "
-            f"rank may have died. ({text.splitlines()[0] if text else type(e).__name__})"
+            f"{self.timeout:g}s. Every rank must call save/restore (not only rank 0) and none "
+            f"may have died; check the logs of {who}. (gloo: {first})"
         )
-        return BarrierTimeout(msg, missing_ranks=missing, phase=phase, step=step)
+        exc = BarrierTimeout(msg, missing_ranks=missing, phase=phase, step=step)
+        self._broken = exc
+        return exc
+
+    def _check(self, phase: str, step: int | None) -> None:
+        if self._broken is not None:
+            b = self._broken
+            msg = (
+                f"rank {self.rank}: cannot run '{phase}': ckptstore's process group broke at "
+                f"'{b.phase}' when rank(s) {b.missing_ranks or '?'} did not arrive; restart the job"
+            )
+            raise BarrierTimeout(msg, missing_ranks=b.missing_ranks, phase=phase, step=step)
 
     def barrier(self, phase: str, step: int | None = None) -> None:
         """Wait for every rank; on timeout raise BarrierTimeout naming the absent ranks."""
         if not self.enabled:
             return
+        self._check(phase, step)
+        self._seq += 1
         try:
             dist.monitored_barrier(
                 group=self.group,
@@ -80,17 +131,23 @@ class Coordinator:
                 wait_all_ranks=True,
             )
         except RuntimeError as e:
-            raise self._timeout(e, phase, step) from None
+            raise self._fail(e, phase, step) from None
+
+    def _collective(self, phase: str, step: int | None, fn: Any) -> Any:
+        self.barrier(phase, step)
+        try:
+            return fn()
+        except RuntimeError as e:  # a rank died between the barrier and the data
+            raise self._fail(e, phase, step) from None
 
     def broadcast(self, obj: Any, phase: str, step: int | None = None, src: int = 0) -> Any:
         """Send a small picklable object from ``src`` to every rank; returns it everywhere."""
         if not self.enabled:
             return obj
         box = [obj if self.rank == src else None]
-        try:
-            dist.broadcast_object_list(box, src=src, group=self.group)
-        except RuntimeError as e:
-            raise self._timeout(e, phase, step) from None
+        self._collective(
+            phase, step, lambda: dist.broadcast_object_list(box, src=src, group=self.group)
+        )
         return box[0]
 
     def gather(
@@ -100,10 +157,9 @@ class Coordinator:
         if not self.enabled:
             return [obj]
         out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        try:
-            dist.gather_object(obj, out, dst=dst, group=self.group)
-        except RuntimeError as e:
-            raise self._timeout(e, phase, step) from None
+        self._collective(
+            phase, step, lambda: dist.gather_object(obj, out, dst=dst, group=self.group)
+        )
         return out
 
     def all_gather(self, obj: Any, phase: str, step: int | None = None) -> list[Any]:
@@ -111,15 +167,39 @@ class Coordinator:
         if not self.enabled:
             return [obj]
         out: list[Any] = [None] * self.world_size
-        try:
-            dist.all_gather_object(out, obj, group=self.group)
-        except RuntimeError as e:
-            raise self._timeout(e, phase, step) from None
+        self._collective(phase, step, lambda: dist.all_gather_object(out, obj, group=self.group))
+        return out
+
+    def broadcast_bytes(
+        self, blobs: dict[str, bytearray] | None, phase: str, step: int | None = None
+    ) -> dict[str, bytearray]:
+        """Send named byte buffers from rank 0 to every rank as uint8 tensors."""
+        if not self.enabled:
+            return blobs or {}
+        import torch
+
+        sizes = self.broadcast(
+            {k: len(v) for k, v in (blobs or {}).items()} if self.is_leader else None, phase, step
+        )
+        out: dict[str, bytearray] = {}
+        for name, n in sizes.items():
+            if self.is_leader:
+                assert blobs is not None
+                buf = blobs[name]
+            else:
+                buf = bytearray(n)
+            if n:
+                t = torch.frombuffer(buf, dtype=torch.uint8)
+                try:
+                    dist.broadcast(t, src=0, group=self.group)
+                except RuntimeError as e:
+                    raise self._fail(e, phase, step) from None
+            out[name] = buf
         return out
 
     def close(self) -> None:
         """Release the private group."""
         if self.enabled and self.group is not None:
-            with contextlib.suppress(RuntimeError, ValueError):
+            with contextlib.suppress(RuntimeError, ValueError, AssertionError):
                 dist.destroy_process_group(self.group)
             self.group = None

@@ -26,9 +26,10 @@ STATE_NAME = "state.json"
 PIN_NAME = "pinned"
 LOCK_NAME = ".ckptstore.lock"
 
-_STEP_RE = re.compile(r"step-(\d{1,30})")
-_TMP_RE = re.compile(r"\.tmp-step-\d+-[0-9a-f]{32}(?:-r\d+)?")
-_TRASH_RE = re.compile(r"\.trash-step-\d+-[0-9a-f]{32}")
+# [0-9], not \d: \d also matches other scripts' digits ("step-١٢"), which int() accepts.
+_STEP_RE = re.compile(r"step-([0-9]{1,30})")
+_TMP_RE = re.compile(r"\.tmp-step-[0-9]+-[0-9a-f]{32}(?:-r[0-9]+)?")
+_TRASH_RE = re.compile(r"\.trash-step-[0-9]+-[0-9a-f]{32}")
 #: Largest step we accept: 12 digits pad every realistic run; more is allowed, to 30.
 MAX_STEP = 10**30 - 1
 

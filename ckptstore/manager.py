@@ -26,21 +26,24 @@ from .codec import payload as payload_codec
 from .codec.tree import TreeDecoder, TreeEncoder, tensor_key
 from .dist import Coordinator
 from .errors import (
+    BarrierTimeout,
     CkptStoreError,
     CommitError,
     IntegrityError,
     ManifestError,
     NoCheckpointError,
+    StateMismatchError,
     StepExistsError,
     UnsafeCheckpointError,
 )
-from .integrity import VerifyReport
+from .integrity import VerifyReport, crc32c_of
 from .layout import STATE_NAME
-from .manifest import FORMAT_VERSION, Manifest, utc_now
+from .manifest import FORMAT_VERSION, FileEntry, Manifest, utc_now
+from .modules import RNGState
 from .retention import CheckpointInfo, RetentionPolicy, as_policy, plan_deletions
 from .staging import BackgroundWriter, SaveHandle, StagingPool
 from .state import apply_state, capture, kind_of
-from .storage import Storage, open_storage, wait_for_deletions
+from .storage import Pending, Storage, open_storage, wait_for_deletions
 from .verify import verify_checkpoint
 
 __all__ = ["CheckpointManager"]
@@ -183,6 +186,13 @@ class CheckpointManager:
     ) -> SaveHandle:
         """Save ``state`` as checkpoint ``step``; collective under torch.distributed.
 
+        Replicated (default): rank 0 serializes and commits, then tells every rank the
+        outcome, so all return or all raise the same error. Sharded: every rank writes its
+        own files into the shared tmp directory; rank 0 gathers their file tables (or
+        errors), writes the manifest and commits; a failure anywhere aborts the whole
+        checkpoint. With ``async_save`` the call returns after one memory copy (sharded
+        saves always complete before returning).
+
         Args:
             step: the training step (an int >= 0); each step is saved at most once.
             state: names -> modules, optimizers, schedulers, EMA, RNGState, plain data.
@@ -210,28 +220,40 @@ class CheckpointManager:
             raise TypeError(msg)
         metrics_d = _check_metrics(metrics)
         metadata_d = _check_metadata(metadata)
-        self._raise_bg_error()
         self.wait_save()  # at most one save in flight
         t0 = time.perf_counter()
         self.coord.barrier("save:enter", step)
-        writes = self.coord.is_leader or sharded
-        job = None
+        # An async failure on rank 0 is raised on every rank, not only where it happened.
+        prev = self.coord.broadcast(self._take_bg_error(), "save:previous", step)
+        if prev is not None:
+            raise prev if isinstance(prev, CkptStoreError) else CommitError(str(prev))
+        if sharded:
+            manifest = self._save_sharded(step, state, metrics_d, metadata_d)
+            return self._done(step, manifest, t0)
+        # Per-rank generators are gathered so each rank resumes its own random stream.
+        rng = {
+            key: self.coord.gather(value.state_dict(), "save:rng", step)
+            for key, value in state.items()
+            if isinstance(value, RNGState) and self.coord.enabled
+        }
+        job: dict[str, Any] | None = None
         error: BaseException | None = None
-        if writes:
+        if self.coord.is_leader:
             try:
-                job = self._prepare(step, state, metrics_d, metadata_d, sharded)
+                job = self._prepare(step, state, metrics_d, metadata_d, rank=None, rng=rng)
             except BaseException as e:  # reported to every rank below
                 error = e
-        if not self.async_save or self.coord.enabled:
-            # Synchronous path (and, for now, the distributed one): run the job here.
-            manifest = self._finish_collective(job, error, step, sharded)
-            self.last_blocked_s = time.perf_counter() - t0
-            self._log_summary(step, manifest, time.perf_counter() - t0, self.last_blocked_s)
-            return SaveHandle(step, result=manifest)
-        if error is not None:
-            raise error
-        assert job is not None
+        if not self.async_save:
+            manifest = self._commit_replicated(job, error, step)
+            return self._done(step, manifest, t0)
+        # Async: rank 0 has copied the state into staging buffers; the rest is background.
+        failure = self.coord.broadcast(error, "save:staged", step)
+        if failure is not None:
+            raise failure if isinstance(failure, CkptStoreError) else CommitError(str(failure))
         self.last_blocked_s = time.perf_counter() - t0
+        if not self.coord.is_leader:
+            return SaveHandle(step, result=None)
+        assert job is not None
         if self._writer is None:
             self._writer = BackgroundWriter()
         blocked = self.last_blocked_s
@@ -247,48 +269,43 @@ class CheckpointManager:
                 self._bg_error = e
                 raise
 
-        fut = self._writer.submit(run)
-        self._inflight = SaveHandle(step, fut)
+        self._inflight = SaveHandle(step, self._writer.submit(run))
         return self._inflight
 
-    def _prepare(
-        self,
-        step: int,
-        state: Mapping[Any, Any],
-        metrics: dict[str, float],
-        metadata: dict[str, Any],
-        sharded: bool,
-    ) -> dict[str, Any]:
-        """Capture and encode the state (in the caller's thread), stage tensors if async."""
-        if self.coord.is_leader and self._lock is not None and not self._lock.is_locked:
+    def _done(self, step: int, manifest: Manifest, t0: float) -> SaveHandle:
+        self.last_blocked_s = time.perf_counter() - t0
+        if self.coord.is_leader:
+            self._log_summary(step, manifest, self.last_blocked_s, self.last_blocked_s)
+        return SaveHandle(step, result=manifest)
+
+    def _take_lock(self) -> None:
+        if self._lock is not None and not self._lock.is_locked:
             self._lock.acquire()
             # We are now the only writer: leftovers of crashed saves are garbage.
             with contextlib.suppress(OSError):
-                for name in self.storage.gc(include_tmp=not sharded or not self.coord.enabled):
+                for name in self.storage.gc(include_tmp=True):
                     log.info("removed stale %s", name)
-        if self.coord.is_leader and step in set(self.steps()):
-            raise StepExistsError(
-                f"{self.storage.describe(step)} is already committed; steps are write-once. "
-                "Save under a new step, or delete this one first (ckptstore prune / gc)"
-            )
+
+    def _encode(
+        self, state: Mapping[Any, Any], rng: Mapping[Any, Any] | None = None
+    ) -> tuple[bytes, dict[str, dict[str, torch.Tensor]]]:
+        """``state.json`` bytes and the tensor groups of a state (staged if async)."""
         enc = TreeEncoder(allow_pickle=self.allow_pickle)
         keys: list[Any] = []
         vals: list[Any] = []
-        kinds: dict[str, str] = {}
         for i, (key, value) in enumerate(state.items()):
             if isinstance(key, bool) or not isinstance(key, str | int):
                 msg = f"state keys must be str or int, got {key!r}"
                 raise UnsafeCheckpointError(msg)
             kind = kind_of(value)
             data = capture(value)
-            group = group_name(key, i)
-            node = enc.encode(data, group=group, path=(key,))
+            if rng and key in rng and rng[key] is not None:
+                data = {"per_rank": rng[key]}
+            node = enc.encode(data, group=group_name(key, i), path=(key,))
             if kind is not None:
                 node = {"t": "stateful", "kind": kind, "v": node}
             keys.append(key)
             vals.append(node)
-            if kind is not None:
-                kinds[str(key)] = kind
         groups = enc.finish(tensor_key, contiguous=not self.async_save)
         if self.async_save:
             self._staging.begin()
@@ -298,51 +315,76 @@ class CheckpointManager:
             }
             self._staging.end()
         tree = {"ckptstore_state": STATE_FORMAT, "root": {"t": "dict", "keys": keys, "vals": vals}}
+        return json.dumps(tree, separators=(",", ":"), allow_nan=False).encode(), groups
+
+    def _prepare(
+        self,
+        step: int,
+        state: Mapping[Any, Any],
+        metrics: dict[str, float],
+        metadata: dict[str, Any],
+        *,
+        rank: int | None,
+        rng: Mapping[Any, Any] | None = None,
+    ) -> dict[str, Any]:
+        """Capture and encode the state in the caller's thread (the one copy if async)."""
+        self._take_lock()
+        if step in set(self.steps()):
+            raise StepExistsError(
+                f"{self.storage.describe(step)} is already committed; steps are write-once. "
+                "Save under a new step, or delete this one first (ckptstore prune / gc)"
+            )
+        tree, groups = self._encode(state, rng)
         return {
             "step": step,
             "groups": groups,
-            "tree": json.dumps(tree, separators=(",", ":"), allow_nan=False).encode(),
+            "tree": tree,
             "metrics": metrics,
             "metadata": metadata,
-            "sharded": sharded,
+            "rank": rank,
         }
 
+    def _write_files(self, pending: Pending, job: Mapping[str, Any]) -> None:
+        rank = job["rank"]
+        for group, tensors in sorted(job["groups"].items()):
+            name = payload_codec.payload_name(group, self.format, self.compression, rank)
+            payload_codec.write_group(
+                pending, name, tensors, fmt=self.format, compression=self.compression, rank=rank
+            )
+        pending.write_bytes(state_file(rank), job["tree"], codec="json", rank=rank)
+
+    def _make_manifest(
+        self, step: int, files: Mapping[str, FileEntry], job: Mapping[str, Any], sharded: bool
+    ) -> Manifest:
+        return Manifest(
+            step=step,
+            files=dict(files),
+            created=utc_now(),
+            format=self.format,
+            world_size=self.coord.world_size,
+            sharded=sharded,
+            metrics=job["metrics"],
+            metadata=job["metadata"],
+            versions=_versions(),
+            format_version=FORMAT_VERSION,
+        )
+
     def _commit_job(self, job: dict[str, Any]) -> Manifest:
-        """Write payloads, state.json and the manifest; commit. Leader only, one process."""
+        """Write payloads, state.json and the manifest, and commit (rank 0 only)."""
         step = job["step"]
+        where = self.storage.describe(step)
         try:
             pending = self.storage.begin(step)
-        except CkptStoreError:
-            raise
         except OSError as e:
-            raise _commit_error(e, self.storage.describe(step), self._previous(step)) from e
+            raise _commit_error(e, where, self._previous(step)) from e
         try:
-            rank = 0 if job["sharded"] else None
-            for group, tensors in sorted(job["groups"].items()):
-                name = payload_codec.payload_name(group, self.format, self.compression, rank)
-                payload_codec.write_group(
-                    pending, name, tensors, fmt=self.format, compression=self.compression, rank=rank
-                )
-            pending.write_bytes(STATE_NAME, job["tree"], codec="json")
-            manifest = Manifest(
-                step=step,
-                files=dict(pending.files),
-                created=utc_now(),
-                format=self.format,
-                world_size=self.coord.world_size,
-                sharded=job["sharded"],
-                metrics=job["metrics"],
-                metadata=job["metadata"],
-                versions=_versions(),
-                format_version=FORMAT_VERSION,
-            )
+            self._write_files(pending, job)
+            manifest = self._make_manifest(step, pending.files, job, sharded=False)
             self.storage.commit(pending, manifest)
         except BaseException as e:
             self.storage.abort(pending)
-            if isinstance(e, CkptStoreError):
-                raise
-            if isinstance(e, OSError):
-                raise _commit_error(e, self.storage.describe(step), self._previous(step)) from e
+            if isinstance(e, OSError) and not isinstance(e, CkptStoreError):
+                raise _commit_error(e, where, self._previous(step)) from e
             raise
         self._known_good.add(step)
         return manifest
@@ -354,33 +396,102 @@ class CheckpointManager:
             return None
         return older[-1] if older else None
 
-    def _finish_collective(
-        self, job: dict[str, Any] | None, error: BaseException | None, step: int, sharded: bool
+    def _commit_replicated(
+        self, job: dict[str, Any] | None, error: BaseException | None, step: int
     ) -> Manifest:
-        """Leader commits; the outcome is broadcast so every rank returns or raises alike."""
-        outcome: tuple[str, Any]
+        """Rank 0 commits; the outcome is broadcast so every rank returns or raises alike."""
+        outcome: tuple[str, Any] = ("ok", b"")
         if self.coord.is_leader:
             if error is None:
                 assert job is not None
                 try:
-                    manifest = self._commit_job(job)
-                    outcome = ("ok", manifest.to_bytes())
+                    outcome = ("ok", self._commit_job(job).to_bytes())
                 except BaseException as e:
                     outcome = ("error", e)
             else:
                 outcome = ("error", error)
-        else:
-            outcome = ("ok", b"")
-        outcome = self.coord.broadcast(outcome, "save:commit", step)
-        status, value = outcome
+        status, value = self.coord.broadcast(outcome, "save:commit", step)
         if status == "error":
-            if isinstance(value, BaseException):
-                raise value
-            raise CommitError(str(value))
-        if not isinstance(value, bytes):
-            raise CommitError(f"step {step}: rank 0 sent an unexpected outcome {value!r}")
+            raise value if isinstance(value, BaseException) else CommitError(str(value))
         self._after_commit(step)
-        return Manifest.from_bytes(value) if value else self.storage.read_manifest(step)
+        return Manifest.from_bytes(value)
+
+    def _save_sharded(
+        self,
+        step: int,
+        state: Mapping[Any, Any],
+        metrics: dict[str, float],
+        metadata: dict[str, Any],
+    ) -> Manifest:
+        """Two-phase commit: every rank writes its shard, rank 0 gathers and commits."""
+        where = self.storage.describe(step)
+        # Phase 0: rank 0 opens the tmp directory every rank writes into.
+        opened: tuple[str, Any] = ("ok", None)
+        pending: Pending | None = None
+        if self.coord.is_leader:
+            try:
+                self._take_lock()
+                pending = self.storage.begin(step)
+                opened = ("ok", pending.dirname)
+            except BaseException as e:
+                err = _commit_error(e, where, self._previous(step)) if _plain_oserror(e) else e
+                opened = ("error", err)
+        status, value = self.coord.broadcast(opened, "save:begin", step)
+        if status == "error":
+            raise value if isinstance(value, BaseException) else CommitError(str(value))
+        if pending is None:
+            pending = Pending(self.storage, step, value)
+        # Phase 1: every rank writes and fsyncs its own files.
+        rank = self.coord.rank
+        mine: tuple[str, Any]
+        try:
+            job = {"groups": {}, "tree": b"", "rank": rank}
+            tree, groups = self._encode_sync(state)
+            job.update(tree=tree, groups=groups)
+            self._write_files(pending, job)
+            mine = ("ok", {n: e for n, e in pending.files.items() if e.rank == rank})
+        except BaseException as e:
+            log.error("rank %d failed to write its shard of step %d: %s", rank, step, e)
+            mine = ("error", e)
+        tables = self.coord.gather(mine, "save:gather", step)
+        # Phase 2: rank 0 commits only if every rank succeeded.
+        outcome: tuple[str, Any] = ("ok", b"")
+        if self.coord.is_leader:
+            assert tables is not None
+            failed = [(r, v) for r, (s, v) in enumerate(tables) if s == "error"]
+            if failed:
+                self.storage.abort(pending)
+                outcome = ("error", _shard_error(failed, where, self._previous(step)))
+            else:
+                files: dict[str, FileEntry] = {}
+                for _, table in tables:
+                    files.update(table)
+                try:
+                    manifest = self._make_manifest(
+                        step, files, {"metrics": metrics, "metadata": metadata}, sharded=True
+                    )
+                    self.storage.commit(pending, manifest)
+                    self._known_good.add(step)
+                    outcome = ("ok", manifest.to_bytes())
+                except BaseException as e:
+                    self.storage.abort(pending)
+                    err = _commit_error(e, where, self._previous(step)) if _plain_oserror(e) else e
+                    outcome = ("error", err)
+        status, value = self.coord.broadcast(outcome, "save:commit", step)
+        if status == "error":
+            raise value if isinstance(value, BaseException) else CommitError(str(value))
+        self._after_commit(step)
+        return Manifest.from_bytes(value)
+
+    def _encode_sync(
+        self, state: Mapping[Any, Any]
+    ) -> tuple[bytes, dict[str, dict[str, torch.Tensor]]]:
+        """Encode without staging: sharded saves complete before ``save`` returns."""
+        was, self.async_save = self.async_save, False
+        try:
+            return self._encode(state)
+        finally:
+            self.async_save = was
 
     def _after_commit(self, step: int) -> None:
         """Retention runs only after a commit; its failure never fails the save."""
@@ -388,9 +499,7 @@ class CheckpointManager:
             return
         try:
             self.prune()
-        except CkptStoreError as e:
-            log.warning("retention after step %d failed: %s", step, e)
-        except OSError as e:
+        except (CkptStoreError, OSError) as e:
             log.warning("retention after step %d failed: %s", step, e)
 
     def _log_summary(self, step: int, manifest: Manifest, seconds: float, blocked: float) -> None:
@@ -406,12 +515,16 @@ class CheckpointManager:
 
     # ---- async bookkeeping ----------------------------------------------------------
 
-    def _raise_bg_error(self) -> None:
+    def _take_bg_error(self) -> BaseException | None:
         err, self._bg_error = self._bg_error, None
+        if err is None or isinstance(err, CkptStoreError):
+            return err
+        return CommitError(f"the previous async save failed: {err}")
+
+    def _raise_bg_error(self) -> None:
+        err = self._take_bg_error()
         if err is not None:
-            if isinstance(err, CkptStoreError):
-                raise err
-            raise CommitError(f"the previous async save failed: {err}") from err
+            raise err
 
     def wait_save(self) -> None:
         """Wait for the in-flight async save, if any (its error is raised by :meth:`wait`)."""
@@ -432,43 +545,80 @@ class CheckpointManager:
 
     # ---- restore / load ---------------------------------------------------------------
 
-    def _read(self, step: int) -> tuple[Manifest, dict[Any, Any], TreeDecoder]:
-        """Manifest, top-level nodes and a decoder for ``step``; nothing trusted unverified."""
-        manifest = self.storage.read_manifest(step)
+    def _layout_of(self, manifest: Manifest, rank: int) -> tuple[str, dict[str, list[str]]]:
+        """The state file and payload files (by group) that ``rank`` reads."""
+        where = self.storage.describe(manifest.step)
+        if manifest.sharded:
+            if manifest.world_size != self.coord.world_size and self.coord.enabled:
+                raise StateMismatchError(
+                    f"{where} was saved sharded by {manifest.world_size} ranks and this job has "
+                    f"{self.coord.world_size}; a sharded checkpoint restores only on the same "
+                    "world size. Relaunch with that many ranks"
+                )
+            if not 0 <= rank < manifest.world_size:
+                raise StateMismatchError(
+                    f"{where} has shards for ranks 0..{manifest.world_size - 1}, not {rank}"
+                )
+        want_rank = rank if manifest.sharded else None
+        groups: dict[str, list[str]] = {}
+        for name, fe in manifest.files.items():
+            if fe.codec != "json" and fe.rank == want_rank:
+                groups.setdefault(payload_codec.group_of(name), []).append(name)
+        sname = state_file(want_rank)
+        if sname not in manifest.files:
+            raise ManifestError(f"{where}: manifest lists no {sname}")
+        return sname, groups
+
+    def _decode(
+        self,
+        step: int,
+        wanted: Iterable[Any] | None,
+        *,
+        rank: int | None = None,
+        blobs: Mapping[str, bytearray] | None = None,
+    ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
+        """Decode the entries ``wanted`` (all if None) of ``step`` as ``rank`` sees them.
+
+        Every byte is checked against the manifest's checksum before it is decoded; with
+        ``blobs`` the files come from memory (broadcast by rank 0) instead of storage.
+        """
+        rank = self.coord.rank if rank is None else rank
+        manifest = self.storage.read_manifest(step) if blobs is None else _blob_manifest(blobs)
         where = self.storage.describe(step)
-        entry = manifest.files.get(STATE_NAME)
-        if entry is None:
-            raise ManifestError(f"{where}: manifest lists no {STATE_NAME}")
-        raw = self.storage.read_file(step, STATE_NAME, entry)
+        sname, groups = self._layout_of(manifest, rank)
+
+        def fetch(name: str) -> bytearray:
+            entry = manifest.files[name]
+            if blobs is None:
+                return self.storage.read_file(step, name, entry)
+            data = blobs.get(name)
+            if data is None or len(data) != entry.bytes or crc32c_of(data) != entry.crc32c:
+                raise IntegrityError(f"{where}/{name}: broadcast copy does not match the manifest")
+            return data
+
+        raw = fetch(sname)
         try:
             tree = json.loads(bytes(raw).decode("utf-8"))
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise IntegrityError(f"{where}/{STATE_NAME}: not valid JSON ({e})") from None
+            raise IntegrityError(f"{where}/{sname}: not valid JSON ({e})") from None
         if not isinstance(tree, dict) or tree.get("ckptstore_state") != STATE_FORMAT:
-            raise IntegrityError(
-                f"{where}/{STATE_NAME}: not a ckptstore state (format {STATE_FORMAT})"
-            )
+            raise IntegrityError(f"{where}/{sname}: not a ckptstore state (format {STATE_FORMAT})")
         root = tree.get("root")
-        if not isinstance(root, dict) or not isinstance(root.get("keys"), list):
-            raise IntegrityError(f"{where}/{STATE_NAME}: malformed root")
-        keys, vals = root["keys"], root.get("vals")
-        if not isinstance(vals, list) or len(vals) != len(keys):
-            raise IntegrityError(f"{where}/{STATE_NAME}: malformed root")
-        files_by_group: dict[str, list[str]] = {}
-        for name, fe in manifest.files.items():
-            if fe.codec != "json":
-                files_by_group.setdefault(payload_codec.group_of(name), []).append(name)
+        keys = root.get("keys") if isinstance(root, dict) else None
+        vals = root.get("vals") if isinstance(root, dict) else None
+        if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
+            raise IntegrityError(f"{where}/{sname}: malformed root")
         cache: dict[str, dict[str, torch.Tensor]] = {}
 
         def get_tensor(group: str, key: str) -> torch.Tensor:
             if group not in cache:
-                names = files_by_group.get(group)
+                names = groups.get(group)
                 if not names:
                     raise IntegrityError(f"{where}: no payload file for group {group!r}")
                 merged: dict[str, torch.Tensor] = {}
                 for n in sorted(names):
                     merged.update(
-                        payload_codec.read_group(self.storage, step, n, manifest.files[n])
+                        payload_codec.decode_payload(fetch(n), manifest.files[n], f"{where}/{n}")
                     )
                 cache[group] = merged
             t = cache[group].get(key)
@@ -476,34 +626,35 @@ class CheckpointManager:
                 raise IntegrityError(f"{where}: tensor {key!r} missing from payload {group!r}")
             return t
 
-        dec = TreeDecoder(get_tensor, allow_pickle=self.allow_pickle, where=f"{where}/{STATE_NAME}")
-        nodes = {}
-        for k, v in zip(keys, vals, strict=True):
-            if isinstance(k, bool) or not isinstance(k, str | int):
-                raise IntegrityError(f"{where}/{STATE_NAME}: top-level key {k!r} is not str or int")
-            nodes[k] = v
-        return manifest, nodes, dec
-
-    @staticmethod
-    def _unwrap(node: Any) -> tuple[str | None, Any]:
-        if isinstance(node, dict) and node.get("t") == "stateful":
-            kind = node.get("kind")
-            return (kind if isinstance(kind, str) else "stateful"), node.get("v")
-        return None, node
-
-    def _decode(
-        self, step: int, wanted: Iterable[Any] | None
-    ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
-        _, nodes, dec = self._read(step)
+        dec = TreeDecoder(get_tensor, allow_pickle=self.allow_pickle, where=f"{where}/{sname}")
+        wanted_set = None if wanted is None else set(wanted)
         out: dict[Any, Any] = {}
         kinds: dict[Any, str | None] = {}
-        for k, node in nodes.items():
-            if wanted is not None and k not in wanted:
+        for k, node in zip(keys, vals, strict=True):
+            if isinstance(k, bool) or not isinstance(k, str | int):
+                raise IntegrityError(f"{where}/{sname}: top-level key {k!r} is not str or int")
+            if wanted_set is not None and k not in wanted_set:
                 continue
-            kind, inner = self._unwrap(node)
-            out[k] = dec.decode(inner, (k,))
+            kind, inner = _unwrap(node)
+            value = dec.decode(inner, (k,))
+            if kind == "rng" and isinstance(value, dict) and "per_rank" in value:
+                per_rank = value["per_rank"]
+                value = per_rank[rank] if rank < len(per_rank) else per_rank[0]
+            out[k] = value
             kinds[k] = kind
         return out, kinds
+
+    def _read_blobs(self, step: int) -> dict[str, bytearray]:
+        """Rank 0's verified copy of every file of a replicated checkpoint, for broadcast."""
+        manifest = self.storage.read_manifest(step)
+        if manifest.sharded:
+            raise StateMismatchError(
+                f"{self.storage.describe(step)} is sharded: every rank reads its own shard, so "
+                "restore it without broadcast=True"
+            )
+        blobs = {n: self.storage.read_file(step, n, e) for n, e in manifest.files.items()}
+        blobs[_MANIFEST_BLOB] = bytearray(manifest.to_bytes())
+        return blobs
 
     def _candidates(self, step: int | None) -> list[int]:
         steps = self.steps()
@@ -515,38 +666,22 @@ class CheckpointManager:
             raise NoCheckpointError(f"{self.root}: no committed checkpoint to restore")
         return list(reversed(steps))
 
-    def _load_first_good(
-        self, step: int | None, wanted: Iterable[Any] | None
-    ) -> tuple[int, dict[Any, Any], dict[Any, str | None]]:
-        """Decode the newest checkpoint that verifies (or exactly ``step``)."""
-        skipped: list[str] = []
-        for s in self._candidates(step):
-            try:
-                out, kinds = self._decode(s, wanted)
-            except (IntegrityError, ManifestError) as e:
-                if step is not None:
-                    raise
-                log.warning("skipping step %d: %s", s, e)
-                skipped.append(f"step {s}: {e}")
-                continue
-            self._known_good.add(s)
-            return s, out, kinds
-        raise NoCheckpointError(
-            f"{self.root}: no checkpoint verifies; tried newest first: " + " | ".join(skipped)
-        )
-
     def restore(
         self,
         state: MutableMapping[Any, Any],
         step: int | None = None,
         *,
         strict: bool = True,
+        broadcast: bool = False,
     ) -> int:
         """Load a checkpoint into ``state`` in place; collective under torch.distributed.
 
-        Every payload is read and checked against its checksum before anything in ``state``
-        changes. Without ``step`` the newest checkpoint that verifies is used (corrupt ones
-        are skipped and logged); with ``step``, exactly that one.
+        Rank 0 picks the step (the newest that verifies, or exactly ``step``) and every rank
+        loads that one: each reads the files itself (shared storage), or with
+        ``broadcast=True`` rank 0 reads them and sends them to the others (node-local
+        disks). Every payload is checked against its checksum before anything in ``state``
+        changes; a checkpoint that fails on any rank is skipped by all (when ``step`` is
+        None). Tensors go to CPU, then into each target's own device.
 
         Returns:
             The restored step.
@@ -555,62 +690,108 @@ class CheckpointManager:
             NoCheckpointError: the store is empty, or nothing verifies.
             IntegrityError: the requested ``step`` is corrupt.
             StateMismatchError: the checkpoint does not fit the objects in ``state``.
+            BarrierTimeout: a rank did not join in time.
         """
         self._check_open()
-        self._raise_bg_error()
         self.wait_save()
+        self._raise_bg_error()
         self.coord.barrier("restore:enter", step)
         keys = list(state.keys())
-        # Rank 0 picks the step (newest that verifies) and every rank loads that one.
-        chosen: tuple[str, Any] = ("ok", None)
-        stored: dict[Any, Any] | None = None
-        kinds: dict[Any, str | None] = {}
+        listing: tuple[str, Any] = ("ok", None)
         if self.coord.is_leader:
             try:
-                s, stored, kinds = self._load_first_good(step, keys)
-                chosen = ("ok", s)
+                listing = ("ok", self._candidates(step))
             except BaseException as e:
-                chosen = ("error", e)
-        chosen = self.coord.broadcast(chosen, "restore:choose", step)
-        if chosen[0] == "error":
-            raise chosen[1]
-        s = int(chosen[1])
-        status: tuple[str, Any] = ("ok", None)
-        if stored is None:
+                listing = ("error", e)
+        status, value = self.coord.broadcast(listing, "restore:choose", step)
+        if status == "error":
+            raise value
+        skipped: list[str] = []
+        for s in value:
+            stored: dict[Any, Any] | None = None
+            kinds: dict[Any, str | None] = {}
+            mine: tuple[str, Any] = ("ok", None)
+            blobs: dict[str, bytearray] | None = None
             try:
-                stored, kinds = self._decode(s, keys)
+                if broadcast:
+                    if self.coord.is_leader:
+                        try:
+                            blobs = self._read_blobs(s)
+                        except BaseException:
+                            self.coord.broadcast_bytes({}, "restore:broadcast", s)
+                            raise
+                    blobs = self.coord.broadcast_bytes(blobs, "restore:broadcast", s)
+                    if not blobs:
+                        raise IntegrityError(f"step {s}: rank 0 could not read it")
+                stored, kinds = self._decode(s, keys, blobs=blobs or None)
+            except (IntegrityError, ManifestError) as e:
+                mine = ("skip", e)
+            except BarrierTimeout:
+                raise
             except BaseException as e:
-                status = ("error", e)
-        statuses = self.coord.all_gather(status, "restore:load", s)
-        for r, (st, err) in enumerate(statuses):
-            if st == "error":
-                if r == self.coord.rank or not isinstance(err, BaseException):
-                    raise err if isinstance(err, BaseException) else IntegrityError(str(err))
-                raise type(err)(f"rank {r}: {err}") if isinstance(err, CkptStoreError) else err
-        assert stored is not None
-        apply_state(state, stored, kinds, strict=strict, where=self.storage.describe(s))
-        return s
+                mine = ("error", e)
+            verdicts = self.coord.all_gather(mine, "restore:load", s)
+            hard = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
+            soft = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "skip"]
+            if hard or (soft and step is not None):
+                r, err = (hard or soft)[0]
+                if r == self.coord.rank or not isinstance(err, CkptStoreError):
+                    raise err
+                raise type(err)(f"rank {r}: {err}")
+            if soft:
+                why = "; ".join(f"rank {r}: {v}" for r, v in soft)
+                log.warning("skipping step %d: %s", s, why)
+                skipped.append(f"step {s}: {why}")
+                continue
+            assert stored is not None
+            self._known_good.add(s)
+            apply_state(state, stored, kinds, strict=strict, where=self.storage.describe(s))
+            return int(s)
+        raise NoCheckpointError(
+            f"{self.root}: no checkpoint verifies; tried newest first: " + " | ".join(skipped)
+        )
 
-    def resume(self, state: MutableMapping[Any, Any], *, strict: bool = True) -> int:
-        """Restore the newest good checkpoint if there is one.
+    def resume(
+        self, state: MutableMapping[Any, Any], *, strict: bool = True, broadcast: bool = False
+    ) -> int:
+        """Restore the newest good checkpoint if there is one (collective).
 
         Returns:
             0 on an empty store, else the restored step + 1 (the next step to run).
         """
         self._check_open()
-        if not self.steps():
-            self.coord.barrier("resume:empty")
+        empty = self.coord.broadcast(
+            not self.steps() if self.coord.is_leader else None, "resume:list"
+        )
+        if empty:
             return 0
-        return self.restore(state, strict=strict) + 1
+        return self.restore(state, strict=strict, broadcast=broadcast) + 1
 
-    def load(self, step: int | None = None) -> dict[Any, Any]:
+    def load(self, step: int | None = None, *, rank: int | None = None) -> dict[Any, Any]:
         """The stored state as plain data (modules as state dicts, tensors on CPU).
+
+        Not collective. Without ``step``, the newest checkpoint that verifies. ``rank``
+        picks the shard of a sharded checkpoint (default: this process's rank).
 
         Raises:
             NoCheckpointError: nothing committed (or nothing that verifies).
             IntegrityError: the requested ``step`` is corrupt.
         """
-        return self._load_first_good(step, None)[1]
+        skipped: list[str] = []
+        for s in self._candidates(step):
+            try:
+                out, _ = self._decode(s, None, rank=rank)
+            except (IntegrityError, ManifestError) as e:
+                if step is not None:
+                    raise
+                log.warning("skipping step %d: %s", s, e)
+                skipped.append(f"step {s}: {e}")
+                continue
+            self._known_good.add(s)
+            return out
+        raise NoCheckpointError(
+            f"{self.root}: no checkpoint verifies; tried newest first: " + " | ".join(skipped)
+        )
 
     # ---- verify / retention -------------------------------------------------------------
 
@@ -729,7 +910,7 @@ class CheckpointManager:
         return f"CheckpointManager({self.root!r}, format={self.format!r}, policy={self.policy!r})"
 
 
-def _commit_error(e: OSError, where: str, previous: int | None) -> CommitError:
+def _commit_error(e: BaseException, where: str, previous: int | None) -> CommitError:
     reason = {
         errno.ENOSPC: "the disk is full",
         errno.EDQUOT: "the disk quota is exceeded",
@@ -737,7 +918,7 @@ def _commit_error(e: OSError, where: str, previous: int | None) -> CommitError:
         errno.EPERM: "operation not permitted",
         errno.EROFS: "the filesystem is read-only",
         errno.EIO: "an I/O error",
-    }.get(e.errno or 0, type(e).__name__)
+    }.get(getattr(e, "errno", None) or 0, type(e).__name__)
     prev = (
         f"step {previous} is still the newest checkpoint"
         if previous is not None
@@ -774,3 +955,43 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         msg = f"metadata must be JSON-serializable (no NaN): {e}"
         raise ValueError(msg) from None
     return d
+
+
+_MANIFEST_BLOB = "manifest.json"
+
+
+def state_file(rank: int | None) -> str:
+    """The name of the state tree file (per rank in a sharded checkpoint)."""
+    return STATE_NAME if rank is None else f"state.rank{rank:05d}.json"
+
+
+def _unwrap(node: Any) -> tuple[str | None, Any]:
+    if isinstance(node, dict) and node.get("t") == "stateful":
+        kind = node.get("kind")
+        return (kind if isinstance(kind, str) else "stateful"), node.get("v")
+    return None, node
+
+
+def _blob_manifest(blobs: Mapping[str, bytearray]) -> Manifest:
+    data = blobs.get(_MANIFEST_BLOB)
+    if data is None:
+        raise IntegrityError("rank 0 sent no manifest")
+    return Manifest.from_bytes(bytes(data))
+
+
+def _plain_oserror(e: BaseException) -> bool:
+    return isinstance(e, OSError) and not isinstance(e, CkptStoreError)
+
+
+def _shard_error(failed: list[tuple[int, Any]], where: str, previous: int | None) -> CommitError:
+    prev = (
+        f"step {previous} is still the newest checkpoint"
+        if previous is not None
+        else "nothing was committed"
+    )
+    detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+    ranks = ", ".join(str(r) for r, _ in failed)
+    return CommitError(
+        f"sharded save of {where} aborted: rank(s) {ranks} failed to write their shard ({detail}); "
+        f"nothing of it is visible and {prev}"
+    )

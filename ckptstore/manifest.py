@@ -191,7 +191,13 @@ class Manifest:
             expected = parse_crc(checksum)  # type: ignore[arg-type]
         except (ValueError, TypeError):
             raise ManifestError(f"{where}: self-checksum missing or malformed") from None
-        actual = crc32c_of(_canonical(body))
+        try:
+            actual = crc32c_of(_canonical(body))
+        except ValueError:  # json.loads accepts NaN, Infinity and 1e400; canonical JSON does not
+            raise ManifestError(
+                f"{where}: non-finite number (NaN, Infinity) in JSON; the manifest is corrupt "
+                "or hostile"
+            ) from None
         if actual != expected:
             raise ManifestError(
                 f"{where}: self-checksum mismatch (stored {format_crc(expected)}, computed "

@@ -44,8 +44,13 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
     except ManifestError as e:
         report.add(str(e))
         return report
-    if STATE_NAME not in manifest.files:
-        report.add(f"{storage.describe(step)}: manifest lists no {STATE_NAME}")
+    if manifest.sharded:
+        wanted = [f"state.rank{r:05d}.json" for r in range(manifest.world_size)]
+    else:
+        wanted = [STATE_NAME]
+    for name in wanted:
+        if name not in manifest.files:
+            report.add(f"{storage.describe(step)}: manifest lists no {name}")
     for name, entry in sorted(manifest.files.items()):
         where = storage.describe(step, name)
         report.files += 1

@@ -175,7 +175,9 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int, where: st
     for name, info in doc.items():
         if not isinstance(info, dict):
             raise _reject(where, f"entry {name!r} is not an object")
-        dtype = ST_TO_DTYPE.get(info.get("dtype"))  # type: ignore[arg-type]
+        st_dtype = info.get("dtype")
+        # A list or object here is unhashable: look it up only when it is a string.
+        dtype = ST_TO_DTYPE.get(st_dtype) if isinstance(st_dtype, str) else None
         if dtype is None:
             raise _reject(where, f"entry {name!r} has unknown dtype {info.get('dtype')!r}")
         shape, offs = info.get("shape"), info.get("data_offsets")

@@ -66,7 +66,10 @@ def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, d
                     raise IntegrityError(f"{where}: zip member {bad!r} fails its CRC-32 check")
             return len(names)
     except zipfile.BadZipFile as e:
-        msg = f"{where}: not a readable torch zip archive ({e}); the file is truncated or corrupt"
+        msg = (
+            f"{where}: not a readable torch zip archive ({e}); the file is truncated or corrupt "
+            "(no valid zip central directory)"
+        )
         raise IntegrityError(msg) from None
     except (EOFError, OSError, ValueError) as e:
         raise IntegrityError(f"{where}: zip archive unreadable ({e})") from None

@@ -1,0 +1,40 @@
+"""Shared fixtures: keep this small; module-specific helpers live in their test file."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from ckptstore import CheckpointManager
+
+#: Every payload format x compression the manager writes.
+CODECS = [
+    ("safetensors", None),
+    ("safetensors", "zstd"),
+    ("torch", None),
+    ("torch", "zstd"),
+]
+
+
+@pytest.fixture(params=CODECS, ids=[f"{f}-{c or 'raw'}" for f, c in CODECS])
+def codec(request: pytest.FixtureRequest) -> dict[str, Any]:
+    """``format=`` and ``compression=`` keyword arguments for ``CheckpointManager``."""
+    fmt, comp = request.param
+    return {"format": fmt, "compression": comp}
+
+
+@pytest.fixture
+def roundtrip(tmp_path: Path, codec: dict[str, Any]) -> Callable[..., dict[Any, Any]]:
+    """``roundtrip(state, **manager_kwargs)``: save as step 1, return ``load()`` of it."""
+
+    def run(state: dict[Any, Any], **kwargs: Any) -> dict[Any, Any]:
+        root = tmp_path / "store"
+        with CheckpointManager(root, **codec, **kwargs) as mgr:
+            mgr.save(1, state)
+            return mgr.load()
+
+    return run
+
