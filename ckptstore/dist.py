@@ -19,7 +19,9 @@ import contextlib
 import datetime
 import itertools
 import json
+import os
 import re
+import socket
 import time
 from typing import Any
 
@@ -44,6 +46,23 @@ def _default_store() -> Any:
         return None
 
 
+def _alive(pid: int) -> bool:
+    """Whether a local process runs (a zombie, exited but not yet reaped, does not)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as f:
+            state = f.read().rsplit(b")", 1)[1].split()[0]
+        return state not in (b"Z", b"X")
+    except (OSError, IndexError):
+        pass
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 class Coordinator:
     """Barrier, broadcast and gather over a private gloo group, bounded by ``timeout``.
 
@@ -64,6 +83,13 @@ class Coordinator:
             self.group = dist.new_group(
                 backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
             )
+            store = _default_store()
+            if store is not None:
+                with contextlib.suppress(Exception):
+                    store.set(
+                        f"ckptstore/{self._uid}/host/{self.rank}",
+                        f"{socket.gethostname()}:{os.getpid()}",
+                    )
 
     @property
     def is_leader(self) -> bool:
@@ -77,22 +103,61 @@ class Coordinator:
         """The missing ranks: parsed on rank 0, fetched from rank 0's verdict elsewhere."""
         m = _RANKS_RE.search(text)
         store = _default_store()
-        if m:
-            missing = sorted({int(x) for x in re.findall(r"\d+", m.group(1))})
+        key = self._key()
+        if self.rank == 0:
+            if m:
+                missing = sorted({int(x) for x in re.findall(r"\d+", m.group(1))})
+            else:  # "connection closed by peer": gloo names an address, not a rank
+                missing = self._probe_missing(store)
             if store is not None:
+                # Publish, then wait until every survivor has read it: the store usually
+                # lives in this process, which is about to raise and may exit.
+                survivors = self.world_size - 1 - len(missing)
+                deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout)
                 with contextlib.suppress(Exception):
-                    store.set(self._key(), json.dumps(missing))
+                    store.set(key, json.dumps(missing))
+                    while store.add(key + "/acks", 0) < survivors and time.monotonic() < deadline:
+                        time.sleep(0.02)
             return missing
-        if self.rank != 0 and store is not None:
+        if store is not None:
             deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout)
             while time.monotonic() < deadline:
                 try:
-                    if store.check([self._key()]):
-                        return [int(r) for r in json.loads(store.get(self._key()))]
+                    if store.check([key]):
+                        missing = [int(r) for r in json.loads(store.get(key))]
+                        store.add(key + "/acks", 1)
+                        return missing
                 except Exception:
                     break  # the store lived in rank 0's process: rank 0 is gone
-                time.sleep(0.05)
-        return [0] if self.rank != 0 else []
+                time.sleep(0.02)
+        return [0]
+
+    def _probe_missing(self, store: Any) -> list[int]:
+        """Which ranks are gone: not arrived at this wait, or dead processes on this host."""
+        if store is None:
+            return []
+        missing = []
+        host = socket.gethostname()
+        for r in range(self.world_size):
+            if r == self.rank:
+                continue
+            try:
+                if not store.check([f"ckptstore/{self._uid}/{self._seq}/in/{r}"]):
+                    missing.append(r)
+                    continue
+                where = store.get(f"ckptstore/{self._uid}/host/{r}").decode()
+            except Exception:
+                continue
+            rhost, _, pid = where.rpartition(":")
+            if rhost == host and pid.isdigit() and not _alive(int(pid)):
+                missing.append(r)
+        return missing
+
+    def _arrive(self) -> None:
+        store = _default_store()
+        if store is not None:
+            with contextlib.suppress(Exception):
+                store.set(f"ckptstore/{self._uid}/{self._seq}/in/{self.rank}", "1")
 
     def _fail(self, e: BaseException, phase: str, step: int | None) -> BarrierTimeout:
         text = str(e)
@@ -124,6 +189,7 @@ class Coordinator:
             return
         self._check(phase, step)
         self._seq += 1
+        self._arrive()
         try:
             dist.monitored_barrier(
                 group=self.group,

@@ -369,8 +369,12 @@ class CheckpointManager:
             format_version=FORMAT_VERSION,
         )
 
-    def _commit_job(self, job: dict[str, Any]) -> Manifest:
-        """Write payloads, state.json and the manifest, and commit (rank 0 only)."""
+    def _write_job(self, job: dict[str, Any]) -> tuple[Pending, Manifest]:
+        """Write payloads and state.json durably into a pending checkpoint (rank 0 only).
+
+        Everything but the commit itself, so the caller can check that every rank is still
+        there before the checkpoint becomes visible.
+        """
         step = job["step"]
         where = self.storage.describe(step)
         try:
@@ -380,13 +384,29 @@ class CheckpointManager:
         try:
             self._write_files(pending, job)
             manifest = self._make_manifest(step, pending.files, job, sharded=False)
+        except BaseException as e:
+            self.storage.abort(pending)
+            if _plain_oserror(e):
+                raise _commit_error(e, where, self._previous(step)) from e
+            raise
+        return pending, manifest
+
+    def _publish(self, pending: Pending, manifest: Manifest) -> None:
+        """Commit a fully written checkpoint; on failure nothing of it stays visible."""
+        try:
             self.storage.commit(pending, manifest)
         except BaseException as e:
             self.storage.abort(pending)
-            if isinstance(e, OSError) and not isinstance(e, CkptStoreError):
-                raise _commit_error(e, where, self._previous(step)) from e
+            if _plain_oserror(e):
+                where = self.storage.describe(pending.step)
+                raise _commit_error(e, where, self._previous(pending.step)) from e
             raise
-        self._known_good.add(step)
+        self._known_good.add(pending.step)
+
+    def _commit_job(self, job: dict[str, Any]) -> Manifest:
+        """Write and commit in one go (the async writer, which has no one to wait for)."""
+        pending, manifest = self._write_job(job)
+        self._publish(pending, manifest)
         return manifest
 
     def _previous(self, step: int) -> int | None:
@@ -399,17 +419,40 @@ class CheckpointManager:
     def _commit_replicated(
         self, job: dict[str, Any] | None, error: BaseException | None, step: int
     ) -> Manifest:
-        """Rank 0 commits; the outcome is broadcast so every rank returns or raises alike."""
-        outcome: tuple[str, Any] = ("ok", b"")
+        """Rank 0 writes; once every rank is known to be alive it commits; all learn how.
+
+        The "save:write" wait sits between writing and committing (arrive/commit/depart),
+        so a rank that died during the save leaves nothing visible.
+        """
+        pending: Pending | None = None
+        manifest: Manifest | None = None
+        written: tuple[str, Any] = ("ok", None)
         if self.coord.is_leader:
             if error is None:
                 assert job is not None
                 try:
-                    outcome = ("ok", self._commit_job(job).to_bytes())
+                    pending, manifest = self._write_job(job)
                 except BaseException as e:
-                    outcome = ("error", e)
+                    written = ("error", e)
             else:
-                outcome = ("error", error)
+                written = ("error", error)
+        try:
+            status, value = self.coord.broadcast(written, "save:write", step)
+        except BarrierTimeout:
+            if pending is not None:
+                self.storage.abort(pending)
+            raise
+        if status == "error":
+            raise value if isinstance(value, BaseException) else CommitError(str(value))
+        outcome: tuple[str, Any] = ("ok", b"")
+        if self.coord.is_leader:
+            assert pending is not None
+            assert manifest is not None
+            try:
+                self._publish(pending, manifest)
+                outcome = ("ok", manifest.to_bytes())
+            except BaseException as e:
+                outcome = ("error", e)
         status, value = self.coord.broadcast(outcome, "save:commit", step)
         if status == "error":
             raise value if isinstance(value, BaseException) else CommitError(str(value))
@@ -453,7 +496,12 @@ class CheckpointManager:
         except BaseException as e:
             log.error("rank %d failed to write its shard of step %d: %s", rank, step, e)
             mine = ("error", e)
-        tables = self.coord.gather(mine, "save:gather", step)
+        try:
+            tables = self.coord.gather(mine, "save:gather", step)
+        except BarrierTimeout:
+            if self.coord.is_leader:
+                self.storage.abort(pending)
+            raise
         # Phase 2: rank 0 commits only if every rank succeeded.
         outcome: tuple[str, Any] = ("ok", b"")
         if self.coord.is_leader:
@@ -835,7 +883,9 @@ class CheckpointManager:
         for s in reversed(steps):
             if s in self._known_good:
                 return s
-            if verify_checkpoint(self.storage, s, deep=False).ok:
+            # Deep: a quick check (sizes, headers) passes a flipped byte, and retention
+            # would then delete the only checkpoint that still loads.
+            if verify_checkpoint(self.storage, s, deep=True).ok:
                 self._known_good.add(s)
                 return s
         return None

@@ -209,7 +209,10 @@ class Manifest:
             raise ManifestError(f"{where}: 'files' must be an object")
         files: dict[str, FileEntry] = {}
         for name, row in files_raw.items():
-            validate_file_name(name)
+            try:
+                validate_file_name(name)
+            except ManifestError as e:  # say which manifest holds the name
+                raise ManifestError(f"{where}: {e}") from None
             files[name] = _file_entry(row, f"{where}: file {name!r}")
         fmt = doc.get("format", "safetensors")
         if fmt not in ("safetensors", "torch"):

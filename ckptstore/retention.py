@@ -164,11 +164,12 @@ def as_policy(keep: int | RetentionPolicy | Iterable[RetentionPolicy] | None) ->
         raise ValueError(msg)
     if isinstance(keep, int):
         return KeepLast(keep)
-    if isinstance(keep, RetentionPolicy):
+    # A policy class matches the runtime Protocol too (keep=KeepLast, without the call).
+    if isinstance(keep, RetentionPolicy) and not isinstance(keep, type):
         return keep
-    if isinstance(keep, Iterable) and not isinstance(keep, str | bytes):
+    if isinstance(keep, Iterable) and not isinstance(keep, str | bytes | type):
         items = list(keep)
-        if items and all(isinstance(p, RetentionPolicy) for p in items):
+        if items and all(isinstance(p, RetentionPolicy) and not isinstance(p, type) for p in items):
             return Union(tuple(items))
     msg = f"keep must be a positive int, a policy or a list of policies, got {keep!r}"
     raise ValueError(msg)

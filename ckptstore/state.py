@@ -79,6 +79,9 @@ def apply_state(
     for key, target in state.items():
         if key in stored and isinstance(target, nn.Module):
             _check_module(target, stored[key], strict=strict, where=f"{where}[{key!r}]")
+        elif isinstance(target, EMA):  # an EMA loads last: check it first all the same
+            at = f"{where}[{key!r}]"
+            _check_ema(target, stored.get(key), kinds.get(key), strict=strict, where=at)
     emas: list[tuple[Any, EMA]] = []
     for key, target in list(state.items()):
         if isinstance(target, EMA):
@@ -113,6 +116,17 @@ def _check_module(target: nn.Module, value: Any, *, strict: bool, where: str) ->
         )
     probe = _Probe(target)
     load_module_state(probe, value, strict=strict, where=where)
+
+
+def _check_ema(ema: EMA, value: Any, kind: str | None, *, strict: bool, where: str) -> None:
+    """Raise StateMismatchError if ``ema`` can be neither loaded nor rebuilt as it will be."""
+    if kind == "ema" and not ema.rebuild:
+        weights = value.get("weights") if isinstance(value, Mapping) else None
+        _check_module(ema.module, weights, strict=strict, where=where)
+    elif ema.source is not None:  # rebuilt from the source, whose shapes the restore keeps
+        _check_module(ema.module, module_state(ema.source), strict=True, where="ema (rebuilt)")
+    else:
+        ema.rebuild_from_source()  # raises: nothing to rebuild from
 
 
 class _Probe(nn.Module):

@@ -28,13 +28,13 @@ def codec(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 @pytest.fixture
 def roundtrip(tmp_path: Path, codec: dict[str, Any]) -> Callable[..., dict[Any, Any]]:
-    """``roundtrip(state, **manager_kwargs)``: save as step 1, return ``load()`` of it."""
+    """``roundtrip(state, **manager_kwargs)``: save as step 1 in a fresh store, ``load()`` it."""
+    calls = iter(range(1_000_000))
 
     def run(state: dict[Any, Any], **kwargs: Any) -> dict[Any, Any]:
-        root = tmp_path / "store"
+        root = tmp_path / f"store{next(calls)}"
         with CheckpointManager(root, **codec, **kwargs) as mgr:
             mgr.save(1, state)
             return mgr.load()
 
     return run
-

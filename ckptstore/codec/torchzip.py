@@ -65,6 +65,8 @@ def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, d
                 if bad is not None:
                     raise IntegrityError(f"{where}: zip member {bad!r} fails its CRC-32 check")
             return len(names)
+    except IntegrityError:  # ours, raised above: a ValueError, so keep it from the last clause
+        raise
     except zipfile.BadZipFile as e:
         msg = (
             f"{where}: not a readable torch zip archive ({e}); the file is truncated or corrupt "

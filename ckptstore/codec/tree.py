@@ -210,7 +210,8 @@ class TreeEncoder:
         if a.dtype.kind not in "biufc" or a.dtype.str[1:] in ("c16", "f16", "c32"):
             return self._pickle(a, path, f"numpy arrays of dtype {a.dtype}")
         native = a.astype(a.dtype.newbyteorder("=")) if not a.dtype.isnative else a
-        t = torch.from_numpy(np.ascontiguousarray(native).copy())
+        # np.array, not np.ascontiguousarray: that one turns a 0-d array into shape (1,).
+        t = torch.from_numpy(np.array(native, order="C", copy=True))
         node = self._tensor(t, group, path)
         node["t"] = "ndarray"
         node["np_dtype"] = a.dtype.str

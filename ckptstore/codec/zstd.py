@@ -47,16 +47,30 @@ class ZstdSink:
 
 
 def decompress(data: bytes | bytearray | memoryview, where: str) -> bytearray:
-    """Decompress a whole zstd stream into a new writable buffer."""
+    """Decompress a whole zstd stream (one frame or more) into a new writable buffer.
+
+    Raises:
+        IntegrityError: the stream is corrupt, or truncated: a stream reader would return
+            the data of an incomplete frame without complaint, so every frame must end.
+    """
     out = bytearray()
+    rest = memoryview(data).cast("B")
+    chunk = 64 << 20
     try:
         dctx = zstandard.ZstdDecompressor()
-        reader = dctx.stream_reader(bytes(data) if isinstance(data, memoryview) else data)
         while True:
-            chunk = reader.read(64 << 20)
-            if not chunk:
-                break
-            out += chunk
+            dobj = dctx.decompressobj()
+            pos = 0
+            while not dobj.eof and pos < len(rest):
+                out += dobj.decompress(rest[pos : pos + chunk])
+                pos += chunk
+            if not dobj.eof:
+                raise IntegrityError(
+                    f"{where}: zstd stream is truncated (its last frame never ends)"
+                )
+            tail = dobj.unused_data + bytes(rest[pos:])
+            if not tail:
+                return out
+            rest = memoryview(tail)
     except zstandard.ZstdError as e:
         raise IntegrityError(f"{where}: zstd stream is corrupt ({e})") from None
-    return out

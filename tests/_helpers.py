@@ -1,0 +1,300 @@
+"""Shared helpers of the single-process tests: small states, byte-level comparison, a view
+of a store's raw entries (local directory or fsspec memory filesystem) for corrupting it,
+and running Python in a subprocess.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import uuid
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from ckptstore.integrity import crc32c_of, format_crc
+
+REPO = Path(__file__).resolve().parent.parent
+MANIFEST = "manifest.json"
+
+
+def step_dir(step: int) -> str:
+    """The directory name of a committed step (spelled out here, not taken from layout.py,
+    so a change of the on-disk naming fails the tests)."""
+    return f"step-{step:012d}"
+
+
+class TinyNet(nn.Module):
+    """Two linear layers, a buffer and dropout: parameters, buffers and RNG use."""
+
+    def __init__(self, width: int = 8) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(4, width)
+        self.fc2 = nn.Linear(width, 3)
+        self.drop = nn.Dropout(0.25)
+        self.register_buffer("calls", torch.zeros((), dtype=torch.int64))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        self.calls += 1
+        return self.fc2(self.drop(torch.relu(self.fc1(x))))
+
+
+def train_step(model: nn.Module, opt: torch.optim.Optimizer, n: int = 1) -> None:
+    for _ in range(n):
+        opt.zero_grad()
+        loss = model(torch.randn(5, 4)).square().mean()
+        loss.backward()
+        opt.step()
+
+
+def make_state(seed: int = 0, width: int = 8) -> dict[str, Any]:
+    """A training state with a module, an optimizer that has state, a scheduler and data."""
+    torch.manual_seed(seed)
+    model = TinyNet(width)
+    opt = torch.optim.Adam(model.parameters(), lr=1e-2)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+    train_step(model, opt, 2)
+    sched.step()
+    return {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "step": seed,
+        "extra": {"lr": 0.5, "tags": ("a", 1, -0.0), 3: [None, True, b"\x00\xff"]},
+    }
+
+
+def fresh_like(state: Mapping[str, Any], seed: int = 123) -> dict[str, Any]:
+    """Objects of the same shape as ``state`` but different values (a restarted process)."""
+    new = make_state(seed, width=state["model"].fc1.out_features)
+    new["step"] = -1
+    new["extra"] = None
+    return new
+
+
+def bits(t: torch.Tensor) -> torch.Tensor:
+    return t.detach().reshape(-1).contiguous().view(torch.uint8)
+
+
+def assert_same(a: Any, b: Any, path: str = "state") -> None:
+    """Exact equality of nested data: types, dtypes, shapes and the bytes of tensors."""
+    if isinstance(a, torch.Tensor):
+        assert isinstance(b, torch.Tensor), f"{path}: {type(b)} is not a tensor"
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        assert torch.equal(bits(a), bits(b)), f"{path}: tensor bytes differ"
+        return
+    assert type(a) is type(b), f"{path}: type {type(a).__name__} != {type(b).__name__}"
+    if type(a).__module__ == "numpy":
+        assert a.dtype == b.dtype, f"{path}: dtype {a.dtype} != {b.dtype}"
+        assert a.shape == b.shape, f"{path}: shape {a.shape} != {b.shape}"
+        assert a.tobytes() == b.tobytes(), f"{path}: array bytes differ"
+    elif isinstance(a, Mapping):
+        assert list(a.keys()) == list(b.keys()), f"{path}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{path}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), f"{path}: length {len(a)} != {len(b)}"
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{path}[{i}]")
+    elif isinstance(a, float):
+        assert a.hex() == b.hex() or (a != a and b != b), f"{path}: {a!r} != {b!r}"
+    else:
+        assert a == b, f"{path}: {a!r} != {b!r}"
+
+
+def module_bytes(m: nn.Module) -> dict[str, torch.Tensor]:
+    """A detached clone of a module's state dict (to compare after a failed load)."""
+    return {k: v.detach().clone() for k, v in m.state_dict().items()}
+
+
+def flip_byte(data: bytes, offset: int) -> bytes:
+    b = bytearray(data)
+    b[offset] ^= 0xFF
+    return bytes(b)
+
+
+def forge_manifest(data: bytes, edit: Any) -> bytes:
+    """Apply ``edit(doc)`` to a manifest's JSON and recompute its self-checksum, as an
+    attacker (or a newer writer) would."""
+    doc = json.loads(data)
+    doc.pop("checksum")
+    edit(doc)
+    canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
+    doc["checksum"] = format_crc(crc32c_of(canonical.encode()))
+    return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+class StoreView:
+    """Raw access to the entries of a store, below ckptstore (to inspect and corrupt it).
+
+    Paths are relative to the store's root and ``/``-separated.
+    """
+
+    def __init__(self, kind: str, url: str, fs: Any = None, base: str = "") -> None:
+        self.kind = kind
+        self.url = url
+        self.fs = fs
+        self.base = base
+
+    @property
+    def local(self) -> bool:
+        return self.fs is None
+
+    def _p(self, rel: str) -> str:
+        return f"{self.base}/{rel}" if rel else self.base
+
+    def names(self, rel: str = "") -> list[str]:
+        """Names directly under ``rel`` (empty if it does not exist)."""
+        p = self._p(rel)
+        if self.local:
+            return sorted(os.listdir(p)) if os.path.isdir(p) else []
+        if not self.fs.exists(p):
+            return []
+        return sorted(os.path.basename(x.rstrip("/")) for x in self.fs.ls(p, detail=False))
+
+    def exists(self, rel: str) -> bool:
+        p = self._p(rel)
+        return os.path.lexists(p) if self.local else bool(self.fs.exists(p))
+
+    def read(self, rel: str) -> bytes:
+        p = self._p(rel)
+        if self.local:
+            return Path(p).read_bytes()
+        return bytes(self.fs.cat_file(p))
+
+    def write(self, rel: str, data: bytes) -> None:
+        p = self._p(rel)
+        if self.local:
+            os.makedirs(os.path.dirname(p), exist_ok=True)
+            Path(p).write_bytes(data)
+        else:
+            self.fs.pipe_file(p, data)
+
+    def remove(self, rel: str) -> None:
+        p = self._p(rel)
+        if self.local:
+            os.unlink(p)
+        else:
+            self.fs.rm_file(p)
+
+    def files(self) -> dict[str, bytes]:
+        """Every file under the root (except the lock), by relative path, with its bytes."""
+        out: dict[str, bytes] = {}
+        if self.local:
+            for dirpath, _, names in os.walk(self.base):
+                for n in names:
+                    full = os.path.join(dirpath, n)
+                    rel = os.path.relpath(full, self.base).replace(os.sep, "/")
+                    if rel != ".ckptstore.lock":
+                        out[rel] = Path(full).read_bytes()
+        else:
+            for p in self.fs.find(self.base):
+                rel = p[len(self.base) :].lstrip("/")
+                out[rel] = bytes(self.fs.cat_file(p))
+        return out
+
+    def payloads(self, step: int) -> list[str]:
+        """The tensor payload files of a committed step, per its manifest."""
+        doc = json.loads(self.read(f"{step_dir(step)}/{MANIFEST}"))
+        return sorted(n for n, e in doc["files"].items() if e["codec"] != "json")
+
+    def corrupt(self, step: int, name: str, offset: int = -1) -> None:
+        """Flip one byte of a file in the tensor data (default: the last byte)."""
+        rel = f"{step_dir(step)}/{name}"
+        data = self.read(rel)
+        self.write(rel, flip_byte(data, offset % len(data)))
+
+
+def local_view(root: Path, kind: str = "local") -> StoreView:
+    url = str(root) if kind == "local" else f"file://{root}"
+    return StoreView(kind, url, None, str(root))
+
+
+def memory_view() -> StoreView:
+    import fsspec
+
+    fs = fsspec.filesystem("memory")
+    name = f"ckptstore-test-{uuid.uuid4().hex}"
+    return StoreView("memory", f"memory://{name}", fs, f"/{name}")
+
+
+def drop_memory(view: StoreView) -> None:
+    from ckptstore.storage import wait_for_deletions
+
+    wait_for_deletions()
+    if view.fs is not None and view.fs.exists(view.base):
+        view.fs.rm(view.base, recursive=True)
+
+
+def iter_views(tmp_path: Path) -> Iterator[StoreView]:
+    yield local_view(tmp_path / "local-store")
+    yield local_view(tmp_path / "file-store", "file")
+    yield memory_view()
+
+
+def subprocess_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.setdefault("OMP_NUM_THREADS", "1")
+    return env
+
+
+def run_python(code: str, *args: str, timeout: float = 60) -> subprocess.CompletedProcess[str]:
+    """Run ``code`` in a fresh interpreter with the repository importable."""
+    return subprocess.run(
+        [sys.executable, "-c", code, *args],
+        env=subprocess_env(),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+class LineReader:
+    """Lines of a child process's stdout, read by a thread, waited for with a timeout."""
+
+    def __init__(self, stream: Any) -> None:
+        import queue
+        import threading
+
+        self.lines: list[str] = []
+        self._q: queue.Queue[str | None] = queue.Queue()
+        self._t = threading.Thread(target=self._run, args=(stream,), daemon=True)
+        self._t.start()
+
+    def _run(self, stream: Any) -> None:
+        for line in stream:
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def next(self, timeout: float = 30) -> str | None:
+        """The next line; ``None`` at end of stream. Raises ``TimeoutError``."""
+        import queue
+
+        try:
+            line = self._q.get(timeout=timeout)
+        except queue.Empty:
+            raise TimeoutError(f"no output from the child in {timeout}s") from None
+        if line is not None:
+            self.lines.append(line)
+        return line
+
+    def until(self, prefix: str, timeout: float = 30) -> str:
+        """Skip lines until one starts with ``prefix``; return it."""
+        import time
+
+        deadline = time.monotonic() + timeout
+        while True:
+            line = self.next(max(0.01, deadline - time.monotonic()))
+            if line is None:
+                raise EOFError(f"child ended before {prefix!r}; it said: {self.lines[-20:]}")
+            if line.startswith(prefix):
+                return line

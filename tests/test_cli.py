@@ -1,0 +1,669 @@
+"""Tests of the ``ckptstore`` command line (``ckptstore.cli``), mostly in-process."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from torch import nn
+
+from ckptstore import CheckpointManager
+from ckptstore.cli import human_bytes, main, parse_storage_options
+from ckptstore.storage import wait_for_deletions
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def make_model(seed: int = 0) -> nn.Linear:
+    torch.manual_seed(seed)
+    return nn.Linear(4, 3)
+
+
+def step_dir(root: Path, step: int) -> Path:
+    return root / f"step-{step:012d}"
+
+
+def flip_last_byte(path: Path) -> None:
+    with open(path, "r+b") as f:
+        f.seek(-1, os.SEEK_END)
+        b = f.read(1)
+        f.seek(-1, os.SEEK_END)
+        f.write(bytes([b[0] ^ 0xFF]))
+
+
+@pytest.fixture
+def store(tmp_path: Path) -> Path:
+    """A store with steps 9, 10, 100 (model + optimizer + step), step 9 pinned."""
+    root = tmp_path / "ckpt"
+    model = make_model()
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.randn(2, 4)).sum().backward()
+    opt.step()
+    with CheckpointManager(root, keep=None) as mgr:
+        for s in (9, 10, 100):
+            mgr.save(s, {"model": model, "optimizer": opt, "step": s}, metrics={"val_loss": 1 / s})
+        mgr.pin(9)
+    return root
+
+
+# ---- ls -----------------------------------------------------------------------------------
+
+
+def test_ls_table_orders_steps_numerically(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "ls", store)
+    assert rc == 0, err
+    lines = out.splitlines()
+    assert lines[0].split() == ["step", "created", "(UTC)", "size", "files", "metrics", "pinned"]
+    rows = [ln.split() for ln in lines[1:4]]
+    assert [r[0] for r in rows] == ["9", "10", "100"]
+    # step, date, time, size value, size unit, files, metrics[, pinned]
+    assert rows[0][5] == "3"
+    assert rows[0][6] == "val_loss=0.111111"
+    assert rows[0][-1] == "yes"
+    assert rows[1][-1] == "val_loss=0.1"  # no pinned column text
+    assert rows[0][4] in ("B", "kB")
+    assert len(rows[0][1]) == 10
+    assert len(rows[0][2]) == 8
+    assert lines[4].startswith("3 checkpoints")
+    assert err == ""
+
+
+def test_ls_json(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "ls", store, "--json")
+    assert rc == 0
+    data = json.loads(out)
+    assert [d["step"] for d in data] == [9, 10, 100]
+    first = data[0]
+    fields = ("step", "created", "bytes", "files", "metrics", "pinned", "format", "world_size")
+    for field in (*fields, "sharded"):
+        assert field in first
+    assert first["pinned"] is True
+    assert data[1]["pinned"] is False
+    assert first["files"] == 3
+    assert first["format"] == "safetensors"
+    assert first["world_size"] == 1
+    assert first["sharded"] is False
+    assert first["metrics"] == {"val_loss": pytest.approx(1 / 9)}
+    payloads = [
+        f for f in step_dir(store, 9).iterdir() if f.name not in {"manifest.json", "pinned"}
+    ]
+    sizes = sum(f.stat().st_size for f in payloads)
+    assert first["bytes"] == sizes
+    assert first["created"].endswith("Z")
+    assert len(first["created"]) == 20
+    # --json is also accepted before the command
+    rc2, out2, _ = run(capsys, "--json", "ls", store)
+    assert rc2 == 0
+    assert json.loads(out2) == data
+
+
+def test_ls_empty_and_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out, _ = run(capsys, "ls", empty)
+    assert rc == 0
+    assert "no checkpoints" in out
+    rc, out, _ = run(capsys, "ls", empty, "--json")
+    assert rc == 0
+    assert json.loads(out) == []
+    rc, out, err = run(capsys, "ls", tmp_path / "nope")
+    assert rc == 1
+    assert out == ""
+    assert err == f"ckptstore: error: {tmp_path / 'nope'}: no such directory\n"
+
+
+def test_ls_lists_a_broken_manifest(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    manifest = step_dir(store, 10) / "manifest.json"
+    manifest.write_text(manifest.read_text().replace('"world_size": 1', '"world_size": 2'))
+    rc, out, err = run(capsys, "ls", store)
+    assert rc == 1
+    row = next(ln for ln in out.splitlines() if ln.split()[0] == "10")
+    assert "BROKEN:" in row
+    assert "self-checksum mismatch" in row
+    assert [ln.split()[0] for ln in out.splitlines()[1:4]] == ["9", "10", "100"]
+    assert "Traceback" not in err
+    data = json.loads(run(capsys, "ls", store, "--json")[1])
+    assert data[1]["error"]
+    assert data[1]["bytes"] is None
+    assert data[0]["error"] is None
+
+
+# ---- verify -------------------------------------------------------------------------------
+
+
+def test_verify_newest_ok(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "verify", store)
+    assert rc == 0
+    assert out.startswith("step 100: OK (3 files, ")
+    assert "checked" in out
+    assert err == ""  # no progress bar off a terminal
+
+
+def test_verify_detects_flipped_byte(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flip_last_byte(step_dir(store, 100) / "model.safetensors")
+    rc, out, _ = run(capsys, "verify", store)
+    assert rc == 1
+    lines = out.splitlines()
+    assert lines[0] == "step 100: FAILED"
+    assert lines[1].startswith("    ")
+    assert "model.safetensors" in lines[1]
+    assert "crc32c" in lines[1]
+    assert "corrupt" in lines[1]
+    # --quick checks sizes and headers only, so a flipped data byte goes unnoticed
+    rc, out, _ = run(capsys, "verify", store, "--quick")
+    assert rc == 0
+    assert "quick" in out
+    rc, out, _ = run(capsys, "verify", store, "--json")
+    assert rc == 1
+    (report,) = json.loads(out)
+    assert report["ok"] is False
+    assert report["step"] == 100
+    assert any("model.safetensors" in p for p in report["problems"])
+
+
+def test_verify_all_and_step(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, err = run(capsys, "verify", store, "--all")
+    assert rc == 0, out
+    assert [ln.split(":")[0] for ln in out.splitlines()[:3]] == ["step 9", "step 10", "step 100"]
+    assert out.splitlines()[-1] == "3 checkpoints verified, 0 failed"
+    assert err == ""
+    (step_dir(store, 10) / "optimizer.safetensors").write_bytes(b"short")
+    rc, out, _ = run(capsys, "verify", store, "--all")
+    assert rc == 1
+    assert "step 9: OK" in out
+    assert "step 10: FAILED" in out
+    assert "step 100: OK" in out
+    assert "truncated or replaced" in out
+    assert run(capsys, "verify", store, "--step", "9")[0] == 0
+    rc, out, _ = run(capsys, "verify", store, "--step", "10", "--json")
+    assert rc == 1
+    assert json.loads(out)[0]["step"] == 10
+    # a step directory given directly
+    rc, out, _ = run(capsys, "verify", step_dir(store, 9))
+    assert rc == 0
+    assert out.startswith("step 9: OK")
+
+
+def test_progress_bar_only_on_a_terminal(store: Path, capsys, monkeypatch) -> None:
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
+    rc, out, err = run(capsys, "verify", store, "--all", "--quick")
+    assert rc == 0
+    assert "verify" in err  # tqdm's bar, on stderr
+    assert out.splitlines()[0].startswith("step 9: OK")  # stdout stays clean
+
+
+def test_verify_missing_step_and_empty(tmp_path: Path, store: Path, capsys) -> None:
+    rc, out, err = run(capsys, "verify", store, "--step", "5")
+    assert rc == 1
+    assert out == ""
+    assert err.startswith("ckptstore: error: ")
+    assert "no committed checkpoint" in err
+    assert err.count("\n") == 1
+    assert "Traceback" not in err
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, _, err = run(capsys, "verify", empty, "--all")
+    assert rc == 1
+    assert "no committed checkpoint" in err
+
+
+def test_verify_lone_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    pt = tmp_path / "plain.pt"
+    torch.save({"model": make_model().state_dict(), "epoch": 3}, pt)
+    rc, out, _ = run(capsys, "verify", pt)
+    assert rc == 0
+    assert out == f"{pt}: OK (1 file, {human_bytes(pt.stat().st_size)} checked)\n"
+    truncated = tmp_path / "truncated.pt"
+    truncated.write_bytes(pt.read_bytes()[:-100])
+    rc, out, _ = run(capsys, "verify", truncated)
+    assert rc == 1
+    assert out.splitlines()[0] == f"{truncated}: FAILED"
+    assert "central directory" in out
+    # --step makes no sense for a file
+    rc, _, err = run(capsys, "verify", pt, "--step", "1")
+    assert rc == 2
+    assert "apply to stores only" in err
+
+
+# ---- prune / gc ---------------------------------------------------------------------------
+
+
+def test_prune_dry_run_deletes_nothing(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "prune", store, "--keep-last", "1", "--dry-run")
+    assert rc == 0
+    assert "would delete 1 step: 10" in out  # 9 is pinned, 100 is newest
+    assert "would keep 2 steps: 9, 100" in out
+    wait_for_deletions()
+    assert step_dir(store, 10).is_dir()
+    rc, out, _ = run(capsys, "prune", store, "--keep-last", "1", "--dry-run", "--json")
+    assert json.loads(out) == {
+        "root": str(store),
+        "dry_run": True,
+        "deleted": [10],
+        "kept": [9, 100],
+    }
+
+
+def test_prune_deletes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "ckpt"
+    model = make_model()
+    with CheckpointManager(root, keep=None) as mgr:
+        for s in range(1, 7):
+            mgr.save(s, {"model": model}, metrics={"loss": [5, 1, 4, 3, 6, 7][s - 1]})
+    argv = ["--keep-last", "2", "--keep-best", "1", "--metric", "loss", "--keep-every", "4"]
+    rc, out, _ = run(capsys, "prune", root, *argv, "--json")
+    assert rc == 0
+    res = json.loads(out)
+    assert res["deleted"] == [1, 3]
+    assert res["kept"] == [2, 4, 5, 6]  # best (2) | every 4 (4) | last two (5, 6)
+    wait_for_deletions()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        step_dir(root, s).name for s in (2, 4, 5, 6)
+    ]
+    assert not any(p.name.startswith(".trash-") for p in root.iterdir())
+    rc, out, _ = run(capsys, "prune", root, "--keep-last", "1")
+    assert rc == 0
+    assert "deleted 3 steps: 2, 4, 5" in out
+    assert "kept 1 step: 6" in out
+    wait_for_deletions()
+    assert not step_dir(root, 2).exists()
+    assert step_dir(root, 6).is_dir()
+
+
+def test_prune_refused_while_locked(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    with CheckpointManager(store, keep=None) as writer:
+        writer.save(101, {"x": torch.zeros(1)})  # takes and holds the writer lock
+        rc, out, err = run(capsys, "prune", store, "--keep-last", "1")
+    assert rc == 1
+    assert out == ""
+    assert err.startswith("ckptstore: error: ")
+    assert "locked by another writer" in err
+    assert step_dir(store, 10).is_dir()
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["prune", "{root}"],
+        ["prune", "{root}", "--keep-best", "2"],
+        ["prune", "{root}", "--keep-last", "1", "--metric", "loss"],
+        ["prune", "{root}", "--keep-last", "0"],
+        ["prune", "{root}", "--keep-last", "1", "--mode", "avg"],
+    ],
+)
+def test_prune_usage_errors(store: Path, argv: list[str], capsys) -> None:
+    rc, out, err = run(capsys, *[a.format(root=store) for a in argv])
+    assert rc == 2
+    assert out == ""
+    assert "usage: ckptstore prune" in err
+    assert "error:" in err
+
+
+def test_gc_removes_stale_tmp(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    stale = store / (".tmp-step-000000000005-" + "ab" * 16)
+    stale.mkdir()
+    (stale / "model.safetensors").write_bytes(b"partial")
+    rc, out, _ = run(capsys, "ls", store)
+    assert "1 stale entry (interrupted saves or deletions)" in out
+    assert stale.name in out
+    rc, out, _ = run(capsys, "gc", store)
+    assert rc == 0
+    assert out == f"removed {stale.name}\n"
+    assert not stale.exists()
+    assert step_dir(store, 9).is_dir()
+    rc, out, _ = run(capsys, "gc", store, "--json")
+    assert rc == 0
+    assert json.loads(out) == {"removed": []}
+    rc, out, _ = run(capsys, "gc", store)
+    assert out == "nothing to remove\n"
+
+
+# ---- inspect ------------------------------------------------------------------------------
+
+
+def test_inspect_text(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "inspect", store, "--step", "10")
+    assert rc == 0
+    lines = out.splitlines()
+    assert lines[0].startswith("step      10")
+    assert "metrics   val_loss=0.1" in out
+    assert "state.json" in out
+    assert "model.safetensors" in out
+    assert "  model: module (2 tensors, 60 B)" in out
+    assert "  optimizer: stateful (2 tensors, 60 B)" in out
+    assert "  step: data (int 10)" in out
+    table = {ln.split()[0]: ln.split()[1:] for ln in lines if ln.startswith("    ")}
+    assert table["weight"][:3] == ["float32", "[3,", "4]"]
+    assert table["bias"][:2] == ["float32", "[3]"]
+    assert table["state.0.momentum_buffer"][:3] == ["float32", "[3,", "4]"]
+
+
+def test_inspect_json_reads_only_state_json(store: Path, capsys) -> None:
+    # Payloads are never read: inspect works with them gone.
+    (step_dir(store, 100) / "model.safetensors").unlink()
+    rc, out, _ = run(capsys, "inspect", store, "--json")
+    assert rc == 0
+    info = json.loads(out)
+    assert info["step"] == 100
+    assert info["pinned"] is False
+    assert set(info["files"]) == {"model.safetensors", "optimizer.safetensors", "state.json"}
+    entries = {e["key"]: e for e in info["entries"]}
+    assert entries["model"]["kind"] == "module"
+    assert entries["model"]["tensors"] == [
+        {"name": "weight", "dtype": "float32", "shape": [3, 4], "bytes": 48, "note": ""},
+        {"name": "bias", "dtype": "float32", "shape": [3], "bytes": 12, "note": ""},
+    ]
+    assert entries["step"] == {
+        "key": "step",
+        "kind": "data",
+        "summary": "int 100",
+        "tensor_bytes": 0,
+        "tensors": [],
+    }
+
+
+def test_inspect_checks_state_json(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    flip_last_byte(step_dir(store, 100) / "state.json")
+    rc, out, err = run(capsys, "inspect", store)
+    assert rc == 1
+    assert out == ""
+    assert "state.json" in err
+    assert "crc32c" in err
+    assert err.count("\n") == 1
+
+
+def test_inspect_shared_tensors(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    w = torch.arange(6.0).reshape(2, 3)
+    with CheckpointManager(tmp_path, keep=None) as mgr:
+        mgr.save(
+            0, {"data": {"a": w, "b": w, "row": w[1], "half": torch.ones(2, dtype=torch.half)}}
+        )
+    info = json.loads(run(capsys, "inspect", tmp_path, "--json")[1])
+    tensors = {t["name"]: t for t in info["entries"][0]["tensors"]}
+    assert tensors["b"]["note"] == "shares a"
+    assert tensors["row"]["note"].startswith("view of")
+    assert tensors["half"]["dtype"] == "float16"
+    assert tensors["half"]["bytes"] == 4
+    assert info["entries"][0]["tensor_bytes"] == 24 + 4
+
+
+# ---- import / export ----------------------------------------------------------------------
+
+
+def test_import_ddp_prefixed_then_restore(tmp_path: Path, capsys) -> None:
+    src = make_model(1)
+    ddp_sd = {f"module.{k}": v.clone() for k, v in src.state_dict().items()}
+    pt = tmp_path / "old.pt"
+    torch.save({"model": ddp_sd, "epoch": 7, "lr": 0.1}, pt)
+    root = tmp_path / "store"
+    rc, out, err = run(capsys, "import", pt, root, "--step", "70")
+    assert rc == 0, err
+    assert "stripped 'module.' from the keys of 'model'" in out
+    assert f"imported {pt} as step 70 (model, epoch, lr;" in out
+    target = make_model(2)
+    assert not torch.equal(target.weight, src.weight)
+    state: dict[str, object] = {"model": target, "epoch": 0}
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(state) == 70
+        assert mgr.manifest(70).metadata["imported_from"] == str(pt)
+    assert state["epoch"] == 7
+    for k, v in src.state_dict().items():
+        assert torch.equal(target.state_dict()[k], v)
+    assert run(capsys, "verify", root)[0] == 0
+
+
+def test_import_bare_state_dict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    src = make_model(3)
+    pt = tmp_path / "bare.pt"
+    torch.save({f"_orig_mod.{k}": v for k, v in src.state_dict().items()}, pt)
+    root = tmp_path / "store"
+    argv = ["--step", "1", "--format", "torch", "--compression", "zstd", "--json"]
+    rc, out, _ = run(capsys, "import", pt, root, *argv)
+    assert rc == 0
+    res = json.loads(out)
+    assert res["keys"] == ["model"]
+    assert res["step"] == 1
+    assert any("bare state dict" in n for n in res["notes"])
+    with CheckpointManager(root) as mgr:
+        assert set(mgr.manifest(1).files) == {"model.pt.zst", "state.json"}
+        loaded = mgr.load(1)["model"]
+    assert set(loaded) == {"weight", "bias"}
+    assert torch.equal(loaded["weight"], src.weight.detach())
+    # the step exists now: steps are write-once
+    rc, _, err = run(capsys, "import", pt, root, "--step", "1")
+    assert rc == 1
+    assert "already committed" in err
+
+
+class NotPlainData:
+    """An object that a weights_only load refuses."""
+
+    def __init__(self) -> None:
+        self.value = 1
+
+
+def test_import_refuses_code_and_bad_files(tmp_path: Path, capsys) -> None:
+    root = tmp_path / "store"
+    evil = tmp_path / "evil.pt"
+    torch.save({"model": make_model().state_dict(), "extra": NotPlainData()}, evil)
+    rc, out, err = run(capsys, "import", evil, root, "--step", "1")
+    assert rc == 1
+    assert out == ""
+    assert err.startswith("ckptstore: error: ")
+    assert err.count("\n") == 1
+    assert "needs code to load" in err
+    assert "weights_only=True" in err
+    assert "Traceback" not in err
+    assert not root.exists() or not any(root.glob("step-*"))
+
+    good = tmp_path / "good.pt"
+    torch.save({"model": make_model().state_dict()}, good)
+    cut = tmp_path / "cut.pt"
+    cut.write_bytes(good.read_bytes()[:-64])
+    rc, _, err = run(capsys, "import", cut, root, "--step", "1")
+    assert rc == 1
+    assert "central directory" in err
+    assert err.count("\n") == 1
+
+    lst = tmp_path / "list.pt"
+    torch.save([torch.zeros(2)], lst)
+    rc, _, err = run(capsys, "import", lst, root, "--step", "1")
+    assert rc == 1
+    assert "not a dict" in err
+
+    rc, _, err = run(capsys, "import", tmp_path / "missing.pt", root, "--step", "1")
+    assert rc == 1
+    assert err == f"ckptstore: error: {tmp_path / 'missing.pt'}: no such file\n"
+
+    rc, _, err = run(capsys, "import", good, root)  # --step is required
+    assert rc == 2
+    assert "--step" in err
+
+
+def test_export_safetensors(store: Path, tmp_path: Path, capsys) -> None:
+    out_file = tmp_path / "model.safetensors"
+    rc, out, err = run(capsys, "export", store, "--step", "10", out_file)
+    assert rc == 0, err
+    assert "exported step 10 (entry 'model', 2 tensors)" in out
+    tensors = load_file(str(out_file))
+    with CheckpointManager(store) as mgr:
+        expected = mgr.load(10)["model"]
+    assert set(tensors) == {"weight", "bias"}
+    for k, v in expected.items():
+        assert torch.equal(tensors[k], v)
+    assert not list(tmp_path.glob(".model.safetensors.tmp-*"))
+
+    # refuses to overwrite without --force, and leaves the file alone
+    before = out_file.read_bytes()
+    rc, out, err = run(capsys, "export", store, "--step", "100", out_file)
+    assert rc == 1
+    assert out == ""
+    assert err == f"ckptstore: error: {out_file}: already exists; pass --force to overwrite it\n"
+    assert out_file.read_bytes() == before
+    rc, _, _ = run(capsys, "export", store, "--step", "100", out_file, "--force")
+    assert rc == 0
+
+    other = tmp_path / "x.safetensors"
+    rc, _, err = run(capsys, "export", store, "--step", "100", other, "--key", "nope")
+    assert rc == 1
+    assert "no entry 'nope'" in err
+    rc, _, err = run(capsys, "export", store, "--step", "100", other, "--key", "optimizer")
+    assert rc == 1
+    assert "not a tensor" in err
+    assert not other.exists()
+
+
+def test_export_tied_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.emb = nn.Embedding(5, 3)
+            self.head = nn.Linear(3, 5, bias=False)
+            self.head.weight = self.emb.weight
+
+    model = Tied()
+    with CheckpointManager(tmp_path / "s", keep=None) as mgr:
+        mgr.save(1, {"net": model})  # no "model" entry: the one module entry is chosen
+    out_file = tmp_path / "tied.safetensors"
+    rc, out, err = run(capsys, "export", tmp_path / "s", "--step", "1", out_file)
+    assert rc == 0, err
+    assert "entry 'net'" in out
+    tensors = load_file(str(out_file))
+    assert torch.equal(tensors["emb.weight"], model.emb.weight.detach())
+    assert torch.equal(tensors["head.weight"], model.emb.weight.detach())
+
+
+def test_export_pt(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    out_file = tmp_path / "full.pt"
+    rc, out, _ = run(capsys, "export", store, "--step", "100", out_file, "--json")
+    assert rc == 0
+    res = json.loads(out)
+    assert res["format"] == "torch"
+    assert res["tensors"] == 4
+    assert res["key"] is None
+    data = torch.load(out_file, weights_only=True)
+    with CheckpointManager(store) as mgr:
+        stored = mgr.load(100)
+    assert data["step"] == 100
+    assert torch.equal(data["model"]["weight"], stored["model"]["weight"])
+    assert torch.equal(
+        data["optimizer"]["state"][0]["momentum_buffer"],
+        stored["optimizer"]["state"][0]["momentum_buffer"],
+    )
+    assert run(capsys, "verify", out_file)[0] == 0
+
+
+# ---- usage errors, helpers, entry points --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],
+        ["bogus"],
+        ["ls"],
+        ["verify", "{root}", "--step", "abc"],
+        ["verify", "{root}", "--step", "-1"],
+        ["verify", "{root}", "--step", "1", "--all"],
+        ["inspect", "{root}", "--nope"],
+        ["ls", "{root}", "--storage-option", "a=b"],  # local paths take no storage options
+        ["ls", "{root}", "--storage-option", "novalue"],
+        ["import", "x.pt", "{root}", "--step", "1", "--format", "pickle"],
+    ],
+)
+def test_usage_errors_exit_2(store: Path, argv: list[str], capsys) -> None:
+    rc, out, err = run(capsys, *[a.format(root=store) for a in argv])
+    assert rc == 2
+    assert out == ""
+    assert "usage: ckptstore" in err
+    assert "Traceback" not in err
+
+
+def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
+    rc, out, _ = run(capsys, "--help")
+    assert rc == 0
+    assert "verify" in out
+    assert "export" in out
+    rc, out, _ = run(capsys, "--version")
+    assert rc == 0
+    assert out.startswith("ckptstore ")
+
+
+def test_helpers() -> None:
+    assert human_bytes(0) == "0 B"
+    assert human_bytes(999) == "999 B"
+    assert human_bytes(1234) == "1.2 kB"
+    assert human_bytes(1_200_000) == "1.2 MB"
+    assert human_bytes(999_999) == "1.0 MB"
+    assert human_bytes(3 * 10**12) == "3.0 TB"
+    items = ["anon=true", "n=3", "endpoint_url=http://h:9000", "k=", "x=-.5", "y=1.", "z=null"]
+    assert parse_storage_options(items) == {
+        "anon": True,
+        "n": 3,
+        "endpoint_url": "http://h:9000",
+        "k": "",
+        "x": -0.5,
+        "y": 1.0,
+        "z": None,
+    }
+
+
+def test_memory_url_store(capsys: pytest.CaptureFixture[str]) -> None:
+    url = "memory://ckptstore-cli-test"
+    with CheckpointManager(url, keep=None) as mgr:
+        mgr.save(3, {"model": make_model()})
+    rc, out, _ = run(capsys, "ls", url)
+    assert rc == 0
+    assert out.splitlines()[1].split()[0] == "3"
+    assert run(capsys, "verify", url)[0] == 0
+
+
+def test_python_dash_m_entry_point(store: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "ckptstore", "ls", str(store)],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [ln.split()[0] for ln in proc.stdout.splitlines()[1:4]] == ["9", "10", "100"]
+    bad = subprocess.run(
+        [sys.executable, "-m", "ckptstore", "verify", str(store), "--step", "5"],
+        capture_output=True,
+        text=True,
+        cwd=REPO,
+        timeout=120,
+        check=False,
+    )
+    assert bad.returncode == 1
+    assert bad.stderr.startswith("ckptstore: error: ")
+    assert "Traceback" not in bad.stderr
+
+
+def test_console_script(store: Path) -> None:
+    script = Path(sys.executable).parent / "ckptstore"
+    if not script.exists():
+        pytest.skip("the ckptstore console script is not installed (pip install -e .)")
+    proc = subprocess.run(
+        [str(script), "ls", str(store), "--json"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    assert [d["step"] for d in json.loads(proc.stdout)] == [9, 10, 100]

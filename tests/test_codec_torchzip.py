@@ -1,0 +1,173 @@
+"""ckptstore.codec.torchzip: ``.pt`` payloads are plain torch.save zips, read without code."""
+
+from __future__ import annotations
+
+import io
+import struct
+import zipfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError
+from ckptstore.codec import torchzip
+
+
+def saved(obj: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(obj, buf)
+    return buf.getvalue()
+
+
+def member_data_offset(data: bytes, suffix: str) -> tuple[str, int, int]:
+    """(name, offset of its first data byte, size) of the zip member ending in ``suffix``."""
+    with zipfile.ZipFile(io.BytesIO(data)) as zf:
+        info = next(i for i in zf.infolist() if i.filename.endswith(suffix))
+    assert info.compress_type == zipfile.ZIP_STORED  # torch.save never compresses
+    name_len, extra_len = struct.unpack(
+        "<HH", data[info.header_offset + 26 : info.header_offset + 30]
+    )
+    return info.filename, info.header_offset + 30 + name_len + extra_len, info.file_size
+
+
+def _touch(path: str) -> None:
+    Path(path).write_text("code ran")
+
+
+class RunsCode:
+    """Unpickling this creates a file: the proof that a pickle was (or was not) executed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_touch, (self.path,))
+
+
+def test_write_and_load_roundtrip() -> None:
+    tensors = {
+        "w": torch.arange(6, dtype=torch.float32).reshape(2, 3),
+        "b": torch.tensor([True, False]),
+        "h": torch.tensor([1.5], dtype=torch.bfloat16),
+        "s": torch.tensor(7, dtype=torch.uint64),
+    }
+    buf = io.BytesIO()
+    torchzip.write_torch(buf, tensors)
+    data = buf.getvalue()
+    assert torchzip.check_zip(data, "x.pt", deep=True) >= 4
+    got = torchzip.load_tensor_dict(data, "x.pt")
+    assert list(got) == ["w", "b", "h", "s"]
+    for k, t in tensors.items():
+        assert got[k].dtype == t.dtype, k
+        assert torch.equal(got[k], t), k
+    # The same bytes load with torch.load(weights_only=True): a standard file.
+    plain = torch.load(io.BytesIO(data), weights_only=True)
+    assert torch.equal(plain["w"], tensors["w"])
+
+
+@pytest.mark.parametrize("cut", [0.5, -22, -1, 30])
+def test_check_zip_detects_truncation(cut: float) -> None:
+    data = saved({"w": torch.arange(100.0)})
+    n = int(len(data) * cut) if isinstance(cut, float) else (cut if cut > 0 else len(data) + cut)
+    with pytest.raises(IntegrityError) as ei:
+        torchzip.check_zip(data[:n], "run/model.pt", deep=False)
+    msg = str(ei.value)
+    assert msg.startswith("run/model.pt: not a readable torch zip archive (")
+    assert "the file is truncated or corrupt" in msg
+    assert "central directory" in msg
+    with pytest.raises(IntegrityError):
+        torchzip.load_tensor_dict(data[:n], "run/model.pt")
+
+
+def test_check_zip_catches_a_flipped_byte_only_when_deep() -> None:
+    data = bytearray(saved({"w": torch.arange(100.0)}))
+    name, start, size = member_data_offset(bytes(data), "/data/0")
+    assert size == 400
+    data[start + 40] ^= 0x01  # element 10: 10.0 -> 10.000001
+    # deep=False reads only the central directory: it cannot see this.
+    assert torchzip.check_zip(data, "m.pt", deep=False) == torchzip.check_zip(
+        saved({"w": torch.arange(100.0)}), "m.pt", deep=False
+    )
+    with pytest.raises(IntegrityError) as ei:
+        torchzip.check_zip(data, "m.pt", deep=True)
+    assert str(ei.value) == f"m.pt: zip member {name!r} fails its CRC-32 check"
+    # And the reason ckptstore checks: torch.load itself loads the flipped value silently.
+    silently = torch.load(io.BytesIO(bytes(data)), weights_only=True)["w"]
+    assert silently[10].item() != 10.0
+    assert torch.equal(silently[:10], torch.arange(10.0))
+
+
+def test_check_zip_accepts_file_objects_and_rejects_other_zips(tmp_path: Path) -> None:
+    path = tmp_path / "m.pt"
+    path.write_bytes(saved({"w": torch.zeros(2)}))
+    with path.open("rb") as f:
+        assert torchzip.check_zip(f, str(path), deep=True) >= 3
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("readme.txt", "hello")
+    with pytest.raises(IntegrityError) as ei:
+        torchzip.check_zip(buf.getvalue(), "o.pt", deep=True)
+    assert str(ei.value) == "o.pt: zip archive has no data.pkl; not a torch.save file"
+
+
+def test_load_refuses_a_pickle_that_would_run_code(tmp_path: Path) -> None:
+    marker = tmp_path / "pwned"
+    data = saved({"w": torch.zeros(2), "evil": RunsCode(str(marker))})
+    assert not marker.exists()
+    with pytest.raises(UnsafeCheckpointError) as ei:
+        torchzip.load_tensor_dict(data, "run/model.pt")
+    msg = str(ei.value)
+    assert msg.startswith(
+        "run/model.pt: refused to load: the pickle inside asks for more than tensors and plain data"
+    )
+    assert msg.endswith("ckptstore never falls back to weights_only=False")
+    assert not marker.exists()
+    # The trap is real: an unrestricted torch.load runs it.
+    torch.load(io.BytesIO(data), weights_only=False)
+    assert marker.read_text() == "code ran"
+
+
+@pytest.mark.parametrize(
+    "obj",
+    [[torch.zeros(1)], {"w": [torch.zeros(1)]}, {"n": 1}, {0: torch.zeros(1)}, torch.zeros(1)],
+)
+def test_load_requires_a_flat_dict_of_tensors(obj: Any) -> None:
+    with pytest.raises(IntegrityError) as ei:
+        torchzip.load_tensor_dict(saved(obj), "p.pt")
+    assert str(ei.value) == "p.pt: payload is not a flat dict of tensors"
+
+
+def test_manager_torch_payloads_load_with_weights_only(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.Linear(4, 1))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1, momentum=0.9)
+    model(torch.ones(2, 3)).sum().backward()
+    opt.step()
+    with CheckpointManager(tmp_path, format="torch") as mgr:
+        mgr.save(5, {"model": model, "optimizer": opt, "step": 5})
+    step_dir = tmp_path / "step-000000000005"
+    assert sorted(p.name for p in step_dir.iterdir()) == [
+        "manifest.json",
+        "model.pt",
+        "optimizer.pt",
+        "state.json",
+    ]
+    weights = torch.load(step_dir / "model.pt", weights_only=True)
+    assert list(weights) == list(model.state_dict())  # "0.weight", "0.bias", ...
+    for k, v in model.state_dict().items():
+        assert torch.equal(weights[k], v), k
+    optim = torch.load(step_dir / "optimizer.pt", weights_only=True)
+    assert sorted(optim) == [f"state.{i}.momentum_buffer" for i in range(4)]
+    for i, p in enumerate(model.parameters()):
+        assert torch.equal(optim[f"state.{i}.momentum_buffer"], opt.state[p]["momentum_buffer"])
+
+
+def test_views_are_saved_without_their_whole_storage(tmp_path: Path) -> None:
+    big = torch.arange(100_000, dtype=torch.float32)
+    with CheckpointManager(tmp_path, format="torch") as mgr:
+        mgr.save(1, {"m": {"head": big[:4]}})
+        assert mgr.load()["m"]["head"].tolist() == [0.0, 1.0, 2.0, 3.0]
+    size = (tmp_path / "step-000000000001" / "m.pt").stat().st_size
+    assert size < 4096  # not the 400 kB storage that torch.save would write for the view
