@@ -180,15 +180,19 @@ def _open(
     root: str,
     storage_options: Mapping[str, Any],
     *,
-    must_exist: bool = True,
     keep: RetentionPolicy | Sequence[RetentionPolicy] | None = None,
 ) -> CheckpointManager:
-    """A manager for ``root``; a local root that does not exist is an error when required."""
+    """A manager for an existing store: a local ``root`` that does not exist is an error.
+
+    Raises:
+        UsageError: an argument the manager refuses (e.g. storage options for a local path).
+        NoCheckpointError: ``root`` is a local path that does not exist.
+    """
     try:
         mgr = CheckpointManager(root, keep=keep, storage_options=storage_options or None)
     except ValueError as e:
         raise UsageError(str(e)) from None
-    if must_exist and isinstance(mgr.storage, LocalStorage) and not os.path.isdir(mgr.root):
+    if isinstance(mgr.storage, LocalStorage) and not os.path.isdir(mgr.root):
         mgr.close()
         raise NoCheckpointError(f"{mgr.root}: no such directory")
     return mgr

@@ -22,6 +22,9 @@ from .storage.base import Storage
 
 __all__ = ["verify_checkpoint", "verify_file"]
 
+#: First bytes of a pre-1.6 ``torch.save`` file: pickle protocol 2, then its LONG1 magic.
+_LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"
+
 
 def _check_header(f: Any, size: int, codec: str, where: str, deep: bool) -> None:
     if codec == "safetensors":
@@ -110,6 +113,14 @@ def verify_file(path: str | os.PathLike[str], *, deep: bool = True) -> VerifyRep
             f.seek(0)
             if magic.startswith(b"PK"):
                 torchzip.check_zip(f, path, deep=deep)
+            elif magic == _LEGACY_TORCH_MAGIC:
+                # torch.save's pre-1.6 format is a bare pickle: no structure to check without
+                # unpickling it. Say so instead of misreading it as a bad safetensors header.
+                report.add(
+                    f"{path}: legacy (non-zip) torch.save format; it cannot be verified "
+                    "without unpickling. Re-save it with a current torch (zip format)"
+                )
+                return report
             elif path.endswith(".safetensors") or not zipfile.is_zipfile(path):
                 _check_header(f, st_.st_size, "safetensors", path, deep)
             if deep:

@@ -231,6 +231,11 @@ def test_verify_lone_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
     assert rc == 1
     assert out.splitlines()[0] == f"{truncated}: FAILED"
     assert "central directory" in out
+    legacy = tmp_path / "legacy.pt"
+    torch.save({"w": torch.zeros(2)}, legacy, _use_new_zipfile_serialization=False)
+    rc, out, _ = run(capsys, "verify", legacy)
+    assert rc == 1
+    assert "legacy (non-zip) torch.save format" in out
     # --step makes no sense for a file
     rc, _, err = run(capsys, "verify", pt, "--step", "1")
     assert rc == 2

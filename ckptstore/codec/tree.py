@@ -227,8 +227,6 @@ class TreeEncoder:
                 made unique with a ``#n`` suffix where two paths collide.
             contiguous: return contiguous CPU tensors (a copy only for non-contiguous or
                 device tensors); ``False`` leaves them as found, for a staging copy to do it.
-            contiguous: return contiguous CPU tensors (a copy only for non-contiguous or
-                device tensors); ``False`` leaves them as found, for a staging copy to do it.
 
         Returns:
             ``{group: {key: contiguous CPU tensor}}``, ready for a payload writer.

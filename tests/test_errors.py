@@ -1,0 +1,128 @@
+"""ckptstore.errors: one tree, builtin bases, and every exception survives pickling."""
+
+from __future__ import annotations
+
+import copy
+import pickle
+from typing import Any
+
+import pytest
+
+import ckptstore
+from ckptstore import errors
+from ckptstore.errors import (
+    BarrierTimeout,
+    CkptStoreError,
+    CommitError,
+    IntegrityError,
+    ManifestError,
+    NoCheckpointError,
+    StateMismatchError,
+    StepExistsError,
+    StoreLockedError,
+    UnsafeCheckpointError,
+)
+
+BASES: dict[type[CkptStoreError], tuple[type[BaseException], ...]] = {
+    CkptStoreError: (Exception,),
+    CommitError: (OSError,),
+    IntegrityError: (ValueError,),
+    ManifestError: (ValueError,),
+    NoCheckpointError: (FileNotFoundError, OSError),
+    StepExistsError: (FileExistsError, OSError),
+    UnsafeCheckpointError: (TypeError,),
+    StoreLockedError: (OSError,),
+    StateMismatchError: (KeyError, LookupError),
+    BarrierTimeout: (TimeoutError, OSError),
+}
+
+
+def test_the_tree_is_complete_and_public() -> None:
+    assert set(BASES) == {getattr(errors, n) for n in errors.__all__}
+    for cls in BASES:
+        assert getattr(ckptstore, cls.__name__) is cls
+        assert cls.__module__ == "ckptstore.errors"
+
+
+@pytest.mark.parametrize("cls", list(BASES), ids=lambda c: c.__name__)
+def test_builtin_bases(cls: type[CkptStoreError]) -> None:
+    exc = cls("something happened at /x; do y")
+    assert isinstance(exc, CkptStoreError)
+    for base in BASES[cls]:
+        assert isinstance(exc, base), base
+    with pytest.raises(BASES[cls][0]):
+        raise exc
+
+
+@pytest.mark.parametrize("cls", list(BASES), ids=lambda c: c.__name__)
+def test_pickle_keeps_type_and_message(cls: type[CkptStoreError]) -> None:
+    exc = cls("step 5: the file 'a b' is \u00e9 corrupt; run ckptstore verify")
+    for proto in range(pickle.HIGHEST_PROTOCOL + 1):
+        back = pickle.loads(pickle.dumps(exc, protocol=proto))
+        assert type(back) is cls
+        assert str(back) == "step 5: the file 'a b' is \u00e9 corrupt; run ckptstore verify"
+        assert back.message == exc.message
+        assert back.args == (exc.message,)
+    assert str(copy.deepcopy(exc)) == str(exc)
+
+
+def test_messages_are_not_quoted() -> None:
+    # KeyError would print repr(message); the state mismatch message reads as written.
+    assert str(StateMismatchError("model has no key 'w'")) == "model has no key 'w'"
+    assert str(NoCheckpointError("empty")) == "empty"
+    assert str(CommitError("disk full")) == "disk full"
+
+
+def test_barrier_timeout_attributes_survive_pickle() -> None:
+    exc = BarrierTimeout(
+        "save:commit of step 7 timed out after 5.0s; ranks [3, 1] never arrived",
+        missing_ranks=[3, 1],
+        phase="save:commit",
+        step=7,
+    )
+    assert exc.missing_ranks == [1, 3]
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is BarrierTimeout
+    assert isinstance(back, TimeoutError)
+    assert back.missing_ranks == [1, 3]
+    assert back.phase == "save:commit"
+    assert back.step == 7
+    assert str(back) == str(exc)
+    default = pickle.loads(pickle.dumps(BarrierTimeout("t")))
+    assert (default.missing_ranks, default.phase, default.step) == ([], "", None)
+
+
+def test_state_mismatch_attributes_survive_pickle() -> None:
+    exc = StateMismatchError(
+        "checkpoint does not fit the model",
+        missing=("a.weight",),
+        unexpected=["b.bias", "c"],
+        mismatched=["d.weight: checkpoint [2, 3] float32, model [3, 2] float32"],
+    )
+    back = pickle.loads(pickle.dumps(exc))
+    assert type(back) is StateMismatchError
+    assert back.missing == ["a.weight"]
+    assert back.unexpected == ["b.bias", "c"]
+    assert back.mismatched == ["d.weight: checkpoint [2, 3] float32, model [3, 2] float32"]
+    assert str(back) == "checkpoint does not fit the model"
+    empty = pickle.loads(pickle.dumps(StateMismatchError("x")))
+    assert (empty.missing, empty.unexpected, empty.mismatched) == ([], [], [])
+
+
+def test_extra_attributes_of_any_subclass_survive_pickle() -> None:
+    exc = IntegrityError("bad")
+    exc.path = "/x/y"  # type: ignore[attr-defined]
+    back: Any = pickle.loads(pickle.dumps(exc))
+    assert back.path == "/x/y"
+
+
+def test_chained_cause_is_not_required_to_pickle() -> None:
+    try:
+        try:
+            raise OSError(28, "No space left on device")
+        except OSError as e:
+            raise CommitError("saving step 3 failed: the disk is full") from e
+    except CommitError as exc:
+        back = pickle.loads(pickle.dumps(exc))
+    assert str(back) == "saving step 3 failed: the disk is full"
+    assert isinstance(back, OSError)

@@ -1,0 +1,242 @@
+"""Async save: one memory copy on the caller's path, one writer in the background."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _helpers import assert_same, make_state, module_bytes, run_python, step_dir
+
+from ckptstore import CheckpointManager, CommitError, SaveHandle
+from ckptstore.integrity import CRCWriter
+from ckptstore.staging import StagingPool
+from ckptstore.storage import Storage, wait_for_deletions
+
+
+class Gate:
+    """Holds the background writer at the start of a save until opened."""
+
+    def __init__(self) -> None:
+        self.entered = threading.Event()
+        self.opened = threading.Event()
+
+    def open(self) -> None:
+        self.opened.set()
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        real = Storage.begin
+
+        def begin(storage: Storage, step: int) -> Any:
+            self.entered.set()
+            assert self.opened.wait(20), "the test never opened the gate"
+            return real(storage, step)
+
+        monkeypatch.setattr(Storage, "begin", begin)
+
+
+@pytest.fixture
+def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
+    g = Gate()
+    g.install(monkeypatch)
+    yield g
+    g.open()
+
+
+def entries(root: Path) -> list[str]:
+    wait_for_deletions()
+    return sorted(n for n in os.listdir(root) if n != ".ckptstore.lock")
+
+
+@pytest.mark.timeout(60)
+def test_mutating_after_save_returns_does_not_change_what_is_saved(
+    tmp_path: Path, gate: Gate
+) -> None:
+    state = make_state(1)
+    model, opt = state["model"], state["optimizer"]
+    expected_model = module_bytes(model)
+    expected_opt = opt.state_dict()
+    expected_opt = {
+        "state": {k: {n: v.clone() for n, v in s.items()} for k, s in expected_opt["state"].items()}
+    }
+    with CheckpointManager(tmp_path / "s", async_save=True) as mgr:
+        handle = mgr.save(1, state)
+        assert isinstance(handle, SaveHandle)
+        assert not handle.done(), "the write waits at the gate"
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)
+            for s in opt.state.values():
+                s["exp_avg"].mul_(-3)
+        model.calls.fill_(99)
+        assert gate.entered.wait(10)
+        gate.open()
+        manifest = handle.wait(timeout=20)
+        assert handle.done()
+        assert manifest.step == 1
+        loaded = mgr.load(1)
+    assert_same(dict(loaded["model"]), expected_model)
+    for k, s in expected_opt["state"].items():
+        assert_same(loaded["optimizer"]["state"][k]["exp_avg"], s["exp_avg"])
+
+
+@pytest.mark.timeout(60)
+def test_at_most_one_save_in_flight(tmp_path: Path, gate: Gate) -> None:
+    with CheckpointManager(tmp_path / "s", async_save=True) as mgr:
+        h1 = mgr.save(1, {"x": torch.ones(4)})
+        assert gate.entered.wait(10)
+        threading.Timer(0.3, gate.open).start()
+        t0 = time.monotonic()
+        h2 = mgr.save(2, {"x": torch.ones(4) * 2})
+        assert time.monotonic() - t0 >= 0.25, "the second save waited for the first"
+        assert h1.done()
+        assert h1.wait().step == 1
+        assert h2.wait(timeout=20).step == 2
+        assert mgr.steps() == [1, 2]
+
+
+def test_staging_buffers_are_reused(tmp_path: Path) -> None:
+    state = make_state(1)
+    with CheckpointManager(tmp_path / "s", async_save=True) as mgr:
+        pool: StagingPool = mgr._staging
+        mgr.save(1, state)
+        mgr.wait()
+        ptrs = {k: b.data_ptr() for k, b in pool._bufs.items()}
+        allocated = pool.allocated_bytes
+        assert ptrs and allocated > 0
+        for step in (2, 3):
+            with torch.no_grad():
+                state["model"].fc1.weight.add_(1)
+            mgr.save(step, state)
+            mgr.wait()
+            assert {k: b.data_ptr() for k, b in pool._bufs.items()} == ptrs
+            assert pool.allocated_bytes == allocated
+        assert_same(mgr.load(3)["model"]["fc1.weight"], state["model"].fc1.weight.detach())
+        # A state that changed shape drops the buffers it no longer uses.
+        mgr.save(4, {"other": torch.zeros(3)})
+        mgr.wait()
+        assert len(pool._bufs) == 1
+        assert next(iter(pool._bufs)).startswith("other/")
+
+
+def _enospc(*args: Any, **kwargs: Any) -> Any:
+    raise OSError(errno.ENOSPC, "No space left on device")
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("reported_by", ["save", "wait", "close", "restore"])
+def test_background_failure_is_raised_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate: Gate, reported_by: str
+) -> None:
+    root = tmp_path / "s"
+    good = {"x": torch.arange(4.0)}
+    mgr = CheckpointManager(root, async_save=True)
+    try:
+        gate.open()
+        mgr.save(1, good).wait()
+        gate.opened.clear()
+        gate.entered.clear()
+        monkeypatch.setattr(CRCWriter, "write", _enospc)
+        handle = mgr.save(2, {"x": torch.zeros(4)})  # returns before the failure
+        assert gate.entered.wait(10)
+        # The failure happens while the next call is already waiting for the save.
+        threading.Timer(0.2, gate.open).start()
+        with pytest.raises(CommitError) as ei:
+            if reported_by == "save":
+                mgr.save(3, {"x": torch.zeros(4)})
+            elif reported_by == "wait":
+                mgr.wait()
+            elif reported_by == "restore":
+                mgr.restore({"x": None})
+            else:
+                mgr.close()
+        msg = str(ei.value)
+        assert "the disk is full" in msg
+        assert "step 1 is still the newest checkpoint" in msg
+        with pytest.raises(CommitError):
+            handle.wait()
+        monkeypatch.undo()
+        assert entries(root) == [step_dir(1)], "no tmp directory remains"
+        if reported_by != "close":
+            mgr.wait()  # reported once: the manager works again
+            assert mgr.restore(target := {"x": None}) == 1
+            assert torch.equal(target["x"], good["x"])
+            mgr.save(3, {"x": torch.ones(4)}).wait()
+            assert mgr.steps() == [1, 3]
+    finally:
+        gate.open()
+        mgr.close()
+
+
+@pytest.mark.timeout(60)
+def test_retention_runs_only_after_commit(tmp_path: Path, gate: Gate) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root, keep=1, async_save=True) as mgr:
+        gate.open()
+        mgr.save(1, {"x": torch.ones(2)}).wait()
+        gate.opened.clear()
+        gate.entered.clear()
+        handle = mgr.save(2, {"x": torch.ones(2) * 2})
+        assert gate.entered.wait(10)
+        time.sleep(0.05)
+        assert mgr.steps() == [1], "step 1 stays until step 2 is committed"
+        assert entries(root) == [step_dir(1)]
+        gate.open()
+        handle.wait(timeout=20)
+        mgr.wait()
+        assert mgr.steps() == [2]
+    assert entries(root) == [step_dir(2)]
+
+
+def test_async_matches_sync_bytes(tmp_path: Path) -> None:
+    state = make_state(3)
+    for fmt in ("safetensors", "torch"):
+        with CheckpointManager(tmp_path / f"sync-{fmt}", format=fmt) as a:
+            a.save(1, state)
+            sync = a.load()
+        with CheckpointManager(tmp_path / f"async-{fmt}", format=fmt, async_save=True) as b:
+            b.save(1, state)
+            b.wait()
+            assert b.verify(1).ok
+            asynced = b.load()
+        assert_same(asynced, sync)
+
+
+EXIT_RIGHT_AFTER = r"""
+import sys, time
+import torch
+from ckptstore import CheckpointManager
+from ckptstore.storage import Storage
+
+real_commit = Storage.commit
+
+def slow_commit(self, pending, manifest):
+    time.sleep(0.5)  # still in flight when the main thread falls off the end
+    real_commit(self, pending, manifest)
+
+Storage.commit = slow_commit
+mgr = CheckpointManager(sys.argv[1], async_save=True, keep=1)
+mgr.save(1, {"x": torch.arange(10.0)}).wait()
+h = mgr.save(2, {"x": torch.arange(10.0) * 2})
+print("returned", h.done(), flush=True)
+"""
+
+
+@pytest.mark.timeout(60)
+def test_exit_right_after_async_save_still_commits(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    proc = run_python(EXIT_RIGHT_AFTER, str(root), timeout=50)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.strip() == "returned False"
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [2]
+        assert mgr.verify(2).ok
+        assert torch.equal(mgr.load()["x"], torch.arange(10.0) * 2)
+        mgr.gc()
+    assert entries(root) == [step_dir(2)]

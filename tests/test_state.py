@@ -1,0 +1,122 @@
+"""state: what is captured of each kind of object, and how restored data is applied."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _helpers import TinyNet, assert_same, module_bytes
+from torch import nn
+
+from ckptstore import EMA, CheckpointManager, RNGState, StateMismatchError
+from ckptstore.state import apply_state, capture, kind_of
+
+
+class Counter:
+    """A Stateful that is not a module: tensors and plain data."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.hist = torch.zeros(3)
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "hist": self.hist.clone()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if set(sd) != {"n", "hist"}:
+            raise KeyError(f"bad keys {sorted(sd)}")
+        self.n = sd["n"]
+        self.hist = sd["hist"]
+
+
+def test_kind_of() -> None:
+    m = TinyNet()
+    opt = torch.optim.SGD(m.parameters(), lr=0.1)
+    assert kind_of(m) == "module"
+    assert kind_of(EMA(m)) == "ema"
+    assert kind_of(RNGState()) == "rng"
+    assert kind_of(opt) == "stateful"
+    assert kind_of(Counter()) == "stateful"
+    for plain in (1, "x", {"a": 1}, [1], torch.zeros(1), None):
+        assert kind_of(plain) is None
+
+
+def test_capture() -> None:
+    m = TinyNet()
+    assert list(capture(m)) == list(m.state_dict())
+    assert capture(Counter())["n"] == 0
+    data = {"a": 1}
+    assert capture(data) is data
+
+
+def test_apply_replaces_plain_values_and_loads_objects() -> None:
+    m, c = TinyNet(), Counter()
+    src = TinyNet()
+    state: dict[str, Any] = {"model": m, "counter": c, "step": 0, "cfg": None}
+    stored = {
+        "model": src.state_dict(),
+        "counter": {"n": 5, "hist": torch.ones(3)},
+        "step": 42,
+        "cfg": {"lr": 0.1},
+        "unused": 1,
+    }
+    kinds = {"model": "module", "counter": "stateful", "step": None, "cfg": None}
+    apply_state(state, stored, kinds)
+    assert state["model"] is m
+    assert state["counter"] is c
+    assert (state["step"], state["cfg"], c.n) == (42, {"lr": 0.1}, 5)
+    assert "unused" not in state
+    assert_same(module_bytes(m), module_bytes(src))
+
+
+def test_apply_missing_entry() -> None:
+    state: dict[str, Any] = {"a": 1, "b": 2}
+    with pytest.raises(StateMismatchError, match="'b'") as ei:
+        apply_state(state, {"a": 10}, {}, where="ckpt")
+    assert ei.value.missing == ["b"]
+    assert "strict=False" in str(ei.value)
+    assert state == {"a": 1, "b": 2}
+    apply_state(state, {"a": 10}, {}, strict=False)
+    assert state == {"a": 10, "b": 2}
+
+
+def test_modules_are_all_checked_before_any_is_loaded() -> None:
+    first, second = TinyNet(), TinyNet(width=8)
+    before = module_bytes(first), module_bytes(second)
+    stored = {"first": TinyNet().state_dict(), "second": TinyNet(width=5).state_dict()}
+    with pytest.raises(StateMismatchError, match=r"\['second'\]") as ei:
+        apply_state({"first": first, "second": second}, stored, {})
+    assert ei.value.mismatched
+    assert_same((module_bytes(first), module_bytes(second)), before)
+    with pytest.raises(StateMismatchError, match="not a state dict"):
+        apply_state({"first": first}, {"first": [1, 2]}, {})
+
+
+def test_stateful_refusal_is_a_state_mismatch() -> None:
+    c = Counter()
+    with pytest.raises(StateMismatchError, match=r"\['counter'\]: Counter.load_state_dict"):
+        apply_state({"counter": c}, {"counter": {"x": 1}}, {"counter": "stateful"})
+    assert c.n == 0
+
+
+def test_stateful_objects_round_trip(tmp_path: Path) -> None:
+    c = Counter()
+    c.n, c.hist = 3, torch.tensor([1.0, 2.0, 3.0])
+    m = nn.Linear(2, 2)
+    opt = torch.optim.SGD(m.parameters(), lr=0.1, momentum=0.9)
+    m(torch.ones(1, 2)).sum().backward()
+    opt.step()
+    scaler = torch.amp.GradScaler("cpu", init_scale=128.0)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"counter": c, "optimizer": opt, "scaler": scaler})
+        c2 = Counter()
+        m2 = nn.Linear(2, 2)
+        opt2 = torch.optim.SGD(m2.parameters(), lr=0.5)
+        scaler2 = torch.amp.GradScaler("cpu", init_scale=2.0)
+        mgr.restore({"counter": c2, "optimizer": opt2, "scaler": scaler2})
+    assert c2.n == 3
+    assert torch.equal(c2.hist, c.hist)
+    assert_same(opt2.state_dict(), opt.state_dict())
+    assert scaler2.get_scale() == scaler.get_scale()

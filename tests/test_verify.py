@@ -1,0 +1,167 @@
+"""verify: quick (manifest, presence, sizes, headers) and deep (every checksum) checks."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _helpers import MANIFEST, forge_manifest, local_view, make_state, step_dir
+
+from ckptstore import CheckpointManager, VerifyReport
+from ckptstore.integrity import crc32c_of, format_crc
+from ckptstore.verify import verify_checkpoint
+
+FORMATS = [("safetensors", None), ("torch", None), ("safetensors", "zstd"), ("torch", "zstd")]
+
+
+def ext(fmt: str, compression: str | None) -> str:
+    return {"safetensors": ".safetensors", "torch": ".pt"}[fmt] + (".zst" if compression else "")
+
+
+@pytest.fixture(params=FORMATS, ids=[f"{f}-{c or 'raw'}" for f, c in FORMATS])
+def saved(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, str]:
+    fmt, compression = request.param
+    root = tmp_path / "s"
+    with CheckpointManager(root, format=fmt, compression=compression) as mgr:
+        mgr.save(1, make_state(1, width=256))
+    return root, f"model{ext(fmt, compression)}"
+
+
+def verify(root: Path, deep: bool = True) -> VerifyReport:
+    with CheckpointManager(root) as mgr:
+        return mgr.verify(1, deep=deep)
+
+
+def test_good_checkpoint(saved: tuple[Path, str]) -> None:
+    root, _ = saved
+    doc = json.loads((root / step_dir(1) / MANIFEST).read_text())
+    deep = verify(root)
+    assert deep.ok, deep.problems
+    assert deep.files == len(doc["files"])
+    assert deep.bytes_checked == sum(e["bytes"] for e in doc["files"].values())
+    assert deep.step == 1
+    assert deep.target.endswith(step_dir(1))
+    assert deep.to_dict()["ok"] is True
+    quick = verify(root, deep=False)
+    assert quick.ok
+    assert not quick.deep
+
+
+def test_flipped_data_byte_needs_deep(saved: tuple[Path, str]) -> None:
+    root, name = saved
+    path = root / step_dir(1) / name
+    raw = bytearray(path.read_bytes())
+    raw[len(raw) // 2] ^= 0x04
+    path.write_bytes(bytes(raw))
+    deep = verify(root)
+    assert not deep.ok
+    assert len(deep.problems) == 1
+    assert name in deep.problems[0]
+    assert "crc32c" in deep.problems[0]
+    assert "does not match" in deep.problems[0]
+
+
+@pytest.mark.parametrize("damage", ["truncate", "delete", "directory", "symlink"])
+def test_structural_damage_is_found_quickly(saved: tuple[Path, str], damage: str) -> None:
+    root, name = saved
+    path = root / step_dir(1) / name
+    data = path.read_bytes()
+    path.unlink()
+    if damage == "truncate":
+        path.write_bytes(data[:-7])
+    elif damage == "directory":
+        path.mkdir()
+    elif damage == "symlink":
+        (root.parent / "elsewhere").write_bytes(data)
+        path.symlink_to(root.parent / "elsewhere")
+    for deep in (True, False):
+        report = verify(root, deep=deep)
+        assert not report.ok
+        assert any(name in p for p in report.problems), report.problems
+
+
+def test_broken_headers_are_found_quickly(tmp_path: Path) -> None:
+    for fmt in ("safetensors", "torch"):
+        root = tmp_path / fmt
+        with CheckpointManager(root, format=fmt) as mgr:
+            mgr.save(1, {"model": torch.nn.Linear(64, 64)})
+        name = "model.safetensors" if fmt == "safetensors" else "model.pt"
+        path = root / step_dir(1) / name
+        raw = bytearray(path.read_bytes())
+        if fmt == "safetensors":
+            raw[0:8] = (len(raw) * 2).to_bytes(8, "little")  # header longer than the file
+        else:
+            i = raw.rfind(b"PK\x05\x06")  # the zip's end-of-central-directory record
+            raw[i : i + 4] = b"XX\x05\x06"
+        path.write_bytes(bytes(raw))
+        report = verify(root, deep=False)
+        assert not report.ok, fmt
+        assert name in report.problems[0]
+
+
+def rewrite(root: Path, name: str, data: bytes, edit: Any = None) -> None:
+    """Replace a file and forge the manifest so sizes and checksums match again."""
+    (root / step_dir(1) / name).write_bytes(data)
+    mpath = root / step_dir(1) / MANIFEST
+
+    def fix(doc: dict[str, Any]) -> None:
+        doc["files"][name].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
+        if edit:
+            edit(doc)
+
+    mpath.write_bytes(forge_manifest(mpath.read_bytes(), fix))
+
+
+def test_state_json_that_is_not_json(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"x": 1})
+    rewrite(root, "state.json", b"{not json")
+    assert verify(root, deep=False).ok  # quick does not read it
+    report = verify(root)
+    assert not report.ok
+    assert "state.json" in report.problems[0]
+    assert "not valid JSON" in report.problems[0]
+
+
+def test_zip_member_crc_is_checked(tmp_path: Path) -> None:
+    # A .pt whose zip member CRC is wrong but whose crc32c in the manifest was recomputed:
+    # only the zip's own CRC-32 can tell.
+    root = tmp_path / "s"
+    with CheckpointManager(root, format="torch") as mgr:
+        mgr.save(1, {"w": torch.full((1024,), 3.0)})
+    path = root / step_dir(1) / "w.pt"
+    raw = bytearray(path.read_bytes())
+    i = raw.find(torch.full((16,), 3.0).numpy().tobytes())
+    raw[i + 8] ^= 0x01
+    rewrite(root, "w.pt", bytes(raw))
+    assert verify(root, deep=False).ok
+    report = verify(root)
+    assert not report.ok
+    assert "CRC-32" in report.problems[0]
+
+
+def test_manifest_without_state_json(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"x": 1})
+    mpath = root / step_dir(1) / MANIFEST
+    mpath.write_bytes(forge_manifest(mpath.read_bytes(), lambda d: d["files"].pop("state.json")))
+    report = verify(root)
+    assert not report.ok
+    assert "state.json" in report.problems[0]
+
+
+def test_missing_manifest_is_one_problem(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"x": 1})
+        view = local_view(root)
+        view.write(f"{step_dir(1)}/{MANIFEST}", b"")
+        report = verify_checkpoint(mgr.storage, 1)
+    assert not report.ok
+    assert len(report.problems) == 1
+    assert MANIFEST in report.problems[0]
