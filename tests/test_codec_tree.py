@@ -360,6 +360,25 @@ def test_views_are_stored_once(tmp_path: Path) -> None:
     assert vals[3]["offset"] == 0
 
 
+def test_colliding_and_reserved_tensor_keys(roundtrip: Any) -> None:
+    # "a.b" and ["a"]["b"] want the same payload key; "__metadata__" is reserved by safetensors.
+    state = {
+        "m": {
+            "a.b": torch.tensor([1.0]),
+            "a": {"b": torch.tensor([2.0])},
+            "__metadata__": torch.tensor([3.0]),
+            "_": torch.tensor([4.0]),
+        },
+        "top": torch.tensor([5.0]),
+    }
+    out = roundtrip(state)
+    assert out["m"]["a.b"].tolist() == [1.0]
+    assert out["m"]["a"]["b"].tolist() == [2.0]
+    assert out["m"]["__metadata__"].tolist() == [3.0]
+    assert out["m"]["_"].tolist() == [4.0]
+    assert out["top"].tolist() == [5.0]
+
+
 def test_parameters_and_requires_grad(roundtrip: Any) -> None:
     p = torch.nn.Parameter(torch.tensor([1.0, 2.0]))
     frozen = torch.nn.Parameter(torch.tensor([3.0]), requires_grad=False)
@@ -409,6 +428,11 @@ def test_torch_metadata_objects(roundtrip: Any) -> None:
             "objects of type test_codec_tree.Point",
         ),
         ({"a": np.array(["x"])}, "state['extra']['a']", "numpy arrays of dtype <U1"),
+        (
+            {"m": np.ma.masked_array([1.0, 2.0], mask=[False, True])},
+            "state['extra']['m']",
+            "objects of type numpy.ma.MaskedArray",
+        ),
     ],
 )
 def test_unsupported_objects_are_refused_with_their_path(
@@ -453,6 +477,7 @@ def test_allow_pickle_roundtrips_other_objects(tmp_path: Path, codec: dict[str, 
         "complex": 3j,
         "tuple_key": {(1, 2): "x"},
         "strings": np.array(["ab", "c"]),
+        "masked": np.ma.masked_array([1.0, 2.0], mask=[False, True]),
     }
     with CheckpointManager(tmp_path, allow_pickle=True, **codec) as mgr:
         mgr.save(1, {"extra": value})
@@ -465,6 +490,8 @@ def test_allow_pickle_roundtrips_other_objects(tmp_path: Path, codec: dict[str, 
     assert out["complex"] == 3j
     assert out["tuple_key"] == {(1, 2): "x"}
     assert out["strings"].tolist() == ["ab", "c"]
+    assert type(out["masked"]) is np.ma.MaskedArray
+    assert out["masked"].mask.tolist() == [False, True]
 
 
 def test_pickle_node_refused_without_allow_pickle_and_no_code_runs(tmp_path: Path) -> None:
@@ -590,6 +617,10 @@ def _decode(node: Any, tensors: dict[str, torch.Tensor] | None = None) -> Any:
         ({"t": "dtype", "v": "float99"}, "unknown dtype 'float99'"),
         ({"t": "npscalar", "dtype": "|O", "hex": ""}, "numpy dtype object is not numeric"),
         ({"t": "tuple"}, "malformed 'tuple' node (KeyError: 'v')"),
+        ({"t": "npscalar", "dtype": "<f4", "hex": ""}, "malformed 'npscalar' node (IndexError"),
+        ({"t": "npscalar", "dtype": "<f4", "hex": "0000"}, "malformed 'npscalar' node"),
+        ({"t": "device", "v": "nonsense"}, "malformed 'device' node (RuntimeError"),
+        ({"t": "device", "v": "cuda:-5"}, "malformed 'device' node"),
         (
             {"t": "tensor", "dtype": "float32", "shape": [3], "file": "g", "key": "a"},
             "payload g:a is torch.float32[2], state.json says torch.float32[3]",

@@ -144,7 +144,9 @@ class TreeEncoder:
             return {"t": "size", "v": list(v)}
         if tv is torch.device:
             return {"t": "device", "v": str(v)}
-        if np is not None and isinstance(v, np.ndarray):
+        # Exactly ndarray: a subclass (np.ma.MaskedArray, np.matrix) would lose its type and
+        # its mask, so it takes the pickle path like any other object.
+        if np is not None and type(v) is np.ndarray:
             return self._ndarray(v, group, path)
         if np is not None and isinstance(v, np.generic) and v.dtype.kind in "biufc":
             return {"t": "npscalar", "dtype": v.dtype.str, "hex": v.tobytes().hex()}
@@ -237,7 +239,8 @@ class TreeEncoder:
             g = groups.setdefault(occ.group, {})
             key = name_tensor(occ.path)
             n = 1
-            while key in g:
+            # "__metadata__" is reserved in a safetensors header: a tensor there is unloadable.
+            while key in g or key == "__metadata__":
                 n += 1
                 key = f"{name_tensor(occ.path)}#{n}"
             t = tensor.detach()
@@ -407,7 +410,8 @@ class TreeDecoder:
                     )
                     raise UnsafeCheckpointError(msg)
                 return pickle.loads(base64.b64decode(n["b64"]))
-        except (KeyError, TypeError, ValueError, struct.error) as e:
+        # IndexError: an empty numpy scalar; RuntimeError: torch refusing a device string.
+        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, struct.error) as e:
             if isinstance(e, IntegrityError | UnsafeCheckpointError):
                 raise
             raise self._bad(path, f"malformed {t!r} node ({type(e).__name__}: {e})") from None
