@@ -35,6 +35,7 @@ from ckptstore import (
 )
 from ckptstore.integrity import CRCWriter
 from ckptstore.storage import LocalStorage, wait_for_deletions
+from ckptstore.storage.directio import DirectWriter
 
 
 def entries(root: Path) -> list[str]:
@@ -125,6 +126,7 @@ def test_disk_full_raises_commit_error(
         mgr.save(1, good)
         if where == "write":
             monkeypatch.setattr(CRCWriter, "write", _enospc)
+            monkeypatch.setattr(DirectWriter, "write", _enospc)
         elif where == "open":
             monkeypatch.setattr(LocalStorage, "_open_write", _enospc)
         else:
@@ -149,6 +151,7 @@ def test_disk_full_raises_commit_error(
 
 def test_disk_full_on_an_empty_store(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(CRCWriter, "write", _enospc)
+    monkeypatch.setattr(DirectWriter, "write", _enospc)
     with CheckpointManager(tmp_path / "s") as mgr:
         with pytest.raises(CommitError, match="nothing was committed"):
             mgr.save(1, make_state(1))

@@ -18,6 +18,7 @@ from ckptstore import CheckpointManager, CommitError, SaveHandle
 from ckptstore.integrity import CRCWriter
 from ckptstore.staging import StagingPool
 from ckptstore.storage import Storage, wait_for_deletions
+from ckptstore.storage.directio import DirectWriter
 
 
 class Gate:
@@ -143,6 +144,7 @@ def test_background_failure_is_raised_again(
         gate.opened.clear()
         gate.entered.clear()
         monkeypatch.setattr(CRCWriter, "write", _enospc)
+        monkeypatch.setattr(DirectWriter, "write", _enospc)
         handle = mgr.save(2, {"x": torch.zeros(4)})  # returns before the failure
         assert gate.entered.wait(10)
         # The failure happens while the next call is already waiting for the save.

@@ -159,9 +159,23 @@ def run(
     return 0
 
 
+def _warm_up() -> None:
+    """Run once what imports lazily (torch._dynamo on the first optimizer step, the codecs),
+    so each forked writer starts in milliseconds."""
+    import tempfile
+
+    state = make_state()
+    with tempfile.TemporaryDirectory() as d:
+        for fmt in ("safetensors", "torch"):
+            with CheckpointManager(os.path.join(d, fmt), format=fmt) as mgr:
+                mgr.save(0, state)
+                mgr.restore(state)
+
+
 def serve() -> int:
     """Fork one writer per JSON line on stdin; report how each ended."""
     torch.set_num_threads(1)  # before any op: no thread pool for the children to inherit
+    _warm_up()
     for line in sys.stdin:
         if not line.strip():
             continue

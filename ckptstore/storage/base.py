@@ -18,7 +18,7 @@ import os
 import queue
 import threading
 from collections.abc import Iterator
-from typing import IO, ClassVar, Protocol
+from typing import IO, Any, ClassVar, Protocol, runtime_checkable
 
 from ..errors import CommitError, IntegrityError, ManifestError, StepExistsError
 from ..integrity import CRCWriter, crc32c_of, format_crc
@@ -40,6 +40,18 @@ log = logging.getLogger("ckptstore")
 
 #: Files are read in slices of this size while their checksum is computed.
 READ_CHUNK = 16 << 20
+
+
+@runtime_checkable
+class ChecksummingWriter(Protocol):
+    """A file object that computes the CRC32C and size of what it writes."""
+
+    crc: int
+    nbytes: int
+
+    def write(self, data: Any, /) -> int:
+        """Write and checksum ``data``."""
+        ...
 
 
 class WriterLock(Protocol):
@@ -76,7 +88,7 @@ class Pending:
     @contextlib.contextmanager
     def open(
         self, name: str, *, codec: str, compression: str | None = None, rank: int | None = None
-    ) -> Iterator[CRCWriter]:
+    ) -> Iterator[ChecksummingWriter]:
         """Open a new payload file; on clean exit it is durable and in :attr:`files`.
 
         The yielded writer checksums every byte on its way to the file.
@@ -87,12 +99,15 @@ class Pending:
         rel = f"{self.dirname}/{name}"
         f = self.storage._open_write(rel)
         try:
-            w = CRCWriter(f)
+            # A backend writer that checksums on its own (DirectWriter) is used as is;
+            # anything else is wrapped so the CRC is still computed on the way out.
+            w = f if isinstance(f, ChecksummingWriter) else CRCWriter(f)
             yield w
             self.storage._finish_write(f, rel)
         except BaseException:
             with contextlib.suppress(OSError):
-                f.close()
+                abort = getattr(f, "abort", None)
+                (abort or f.close)()  # never fsync or finish a file that failed
             raise
         with self._lock:
             self.files[name] = FileEntry(w.nbytes, w.crc, codec, compression, rank)
@@ -174,7 +189,8 @@ class Storage(abc.ABC):
             self._finish_write(f, rel)
         except BaseException:
             with contextlib.suppress(OSError):
-                f.close()
+                abort = getattr(f, "abort", None)
+                (abort or f.close)()  # never fsync or finish a file that failed
             raise
 
     # ---- the store ------------------------------------------------------------------

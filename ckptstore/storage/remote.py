@@ -3,17 +3,39 @@
 Commits are manifest-last: payloads go straight into ``step-N/`` and ``manifest.json`` is
 put last, in one request; readers look only at manifests, so the step is invisible until
 that request completes. Deletion removes the manifest first.
+
+Three things about fsspec filesystems shape this file:
+
+- **Listings are cached.** s3fs (and gcsfs, adlfs) keep a ``dircache`` of directory listings
+  per filesystem instance and answer ``exists``/``info``/``isfile``/``size``/``open`` from it.
+  Another process's commit, deletion or overwrite never reaches that cache, so a process
+  that once listed ``step-N/`` while its save was in flight would call the committed
+  manifest missing forever. Every query here first drops the cached listings of the path
+  and its parents (:meth:`FsspecStorage._fresh`), so it asks the store itself.
+- **One listing, not one request per step.** ``find`` without ``maxdepth`` is a single
+  flat, paginated ``ListObjectsV2`` on S3 (never served from the cache); with ``maxdepth``
+  it walks one ``ls`` per directory. :meth:`FsspecStorage._scan` lists the store once for
+  both the committed steps and the garbage.
+- **``rm`` globs.** ``fs.rm(path)`` expands ``*``, ``?`` and ``[`` in ``path`` as a glob, so
+  a store at ``s3://b/exp[1]`` removing ``step-1`` would also remove ``s3://b/exp1/step-1``.
+  :meth:`FsspecStorage._rmtree` never hands such a path to ``rm``.
 """
 
 from __future__ import annotations
 
+import contextlib
 import io
 import posixpath
+import re
 from typing import IO, Any, ClassVar
 
+from ..layout import MANIFEST_NAME, is_garbage_name, parse_step_dirname
 from .base import Storage
 
 __all__ = ["FsspecStorage"]
+
+#: Characters fsspec's ``rm``/``expand_path`` treat as a glob (``glob.has_magic``).
+_GLOB_CHARS = re.compile(r"[*?\[]")
 
 
 class FsspecStorage(Storage):
@@ -30,17 +52,36 @@ class FsspecStorage(Storage):
     def _p(self, rel: str) -> str:
         return posixpath.join(self.path, rel) if rel else self.path
 
+    def _fresh(self, p: str) -> str:
+        """Forget cached listings of ``p`` and its parents, so the next query asks the store.
+
+        Returns ``p``. s3fs pops ``p`` and every parent from its ``dircache``; filesystems
+        without a listing cache do nothing.
+        """
+        # DirCache.pop is a read then a delete: a thread invalidating the same entry in
+        # between makes it raise KeyError. Once more finishes the parents it skipped.
+        for _ in range(2):
+            try:
+                self.fs.invalidate_cache(p)
+                break
+            except KeyError:
+                continue
+        return p
+
+    # ---- listing --------------------------------------------------------------------
+
     def _list(self, rel: str) -> list[str]:
+        p = self._fresh(self._p(rel))
         try:
-            entries = self.fs.ls(self._p(rel), detail=False, refresh=True)
+            entries = self.fs.ls(p, detail=False, refresh=True)
         except (FileNotFoundError, NotADirectoryError):
             return []
         except TypeError:  # filesystems whose ls takes no refresh
             try:
-                entries = self.fs.ls(self._p(rel), detail=False)
+                entries = self.fs.ls(p, detail=False)
             except (FileNotFoundError, NotADirectoryError):
                 return []
-        base = self._p(rel).rstrip("/")
+        base = p.rstrip("/")
         names = []
         for e in entries:
             e = str(e).rstrip("/")
@@ -49,40 +90,65 @@ class FsspecStorage(Storage):
                 names.append(name)
         return names
 
-    def list_steps(self) -> list[int]:
-        """One listing of ``step-*/manifest.json`` instead of a request per step."""
-        from ..layout import MANIFEST_NAME, parse_step_dirname
+    def _scan(self) -> dict[str, set[str]]:
+        """One recursive listing of the store: each root entry -> the files directly in it.
 
-        try:
-            found = self.fs.find(self.path, maxdepth=2, withdirs=False)
-        except FileNotFoundError:
-            return []
+        Entries are taken only from paths strictly below ``ROOT/``, so a store at
+        ``s3://b/run1`` never sees ``s3://b/run10``.
+        """
         root = self.path.strip("/")
-        steps = set()
-        for p in found:
-            p = str(p)
-            parent = posixpath.dirname(p)
-            if (
-                posixpath.basename(p) != MANIFEST_NAME
-                or posixpath.dirname(parent).strip("/") != root
-            ):
+        prefix = f"{root}/" if root else ""
+        try:
+            found = self.fs.find(self._fresh(self.path), withdirs=True, detail=True)
+        except FileNotFoundError:
+            return {}
+        entries: dict[str, set[str]] = {}
+        for name, info in found.items():
+            p = str(name).strip("/")
+            if not p.startswith(prefix) or p == root:
                 continue
-            step = parse_step_dirname(posixpath.basename(parent))
-            if step is not None:
-                steps.add(step)
+            top, _, rest = p[len(prefix) :].partition("/")
+            if not top:
+                continue
+            files = entries.setdefault(top, set())
+            if rest and "/" not in rest and info.get("type") == "file":
+                files.add(rest)
+        return entries
+
+    def list_steps(self) -> list[int]:
+        """Committed steps (those with a manifest), ascending; one listing of the store."""
+        steps = []
+        for top, files in self._scan().items():
+            step = parse_step_dirname(top)
+            if step is not None and MANIFEST_NAME in files:
+                steps.append(step)
         return sorted(steps)
 
+    def list_garbage(self) -> list[str]:
+        """Tmp/trash entries and manifest-less step directories; one listing of the store."""
+        out = []
+        for top, files in self._scan().items():
+            if is_garbage_name(top) or (
+                parse_step_dirname(top) is not None and MANIFEST_NAME not in files
+            ):
+                out.append(top)
+        return sorted(out)
+
+    # ---- queries ------------------------------------------------------------------------
+
     def _exists(self, rel: str) -> bool:
-        return bool(self.fs.exists(self._p(rel)))
+        return bool(self.fs.exists(self._fresh(self._p(rel))))
 
     def _is_regular_file(self, rel: str) -> bool:
         try:
-            return bool(self.fs.isfile(self._p(rel)))
+            return bool(self.fs.isfile(self._fresh(self._p(rel))))
         except (FileNotFoundError, OSError):
             return False
 
     def _size(self, rel: str) -> int:
-        return int(self.fs.size(self._p(rel)))
+        return int(self.fs.size(self._fresh(self._p(rel))))
+
+    # ---- writes and reads ---------------------------------------------------------------
 
     def _mkdir(self, rel: str) -> None:
         self.fs.makedirs(self._p(rel), exist_ok=True)
@@ -94,16 +160,39 @@ class FsspecStorage(Storage):
         f.close()  # for object stores, close() is the (final part of the) upload
 
     def _put_small(self, rel: str, data: bytes) -> None:
+        # One PUT: the object appears whole or not at all, which is what makes the
+        # manifest put the commit.
         self.fs.pipe_file(self._p(rel), data)
 
     def _open_read(self, rel: str) -> IO[bytes]:
-        f = self.fs.open(self._p(rel), "rb")
+        # The size an object-store file reads up to comes from ``info``: a stale one would
+        # hide bytes appended by another process.
+        f = self.fs.open(self._fresh(self._p(rel)), "rb")
         if not hasattr(f, "readinto"):
             f = io.BufferedReader(f)
         return f  # type: ignore[no-any-return]
+
+    # ---- removal --------------------------------------------------------------------
 
     def _remove(self, rel: str) -> None:
         self.fs.rm_file(self._p(rel))
 
     def _rmtree(self, rel: str) -> None:
-        self.fs.rm(self._p(rel), recursive=True)
+        p = self._p(rel)
+        if not _GLOB_CHARS.search(p):
+            self.fs.rm(self._fresh(p), recursive=True)
+            return
+        # ``rm`` would expand the path as a glob and reach outside the store; list it
+        # literally (``find`` does not glob) and remove each object by its exact name.
+        found = self.fs.find(self._fresh(p), withdirs=True, detail=True)
+        if not found:
+            raise FileNotFoundError(p)
+        dirs = []
+        for name, info in found.items():
+            if info.get("type") == "directory":
+                dirs.append(name)
+            else:
+                self.fs.rm_file(name)
+        for d in sorted(dirs, key=len, reverse=True):  # deepest first; none on S3
+            with contextlib.suppress(OSError):
+                self.fs.rmdir(d)

@@ -1,0 +1,188 @@
+"""Large aligned file I/O that bypasses the page cache where the filesystem allows it.
+
+Checkpoints are written once and not read back soon, so the page cache only costs: a
+buffered write copies every byte into it and ``fsync`` then flushes it at about half the
+disk's speed. ``O_DIRECT`` DMA-s from our buffers straight to the device. It needs aligned
+buffers, offsets and lengths, so bytes are copied into two page-aligned bounce buffers (a
+copy into existing memory runs at ~20 GB/s) while the other buffer is being written by a
+helper thread; the CRC32C is computed on each buffer as it fills (the ``crc32c`` package
+releases the GIL). The last partial block is padded and the file truncated to its true size.
+Where ``O_DIRECT`` is refused (tmpfs, some network filesystems: ``EINVAL``) the same code
+runs with ordinary buffered writes and ``fsync``.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import errno
+import mmap
+import os
+from typing import Any
+
+from ..integrity import crc32c_of
+
+__all__ = ["ALIGN", "DirectWriter", "open_direct_read", "read_into"]
+
+ALIGN = 4096
+#: Size of each of the two bounce buffers; large writes keep the device queue full.
+BUFFER = 32 << 20
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
+
+
+class DirectWriter:
+    """A write-only, checksumming file object for one new file (``O_EXCL``).
+
+    Call :meth:`finish` to write the tail, truncate, fsync and close; :meth:`abort` closes
+    without fsync. ``crc`` and ``nbytes`` describe what was written.
+    """
+
+    def __init__(self, path: str, *, direct: bool = True, buffer_size: int = BUFFER) -> None:
+        flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
+        self.direct = False
+        fd = -1
+        if direct and _O_DIRECT:
+            try:
+                fd = os.open(path, flags | _O_DIRECT, 0o644)
+                self.direct = True
+            except OSError as e:
+                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise
+        if fd < 0:
+            fd = os.open(path, flags, 0o644)
+        self.fd = fd
+        self.path = path
+        self.crc = 0
+        self.nbytes = 0
+        self._size = max(ALIGN, buffer_size - buffer_size % ALIGN)
+        self._bufs = [mmap.mmap(-1, self._size), mmap.mmap(-1, self._size)]
+        self._views = [memoryview(b) for b in self._bufs]
+        self._cur = 0
+        self._pos = 0  # bytes filled in the current buffer
+        self._offset = 0  # file offset of the current buffer
+        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptstore-io")
+        self._pending: concurrent.futures.Future[None] | None = None
+        self._closed = False
+
+    # -- file-object protocol (what torch.save and our encoders use) --
+
+    def write(self, data: Any) -> int:
+        """Copy ``data`` into the bounce buffer, writing out full buffers."""
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        done = 0
+        while done < n:
+            room = self._size - self._pos
+            k = min(room, n - done)
+            self._views[self._cur][self._pos : self._pos + k] = mv[done : done + k]
+            self._pos += k
+            done += k
+            if self._pos == self._size:
+                self._flush_buffer()
+        self.nbytes += n
+        return n
+
+    def flush(self) -> None:
+        """No-op: data goes out in whole buffers and at :meth:`finish`."""
+
+    def writable(self) -> bool:
+        """Always true."""
+        return True
+
+    def seekable(self) -> bool:
+        """Never: the checksum needs the bytes in order."""
+        return False
+
+    def tell(self) -> int:
+        """Bytes written so far."""
+        return self.nbytes
+
+    # -- mechanics --
+
+    def _wait(self) -> None:
+        if self._pending is not None:
+            fut, self._pending = self._pending, None
+            fut.result()
+
+    def _pwrite_all(self, view: memoryview, offset: int) -> None:
+        while len(view):
+            n = os.pwrite(self.fd, view, offset)
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write to {self.path}")
+            view = view[n:]
+            offset += n
+
+    def _flush_buffer(self) -> None:
+        view = self._views[self._cur][: self._pos]
+        self.crc = crc32c_of(view, self.crc)
+        self._wait()  # the other buffer must be on disk before we reuse it next
+        self._pending = self._pool.submit(self._pwrite_all, view, self._offset)
+        self._offset += self._pos
+        self._cur ^= 1
+        self._pos = 0
+
+    def finish(self) -> None:
+        """Write the tail, truncate to the true size, fsync and close."""
+        try:
+            self._wait()
+            if self._pos:
+                view = self._views[self._cur]
+                self.crc = crc32c_of(view[: self._pos], self.crc)
+                end = self._pos
+                if self.direct:  # O_DIRECT writes whole blocks: pad, then truncate
+                    end = -(-self._pos // ALIGN) * ALIGN
+                    view[self._pos : end] = bytes(end - self._pos)
+                self._pwrite_all(view[:end], self._offset)
+                self._offset += self._pos
+                self._pos = 0
+            if self.direct:
+                os.ftruncate(self.fd, self._offset)
+            os.fsync(self.fd)
+        finally:
+            self._close()
+
+    def abort(self) -> None:
+        """Close without making anything durable (the caller removes the file)."""
+        with contextlib.suppress(Exception):
+            self._wait()
+        self._close()
+
+    def close(self) -> None:
+        """Alias of :meth:`finish` for file-object users."""
+        if not self._closed:
+            self.finish()
+
+    def _close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        self._pool.shutdown(wait=True)
+        with contextlib.suppress(OSError):
+            os.close(self.fd)
+        for v in self._views:
+            v.release()
+        for b in self._bufs:
+            b.close()
+
+
+def open_direct_read(path: str) -> tuple[int, bool]:
+    """Open ``path`` for reading, with ``O_DIRECT`` where allowed; never follows symlinks."""
+    flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
+    if _O_DIRECT:
+        try:
+            return os.open(path, flags | _O_DIRECT), True
+        except OSError as e:
+            if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                raise
+    return os.open(path, flags), False
+
+
+def read_into(fd: int, dest: memoryview, offset: int) -> int:
+    """``pread`` until ``dest`` is full or EOF; returns the bytes read."""
+    got = 0
+    while got < len(dest):
+        n = os.preadv(fd, [dest[got:]], offset + got)
+        if n <= 0:
+            break
+        got += n
+    return got

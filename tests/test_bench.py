@@ -1,0 +1,94 @@
+"""Smoke test of tools/bench.py: it runs, and its JSON has the promised shape.
+
+No speed is asserted: the numbers depend on the machine and its load.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+ONLY = "disk-odirect,disk-buffered,torch,ckpt-st,ckpt-async,copy-prealloc,verify,protocol,ls10k"
+
+
+def test_bench_smoke(tmp_path: Path) -> None:
+    out = tmp_path / "tmp" / "bench.json"
+    cmd = [
+        sys.executable,
+        str(REPO / "tools" / "bench.py"),
+        "--size",
+        "4MB",
+        "--repeats",
+        "1",
+        "--only",
+        ONLY,
+        "--out",
+        "tmp/bench.json",  # relative to cwd (tmp_path)
+        "--dir",
+        str(tmp_path / "work"),
+        "--ls-count",
+        "30",
+        "--ls-timeout",
+        "60",
+    ]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    assert "targets:" in res.stdout
+    doc = json.loads(out.read_text())
+
+    for key in ("machine", "config", "state", "results", "targets", "extra", "ls", "odirect"):
+        assert key in doc, key
+    m = doc["machine"]
+    assert m["cpu_count"] >= 1
+    assert m["torch"]
+    assert m["bench_dir"]["free_bytes"] > 0
+
+    st = doc["state"]
+    assert st["param_bytes"] > 3_000_000
+    assert st["optimizer_bytes"] > st["param_bytes"]  # exp_avg + exp_avg_sq (+ step)
+    assert st["state_bytes"] == st["param_bytes"] + st["optimizer_bytes"]
+    assert st["n_tensors"] > 100
+
+    rows = {(r["contender"], r["op"]): r for r in doc["results"]}
+    want = [
+        ("disk-buffered", "save"),
+        ("disk-buffered", "restore"),
+        ("torch", "save"),
+        ("torch", "restore"),
+        ("ckpt-st", "save"),
+        ("ckpt-st", "restore"),
+        ("ckpt-async", "blocked"),
+        ("ckpt-async", "committed"),
+        ("copy-prealloc", "copy"),
+        ("verify", "verify"),
+        ("protocol", "tiny-save"),
+    ]
+    if doc["odirect"]["available"]:
+        want += [("disk-odirect", "save"), ("disk-odirect", "restore")]
+    for key in want:
+        assert key in rows, key
+        r = rows[key]
+        assert r["n"] >= 1
+        assert r["median_s"] > 0
+        assert all(t > 0 for t in r["times_s"])
+        if r["gb_s"] is not None:
+            assert r["gb_s"] > 0
+            assert math.isfinite(r["gb_s"])
+    assert rows[("ckpt-st", "save")]["ratio_to_raw"] > 0
+
+    assert doc["ls"]["count"] == 30
+    for op in ("steps", "latest_step", "plan_keep_last", "plan_keep_best", "ls"):
+        assert doc["ls"]["ops"][op]["median_s"] > 0, op
+
+    targets = {t["target"]: t for t in doc["targets"]}
+    assert len(targets) >= 12
+    for t in targets.values():
+        assert t["pass"] in (True, False, None)
+    assert any(t["value"] is not None for t in targets.values())
+    assert doc["cold_cache_check"]["checks"] >= 1

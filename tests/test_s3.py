@@ -1,0 +1,727 @@
+"""ckptstore against a real S3 HTTP endpoint (moto's server on loopback, through s3fs).
+
+Nothing is mocked in-process: every request goes over HTTP to the server started once for
+this module (``tests/s3server.py``), which also logs the requests it receives, so the tests
+can assert what reached the wire (the order of PUTs and DELETEs, the number of listings).
+
+"Another process" is played by a second s3fs filesystem instance
+(``skip_instance_cache=True``: its own listing cache, as a separate process would have), and
+once by a real child process.
+
+At the end, the storage conformance suite of ``test_storage.py`` runs against S3 as well:
+its tests are collected here with an ``s3`` ``store`` fixture, nothing else added.
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import logging
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+import fsspec  # noqa: E402
+import torch  # noqa: E402
+from _helpers import (  # noqa: E402
+    MANIFEST,
+    StoreView,
+    assert_same,
+    forge_manifest,
+    fresh_like,
+    make_state,
+    run_python,
+    step_dir,
+)
+from s3server import S3Endpoint, s3_server  # noqa: E402
+
+from ckptstore import (  # noqa: E402
+    CheckpointManager,
+    IntegrityError,
+    KeepLast,
+    ManifestError,
+    NoCheckpointError,
+)
+from ckptstore.cli import main  # noqa: E402
+from ckptstore.storage import Storage, wait_for_deletions  # noqa: E402
+from ckptstore.storage.remote import FsspecStorage  # noqa: E402
+
+# Tests collected from test_storage.py carry no timeout of their own.
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Endpoint]:
+    """One server for the module (it starts in well under a second)."""
+    with s3_server() as ep:
+        yield ep
+        wait_for_deletions()  # background deletions must not outlive the server
+
+
+@pytest.fixture
+def prefix(s3: S3Endpoint) -> str:
+    return s3.unique_prefix()
+
+
+@pytest.fixture
+def url(s3: S3Endpoint, prefix: str) -> str:
+    return s3.url(prefix)
+
+
+def manager(s3: S3Endpoint, url: str, *, other: bool = False, **kwargs: Any) -> CheckpointManager:
+    """A manager on ``url``; ``other=True``: with its own s3fs instance and listing cache."""
+    opts = s3.storage_options
+    if other:
+        opts["skip_instance_cache"] = True
+    return CheckpointManager(url, storage_options=opts, **kwargs)
+
+
+def objects(s3: S3Endpoint, prefix: str) -> dict[str, bytes]:
+    """Every object under ``prefix/``, by path relative to it, read by an independent client."""
+    fs = s3.fs(fresh=True)
+    base = f"{s3.bucket}/{prefix}/"
+    return {p[len(base) :]: bytes(fs.cat_file(p)) for p in fs.find(base) if p.startswith(base)}
+
+
+def etags(s3: S3Endpoint) -> dict[str, str]:
+    """``{key: ETag}`` of every object in the bucket (what changed, what did not)."""
+    fs = s3.fs(fresh=True)
+    return {k: str(v["ETag"]) for k, v in fs.find(s3.bucket, detail=True).items()}
+
+
+def model_sd(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in state["model"].state_dict().items()}
+
+
+def writes_to(s3: S3Endpoint, prefix: str, step: int) -> list[str]:
+    """Names of the objects of ``step`` written (PUT / multipart) on the wire, in order."""
+    base = f"/{s3.bucket}/{prefix}/{step_dir(step)}/"
+    return [
+        r.path[len(base) :]
+        for r in s3.requests()
+        if r.method in ("PUT", "POST") and r.path.startswith(base)
+    ]
+
+
+class Crash(BaseException):
+    """The process dies here: nothing after it runs, no cleanup."""
+
+
+# ---- save / restore / load / verify on S3 ------------------------------------------------
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_roundtrip(
+    s3: S3Endpoint, url: str, prefix: str, codec: dict[str, Any], async_save: bool
+) -> None:
+    states = {s: make_state(s) for s in (1, 2, 3)}
+    expected = {}
+    with manager(s3, url, keep=2, async_save=async_save, **codec) as mgr:
+        assert mgr.steps() == []
+        assert mgr.latest_step() is None
+        for s, st in states.items():
+            expected[s] = model_sd(st)
+            mgr.save(s, st, metrics={"val_loss": 1.0 / s})
+            if async_save:  # training goes on at once; the checkpoint holds the old values
+                with torch.no_grad():
+                    for p in st["model"].parameters():
+                        p.add_(1.0)
+        mgr.wait()
+        assert mgr.steps() == [2, 3]
+        assert mgr.latest_step() == 3
+
+        fresh = fresh_like(states[3])
+        assert mgr.restore(fresh) == 3
+        assert_same(model_sd(fresh), expected[3])
+        assert fresh["step"] == 3
+        assert mgr.restore(fresh, step=2) == 2
+        assert_same(model_sd(fresh), expected[2])
+        loaded = mgr.load()
+        assert_same(dict(loaded["model"]), expected[3])
+        assert_same(loaded["extra"], states[3]["extra"])
+        for deep in (True, False):
+            report = mgr.verify(3, deep=deep)
+            assert report.ok, report.problems
+            assert report.files == 3  # the payloads and state.json
+        assert mgr.verify(deep=True).bytes_checked == mgr.manifest(3).total_bytes
+        assert mgr.manifest(3).format == codec["format"]
+
+    suffix = {"safetensors": ".safetensors", "torch": ".pt"}[codec["format"]]
+    suffix += ".zst" if codec["compression"] else ""
+    names = sorted(objects(s3, prefix))
+    assert names == sorted(
+        f"{step_dir(s)}/{n}"
+        for s in (2, 3)
+        for n in (MANIFEST, "state.json", f"model{suffix}", f"optimizer{suffix}")
+    ), "step 1 was removed whole by retention; nothing else is there"
+
+
+@pytest.mark.timeout(30)
+def test_resume_from_another_client(s3: S3Endpoint, url: str) -> None:
+    state = make_state(7)
+    with manager(s3, url) as mgr:
+        assert mgr.resume(fresh_like(state)) == 0
+        mgr.save(7, state)
+    with manager(s3, url, other=True) as mgr:
+        fresh = fresh_like(state)
+        assert mgr.resume(fresh) == 8
+        assert_same(model_sd(fresh), model_sd(state))
+
+
+# ---- the commit protocol on S3 -----------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_manifest_is_the_last_object_written(
+    s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch, async_save: bool
+) -> None:
+    with manager(s3, url) as mgr:
+        mgr.save(1, make_state(1))
+    observer = manager(s3, url, other=True)
+    assert observer.steps() == [1]
+
+    events: list[str] = []
+    in_flight: dict[str, Any] = {}
+    real_open, real_put = FsspecStorage._open_write, FsspecStorage._put_small
+
+    def open_write(self: FsspecStorage, rel: str) -> Any:
+        events.append(rel)
+        return real_open(self, rel)
+
+    def put_small(self: FsspecStorage, rel: str, data: bytes) -> None:
+        events.append(rel)
+        if rel.endswith(MANIFEST):
+            # The save is in flight: every payload is on S3, the manifest is not yet.
+            in_flight["steps"] = observer.steps()
+            in_flight["load"] = observer.latest_step()
+            in_flight["objects"] = sorted(objects(s3, prefix))
+        real_put(self, rel, data)
+
+    monkeypatch.setattr(FsspecStorage, "_open_write", open_write)
+    monkeypatch.setattr(FsspecStorage, "_put_small", put_small)
+    s3.requests.clear()
+    with manager(s3, url, async_save=async_save) as mgr:
+        mgr.save(2, make_state(2))
+        mgr.wait()
+    monkeypatch.undo()
+
+    d = step_dir(2)
+    assert events[-1] == f"{d}/{MANIFEST}", events
+    assert all(e.startswith(f"{d}/") for e in events), "object stores write in place"
+    payloads = sorted(e.split("/", 1)[1] for e in events[:-1])
+    assert payloads == ["model.safetensors", "optimizer.safetensors", "state.json"]
+    # ... and on the wire: the manifest PUT is the last write of the step, made once.
+    wire = writes_to(s3, prefix, 2)
+    assert wire[-1] == MANIFEST, wire
+    assert wire.count(MANIFEST) == 1
+    assert sorted(wire[:-1]) == payloads
+
+    assert in_flight["steps"] == [1], "a step is invisible until its manifest is put"
+    assert in_flight["load"] == 1
+    assert in_flight["objects"] == sorted(
+        [f"{step_dir(1)}/{n}" for n in (MANIFEST, *payloads)] + [f"{d}/{n}" for n in payloads]
+    )
+    assert observer.steps() == [1, 2], "and visible as soon as it is"
+    assert observer.verify(2).ok
+    observer.close()
+
+
+@pytest.mark.timeout(30)
+def test_crash_before_the_manifest_leaves_an_invisible_step(
+    s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state1 = make_state(1)
+    with manager(s3, url) as mgr:
+        mgr.save(1, state1)
+
+    def put_small(self: FsspecStorage, rel: str, data: bytes) -> None:
+        raise Crash  # the process dies while putting the manifest
+
+    monkeypatch.setattr(FsspecStorage, "_put_small", put_small)
+    monkeypatch.setattr(Storage, "abort", lambda self, pending: None)  # a crash cleans nothing
+    mgr = manager(s3, url)
+    with pytest.raises(Crash):
+        mgr.save(2, make_state(2))
+    monkeypatch.undo()
+    mgr.close()
+
+    leftovers = sorted(n for n in objects(s3, prefix) if n.startswith(step_dir(2)))
+    assert leftovers == [
+        f"{step_dir(2)}/{n}" for n in ("model.safetensors", "optimizer.safetensors", "state.json")
+    ]
+    with manager(s3, url, other=True) as mgr:
+        assert mgr.steps() == [1]
+        assert mgr.latest_step() == 1
+        fresh = fresh_like(state1)
+        assert mgr.restore(fresh) == 1
+        assert_same(model_sd(fresh), model_sd(state1))
+        with pytest.raises(NoCheckpointError):
+            mgr.restore(fresh, step=2)
+        with pytest.raises(NoCheckpointError):
+            mgr.load(2)
+        assert_same(dict(mgr.load()["model"]), model_sd(state1))
+        assert mgr.storage.list_garbage() == [step_dir(2)]
+        assert mgr.gc() == [step_dir(2)]
+        assert not [n for n in objects(s3, prefix) if n.startswith(step_dir(2))]
+        assert mgr.gc() == []
+        mgr.save(2, make_state(2))
+        assert mgr.steps() == [1, 2]
+        assert mgr.verify(2).ok
+
+
+@pytest.mark.timeout(30)
+def test_delete_removes_the_manifest_first(
+    s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with manager(s3, url) as mgr:
+        for s in (1, 2):
+            mgr.save(s, make_state(s))
+    observer = manager(s3, url, other=True)
+    events: list[tuple[str, str]] = []
+    real_remove, real_rmtree = FsspecStorage._remove, FsspecStorage._rmtree
+
+    def remove(self: FsspecStorage, rel: str) -> None:
+        events.append(("remove", rel))
+        real_remove(self, rel)
+
+    def rmtree(self: FsspecStorage, rel: str) -> None:
+        # The manifest is gone: the step has vanished for every reader already.
+        events.append(("rmtree", rel))
+        events.append(("visible", ",".join(map(str, observer.steps()))))
+        real_rmtree(self, rel)
+
+    monkeypatch.setattr(FsspecStorage, "_remove", remove)
+    monkeypatch.setattr(FsspecStorage, "_rmtree", rmtree)
+    s3.requests.clear()
+    with manager(s3, url, keep=1) as mgr:
+        assert mgr.prune() == [1]
+        mgr.wait()
+    assert events == [
+        ("remove", f"{step_dir(1)}/{MANIFEST}"),
+        ("rmtree", step_dir(1)),
+        ("visible", "2"),
+    ]
+    # On the wire: the manifest's DELETE comes before any other deletion of the step.
+    base = f"/{s3.bucket}/{prefix}/{step_dir(1)}/"
+    deletes = [r for r in s3.requests() if r.method == "DELETE" or r.is_bulk_delete]
+    assert deletes[0].method == "DELETE"
+    assert deletes[0].path == base + MANIFEST
+    assert len(deletes) == 2
+    assert deletes[1].is_bulk_delete, "the rest goes in one DeleteObjects request"
+    assert sorted(objects(s3, prefix)) == sorted(
+        f"{step_dir(2)}/{n}"
+        for n in (MANIFEST, "model.safetensors", "optimizer.safetensors", "state.json")
+    )
+    observer.close()
+
+
+# ---- corruption and hostile manifests ------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("damage", ["flip", "grow", "truncate"])
+def test_damaged_payload_is_caught(
+    s3: S3Endpoint,
+    url: str,
+    prefix: str,
+    caplog: pytest.LogCaptureFixture,
+    damage: str,
+) -> None:
+    states = {s: make_state(s) for s in (1, 2)}
+    with manager(s3, url) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+        assert mgr.verify(2).ok  # reads every object: the listing cache is warm
+
+        # Another client damages the newest payload behind this process's back.
+        fs = s3.fs(fresh=True)
+        key = f"{s3.bucket}/{prefix}/{step_dir(2)}/model.safetensors"
+        data = bytearray(fs.cat_file(key))
+        if damage == "flip":
+            data[len(data) // 2] ^= 0xFF
+        elif damage == "grow":
+            data += b"\0"
+        else:
+            del data[-1]
+        fs.pipe_file(key, bytes(data))
+
+        fresh = fresh_like(states[1])
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            assert mgr.restore(fresh) == 1, "falls back to the previous checkpoint"
+        assert_same(model_sd(fresh), model_sd(states[1]))
+        assert any("step 2" in r.getMessage() for r in caplog.records)
+        with pytest.raises(IntegrityError, match="model.safetensors"):
+            mgr.restore(fresh_like(states[1]), step=2)
+        with pytest.raises(IntegrityError, match="model.safetensors"):
+            mgr.load(2)
+        report = mgr.verify(2)
+        assert not report.ok
+        assert len(report.problems) == 1
+        assert f"{url}/{step_dir(2)}/model.safetensors" in report.problems[0]
+        assert ("crc32c" if damage == "flip" else "bytes") in report.problems[0]
+        # A quick check sees sizes and headers only: a flipped byte in tensor data passes it.
+        assert mgr.verify(2, deep=False).ok is (damage == "flip")
+        assert mgr.verify(1).ok
+
+
+HOSTILE = ["../x", "../../x", "../../../x", "/x"]
+
+
+@pytest.mark.timeout(30)
+@pytest.mark.parametrize("name", HOSTILE)
+def test_hostile_manifest_touches_nothing_outside(
+    s3: S3Endpoint, url: str, prefix: str, name: str
+) -> None:
+    # Sentinels where an escaping name could reach: in ROOT, in the bucket, a sibling store.
+    fs = s3.fs(fresh=True)
+    for key in (f"{prefix}/x", "x", f"{prefix}-sibling/{step_dir(1)}/x", f"{prefix}x"):
+        fs.pipe_file(f"{s3.bucket}/{key}", b"sentinel " + key.encode())
+    states = {s: make_state(s) for s in (1, 2)}
+    with manager(s3, url) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    key = f"{s3.bucket}/{prefix}/{step_dir(2)}/{MANIFEST}"
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["files"][name] = doc["files"].pop("model.safetensors")
+
+    fs.pipe_file(key, forge_manifest(bytes(fs.cat_file(key)), edit))
+    before = {
+        k: v for k, v in etags(s3).items() if not k.startswith(f"{s3.bucket}/{prefix}/step-")
+    }
+    assert len(before) >= 4
+
+    with manager(s3, url, keep=1) as mgr:
+        for call in (lambda: mgr.restore(fresh_like(states[1]), step=2), lambda: mgr.load(2)):
+            with pytest.raises(ManifestError, match="unsafe file name"):
+                call()
+        with pytest.raises(ManifestError, match="unsafe file name"):
+            mgr.manifest(2)
+        assert mgr.restore(fresh_like(states[1])) == 1
+        report = mgr.verify(2)
+        assert not report.ok
+        assert "unsafe file name" in report.problems[0]
+        assert mgr.prune() == [], "step 2 is the newest, step 1 the newest that verifies"
+        assert mgr.gc() == []
+        mgr.save(3, make_state(3))  # retention now deletes steps 1 and 2
+        mgr.wait()
+        assert mgr.steps() == [3]
+        assert mgr.restore(fresh_like(states[1])) == 3
+
+    after = etags(s3)
+    for k, tag in before.items():
+        assert after.get(k) == tag, f"{k} was touched"
+    assert not [k for k in after if k.startswith(f"{s3.bucket}/{prefix}/{step_dir(2)}/")]
+
+
+# ---- listing: one request, the right prefix, no stale cache -----------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_steps_is_one_listing(s3: S3Endpoint, url: str, prefix: str) -> None:
+    with manager(s3, url) as mgr:
+        for s in (1, 2, 3, 10, 200):
+            mgr.save(s, make_state(s))
+        mgr.pin(2)
+        s3.fs(fresh=True).pipe_file(f"{s3.bucket}/{prefix}/{step_dir(7)}/state.json", b"{}")
+
+        s3.requests.clear()
+        assert mgr.steps() == [1, 2, 3, 10, 200]
+        reqs = s3.requests()
+        assert len(reqs) == 1, reqs
+        assert reqs[0].is_list
+        assert reqs[0].query["prefix"] == f"{prefix}/"
+        assert not reqs[0].query.get("delimiter"), "recursive: no delimiter, no per-step ls"
+
+        s3.requests.clear()
+        assert mgr.storage.list_garbage() == [step_dir(7)]
+        assert len(s3.requests()) == 1
+
+        s3.requests.clear()
+        assert mgr.latest_step() == 200
+        assert mgr.steps() == [1, 2, 3, 10, 200]
+        assert len(s3.requests()) == 2, "never answered from a cached listing"
+
+
+@pytest.mark.timeout(30)
+def test_prefix_sharing_a_string_prefix_is_another_store(s3: S3Endpoint, prefix: str) -> None:
+    run1, run10 = f"{prefix}/run1", f"{prefix}/run10"
+    with manager(s3, s3.url(run10)) as mgr:
+        for s in (5, 6, 7):
+            mgr.save(s, make_state(s))
+    fs = s3.fs(fresh=True)
+    fs.pipe_file(f"{s3.bucket}/{run10}/{step_dir(9)}/state.json", b"{}")  # run10's garbage
+    fs.pipe_file(f"{s3.bucket}/{run1}0", b"an object named like the store")
+    run10_before = {k: v for k, v in etags(s3).items() if not k.startswith(f"{s3.bucket}/{run1}/")}
+
+    state = make_state(2)
+    with manager(s3, s3.url(run1), keep=1) as mgr:
+        assert mgr.steps() == []
+        assert mgr.storage.list_garbage() == []
+        assert mgr.resume(fresh_like(state)) == 0
+        mgr.save(1, make_state(1))
+        mgr.save(2, state)
+        mgr.wait()
+        assert mgr.steps() == [2]
+        assert mgr.gc() == []
+        fresh = fresh_like(state)
+        assert mgr.restore(fresh) == 2
+        assert_same(model_sd(fresh), model_sd(state))
+    assert etags(s3).items() >= run10_before.items(), "run10 is untouched"
+    assert sorted({n.split("/")[0] for n in objects(s3, run1)}) == [step_dir(2)]
+    with manager(s3, s3.url(run10)) as mgr:
+        assert mgr.steps() == [5, 6, 7]
+        assert mgr.storage.list_garbage() == [step_dir(9)]
+
+
+@pytest.mark.timeout(30)
+def test_glob_characters_in_root_stay_literal(s3: S3Endpoint, prefix: str) -> None:
+    # fsspec's rm expands "[1]" as a glob: removing exp[1]/step-1 would remove exp1/step-1.
+    literal, lookalike = f"{prefix}/exp[1]", f"{prefix}/exp1"
+    with manager(s3, s3.url(lookalike)) as mgr:
+        for s in (1, 2):
+            mgr.save(s, make_state(s))
+    before = {k: v for k, v in etags(s3).items() if f"/{lookalike}/" in k}
+    with manager(s3, s3.url(literal), keep=1) as mgr:
+        for s in (1, 2):
+            mgr.save(s, make_state(s))
+        mgr.wait()
+        assert mgr.steps() == [2]
+        s3.fs(fresh=True).pipe_file(f"{s3.bucket}/{literal}/{step_dir(5)}/x", b"")
+        assert mgr.gc() == [step_dir(5)]
+    after = etags(s3)
+    assert {k: v for k, v in after.items() if f"/{lookalike}/" in k} == before
+    assert sorted({n.split("/")[0] for n in objects(s3, literal)}) == [step_dir(2)]
+    with manager(s3, s3.url(lookalike)) as mgr:
+        assert mgr.steps() == [1, 2]
+        assert mgr.verify(1).ok
+
+
+@pytest.mark.timeout(30)
+def test_clients_see_each_others_commits_and_deletions(
+    s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two s3fs instances, each with its own listing cache, as two processes have."""
+    writer = manager(s3, url, other=True, keep=2)
+    reader = manager(s3, url, other=True)
+    assert writer.storage.fs is not reader.storage.fs
+    states = {s: make_state(s) for s in (1, 2, 3)}
+    writer.save(1, states[1])
+    assert reader.steps() == [1]
+    assert_same(dict(reader.load()["model"]), model_sd(states[1]))
+
+    # The reader lists while the writer's save of step 2 is in flight: its cache now holds
+    # step-2/ without a manifest. After the commit it must not believe that listing.
+    seen: dict[str, Any] = {}
+    real_put = FsspecStorage._put_small
+
+    def put_small(self: FsspecStorage, rel: str, data: bytes) -> None:
+        if rel.endswith(MANIFEST) and self is writer.storage:
+            seen["steps"] = reader.steps()
+            seen["garbage"] = reader.storage.list_garbage()
+            seen["exists"] = reader.storage.is_pinned(2)  # an info/exists on step-2/
+        real_put(self, rel, data)
+
+    monkeypatch.setattr(FsspecStorage, "_put_small", put_small)
+    writer.save(2, states[2])
+    monkeypatch.undo()
+    assert seen == {"steps": [1], "garbage": [step_dir(2)], "exists": False}
+    assert reader.steps() == [1, 2]
+    assert reader.manifest(2).step == 2
+    assert reader.verify(2).ok
+    assert_same(dict(reader.load()["model"]), model_sd(states[2]))
+    assert reader.storage.list_garbage() == []
+
+    # The writer's retention deletes step 1: the reader sees it gone.
+    writer.save(3, states[3])
+    writer.wait()
+    assert reader.steps() == [2, 3]
+    with pytest.raises(NoCheckpointError):
+        reader.load(1)
+
+    # The reader pins step 3; the writer (its cache warm) sees the pin and keeps the step.
+    assert not writer.storage.is_pinned(3)
+    reader.pin(3)
+    assert writer.storage.is_pinned(3)
+    writer.save(4, make_state(4))
+    writer.save(5, make_state(5))
+    writer.wait()
+    assert reader.steps() == [3, 4, 5]
+    reader.close()
+    writer.close()
+
+
+@pytest.mark.timeout(60)
+def test_commit_by_another_process_is_seen(s3: S3Endpoint, url: str) -> None:
+    state = make_state(1)
+    with manager(s3, url) as mgr:
+        mgr.save(1, state)
+        assert mgr.steps() == [1]  # warm listing cache in this process
+        child = run_python(
+            "import json, sys\n"
+            "from _helpers import make_state\n"
+            "from ckptstore import CheckpointManager\n"
+            "url, opts = sys.argv[1], json.loads(sys.argv[2])\n"
+            "with CheckpointManager(url, keep=1, storage_options=opts) as mgr:\n"
+            "    mgr.save(2, make_state(2))\n"
+            "    mgr.wait()\n"
+            "    print('steps', mgr.steps())\n",
+            url,
+            json.dumps(s3.storage_options),
+        )
+        assert child.returncode == 0, child.stderr
+        assert "steps [2]" in child.stdout
+        assert mgr.steps() == [2]
+        assert mgr.latest_step() == 2
+        with pytest.raises(NoCheckpointError):
+            mgr.load(1)
+        assert_same(dict(mgr.load()["model"]), model_sd(make_state(2)))
+
+
+# ---- retention and pins -----------------------------------------------------------------------
+
+
+@pytest.mark.timeout(30)
+def test_pin_prune_gc(s3: S3Endpoint, url: str, prefix: str) -> None:
+    with manager(s3, url, keep=KeepLast(1)) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.pin(1)
+        for s in (2, 3):
+            mgr.save(s, make_state(s))
+        mgr.wait()
+        assert mgr.steps() == [1, 3]
+        assert mgr.storage.is_pinned(1)
+        assert f"{step_dir(1)}/pinned" in objects(s3, prefix)
+        assert mgr.plan_prune() == []
+        mgr.unpin(1)
+        assert mgr.plan_prune() == [1]
+        assert mgr.prune() == [1]
+        mgr.wait()
+        assert mgr.steps() == [3]
+        assert sorted({n.split("/")[0] for n in objects(s3, prefix)}) == [step_dir(3)]
+
+
+# ---- the command line against S3 ------------------------------------------------------------
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
+    rc = main(list(argv))
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+@pytest.mark.timeout(30)
+def test_cli_ls_verify_prune(
+    s3: S3Endpoint, url: str, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    with manager(s3, url) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, make_state(s), metrics={"val_loss": 1.0 / s})
+        mgr.pin(1)
+    opts = s3.cli_options  # key, secret, endpoint_url: flat strings, as a shell passes them
+
+    rc, out, err = cli(capsys, "ls", url, *opts)
+    assert (rc, err) == (0, "")
+    lines = out.splitlines()
+    assert lines[0].split()[:2] == ["step", "created"]
+    assert [ln.split()[0] for ln in lines[1:4]] == ["1", "2", "3"]
+    assert lines[1].rstrip().endswith("yes"), "step 1 is pinned"
+    assert "val_loss=0.5" in lines[2]
+    assert lines[4].startswith("3 checkpoints, ")
+    rc, out, _ = cli(capsys, "ls", url, "--json", *opts)
+    doc = json.loads(out)
+    assert [d["step"] for d in doc] == [1, 2, 3]
+    assert [d["pinned"] for d in doc] == [True, False, False]
+
+    rc, out, err = cli(capsys, "verify", url, *opts)
+    assert rc == 0, err
+    assert out.startswith("step 3: OK (4 files, ")
+    rc, out, _ = cli(capsys, "verify", url, "--all", "--quick", *opts)
+    assert rc == 0
+    assert "quick: sizes and headers" in out
+    assert out.rstrip().endswith("3 checkpoints verified, 0 failed")
+
+    before = etags(s3)
+    rc, out, _ = cli(capsys, "prune", url, "--keep-last", "1", "--dry-run", *opts)
+    assert rc == 0
+    assert out.splitlines() == [
+        "would delete 1 step: 2",
+        "would keep 2 steps: 1, 3",
+        "dry run: nothing was deleted",
+    ]
+    assert etags(s3) == before
+
+    # Damage step 3 behind the CLI's back: verify fails, prune keeps the newest good step.
+    fs = s3.fs(fresh=True)
+    key = f"{s3.bucket}/{prefix}/{step_dir(3)}/optimizer.safetensors"
+    data = bytearray(fs.cat_file(key))
+    data[-1] ^= 0xFF
+    fs.pipe_file(key, bytes(data))
+    rc, out, _ = cli(capsys, "verify", url, "--step", "3", *opts)
+    assert rc == 1
+    assert out.splitlines()[0] == "step 3: FAILED"
+    assert f"{url}/{step_dir(3)}/optimizer.safetensors: crc32c" in out
+    rc, out, _ = cli(capsys, "prune", url, "--keep-last", "1", "--json", *opts)
+    assert rc == 0
+    assert json.loads(out) == {"root": url, "dry_run": False, "deleted": [], "kept": [1, 2, 3]}
+
+    # A crashed save's leftovers: ls reports them, gc removes them.
+    fs.pipe_file(f"{s3.bucket}/{prefix}/{step_dir(4)}/model.safetensors", b"x")
+    rc, out, _ = cli(capsys, "ls", url, *opts)
+    assert f"1 stale entry (interrupted saves or deletions): {step_dir(4)}" in out
+    rc, out, _ = cli(capsys, "gc", url, *opts)
+    assert (rc, out) == (0, f"removed {step_dir(4)}\n")
+    wait_for_deletions()
+
+
+@pytest.mark.timeout(30)
+def test_cli_empty_and_missing_stores(
+    s3: S3Endpoint, prefix: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    url = s3.url(prefix)
+    rc, out, _ = cli(capsys, "ls", url, *s3.cli_options)
+    assert (rc, out) == (0, f"{url}: no checkpoints\n")
+    rc, _, err = cli(capsys, "verify", url, *s3.cli_options)
+    assert rc == 1
+    assert err == f"ckptstore: error: {url}: no committed checkpoint\n"
+
+
+# ---- the storage conformance suite, against S3 ---------------------------------------------------
+
+
+@pytest.fixture
+def store(s3: S3Endpoint) -> Iterator[StoreView]:
+    """A fresh S3 store for the conformance tests of ``test_storage.py``.
+
+    Those tests open ``CheckpointManager(store.url)`` without options, so the server's
+    options go into fsspec's configuration for the ``s3`` protocol (what a user's
+    ``~/.config/fsspec/s3.json`` does), for this test only. A private MonkeyPatch: the
+    tests undo their own ``monkeypatch`` midway.
+    """
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(fsspec.config.conf, "s3", s3.storage_options)
+        prefix = s3.unique_prefix("conformance")
+        fs = fsspec.filesystem("s3")
+        yield StoreView("s3", s3.url(prefix), fs, f"{s3.bucket}/{prefix}")
+        wait_for_deletions()
+
+
+def _conformance_tests() -> dict[str, Any]:
+    import test_storage
+
+    return {
+        f"test_conformance_{name[len('test_') :]}": fn
+        for name, fn in vars(test_storage).items()
+        if name.startswith("test_")
+        and inspect.isfunction(fn)
+        and "store" in inspect.signature(fn).parameters
+    }
+
+
+globals().update(_conformance_tests())
