@@ -50,9 +50,17 @@ def step_dirname(step: int) -> str:
 
 
 def parse_step_dirname(name: str) -> int | None:
-    """The step a directory name stands for, or ``None`` if it is not a step directory."""
+    """The step a directory name stands for, or ``None`` if it is not a step directory.
+
+    Only the canonical spelling counts (``step-`` and the step zero-padded to 12 digits,
+    more digits only when needed): a hand-made ``step-9`` beside ``step-000000000009`` would
+    otherwise be listed twice and read through the wrong name.
+    """
     m = _STEP_RE.fullmatch(name)
-    return int(m.group(1)) if m else None
+    if not m:
+        return None
+    step = int(m.group(1))
+    return step if name == f"step-{step:012d}" else None
 
 
 def tmp_dirname(step: int) -> str:

@@ -63,6 +63,8 @@ _ALL_TORCH_DTYPES = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
 }
 _MAX_DEPTH = 200
+#: Ints beyond this many bits are stored as hex: decimal JSON stops at 4300 digits.
+_MAX_JSON_INT_BITS = 14_000
 
 
 def format_path(path: tuple[Any, ...]) -> str:
@@ -121,6 +123,9 @@ class TreeEncoder:
                 f"{format_path(path)}: state nested deeper than {_MAX_DEPTH}"
             )
         tv = type(v)
+        if tv is int and v.bit_length() > _MAX_JSON_INT_BITS:
+            # json refuses ints of more than 4300 digits (CVE-2020-10735 guard): hex them.
+            return {"t": "bigint", "hex": hex(v)}
         if v is None or tv is bool or tv is int or tv is str:
             return v
         if tv is float:
@@ -374,6 +379,8 @@ class TreeDecoder:
                     if t == "odict":
                         out._metadata = meta  # type: ignore[attr-defined]
                 return out
+            if t == "bigint":
+                return int(str(n["hex"]), 16)
             if t == "tuple":
                 return tuple(self._dec(x, (*path, i), depth + 1) for i, x in enumerate(n["v"]))
             if t == "float":

@@ -17,7 +17,7 @@ import logging
 import os
 import queue
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import IO, Any, ClassVar, Protocol, runtime_checkable
 
 from ..errors import CommitError, IntegrityError, ManifestError, StepExistsError
@@ -69,6 +69,10 @@ class WriterLock(Protocol):
     def release(self) -> None:
         """Give it back."""
         ...
+
+
+#: Receives a file's bytes in order: ``consume(offset, chunk)``.
+Consumer = Callable[[int, memoryview], None]
 
 
 class Pending:
@@ -261,48 +265,12 @@ class Storage(abc.ABC):
             self._remove(rel)
             self._fsync_dir(d)
 
-    def read_file(self, step: int, name: str, entry: FileEntry) -> bytearray:
-        """Read a whole payload file, checking its size and CRC32C against ``entry``.
+    def _stream(self, rel: str, consume: Consumer | None) -> tuple[int, int]:
+        """Read ``rel`` front to back in large slices; returns ``(bytes, crc32c)``.
 
-        Raises:
-            IntegrityError: missing, wrong size, or checksum mismatch.
+        ``consume(offset, chunk)`` sees every slice in order (the view is only valid during
+        the call). Backends may override this with a faster path (local: O_DIRECT).
         """
-        validate_file_name(name)
-        rel = f"{step_dirname(step)}/{name}"
-        where = self.describe(step, name)
-        try:
-            if not self._is_regular_file(rel):
-                raise IntegrityError(f"{where}: missing or not a regular file")
-            with self._open_read(rel) as f:
-                buf = bytearray(entry.bytes)
-                mv = memoryview(buf)
-                got = 0
-                crc = 0
-                while got < entry.bytes:
-                    n = f.readinto(mv[got : got + READ_CHUNK])  # type: ignore[attr-defined]
-                    if not n:
-                        break
-                    crc = crc32c_of(mv[got : got + n], crc)
-                    got += n
-                extra = f.read(1)
-        except OSError as e:
-            raise IntegrityError(f"{where}: unreadable ({e})") from None
-        if got != entry.bytes or extra:
-            size = got if not extra else f"more than {entry.bytes}"
-            raise IntegrityError(
-                f"{where}: file has {size} bytes, manifest says {entry.bytes}; "
-                "it is truncated or replaced"
-            )
-        if crc != entry.crc32c:
-            raise IntegrityError(
-                f"{where}: crc32c {format_crc(crc)} does not match the manifest's "
-                f"{format_crc(entry.crc32c)}; the file is corrupt"
-            )
-        return buf
-
-    def checksum_file(self, step: int, name: str) -> tuple[int, int]:
-        """Stream a file and return ``(bytes, crc32c)`` without keeping it in memory."""
-        rel = f"{step_dirname(step)}/{name}"
         buf = bytearray(READ_CHUNK)
         mv = memoryview(buf)
         crc = 0
@@ -312,9 +280,70 @@ class Storage(abc.ABC):
                 n = f.readinto(mv)  # type: ignore[attr-defined]
                 if not n:
                     break
-                crc = crc32c_of(mv[:n], crc)
+                chunk = mv[:n]
+                crc = crc32c_of(chunk, crc)
+                if consume is not None:
+                    consume(total, chunk)
                 total += n
         return total, crc
+
+    def stream_file(
+        self, step: int, name: str, entry: FileEntry, consume: Consumer | None = None
+    ) -> None:
+        """Stream a file of a committed checkpoint, checking size and CRC32C against ``entry``.
+
+        The size is checked before reading (a file that lies about its size is refused
+        unread); the checksum when the last byte has been read, so a consumer must not
+        trust what it received until this returns.
+
+        Raises:
+            IntegrityError: missing, not a regular file, wrong size, or checksum mismatch.
+        """
+        validate_file_name(name)
+        rel = f"{step_dirname(step)}/{name}"
+        where = self.describe(step, name)
+        try:
+            if not self._is_regular_file(rel):
+                raise IntegrityError(f"{where}: missing or not a regular file")
+            size = self._size(rel)
+            if size != entry.bytes:
+                raise IntegrityError(
+                    f"{where}: file has {size} bytes, manifest says {entry.bytes}; "
+                    "it is truncated or replaced"
+                )
+            got, crc = self._stream(rel, consume)
+        except OSError as e:
+            raise IntegrityError(f"{where}: unreadable ({e})") from None
+        if got != entry.bytes:
+            raise IntegrityError(
+                f"{where}: read {got} bytes, manifest says {entry.bytes}; it changed while read"
+            )
+        if crc != entry.crc32c:
+            raise IntegrityError(
+                f"{where}: crc32c {format_crc(crc)} does not match the manifest's "
+                f"{format_crc(entry.crc32c)}; the file is corrupt"
+            )
+
+    def read_file(self, step: int, name: str, entry: FileEntry) -> bytearray:
+        """Read a whole file into memory, checking its size and CRC32C against ``entry``.
+
+        Raises:
+            IntegrityError: missing, wrong size, or checksum mismatch.
+        """
+        buf = bytearray(entry.bytes)
+        mv = memoryview(buf)
+
+        def into(offset: int, chunk: memoryview) -> None:
+            end = offset + len(chunk)
+            if end <= len(mv):  # longer files are refused by stream_file
+                mv[offset:end] = chunk
+
+        self.stream_file(step, name, entry, into)
+        return buf
+
+    def checksum_file(self, step: int, name: str) -> tuple[int, int]:
+        """Stream a file and return ``(bytes, crc32c)`` without keeping it in memory."""
+        return self._stream(f"{step_dirname(step)}/{name}", None)
 
     def open_file(self, step: int, name: str) -> IO[bytes]:
         """Open a payload file of a committed checkpoint for reading (no symlinks)."""

@@ -165,16 +165,18 @@ class DirectWriter:
             b.close()
 
 
-def open_direct_read(path: str) -> tuple[int, bool]:
+def open_direct_read(
+    path: str, *, dir_fd: int | None = None, direct: bool = True
+) -> tuple[int, bool]:
     """Open ``path`` for reading, with ``O_DIRECT`` where allowed; never follows symlinks."""
     flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
-    if _O_DIRECT:
+    if direct and _O_DIRECT:
         try:
-            return os.open(path, flags | _O_DIRECT), True
+            return os.open(path, flags | _O_DIRECT, dir_fd=dir_fd), True
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
-    return os.open(path, flags), False
+    return os.open(path, flags, dir_fd=dir_fd), False
 
 
 def read_into(fd: int, dest: memoryview, offset: int) -> int:
