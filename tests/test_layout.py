@@ -58,8 +58,10 @@ def test_bad_steps(step: object, error: type[Exception], message: str) -> None:
 
 
 def test_numeric_order_never_text_order() -> None:
-    names = ["step-100", "step-10", "step-9", "step-000000000011", "step-1000000000000"]
-    names.append(step_dirname(999_999_999_999))
+    names = [step_dirname(n) for n in (100, 10, 9, 11, 10**12, 999_999_999_999)]
+    # Non-canonical spellings are not step directories at all (see test below).
+    assert parse_step_dirname("step-9") is None
+    assert parse_step_dirname("step-0000000000009") is None
     assert sorted(names) != sorted(names, key=parse_step_dirname)
     ordered = sorted(names, key=parse_step_dirname)  # type: ignore[arg-type]
     assert [parse_step_dirname(n) for n in ordered] == [
