@@ -39,10 +39,10 @@ from .errors import (
 from .integrity import VerifyReport, crc32c_of
 from .layout import STATE_NAME
 from .manifest import FORMAT_VERSION, FileEntry, Manifest, utc_now
-from .modules import RNGState
+from .modules import EMA, RNGState
 from .retention import CheckpointInfo, RetentionPolicy, as_policy, plan_deletions
 from .staging import BackgroundWriter, SaveHandle, StagingPool
-from .state import apply_state, capture, kind_of
+from .state import apply_state, capture, kind_of, precheck
 from .storage import Pending, Storage, open_storage, wait_for_deletions
 from .verify import verify_checkpoint
 
@@ -624,11 +624,21 @@ class CheckpointManager:
         *,
         rank: int | None = None,
         blobs: Mapping[str, bytearray] | None = None,
+        targets: Mapping[Any, Any] | None = None,
+        strict: bool = True,
+        in_place: bool = False,
     ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
         """Decode the entries ``wanted`` (all if None) of ``step`` as ``rank`` sees them.
 
-        Every byte is checked against the manifest's checksum before it is decoded; with
+        Every byte is checked against the manifest's checksum before it is trusted; with
         ``blobs`` the files come from memory (broadcast by rank 0) instead of storage.
+
+        With ``targets`` (the state being restored) the checkpoint is first checked against
+        them from ``state.json`` alone (``StateMismatchError`` before any payload is read).
+        With ``in_place`` tensors are then read straight into the targets' own tensors where
+        dtype, shape and layout match: no intermediate copy, but if a payload fails its
+        checksum those tensors hold partial data (``restore`` goes on to an older checkpoint,
+        which overwrites them, or raises).
         """
         rank = self.coord.rank if rank is None else rank
         manifest = self.storage.read_manifest(step) if blobs is None else _blob_manifest(blobs)
@@ -656,6 +666,19 @@ class CheckpointManager:
         vals = root.get("vals") if isinstance(root, dict) else None
         if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
             raise IntegrityError(f"{where}/{sname}: malformed root")
+        wanted_set = None if wanted is None else set(wanted)
+        into: dict[str, dict[str, torch.Tensor]] = {}
+        if targets is not None:
+            into = self._precheck(
+                targets,
+                keys=keys,
+                vals=vals,
+                where_state=f"{where}/{sname}",
+                strict=strict,
+                where=where,
+            )
+            if not in_place:
+                into = {}
         cache: dict[str, dict[str, torch.Tensor]] = {}
 
         def get_tensor(group: str, key: str) -> torch.Tensor:
@@ -665,9 +688,14 @@ class CheckpointManager:
                     raise IntegrityError(f"{where}: no payload file for group {group!r}")
                 merged: dict[str, torch.Tensor] = {}
                 for n in sorted(names):
-                    merged.update(
-                        payload_codec.decode_payload(fetch(n), manifest.files[n], f"{where}/{n}")
-                    )
+                    entry = manifest.files[n]
+                    if blobs is None:
+                        part = payload_codec.read_group(
+                            self.storage, step, n, entry, into.get(group)
+                        )
+                    else:
+                        part = payload_codec.decode_payload(fetch(n), entry, f"{where}/{n}")
+                    merged.update(part)
                 cache[group] = merged
             t = cache[group].get(key)
             if t is None:
@@ -675,7 +703,6 @@ class CheckpointManager:
             return t
 
         dec = TreeDecoder(get_tensor, allow_pickle=self.allow_pickle, where=f"{where}/{sname}")
-        wanted_set = None if wanted is None else set(wanted)
         out: dict[Any, Any] = {}
         kinds: dict[Any, str | None] = {}
         for k, node in zip(keys, vals, strict=True):
@@ -691,6 +718,38 @@ class CheckpointManager:
             out[k] = value
             kinds[k] = kind
         return out, kinds
+
+    def _precheck(
+        self,
+        targets: Mapping[Any, Any],
+        *,
+        keys: list[Any],
+        vals: list[Any],
+        where_state: str,
+        strict: bool,
+        where: str,
+    ) -> dict[str, dict[str, torch.Tensor]]:
+        """Check ``targets`` against the tree; map payload entries to target tensors."""
+        nodes = dict(zip(keys, vals, strict=True))
+        meta = TreeDecoder(None, allow_pickle=False, where=where_state, meta=True)
+        shadow: dict[Any, Any] = {}
+        kinds: dict[Any, str | None] = {}
+        for k, node in nodes.items():
+            kind, inner = _unwrap(node)
+            kinds[k] = kind
+            target = targets.get(k) if isinstance(k, str | int) else None
+            if isinstance(target, torch.nn.Module | EMA):
+                shadow[k] = meta.decode(inner, (k,))
+            else:
+                shadow[k] = None  # present; checked when loaded
+        precheck(targets, shadow, kinds, strict=strict, where=where)
+        into: dict[str, dict[str, torch.Tensor]] = {}
+        for k, target in targets.items():
+            if k not in nodes or kind_of(target) in (None, "rng"):
+                continue  # plain values are replaced, never written into in place
+            _, inner = _unwrap(nodes[k])
+            collect_targets(inner, capture(target), into)
+        return into
 
     def _read_blobs(self, step: int) -> dict[str, bytearray]:
         """Rank 0's verified copy of every file of a replicated checkpoint, for broadcast."""
@@ -721,6 +780,7 @@ class CheckpointManager:
         *,
         strict: bool = True,
         broadcast: bool = False,
+        in_place: bool = False,
     ) -> int:
         """Load a checkpoint into ``state`` in place; collective under torch.distributed.
 
@@ -730,6 +790,13 @@ class CheckpointManager:
         disks). Every payload is checked against its checksum before anything in ``state``
         changes; a checkpoint that fails on any rank is skipped by all (when ``step`` is
         None). Tensors go to CPU, then into each target's own device.
+
+        ``in_place=True`` reads payloads straight into the tensors of the modules, optimizers
+        and EMA in ``state`` (when dtype, shape and layout match), skipping one copy of the
+        whole state: the fastest restore. The price: a payload that fails its checksum is
+        found after part of it was written, so on ``IntegrityError`` those tensors hold
+        partial data (a fallback to an older checkpoint overwrites them). Names, shapes and
+        dtypes are still checked before anything is read.
 
         Returns:
             The restored step.
@@ -771,7 +838,9 @@ class CheckpointManager:
                     blobs = self.coord.broadcast_bytes(blobs, "restore:broadcast", s)
                     if not blobs:
                         raise IntegrityError(f"step {s}: rank 0 could not read it")
-                stored, kinds = self._decode(s, keys, blobs=blobs or None)
+                stored, kinds = self._decode(
+                    s, keys, blobs=blobs or None, targets=state, strict=strict, in_place=in_place
+                )
             except (IntegrityError, ManifestError) as e:
                 mine = ("skip", e)
             except BarrierTimeout:
@@ -800,7 +869,12 @@ class CheckpointManager:
         )
 
     def resume(
-        self, state: MutableMapping[Any, Any], *, strict: bool = True, broadcast: bool = False
+        self,
+        state: MutableMapping[Any, Any],
+        *,
+        strict: bool = True,
+        broadcast: bool = False,
+        in_place: bool = False,
     ) -> int:
         """Restore the newest good checkpoint if there is one (collective).
 
@@ -813,7 +887,7 @@ class CheckpointManager:
         )
         if empty:
             return 0
-        return self.restore(state, strict=strict, broadcast=broadcast) + 1
+        return self.restore(state, strict=strict, broadcast=broadcast, in_place=in_place) + 1
 
     def load(self, step: int | None = None, *, rank: int | None = None) -> dict[Any, Any]:
         """The stored state as plain data (modules as state dicts, tensors on CPU).
@@ -1045,3 +1119,30 @@ def _shard_error(failed: list[tuple[int, Any]], where: str, previous: int | None
         f"sharded save of {where} aborted: rank(s) {ranks} failed to write their shard ({detail}); "
         f"nothing of it is visible and {prev}"
     )
+
+
+def collect_targets(node: Any, current: Any, out: dict[str, dict[str, torch.Tensor]]) -> None:
+    """Pair each tensor reference in ``node`` with the tensor at the same place in ``current``.
+
+    ``current`` is a target's present state; the pairs let payloads be read straight into it.
+    """
+    if isinstance(node, list):
+        if isinstance(current, list | tuple):
+            for n, c in zip(node, current, strict=False):
+                collect_targets(n, c, out)
+        return
+    if not isinstance(node, dict):
+        return
+    t = node.get("t")
+    if t == "tensor" and isinstance(current, torch.Tensor):
+        group, key = node.get("file"), node.get("key")
+        if isinstance(group, str) and isinstance(key, str):
+            out.setdefault(group, {})[key] = current
+    elif t in ("dict", "odict") and isinstance(current, Mapping):
+        keys, vals = node.get("keys"), node.get("vals")
+        if isinstance(keys, list) and isinstance(vals, list):
+            for k, v in zip(keys, vals, strict=False):
+                if isinstance(k, str | int) and k in current:
+                    collect_targets(v, current[k], out)
+    elif t == "tuple" and isinstance(current, tuple | list):
+        collect_targets(node.get("v"), list(current), out)

@@ -67,21 +67,7 @@ def apply_state(
         StateMismatchError: an entry of ``state`` is absent from the checkpoint (except an
             EMA, which is rebuilt), or a module does not fit.
     """
-    missing = [k for k, v in state.items() if k not in stored and not isinstance(v, EMA)]
-    if missing and strict:
-        have = ", ".join(repr(k) for k in stored) or "nothing"
-        msg = (
-            f"{where} has no entry for {', '.join(repr(k) for k in missing)} (it holds {have}); "
-            "restore with strict=False to skip them"
-        )
-        raise StateMismatchError(msg, missing=[str(k) for k in missing])
-    # Check every module before loading any, so a mismatch leaves the state untouched.
-    for key, target in state.items():
-        if key in stored and isinstance(target, nn.Module):
-            _check_module(target, stored[key], strict=strict, where=f"{where}[{key!r}]")
-        elif isinstance(target, EMA):  # an EMA loads last: check it first all the same
-            at = f"{where}[{key!r}]"
-            _check_ema(target, stored.get(key), kinds.get(key), strict=strict, where=at)
+    precheck(state, stored, kinds, strict=strict, where=where)
     emas: list[tuple[Any, EMA]] = []
     for key, target in list(state.items()):
         if isinstance(target, EMA):
@@ -106,6 +92,39 @@ def apply_state(
             ema.load_state_dict(stored[key], strict=strict)
         else:
             ema.rebuild_from_source()
+
+
+def precheck(
+    state: Mapping[Any, Any],
+    stored: Mapping[Any, Any],
+    kinds: Mapping[Any, str | None],
+    *,
+    strict: bool = True,
+    where: str = "checkpoint",
+) -> None:
+    """Everything :func:`apply_state` checks before it changes anything.
+
+    ``stored`` may hold meta tensors (only names, shapes and dtypes are compared), so the
+    checks can run from ``state.json`` alone, before any payload is read.
+
+    Raises:
+        StateMismatchError: a missing entry, or a module or EMA that does not fit.
+    """
+    missing = [k for k, v in state.items() if k not in stored and not isinstance(v, EMA)]
+    if missing and strict:
+        have = ", ".join(repr(k) for k in stored) or "nothing"
+        msg = (
+            f"{where} has no entry for {', '.join(repr(k) for k in missing)} (it holds {have}); "
+            "restore with strict=False to skip them"
+        )
+        raise StateMismatchError(msg, missing=[str(k) for k in missing])
+    # Check every module before loading any, so a mismatch leaves the state untouched.
+    for key, target in state.items():
+        if key in stored and isinstance(target, nn.Module):
+            _check_module(target, stored[key], strict=strict, where=f"{where}[{key!r}]")
+        elif isinstance(target, EMA):  # an EMA loads last: check it first all the same
+            at = f"{where}[{key!r}]"
+            _check_ema(target, stored.get(key), kinds.get(key), strict=strict, where=at)
 
 
 def _check_module(target: nn.Module, value: Any, *, strict: bool, where: str) -> None:

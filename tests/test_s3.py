@@ -29,6 +29,7 @@ import fsspec  # noqa: E402
 import torch  # noqa: E402
 from _helpers import (  # noqa: E402
     MANIFEST,
+    REPO,
     StoreView,
     assert_same,
     forge_manifest,
@@ -344,7 +345,7 @@ def test_damaged_payload_is_caught(
         key = f"{s3.bucket}/{prefix}/{step_dir(2)}/model.safetensors"
         data = bytearray(fs.cat_file(key))
         if damage == "flip":
-            data[len(data) // 2] ^= 0xFF
+            data[-1] ^= 0xFF  # in the tensor data, past the header
         elif damage == "grow":
             data += b"\0"
         else:
@@ -565,6 +566,7 @@ def test_commit_by_another_process_is_seen(s3: S3Endpoint, url: str) -> None:
         assert mgr.steps() == [1]  # warm listing cache in this process
         child = run_python(
             "import json, sys\n"
+            "sys.path.insert(0, sys.argv[3])\n"
             "from _helpers import make_state\n"
             "from ckptstore import CheckpointManager\n"
             "url, opts = sys.argv[1], json.loads(sys.argv[2])\n"
@@ -574,6 +576,7 @@ def test_commit_by_another_process_is_seen(s3: S3Endpoint, url: str) -> None:
             "    print('steps', mgr.steps())\n",
             url,
             json.dumps(s3.storage_options),
+            str(REPO / "tests"),
         )
         assert child.returncode == 0, child.stderr
         assert "steps [2]" in child.stdout
@@ -641,7 +644,7 @@ def test_cli_ls_verify_prune(
 
     rc, out, err = cli(capsys, "verify", url, *opts)
     assert rc == 0, err
-    assert out.startswith("step 3: OK (4 files, ")
+    assert out.startswith("step 3: OK (3 files, ")
     rc, out, _ = cli(capsys, "verify", url, "--all", "--quick", *opts)
     assert rc == 0
     assert "quick: sizes and headers" in out

@@ -27,6 +27,7 @@ import ctypes
 import dataclasses
 import errno
 import gc
+import hashlib
 import json
 import math
 import mmap
@@ -470,13 +471,23 @@ def log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def union_length(spans: list[tuple[float, float]]) -> float:
+    """Total time covered by possibly overlapping (start, end) spans."""
+    total, end = 0.0, -math.inf
+    for a, b in sorted(spans):
+        if b > end:
+            total += b - max(a, end)
+            end = b
+    return total
+
+
 @contextlib.contextmanager
-def timed_payload(sink: list[float]) -> Iterator[None]:
-    """Add the time ckptstore spends in payload writing (write + crc + fsync) to ``sink``.
+def timed_payload(sink: list[tuple[float, float]]) -> Iterator[None]:
+    """Record the spans ckptstore spends in payload writing (write + crc + fsync) in ``sink``.
 
     Instruments ``ckptstore.codec.payload.write_group``, which the manager looks up at call
     time; everything else in a save is the commit protocol (encode, state.json, manifest,
-    directory fsyncs, rename, retention).
+    directory fsyncs, rename, retention). Spans, not sums, so parallel writers count once.
     """
     from ckptstore.codec import payload
 
@@ -490,7 +501,7 @@ def timed_payload(sink: list[float]) -> Iterator[None]:
         try:
             return orig(*a, **kw)
         finally:
-            sink.append(time.perf_counter() - t0)
+            sink.append((t0, time.perf_counter()))
 
     payload.write_group = wrapper
     try:
@@ -715,7 +726,7 @@ class CkptSync(Pair):
 
     def begin_save(self, ctx: Ctx, d: Path) -> None:
         self.mgr = self._open(d)
-        self.payload: list[float] = []
+        self.payload: list[tuple[float, float]] = []
 
     def save(self, ctx: Ctx, d: Path) -> None:
         assert self.mgr is not None
@@ -725,7 +736,7 @@ class CkptSync(Pair):
             total = time.perf_counter() - t0
         if self.payload:
             ctx.extra.setdefault("save_breakdown", {}).setdefault(self.name, []).append(
-                {"total_s": total, "payload_s": sum(self.payload)}
+                {"total_s": total, "payload_s": union_length(self.payload)}
             )
 
     def begin_restore(self, ctx: Ctx, d: Path) -> None:
@@ -1253,6 +1264,17 @@ def print_report(ctx: Ctx, rows: list[dict[str, Any]], targets: list, ls: Any) -
         print(f"  {verdict}  {t['target']:<58} {val:>9}  ({t['threshold']}; {t['detail']})")
 
 
+def library_fingerprint() -> str:
+    """A hash of ckptstore's source: others may edit the library while a run goes on."""
+    h = hashlib.sha256()
+    pkg = Path(ckptstore.__file__).resolve().parent
+    for f in sorted(pkg.rglob("*.py")):
+        h.update(str(f.relative_to(pkg)).encode() + b"\0")
+        with contextlib.suppress(OSError):
+            h.update(f.read_bytes())
+    return h.hexdigest()[:16]
+
+
 def machine_info(work: Path) -> dict[str, Any]:
     info: dict[str, Any] = {
         "cpu_count": os.cpu_count(),
@@ -1262,6 +1284,8 @@ def machine_info(work: Path) -> dict[str, Any]:
         "python": sys.version.split()[0],
         "torch": torch.__version__,
         "ckptstore": ckptstore.__version__,
+        "ckptstore_path": str(Path(ckptstore.__file__).resolve().parent),
+        "library_sha_start": library_fingerprint(),
         "loadavg_start": os.getloadavg(),
         "bench_dir": df_info(work),
         "tmp_dir": df_info(Path("/tmp")),
@@ -1318,6 +1342,9 @@ def plot_sweep(sweep: list[dict[str, Any]], path: Path) -> str | None:
             lw = 2.5 if name == "ckpt-st" else 1.3
             ax.plot(xs, ys, style, marker="o", lw=lw, label=name)
         ax.set_xscale("log")
+        ax.xaxis.set_major_formatter(mpl.ticker.FuncFormatter(lambda x, _: human(x)))
+        ax.xaxis.set_minor_formatter(mpl.ticker.NullFormatter())
+        ax.set_xticks(sorted({s["state_bytes"] for s in sweep}))
         ax.set_xlabel("state bytes (params + AdamW)")
         ax.set_ylabel("GB/s (state bytes / s)")
         ax.set_title(f"durable {op}" if op == "save" else "cold restore")
@@ -1420,7 +1447,12 @@ def main(argv: list[str] | None = None) -> int:
                 "targets": targets,
             }
         )
+        result["machine"]["library_sha_end"] = library_fingerprint()
+        changed = result["machine"]["library_sha_end"] != result["machine"]["library_sha_start"]
+        result["machine"]["library_changed_during_run"] = changed
         print_report(ctx, rows, targets, ls)
+        if changed:
+            print("warning: ckptstore's source changed during this run; rerun for clean numbers")
         sweep = [{"param_bytes": ctx.param_bytes, "state_bytes": ctx.state_bytes, "rows": rows}]
         del ctx
         gc.collect()

@@ -81,7 +81,24 @@ def decode_payload(data: bytearray, entry: FileEntry, where: str) -> dict[str, t
     raise IntegrityError(f"{where}: codec {entry.codec!r} does not hold tensors")
 
 
-def read_group(storage: Any, step: int, name: str, entry: FileEntry) -> dict[str, torch.Tensor]:
-    """Read, checksum and decode one payload file."""
+def read_group(
+    storage: Any,
+    step: int,
+    name: str,
+    entry: FileEntry,
+    into: Mapping[str, torch.Tensor] | None = None,
+) -> dict[str, torch.Tensor]:
+    """Read, checksum and decode one payload file.
+
+    An uncompressed safetensors file is decoded while it streams in, each tensor's bytes
+    going straight into the matching tensor of ``into`` (same dtype, shape, contiguous,
+    CPU) or a fresh one; the checksum is checked when the last byte is in. Other payloads
+    are read whole, checked, then decoded.
+    """
+    where = storage.describe(step, name)
+    if entry.codec == "safetensors" and entry.compression is None:
+        dec = st.StreamDecoder(entry.bytes, where, into)
+        storage.stream_file(step, name, entry, dec)
+        return dec.result()
     data = storage.read_file(step, name, entry)
-    return decode_payload(data, entry, storage.describe(step, name))
+    return decode_payload(data, entry, where)

@@ -242,3 +242,90 @@ def read_tensors(buf: bytearray, where: str) -> dict[str, torch.Tensor]:
             t.view(-1).view(torch.uint8).copy_(raw)
         out[name] = t
     return out
+
+
+class StreamDecoder:
+    """Decodes a safetensors file from the chunks of a verified stream, without a file copy.
+
+    The header is parsed from the first bytes; every tensor's bytes are then copied straight
+    from the read buffers into its destination: a tensor the caller passed in ``into`` (the
+    model's own parameter, when dtype, shape and layout match) or a fresh one. Nothing may
+    be trusted until the stream's checksum has been checked (``Storage.stream_file``).
+    """
+
+    def __init__(
+        self, file_size: int, where: str, into: Mapping[str, torch.Tensor] | None = None
+    ) -> None:
+        self.file_size = file_size
+        self.where = where
+        self.into = dict(into or {})
+        self._head = bytearray()
+        self.header: Header | None = None
+        self.tensors: dict[str, torch.Tensor] = {}
+        self._ranges: list[tuple[int, int, memoryview]] = []  # file start, end, dest bytes
+        self._i = 0
+        self.reused = 0
+
+    def _setup(self) -> None:
+        header = parse_header(self._head, self.file_size, self.where)
+        self.header = header
+        ranges = []
+        for name, (dtype, shape, start, end) in header.entries.items():
+            t = self.into.get(name)
+            if not (
+                t is not None
+                and t.dtype == dtype
+                and list(t.shape) == shape
+                and t.device.type == "cpu"
+                and t.is_contiguous()
+            ):
+                t = torch.empty(shape, dtype=dtype)
+            else:
+                self.reused += 1
+            self.tensors[name] = t
+            if end > start:
+                ranges.append((header.data_start + start, header.data_start + end, tensor_bytes(t)))
+        ranges.sort(key=lambda r: r[0])
+        self._ranges = ranges
+
+    def __call__(self, offset: int, chunk: memoryview) -> None:
+        """Consume the bytes ``chunk`` found at ``offset`` of the file."""
+        if self.header is None:
+            need = 8
+            if len(self._head) >= 8:
+                need = 8 + int.from_bytes(self._head[:8], "little")
+            take = max(0, min(len(chunk), need - len(self._head)))
+            if offset == len(self._head) and take:
+                self._head += chunk[:take]
+            if len(self._head) >= 8 and self.header is None:
+                n = int.from_bytes(self._head[:8], "little")
+                if n > MAX_HEADER_BYTES or 8 + n > self.file_size:
+                    parse_header(self._head, self.file_size, self.where)  # raises
+                if len(self._head) < 8 + n and take < len(chunk):
+                    more = min(len(chunk) - take, 8 + n - len(self._head))
+                    self._head += chunk[take : take + more]
+                if len(self._head) >= 8 + n:
+                    self._setup()
+            if self.header is None:
+                return
+        end = offset + len(chunk)
+        ranges = self._ranges
+        i = self._i
+        while i < len(ranges) and ranges[i][1] <= offset:
+            i += 1
+        self._i = i
+        while i < len(ranges) and ranges[i][0] < end:
+            start, stop, dest = ranges[i]
+            a = max(start, offset)
+            b = min(stop, end)
+            dest[a - start : b - start] = chunk[a - offset : b - offset]
+            if stop > end:
+                break
+            i += 1
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The decoded tensors (call after the stream verified)."""
+        if self.header is None:
+            parse_header(self._head, self.file_size, self.where)  # raises the real problem
+            raise IntegrityError(f"{self.where}: not a valid safetensors file: no header")
+        return self.tensors

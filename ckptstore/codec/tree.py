@@ -321,16 +321,20 @@ class TreeDecoder:
             distinct entry, so references to one entry come back as one tensor object.
         allow_pickle: unpickle ``"pickle"`` nodes; refused otherwise.
         where: names the checkpoint in error messages.
+        meta: return meta tensors built from the shapes and dtypes in the tree, reading no
+            payload (to check a checkpoint against its targets before loading it).
     """
 
     def __init__(
         self,
-        get_tensor: Callable[[str, str], torch.Tensor],
+        get_tensor: Callable[[str, str], torch.Tensor] | None,
         *,
         allow_pickle: bool = False,
         where: str = "state.json",
+        meta: bool = False,
     ) -> None:
         self._get = get_tensor
+        self.meta = meta
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
         self._params: dict[tuple[str, str, bool], torch.Tensor] = {}
         self.allow_pickle = allow_pickle
@@ -432,6 +436,8 @@ class TreeDecoder:
         if dtype is None:
             raise self._bad(path, f"unsupported dtype {n['dtype']!r}")
         shape = [int(s) for s in n["shape"]]
+        if self.meta or self._get is None:
+            return torch.empty(shape, dtype=dtype, device="meta")
         base = self._cache.get((group, key))
         if base is None:
             base = self._get(group, key)

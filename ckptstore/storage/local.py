@@ -124,10 +124,12 @@ class LocalStorage(Storage):
                     pool.submit(read_into, fd, views[cur ^ 1], offset + n) if n == BUFFER else None
                 )
                 chunk = views[cur][:n]
-                crc = crc32c_of(chunk, crc)
-                if consume is not None:
-                    consume(offset, chunk)
-                chunk.release()
+                try:
+                    crc = crc32c_of(chunk, crc)
+                    if consume is not None:
+                        consume(offset, chunk)
+                finally:
+                    chunk.release()  # also when consume raises: else close() below fails
                 offset += n
                 cur ^= 1
             return offset, crc
@@ -137,7 +139,10 @@ class LocalStorage(Storage):
             for v in views:
                 v.release()
             for b in bufs:
-                b.close()
+                # A view a failed consumer still holds (in its traceback) would turn the
+                # real error into a BufferError; the mapping is then freed with the view.
+                with contextlib.suppress(BufferError):
+                    b.close()
 
     def _remove(self, rel: str) -> None:
         os.unlink(self._p(rel))
