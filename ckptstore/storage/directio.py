@@ -162,7 +162,10 @@ class DirectWriter:
         for v in self._views:
             v.release()
         for b in self._bufs:
-            b.close()
+            # A failed write's traceback may still hold a slice of the buffer; the mapping
+            # is then freed when that is collected.
+            with contextlib.suppress(BufferError):
+                b.close()
 
 
 def open_direct_read(

@@ -1,0 +1,218 @@
+"""The fast I/O paths: O_DIRECT writes and reads, their fallback, and the streaming decoder."""
+
+from __future__ import annotations
+
+import errno
+import io
+import os
+from pathlib import Path
+
+import pytest
+import safetensors.torch
+import torch
+from torch import nn
+
+from ckptstore import CheckpointManager, IntegrityError, StateMismatchError
+from ckptstore.codec.safetensors import StreamDecoder, write_safetensors
+from ckptstore.integrity import crc32c_of
+from ckptstore.storage import directio
+from ckptstore.storage.directio import ALIGN, DirectWriter
+from ckptstore.storage.local import LocalStorage
+
+
+def _write(path: Path, chunks: list[bytes], **kw: object) -> DirectWriter:
+    w = DirectWriter(str(path), **kw)  # type: ignore[arg-type]
+    for c in chunks:
+        w.write(c)
+    w.finish()
+    return w
+
+
+@pytest.mark.parametrize(
+    "sizes",
+    [
+        [0],  # empty file
+        [1],  # shorter than one block
+        [ALIGN - 1, 1],  # exactly one block, split
+        [ALIGN + 1],  # unaligned tail
+        [3 * ALIGN + 17, 5, 0, 999],
+        [(1 << 20) + 3] * 5,  # several bounce buffers (buffer_size below is 1 MiB)
+    ],
+)
+@pytest.mark.parametrize("direct", [True, False])
+def test_direct_writer_bytes_size_and_crc(tmp_path: Path, sizes: list[int], direct: bool) -> None:
+    chunks = [os.urandom(n) for n in sizes]
+    data = b"".join(chunks)
+    w = _write(tmp_path / "f", chunks, direct=direct, buffer_size=1 << 20)
+    assert (tmp_path / "f").read_bytes() == data  # tail padding truncated away
+    assert w.nbytes == len(data)
+    assert w.crc == crc32c_of(data)
+    if direct:
+        assert w.direct  # ext4 here: O_DIRECT was really used
+
+
+def test_direct_writer_falls_back_when_o_direct_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    real_open = os.open
+
+    def no_direct(path: str, flags: int, *a: object, **k: object) -> int:
+        if flags & directio._O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument (tmpfs refuses O_DIRECT)")
+        return real_open(path, flags, *a, **k)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(os, "open", no_direct)
+    data = os.urandom(3 * ALIGN + 5)
+    w = _write(tmp_path / "f", [data])
+    assert not w.direct
+    assert (tmp_path / "f").read_bytes() == data
+    fd, direct = directio.open_direct_read(str(tmp_path / "f"))
+    try:
+        assert not direct
+        buf = bytearray(len(data))
+        assert directio.read_into(fd, memoryview(buf), 0) == len(data)
+        assert bytes(buf) == data
+    finally:
+        os.close(fd)
+
+
+def test_direct_writer_refuses_to_overwrite(tmp_path: Path) -> None:
+    (tmp_path / "f").write_bytes(b"old")
+    with pytest.raises(FileExistsError):
+        DirectWriter(str(tmp_path / "f"))
+    assert (tmp_path / "f").read_bytes() == b"old"
+
+
+def test_direct_writer_error_propagates_from_the_io_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def enospc(*a: object) -> int:
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    w = DirectWriter(str(tmp_path / "f"), buffer_size=ALIGN)
+    monkeypatch.setattr(os, "pwrite", enospc)
+    with pytest.raises(OSError) as ei:  # noqa: PT012 - the error surfaces on a later call
+        w.write(os.urandom(3 * ALIGN))
+        w.finish()
+    assert ei.value.errno == errno.ENOSPC
+    w.abort()
+
+
+@pytest.mark.parametrize("direct_io", [True, False])
+@pytest.mark.parametrize("chunk", [1 << 12, 1 << 20])
+def test_local_stream_reads_every_byte_in_order(
+    tmp_path: Path, direct_io: bool, chunk: int, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr("ckptstore.storage.local.BUFFER", chunk)
+    data = os.urandom(5 * chunk + 123)
+    (tmp_path / "f").write_bytes(data)
+    st = LocalStorage(str(tmp_path), direct_io=direct_io)
+    seen = bytearray()
+
+    def consume(offset: int, view: memoryview) -> None:
+        assert offset == len(seen)
+        seen.extend(view)
+
+    total, crc = st._stream("f", consume)
+    assert total == len(data)
+    assert crc == crc32c_of(data)
+    assert bytes(seen) == data
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(0)
+    return {
+        "big": torch.randn(1000, 257, generator=g),  # 1 MB, not a multiple of 4096 bytes
+        "empty": torch.empty(0, 3),
+        "scalar": torch.tensor(7, dtype=torch.int64),
+        "half": torch.randn(33, generator=g).half(),
+        "mask": torch.rand(17, generator=g) > 0.5,
+        "bf16": torch.randn(5, 5, generator=g).bfloat16(),
+    }
+
+
+@pytest.mark.parametrize("chunk", [1, 13, 4096, 1 << 30])
+def test_stream_decoder_any_chunking_and_into_existing_tensors(chunk: int) -> None:
+    ts = _tensors()
+    buf = io.BytesIO()
+    write_safetensors(buf, ts)
+    data = buf.getvalue()
+    assert safetensors.torch.load(data).keys() == ts.keys()  # a standard file
+    target = torch.zeros(1000, 257)
+    wrong_shape = torch.zeros(33)  # float32, not float16: must not be written into
+    dec = StreamDecoder(len(data), "f", {"big": target, "half": wrong_shape})
+    mv = memoryview(data)
+    for off in range(0, len(data), chunk):
+        dec(off, mv[off : off + chunk])
+    out = dec.result()
+    for k, v in ts.items():
+        assert out[k].dtype == v.dtype
+        assert torch.equal(out[k], v), k
+    assert out["big"] is target  # filled in place, no intermediate copy
+    assert out["half"] is not wrong_shape
+    assert dec.reused == 1
+    assert torch.equal(wrong_shape, torch.zeros(33))
+
+
+def test_huge_tensor_roundtrip(tmp_path: Path) -> None:
+    # Larger than both bounce buffers together: crosses many buffer boundaries.
+    big = torch.arange(40 << 20, dtype=torch.int32).reshape(-1, 1024)  # 160 MiB
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"x": big})
+        got = mgr.load()["x"]
+        assert torch.equal(got, big)
+        assert mgr.verify(1).ok
+    p = tmp_path / "s" / "step-000000000001" / "x.safetensors"
+    assert torch.equal(safetensors.torch.load_file(str(p))["_"], big)
+
+
+def test_in_place_restore_reads_into_the_models_own_tensors(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    src = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    opt = torch.optim.Adam(src.parameters())
+    src(torch.randn(2, 64)).sum().backward()
+    opt.step()
+    dst = nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 8))
+    dopt = torch.optim.Adam(dst.parameters())
+    dst(torch.randn(2, 64)).sum().backward()
+    dopt.step()
+    ptrs = {k: v.data_ptr() for k, v in dst.state_dict().items()}
+    exp_avg_ptr = dopt.state_dict()["state"][0]["exp_avg"].data_ptr()
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": src, "optimizer": opt})
+        assert mgr.restore({"model": dst, "optimizer": dopt}, in_place=True) == 1
+    for k, v in dst.state_dict().items():
+        assert torch.equal(v, src.state_dict()[k])
+        assert v.data_ptr() == ptrs[k]
+    assert dopt.state_dict()["state"][0]["exp_avg"].data_ptr() == exp_avg_ptr
+    assert torch.equal(
+        dopt.state_dict()["state"][0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"]
+    )
+
+
+def test_in_place_restore_checks_shapes_before_reading_anything(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": nn.Linear(4, 4)})
+        other = nn.Linear(4, 5)
+        before = {k: v.clone() for k, v in other.state_dict().items()}
+        # A payload that is never read: delete it to prove the refusal came first.
+        os.unlink(tmp_path / "s" / "step-000000000001" / "model.safetensors")
+        with pytest.raises(StateMismatchError, match=r"weight: checkpoint \(4, 4\)"):
+            mgr.restore({"model": other}, step=1, in_place=True)
+        for k, v in other.state_dict().items():
+            assert torch.equal(v, before[k])
+
+
+def test_default_restore_leaves_targets_untouched_on_corruption(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": nn.Linear(256, 256)})
+        p = tmp_path / "s" / "step-000000000001" / "model.safetensors"
+        data = bytearray(p.read_bytes())
+        data[-1] ^= 1
+        p.write_bytes(bytes(data))
+        target = nn.Linear(256, 256)
+        before = {k: v.clone() for k, v in target.state_dict().items()}
+        with pytest.raises(IntegrityError, match="crc32c"):
+            mgr.restore({"model": target}, step=1)
+        for k, v in target.state_dict().items():
+            assert torch.equal(v, before[k])
