@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
-import logging
 import threading
 import weakref
 from collections.abc import Callable
@@ -20,7 +19,7 @@ import torch
 
 __all__ = ["BackgroundWriter", "SaveHandle", "StagingPool"]
 
-log = logging.getLogger("ckptstore")
+from ._log import logger as log
 
 
 class StagingPool:

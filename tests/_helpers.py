@@ -6,6 +6,7 @@ and running Python in a subprocess.
 from __future__ import annotations
 
 import json
+import math
 import os
 import subprocess
 import sys
@@ -103,7 +104,8 @@ def assert_same(a: Any, b: Any, path: str = "state") -> None:
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_same(x, y, f"{path}[{i}]")
     elif isinstance(a, float):
-        assert a.hex() == b.hex() or (a != a and b != b), f"{path}: {a!r} != {b!r}"
+        same = a.hex() == b.hex() or (math.isnan(a) and math.isnan(b))
+        assert same, f"{path}: {a!r} != {b!r}"
     else:
         assert a == b, f"{path}: {a!r} != {b!r}"
 

@@ -230,7 +230,7 @@ def test_mismatch_lists_everything_and_loads_nothing(tmp_path: Path) -> None:
             mgr.restore({"model": small})  # unexpected extra.*
         mgr.restore({"model": small}, strict=False)
         assert_same(module_bytes(small), module_bytes(Net(1)))
-        with pytest.raises(StateMismatchError, match="head.weight"):
+        with pytest.raises(StateMismatchError, match=r"head\.weight"):
             mgr.restore({"model": Wider(5)}, strict=False)  # shapes refuse even then
 
 
@@ -363,7 +363,7 @@ def test_ema_mismatch_loads_nothing(tmp_path: Path) -> None:
         mgr.save(1, {"model": Net(1), "ema": EMA(Net(1))})
         target, wrong_ema = Net(2), Wider(3)
         before, before_ema = module_bytes(target), module_bytes(wrong_ema)
-        with pytest.raises(StateMismatchError, match="head.weight"):
+        with pytest.raises(StateMismatchError, match=r"head\.weight"):
             mgr.restore({"model": target, "ema": EMA(wrong_ema, source=target)})
         assert_same(module_bytes(target), before)
         assert_same(module_bytes(wrong_ema), before_ema)

@@ -110,7 +110,8 @@ def test_staging_buffers_are_reused(tmp_path: Path) -> None:
         mgr.wait()
         ptrs = {k: b.data_ptr() for k, b in pool._bufs.items()}
         allocated = pool.allocated_bytes
-        assert ptrs and allocated > 0
+        assert ptrs
+        assert allocated > 0
         for step in (2, 3):
             with torch.no_grad():
                 state["model"].fc1.weight.add_(1)
@@ -147,17 +148,16 @@ def test_background_failure_is_raised_again(
         monkeypatch.setattr(DirectWriter, "write", _enospc)
         handle = mgr.save(2, {"x": torch.zeros(4)})  # returns before the failure
         assert gate.entered.wait(10)
+        calls = {
+            "save": lambda: mgr.save(3, {"x": torch.zeros(4)}),
+            "wait": mgr.wait,
+            "restore": lambda: mgr.restore({"x": None}),
+            "close": mgr.close,
+        }
         # The failure happens while the next call is already waiting for the save.
         threading.Timer(0.2, gate.open).start()
         with pytest.raises(CommitError) as ei:
-            if reported_by == "save":
-                mgr.save(3, {"x": torch.zeros(4)})
-            elif reported_by == "wait":
-                mgr.wait()
-            elif reported_by == "restore":
-                mgr.restore({"x": None})
-            else:
-                mgr.close()
+            calls[reported_by]()
         msg = str(ei.value)
         assert "the disk is full" in msg
         assert "step 1 is still the newest checkpoint" in msg

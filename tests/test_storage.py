@@ -148,7 +148,8 @@ def test_commit_leaves_exactly_the_step_directory(store: StoreView) -> None:
         assert entry["crc32c"] == format_crc(crc32c_of(data))
     # Payloads are standard safetensors files.
     tensors = safetensors.torch.load(store.read(f"{step_dir(7)}/model.safetensors"))
-    assert set(tensors) and all(isinstance(t, torch.Tensor) for t in tensors.values())
+    assert tensors
+    assert all(isinstance(t, torch.Tensor) for t in tensors.values())
 
 
 def test_steps_are_ordered_by_number(store: StoreView) -> None:
@@ -423,7 +424,7 @@ def test_flipped_byte_falls_back_to_previous(
         untouched = fresh_like(states[1])
         before = dict(untouched["model"].state_dict())
         before = {k: v.clone() for k, v in before.items()}
-        with pytest.raises(IntegrityError, match="model.safetensors") as ei:
+        with pytest.raises(IntegrityError, match=r"model\.safetensors") as ei:
             mgr.restore(untouched, step=2)
         assert why in str(ei.value)
         assert_same(dict(untouched["model"].state_dict()), before)
@@ -451,7 +452,7 @@ def test_truncated_or_missing_payload(store: StoreView, damage: str) -> None:
         store.remove(rel)
     with CheckpointManager(store.url) as mgr:
         assert mgr.restore(fresh_like(states[1])) == 1
-        with pytest.raises(IntegrityError, match="optimizer.safetensors"):
+        with pytest.raises(IntegrityError, match=r"optimizer\.safetensors"):
             mgr.restore(fresh_like(states[1]), step=2)
         for deep in (True, False):
             report = mgr.verify(2, deep=deep)

@@ -119,19 +119,28 @@ def arm(crash_at: int, when: str) -> None:
 
 def run(
     root: str,
+    *,
     format: str = "safetensors",
     async_save: bool = False,
     keep: int = 2,
     steps: int = 1_000_000,
     crash_at: int | None = None,
     crash_when: str = "before",
+    resume: bool = True,
 ) -> int:
-    """Resume from ``root`` and save ``steps`` steps (one more than the resumed one)."""
+    """Resume from ``root`` and save ``steps`` steps (one more than the resumed one).
+
+    Without ``resume`` the newest checkpoint is not loaded, only its step number is used.
+    """
     emit(f"pid {os.getpid()}")
     torch.set_num_threads(1)
     state = make_state()
     mgr = CheckpointManager(root, keep=keep, format=format, async_save=async_save)
-    start = mgr.resume(state)
+    if resume:
+        start = mgr.resume(state)
+    else:
+        latest = mgr.latest_step()
+        start = 0 if latest is None else latest + 1
     emit(f"start {start}")
     pending = None
     for i, step in enumerate(range(start, start + steps)):

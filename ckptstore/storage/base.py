@@ -13,7 +13,6 @@ import abc
 import atexit
 import contextlib
 import errno
-import logging
 import os
 import queue
 import threading
@@ -36,7 +35,7 @@ from ..manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, validate_file_na
 
 __all__ = ["Pending", "Storage", "WriterLock", "wait_for_deletions"]
 
-log = logging.getLogger("ckptstore")
+from .._log import logger as log
 
 #: Files are read in slices of this size while their checksum is computed.
 READ_CHUNK = 16 << 20

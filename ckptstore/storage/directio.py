@@ -16,8 +16,10 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import errno
+import fcntl
 import mmap
 import os
+import threading
 from typing import Any
 
 from ..integrity import crc32c_of
@@ -30,6 +32,30 @@ BUFFER = 32 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
+_pool: concurrent.futures.ThreadPoolExecutor | None = None
+_pool_lock = threading.Lock()
+
+
+def io_pool() -> concurrent.futures.ThreadPoolExecutor:
+    """Threads that run blocking reads and writes (they release the GIL), shared by all files.
+
+    Tasks in this pool never wait on each other, so sharing cannot deadlock.
+    """
+    global _pool
+    with _pool_lock:
+        if _pool is None:
+            _pool = concurrent.futures.ThreadPoolExecutor(8, thread_name_prefix="ckptstore-io")
+        return _pool
+
+
+def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
+    global _pool
+    _pool = None
+
+
+os.register_at_fork(after_in_child=_forget_pool)
+
+
 class DirectWriter:
     """A write-only, checksumming file object for one new file (``O_EXCL``).
 
@@ -39,18 +65,13 @@ class DirectWriter:
 
     def __init__(self, path: str, *, direct: bool = True, buffer_size: int = BUFFER) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
-        self.direct = False
-        fd = -1
-        if direct and _O_DIRECT:
-            try:
-                fd = os.open(path, flags | _O_DIRECT, 0o644)
-                self.direct = True
-            except OSError as e:
-                if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
-                    raise
-        if fd < 0:
-            fd = os.open(path, flags, 0o644)
-        self.fd = fd
+        # O_DIRECT is switched on (fcntl) only once a whole buffer is ready: small files
+        # are cheaper through the page cache (an O_DIRECT write that extends a file costs
+        # milliseconds on ext4), and the tail of a large one is written buffered too, so no
+        # padding and truncation are needed.
+        self.fd = os.open(path, flags, 0o644)
+        self.direct = False  # whether O_DIRECT was used for any write
+        self._can_direct = bool(direct and _O_DIRECT)
         self.path = path
         self.crc = 0
         self.nbytes = 0
@@ -60,7 +81,6 @@ class DirectWriter:
         self._cur = 0
         self._pos = 0  # bytes filled in the current buffer
         self._offset = 0  # file offset of the current buffer
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptstore-io")
         self._pending: concurrent.futures.Future[None] | None = None
         self._closed = False
 
@@ -112,11 +132,17 @@ class DirectWriter:
             view = view[n:]
             offset += n
 
+    def _set_direct(self, on: bool) -> bool:
+        return set_direct(self.fd, on)
+
     def _flush_buffer(self) -> None:
         view = self._views[self._cur][: self._pos]
         self.crc = crc32c_of(view, self.crc)
         self._wait()  # the other buffer must be on disk before we reuse it next
-        self._pending = self._pool.submit(self._pwrite_all, view, self._offset)
+        if self._can_direct and not self.direct:
+            self.direct = self._set_direct(True)
+            self._can_direct = self.direct
+        self._pending = io_pool().submit(self._pwrite_all, view, self._offset)
         self._offset += self._pos
         self._cur ^= 1
         self._pos = 0
@@ -126,17 +152,13 @@ class DirectWriter:
         try:
             self._wait()
             if self._pos:
-                view = self._views[self._cur]
-                self.crc = crc32c_of(view[: self._pos], self.crc)
-                end = self._pos
-                if self.direct:  # O_DIRECT writes whole blocks: pad, then truncate
-                    end = -(-self._pos // ALIGN) * ALIGN
-                    view[self._pos : end] = bytes(end - self._pos)
-                self._pwrite_all(view[:end], self._offset)
+                view = self._views[self._cur][: self._pos]
+                self.crc = crc32c_of(view, self.crc)
+                if self.direct and self._pos % ALIGN:
+                    self._set_direct(False)  # an unaligned tail goes through the cache
+                self._pwrite_all(view, self._offset)
                 self._offset += self._pos
                 self._pos = 0
-            if self.direct:
-                os.ftruncate(self.fd, self._offset)
             os.fsync(self.fd)
         finally:
             self._close()
@@ -156,7 +178,6 @@ class DirectWriter:
         if self._closed:
             return
         self._closed = True
-        self._pool.shutdown(wait=True)
         with contextlib.suppress(OSError):
             os.close(self.fd)
         for v in self._views:
@@ -191,3 +212,18 @@ def read_into(fd: int, dest: memoryview, offset: int) -> int:
             break
         got += n
     return got
+
+
+def set_direct(fd: int, on: bool) -> bool:
+    """Switch ``O_DIRECT`` on or off for an open file; False where the filesystem refuses."""
+    if not _O_DIRECT:
+        return False
+    fl = fcntl.fcntl(fd, fcntl.F_GETFL)
+    want = (fl | _O_DIRECT) if on else (fl & ~_O_DIRECT)
+    try:
+        fcntl.fcntl(fd, fcntl.F_SETFL, want)
+    except OSError as e:
+        if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+            raise
+        return False  # tmpfs and some network filesystems refuse O_DIRECT
+    return True

@@ -16,7 +16,7 @@ from ..errors import StoreLockedError
 from ..integrity import crc32c_of
 from ..layout import LOCK_NAME
 from .base import Consumer, Storage
-from .directio import BUFFER, DirectWriter, open_direct_read, read_into
+from .directio import BUFFER, DirectWriter, io_pool, open_direct_read, read_into, set_direct
 
 __all__ = ["LocalStorage"]
 
@@ -97,52 +97,27 @@ class LocalStorage(Storage):
         return open(fd, "rb", buffering=0)
 
     def _stream(self, rel: str, consume: Consumer | None) -> tuple[int, int]:
-        # O_DIRECT reads into two aligned buffers: one is filled by a helper thread while
-        # the other is checksummed and consumed, so the disk never waits for the CPU.
+        # Large files: O_DIRECT reads into two aligned buffers, one filled by an I/O thread
+        # while the other is checksummed and consumed, so the disk never waits for the CPU.
+        # Small files (state.json, small payloads): one buffered read.
         head, _, name = rel.rpartition("/")
         dfd = os.open(self._p(head), os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if head else 0))
         try:
-            fd, _ = open_direct_read(name, dir_fd=dfd, direct=self.direct_io)
+            fd, _ = open_direct_read(name, dir_fd=dfd, direct=False)
         finally:
             os.close(dfd)
-        pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptstore-io")
-        bufs = [mmap.mmap(-1, BUFFER), mmap.mmap(-1, BUFFER)]
-        views = [memoryview(b) for b in bufs]
         try:
-            if not stat.S_ISREG(os.fstat(fd).st_mode):
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
                 msg = f"{self._p(rel)} is not a regular file"
                 raise OSError(msg)
-            crc = 0
-            offset = 0
-            cur = 0
-            fut: concurrent.futures.Future[int] | None = pool.submit(read_into, fd, views[0], 0)
-            while fut is not None:
-                n = fut.result()
-                if n == 0:
-                    break
-                fut = (
-                    pool.submit(read_into, fd, views[cur ^ 1], offset + n) if n == BUFFER else None
-                )
-                chunk = views[cur][:n]
-                try:
-                    crc = crc32c_of(chunk, crc)
-                    if consume is not None:
-                        consume(offset, chunk)
-                finally:
-                    chunk.release()  # also when consume raises: else close() below fails
-                offset += n
-                cur ^= 1
-            return offset, crc
+            if st.st_size < SMALL_FILE:
+                return _stream_small(fd, st.st_size, consume)
+            if self.direct_io:
+                set_direct(fd, True)  # refused (tmpfs): buffered reads, same code
+            return _stream_large(fd, consume)
         finally:
-            pool.shutdown(wait=True)
             os.close(fd)
-            for v in views:
-                v.release()
-            for b in bufs:
-                # A view a failed consumer still holds (in its traceback) would turn the
-                # real error into a BufferError; the mapping is then freed with the view.
-                with contextlib.suppress(BufferError):
-                    b.close()
 
     def _remove(self, rel: str) -> None:
         os.unlink(self._p(rel))
@@ -205,3 +180,57 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+#: Files below this size are read in one buffered call.
+SMALL_FILE = 1 << 20
+
+
+def _stream_small(fd: int, size: int, consume: Consumer | None) -> tuple[int, int]:
+    buf = bytearray(size + 1)  # one byte more: a file that grew is seen to have grown
+    mv = memoryview(buf)
+    n = read_into(fd, mv, 0)
+    chunk = mv[:n]
+    crc = crc32c_of(chunk)
+    if consume is not None and n:
+        consume(0, chunk)
+    return n, crc
+
+
+def _stream_large(fd: int, consume: Consumer | None) -> tuple[int, int]:
+    pool = io_pool()
+    bufs = [mmap.mmap(-1, BUFFER), mmap.mmap(-1, BUFFER)]
+    views = [memoryview(b) for b in bufs]
+    fut: concurrent.futures.Future[int] | None = pool.submit(read_into, fd, views[0], 0)
+    try:
+        crc = 0
+        offset = 0
+        cur = 0
+        while fut is not None:
+            n = fut.result()
+            fut = None
+            if n == 0:
+                break
+            if n == BUFFER:
+                fut = pool.submit(read_into, fd, views[cur ^ 1], offset + n)
+            chunk = views[cur][:n]
+            try:
+                crc = crc32c_of(chunk, crc)
+                if consume is not None:
+                    consume(offset, chunk)
+            finally:
+                chunk.release()
+            offset += n
+            cur ^= 1
+        return offset, crc
+    finally:
+        if fut is not None:  # never free a buffer the I/O thread is still reading into
+            with contextlib.suppress(Exception):
+                fut.result()
+        for v in views:
+            v.release()
+        for b in bufs:
+            # A view a failed consumer still holds (in its traceback) would turn the real
+            # error into a BufferError; the mapping is then freed with the view.
+            with contextlib.suppress(BufferError):
+                b.close()

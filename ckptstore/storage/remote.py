@@ -29,7 +29,7 @@ import posixpath
 import re
 from typing import IO, Any, ClassVar
 
-from ..layout import MANIFEST_NAME, is_garbage_name, parse_step_dirname
+from ..layout import MANIFEST_NAME, PIN_NAME, is_garbage_name, parse_step_dirname, step_dirname
 from .base import Storage
 
 __all__ = ["FsspecStorage"]
@@ -133,6 +133,14 @@ class FsspecStorage(Storage):
             ):
                 out.append(top)
         return sorted(out)
+
+    def is_pinned(self, step: int) -> bool:
+        """Whether the checkpoint carries a pin marker: one listing of its directory.
+
+        Retention asks this of every step on every save. ``exists`` of an absent object
+        costs two requests on S3 (a HEAD, then a listing to rule out a "directory").
+        """
+        return PIN_NAME in self._list(step_dirname(step))
 
     # ---- queries ------------------------------------------------------------------------
 
