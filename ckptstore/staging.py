@@ -17,6 +17,8 @@ from typing import Any
 
 import torch
 
+from .storage.directio import lower_priority
+
 __all__ = ["BackgroundWriter", "SaveHandle", "StagingPool"]
 
 from ._log import logger as log
@@ -98,7 +100,9 @@ class BackgroundWriter:
     """One thread that runs save jobs in order."""
 
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="ckptstore-writer")
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="ckptstore-writer", initializer=lower_priority
+        )
         self._lock = threading.Lock()
         _live.add(self)
 
