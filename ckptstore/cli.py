@@ -1,4 +1,4 @@
-"""The ``ckptstore`` command line: ls, verify, prune, gc, inspect, import, export.
+"""The ``ckptstore`` command line: ls, verify, prune, gc, inspect, diff, import, export.
 
 Each command parses its arguments, calls one typed function that does the work and returns a
 result object, then prints it (a table for people, ``--json`` for programs). One place,
@@ -1167,6 +1167,161 @@ def cmd_export(args: argparse.Namespace) -> int:
     return 0
 
 
+# ---- diff -------------------------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class DiffRow:
+    """One difference between two checkpoints."""
+
+    path: str
+    change: str  # "added", "removed", "changed"
+    a: str = ""
+    b: str = ""
+    max_abs_diff: float | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        d = dataclasses.asdict(self)
+        if self.max_abs_diff is not None and not math.isfinite(self.max_abs_diff):
+            d["max_abs_diff"] = str(self.max_abs_diff)
+        return d
+
+
+@dataclasses.dataclass
+class DiffResult:
+    """What ``ckptstore diff`` found."""
+
+    root: str
+    a: int
+    b: int
+    rows: list[DiffRow]
+    same: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "root": self.root,
+            "a": self.a,
+            "b": self.b,
+            "same": self.same,
+            "differences": [r.to_dict() for r in self.rows],
+        }
+
+
+def _flatten(obj: Any, prefix: str, out: dict[str, Any], depth: int = 0) -> None:
+    import torch
+
+    if depth < 100 and isinstance(obj, Mapping) and obj:
+        for k, v in obj.items():
+            _flatten(v, f"{prefix}/{k}" if prefix else str(k), out, depth + 1)
+    elif depth < 100 and isinstance(obj, list | tuple) and obj and not isinstance(obj, torch.Size):
+        if all(not isinstance(v, Mapping | list | tuple | torch.Tensor) for v in obj):
+            out[prefix] = obj  # a short list of scalars reads better whole
+        else:
+            for i, v in enumerate(obj):
+                _flatten(v, f"{prefix}/{i}", out, depth + 1)
+    else:
+        out[prefix] = obj
+
+
+def _describe(v: Any) -> str:
+    import torch
+
+    if isinstance(v, torch.Tensor):
+        return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
+    text = repr(v)
+    return text if len(text) <= 60 else text[:57] + "..."
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    if isinstance(a, float) and isinstance(b, float):
+        return a == b or (math.isnan(a) and math.isnan(b))
+    try:
+        return type(a) is type(b) and bool(a == b)
+    except (ValueError, RuntimeError):  # numpy arrays and the like
+        return repr(a) == repr(b)
+
+
+def diff_steps(root: str, a: int, b: int, storage_options: Mapping[str, Any]) -> DiffResult:
+    """Compare two checkpoints entry by entry (tensors by max absolute difference)."""
+    import torch
+
+    with _open(root, storage_options) as mgr:
+        left: dict[str, Any] = {}
+        right: dict[str, Any] = {}
+        _flatten(mgr.load(a), "", left)
+        _flatten(mgr.load(b), "", right)
+    rows: list[DiffRow] = []
+    same = 0
+    for path in sorted(set(left) | set(right)):
+        if path not in right:
+            rows.append(DiffRow(path, "removed", a=_describe(left[path])))
+            continue
+        if path not in left:
+            rows.append(DiffRow(path, "added", b=_describe(right[path])))
+            continue
+        x, y = left[path], right[path]
+        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
+            if x.dtype != y.dtype or x.shape != y.shape:
+                rows.append(DiffRow(path, "changed", a=_describe(x), b=_describe(y)))
+            elif torch.equal(x, y) or (
+                x.is_floating_point()
+                and torch.equal(x.isnan(), y.isnan())
+                and torch.equal(x.nan_to_num(), y.nan_to_num())
+            ):
+                same += 1
+            else:
+                wide = torch.complex128 if x.is_complex() else torch.float64
+                delta = (x.to(wide) - y.to(wide)).abs().nan_to_num(nan=math.inf)
+                rows.append(
+                    DiffRow(
+                        path,
+                        "changed",
+                        a=_describe(x),
+                        b=_describe(y),
+                        max_abs_diff=float(delta.max()) if delta.numel() else 0.0,
+                    )
+                )
+        elif _same_value(x, y):
+            same += 1
+        else:
+            rows.append(DiffRow(path, "changed", a=_describe(x), b=_describe(y)))
+    return DiffResult(root, a, b, rows, same)
+
+
+def _print_diff(res: DiffResult, as_json: bool, out: TextIO) -> None:
+    if as_json:
+        print(json.dumps(res.to_dict(), indent=2), file=out)
+        return
+    print(f"diff step {res.a} -> step {res.b} ({res.root})", file=out)
+    marks = {"added": "+", "removed": "-", "changed": "~"}
+    table = []
+    for r in res.rows:
+        if r.change == "changed" and r.max_abs_diff is not None:
+            detail = f"{r.a}  max |a-b| {r.max_abs_diff:.6g}"
+        elif r.change == "changed":
+            detail = f"{r.a} -> {r.b}"
+        else:
+            detail = r.a or r.b
+        table.append([marks[r.change], r.path, detail])
+    if table:
+        print(_table(table, indent="  "), file=out)
+    counts = collections.Counter(r.change for r in res.rows)
+    print(
+        f"{res.same} same, {counts['changed']} changed, {counts['added']} added, "
+        f"{counts['removed']} removed",
+        file=out,
+    )
+
+
+def cmd_diff(args: argparse.Namespace) -> int:
+    """``ckptstore diff ROOT A B``: exit 0 when identical, 1 when they differ (like diff)."""
+    res = diff_steps(args.root, args.a, args.b, _storage_options(args))
+    _print_diff(res, _json(args), sys.stdout)
+    return 1 if res.rows else 0
+
+
 # ---- argument parsing and the one place errors become exit codes --------------------------
 
 
@@ -1270,6 +1425,11 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("inspect", cmd_inspect, "show a checkpoint's manifest and the structure of its state")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--step", type=_step_arg, help="the step (default: the newest)")
+
+    p = add("diff", cmd_diff, "compare two checkpoints: keys added/removed/changed, max |a-b|")
+    p.add_argument("root", metavar="ROOT")
+    p.add_argument("a", metavar="A", type=_step_arg, help="first step")
+    p.add_argument("b", metavar="B", type=_step_arg, help="second step")
 
     p = add("import", cmd_import, "store a plain torch.save checkpoint (weights_only) as a step")
     p.add_argument("file", metavar="FILE.pt")

@@ -1012,6 +1012,7 @@ class CheckpointManager:
     def gc(self) -> list[str]:
         """Remove stale ``.tmp-``/``.trash-`` entries and manifest-less step directories."""
         self._check_open()
+        self.wait_save()  # our own save in flight is not stale: its .tmp- must stay
         if self._lock is not None and not self._lock.is_locked:
             self._lock.acquire()
         removed = self.storage.gc(include_tmp=True)

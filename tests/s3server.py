@@ -1,41 +1,47 @@
 """A real S3 HTTP endpoint on loopback for tests: moto's threaded server, one bucket.
 
-``s3_server()`` starts :class:`moto.server.ThreadedMotoServer` on ``127.0.0.1`` on a free
-port (the kernel picks it: port 0), creates a bucket through the S3 API and yields an
+``s3_server()`` runs :class:`moto.server.ThreadedMotoServer` on ``127.0.0.1`` on a free port
+(the kernel picks it: port 0), creates a bucket through the S3 API and yields an
 :class:`S3Endpoint`. Every request the tests make goes over HTTP to that server, through
-s3fs/aiobotocore exactly as against AWS; nothing is patched in-process.
+s3fs/aiobotocore exactly as against AWS; nothing is patched in the test process.
+
+The server runs in a child process (this file is its ``__main__``): in the test process it
+would share one GIL with the client, and each request would cost about a third more. The
+child appends every request it receives to a log file *before* serving it, so by the time a
+client has its answer the request is in :attr:`S3Endpoint.requests`. It exits when its stdin
+closes, which also happens when the test process dies.
 
 The option names are the ones ``s3fs.S3FileSystem.__init__`` takes (s3fs 2026.x,
 ``s3fs/core.py``): ``key``/``secret`` for the credentials, ``client_kwargs`` forwarded to
-``aiobotocore``'s ``create_client`` (``endpoint_url``, ``region_name``). ``endpoint_url`` is
-also accepted at the top level ("Takes precedence over `endpoint_url` in client_kwargs"),
-which is the form a ``--storage-option endpoint_url=...`` on the command line produces.
+aiobotocore's ``create_client`` (``endpoint_url``, ``region_name``). ``endpoint_url`` is also
+accepted at the top level ("Takes precedence over `endpoint_url` in client_kwargs"), which is
+the form ``--storage-option endpoint_url=...`` on the command line produces.
 """
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import json
 import logging
 import os
+import select
+import shutil
+import subprocess
+import sys
+import tempfile
 import threading
 import uuid
 from collections.abc import Iterator
 from typing import Any
-from urllib.parse import parse_qs, unquote
-
-from moto.moto_server.werkzeug_app import (
-    DomainDispatcherApplication,
-    MotoRequestHandler,
-    create_backend_app,
-)
-from moto.server import ThreadedMotoServer
-from werkzeug.serving import make_server
+from urllib.parse import parse_qs
 
 #: Credentials moto accepts (it checks nothing; they only have to be present).
 KEY = "testing"
 SECRET = "testing"
 REGION = "us-east-1"
+#: Seconds to wait for the server process to say its port.
+START_TIMEOUT = 60.0
 
 
 @dataclasses.dataclass(frozen=True)
@@ -43,42 +49,41 @@ class Request:
     """One HTTP request the server received."""
 
     method: str
-    path: str  # URL-decoded, e.g. ``/bucket/run1/step-000000000001/manifest.json``
+    path: str  # decoded, e.g. ``/bucket/run1/step-000000000001/manifest.json``
     query: dict[str, str]
 
     @property
     def is_list(self) -> bool:
-        """A ListObjects(V2) request on a bucket."""
+        """A ListObjectsV2 request on a bucket."""
         return self.method == "GET" and self.path.count("/") == 1 and "list-type" in self.query
 
     @property
     def is_bulk_delete(self) -> bool:
-        """A DeleteObjects (``POST /bucket?delete``)."""
+        """A DeleteObjects request (``POST /bucket?delete``)."""
         return self.method == "POST" and "delete" in self.query
 
 
 class RequestLog:
-    """What reached the server, in arrival order; thread-safe (werkzeug serves in threads)."""
+    """The requests the server received, in arrival order; ``log()`` returns them."""
 
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._items: list[Request] = []
-
-    def add(self, environ: dict[str, Any]) -> None:
-        query = {
-            k: v[-1] for k, v in parse_qs(environ.get("QUERY_STRING", ""), True).items()
-        }
-        req = Request(environ["REQUEST_METHOD"], unquote(environ.get("PATH_INFO", "")), query)
-        with self._lock:
-            self._items.append(req)
+    def __init__(self, path: str) -> None:
+        self._path = path
+        self._start = 0
 
     def clear(self) -> None:
-        with self._lock:
-            self._items.clear()
+        """Forget the requests received so far."""
+        self._start = os.path.getsize(self._path)
 
     def __call__(self) -> list[Request]:
-        with self._lock:
-            return list(self._items)
+        with open(self._path, encoding="utf-8") as f:
+            f.seek(self._start)
+            lines = f.read().splitlines()
+        out = []
+        for line in lines:
+            method, path, query = json.loads(line)
+            q = {k: v[-1] for k, v in parse_qs(query, keep_blank_values=True).items()}
+            out.append(Request(method, path, q))
+        return out
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,7 +105,7 @@ class S3Endpoint:
 
     @property
     def cli_options(self) -> list[str]:
-        """The same as ``--storage-option KEY=VALUE`` arguments (flat: no nested dicts)."""
+        """The same as ``--storage-option KEY=VALUE`` arguments: flat strings, no region."""
         return [
             f"--storage-option=key={KEY}",
             f"--storage-option=secret={SECRET}",
@@ -126,46 +131,31 @@ class S3Endpoint:
         return f"{stem}-{uuid.uuid4().hex[:12]}"
 
 
-class _RecordingServer(ThreadedMotoServer):
-    """moto's threaded server with every request appended to a :class:`RequestLog`."""
-
-    def __init__(self, log: RequestLog) -> None:
-        super().__init__(ip_address="127.0.0.1", port=0, verbose=False)
-        self._log = log
-
-    def _server_entry(self) -> None:  # as upstream, with the app wrapped
-        app = DomainDispatcherApplication(create_backend_app)
-        log = self._log
-
-        def recording(environ: dict[str, Any], start_response: Any) -> Any:
-            log.add(environ)
-            return app(environ, start_response)
-
-        self._server = make_server(
-            self._ip_address, self._port, recording, True, request_handler=MotoRequestHandler
-        )
-        self._server_ready_event.set()
-        self._server.serve_forever()
-
-
 @contextlib.contextmanager
 def s3_server(bucket: str = "ckptstore-test") -> Iterator[S3Endpoint]:
     """Start moto's S3 server on a free loopback port, create ``bucket``, stop on exit."""
     import boto3
 
-    # One line per request at INFO; the tests make thousands.
-    logging.getLogger("werkzeug").setLevel(logging.WARNING)
-
-    # botocore reads credentials and proxies from the environment; make sure a developer's
-    # AWS profile or proxy can never send a test request anywhere but to this server.
+    # botocore honours proxy variables; a developer's proxy must never see these requests.
     saved = {k: os.environ.get(k) for k in ("NO_PROXY", "no_proxy")}
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
-    log = RequestLog()
-    server = _RecordingServer(log)
-    server.start()
+    tmp = tempfile.mkdtemp(prefix="ckptstore-s3-")
+    log_path = os.path.join(tmp, "requests.jsonl")
+    open(log_path, "w").close()  # noqa: SIM115 - create it empty
+    server = subprocess.Popen(
+        [sys.executable, __file__, log_path],
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    assert server.stdin is not None
+    assert server.stdout is not None
     try:
-        host, port = server.get_host_and_port()
-        ep = S3Endpoint(f"http://{host}:{port}", bucket, log)
+        ready, _, _ = select.select([server.stdout], [], [], START_TIMEOUT)
+        line = server.stdout.readline() if ready else ""
+        if not line.strip().isdigit():
+            raise RuntimeError(f"the moto server did not start (exit code {server.poll()})")
+        ep = S3Endpoint(f"http://127.0.0.1:{int(line)}", bucket, RequestLog(log_path))
         # Through boto3, not ``fs.mkdir``: s3fs sends ``LocationConstraint=<region_name>``,
         # which S3 (and moto) reject for us-east-1, the one region that takes none.
         boto3.client(
@@ -177,9 +167,61 @@ def s3_server(bucket: str = "ckptstore-test") -> Iterator[S3Endpoint]:
         ).create_bucket(Bucket=bucket)
         yield ep
     finally:
-        server.stop()
+        server.stdin.close()
+        try:
+            server.wait(10)
+        except subprocess.TimeoutExpired:
+            server.kill()
+            server.wait()
+        server.stdout.close()
+        shutil.rmtree(tmp, ignore_errors=True)
         for k, v in saved.items():
             if v is None:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+def _serve(log_path: str) -> None:
+    """The server process: moto's threaded server, every request appended to ``log_path``.
+
+    Prints the port, then serves until its stdin closes.
+    """
+    from moto.moto_server.werkzeug_app import (
+        DomainDispatcherApplication,
+        MotoRequestHandler,
+        create_backend_app,
+    )
+    from moto.server import ThreadedMotoServer
+    from werkzeug.serving import make_server
+
+    logging.getLogger("werkzeug").setLevel(logging.WARNING)  # a line per request otherwise
+    lock = threading.Lock()
+    log = open(log_path, "a", encoding="utf-8")  # noqa: SIM115 - open for the process's life
+
+    class RecordingServer(ThreadedMotoServer):
+        def _server_entry(self) -> None:  # upstream's, with the app wrapped
+            app = DomainDispatcherApplication(create_backend_app)
+
+            def recording(environ: dict[str, Any], start_response: Any) -> Any:
+                entry = [environ["REQUEST_METHOD"], environ["PATH_INFO"], environ["QUERY_STRING"]]
+                with lock:  # logged before it is served, so before it is answered
+                    log.write(json.dumps(entry) + "\n")
+                    log.flush()
+                return app(environ, start_response)
+
+            self._server = make_server(
+                self._ip_address, self._port, recording, True, request_handler=MotoRequestHandler
+            )
+            self._server_ready_event.set()
+            self._server.serve_forever()
+
+    server = RecordingServer(ip_address="127.0.0.1", port=0, verbose=False)
+    server.start()
+    print(server.get_host_and_port()[1], flush=True)
+    sys.stdin.read()  # until the test process closes it, or dies
+    server.stop()
+
+
+if __name__ == "__main__":
+    _serve(sys.argv[1])

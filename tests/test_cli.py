@@ -672,3 +672,47 @@ def test_console_script(store: Path) -> None:
     )
     assert proc.returncode == 0, proc.stderr
     assert [d["step"] for d in json.loads(proc.stdout)] == [9, 10, 100]
+
+
+# ---- diff --------------------------------------------------------------------------------
+
+
+def test_diff_text_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    root = tmp_path / "s"
+    m = make_model(0)
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": m, "step": 1, "old": "x", "same": (1, 2)})
+        with torch.no_grad():
+            m.weight[0, 0] += 0.5
+        mgr.save(2, {"model": m, "step": 2, "new": torch.zeros(3), "same": (1, 2)})
+
+    code, out, _ = run(capsys, "diff", str(root), "1", "2")
+    assert code == 1  # like diff(1): they differ
+    lines = out.splitlines()
+    assert lines[0] == f"diff step 1 -> step 2 ({root})"
+    weight = next(line for line in lines if "model/weight" in line)
+    assert weight.split()[0] == "~"
+    assert "max |a-b| 0.5" in weight
+    assert any(line.split()[:2] == ["+", "new"] and "float32[3]" in line for line in lines)
+    assert any(line.split()[:2] == ["-", "old"] and "'x'" in line for line in lines)
+    assert any(line.split()[:2] == ["~", "step"] and "1 -> 2" in line for line in lines)
+    assert lines[-1] == "2 same, 2 changed, 1 added, 1 removed"  # model/bias, same
+
+    code, out, _ = run(capsys, "--json", "diff", str(root), "1", "2")
+    assert code == 1
+    doc = json.loads(out)
+    assert (doc["a"], doc["b"], doc["same"]) == (1, 2, 2)
+    by_path = {d["path"]: d for d in doc["differences"]}
+    assert by_path["model/weight"]["change"] == "changed"
+    assert by_path["model/weight"]["max_abs_diff"] == pytest.approx(0.5)
+    assert by_path["new"]["change"] == "added"
+    assert by_path["old"]["change"] == "removed"
+
+    code, out, _ = run(capsys, "diff", str(root), "2", "2")
+    assert code == 0
+    assert out.splitlines()[-1].endswith("0 changed, 0 added, 0 removed")
+
+    code, _, err = run(capsys, "diff", str(root), "1", "7")
+    assert code == 1
+    assert "no committed checkpoint" in err
+    assert "Traceback" not in err

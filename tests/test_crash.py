@@ -13,6 +13,7 @@ imported once, not once per kill.
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import json
 import os
@@ -63,6 +64,7 @@ class Server:
             env=subprocess_env(),
         )
         self.out = LineReader(self.proc.stdout)
+        self.child: int | None = None
 
     def start(self, **opts: Any) -> int:
         """Fork a writer; returns its pid once it runs."""
@@ -70,14 +72,19 @@ class Server:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(opts) + "\n")
         self.proc.stdin.flush()
-        return int(self.out.until("pid ", timeout=30).split()[1])
+        self.child = int(self.out.until("pid ", timeout=30).split()[1])
+        return self.child
 
     def finish(self, timeout: float = 30) -> tuple[str, list[str]]:
         """Wait for the writer to end: ``("signal 9" | "code 0" | ..., its output)``."""
         line = self.out.until("exit ", timeout=timeout)
+        self.child = None
         return " ".join(line.split()[2:]), self.out.lines[self._mark : -1]
 
     def close(self) -> None:
+        if self.child is not None:  # a test failed while a writer ran: never leave it behind
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(self.child, signal.SIGKILL)
         if self.proc.stdin is not None:
             self.proc.stdin.close()
         try:

@@ -27,6 +27,8 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 from ckptstore import EMA, CheckpointManager, RNGState, StateMismatchError
 from ckptstore.modules import de_parallel, module_state
 
+pytestmark = pytest.mark.timeout(60)  # DDP runs in a (one-rank) process group
+
 
 @pytest.fixture(scope="module", autouse=True)
 def process_group(tmp_path_factory: pytest.TempPathFactory) -> Iterator[None]:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import threading
 import time
@@ -14,7 +15,7 @@ import pytest
 import torch
 from _helpers import assert_same, make_state, module_bytes, run_python, step_dir
 
-from ckptstore import CheckpointManager, CommitError, SaveHandle
+from ckptstore import CheckpointManager, CommitError, SaveHandle, StepExistsError
 from ckptstore.integrity import CRCWriter
 from ckptstore.staging import StagingPool
 from ckptstore.storage import Storage, wait_for_deletions
@@ -134,7 +135,11 @@ def _enospc(*args: Any, **kwargs: Any) -> Any:
 @pytest.mark.timeout(60)
 @pytest.mark.parametrize("reported_by", ["save", "wait", "close", "restore"])
 def test_background_failure_is_raised_again(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, gate: Gate, reported_by: str
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    gate: Gate,
+    reported_by: str,
 ) -> None:
     root = tmp_path / "s"
     good = {"x": torch.arange(4.0)}
@@ -163,6 +168,9 @@ def test_background_failure_is_raised_again(
         assert "step 1 is still the newest checkpoint" in msg
         with pytest.raises(CommitError):
             handle.wait()
+        # ... and it was logged when it happened, not only when raised again.
+        errors = [r.getMessage() for r in caplog.records if r.levelno >= logging.ERROR]
+        assert any("step 2" in e and "disk is full" in e for e in errors), errors
         monkeypatch.undo()
         assert entries(root) == [step_dir(1)], "no tmp directory remains"
         if reported_by != "close":
@@ -194,6 +202,42 @@ def test_retention_runs_only_after_commit(tmp_path: Path, gate: Gate) -> None:
         mgr.wait()
         assert mgr.steps() == [2]
     assert entries(root) == [step_dir(2)]
+
+
+@pytest.mark.timeout(60)
+def test_gc_spares_the_save_in_flight(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    entered, opened = threading.Event(), threading.Event()
+    real_commit = Storage.commit
+
+    def held_commit(storage: Storage, pending: Any, manifest: Any) -> None:
+        entered.set()  # payloads are written into the .tmp- directory by now
+        assert opened.wait(20)
+        real_commit(storage, pending, manifest)
+
+    monkeypatch.setattr(Storage, "commit", held_commit)
+    root = tmp_path / "s"
+    try:
+        with CheckpointManager(root, async_save=True) as mgr:
+            handle = mgr.save(1, {"x": torch.ones(3)})
+            assert entered.wait(10)
+            assert [n for n in os.listdir(root) if n.startswith(".tmp-step-")]
+            threading.Timer(0.3, opened.set).start()
+            assert mgr.gc() == [], "the save in flight is not garbage"
+            assert handle.wait(timeout=20).step == 1
+            assert mgr.steps() == [1]
+            assert mgr.verify(1).ok
+    finally:
+        opened.set()
+    assert entries(root) == [step_dir(1)]
+
+
+def test_step_exists_is_raised_by_save_itself(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "s", async_save=True) as mgr:
+        mgr.save(1, {"x": torch.ones(2)}).wait()
+        with pytest.raises(StepExistsError):
+            mgr.save(1, {"x": torch.zeros(2)})
+        mgr.wait()  # nothing failed in the background
+        assert torch.equal(mgr.load(1)["x"], torch.ones(2))
 
 
 def test_async_matches_sync_bytes(tmp_path: Path) -> None:

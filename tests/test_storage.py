@@ -274,6 +274,25 @@ def test_crash_before_commit_is_invisible(
         assert mgr2.verify(2).ok
 
 
+def test_save_over_crash_leftovers(store: StoreView, monkeypatch: pytest.MonkeyPatch) -> None:
+    saved(store, [1])
+    with CheckpointManager(store.url) as mgr:
+        monkeypatch.setattr(Storage, "commit", lambda self, pending, manifest: _raise(Crash()))
+        monkeypatch.setattr(Storage, "abort", lambda self, pending: None)
+        with pytest.raises(Crash):
+            mgr.save(2, make_state(2))
+    monkeypatch.undo()
+    assert len(root_names(store)) == 2, "a leftover of the crashed save"
+    with CheckpointManager(store.url) as mgr:  # no explicit gc: saving step 2 again works
+        state = make_state(22)
+        mgr.save(2, state)
+        assert mgr.steps() == [1, 2]
+        assert mgr.verify(2).ok
+        assert_same(dict(mgr.load(2)["model"]), model_sd(state))
+    wait_for_deletions()
+    assert root_names(store) == [step_dir(1), step_dir(2)]
+
+
 def _raise(e: BaseException) -> None:
     raise e
 
@@ -381,6 +400,39 @@ def test_pin_protects_a_step(store: StoreView) -> None:
     assert root_names(store) == [step_dir(3)]
 
 
+@pytest.mark.timeout(60)
+def test_deletion_is_atomic(store: StoreView, monkeypatch: pytest.MonkeyPatch) -> None:
+    states = saved(store, [1, 2])
+    gate = threading.Event()
+    backend = LocalStorage if store.local else FsspecStorage
+    real_rmtree = backend._rmtree
+
+    def held_rmtree(self: Storage, rel: str) -> None:  # the background deleter waits
+        assert gate.wait(20)
+        real_rmtree(self, rel)
+
+    monkeypatch.setattr(backend, "_rmtree", held_rmtree)
+    try:
+        with CheckpointManager(store.url, keep=1) as mgr:
+            assert mgr.prune() == [1]
+            # Gone at once for readers, though its bytes are still being removed.
+            assert mgr.steps() == [2]
+            with pytest.raises(NoCheckpointError):
+                mgr.restore(fresh_like(states[1]), step=1)
+            if store.local:  # renamed away whole
+                assert step_dir(1) not in store.names()
+                assert [n for n in store.names() if n.startswith(".trash-")]
+            else:  # the manifest went first; the payloads follow
+                assert not store.exists(f"{step_dir(1)}/{MANIFEST}")
+                assert store.exists(f"{step_dir(1)}/model.safetensors")
+            gate.set()
+            wait_for_deletions()
+            assert root_names(store) == [step_dir(2)]
+            assert mgr.restore(fresh_like(states[2])) == 2
+    finally:
+        gate.set()
+
+
 @pytest.mark.parametrize("damage", ["flip", "truncate"])
 def test_last_good_checkpoint_survives_retention(store: StoreView, damage: str) -> None:
     states = saved(store, [1, 2, 3])
@@ -438,6 +490,23 @@ def test_flipped_byte_falls_back_to_previous(
         assert_same(dict(mgr.load()["model"]), model_sd(states[1]))
         with pytest.raises(IntegrityError):
             mgr.load(2)
+
+
+def test_nothing_verifies(store: StoreView) -> None:
+    states = saved(store, [1, 2])
+    for s in (1, 2):
+        store.corrupt(s, "model.safetensors", offset=-1)
+    with CheckpointManager(store.url) as mgr:
+        target = fresh_like(states[1])
+        before = {k: v.clone() for k, v in target["model"].state_dict().items()}
+        # Resuming must not quietly start from scratch: that would lose the run.
+        with pytest.raises(NoCheckpointError, match="no checkpoint verifies") as ei:
+            mgr.resume(target)
+        assert "step 2" in str(ei.value)
+        assert "step 1" in str(ei.value)
+        assert_same(dict(target["model"].state_dict()), before)
+        with pytest.raises(NoCheckpointError):
+            mgr.load()
 
 
 @pytest.mark.parametrize("damage", ["truncate", "delete", "grow"])
