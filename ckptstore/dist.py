@@ -70,9 +70,13 @@ class Coordinator:
     it, in the same order, as every rank constructs the manager).
     """
 
-    def __init__(self, timeout: float) -> None:
+    def __init__(self, timeout: float, *, enabled: bool = True) -> None:
         self.timeout = float(timeout)
-        self.enabled = dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        # enabled=False: this process acts alone (rank 0 of 1) even under torch.distributed,
+        # for code that runs on one rank only and must not start a collective.
+        self.enabled = (
+            enabled and dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+        )
         self.rank = dist.get_rank() if self.enabled else 0
         self.world_size = dist.get_world_size() if self.enabled else 1
         self.group: Any = None

@@ -90,6 +90,10 @@ class CheckpointManager:
         storage_options: passed to fsspec for URLs.
         allow_pickle: store (and load) objects other than tensors and plain data via
             pickle. Off by default: a pickle can run code when loaded.
+        distributed: take part in torch.distributed when it is initialized (constructing
+            the manager, ``save`` and ``restore`` are then collective). ``False``: act as a
+            single process even under torch.distributed, starting no collective; for code
+            that runs on one rank only (a Lightning ``CheckpointIO`` saves on rank 0 alone).
 
     Raises:
         ValueError: an argument is invalid; the message names it.
@@ -106,6 +110,7 @@ class CheckpointManager:
         barrier_timeout: float = 600.0,
         storage_options: Mapping[str, Any] | None = None,
         allow_pickle: bool = False,
+        distributed: bool = True,
     ) -> None:
         if format not in ("safetensors", "torch"):
             msg = f"format must be 'safetensors' or 'torch', got {format!r}"
@@ -128,7 +133,7 @@ class CheckpointManager:
         self.allow_pickle = bool(allow_pickle)
         self.storage: Storage = open_storage(root, storage_options)
         self.root = self.storage.root
-        self.coord = Coordinator(self.barrier_timeout)
+        self.coord = Coordinator(self.barrier_timeout, enabled=bool(distributed))
         self._lock = self.storage.writer_lock() if self.coord.is_leader else None
         self._closed = False
         self._writer: BackgroundWriter | None = None
@@ -164,12 +169,16 @@ class CheckpointManager:
         steps = self.steps()
         if step is None:
             if not steps:
-                raise NoCheckpointError(f"{self.root}: no committed checkpoint")
+                raise NoCheckpointError(
+                    f"{self.root}: no committed checkpoint; check the path, or start from scratch "
+                    "(resume() returns 0 on an empty store)"
+                )
             return steps[-1]
         if step not in steps:
             have = f"{steps[0]}..{steps[-1]} ({len(steps)} steps)" if steps else "none"
             raise NoCheckpointError(
-                f"{self.storage.describe(step)}: no committed checkpoint (have {have})"
+                f"{self.storage.describe(step)}: no committed checkpoint (have {have}); "
+                "`ckptstore ls` lists them"
             )
         return step
 
@@ -790,7 +799,10 @@ class CheckpointManager:
                 self._resolve(step)  # raises NoCheckpointError with context
             return [step]
         if not steps:
-            raise NoCheckpointError(f"{self.root}: no committed checkpoint to restore")
+            raise NoCheckpointError(
+                f"{self.root}: no committed checkpoint to restore; check the path, or use "
+                "resume(), which starts from scratch on an empty store"
+            )
         return list(reversed(steps))
 
     def restore(
@@ -885,7 +897,8 @@ class CheckpointManager:
             apply_state(state, stored, kinds, strict=strict, where=self.storage.describe(s))
             return int(s)
         raise NoCheckpointError(
-            f"{self.root}: no checkpoint verifies; tried newest first: " + " | ".join(skipped)
+            f"{self.root}: no checkpoint verifies (`ckptstore verify --all` shows why); "
+            "tried newest first: " + " | ".join(skipped)
         )
 
     def resume(
@@ -932,7 +945,8 @@ class CheckpointManager:
             self._known_good.add(s)
             return out
         raise NoCheckpointError(
-            f"{self.root}: no checkpoint verifies; tried newest first: " + " | ".join(skipped)
+            f"{self.root}: no checkpoint verifies (`ckptstore verify --all` shows why); "
+            "tried newest first: " + " | ".join(skipped)
         )
 
     # ---- verify / retention -------------------------------------------------------------

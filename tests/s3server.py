@@ -141,7 +141,7 @@ def s3_server(bucket: str = "ckptstore-test") -> Iterator[S3Endpoint]:
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
     tmp = tempfile.mkdtemp(prefix="ckptstore-s3-")
     log_path = os.path.join(tmp, "requests.jsonl")
-    open(log_path, "w").close()  # noqa: SIM115 - create it empty
+    open(log_path, "w").close()
     server = subprocess.Popen(
         [sys.executable, __file__, log_path],
         stdin=subprocess.PIPE,
