@@ -1322,6 +1322,61 @@ def cmd_diff(args: argparse.Namespace) -> int:
     return 1 if res.rows else 0
 
 
+# ---- shell completion ---------------------------------------------------------------------
+
+_BASH_COMPLETION = r"""# bash completion for ckptstore
+# zsh: run `autoload -U +X bashcompinit && bashcompinit` before sourcing this
+_ckptstore() {
+    local cur="${COMP_WORDS[COMP_CWORD]}" cmd="" i
+    for ((i = 1; i < COMP_CWORD; i++)); do
+        case "${COMP_WORDS[i]}" in -*) ;; *) cmd="${COMP_WORDS[i]}"; break ;; esac
+    done
+    if [[ -z "$cmd" ]]; then
+        COMPREPLY=($(compgen -W "%(commands)s %(common)s" -- "$cur"))
+        return
+    fi
+    case "$cmd" in
+%(cases)s
+    esac
+    if [[ "$cur" == -* ]]; then
+        COMPREPLY=($(compgen -W "$opts %(common)s" -- "$cur"))
+    else
+        COMPREPLY=($(compgen -f -- "$cur"))
+    fi
+}
+complete -o filenames -F _ckptstore ckptstore
+"""
+
+
+def completion_script(shell: str) -> str:
+    """A completion script for ``shell`` (bash; zsh through bashcompinit).
+
+    Install: ``ckptstore completion bash > ~/.local/share/bash-completion/completions/ckptstore``
+    or ``eval "$(ckptstore completion bash)"`` in your shell's rc file.
+    """
+    parser = build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    cases = []
+    for name, p in sub.choices.items():
+        opts = sorted(
+            o for a in p._actions for o in a.option_strings if o.startswith("--") and o != "--help"
+        )
+        common = {"--json", "--storage-option", "--verbose"}
+        opts = [o for o in opts if o not in common]
+        cases.append(f'        {name}) local opts="{" ".join(opts)}" ;;')
+    return _BASH_COMPLETION % {
+        "commands": " ".join(sub.choices),
+        "common": "--json --storage-option --verbose --help --version",
+        "cases": "\n".join(cases),
+    }
+
+
+def cmd_completion(args: argparse.Namespace) -> int:
+    """``ckptstore completion bash|zsh``: print a shell completion script."""
+    print(completion_script(args.shell), end="")
+    return 0
+
+
 # ---- argument parsing and the one place errors become exit codes --------------------------
 
 
@@ -1425,6 +1480,9 @@ def build_parser() -> argparse.ArgumentParser:
     p = add("inspect", cmd_inspect, "show a checkpoint's manifest and the structure of its state")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--step", type=_step_arg, help="the step (default: the newest)")
+
+    p = add("completion", cmd_completion, "print a shell completion script (bash, zsh)")
+    p.add_argument("shell", choices=("bash", "zsh"))
 
     p = add("diff", cmd_diff, "compare two checkpoints: keys added/removed/changed, max |a-b|")
     p.add_argument("root", metavar="ROOT")

@@ -716,3 +716,21 @@ def test_diff_text_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFix
     assert code == 1
     assert "no committed checkpoint" in err
     assert "Traceback" not in err
+
+
+def test_completion_script_completes_commands_and_options(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    code, out, _ = run(capsys, "completion", "bash")
+    assert code == 0
+    assert "complete -o filenames -F _ckptstore ckptstore" in out
+    script = tmp_path / "comp.sh"
+    script.write_text(out)
+    probe = (
+        f"source {script}; "
+        'COMP_WORDS=(ckptstore ve); COMP_CWORD=1; _ckptstore; echo "${COMPREPLY[@]}"; '
+        'COMP_WORDS=(ckptstore prune r --keep-l); COMP_CWORD=3; _ckptstore; '
+        'echo "${COMPREPLY[@]}"'
+    )
+    res = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True)
+    assert res.stdout.splitlines() == ["verify", "--keep-last"]

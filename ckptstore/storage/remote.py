@@ -4,14 +4,15 @@ Commits are manifest-last: payloads go straight into ``step-N/`` and ``manifest.
 put last, in one request; readers look only at manifests, so the step is invisible until
 that request completes. Deletion removes the manifest first.
 
-Three things about fsspec filesystems shape this file:
+Four things about fsspec filesystems shape this file:
 
 - **Listings are cached.** s3fs (and gcsfs, adlfs) keep a ``dircache`` of directory listings
   per filesystem instance and answer ``exists``/``info``/``isfile``/``size``/``open`` from it.
   Another process's commit, deletion or overwrite never reaches that cache, so a process
   that once listed ``step-N/`` while its save was in flight would call the committed
-  manifest missing forever. Every query here first drops the cached listings of the path
-  and its parents (:meth:`FsspecStorage._fresh`), so it asks the store itself.
+  manifest missing forever, and read an overwritten object with its old size and ETag.
+  Every query here first drops the cached listings of the path and its parents
+  (:meth:`FsspecStorage._fresh`), so it asks the store itself.
 - **One listing, not one request per step.** ``find`` without ``maxdepth`` is a single
   flat, paginated ``ListObjectsV2`` on S3 (never served from the cache); with ``maxdepth``
   it walks one ``ls`` per directory. :meth:`FsspecStorage._scan` lists the store once for
@@ -19,6 +20,9 @@ Three things about fsspec filesystems shape this file:
 - **``rm`` globs.** ``fs.rm(path)`` expands ``*``, ``?`` and ``[`` in ``path`` as a glob, so
   a store at ``s3://b/exp[1]`` removing ``step-1`` would also remove ``s3://b/exp1/step-1``.
   :meth:`FsspecStorage._rmtree` never hands such a path to ``rm``.
+- **Closing a file publishes it.** An S3 upload is committed by ``close()``, a failed one
+  must be discarded instead (which also aborts a multipart upload, billed until aborted):
+  :class:`_Upload` gives the base class the ``abort`` it calls on failure.
 """
 
 from __future__ import annotations
@@ -27,15 +31,55 @@ import contextlib
 import io
 import posixpath
 import re
+import threading
+from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
 from ..layout import MANIFEST_NAME, PIN_NAME, is_garbage_name, parse_step_dirname, step_dirname
-from .base import Storage
+from ..manifest import FileEntry, Manifest
+from .base import Consumer, Storage
 
 __all__ = ["FsspecStorage"]
 
 #: Characters fsspec's ``rm``/``expand_path`` treat as a glob (``glob.has_magic``).
 _GLOB_CHARS = re.compile(r"[*?\[]")
+
+
+class _Upload:
+    """A new object being written: ``close`` publishes it, ``abort`` throws it away."""
+
+    def __init__(self, f: Any) -> None:
+        self._f = f
+
+    def write(self, data: Any) -> int:
+        """Write ``data`` (buffered; object stores upload in parts and on close)."""
+        return int(self._f.write(data))
+
+    def flush(self) -> None:
+        """Flush the underlying file (may upload a part)."""
+        self._f.flush()
+
+    def writable(self) -> bool:
+        """Always true."""
+        return True
+
+    def close(self) -> None:
+        """Finish the upload: the object appears whole."""
+        self._f.close()
+
+    def abort(self) -> None:
+        """Drop what was written; nothing is published, a multipart upload is aborted."""
+        discard = getattr(self._f, "discard", None)
+        if discard is None:
+            self._f.close()
+            return
+        try:
+            discard()
+        finally:
+            # fsspec's buffered files upload on close() and on garbage collection unless
+            # marked closed; after discard() there is nothing left that may be published.
+            with contextlib.suppress(AttributeError):
+                self._f.closed = True
 
 
 class FsspecStorage(Storage):
@@ -48,6 +92,7 @@ class FsspecStorage(Storage):
         super().__init__(url.rstrip("/"))
         self.fs = fs
         self.path = path.rstrip("/")
+        self._looks = threading.local()
 
     def _p(self, rel: str) -> str:
         return posixpath.join(self.path, rel) if rel else self.path
@@ -67,6 +112,52 @@ class FsspecStorage(Storage):
             except KeyError:
                 continue
         return p
+
+    # ---- one look per object within one read -----------------------------------------
+
+    @contextlib.contextmanager
+    def _one_look(self) -> Iterator[None]:
+        """Within the block, each object's metadata is fetched from the store once.
+
+        A read in the base class asks whether an object is a regular file, then its size,
+        then opens it (which asks for its size again): three HEAD requests on S3 for one
+        object, whose answers within one call cannot usefully differ. Outside such a block
+        every query asks the store.
+        """
+        if getattr(self._looks, "infos", None) is not None:
+            yield
+            return
+        self._looks.infos = {}
+        try:
+            yield
+        finally:
+            self._looks.infos = None
+
+    def _info(self, p: str) -> dict[str, Any]:
+        infos: dict[str, dict[str, Any]] | None = getattr(self._looks, "infos", None)
+        if infos is not None and p in infos:
+            return infos[p]
+        info: dict[str, Any] = self.fs.info(self._fresh(p))
+        if infos is not None:
+            infos[p] = info
+        return info
+
+    def read_manifest(self, step: int) -> Manifest:
+        """As :meth:`Storage.read_manifest`, with one metadata request for the manifest."""
+        with self._one_look():
+            return super().read_manifest(step)
+
+    def stream_file(
+        self, step: int, name: str, entry: FileEntry, consume: Consumer | None = None
+    ) -> None:
+        """As :meth:`Storage.stream_file`, with one metadata request for the file."""
+        with self._one_look():
+            super().stream_file(step, name, entry, consume)
+
+    def file_size(self, step: int, name: str) -> int | None:
+        """As :meth:`Storage.file_size`, with one metadata request for the file."""
+        with self._one_look():
+            return super().file_size(step, name)
 
     # ---- listing --------------------------------------------------------------------
 
@@ -149,12 +240,12 @@ class FsspecStorage(Storage):
 
     def _is_regular_file(self, rel: str) -> bool:
         try:
-            return bool(self.fs.isfile(self._fresh(self._p(rel))))
+            return self._info(self._p(rel)).get("type") == "file"
         except (FileNotFoundError, OSError):
             return False
 
     def _size(self, rel: str) -> int:
-        return int(self.fs.size(self._fresh(self._p(rel))))
+        return int(self._info(self._p(rel))["size"])
 
     # ---- writes and reads ---------------------------------------------------------------
 
@@ -162,7 +253,7 @@ class FsspecStorage(Storage):
         self.fs.makedirs(self._p(rel), exist_ok=True)
 
     def _open_write(self, rel: str) -> IO[bytes]:
-        return self.fs.open(self._p(rel), "wb")  # type: ignore[no-any-return]
+        return _Upload(self.fs.open(self._p(rel), "wb"))  # type: ignore[return-value]
 
     def _finish_write(self, f: IO[bytes], rel: str) -> None:
         f.close()  # for object stores, close() is the (final part of the) upload
@@ -173,9 +264,20 @@ class FsspecStorage(Storage):
         self.fs.pipe_file(self._p(rel), data)
 
     def _open_read(self, rel: str) -> IO[bytes]:
-        # The size an object-store file reads up to comes from ``info``: a stale one would
-        # hide bytes appended by another process.
-        f = self.fs.open(self._fresh(self._p(rel)), "rb")
+        p = self._p(rel)
+        infos: dict[str, dict[str, Any]] | None = getattr(self._looks, "infos", None)
+        info = infos.get(p) if infos is not None else None
+        f: Any = None
+        if info is not None and "size" in info:
+            # Hand the file the metadata this read already fetched, instead of a HEAD.
+            with contextlib.suppress(TypeError):  # an open() that takes no size
+                f = self.fs.open(p, "rb", size=info["size"])
+            if f is not None and hasattr(type(f), "details"):
+                f.details = info  # fsspec buffered files fetch it on first read otherwise
+        if f is None:
+            # The size a buffered file reads up to comes from ``info``: a stale one would
+            # hide bytes appended by another process.
+            f = self.fs.open(self._fresh(p), "rb")
         if not hasattr(f, "readinto"):
             f = io.BufferedReader(f)
         return f  # type: ignore[no-any-return]

@@ -1,0 +1,12 @@
+"""Integrations of ckptstore with training frameworks.
+
+Each lives in its own module and imports its framework only when that module is imported,
+so ``import ckptstore`` never needs them:
+
+- :mod:`ckptstore.integrations.lightning`: ``CkptStoreIO``, a Lightning ``CheckpointIO``
+  plugin (``Trainer(plugins=[CkptStoreIO()])``).
+"""
+
+from __future__ import annotations
+
+__all__: list[str] = []
