@@ -23,17 +23,16 @@ import json
 import logging
 import math
 import os
-import pickle
 import re
 import sys
 import uuid
-import zipfile
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 from . import __version__
 from .codec.tree import SUPPORTED_DTYPES
 from .errors import CkptStoreError, IntegrityError, NoCheckpointError
+from .importers import read_source
 from .integrity import VerifyReport, format_crc
 from .layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname
 from .manager import CheckpointManager
@@ -801,6 +800,7 @@ class ImportResult:
     keys: list[str]
     bytes: int
     notes: list[str]
+    kind: str = "torch"
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -882,35 +882,6 @@ def prepare_import(obj: Any, *, key: str = "model") -> tuple[dict[Any, Any], lis
     return state, notes
 
 
-def _torch_load(path: str) -> Any:
-    """``torch.load(weights_only=True)``, with its failures as one-line ckptstore errors."""
-    import torch
-
-    with open(path, "rb") as f:
-        is_zip = f.read(2) == b"PK"
-    if is_zip:
-        # torch.load does not check its zip's CRCs; a flipped byte would load silently.
-        report = verify_file(path, deep=True)
-        if not report.ok:
-            more = f" (+{len(report.problems) - 1} more)" if len(report.problems) > 1 else ""
-            raise IntegrityError(_one_line(report.problems[0]) + more)
-    try:
-        return torch.load(path, map_location="cpu", weights_only=True)
-    except pickle.UnpicklingError as e:
-        m = re.search(r"GLOBAL \S+", str(e))
-        what = f" ({m.group(0).rstrip('.,')})" if m else ""
-        raise CkptStoreError(
-            f"{path}: the file needs code to load{what}: its pickle asks for more than tensors "
-            "and plain data, and ckptstore loads only with weights_only=True. Load it in "
-            "Python with code you trust and save it with CheckpointManager.save"
-        ) from None
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
-        raise IntegrityError(
-            f"{path}: torch.load failed ({_one_line(str(e))}); the file is corrupt or not a "
-            "torch.save checkpoint"
-        ) from None
-
-
 def import_file(
     source: str,
     root: str,
@@ -920,21 +891,25 @@ def import_file(
     key: str = "model",
     format: str = "safetensors",
     compression: str | None = None,
+    skip_unsafe: bool = False,
 ) -> ImportResult:
-    """Load a plain ``torch.save`` checkpoint (never unpickling code) and commit it as ``step``.
+    """Load a foreign checkpoint (never running its code) and commit it as ``step``.
+
+    ``source`` is a ``torch.save`` file, a Lightning ``.ckpt`` or a
+    ``torch.distributed.checkpoint`` directory (see :mod:`ckptstore.importers`).
 
     Raises:
-        CkptStoreError: the file needs code to load, is not a dict, or cannot be stored.
-        IntegrityError: the file is corrupt.
+        CkptStoreError: the source needs code to load (see ``skip_unsafe``), is not a dict,
+            or cannot be stored.
+        IntegrityError: the source is corrupt.
         StepExistsError: ``step`` is already committed.
         StoreLockedError: another process writes the store.
     """
-    if not os.path.isfile(source):
-        raise FileNotFoundError(errno.ENOENT, "no such file", source)
     with _progress(2, "import", unit="phase") as bar:
-        bar.set_postfix_str(f"reading {os.path.basename(source)}")
-        obj = _torch_load(source)
-        state, notes = prepare_import(obj, key=key)
+        bar.set_postfix_str(f"reading {os.path.basename(os.path.normpath(source))}")
+        src = read_source(source, skip_unsafe=skip_unsafe)
+        state, notes = prepare_import(src.obj, key=key)
+        notes = src.notes + notes
         bar.update(1)
         bar.set_postfix_str(f"writing step {step}")
         try:
@@ -948,9 +923,8 @@ def import_file(
         except ValueError as e:
             raise UsageError(str(e)) from None
         with mgr:
-            manifest = mgr.save(
-                step, state, metadata={"imported_from": os.path.abspath(source)}
-            ).wait()
+            metadata = {"imported_from": os.path.abspath(source), **src.metadata}
+            manifest = mgr.save(step, state, metadata=metadata).wait()
             where = mgr.storage.describe(step)
         bar.update(1)
     return ImportResult(
@@ -960,6 +934,7 @@ def import_file(
         keys=[str(k) for k in state],
         bytes=manifest.total_bytes if manifest is not None else 0,
         notes=notes,
+        kind=src.kind,
     )
 
 
@@ -973,6 +948,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         key=args.key,
         format=args.format,
         compression=args.compression,
+        skip_unsafe=args.skip_unsafe,
     )
     if _json(args):
         print(json.dumps(res.to_dict(), indent=2))
@@ -1489,8 +1465,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("a", metavar="A", type=_step_arg, help="first step")
     p.add_argument("b", metavar="B", type=_step_arg, help="second step")
 
-    p = add("import", cmd_import, "store a plain torch.save checkpoint (weights_only) as a step")
-    p.add_argument("file", metavar="FILE.pt")
+    p = add(
+        "import",
+        cmd_import,
+        "store a torch.save file, a Lightning .ckpt or a DCP directory as a step (no code runs)",
+    )
+    p.add_argument("file", metavar="SOURCE", help="FILE.pt, FILE.ckpt, or a DCP directory")
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--step", type=_step_arg, required=True, help="step to store it as")
     p.add_argument(
@@ -1498,6 +1478,11 @@ def build_parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
     p.add_argument("--compression", choices=("zstd",), default=None)
+    p.add_argument(
+        "--skip-unsafe",
+        action="store_true",
+        help="drop the entries that need code to load (listed) instead of refusing the source",
+    )
 
     p = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file")
     p.add_argument("root", metavar="ROOT")

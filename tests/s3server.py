@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import functools
 import json
 import logging
 import os
@@ -126,16 +127,41 @@ class S3Endpoint:
 
         return s3fs.S3FileSystem(skip_instance_cache=fresh, **self.storage_options)
 
+    @functools.cached_property
+    def client(self) -> Any:
+        """An s3fs client of its own, made once: another process's view, to inspect and damage
+        stores behind ckptstore's back (a new client costs ~0.4 s: botocore loads its models).
+        """
+        return self.fs(fresh=True)
+
     def unique_prefix(self, stem: str = "run") -> str:
         """A prefix no other test uses."""
         return f"{stem}-{uuid.uuid4().hex[:12]}"
+
+    def new_bucket(self) -> str:
+        """Create a bucket of its own for one test; returns its name."""
+        name = f"ckptstore-{uuid.uuid4().hex[:16]}"
+        _create_bucket(self.endpoint, name)
+        return name
+
+
+def _create_bucket(endpoint: str, name: str) -> None:
+    # Through boto3, not ``fs.mkdir``: s3fs sends ``LocationConstraint=<region_name>``,
+    # which S3 (and moto) reject for us-east-1, the one region that takes none.
+    import boto3
+
+    boto3.client(
+        "s3",
+        endpoint_url=endpoint,
+        region_name=REGION,
+        aws_access_key_id=KEY,
+        aws_secret_access_key=SECRET,
+    ).create_bucket(Bucket=name)
 
 
 @contextlib.contextmanager
 def s3_server(bucket: str = "ckptstore-test") -> Iterator[S3Endpoint]:
     """Start moto's S3 server on a free loopback port, create ``bucket``, stop on exit."""
-    import boto3
-
     # botocore honours proxy variables; a developer's proxy must never see these requests.
     saved = {k: os.environ.get(k) for k in ("NO_PROXY", "no_proxy")}
     os.environ["NO_PROXY"] = os.environ["no_proxy"] = "127.0.0.1,localhost"
@@ -156,15 +182,7 @@ def s3_server(bucket: str = "ckptstore-test") -> Iterator[S3Endpoint]:
         if not line.strip().isdigit():
             raise RuntimeError(f"the moto server did not start (exit code {server.poll()})")
         ep = S3Endpoint(f"http://127.0.0.1:{int(line)}", bucket, RequestLog(log_path))
-        # Through boto3, not ``fs.mkdir``: s3fs sends ``LocationConstraint=<region_name>``,
-        # which S3 (and moto) reject for us-east-1, the one region that takes none.
-        boto3.client(
-            "s3",
-            endpoint_url=ep.endpoint,
-            region_name=REGION,
-            aws_access_key_id=KEY,
-            aws_secret_access_key=SECRET,
-        ).create_bucket(Bucket=bucket)
+        _create_bucket(ep.endpoint, bucket)
         yield ep
     finally:
         server.stdin.close()

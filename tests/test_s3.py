@@ -40,6 +40,7 @@ from s3server import S3Endpoint, s3_server
 
 from ckptstore import (
     CheckpointManager,
+    CommitError,
     IntegrityError,
     KeepLast,
     ManifestError,
@@ -79,17 +80,16 @@ def manager(s3: S3Endpoint, url: str, *, other: bool = False, **kwargs: Any) -> 
     return CheckpointManager(url, storage_options=opts, **kwargs)
 
 
-def objects(s3: S3Endpoint, prefix: str) -> dict[str, bytes]:
-    """Every object under ``prefix/``, by path relative to it, read by an independent client."""
-    fs = s3.fs(fresh=True)
+def objects(s3: S3Endpoint, prefix: str) -> list[str]:
+    """The objects under ``prefix/`` (paths relative to it, sorted), listed by another client."""
     base = f"{s3.bucket}/{prefix}/"
-    return {p[len(base) :]: bytes(fs.cat_file(p)) for p in fs.find(base) if p.startswith(base)}
+    return sorted(p[len(base) :] for p in s3.client.find(base) if p.startswith(base))
 
 
-def etags(s3: S3Endpoint) -> dict[str, str]:
-    """``{key: ETag}`` of every object in the bucket (what changed, what did not)."""
-    fs = s3.fs(fresh=True)
-    return {k: str(v["ETag"]) for k, v in fs.find(s3.bucket, detail=True).items()}
+def etags(s3: S3Endpoint, under: str) -> dict[str, str]:
+    """``{path: ETag}`` of every object under ``under`` (``bucket[/prefix]``), fresh."""
+    fs = s3.client
+    return {k: str(v["ETag"]) for k, v in fs.find(under, detail=True).items()}
 
 
 def model_sd(state: dict[str, Any]) -> dict[str, torch.Tensor]:
@@ -141,7 +141,7 @@ def test_roundtrip(s3: S3Endpoint, url: str, prefix: str, codec: dict[str, Any])
 
     suffix = {"safetensors": ".safetensors", "torch": ".pt"}[codec["format"]]
     suffix += ".zst" if codec["compression"] else ""
-    assert sorted(objects(s3, prefix)) == sorted(
+    assert objects(s3, prefix) == sorted(
         f"{step_dir(2)}/{n}"
         for n in (MANIFEST, "state.json", f"model{suffix}", f"optimizer{suffix}")
     ), "step 1 was removed whole by retention; nothing else is there"
@@ -195,7 +195,7 @@ def test_manifest_is_the_last_object_written(
             # The save is in flight: every payload is on S3, the manifest is not yet.
             in_flight["steps"] = observer.steps()
             in_flight["load"] = observer.latest_step()
-            in_flight["objects"] = sorted(objects(s3, prefix))
+            in_flight["objects"] = objects(s3, prefix)
         real_put(self, rel, data)
 
     monkeypatch.setattr(FsspecStorage, "_open_write", open_write)
@@ -271,6 +271,38 @@ def test_crash_before_the_manifest_leaves_an_invisible_step(
 
 
 @pytest.mark.timeout(30)
+def test_failed_upload_is_never_published(
+    s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    with manager(s3, url) as mgr:
+        mgr.save(1, make_state(1))
+    real_open = FsspecStorage._open_write
+
+    def open_write(self: FsspecStorage, rel: str) -> Any:
+        upload = real_open(self, rel)
+        if rel.endswith("optimizer.safetensors"):
+            write = upload.write
+
+            def fail(data: Any) -> int:
+                write(data)  # some bytes are in the upload's buffer, then it fails
+                raise OSError(5, "Input/output error")
+
+            upload.write = fail
+        return upload
+
+    monkeypatch.setattr(FsspecStorage, "_open_write", open_write)
+    s3.requests.clear()
+    with manager(s3, url) as mgr:
+        with pytest.raises(CommitError, match="step 1 is still the newest"):
+            mgr.save(2, make_state(2))
+        mgr.wait()
+        assert mgr.steps() == [1]
+    # Closing an S3 file uploads it: the failed one was discarded, never PUT, not even briefly.
+    assert "optimizer.safetensors" not in writes_to(s3, prefix, 2)
+    assert not [n for n in objects(s3, prefix) if n.startswith(step_dir(2))], "and aborted"
+
+
+@pytest.mark.timeout(30)
 def test_delete_removes_the_manifest_first(
     s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -309,7 +341,7 @@ def test_delete_removes_the_manifest_first(
     assert deletes[0].path == base + MANIFEST
     assert len(deletes) == 2
     assert deletes[1].is_bulk_delete, "the rest goes in one DeleteObjects request"
-    assert sorted(objects(s3, prefix)) == sorted(
+    assert objects(s3, prefix) == sorted(
         f"{step_dir(2)}/{n}"
         for n in (MANIFEST, "model.safetensors", "optimizer.safetensors", "state.json")
     )
@@ -335,7 +367,7 @@ def test_damaged_payload_is_caught(
         assert mgr.verify(2).ok  # reads every object: the listing cache is warm
 
         # Another client damages the newest payload behind this process's back.
-        fs = s3.fs(fresh=True)
+        fs = s3.client
         key = f"{s3.bucket}/{prefix}/{step_dir(2)}/model.safetensors"
         data = bytearray(fs.cat_file(key))
         if damage == "flip":
@@ -368,25 +400,25 @@ HOSTILE = ["../x", "../../x"]
 
 @pytest.mark.timeout(30)
 @pytest.mark.parametrize("name", HOSTILE)
-def test_hostile_manifest_touches_nothing_outside(
-    s3: S3Endpoint, url: str, prefix: str, name: str
-) -> None:
+def test_hostile_manifest_touches_nothing_outside(s3: S3Endpoint, prefix: str, name: str) -> None:
+    bucket = s3.new_bucket()  # of its own, so that every object in it can be accounted for
+    url = f"s3://{bucket}/{prefix}"
     # Sentinels where an escaping name could reach: in ROOT, in the bucket, a sibling store.
-    fs = s3.fs(fresh=True)
+    fs = s3.client
     for key in (f"{prefix}/x", "x", f"{prefix}-sibling/{step_dir(1)}/x", f"{prefix}x"):
-        fs.pipe_file(f"{s3.bucket}/{key}", b"sentinel " + key.encode())
+        fs.pipe_file(f"{bucket}/{key}", b"sentinel " + key.encode())
     states = {s: make_state(s) for s in (1, 2)}
     with manager(s3, url) as mgr:
         for s, st in states.items():
             mgr.save(s, st)
-    key = f"{s3.bucket}/{prefix}/{step_dir(2)}/{MANIFEST}"
+    key = f"{bucket}/{prefix}/{step_dir(2)}/{MANIFEST}"
 
     def edit(doc: dict[str, Any]) -> None:
         doc["files"][name] = doc["files"].pop("model.safetensors")
 
     fs.pipe_file(key, forge_manifest(bytes(fs.cat_file(key)), edit))
-    before = {k: v for k, v in etags(s3).items() if not k.startswith(f"{s3.bucket}/{prefix}/step-")}
-    assert len(before) >= 4
+    before = {k: v for k, v in etags(s3, bucket).items() if f"/{prefix}/step-" not in k}
+    assert len(before) == 4
 
     with manager(s3, url, keep=1) as mgr:
         for call in (lambda: mgr.restore(fresh_like(states[1]), step=2), lambda: mgr.load(2)):
@@ -405,10 +437,9 @@ def test_hostile_manifest_touches_nothing_outside(
         assert mgr.steps() == [3]
         assert mgr.restore(fresh_like(states[1])) == 3
 
-    after = etags(s3)
-    for k, tag in before.items():
-        assert after.get(k) == tag, f"{k} was touched"
-    assert not [k for k in after if k.startswith(f"{s3.bucket}/{prefix}/{step_dir(2)}/")]
+    after = etags(s3, bucket)
+    assert {k: v for k, v in after.items() if f"/{prefix}/step-" not in k} == before
+    assert sorted({k.split("/")[2] for k in after if k not in before}) == [step_dir(3)]
 
 
 # ---- listing: one request, the right prefix, no stale cache -----------------------------------
@@ -420,7 +451,7 @@ def test_steps_is_one_listing(s3: S3Endpoint, url: str, prefix: str) -> None:
         for s in (1, 2, 3, 10, 200):
             mgr.save(s, make_state(s))
         mgr.pin(2)
-        s3.fs(fresh=True).pipe_file(f"{s3.bucket}/{prefix}/{step_dir(7)}/state.json", b"{}")
+        s3.client.pipe_file(f"{s3.bucket}/{prefix}/{step_dir(7)}/state.json", b"{}")
 
         s3.requests.clear()
         assert mgr.steps() == [1, 2, 3, 10, 200]
@@ -446,10 +477,13 @@ def test_prefix_sharing_a_string_prefix_is_another_store(s3: S3Endpoint, prefix:
     with manager(s3, s3.url(run10)) as mgr:
         for s in (5, 6, 7):
             mgr.save(s, make_state(s))
-    fs = s3.fs(fresh=True)
+    fs = s3.client
     fs.pipe_file(f"{s3.bucket}/{run10}/{step_dir(9)}/state.json", b"{}")  # run10's garbage
     fs.pipe_file(f"{s3.bucket}/{run1}0", b"an object named like the store")
-    run10_before = {k: v for k, v in etags(s3).items() if not k.startswith(f"{s3.bucket}/{run1}/")}
+    everything = f"{s3.bucket}/{prefix}"
+    run10_before = {
+        k: v for k, v in etags(s3, everything).items() if not k.startswith(f"{everything}/run1/")
+    }
 
     state = make_state(2)
     with manager(s3, s3.url(run1), keep=1) as mgr:
@@ -464,7 +498,7 @@ def test_prefix_sharing_a_string_prefix_is_another_store(s3: S3Endpoint, prefix:
         fresh = fresh_like(state)
         assert mgr.restore(fresh) == 2
         assert_same(model_sd(fresh), model_sd(state))
-    assert etags(s3).items() >= run10_before.items(), "run10 is untouched"
+    assert etags(s3, everything).items() >= run10_before.items(), "run10 is untouched"
     assert sorted({n.split("/")[0] for n in objects(s3, run1)}) == [step_dir(2)]
     with manager(s3, s3.url(run10)) as mgr:
         assert mgr.steps() == [5, 6, 7]
@@ -478,16 +512,15 @@ def test_glob_characters_in_root_stay_literal(s3: S3Endpoint, prefix: str) -> No
     with manager(s3, s3.url(lookalike)) as mgr:
         for s in (1, 2):
             mgr.save(s, make_state(s))
-    before = {k: v for k, v in etags(s3).items() if f"/{lookalike}/" in k}
+    before = etags(s3, f"{s3.bucket}/{lookalike}")
     with manager(s3, s3.url(literal), keep=1) as mgr:
         for s in (1, 2):
             mgr.save(s, make_state(s))
         mgr.wait()
         assert mgr.steps() == [2]
-        s3.fs(fresh=True).pipe_file(f"{s3.bucket}/{literal}/{step_dir(5)}/x", b"")
+        s3.client.pipe_file(f"{s3.bucket}/{literal}/{step_dir(5)}/x", b"")
         assert mgr.gc() == [step_dir(5)]
-    after = etags(s3)
-    assert {k: v for k, v in after.items() if f"/{lookalike}/" in k} == before
+    assert etags(s3, f"{s3.bucket}/{lookalike}") == before
     assert sorted({n.split("/")[0] for n in objects(s3, literal)}) == [step_dir(2)]
     with manager(s3, s3.url(lookalike)) as mgr:
         assert mgr.steps() == [1, 2]
@@ -516,7 +549,7 @@ def test_clients_see_each_others_commits_and_deletions(
         if rel.endswith(MANIFEST) and self is writer.storage:
             seen["steps"] = reader.steps()
             seen["garbage"] = reader.storage.list_garbage()
-            seen["exists"] = reader.storage.is_pinned(2)  # an info/exists on step-2/
+            seen["exists"] = reader.storage.is_pinned(2)  # lists step-2/: no manifest yet
         real_put(self, rel, data)
 
     monkeypatch.setattr(FsspecStorage, "_put_small", put_small)
@@ -589,7 +622,7 @@ def test_cli_ls_verify_prune(
             mgr.save(s, make_state(s), metrics={"val_loss": 1.0 / s})
         mgr.pin(1)
     opts = s3.cli_options  # key, secret, endpoint_url: flat strings, as a shell passes them
-    fs = s3.fs(fresh=True)
+    fs = s3.client
     fs.pipe_file(f"{s3.bucket}/{prefix}/{step_dir(4)}/model.safetensors", b"x")  # a crashed save
 
     rc, out, err = cli(capsys, "ls", url, *opts)
@@ -615,7 +648,7 @@ def test_cli_ls_verify_prune(
     assert "step 1: OK (3 files, quick: sizes and headers, no checksums)" in out
     assert out.rstrip().endswith("3 checkpoints verified, 0 failed")
 
-    before = etags(s3)
+    before = etags(s3, f"{s3.bucket}/{prefix}")
     rc, out, _ = cli(capsys, "prune", url, "--keep-last", "1", "--dry-run", *opts)
     assert rc == 0
     assert out.splitlines() == [
@@ -623,7 +656,7 @@ def test_cli_ls_verify_prune(
         "would keep 2 steps: 1, 3",
         "dry run: nothing was deleted",
     ]
-    assert etags(s3) == before
+    assert etags(s3, f"{s3.bucket}/{prefix}") == before
 
     # Damage step 3 behind the CLI's back: verify fails, prune keeps the newest good step.
     key = f"{s3.bucket}/{prefix}/{step_dir(3)}/optimizer.safetensors"
@@ -648,7 +681,7 @@ def test_cli_empty_and_missing_stores(
     assert (rc, out) == (0, f"{url}: no checkpoints\n")
     rc, _, err = cli(capsys, "verify", url, *s3.cli_options)
     assert rc == 1
-    assert err == f"ckptstore: error: {url}: no committed checkpoint\n"
+    assert err.startswith(f"ckptstore: error: {url}: no committed checkpoint")
 
 
 # ---- the storage conformance suite, against S3 ---------------------------------------------------

@@ -323,7 +323,7 @@ def resident_bytes(path: Path) -> int | None:
             vec = (ctypes.c_ubyte * pages)()
             if lib.mincore(addr, size, vec) != 0:
                 return None
-            return (pages - bytes(vec).count(0)) * page
+            return min(size, (pages - bytes(vec).count(0)) * page)
         finally:
             lib.munmap(addr, size)
     finally:
@@ -1013,7 +1013,8 @@ def time_ls_subprocess(root: Path, timeout: float) -> dict[str, Any]:
 def grow_store(root: Path, template: int, upto: int, have: int) -> None:
     """Copy checkpoint ``template`` to steps have+1..upto: hard links, fresh manifests."""
     src = root / step_dirname(template)
-    manifest = CheckpointManager(root).manifest(template)
+    with CheckpointManager(root) as mgr:
+        manifest = mgr.manifest(template)
     names = [p.name for p in src.iterdir() if p.name != MANIFEST_NAME]
     for s in range(have + 1, upto + 1):
         d = root / step_dirname(s)
@@ -1262,10 +1263,16 @@ def print_report(ctx: Ctx, rows: list[dict[str, Any]], targets: list, ls: Any) -
             f"{fmt(r['ratio_to_raw'], '.2f'):>7} {r['n']:>3} {r['spread']:>7.2f}"
         )
     if ctx.resident_after_drop:
+        worst = max(ctx.resident_after_drop)
         print(
-            f"cold cache: max {max(ctx.resident_after_drop):.1%} of a checkpoint still resident "
-            "after posix_fadvise(DONTNEED)"
+            f"cold cache: max {worst:.1%} of a checkpoint still resident after "
+            "posix_fadvise(DONTNEED)"
         )
+        if worst > 0.05:
+            print(
+                "warning: the page cache could not be dropped (tmpfs?): restores and verify "
+                "were NOT cold"
+            )
     if ls:
         print(f"ls store: {ls['count']} checkpoints")
     print()
@@ -1415,7 +1422,7 @@ def main(argv: list[str] | None = None) -> int:
     work.mkdir()
     fs = df_info(args.dir)
     if fs.get("fstype") == "tmpfs":
-        log(f"warning: {args.dir} is tmpfs: the disk is not measured, O_DIRECT is refused")
+        log(f"warning: {args.dir} is tmpfs: the disk is not measured and restores cannot be cold")
     result: dict[str, Any] = {"schema": 1, "machine": machine_info(args.dir)}
     try:
         log(f"building a {human(args.size)}-param state (+ AdamW) ...")

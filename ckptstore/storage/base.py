@@ -401,7 +401,14 @@ class Storage(abc.ABC):
             self._discard(final)  # a manifest-less step directory is garbage
         self._rename(pending.dirname, final)
         # fsync the root: the rename itself is only durable once the parent directory is.
-        self._fsync_dir("")
+        try:
+            self._fsync_dir("")
+        except OSError:
+            # Not durable, so not committed: take the rename back, so that the caller's
+            # error ("nothing of it is visible") is true and the step can be saved again.
+            with contextlib.suppress(OSError):
+                self._rename(final, pending.dirname)
+            raise
 
     def abort(self, pending: Pending) -> None:
         """Throw away a save in flight; best effort (``gc`` removes what is left)."""

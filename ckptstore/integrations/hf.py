@@ -1,0 +1,545 @@
+"""Hugging Face integrations: accelerate's ``Accelerator`` and the transformers ``Trainer``.
+
+**accelerate.** :class:`AcceleratorCheckpointer` saves what ``Accelerator.save_state`` saves,
+read from the same registries (the prepared models, unwrapped; optimizers; schedulers;
+dataloader positions; the ``GradScaler``; every object given to
+``register_for_checkpointing``; the RNG state of each process; ``accelerator.step``), as one
+atomic, checksummed ckptstore step. ``resume()`` restores the newest step that verifies::
+
+    accelerator = Accelerator(dataloader_config=DataLoaderConfiguration(use_seedable_sampler=True))
+    model, opt, sched, dl = accelerator.prepare(model, opt, sched, dl)
+    accelerator.register_for_checkpointing(my_stats)
+    ckpt = AcceleratorCheckpointer(accelerator, "runs/exp1/ckpt", keep=3)
+    start = ckpt.resume()                       # 0 on an empty store, else restored step + 1
+    for step in range(start, total_steps):
+        ...
+        if step % 500 == 499:
+            ckpt.save(step)                     # on every process, like save_state
+
+Why not ``save_state``'s hooks: ``register_save_state_pre_hook`` sees only the models and the
+output directory; optimizers, schedulers, RNG and registered objects are still written by
+``save_state`` itself, as pickles, one file after another into a directory that is visible
+half-written, and ``load_state`` reads them back with ``weights_only=False``. A hook cannot
+make that atomic or verified, so the checkpointer replaces the pair instead of patching it.
+
+Resuming in the middle of an epoch: keep ``use_seedable_sampler=True`` (the order of an epoch
+then depends only on its number, which is saved), call ``dl.set_epoch(epoch)`` each epoch and
+skip the batches already seen with ``accelerator.skip_first_batches(dl, start %
+len(dl))``; without a seedable sampler the order of the next epoch is restored only at epoch
+boundaries (it is drawn from the RNG state when an epoch starts).
+
+**transformers.** :class:`CkptStoreCallback` commits, at every save of the ``Trainer``
+(``on_save``: after the trainer has captured its own checkpoint, so at the same point of the
+random streams), the model weights, the optimizer, the scheduler, the ``GradScaler``, the
+``TrainerState`` as plain data and each process's RNG state. To resume, the newest step
+that verifies is written out as a regular Trainer checkpoint directory in a temporary place
+and handed to ``trainer.train(resume_from_checkpoint=...)``: the Trainer then resumes by its
+own rules (global step, epoch, skipping the batches already seen, RNG restored after the
+skip, stateful callbacks, LR schedule) exactly as from its own checkpoint::
+
+    ckpt = CkptStoreCallback("runs/exp1/ckpt", keep=3)
+    trainer = Trainer(model=model, args=args, train_dataset=ds, callbacks=[ckpt])
+    ckpt.train(trainer)                         # resumes from the newest good step, or starts
+
+or, spelled out: ``with ckpt.resume_checkpoint(trainer) as path:
+trainer.train(resume_from_checkpoint=path)``. The Trainer still writes its own
+``checkpoint-N`` directories; ``keep_hf_checkpoints=False`` removes each one once its
+ckptstore step is committed (except the best model's, which ``load_best_model_at_end``
+reads).
+
+**Steps that exist already.** Resuming after the newest checkpoint failed verification goes
+back to an older step, so training reaches the failed step again: a step that is committed
+but does not verify is then replaced by the new save (with a warning). A step that verifies
+is never overwritten (:class:`~ckptstore.StepExistsError`), except that the callback skips a
+second save of the step it has just saved (the Trainer saves twice when a save step ends an
+epoch).
+
+Only replicated training is covered (one process, DDP, multi-CPU): under FSDP, DeepSpeed or
+Megatron-LM the state is sharded by those engines, and the classes refuse to start.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import json
+import math
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator, Mapping
+from typing import Any
+
+import torch
+
+from .._log import logger as log
+from ..errors import StateMismatchError, StepExistsError
+from ..manager import CheckpointManager
+from ..modules import RNGState, load_module_state
+from ..retention import RetentionPolicy
+from ..staging import SaveHandle
+
+try:
+    from transformers import TrainerCallback
+except ImportError as e:  # pragma: no cover - the extra is not installed
+    msg = "ckptstore.integrations.hf needs transformers: pip install 'ckptstore[hf]'"
+    raise ImportError(msg) from e
+
+__all__ = ["AcceleratorCheckpointer", "CkptStoreCallback"]
+
+_SHARDED_ENGINES = ("FSDP", "DEEPSPEED", "MEGATRON_LM")
+#: File names of a Trainer checkpoint directory (transformers.trainer).
+_TRAINER_STATE = "trainer_state.json"
+_WEIGHTS = "pytorch_model.bin"
+_OPTIMIZER = "optimizer.pt"
+_SCHEDULER = "scheduler.pt"
+_SCALER = "scaler.pt"
+
+Retention = int | RetentionPolicy | list[RetentionPolicy] | None
+
+
+def _refuse_sharded(accelerator: Any) -> None:
+    dtype = getattr(accelerator, "distributed_type", None)
+    name = str(getattr(dtype, "value", dtype))
+    if name in _SHARDED_ENGINES:
+        msg = (
+            f"accelerator: distributed_type {name} shards the model and optimizer state in its "
+            "own engine; ckptstore's Hugging Face integration covers replicated training "
+            "(one process, DDP, multi-CPU). Use accelerator.save_state for this run"
+        )
+        raise ValueError(msg)
+
+
+def _replace_if_corrupt(mgr: CheckpointManager, step: int, *, skip_if_saved: bool) -> bool:
+    """Make room for a save of ``step`` (collective); False: it is saved already, skip.
+
+    A committed ``step`` that fails deep verification is deleted: no reader can use it, and a
+    committed step is never written again, so no writer can be racing on it.
+    """
+    verdict: str | None = None
+    if mgr.coord.is_leader:
+        verdict = "free"
+        if step in mgr.steps():
+            if skip_if_saved:
+                verdict = "skip"
+            else:
+                report = mgr.verify(step, deep=True)
+                verdict = "exists" if report.ok else "corrupt: " + "; ".join(report.problems)
+    verdict = mgr.coord.broadcast(verdict, "hf:step", step)
+    assert verdict is not None
+    if verdict == "exists":
+        raise StepExistsError(
+            f"{mgr.storage.describe(step)} is already committed and verifies; steps are "
+            "write-once. Save under a new step, or resume() first to continue after it"
+        )
+    if verdict.startswith("corrupt"):
+        if mgr.coord.is_leader:
+            log.warning(
+                "%s does not verify (%s); replacing it with the new save",
+                mgr.storage.describe(step),
+                verdict.removeprefix("corrupt: "),
+            )
+            mgr.storage.delete(step)
+        mgr.coord.barrier("hf:replace", step)
+    return verdict != "skip"
+
+
+# ---- accelerate ----------------------------------------------------------------------
+
+
+class _DataLoaderPosition:
+    """Where a prepared dataloader is: its epoch counter and the state of its sampler.
+
+    What ``save_state`` keeps of a dataloader (a ``SeedableRandomSampler``'s epoch and seed,
+    a stateful dataloader's ``state_dict``), plus the epoch counter that decides the order of
+    the next epoch and the state of a sampler's own ``torch.Generator``.
+    """
+
+    def __init__(self, dataloader: Any) -> None:
+        self.dataloader = dataloader
+
+    def _sampler(self) -> Any:
+        try:
+            from accelerate.data_loader import get_sampler
+
+            return get_sampler(self.dataloader)
+        except (ImportError, AttributeError):
+            return getattr(self.dataloader, "sampler", None)
+
+    def state_dict(self) -> dict[str, Any]:
+        out: dict[str, Any] = {}
+        dl = self.dataloader
+        iteration = getattr(dl, "iteration", None)
+        if isinstance(iteration, int):
+            out["iteration"] = iteration
+        sampler = self._sampler()
+        for name in ("epoch", "initial_seed"):
+            v = getattr(sampler, name, None)
+            if isinstance(v, int) and not isinstance(v, bool):
+                out.setdefault("sampler", {})[name] = v
+        gen = getattr(sampler, "generator", None)
+        if isinstance(gen, torch.Generator):
+            out["generator"] = gen.get_state()
+        if getattr(dl, "use_stateful_dataloader", False):
+            out["stateful"] = dl.state_dict()
+        return out
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        dl = self.dataloader
+        if "iteration" in state_dict and hasattr(dl, "iteration"):
+            dl.iteration = int(state_dict["iteration"])
+        sampler = self._sampler()
+        for name, v in dict(state_dict.get("sampler", {})).items():
+            if hasattr(sampler, name):
+                setattr(sampler, name, v)
+        gen = getattr(sampler, "generator", None)
+        if isinstance(gen, torch.Generator) and "generator" in state_dict:
+            gen.set_state(state_dict["generator"])
+        if "stateful" in state_dict and getattr(dl, "use_stateful_dataloader", False):
+            dl.load_state_dict(state_dict["stateful"])
+
+
+class _AcceleratorCounters:
+    """``accelerator.step``: the gradient accumulation counter that ``save_state`` keeps."""
+
+    def __init__(self, accelerator: Any) -> None:
+        self.accelerator = accelerator
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"step": int(self.accelerator.step)}
+
+    def load_state_dict(self, state_dict: Mapping[str, Any]) -> None:
+        self.accelerator.step = int(state_dict["step"])
+
+
+def _numbered(name: str, i: int) -> str:
+    # The names save_state gives its files: model, model_1, ..., without the extension.
+    return name if i == 0 else f"{name}_{i}"
+
+
+class AcceleratorCheckpointer:
+    """Checkpoints an ``Accelerator``'s training state through one :class:`CheckpointManager`.
+
+    Collects, at each :meth:`save`, what ``Accelerator.save_state`` would: the prepared
+    models (unwrapped), optimizers, schedulers and dataloaders, the ``GradScaler``, every
+    object registered with ``register_for_checkpointing``, ``accelerator.step`` and the RNG
+    state of every process (Python, NumPy, torch CPU and CUDA). Stored entries are named
+    like ``save_state``'s files: ``model``, ``model_1``, ``optimizer``, ``scheduler``,
+    ``dataloader``, ``custom_0``, ``scaler``, ``rng``, ``accelerator``.
+
+    Args:
+        accelerator: the ``Accelerator``; prepare and register everything before
+            :meth:`resume` or :meth:`save`.
+        root: the store (a directory or an fsspec URL).
+        keep: retention, as for :class:`CheckpointManager` (``3`` keeps the last three).
+        **options: other :class:`CheckpointManager` options (``format``, ``compression``,
+            ``async_save``, ``barrier_timeout``, ``storage_options``, ``allow_pickle``).
+
+    Raises:
+        ValueError: the accelerator shards its state (FSDP, DeepSpeed, Megatron-LM), or an
+            option is invalid.
+    """
+
+    def __init__(
+        self, accelerator: Any, root: str | os.PathLike[str], keep: Retention = None, **options: Any
+    ) -> None:
+        _refuse_sharded(accelerator)
+        self.accelerator = accelerator
+        self.manager = CheckpointManager(root, keep, **options)
+
+    def state(self) -> dict[str, Any]:
+        """The state one :meth:`save` stores, built from the accelerator's registries now."""
+        acc = self.accelerator
+        state: dict[str, Any] = {}
+        for i, model in enumerate(acc._models):
+            state[_numbered("model", i)] = acc.unwrap_model(model)
+        for i, opt in enumerate(acc._optimizers):
+            state[_numbered("optimizer", i)] = opt
+        for i, sched in enumerate(acc._schedulers):
+            state[_numbered("scheduler", i)] = sched
+        for i, dl in enumerate(acc._dataloaders):
+            state[_numbered("dataloader", i)] = _DataLoaderPosition(dl)
+        for i, obj in enumerate(acc._custom_objects):
+            state[f"custom_{i}"] = obj
+        if acc.scaler is not None:
+            state["scaler"] = acc.scaler
+        state["accelerator"] = _AcceleratorCounters(acc)
+        state["rng"] = RNGState()  # last: restoring the others must not move the streams
+        return state
+
+    def save(
+        self,
+        step: int,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> SaveHandle:
+        """Commit the training state as ``step``; call it on every process (collective).
+
+        A committed ``step`` that fails verification (the one a fallback resumed before) is
+        replaced, with a warning.
+
+        Returns:
+            The manager's :class:`~ckptstore.SaveHandle`.
+
+        Raises:
+            StepExistsError: ``step`` is committed and verifies.
+            CommitError: writing failed; the previous checkpoint is intact.
+            BarrierTimeout: a process did not join in time.
+        """
+        _replace_if_corrupt(self.manager, step, skip_if_saved=False)
+        return self.manager.save(step, self.state(), metrics=metrics, metadata=metadata)
+
+    def restore(self, step: int | None = None) -> int:
+        """Restore ``step`` (default: the newest that verifies) in place (collective).
+
+        Returns:
+            The restored step.
+
+        Raises:
+            NoCheckpointError: the store is empty, or nothing verifies.
+            StateMismatchError: the checkpoint does not fit the prepared objects (another
+                model, other registered objects).
+        """
+        return self.manager.restore(self.state(), step=step)
+
+    def resume(self) -> int:
+        """Restore the newest good checkpoint if there is one (collective).
+
+        Returns:
+            0 on an empty store, else the restored step + 1 (the next step to run).
+        """
+        return self.manager.resume(self.state())
+
+    def close(self) -> None:
+        """Finish an async save and release the store."""
+        self.manager.close()
+
+    def __enter__(self) -> AcceleratorCheckpointer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+# ---- transformers ----------------------------------------------------------------------
+
+
+def _trainer_metrics(state: Any) -> dict[str, float]:
+    """The numbers logged at the current step (``eval_loss``, ``loss``, ...)."""
+    out: dict[str, float] = {}
+    for entry in getattr(state, "log_history", None) or []:
+        if not isinstance(entry, Mapping) or entry.get("step") != state.global_step:
+            continue
+        for k, v in entry.items():
+            if k in ("step", "epoch") or isinstance(v, bool) or not isinstance(v, int | float):
+                continue
+            if math.isfinite(v):
+                out[str(k)] = float(v)
+    return out
+
+
+def _rank_and_world(trainer: Any | None) -> tuple[int, int, bool]:
+    """(process index, world size, distributed) as the Trainer names its RNG files."""
+    args = getattr(trainer, "args", None)
+    if args is not None:
+        mode = str(getattr(getattr(args, "parallel_mode", None), "value", ""))
+        return int(args.process_index), int(args.world_size), mode == "distributed"
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        world = torch.distributed.get_world_size()
+        return torch.distributed.get_rank(), world, world > 1
+    return 0, 1, False
+
+
+def _trainer_rng(stored: Mapping[str, Any], distributed: bool) -> dict[str, Any]:
+    """An :class:`RNGState` dict in the layout of the Trainer's ``rng_state.pth``."""
+    out: dict[str, Any] = {
+        "python": stored["python"],
+        "numpy": stored["numpy"],
+        "cpu": stored["torch"],
+    }
+    if torch.cuda.is_available():
+        cuda = stored.get("cuda")
+        if cuda is None:  # not initialized when saved: its state was the initial one
+            cuda = torch.cuda.get_rng_state_all()
+        cuda = list(cuda)
+        out["cuda"] = cuda if distributed else cuda[min(torch.cuda.current_device(), len(cuda) - 1)]
+    return out
+
+
+class CkptStoreCallback(TrainerCallback):
+    """A ``TrainerCallback`` that commits every Trainer save to a ckptstore store.
+
+    See the module docstring for how it saves and how training resumes.
+
+    Args:
+        root: the store (a directory or an fsspec URL).
+        keep: retention, as for :class:`CheckpointManager`.
+        keep_hf_checkpoints: keep the Trainer's own ``checkpoint-N`` directories; ``False``
+            removes each one once its step is committed (never the best model's).
+        resume_dir: where :meth:`resume_checkpoint` writes the Trainer checkpoint it hands
+            over (default: the system's temporary directory); it is removed afterwards.
+        **options: other :class:`CheckpointManager` options (``format``, ``compression``,
+            ``async_save``, ``barrier_timeout``, ``storage_options``, ``allow_pickle``).
+    """
+
+    def __init__(
+        self,
+        root: str | os.PathLike[str],
+        keep: Retention = None,
+        *,
+        keep_hf_checkpoints: bool = True,
+        resume_dir: str | os.PathLike[str] | None = None,
+        **options: Any,
+    ) -> None:
+        self.root = root
+        self.keep = keep
+        self.keep_hf_checkpoints = bool(keep_hf_checkpoints)
+        self.resume_dir = resume_dir
+        self.options = dict(options)
+        self.trainer: Any | None = None
+        #: The step the last :meth:`resume_checkpoint` restored (None: started fresh).
+        self.resumed_step: int | None = None
+        self._manager: CheckpointManager | None = None
+        self._last_saved: int | None = None
+
+    @property
+    def manager(self) -> CheckpointManager:
+        """The store's manager, opened on first use (collective under torch.distributed)."""
+        if self._manager is None:
+            self._manager = CheckpointManager(self.root, self.keep, **self.options)
+        return self._manager
+
+    def bind(self, trainer: Any) -> None:
+        """Tell the callback its Trainer (:meth:`train` does).
+
+        The Trainer gives the ``GradScaler`` to save, the process index that names the RNG
+        files, and the model that a resume checks the stored weights against.
+        """
+        _refuse_sharded(getattr(trainer, "accelerator", None))
+        self.trainer = trainer
+
+    # ---- save ----
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Commit the state the Trainer has just checkpointed, as step ``global_step``."""
+        step = int(state.global_step)
+        mgr = self.manager
+        if not _replace_if_corrupt(mgr, step, skip_if_saved=self._last_saved == step):
+            return
+        model, optimizer = kwargs.get("model"), kwargs.get("optimizer")
+        scheduler = kwargs.get("lr_scheduler")
+        if model is None or optimizer is None or scheduler is None:
+            msg = "on_save got no model, optimizer or lr_scheduler from the Trainer"
+            raise StateMismatchError(msg)
+        # The JSON the Trainer writes as trainer_state.json, as plain data.
+        trainer_state = json.loads(json.dumps(dataclasses.asdict(state)))
+        ckpt: dict[str, Any] = {
+            "model": model,
+            "optimizer": optimizer,
+            "scheduler": scheduler,
+            "trainer_state": trainer_state,
+        }
+        scaler = getattr(getattr(self.trainer, "accelerator", None), "scaler", None)
+        if scaler is not None:
+            ckpt["scaler"] = scaler
+        ckpt["rng"] = RNGState()
+        metadata = {"transformers": {"global_step": step, "epoch": state.epoch}}
+        mgr.save(step, ckpt, metrics=_trainer_metrics(state), metadata=metadata)
+        self._last_saved = step
+        if not self.keep_hf_checkpoints and args.should_save:
+            self._remove_hf_checkpoint(args, state, step)
+
+    def _remove_hf_checkpoint(self, args: Any, state: Any, step: int) -> None:
+        self.manager.wait()  # an async save must be committed before its twin goes
+        folder = os.path.join(args.output_dir, f"checkpoint-{step}")
+        best = state.best_model_checkpoint
+        if best is not None and os.path.abspath(best) == os.path.abspath(folder):
+            return
+        if os.path.isdir(folder):
+            shutil.rmtree(folder, ignore_errors=True)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Finish an async save and release the store."""
+        self.close()
+
+    def close(self) -> None:
+        """Finish an async save and release the store (it reopens when used again)."""
+        if self._manager is not None:
+            mgr, self._manager = self._manager, None
+            mgr.close()
+
+    # ---- resume ----
+
+    @contextlib.contextmanager
+    def resume_checkpoint(self, trainer: Any | None = None) -> Iterator[str | None]:
+        """The newest step that verifies, as a Trainer checkpoint directory (collective).
+
+        Yields a temporary directory holding ``trainer_state.json``, the model weights,
+        ``optimizer.pt``, ``scheduler.pt``, ``rng_state*.pth`` (and ``scaler.pt``) of the
+        restored step, for ``trainer.train(resume_from_checkpoint=path)``; ``None`` when the
+        store is empty. Every byte was checked against the store's checksums first. With
+        ``trainer``, the stored weights are also checked against (and loaded into)
+        ``trainer.model``, so a model of another shape fails here, not after a warning.
+
+        Raises:
+            NoCheckpointError: the store holds checkpoints but none verifies.
+            StateMismatchError: the stored weights do not fit ``trainer.model``.
+        """
+        if trainer is not None:
+            self.bind(trainer)
+        trainer = trainer if trainer is not None else self.trainer
+        mgr = self.manager
+        self.resumed_step = None
+        if not mgr.coord.broadcast(bool(mgr.steps()) if mgr.coord.is_leader else None, "hf:list"):
+            yield None
+            return
+        keys = ("model", "optimizer", "scheduler", "trainer_state", "rng", "scaler")
+        stored: dict[str, Any] = dict.fromkeys(keys)
+        step = mgr.restore(stored, strict=False)  # plain targets: filled with the stored data
+        missing = [k for k in keys[:-1] if stored[k] is None]
+        if missing:
+            raise StateMismatchError(
+                f"{mgr.storage.describe(step)} holds no {', '.join(missing)}: it was not saved "
+                "by CkptStoreCallback",
+                missing=missing,
+            )
+        if trainer is not None:
+            where = f"{mgr.storage.describe(step)}['model']"
+            load_module_state(trainer.model, stored["model"], strict=True, where=where)
+        rank, world, distributed = _rank_and_world(trainer)
+        path = tempfile.mkdtemp(prefix=f"ckptstore-resume-{step}-", dir=self.resume_dir)
+        try:
+            _write_trainer_checkpoint(path, stored, rank, world, distributed)
+            self.resumed_step = step
+            log.info("resuming from %s via %s", mgr.storage.describe(step), path)
+            yield path
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def train(self, trainer: Any, **kwargs: Any) -> Any:
+        """``trainer.train()`` from the newest good checkpoint (fresh on an empty store).
+
+        Returns:
+            What ``trainer.train`` returns.
+        """
+        if self not in trainer.callback_handler.callbacks:
+            trainer.add_callback(self)
+        with self.resume_checkpoint(trainer) as path:
+            return trainer.train(resume_from_checkpoint=path, **kwargs)
+
+
+def _write_trainer_checkpoint(
+    path: str, stored: Mapping[str, Any], rank: int, world: int, distributed: bool
+) -> None:
+    """Lay ``stored`` out as the files ``Trainer._load_from_checkpoint`` & co. read."""
+    with open(os.path.join(path, _TRAINER_STATE), "w", encoding="utf-8") as f:
+        f.write(json.dumps(stored["trainer_state"], indent=2, sort_keys=True) + "\n")
+    # torch.save keeps tied weights tied; the Trainer reads these with weights_only=True.
+    torch.save(stored["model"], os.path.join(path, _WEIGHTS))
+    torch.save(stored["optimizer"], os.path.join(path, _OPTIMIZER))
+    torch.save(stored["scheduler"], os.path.join(path, _SCHEDULER))
+    if stored.get("scaler") is not None:
+        torch.save(stored["scaler"], os.path.join(path, _SCALER))
+    name = "rng_state.pth" if world <= 1 else f"rng_state_{rank}.pth"
+    torch.save(_trainer_rng(stored["rng"], distributed), os.path.join(path, name))

@@ -1,0 +1,310 @@
+"""ckptstore.integrations.hf: accelerate's Accelerator and the transformers Trainer.
+
+Both resume a tiny model (built from a config, nothing downloaded) and must end bit-identical
+to an uninterrupted run, also when the newest checkpoints are corrupt and resume falls back.
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+pytest.importorskip("accelerate")
+pytest.importorskip("transformers")
+
+import transformers  # noqa: E402
+from accelerate import Accelerator  # noqa: E402
+from accelerate.utils import DataLoaderConfiguration  # noqa: E402
+from transformers import (  # noqa: E402
+    GPT2Config,
+    GPT2LMHeadModel,
+    Trainer,
+    TrainerCallback,
+    TrainingArguments,
+)
+
+from ckptstore import CheckpointManager, StateMismatchError, StepExistsError  # noqa: E402
+from ckptstore.integrations.hf import AcceleratorCheckpointer, CkptStoreCallback  # noqa: E402
+
+from _helpers import step_dir  # noqa: E402
+
+transformers.logging.set_verbosity_error()
+
+
+def corrupt(root: Path, step: int, name: str) -> None:
+    """Flip one byte in the middle of a payload of a committed step."""
+    path = root / step_dir(step) / name
+    data = bytearray(path.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def same(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool:
+    return a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+
+
+# ---- accelerate ----------------------------------------------------------------------
+
+
+class RunningStats:
+    """A custom object for register_for_checkpointing: an int and a tensor."""
+
+    def __init__(self) -> None:
+        self.n = 0
+        self.total = torch.zeros(())
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"n": self.n, "total": self.total.clone()}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        self.n = sd["n"]
+        self.total = sd["total"].clone()
+
+
+STEPS = 10
+BATCHES_PER_EPOCH = 4
+
+
+class AccRun:
+    """A prepared model, AdamW, LR schedule, shuffled dataloader and a registered object.
+
+    ``use_seedable_sampler`` and the loader's own generator make the order of an epoch a
+    function of its number only, so a run can resume in the middle of one.
+    """
+
+    def __init__(self, seed: int) -> None:
+        torch.manual_seed(seed)
+        model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda s: 1.0 / (1 + s))
+        g = torch.Generator().manual_seed(0)
+        data = torch.utils.data.TensorDataset(
+            torch.randn(16, 4, generator=g), torch.randn(16, 1, generator=g)
+        )
+        loader = torch.utils.data.DataLoader(
+            data, batch_size=4, shuffle=True, generator=torch.Generator().manual_seed(7)
+        )
+        config = DataLoaderConfiguration(use_seedable_sampler=True)
+        self.acc = Accelerator(cpu=True, dataloader_config=config)
+        self.stats = RunningStats()
+        self.model, self.opt, self.sched, self.dl = self.acc.prepare(model, opt, sched, loader)
+        self.acc.register_for_checkpointing(self.stats)
+
+    def train(
+        self, start: int, stop: int, ckpt: AcceleratorCheckpointer | None = None, save_at=()
+    ) -> None:
+        step = start
+        while step < stop:
+            self.dl.set_epoch(step // BATCHES_PER_EPOCH)
+            skip = step % BATCHES_PER_EPOCH
+            batches = self.acc.skip_first_batches(self.dl, skip) if skip else self.dl
+            for x, y in batches:
+                loss = (self.model(x) - y).square().mean()
+                self.acc.backward(loss)
+                self.opt.step()
+                self.sched.step()
+                self.opt.zero_grad()
+                self.stats.n += 1
+                self.stats.total += loss.detach()
+                if ckpt is not None and step in save_at:
+                    ckpt.save(step, metrics={"loss": loss.item()})
+                step += 1
+                if step >= stop:
+                    break
+
+    def params(self) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in self.acc.unwrap_model(self.model).state_dict().items()}
+
+
+@pytest.fixture(scope="module")
+def acc_reference() -> AccRun:
+    run = AccRun(0)
+    run.train(0, STEPS)
+    return run
+
+
+def test_accelerate_resume_is_bit_identical(tmp_path: Path, acc_reference: AccRun) -> None:
+    root = tmp_path / "ckpt"
+    first = AccRun(0)
+    with AcceleratorCheckpointer(first.acc, root, keep=3) as ckpt:
+        first.train(0, 8, ckpt, save_at=(2, 5))  # then "crashes": steps 6 and 7 are lost
+        assert ckpt.manager.steps() == [2, 5]
+    with CheckpointManager(root) as mgr:
+        stored = set(mgr.load(5))
+        assert mgr.verify(5).ok
+    assert stored == {
+        "model",
+        "optimizer",
+        "scheduler",
+        "dataloader",
+        "custom_0",
+        "accelerator",
+        "rng",
+    }
+
+    second = AccRun(1)  # other initial weights: everything must come from the checkpoint
+    assert not same(second.params(), acc_reference.params())
+    with AcceleratorCheckpointer(second.acc, root, keep=3) as ckpt:
+        start = ckpt.resume()
+        assert start == 6
+        assert second.stats.n == 6
+        assert second.dl.iteration == 1  # the epoch the dataloader is in
+        second.train(start, STEPS)
+    assert same(second.params(), acc_reference.params())
+    assert second.stats.n == STEPS
+    assert torch.equal(second.stats.total, acc_reference.stats.total)
+    assert second.sched.state_dict() == acc_reference.sched.state_dict()
+
+
+def test_accelerate_falls_back_past_a_corrupt_step(
+    tmp_path: Path, acc_reference: AccRun, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "ckpt"
+    first = AccRun(0)
+    with AcceleratorCheckpointer(first.acc, root) as ckpt:
+        first.train(0, 8, ckpt, save_at=(3, 6))
+    corrupt(root, 6, "model.safetensors")
+
+    again = AccRun(2)
+    with AcceleratorCheckpointer(again.acc, root) as ckpt:
+        assert ckpt.resume() == 4  # step 6 does not verify: step 3 is restored
+        assert again.stats.n == 4
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            again.train(4, STEPS, ckpt, save_at=(6,))  # saving step 6 replaces the bad one
+        assert "does not verify" in caplog.text
+        assert ckpt.manager.verify(6).ok
+        with pytest.raises(StepExistsError):
+            ckpt.save(6)  # a step that verifies is never overwritten
+    assert same(again.params(), acc_reference.params())
+
+
+def test_accelerate_refuses_other_registered_objects(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    run = AccRun(0)
+    with AcceleratorCheckpointer(run.acc, root) as ckpt:
+        ckpt.save(0)
+    other = AccRun(0)
+    other.acc.register_for_checkpointing(RunningStats())  # one more than was saved
+    with AcceleratorCheckpointer(other.acc, root) as ckpt, pytest.raises(StateMismatchError):
+        ckpt.resume()
+
+
+# ---- transformers Trainer ----------------------------------------------------------------
+
+
+class TokenData(torch.utils.data.Dataset):
+    """Eight random sequences of 16 tokens: four steps per epoch at batch size 2."""
+
+    def __init__(self) -> None:
+        self.x = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class StopAfter(TrainerCallback):
+    """Ends training after ``step`` steps, as if the job had been killed there."""
+
+    def __init__(self, step: int) -> None:
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step >= self.step:
+            control.should_training_stop = True
+        return control
+
+
+def gpt2(seed: int) -> GPT2LMHeadModel:
+    torch.manual_seed(seed)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
+    return GPT2LMHeadModel(config)  # dropout on: the RNG state matters
+
+
+def trainer(out: Path, seed: int, callbacks: list[Any]) -> Trainer:
+    args = TrainingArguments(
+        output_dir=str(out),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=2,
+        max_steps=6,
+        per_device_train_batch_size=2,
+        logging_steps=1,
+        learning_rate=1e-3,
+        disable_tqdm=True,
+        seed=0,
+    )
+    return Trainer(model=gpt2(seed), args=args, train_dataset=TokenData(), callbacks=callbacks)
+
+
+def weights(t: Trainer) -> dict[str, torch.Tensor]:
+    return {k: v.detach().clone() for k, v in t.model.state_dict().items()}
+
+
+def test_trainer_saves_and_resumes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    reference = trainer(tmp_path / "ref", 0, [])
+    reference.train()
+    assert reference.state.global_step == 6
+    ref = weights(reference)
+
+    root = tmp_path / "ckpt"
+    # 1. killed after step 5: steps 2 and 4 are committed
+    cb = CkptStoreCallback(root, keep=3, keep_hf_checkpoints=False)
+    killed = trainer(tmp_path / "a", 0, [cb, StopAfter(5)])
+    cb.train(killed)
+    assert cb.resumed_step is None
+    assert killed.state.global_step == 5
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [2, 4]
+        assert mgr.manifest(4).metrics["loss"] > 0
+        assert mgr.manifest(4).metadata["transformers"]["global_step"] == 4
+        stored = mgr.load(4)
+    assert stored["trainer_state"]["global_step"] == 4
+    assert stored["trainer_state"]["epoch"] == 1.0
+    assert not list((tmp_path / "a").glob("checkpoint-*"))  # keep_hf_checkpoints=False
+
+    # 2. a fresh process (other initial weights) resumes from step 4 and finishes
+    cb = CkptStoreCallback(root, keep=3)
+    resumed = trainer(tmp_path / "b", 1, [cb])
+    cb.train(resumed)
+    assert cb.resumed_step == 4
+    assert resumed.state.global_step == 6
+    assert [e["step"] for e in resumed.state.log_history if "loss" in e][:2] == [1, 2]
+    assert same(weights(resumed), ref)
+
+    # 3. the two newest steps are corrupt: resume from step 2, in the middle of epoch 0
+    corrupt(root, 6, "model.safetensors")
+    corrupt(root, 4, "optimizer.safetensors")
+    cb = CkptStoreCallback(root, keep=3)
+    fallback = trainer(tmp_path / "c", 2, [cb])
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        cb.train(fallback)
+    assert "skipping step 6" in caplog.text
+    assert "skipping step 4" in caplog.text
+    assert cb.resumed_step == 2
+    assert fallback.state.global_step == 6
+    assert same(weights(fallback), ref)
+    with CheckpointManager(root) as mgr:  # steps 4 and 6 were saved again, whole
+        assert mgr.steps() == [2, 4, 6]
+        assert all(mgr.verify(s).ok for s in mgr.steps())
+
+
+def test_trainer_resume_checks_the_model(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    cb = CkptStoreCallback(root)
+    first = trainer(tmp_path / "a", 0, [cb, StopAfter(2)])
+    cb.train(first)
+    torch.manual_seed(0)
+    wider = GPT2LMHeadModel(GPT2Config(n_layer=2, n_embd=64, n_head=2, vocab_size=100))
+    other = trainer(tmp_path / "b", 0, [])
+    other.model = wider
+    with pytest.raises(StateMismatchError, match="mismatched"):
+        CkptStoreCallback(root).train(other)

@@ -1,0 +1,635 @@
+"""CkptStoreIO with a real Lightning Trainer on CPU, and with 2 DDP processes on gloo.
+
+One small LightningModule (a Linear layer, Adam, StepLR, hyper-parameters with a Namespace,
+a set and a path) trains for a few epochs on random data; every checkpoint Lightning writes
+goes through the plugin. The tests check what lies on disk, that what loads is exactly what
+Lightning saved, resuming with ``ckpt_path="last"``, falling back from a corrupt last
+checkpoint, a crash in the middle of a save, and a 2-rank DDP job.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import copy
+import json
+import logging
+import math
+import os
+import pathlib
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _helpers import REPO
+from lightning.fabric.utilities.data import AttributeDict
+from lightning.pytorch.callbacks import Callback, ModelCheckpoint
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError, atomic_save
+from ckptstore.integrations.lightning import CkptStoreIO
+from ckptstore.storage.base import Storage
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
+    pytest.mark.filterwarnings("ignore:.*Checkpoint directory .* exists and is not empty.*"),
+    pytest.mark.filterwarnings("ignore:.*number of training batches.*"),
+]
+
+WORKER = REPO / "tests" / "lightning_ddp_worker.py"
+BATCHES = 4  # training steps per epoch
+
+
+# ---- a small job ----------------------------------------------------------------------
+
+
+class Model(pl.LightningModule):
+    def __init__(
+        self,
+        lr: float = 0.05,
+        args: argparse.Namespace | None = None,
+        tags: frozenset[str] = frozenset(),
+        root: pathlib.Path | None = None,
+    ) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.layer = nn.Linear(4, 1)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layer(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.mse_loss(self.layer(x), y))
+
+    def configure_optimizers(self) -> Any:
+        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
+        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}
+
+
+def new_model() -> Model:
+    return Model(
+        args=argparse.Namespace(width=4, name="tiny", nested=AttributeDict(a=1)),
+        tags=frozenset({"cpu", "test"}),
+        root=pathlib.Path("/data/x"),
+    )
+
+
+def loaders() -> tuple[DataLoader[Any], DataLoader[Any]]:
+    g = torch.Generator().manual_seed(0)
+    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
+    return DataLoader(data, batch_size=8), DataLoader(data, batch_size=8)
+
+
+class Recorder(CkptStoreIO):
+    """The plugin, keeping a deep copy of every checkpoint dict Lightning hands it."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.saved: list[tuple[str, dict[str, Any]]] = []
+        self.removed: list[str] = []
+
+    def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
+        self.saved.append((os.fspath(path), copy.deepcopy(checkpoint)))
+        super().save_checkpoint(checkpoint, path, storage_options)
+
+    def remove_checkpoint(self, path: Any) -> None:
+        self.removed.append(os.fspath(path))
+        super().remove_checkpoint(path)
+
+    def last_saved(self, path: Path) -> dict[str, Any]:
+        return next(c for p, c in reversed(self.saved) if p == str(path))
+
+
+class AtStart(Callback):
+    """What the trainer holds when training (re)starts."""
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.global_step = trainer.global_step
+        self.epoch = trainer.current_epoch
+        self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
+        self.optimizer = copy.deepcopy(trainer.optimizers[0].state_dict())
+
+
+def trainer(
+    dirpath: Path,
+    epochs: int,
+    plugin: CkptStoreIO | None = None,
+    *,
+    extra: list[Callback] | None = None,
+    **ckpt: Any,
+) -> pl.Trainer:
+    options: dict[str, Any] = {"save_top_k": 2, "monitor": "step", "mode": "max", "save_last": True}
+    options.update(ckpt)
+    return pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_epochs=epochs,
+        limit_train_batches=BATCHES,
+        limit_val_batches=2,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        num_sanity_val_steps=0,
+        plugins=[plugin or CkptStoreIO()],
+        callbacks=[ModelCheckpoint(dirpath=dirpath, **options), *(extra or [])],
+    )
+
+
+def fit(tr: pl.Trainer, model: Model | None = None, ckpt_path: str | None = None) -> Model:
+    model = model or new_model()
+    train, val = loaders()
+    tr.fit(model, train, val, ckpt_path=ckpt_path)
+    return model
+
+
+@pytest.fixture(scope="module")
+def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
+    """3 epochs, top-2 by step plus last: epoch=1-step=8, epoch=2-step=12, last (12)."""
+    root = tmp_path_factory.mktemp("run")
+    plugin = Recorder()
+    model = fit(trainer(root / "ckpt", 3, plugin))
+    shutil.copytree(root / "ckpt", root / "pristine", symlinks=True)
+    return {"dir": root / "ckpt", "pristine": root / "pristine", "plugin": plugin, "model": model}
+
+
+@pytest.fixture
+def ckdir(run: dict[str, Any]) -> Path:
+    """The module run's checkpoint directory as the run left it, free to corrupt.
+
+    Restored in place rather than copied elsewhere: ModelCheckpoint reloads its state only
+    when its dirpath is the one it saved.
+    """
+    shutil.rmtree(run["dir"])
+    shutil.copytree(run["pristine"], run["dir"], symlinks=True)
+    return Path(run["dir"])
+
+
+# ---- helpers --------------------------------------------------------------------------
+
+
+def assert_same(a: Any, b: Any, where: str = "checkpoint") -> None:
+    """``a`` and ``b`` are equal with the same types, tensors bit for bit."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype, where
+        assert a.shape == b.shape, where
+        assert torch.equal(a.view(-1).view(torch.uint8), b.view(-1).view(torch.uint8)), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+        assert getattr(a, "_metadata", None) == getattr(b, "_metadata", None), where
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    elif isinstance(a, argparse.Namespace):
+        assert_same(vars(a), vars(b), f"{where}.__dict__")
+    elif isinstance(a, float) and math.isnan(a):
+        assert math.isnan(b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def steps_of(path: Path) -> list[int]:
+    with CheckpointManager(path, distributed=False) as mgr:
+        return mgr.steps()
+
+
+def corrupt(path: Path) -> None:
+    """Flip one byte of the model weights in the newest version of the store ``path``."""
+    step = sorted(path.glob("step-*"))[-1]
+    payload = step / "state_dict.safetensors"
+    data = bytearray(payload.read_bytes())
+    data[-2] ^= 0x40
+    payload.write_bytes(bytes(data))
+
+
+# ---- a Trainer on CPU -----------------------------------------------------------------
+
+
+def test_fit_commits_every_checkpoint_as_a_verified_store(tmp_path: Path) -> None:
+    plugin = Recorder()
+    tr = trainer(tmp_path, 3, plugin, monitor="val_loss", mode="min")
+    model = fit(tr)
+    cb = tr.checkpoint_callback
+    assert isinstance(cb, ModelCheckpoint)
+
+    # On disk: the top 2 by val_loss and last, each a store directory; nothing else.
+    best = {Path(p).name for p in cb.best_k_models}
+    assert len(best) == 2
+    assert {e.name for e in tmp_path.iterdir()} == best | {"last.ckpt"}
+    saved_topk = {Path(p).name for p, _ in plugin.saved} - {"last.ckpt"}
+    assert len(saved_topk) == 3
+    evicted = saved_topk - best
+    assert {Path(p).name for p in plugin.removed} == evicted
+    assert not (tmp_path / evicted.pop()).exists()
+
+    for path in tmp_path.iterdir():
+        assert path.is_dir()
+        assert not path.is_symlink()
+        with CheckpointManager(path, distributed=False) as mgr:
+            step = mgr.steps()
+            saved = plugin.last_saved(path)
+            # One version each, named by the global step; the older lasts were pruned.
+            assert step == [saved["global_step"]]
+            assert mgr.verify().ok, mgr.verify().problems
+            meta = mgr.manifest().metadata["lightning"]
+            assert meta == {"global_step": saved["global_step"], "epoch": saved["epoch"], "rank": 0}
+        # What loads is exactly what Lightning saved, types included.
+        assert_same(plugin.load_checkpoint(path), saved)
+    assert [s for p, s in plugin.saved if p.endswith("last.ckpt")][-1]["global_step"] == 12
+
+    last = plugin.load_checkpoint(tmp_path / "last.ckpt")
+    assert_same(dict(last["state_dict"]), {k: v for k, v in model.state_dict().items()})
+    hp = last["hyper_parameters"]
+    assert type(hp["args"]) is argparse.Namespace
+    assert type(hp["args"].nested) is AttributeDict
+    assert hp["tags"] == frozenset({"cpu", "test"})
+    assert hp["root"] == pathlib.Path("/data/x")
+    assert type(last["state_dict"]) is collections.OrderedDict
+    assert isinstance(last["optimizer_states"][0]["state"][0]["exp_avg"], torch.Tensor)
+
+
+def test_fit_resumes_from_last(run: dict[str, Any], ckdir: Path) -> None:
+    saved = run["plugin"].last_saved(run["dir"] / "last.ckpt")
+    start = AtStart()
+    tr = trainer(ckdir, 4, extra=[start])
+    fit(tr, ckpt_path="last")
+    assert start.global_step == saved["global_step"] == 3 * BATCHES
+    assert start.epoch == saved["epoch"] + 1
+    assert_same(start.weights, dict(saved["state_dict"]))
+    assert_same(start.optimizer["state"], saved["optimizer_states"][0]["state"])
+    assert tr.global_step == 4 * BATCHES
+    assert steps_of(ckdir / "last.ckpt") == [4 * BATCHES]
+    assert {e.name for e in ckdir.iterdir()} == {
+        "epoch=2-step=12.ckpt",
+        "epoch=3-step=16.ckpt",
+        "last.ckpt",
+    }
+
+
+def test_corrupt_last_falls_back_to_the_newest_good_checkpoint(
+    run: dict[str, Any], ckdir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    corrupt(ckdir / "last.ckpt")
+    start = AtStart()
+    tr = trainer(ckdir, 4, extra=[start])
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        fit(tr, ckpt_path="last")
+    # last (step 12) is corrupt: epoch=2-step=12.ckpt holds the same state and verifies.
+    assert start.global_step == 12
+    good = run["plugin"].last_saved(run["dir"] / "epoch=2-step=12.ckpt")
+    assert_same(start.weights, dict(good["state_dict"]))
+    warned = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+    assert any("last.ckpt does not verify" in m and "epoch=2-step=12.ckpt" in m for m in warned)
+    # Training went on, and the next save replaced the corrupt version.
+    assert tr.global_step == 16
+    assert steps_of(ckdir / "last.ckpt") == [16]
+    with CheckpointManager(ckdir / "last.ckpt", distributed=False) as mgr:
+        assert mgr.verify().ok
+
+
+def test_fallback_skips_every_corrupt_checkpoint(
+    run: dict[str, Any], ckdir: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    corrupt(ckdir / "last.ckpt")
+    corrupt(ckdir / "epoch=2-step=12.ckpt")
+    plugin = CkptStoreIO()
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        loaded = plugin.load_checkpoint(ckdir / "last.ckpt")
+    assert loaded["global_step"] == 8
+    assert_same(loaded, run["plugin"].last_saved(run["dir"] / "epoch=1-step=8.ckpt"))
+    corrupt(ckdir / "epoch=1-step=8.ckpt")
+    with pytest.raises(IntegrityError, match=r"no other checkpoint in .* does either"):
+        plugin.load_checkpoint(ckdir / "last.ckpt")
+
+
+def test_explicit_corrupt_checkpoint_raises(ckdir: Path) -> None:
+    path = ckdir / "epoch=1-step=8.ckpt"
+    corrupt(path)
+    with pytest.raises(IntegrityError) as info:
+        fit(trainer(ckdir, 4), ckpt_path=str(path))
+    msg = str(info.value)
+    assert f"Lightning checkpoint {path} does not verify" in msg
+    assert "state_dict.safetensors: crc32c" in msg
+    assert "the file is corrupt" in msg
+    # With fallback off, a corrupt last raises too.
+    corrupt(ckdir / "last.ckpt")
+    with pytest.raises(IntegrityError, match=r"last\.ckpt does not verify"):
+        CkptStoreIO(fallback=False).load_checkpoint(ckdir / "last.ckpt")
+
+
+def test_crash_during_save_keeps_the_previous_checkpoint(
+    run: dict[str, Any], ckdir: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    last = ckdir / "last.ckpt"
+    before = run["plugin"].last_saved(run["dir"] / "last.ckpt")
+    newer = copy.deepcopy(before)
+    newer["global_step"] = 16
+    newer["state_dict"]["layer.weight"] += 1
+
+    class Killed(Exception):
+        pass
+
+    def die(self: Storage, *args: Any) -> None:
+        raise Killed("killed after writing the payloads, before the manifest")
+
+    # A kill: the commit never happens and nothing cleans up after it.
+    with monkeypatch.context() as m:
+        m.setattr(Storage, "commit", die)
+        m.setattr(Storage, "abort", lambda self, pending: None)
+        m.setattr(shutil, "rmtree", lambda *a, **k: None)
+        with pytest.raises(Killed):
+            CkptStoreIO().save_checkpoint(newer, last)
+        with pytest.raises(Killed):
+            CkptStoreIO().save_checkpoint(newer, ckdir / "epoch=3-step=16.ckpt")
+    # The half-written save is invisible: last still holds step 12, whole.
+    assert steps_of(last) == [12]
+    assert any(e.name.startswith(".tmp-step-") for e in last.iterdir())
+    assert_same(CkptStoreIO().load_checkpoint(last), before)
+    # The new path never appeared (its store was being built beside it).
+    assert not (ckdir / "epoch=3-step=16.ckpt").exists()
+    # Resuming works, and the next saves clear the leftovers.
+    start = AtStart()
+    fit(trainer(ckdir, 4, extra=[start]), ckpt_path="last")
+    assert start.global_step == 12
+    assert steps_of(last) == [16]
+    assert sorted(e.name for e in ckdir.iterdir()) == [
+        "epoch=2-step=12.ckpt",
+        "epoch=3-step=16.ckpt",
+        "last.ckpt",
+    ]
+    assert not any(e.name.startswith(".tmp-") for e in last.iterdir())
+
+
+def test_save_last_link(tmp_path: Path) -> None:
+    plugin = Recorder()
+    fit(trainer(tmp_path, 3, plugin, save_last="link"))
+    last = tmp_path / "last.ckpt"
+    assert last.is_symlink()
+    assert os.readlink(last) == "epoch=2-step=12.ckpt"
+    assert sorted(e.name for e in tmp_path.iterdir()) == [
+        "epoch=1-step=8.ckpt",
+        "epoch=2-step=12.ckpt",
+        "last.ckpt",
+    ]
+    start = AtStart()
+    fit(trainer(tmp_path, 4, extra=[start], save_last="link"), ckpt_path="last")
+    assert start.global_step == 12
+    assert os.readlink(last) == "epoch=3-step=16.ckpt"
+    # The link was replaced, never written through: its old target holds its own step.
+    assert steps_of(tmp_path / "epoch=2-step=12.ckpt") == [12]
+    # Saving over a link replaces the link, not what it points to.
+    CkptStoreIO().save_checkpoint(plugin.saved[0][1], last)
+    assert not last.is_symlink()
+    assert steps_of(tmp_path / "epoch=3-step=16.ckpt") == [16]
+    assert CkptStoreIO().load_checkpoint(last)["global_step"] == 4
+
+
+# ---- the plugin on its own ------------------------------------------------------------
+
+
+def test_round_trip_of_converted_types(tmp_path: Path) -> None:
+    od: collections.OrderedDict[str, Any] = collections.OrderedDict(w=torch.arange(6.0))
+    od._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
+    ckpt = {
+        "state_dict": od,
+        "global_step": 3,
+        "hyper_parameters": {
+            "ns": argparse.Namespace(a=1, b=[1, 2], c=argparse.Namespace(d=None)),
+            "attr": AttributeDict(x=1.5, y="z"),
+            "s": {3, 1, 2},
+            "fs": frozenset({"a"}),
+            "p": pathlib.PurePosixPath("a/b"),
+            "lookalike": {"__ckptstore_lightning__": "namespace", "v": 1},
+            "ns_lookalike": argparse.Namespace(__ckptstore_lightning__="path", items=[1]),
+            "ns_items": argparse.Namespace(items=[[1, 2]], v=AttributeDict({1: "int key"})),
+            "od": collections.OrderedDict(b=1, a=2),
+            "nums": (float("inf"), float("nan"), -0.0, 2**70),
+            "intkeys": {1: "a", 2: "b"},
+            "bytes": b"\x00\xff",
+            "dtype": torch.bfloat16,
+        },
+    }
+    io = CkptStoreIO()
+    io.save_checkpoint(ckpt, tmp_path / "x.ckpt")
+    loaded = io.load_checkpoint(tmp_path / "x.ckpt", weights_only=True)
+    assert_same(loaded, ckpt)
+    assert loaded["hyper_parameters"]["s"] == {1, 2, 3}
+    assert type(loaded["hyper_parameters"]["fs"]) is frozenset
+    assert type(loaded["hyper_parameters"]["p"]) is pathlib.PurePosixPath
+    # The store is plain ckptstore: the weights load with safetensors under their names.
+    from safetensors.torch import load_file
+
+    weights = load_file(tmp_path / "x.ckpt" / "step-000000000003" / "state_dict.safetensors")
+    assert torch.equal(weights["w"], torch.arange(6.0))
+
+
+class Opaque:
+    def __init__(self, v: int) -> None:
+        self.v = v
+
+    def __eq__(self, other: object) -> bool:
+        return isinstance(other, Opaque) and other.v == self.v
+
+    __hash__ = None  # type: ignore[assignment]
+
+
+def test_objects_need_allow_pickle(tmp_path: Path) -> None:
+    ckpt = {"global_step": 1, "hyper_parameters": {"obj": Opaque(3)}}
+    path = tmp_path / "x.ckpt"
+    with pytest.raises(UnsafeCheckpointError) as info:
+        CkptStoreIO().save_checkpoint(ckpt, path)
+    msg = str(info.value)
+    assert str(path) in msg
+    assert "checkpoint['hyper_parameters']['obj']" in msg
+    assert "Opaque" in msg
+    assert "allow_pickle=True" in msg
+    assert not path.exists()
+    inner = {"hyper_parameters": {"args": argparse.Namespace(lr=0.1, obj=Opaque(1))}}
+    with pytest.raises(UnsafeCheckpointError, match=r"\['args'\]\['obj'\]: objects of type"):
+        CkptStoreIO().save_checkpoint(inner, path)
+    CkptStoreIO(allow_pickle=True).save_checkpoint(ckpt, path)
+    assert CkptStoreIO(allow_pickle=True).load_checkpoint(path) == ckpt
+    with pytest.raises(UnsafeCheckpointError, match="pickle"):
+        CkptStoreIO().load_checkpoint(path)
+    with pytest.raises(UnsafeCheckpointError, match="pickle"):
+        CkptStoreIO(allow_pickle=True).load_checkpoint(path, weights_only=True)
+
+
+def test_keep_versions_and_fall_back_within_last(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    io = CkptStoreIO(keep=2)
+    last = tmp_path / "last.ckpt"
+    for step in (5, 10, 15):
+        io.save_checkpoint({"global_step": step, "state_dict": {"w": torch.full((3,), step)}}, last)
+    assert steps_of(last) == [10, 15]
+    # A run restarted from scratch: the newest save still becomes the newest version.
+    io.save_checkpoint({"global_step": 2, "state_dict": {"w": torch.zeros(3)}}, last)
+    assert steps_of(last) == [15, 16]
+    assert io.load_checkpoint(last)["global_step"] == 2
+    corrupt(last)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert io.load_checkpoint(last)["global_step"] == 15
+    assert any("newest older version" in r.getMessage() for r in caplog.records)
+
+
+def test_remove_checkpoint(tmp_path: Path) -> None:
+    io = CkptStoreIO()
+    target = tmp_path / "epoch=0-step=1.ckpt"
+    io.save_checkpoint({"global_step": 1}, target)
+    link = tmp_path / "last.ckpt"
+    link.symlink_to(target.name)
+    assert io.load_checkpoint(link)["global_step"] == 1
+    io.remove_checkpoint(link)  # the link goes, its target stays
+    assert not link.exists()
+    assert steps_of(target) == [1]
+    io.remove_checkpoint(target)
+    assert list(tmp_path.iterdir()) == []
+    io.remove_checkpoint(target)  # missing: nothing to do
+    with pytest.raises(FileNotFoundError, match="not found"):
+        io.load_checkpoint(target)
+
+
+def test_torch_save_file_is_replaced_and_loads_verified(tmp_path: Path) -> None:
+    path = tmp_path / "last.ckpt"
+    atomic_save({"global_step": 7, "state_dict": {"w": torch.ones(2)}}, path)
+    io = CkptStoreIO()
+    old = io.load_checkpoint(path)  # an earlier run's torch.save file, verified first
+    assert old["global_step"] == 7
+    data = bytearray(path.read_bytes())
+    data[data.find(b"\x00\x00\x80\x3f")] ^= 1  # a byte of the tensor data
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="does not verify"):
+        io.load_checkpoint(path)
+    io.save_checkpoint({"global_step": 9}, path)
+    assert path.is_dir()
+    assert io.load_checkpoint(path) == {"global_step": 9}
+    assert [e.name for e in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_fsspec_url(tmp_path: Path) -> None:
+    io = CkptStoreIO()
+    url = f"memory://ckptstore-lightning-{os.getpid()}/epoch=0-step=3.ckpt"
+    io.save_checkpoint({"global_step": 3, "w": torch.ones(2)}, url)
+    io.save_checkpoint({"global_step": 4, "w": torch.zeros(2)}, url)
+    loaded = io.load_checkpoint(url)
+    assert loaded["global_step"] == 4
+    assert torch.equal(loaded["w"], torch.zeros(2))
+    io.remove_checkpoint(url)
+    with pytest.raises(FileNotFoundError):
+        io.load_checkpoint(url)
+
+
+def test_arguments_are_checked() -> None:
+    with pytest.raises(ValueError, match="keep"):
+        CkptStoreIO(keep=0)
+    with pytest.raises(ValueError, match="format"):
+        CkptStoreIO(format="pickle")
+    with pytest.raises(ValueError, match="compression"):
+        CkptStoreIO(compression="gzip")
+    with pytest.raises(TypeError, match="storage_options"):
+        CkptStoreIO().save_checkpoint({}, "/nonexistent/x.ckpt", storage_options={"a": 1})
+
+
+def test_standalone_lightning_package_accepts_the_plugin() -> None:
+    fabric_io = pytest.importorskip("lightning_fabric.plugins.io.checkpoint_io")
+    assert isinstance(CkptStoreIO(), fabric_io.CheckpointIO)
+
+
+# ---- DDP: 2 processes on gloo ---------------------------------------------------------
+
+
+def launch(out: Path, mode: str, epochs: int, timeout: float) -> None:
+    """Rank 0 of the DDP job (Lightning starts rank 1); the whole group dies on timeout."""
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    log = out / f"{mode}.log"
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, str(WORKER), str(out), mode, str(epochs)],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"DDP {mode} hung for {timeout}s:\n{log.read_text()[-3000:]}")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 0, log.read_text()[-3000:]
+
+
+def calls(out: Path, rank: int) -> list[dict[str, Any]]:
+    path = out / f"calls.rank{rank}.jsonl"
+    if not path.exists():
+        return []
+    return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+@pytest.mark.timeout(240)
+def test_ddp_two_ranks_rank0_writes_every_rank_resumes(tmp_path: Path) -> None:
+    launch(tmp_path, "fit", 2, timeout=110)
+    ckpt = tmp_path / "ckpt"
+    first = [json.loads((tmp_path / f"fit.rank{r}.json").read_text()) for r in (0, 1)]
+    assert [r["world_size"] for r in first] == [2, 2]
+    # Rank 0 alone saved, each top-k path once and last once per epoch; rank 1 never did.
+    assert calls(tmp_path, 1) == []
+    saves = [(Path(c["path"]).name, c["global_step"]) for c in calls(tmp_path, 0)]
+    assert saves == [
+        ("epoch=0-step=4.ckpt", 4),
+        ("last.ckpt", 4),
+        ("epoch=1-step=8.ckpt", 8),
+        ("last.ckpt", 8),
+    ]
+    assert {c["rank"] for c in calls(tmp_path, 0)} == {0}
+    assert sorted(e.name for e in ckpt.iterdir()) == [
+        "epoch=0-step=4.ckpt",
+        "epoch=1-step=8.ckpt",
+        "last.ckpt",
+    ]
+    for store in ckpt.iterdir():
+        with CheckpointManager(store, distributed=False) as mgr:
+            assert len(mgr.steps()) == 1
+            assert mgr.verify().ok, mgr.verify().problems
+            assert mgr.manifest().world_size == 1
+            assert mgr.manifest().metadata["lightning"]["rank"] == 0
+    last = CkptStoreIO().load_checkpoint(ckpt / "last.ckpt")
+    assert last["global_step"] == 8
+
+    # A second job resumes from last on both ranks, with the weights rank 0 saved.
+    launch(tmp_path, "resume", 3, timeout=110)
+    second = [json.loads((tmp_path / f"resume.rank{r}.json").read_text()) for r in (0, 1)]
+    for row in second:
+        assert row["start_step"] == 8
+        assert row["start_epoch"] == 2
+        assert row["start_digest"] == first[0]["end_digest"]
+        assert row["end_step"] == 12
+    assert second[0]["end_digest"] == second[1]["end_digest"]
+    assert calls(tmp_path, 1) == []
+    assert sorted(e.name for e in ckpt.iterdir()) == [
+        "epoch=1-step=8.ckpt",
+        "epoch=2-step=12.ckpt",
+        "last.ckpt",
+    ]
+    assert steps_of(ckpt / "last.ckpt") == [12]
