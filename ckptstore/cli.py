@@ -40,7 +40,7 @@ from .manifest import Manifest
 from .retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
 from .single import atomic_save
 from .storage import LocalStorage, Storage
-from .verify import verify_file
+from .verify import verify_checkpoint, verify_file
 
 __all__ = ["main"]
 
@@ -151,27 +151,43 @@ def _progress(total: int, desc: str, unit: str = "it") -> Iterator[Any]:
 
 
 def parse_storage_options(items: Sequence[str] | None) -> dict[str, Any]:
-    """``["anon=true", "endpoint_url=http://x"]`` -> ``{"anon": True, "endpoint_url": ...}``.
+    """``["anon=true", "client_kwargs.region_name=eu-west-1"]`` -> fsspec storage options.
 
-    Values ``true``/``false``/``null`` and numbers become JSON values; anything else stays
-    a string.
+    Values ``true``/``false``/``null`` and numbers become JSON values, a value that is a JSON
+    string or object is parsed (``secret='"0123"'`` stays the string ``0123``), anything
+    else stays a string. Dots in a key nest it: ``client_kwargs.region_name=x`` gives
+    ``{"client_kwargs": {"region_name": "x"}}``.
 
     Raises:
-        UsageError: an item is not ``KEY=VALUE``.
+        UsageError: an item is not ``KEY=VALUE``, or a key is both a value and a parent.
     """
     out: dict[str, Any] = {}
     for item in items or ():
-        key, sep, value = item.partition("=")
-        if not sep or not key:
+        key, sep, text = item.partition("=")
+        if not sep or not key or any(not part for part in key.split(".")):
             raise UsageError(f"--storage-option expects KEY=VALUE, got {item!r}")
-        if value in _JSON_WORDS:
-            out[key] = _JSON_WORDS[value]
-        elif _INT_RE.fullmatch(value):
-            out[key] = int(value)
-        elif _FLOAT_RE.fullmatch(value):
-            out[key] = float(value)
+        value: Any
+        if text in _JSON_WORDS:
+            value = _JSON_WORDS[text]
+        elif _INT_RE.fullmatch(text):
+            value = int(text)
+        elif _FLOAT_RE.fullmatch(text):
+            value = float(text)
+        elif text[:1] in ('"', "{"):
+            try:
+                value = json.loads(text)
+            except ValueError:
+                raise UsageError(f"--storage-option {key}: invalid JSON {text!r}") from None
         else:
-            out[key] = value
+            value = text
+        *parents, leaf = key.split(".")
+        node = out
+        for p in parents:
+            child = node.setdefault(p, {})
+            if not isinstance(child, dict):
+                raise UsageError(f"--storage-option {key}: {p!r} already has a value")
+            node = child
+        node[leaf] = value
     return out
 
 
@@ -246,7 +262,9 @@ def list_store(root: str, storage_options: Mapping[str, Any]) -> LsResult:
         for step in mgr.steps():
             pinned = mgr.storage.is_pinned(step)
             try:
-                infos.append(StepInfo(step, pinned, manifest=mgr.manifest(step)))
+                # The storage read, not mgr.manifest(): that re-lists the store per step,
+                # quadratic on an object store.
+                infos.append(StepInfo(step, pinned, manifest=mgr.storage.read_manifest(step)))
             except CkptStoreError as e:
                 infos.append(StepInfo(step, pinned, error=_one_line(str(e))))
         return LsResult(mgr.root, infos, mgr.storage.list_garbage())
@@ -342,7 +360,7 @@ def verify_target(
         with _progress(len(steps), "verify", unit="ckpt") as bar:
             for s in steps:
                 bar.set_postfix_str(f"step {s}")
-                reports.append(mgr.verify(s, deep=deep))
+                reports.append(verify_checkpoint(mgr.storage, s, deep=deep))
                 bar.update(1)
         return reports
 
@@ -1564,6 +1582,11 @@ def main(argv: list[str] | None = None) -> int:
         return _error(_os_error_text(e))
     except ImportError as e:  # an fsspec backend that is not installed; the message says which
         return _error(str(e))
+    except TypeError as e:
+        if not getattr(args, "storage_option", None):
+            raise
+        # fsspec passes unknown options on to the backend's client, which refuses them here.
+        return _error(f"the storage options were refused by the filesystem: {e}")
     except KeyboardInterrupt:
         print(f"{PROG}: interrupted", file=sys.stderr)
         return 130

@@ -148,6 +148,22 @@ def _needs_code(path: str, what: str) -> CkptStoreError:
     )
 
 
+def _cannot_skip(path: str, what: str, why: str) -> CkptStoreError:
+    return CkptStoreError(
+        f"{path}: the file needs code to load{what}, and --skip-unsafe cannot drop it ({why}); "
+        "load it in Python with code you trust and save it with CheckpointManager.save"
+    )
+
+
+def _refused(e: BaseException) -> str:
+    """`` (GLOBAL name)`` from torch's refusal, the part of its long message that matters."""
+    m = re.search(r"GLOBAL (\S+)", str(e))
+    if m is None:
+        return ""
+    blocked = " from a module that is never loaded" if "is blocked" in str(e) else ""
+    return f" (GLOBAL {m.group(1).rstrip('.,')}{blocked})"
+
+
 def _read_torch(path: str, *, skip_unsafe: bool) -> tuple[Any, list[str]]:
     """``torch.load(weights_only=True)`` after the zip CRCs are checked."""
     with open(path, "rb") as f:
@@ -161,16 +177,11 @@ def _read_torch(path: str, *, skip_unsafe: bool) -> tuple[Any, list[str]]:
     try:
         return _torch_load(path), []
     except pickle.UnpicklingError as e:
-        m = re.search(r"GLOBAL (\S+)", str(e))
-        what = f" (GLOBAL {m.group(1).rstrip('.,')})" if m else ""
+        what = _refused(e)
         if not skip_unsafe:
             raise _needs_code(path, what) from None
         if not is_zip:
-            raise CkptStoreError(
-                f"{path}: the file needs code to load{what}, and --skip-unsafe works only on "
-                "the zip format of torch.save (torch >= 1.6); load it in Python with code you "
-                "trust and save it with CheckpointManager.save"
-            ) from None
+            raise _cannot_skip(path, what, "it reads only the zip format of torch >= 1.6") from None
     return _read_torch_skipping(path, what)
 
 
@@ -230,19 +241,15 @@ def _read_torch_skipping(path: str, what: str) -> tuple[Any, list[str]]:
         with torch.serialization.safe_globals(stubs.globals()):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
-        raise _needs_code(path, f" ({_one_line(str(e))}; --skip-unsafe cannot drop it)") from None
+        raise _cannot_skip(path, _refused(e) or what, "torch refuses it outright") from None
     except (RuntimeError, EOFError, ValueError, TypeError, AttributeError) as e:
         # e.g. an unloadable object used as a dict key, or state a placeholder cannot take
-        raise CkptStoreError(
-            f"{path}: the file needs code to load{what} and --skip-unsafe cannot drop it "
-            f"({type(e).__name__}: {_one_line(str(e))}); load it in Python with code you "
-            "trust and save it with CheckpointManager.save"
-        ) from None
+        raise _cannot_skip(path, what, f"{type(e).__name__}: {_one_line(str(e))}") from None
     dropped: list[str] = []
     ids = {id(o) for o in stubs.made}
     pruned = _prune(obj, lambda v: stubs.is_placeholder(v, ids), "", dropped, 0)
     if pruned is _DROP:
-        raise _needs_code(path, what)
+        raise _cannot_skip(path, what, "the whole file is such an object")
     notes = [f"dropped entry {p}: it needs code to load" for p in dropped]
     notes.append(f"--skip-unsafe: never loaded {', '.join(names) or 'anything unsafe'}")
     return pruned, notes
@@ -427,8 +434,7 @@ def _dcp_planner(skip_unsafe: bool) -> Any:
             try:
                 obj = torch.load(value, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as e:
-                m = re.search(r"GLOBAL (\S+)", str(e))
-                self.refused.append(f"{fqn!r}" + (f" (GLOBAL {m.group(1)})" if m else ""))
+                self.refused.append(f"{fqn!r}{_refused(e)}")
                 obj = _DROP
             if self.flatten_state_dict:
                 _set_element(self.original_state_dict, tuple(self.mappings[fqn]), obj)

@@ -8,6 +8,7 @@ the bytes as they are written, never in a second pass over the file.
 from __future__ import annotations
 
 import dataclasses
+import errno
 from typing import IO, Any
 
 import crc32c as _crc32c
@@ -50,7 +51,16 @@ class CRCWriter:
         mv = memoryview(data).cast("B")
         self.crc = int(_crc32c.crc32c(mv, self.crc))
         self.nbytes += len(mv)
-        self.raw.write(mv)
+        # A raw file may write less than asked (write(2) near a full disk, or after a
+        # signal): write the rest, or fail; a short file must never be committed.
+        done = 0
+        while done < len(mv):
+            n = self.raw.write(mv[done:])
+            if n is None:  # an old-style file object (paramiko's): it wrote it all
+                break
+            if n <= 0:
+                raise OSError(errno.EIO, f"short write: {done} of {len(mv)} bytes written")
+            done += n
         return len(mv)
 
     def flush(self) -> None:

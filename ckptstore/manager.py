@@ -993,9 +993,12 @@ class CheckpointManager:
                 return s
             # Deep: a quick check (sizes, headers) passes a flipped byte, and retention
             # would then delete the only checkpoint that still loads.
-            if verify_checkpoint(self.storage, s, deep=True).ok:
+            report = verify_checkpoint(self.storage, s, deep=True)
+            if report.ok:
                 self._known_good.add(s)
                 return s
+            log.warning("retention keeps an older step: step %d does not verify: %s", s,
+                        "; ".join(report.problems))
         return None
 
     def prune(self) -> list[int]:

@@ -734,3 +734,23 @@ def test_completion_script_completes_commands_and_options(
     )
     res = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True)
     assert res.stdout.splitlines() == ["verify", "--keep-last"]
+
+
+def test_storage_options_nest_and_keep_quoted_strings() -> None:
+    opts = parse_storage_options(
+        [
+            "client_kwargs.region_name=eu-west-1",
+            "client_kwargs.endpoint_url=http://127.0.0.1:9000",
+            'secret="0123"',
+            'config_kwargs={"retries": {"max_attempts": 2}}',
+        ]
+    )
+    assert opts == {
+        "client_kwargs": {"region_name": "eu-west-1", "endpoint_url": "http://127.0.0.1:9000"},
+        "secret": "0123",
+        "config_kwargs": {"retries": {"max_attempts": 2}},
+    }
+    with pytest.raises(Exception, match="already has a value"):
+        parse_storage_options(["a=1", "a.b=2"])
+    with pytest.raises(Exception, match="expects KEY=VALUE"):
+        parse_storage_options(["a..b=1"])

@@ -1,0 +1,330 @@
+"""``ckptstore import`` of foreign checkpoints (ckptstore.importers): plain torch.save dicts,
+Lightning ``.ckpt`` files and torch.distributed.checkpoint (DCP) directories.
+
+Each source is imported into a store, ``ckptstore verify`` passes, and what the store holds
+equals the source exactly; nothing is ever unpickled beyond tensors and plain data.
+"""
+
+from __future__ import annotations
+
+import collections
+import json
+import os
+import pickle
+import warnings
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from torch import nn
+
+from ckptstore import CheckpointManager
+from ckptstore.cli import main
+
+SIDE_EFFECTS: list[str] = []
+
+
+def run(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def assert_same(a: Any, b: Any, where: str = "") -> None:
+    """Equal values, types included; tensors bit for bit (dtype, shape, values)."""
+    assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
+    if isinstance(a, torch.Tensor):
+        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert torch.equal(a, b) or (a.isnan() == b.isnan()).all(), where
+    elif isinstance(a, dict):
+        assert list(a) == list(b), where
+        for k in a:
+            assert_same(a[k], b[k], f"{where}[{k!r}]")
+    elif isinstance(a, list | tuple):
+        assert len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            assert_same(x, y, f"{where}[{i}]")
+    else:
+        assert a == b, where
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(4, 3)
+        self.norm = nn.BatchNorm1d(3)
+        self.bf16 = nn.Parameter(torch.randn(2, 2).to(torch.bfloat16))
+
+
+def trained(seed: int = 0) -> tuple[Net, torch.optim.Optimizer, Any]:
+    torch.manual_seed(seed)
+    model = Net()
+    opt = torch.optim.AdamW([p for n, p in model.named_parameters() if n != "bf16"], lr=0.1)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=1)
+    for _ in range(2):
+        model.norm(model.fc(torch.randn(5, 4))).square().mean().backward()
+        opt.step()
+        sched.step()
+    return model, opt, sched
+
+
+# ---- Lightning .ckpt -------------------------------------------------------------------
+
+
+def lightning_ckpt(hyper_parameters: dict[str, Any]) -> dict[str, Any]:
+    """The dict Lightning 2.x writes (Trainer.save_checkpoint), with a real training state."""
+    model, opt, sched = trained()
+    progress = {"total": {"ready": 2, "completed": 2}, "current": {"ready": 2, "completed": 2}}
+    return {
+        "epoch": 1,
+        "global_step": 2,
+        "pytorch-lightning_version": "2.6.6",
+        "state_dict": collections.OrderedDict(
+            (f"model.{k}", v) for k, v in model.state_dict().items()
+        ),
+        "loops": {
+            "fit_loop": {
+                "state_dict": {},
+                "epoch_loop.state_dict": {"_batches_that_stepped": 2},
+                "epoch_loop.batch_progress": {**progress, "is_last_batch": True},
+                "epoch_loop.automatic_optimization.optim_progress": {
+                    "optimizer": {"step": progress}
+                },
+            },
+            "validate_loop": {"state_dict": {}},
+        },
+        "callbacks": {
+            "ModelCheckpoint{'monitor': None, 'mode': 'min', 'every_n_train_steps': 0}": {
+                "best_model_path": "./checkpoints/epoch=0-step=2.ckpt",
+                "best_model_score": None,
+                "kth_value": torch.tensor(float("inf")),
+                "best_k_models": {},
+            }
+        },
+        "optimizer_states": [opt.state_dict()],
+        "lr_schedulers": [sched.state_dict()],
+        "hparams_name": "kwargs",
+        "hyper_parameters": hyper_parameters,
+    }
+
+
+class HParams:
+    """A custom hyper-parameter object: weights_only refuses it, nothing of it may run."""
+
+    def __init__(self) -> None:
+        self.width = 4
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        SIDE_EFFECTS.append("HParams.__setstate__ ran")
+        self.__dict__.update(state)
+
+
+def test_lightning_ckpt_imports_as_written(tmp_path: Path, capsys) -> None:
+    src = lightning_ckpt({"lr": 0.1, "layers": [4, 3], "name": "net"})
+    path = tmp_path / "epoch=1-step=2.ckpt"
+    torch.save(src, path)
+    root = tmp_path / "store"
+    rc, out, err = run(capsys, "import", path, root, "--step", "2", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["kind"] == "lightning"
+    assert "a Lightning checkpoint (Lightning 2.6.6, epoch 1, global step 2)" in res["notes"][0]
+    assert run(capsys, "verify", root, "--step", "2")[0] == 0
+    with CheckpointManager(root) as mgr:
+        assert mgr.manifest(2).metadata["lightning"] == {"global_step": 2, "epoch": 1}
+        stored = mgr.load(2)
+    assert_same(stored, torch.load(path, weights_only=True))
+
+    # the state loads back into the objects that made it
+    model, opt, sched = trained(seed=5)
+    model.load_state_dict({k[len("model.") :]: v for k, v in stored["state_dict"].items()})
+    opt.load_state_dict(stored["optimizer_states"][0])
+    sched.load_state_dict(stored["lr_schedulers"][0])
+    assert_same(opt.state_dict(), src["optimizer_states"][0])
+
+
+def test_lightning_unsafe_hparams_refused_or_skipped(tmp_path: Path, capsys) -> None:
+    src = lightning_ckpt({"lr": 0.1, "cfg": HParams(), "keep": [1, 2]})
+    path = tmp_path / "last.ckpt"
+    torch.save(src, path)
+    root = tmp_path / "store"
+
+    rc, out, err = run(capsys, "import", path, root, "--step", "2")
+    assert rc == 1
+    assert out == ""
+    assert f"GLOBAL {__name__}.HParams" in err
+    assert "weights_only=True" in err
+    assert "--skip-unsafe" in err
+    assert err.count("\n") == 1
+    assert not root.exists() or not any(root.glob("step-*"))
+
+    rc, out, err = run(capsys, "import", path, root, "--step", "2", "--skip-unsafe")
+    assert rc == 0, err
+    assert "note: dropped entry ['hyper_parameters']['cfg']: it needs code to load" in out
+    assert f"never loaded {__name__}.HParams" in out
+    assert SIDE_EFFECTS == []  # the class's code never ran
+    assert run(capsys, "verify", root)[0] == 0
+    with CheckpointManager(root) as mgr:
+        stored = mgr.load(2)
+    assert stored["hyper_parameters"] == {"lr": 0.1, "keep": [1, 2]}
+    del src["hyper_parameters"]["cfg"]
+    assert_same(stored, src)
+
+
+def test_skip_unsafe_never_loads_blocked_code(tmp_path: Path, capsys) -> None:
+    class Evil:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("touch pwned",))
+
+    path = tmp_path / "evil.pt"
+    torch.save({"model": nn.Linear(2, 2).state_dict(), "x": Evil()}, path)
+    rc, _, err = run(capsys, "import", path, tmp_path / "store", "--step", "1", "--skip-unsafe")
+    assert rc == 1
+    assert "GLOBAL posix.system from a module that is never loaded" in err
+    assert "--skip-unsafe cannot drop it" in err
+    assert not (Path.cwd() / "pwned").exists()
+
+
+# ---- plain torch.save ----------------------------------------------------------------------
+
+
+def test_torch_save_ddp_dict_imports_exactly(tmp_path: Path, capsys) -> None:
+    model, opt, sched = trained()
+    src = {
+        "model": {f"module.{k}": v for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "scheduler": sched.state_dict(),
+        "step": 70,
+    }
+    path = tmp_path / "ddp.pt"
+    torch.save(src, path)
+    root = tmp_path / "store"
+    rc, out, err = run(capsys, "import", path, root, "--step", "70")
+    assert rc == 0, err
+    assert "stripped 'module.' from the keys of 'model'" in out
+    assert run(capsys, "verify", root)[0] == 0
+    fresh, fresh_opt, fresh_sched = trained(seed=9)
+    state = {"model": fresh, "optimizer": fresh_opt, "scheduler": fresh_sched, "step": 0}
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(state) == 70
+    assert_same(dict(fresh.state_dict()), dict(model.state_dict()))
+    assert_same(fresh_opt.state_dict(), opt.state_dict())
+    assert state["step"] == 70
+
+
+# ---- DCP directories ---------------------------------------------------------------------
+
+
+class Opaque:
+    """A non-tensor DCP item that only pickle can load."""
+
+    def __init__(self) -> None:
+        self.v = 1
+
+
+def save_dcp(state: dict[str, Any], path: Path) -> None:
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "assuming the intent is to save in a single process"
+        dcp.save(state, storage_writer=dcp.FileSystemWriter(str(path)), no_dist=True)
+
+
+def dcp_source() -> tuple[dict[str, Any], Net, torch.optim.Optimizer]:
+    model, opt, _ = trained()
+    state = {
+        # a DDP-wrapped model's state dict, as saved from the wrapper
+        "model": {f"module.{k}": v.clone() for k, v in model.state_dict().items()},
+        "optimizer": opt.state_dict(),
+        "step": 7,
+        "extra": {"name": "run1", "losses": [0.5, float("inf")], "empty": torch.empty(0, 3)},
+    }
+    return state, model, opt
+
+
+def test_dcp_directory_imports_exactly(tmp_path: Path, capsys) -> None:
+    src, model, opt = dcp_source()
+    ckpt = tmp_path / "dcp"
+    save_dcp(src, ckpt)
+    root = tmp_path / "store"
+    rc, out, err = run(capsys, "import", ckpt, root, "--step", "7")
+    assert rc == 0, err
+    assert "note: a torch.distributed.checkpoint directory" in out
+    assert "stripped 'module.' from the keys of 'model'" in out
+    assert "['optimizer']['state']: keys made ints again" in out
+    assert run(capsys, "verify", root, "--step", "7")[0] == 0
+
+    with CheckpointManager(root) as mgr:
+        stored = mgr.load(7)
+    assert_same(stored["model"], {k: v for k, v in model.state_dict().items()})
+    assert stored["model"]["bf16"].dtype == torch.bfloat16
+    assert_same(stored["optimizer"], opt.state_dict())
+    assert stored["step"] == 7
+    assert_same(stored["extra"], {"name": "run1", "losses": [0.5, float("inf")], "empty": torch.empty(0, 3)})
+
+    # and it restores into live objects
+    fresh, fresh_opt, _ = trained(seed=3)
+    with CheckpointManager(root) as mgr:
+        mgr.restore({"model": fresh, "optimizer": fresh_opt}, strict=False)
+    assert_same(dict(fresh.state_dict()), dict(model.state_dict()))
+    assert_same(fresh_opt.state_dict(), opt.state_dict())
+
+
+def test_dcp_corrupt_or_hostile_is_refused(tmp_path: Path, capsys) -> None:
+    src, _, _ = dcp_source()
+    root = tmp_path / "store"
+
+    bad = tmp_path / "flipped"
+    save_dcp(src, bad)
+    (data,) = bad.glob("*.distcp")
+    blob = bytearray(data.read_bytes())
+    blob[len(blob) // 2] ^= 0xFF
+    data.write_bytes(bytes(blob))
+    rc, _, err = run(capsys, "import", bad, root, "--step", "1")
+    assert rc == 1
+    assert "CRC-32 mismatch" in err or "not a valid torch.save item" in err
+
+    cut = tmp_path / "cut"
+    save_dcp(src, cut)
+    (data,) = cut.glob("*.distcp")
+    data.write_bytes(data.read_bytes()[:-100])
+    rc, _, err = run(capsys, "import", cut, root, "--step", "1")
+    assert rc == 1
+    assert "beyond the file" in err
+
+    class Boom:
+        def __reduce__(self) -> tuple[Any, ...]:
+            return (os.system, ("touch pwned",))
+
+    hostile = tmp_path / "hostile"
+    save_dcp(src, hostile)
+    (hostile / ".metadata").write_bytes(pickle.dumps(Boom()))
+    rc, _, err = run(capsys, "import", hostile, root, "--step", "1")
+    assert rc == 1
+    assert "GLOBAL posix.system is not part of DCP metadata" in err or "os.system" in err
+    assert not (Path.cwd() / "pwned").exists()
+
+    rc, _, err = run(capsys, "import", tmp_path, root, "--step", "1")
+    assert rc == 1
+    assert "not a torch.distributed.checkpoint checkpoint" in err
+    assert not root.exists() or not any(root.glob("step-*"))
+
+
+def test_dcp_unsafe_item_refused_or_skipped(tmp_path: Path, capsys) -> None:
+    src, model, _ = dcp_source()
+    src["extra"]["obj"] = Opaque()
+    ckpt = tmp_path / "dcp"
+    save_dcp(src, ckpt)
+    root = tmp_path / "store"
+    rc, _, err = run(capsys, "import", ckpt, root, "--step", "1")
+    assert rc == 1
+    assert "'extra.obj'" in err
+    assert "--skip-unsafe" in err
+
+    rc, out, err = run(capsys, "import", ckpt, root, "--step", "1", "--skip-unsafe")
+    assert rc == 0, err
+    assert "dropped entry ['extra']['obj']" in out
+    with CheckpointManager(root) as mgr:
+        stored = mgr.load(1)
+    assert "obj" not in stored["extra"]
+    assert_same(stored["model"], {k: v for k, v in model.state_dict().items()})
