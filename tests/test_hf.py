@@ -17,10 +17,11 @@ from torch import nn
 pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
-import transformers  # noqa: E402
-from accelerate import Accelerator  # noqa: E402
-from accelerate.utils import DataLoaderConfiguration  # noqa: E402
-from transformers import (  # noqa: E402
+import transformers
+from _helpers import step_dir
+from accelerate import Accelerator
+from accelerate.utils import DataLoaderConfiguration
+from transformers import (
     GPT2Config,
     GPT2LMHeadModel,
     Trainer,
@@ -28,10 +29,8 @@ from transformers import (  # noqa: E402
     TrainingArguments,
 )
 
-from ckptstore import CheckpointManager, StateMismatchError, StepExistsError  # noqa: E402
-from ckptstore.integrations.hf import AcceleratorCheckpointer, CkptStoreCallback  # noqa: E402
-
-from _helpers import step_dir  # noqa: E402
+from ckptstore import CheckpointManager, StateMismatchError, StepExistsError
+from ckptstore.integrations.hf import AcceleratorCheckpointer, CkptStoreCallback
 
 transformers.logging.set_verbosity_error()
 
@@ -118,7 +117,9 @@ class AccRun:
                     break
 
     def params(self) -> dict[str, torch.Tensor]:
-        return {k: v.detach().clone() for k, v in self.acc.unwrap_model(self.model).state_dict().items()}
+        return {
+            k: v.detach().clone() for k, v in self.acc.unwrap_model(self.model).state_dict().items()
+        }
 
 
 @pytest.fixture(scope="module")

@@ -36,7 +36,8 @@ def assert_same(a: Any, b: Any, where: str = "") -> None:
     """Equal values, types included; tensors bit for bit (dtype, shape, values)."""
     assert type(a) is type(b), f"{where}: {type(a).__name__} != {type(b).__name__}"
     if isinstance(a, torch.Tensor):
-        assert a.dtype == b.dtype and a.shape == b.shape, where
+        assert a.dtype == b.dtype, where
+        assert a.shape == b.shape, where
         assert torch.equal(a, b) or (a.isnan() == b.isnan()).all(), where
     elif isinstance(a, dict):
         assert list(a) == list(b), where
@@ -260,7 +261,9 @@ def test_dcp_directory_imports_exactly(tmp_path: Path, capsys) -> None:
     assert stored["model"]["bf16"].dtype == torch.bfloat16
     assert_same(stored["optimizer"], opt.state_dict())
     assert stored["step"] == 7
-    assert_same(stored["extra"], {"name": "run1", "losses": [0.5, float("inf")], "empty": torch.empty(0, 3)})
+    assert_same(
+        stored["extra"], {"name": "run1", "losses": [0.5, float("inf")], "empty": torch.empty(0, 3)}
+    )
 
     # and it restores into live objects
     fresh, fresh_opt, _ = trained(seed=3)

@@ -21,8 +21,42 @@ __all__ = ["check_zip", "load_tensor_dict", "write_torch"]
 
 
 def write_torch(sink: IO[bytes] | Any, tensors: Mapping[str, torch.Tensor]) -> None:
-    """``torch.save`` a flat ``{name: tensor}`` dict into a writable file object."""
-    torch.save(dict(tensors), sink)
+    """``torch.save`` a flat ``{name: tensor}`` dict into a writable file object.
+
+    Raises:
+        OSError: writing to ``sink`` failed (disk full, I/O error), as ``sink`` raised it.
+    """
+    rec = _Recording(sink)
+    try:
+        torch.save(dict(tensors), rec)
+    except RuntimeError:
+        # torch's zip writer turns an exception of the file object into a RuntimeError
+        # ("[enforce fail at inline_container.cc] unexpected pos ..."), losing the errno
+        # that says the disk is full: raise the file object's own error instead.
+        if rec.error is not None:
+            raise rec.error from None
+        raise
+
+
+class _Recording:
+    """Passes writes through to a file object and keeps the first exception it raised."""
+
+    def __init__(self, raw: Any) -> None:
+        self.raw = raw
+        self.error: BaseException | None = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return int(self.raw.write(data))
+        except BaseException as e:
+            if self.error is None:
+                self.error = e
+            raise
+
+    def flush(self) -> None:
+        flush = getattr(self.raw, "flush", None)
+        if flush is not None:
+            flush()
 
 
 def load_tensor_dict(data: bytes | bytearray | memoryview, where: str) -> dict[str, torch.Tensor]:

@@ -5,6 +5,8 @@ so ``import ckptstore`` never needs them:
 
 - :mod:`ckptstore.integrations.lightning`: ``CkptStoreIO``, a Lightning ``CheckpointIO``
   plugin (``Trainer(plugins=[CkptStoreIO()])``).
+- :mod:`ckptstore.integrations.hf`: ``AcceleratorCheckpointer`` (accelerate) and
+  ``CkptStoreCallback`` (the transformers ``Trainer``).
 """
 
 from __future__ import annotations

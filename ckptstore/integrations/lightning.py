@@ -71,8 +71,8 @@ A fallback is chosen on each rank from the same files, so ranks land on the same
 bypassing ``CheckpointIO``: use ``trainer.validate/test/predict(ckpt_path=...)``, or
 ``model.load_state_dict(CkptStoreIO().load_checkpoint(path)["state_dict"])``. Lightning's
 ``AsyncCheckpointIO`` removes checkpoints while a save may still run; wrap with care. Object
-stores (``s3://``, any fsspec URL) work, without the hidden-sibling rename: a step becomes
-visible when its manifest is put.
+stores (``s3://``, any fsspec URL) work, without the hidden-sibling rename (a step becomes
+visible when its manifest is put) and without the fallback to other checkpoints.
 """
 
 from __future__ import annotations
@@ -152,8 +152,9 @@ class CkptStoreIO(CheckpointIO):
         allow_pickle: store objects other than tensors, plain data and the types the plugin
             converts (``Namespace``, ``AttributeDict``, sets, paths) with pickle, and load
             them. Off by default: loading a pickle can run code.
-        fallback: when a ``last*.ckpt`` does not verify, load the newest checkpoint that does
-            (an older version, else another ``*.ckpt`` in the same directory) with a warning.
+        fallback: when a local ``last*.ckpt`` does not verify, load the newest checkpoint
+            that does (an older version, else another ``*.ckpt`` in the same directory) with
+            a warning.
         storage_options: passed to fsspec for checkpoint paths that are URLs.
 
     Raises:
