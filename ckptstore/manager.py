@@ -338,11 +338,7 @@ class CheckpointManager:
     ) -> dict[str, Any]:
         """Capture and encode the state in the caller's thread (the one copy if async)."""
         self._take_lock()
-        if step in set(self.steps()):
-            raise StepExistsError(
-                f"{self.storage.describe(step)} is already committed; steps are write-once. "
-                "Save under a new step, or delete this one first (ckptstore prune / gc)"
-            )
+        self._claim_step(step)
         tree, groups = self._encode(state, rng)
         return {
             "step": step,
@@ -352,6 +348,32 @@ class CheckpointManager:
             "metadata": metadata,
             "rank": rank,
         }
+
+    def _claim_step(self, step: int) -> None:
+        """Make sure ``step`` may be written: absent, or committed but corrupt (replaced).
+
+        After ``restore`` skipped a corrupt newest checkpoint, training reaches that step
+        again; refusing the save then would stop the job for good. A committed step that
+        verifies is never overwritten.
+
+        Raises:
+            StepExistsError: ``step`` is committed and verifies.
+        """
+        if step not in set(self.steps()):
+            return
+        report = verify_checkpoint(self.storage, step, deep=True)
+        if report.ok:
+            raise StepExistsError(
+                f"{self.storage.describe(step)} is already committed; steps are write-once. "
+                "Save under a new step, or delete this one first (ckptstore prune / gc)"
+            )
+        log.warning(
+            "%s is committed but does not verify (%s); replacing it with this save",
+            self.storage.describe(step),
+            "; ".join(report.problems),
+        )
+        self._known_good.discard(step)
+        self.storage.delete(step, background=False)
 
     def _write_files(self, pending: Pending, job: Mapping[str, Any]) -> None:
         """Write every payload file and the state tree; each is durable on return.
@@ -503,6 +525,7 @@ class CheckpointManager:
         if self.coord.is_leader:
             try:
                 self._take_lock()
+                self._claim_step(step)
                 pending = self.storage.begin(step)
                 opened = ("ok", pending.dirname)
             except BaseException as e:

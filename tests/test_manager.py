@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import logging
 import os
 import random
 import subprocess
@@ -30,6 +31,7 @@ from ckptstore import (
     KeepLast,
     NoCheckpointError,
     RNGState,
+    StepExistsError,
     StoreLockedError,
     UnsafeCheckpointError,
 )
@@ -359,3 +361,30 @@ def test_restore_explicit_step_and_policy_objects(tmp_path: Path) -> None:
         with pytest.raises(NoCheckpointError, match=r"have 1\.\.3"):
             mgr.restore(fresh, step=7)
         assert "KeepLast(n=3)" in repr(mgr)
+
+
+def test_a_corrupt_step_is_replaced_when_training_reaches_it_again(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))
+        payload = root / step_dir(2) / "model.safetensors"
+        data = bytearray(payload.read_bytes())
+        data[-1] ^= 0xFF
+        payload.write_bytes(bytes(data))
+        # Resume skips the corrupt step 2 and lands on 1 ...
+        assert mgr.restore(fresh_like(make_state(1))) == 1
+        # ... and when training reaches step 2 again, its save replaces the corrupt one.
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            mgr.save(2, make_state(20))
+        assert any("does not verify" in r.getMessage() for r in caplog.records)
+        assert mgr.steps() == [1, 2]
+        assert mgr.verify(2).ok
+        fresh = fresh_like(make_state(20))
+        assert mgr.restore(fresh) == 2
+        assert_same(model_sd(fresh), model_sd(make_state(20)))
+        # A step that verifies is never overwritten.
+        with pytest.raises(StepExistsError, match="already committed"):
+            mgr.save(2, make_state(21))

@@ -111,10 +111,10 @@ def _refuse_sharded(accelerator: Any) -> None:
 
 
 def _replace_if_corrupt(mgr: CheckpointManager, step: int, *, skip_if_saved: bool) -> bool:
-    """Make room for a save of ``step`` (collective); False: it is saved already, skip.
+    """Whether to save ``step`` (collective); False: it is saved already, skip.
 
-    A committed ``step`` that fails deep verification is deleted: no reader can use it, and a
-    committed step is never written again, so no writer can be racing on it.
+    A committed ``step`` that fails deep verification is left to ``CheckpointManager.save``,
+    which replaces it; one that verifies raises ``StepExistsError``.
     """
     verdict: str | None = None
     if mgr.coord.is_leader:
@@ -132,15 +132,7 @@ def _replace_if_corrupt(mgr: CheckpointManager, step: int, *, skip_if_saved: boo
             f"{mgr.storage.describe(step)} is already committed and verifies; steps are "
             "write-once. Save under a new step, or resume() first to continue after it"
         )
-    if verdict.startswith("corrupt"):
-        if mgr.coord.is_leader:
-            log.warning(
-                "%s does not verify (%s); replacing it with the new save",
-                mgr.storage.describe(step),
-                verdict.removeprefix("corrupt: "),
-            )
-            mgr.storage.delete(step)
-        mgr.coord.barrier("hf:replace", step)
+    # A corrupt committed step is replaced by CheckpointManager.save itself (with a warning).
     return verdict != "skip"
 
 

@@ -417,12 +417,13 @@ class Storage(abc.ABC):
         except OSError as e:
             log.warning("could not remove %s: %s; `ckptstore gc` will", pending.dirname, e)
 
-    def delete(self, step: int) -> None:
+    def delete(self, step: int, *, background: bool = True) -> None:
         """Delete a committed checkpoint so that it vanishes whole, at once.
 
         Local: rename to ``.trash-...`` (atomic), fsync the root, remove in the background.
         Object stores: remove the manifest first (the checkpoint is gone from that moment),
-        then the rest in the background.
+        then the rest in the background, or now with ``background=False`` (before the same
+        step is written again: a late background delete would remove the new files).
         """
         final = step_dirname(step)
         if self.atomic_rename:
@@ -433,7 +434,11 @@ class Storage(abc.ABC):
         else:
             with contextlib.suppress(FileNotFoundError):
                 self._remove(f"{final}/{MANIFEST_NAME}")
-            _deleter.submit(self, final)
+            if background:
+                _deleter.submit(self, final)
+            else:
+                with contextlib.suppress(FileNotFoundError):
+                    self._rmtree(final)
 
     def _discard(self, rel: str) -> None:
         if self.atomic_rename:
