@@ -32,5 +32,16 @@ test: lint typecheck unit
 demo: $(STAMP)
 	$(BIN)/python tools/demo.py
 
+# Benchmark vs torch.save, safetensors, DCP and the raw disk; results in bench-out/bench.json.
+# e.g. make bench BENCH_ARGS="--size 100MB --plot"
+BENCH_ARGS ?=
+bench: $(STAMP)
+	$(BIN)/python tools/bench.py $(BENCH_ARGS)
+
+# The long crash campaign (make test runs a short one).
+CRASH_ARGS ?=
+crashtest: $(STAMP)
+	$(BIN)/python tools/crashtest.py $(CRASH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info

@@ -7,9 +7,9 @@ loading into modules in ``state``/``modules``, retention planning in ``retention
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import errno
+import functools
 import json
 import math
 import os
@@ -17,7 +17,7 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping, MutableMapping
 from typing import Any
 
 import torch
@@ -44,6 +44,7 @@ from .retention import CheckpointInfo, RetentionPolicy, as_policy, plan_deletion
 from .staging import BackgroundWriter, SaveHandle, StagingPool
 from .state import apply_state, capture, kind_of, precheck
 from .storage import Pending, Storage, open_storage, wait_for_deletions
+from .storage.directio import run_all
 from .verify import verify_checkpoint
 
 __all__ = ["CheckpointManager"]
@@ -389,20 +390,16 @@ class CheckpointManager:
                 pending, name, tensors, fmt=self.format, compression=self.compression, rank=rank
             )
 
+        def write_tree() -> None:
+            pending.write_bytes(state_file(rank), job["tree"], codec="json", rank=rank)
+
+        # Largest first; state.json alongside, so its fsync overlaps the payloads' too.
         groups = sorted(job["groups"].items(), key=lambda kv: -_group_bytes(kv[1]))
-        if len(groups) <= 1:
-            for group, tensors in groups:
-                write(group, tensors)
-        else:
-            with concurrent.futures.ThreadPoolExecutor(
-                min(len(groups), _WRITE_THREADS), thread_name_prefix="ckptstore-write"
-            ) as pool:
-                futures = [pool.submit(write, g, t) for g, t in groups]
-                errors = [f.exception() for f in futures]
-            first = next((e for e in errors if e is not None), None)
-            if first is not None:
-                raise first
-        pending.write_bytes(state_file(rank), job["tree"], codec="json", rank=rank)
+        calls: list[Callable[[], None]] = [functools.partial(write, g, t) for g, t in groups]
+        errors = run_all([*calls, write_tree], max_workers=_WRITE_THREADS)
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
 
     def _make_manifest(
         self, step: int, files: Mapping[str, FileEntry], job: Mapping[str, Any], sharded: bool
@@ -1020,8 +1017,11 @@ class CheckpointManager:
             if report.ok:
                 self._known_good.add(s)
                 return s
-            log.warning("retention keeps an older step: step %d does not verify: %s", s,
-                        "; ".join(report.problems))
+            log.warning(
+                "retention keeps an older step: step %d does not verify: %s",
+                s,
+                "; ".join(report.problems),
+            )
         return None
 
     def prune(self) -> list[int]:

@@ -97,7 +97,11 @@ class Backend:
             return os.listdir(url)
         fs = fsspec.filesystem("memory")
         p = url.removeprefix("memory://")
-        return [os.path.basename(x.rstrip("/")) for x in fs.ls(p, detail=False)] if fs.exists(p) else []
+        return (
+            [os.path.basename(x.rstrip("/")) for x in fs.ls(p, detail=False)]
+            if fs.exists(p)
+            else []
+        )
 
     def drop(self, url: str) -> None:
         wait_for_deletions()
@@ -333,7 +337,7 @@ def test_every_operation_fails_cleanly(
         n = writes if fault == "short" else counter.count
         for k in range(1, n + 1):
             inj = Injector(fail_at=k, kind=fault)
-            outcome, _, problems = run_once(backend, case, inj)
+            _, _, problems = run_once(backend, case, inj)
             injected_n += inj.fired is not None
             where = f"{fault} at {inj.fired or f'#{k} (not reached)'}"
             violations += [f"{where}: {p}" for p in problems]

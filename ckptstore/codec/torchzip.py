@@ -11,7 +11,7 @@ import io
 import pickle
 import zipfile
 from collections.abc import Mapping
-from typing import IO, Any
+from typing import IO, Any, cast
 
 import torch
 
@@ -28,7 +28,7 @@ def write_torch(sink: IO[bytes] | Any, tensors: Mapping[str, torch.Tensor]) -> N
     """
     rec = _Recording(sink)
     try:
-        torch.save(dict(tensors), rec)
+        torch.save(dict(tensors), cast("IO[bytes]", rec))  # torch needs write() and flush()
     except RuntimeError:
         # torch's zip writer turns an exception of the file object into a RuntimeError
         # ("[enforce fail at inline_container.cc] unexpected pos ..."), losing the errno
@@ -63,7 +63,8 @@ def load_tensor_dict(data: bytes | bytearray | memoryview, where: str) -> dict[s
     """Load a flat tensor dict saved by :func:`write_torch`, never unpickling code."""
     check_zip(data, where, deep=False)
     try:
-        obj = torch.load(io.BytesIO(data), map_location="cpu", weights_only=True)
+        reader = cast(IO[bytes], MemoryReader(data))
+        obj = torch.load(reader, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         msg = (
             f"{where}: refused to load: the pickle inside asks for more than tensors and plain "
@@ -88,7 +89,7 @@ def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, d
     Raises:
         IntegrityError: the archive is truncated (no central directory) or a member is bad.
     """
-    fobj = io.BytesIO(data) if isinstance(data, bytes | bytearray | memoryview) else data
+    fobj = MemoryReader(data) if isinstance(data, bytes | bytearray | memoryview) else data
     try:
         with zipfile.ZipFile(fobj) as zf:
             names = zf.namelist()
@@ -109,3 +110,44 @@ def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, d
         raise IntegrityError(msg) from None
     except (EOFError, OSError, ValueError) as e:
         raise IntegrityError(f"{where}: zip archive unreadable ({e})") from None
+
+
+class MemoryReader(io.RawIOBase):
+    """A seekable read-only file over a buffer, without copying it (``io.BytesIO`` does)."""
+
+    def __init__(self, data: bytes | bytearray | memoryview) -> None:
+        super().__init__()
+        self._mv = memoryview(data).cast("B")
+        self._pos = 0
+
+    def readable(self) -> bool:
+        """Always true."""
+        return True
+
+    def seekable(self) -> bool:
+        """Always true."""
+        return True
+
+    def tell(self) -> int:
+        """The current position."""
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move the position like a file does."""
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._mv)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, b: Any) -> int:
+        """Copy the next bytes into ``b``."""
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), len(self._mv) - self._pos))
+        out[:n] = self._mv[self._pos : self._pos + n]
+        self._pos += n
+        return n
+
+    def read(self, size: int = -1) -> bytes:
+        """The next ``size`` bytes (all that remain by default)."""
+        end = len(self._mv) if size is None or size < 0 else min(len(self._mv), self._pos + size)
+        start, self._pos = self._pos, max(self._pos, end)
+        return bytes(self._mv[start:end])

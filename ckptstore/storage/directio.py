@@ -13,13 +13,13 @@ runs with ordinary buffered writes and ``fsync``.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import errno
 import fcntl
 import mmap
 import os
 import threading
+from collections.abc import Callable, Sequence
 from typing import Any
 
 from ..integrity import crc32c_of
@@ -32,10 +32,6 @@ BUFFER = 32 << 20
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
-_pool: concurrent.futures.ThreadPoolExecutor | None = None
-_pool_lock = threading.Lock()
-
-
 def lower_priority(nice: int = 10) -> None:
     """Lower the scheduling priority of the calling thread (Linux: priority is per thread).
 
@@ -46,26 +42,60 @@ def lower_priority(nice: int = 10) -> None:
         os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), nice)
 
 
-def io_pool() -> concurrent.futures.ThreadPoolExecutor:
-    """Threads that run blocking reads and writes (they release the GIL), shared by all files.
+class Call:
+    """Run ``fn(*args)`` on a new thread now; :meth:`result` waits for it.
 
-    Tasks in this pool never wait on each other, so sharing cannot deadlock.
+    Plain threads, not a ``concurrent.futures`` pool: an async save still in flight when
+    the interpreter exits is finished by its writer thread, and pools refuse new work once
+    interpreter shutdown has begun. One thread per 32 MB buffer costs nothing measurable.
     """
-    global _pool
-    with _pool_lock:
-        if _pool is None:
-            _pool = concurrent.futures.ThreadPoolExecutor(
-                8, thread_name_prefix="ckptstore-io", initializer=lower_priority
-            )
-        return _pool
+
+    def __init__(self, fn: Callable[..., Any], *args: Any) -> None:
+        self._done = threading.Event()
+        self._exc: BaseException | None = None
+        self._value: Any = None
+        self._thread = threading.Thread(
+            target=self._run, args=(fn, args), name="ckptstore-io", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+        lower_priority()
+        try:
+            self._value = fn(*args)
+        except BaseException as e:
+            self._exc = e
+        finally:
+            self._done.set()
+
+    def result(self) -> Any:
+        """The return value of ``fn``, or its exception raised here."""
+        self._done.wait()
+        if self._exc is not None:
+            raise self._exc
+        return self._value
 
 
-def _forget_pool() -> None:  # a forked child has the pool object but none of its threads
-    global _pool
-    _pool = None
+def run_all(calls: Sequence[Callable[[], Any]], max_workers: int = 3) -> list[BaseException | None]:
+    """Run the callables on up to ``max_workers`` threads; their exceptions, in order."""
+    errors: list[BaseException | None] = [None] * len(calls)
+    lock = threading.Lock()
+    todo = iter(range(len(calls)))
 
+    def worker() -> None:
+        while True:
+            with lock:
+                i = next(todo, None)
+            if i is None:
+                return
+            try:
+                calls[i]()
+            except BaseException as e:
+                errors[i] = e
 
-os.register_at_fork(after_in_child=_forget_pool)
+    for w in [Call(worker) for _ in range(max(1, min(max_workers, len(calls))))]:
+        w.result()
+    return errors
 
 
 class DirectWriter:
@@ -93,7 +123,7 @@ class DirectWriter:
         self._cur = 0
         self._pos = 0  # bytes filled in the current buffer
         self._offset = 0  # file offset of the current buffer
-        self._pending: concurrent.futures.Future[None] | None = None
+        self._pending: Call | None = None
         self._closed = False
 
     # -- file-object protocol (what torch.save and our encoders use) --
@@ -154,7 +184,7 @@ class DirectWriter:
         if self._can_direct and not self.direct:
             self.direct = self._set_direct(True)
             self._can_direct = self.direct
-        self._pending = io_pool().submit(self._pwrite_all, view, self._offset)
+        self._pending = Call(self._pwrite_all, view, self._offset)
         self._offset += self._pos
         self._cur ^= 1
         self._pos = 0

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import mmap
 import os
@@ -16,7 +15,7 @@ from ..errors import StoreLockedError
 from ..integrity import crc32c_of
 from ..layout import LOCK_NAME
 from .base import Consumer, Storage
-from .directio import BUFFER, DirectWriter, io_pool, open_direct_read, read_into, set_direct
+from .directio import BUFFER, Call, DirectWriter, open_direct_read, read_into, set_direct
 
 __all__ = ["LocalStorage"]
 
@@ -198,10 +197,9 @@ def _stream_small(fd: int, size: int, consume: Consumer | None) -> tuple[int, in
 
 
 def _stream_large(fd: int, consume: Consumer | None) -> tuple[int, int]:
-    pool = io_pool()
     bufs = [mmap.mmap(-1, BUFFER), mmap.mmap(-1, BUFFER)]
     views = [memoryview(b) for b in bufs]
-    fut: concurrent.futures.Future[int] | None = pool.submit(read_into, fd, views[0], 0)
+    fut: Call | None = Call(read_into, fd, views[0], 0)
     try:
         crc = 0
         offset = 0
@@ -212,7 +210,7 @@ def _stream_large(fd: int, consume: Consumer | None) -> tuple[int, int]:
             if n == 0:
                 break
             if n == BUFFER:
-                fut = pool.submit(read_into, fd, views[cur ^ 1], offset + n)
+                fut = Call(read_into, fd, views[cur ^ 1], offset + n)
             chunk = views[cur][:n]
             try:
                 crc = crc32c_of(chunk, crc)

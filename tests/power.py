@@ -1,0 +1,340 @@
+"""Power-loss simulation of a local store: what a cut at any moment leaves on the disk.
+
+:class:`PowerModel` traces the system calls of the local backend (``ckptstore.storage.local``
+and ``ckptstore.storage.directio``: their ``os``, ``shutil`` and ``open`` are replaced by
+tracing proxies for the duration) while they run for real, and keeps a model of the store
+with two views, after POSIX (fsync(2), rename(2)) and the way ext4/xfs behave on a crash:
+
+- the **live** view: what every process sees now;
+- the **durable** view: what survives a power cut. A file's bytes are durable once the file
+  is fsynced. A directory entry (a new file or directory, a rename into or out of it, an
+  unlink) is durable once *that directory* is fsynced. Nothing else is: a power cut drops
+  every change that was not made durable this way, the most a cut may drop.
+
+After each traced call (each step of a save, a prune...) the model takes two snapshots, the
+two extremes of what a cut may leave (a real crash lies in between):
+
+- ``"strict"``: only what was made durable: the tree of entries reachable from the root
+  through durable entries, with the durable bytes of each file;
+- ``"metadata"``: every directory change survives (journaled metadata, as ext4's default
+  ``data=ordered`` may leave it), but file bytes only where fsynced.
+
+:func:`materialize` writes a snapshot out as a directory, which is then opened as a store:
+exactly the disk the machine would come back to.
+
+``skip_fsync`` turns chosen fsync calls into no-ops in the model (the real call still runs),
+to show that the checks fail when the protocol loses one of its fsyncs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import shutil
+import stat
+import threading
+from collections.abc import Callable, Iterator
+from typing import Any
+
+from ckptstore.storage import directio as directio_mod
+from ckptstore.storage import local as local_mod
+
+#: A durable snapshot: relative path -> None for a directory, bytes for a file.
+Snapshot = dict[str, bytes | None]
+#: The two extremes of what a power cut may leave (see the module docstring).
+VIEWS = ("strict", "metadata")
+
+
+class Node:
+    """A file or directory of the model; the same object wherever it is linked (an inode)."""
+
+    def __init__(self, is_dir: bool, data: bytes = b"") -> None:
+        self.is_dir = is_dir
+        self.data = bytearray(data)  # files: the live bytes
+        self.durable = bytes(data)  # files: the bytes that survive a cut
+        self.entries: dict[str, Node] = {}  # directories: the live entries
+        self.durable_entries: dict[str, Node] = {}  # ... and those that survive a cut
+
+
+class PowerModel:
+    """Traces a local store's system calls; snapshots its durable state after each one."""
+
+    def __init__(self, root: str, skip_fsync: Callable[[str, bool], bool] | None = None) -> None:
+        self.root = os.path.abspath(root)
+        self.skip_fsync = skip_fsync or (lambda rel, is_dir: False)
+        self.top = self._scan(self.root)
+        self._fds: dict[int, tuple[Node, str]] = {}
+        self._lock = threading.RLock()
+        #: (label of the call, {view: snapshot after it}), in order; [0] is the start.
+        self.snapshots: list[tuple[str, dict[str, Snapshot]]] = []
+        self._record("start")
+        self.markers: list[tuple[int, str]] = []
+
+    # ---- the model ------------------------------------------------------------------
+
+    def _scan(self, path: str) -> Node:
+        """The store as it is on disk now, all of it durable (the starting point)."""
+        st = os.lstat(path)
+        if stat.S_ISDIR(st.st_mode):
+            node = Node(True)
+            for name in os.listdir(path):
+                child = os.path.join(path, name)
+                if stat.S_ISDIR(os.lstat(child).st_mode) or stat.S_ISREG(os.lstat(child).st_mode):
+                    node.entries[name] = self._scan(child)
+            node.durable_entries = dict(node.entries)
+            return node
+        with open(path, "rb") as f:
+            return Node(False, f.read())
+
+    def _rel(self, path: Any) -> str | None:
+        if not isinstance(path, str | bytes | os.PathLike):
+            return None
+        p = os.path.abspath(os.fsdecode(path))
+        if p == self.root:
+            return ""
+        if p.startswith(self.root + os.sep):
+            return p[len(self.root) + 1 :]
+        return None
+
+    def _lookup(self, rel: str) -> Node | None:
+        node: Node | None = self.top
+        for part in [p for p in rel.split(os.sep) if p]:
+            if node is None or not node.is_dir:
+                return None
+            node = node.entries.get(part)
+        return node
+
+    def _parent(self, rel: str) -> tuple[Node | None, str]:
+        head, _, name = rel.rpartition(os.sep)
+        return self._lookup(head), name
+
+    def durable_view(self, view: str = "strict") -> Snapshot:
+        """What a power cut now leaves: ``"strict"`` or ``"metadata"`` (see the module doc)."""
+        out: Snapshot = {}
+
+        def walk(node: Node, prefix: str) -> None:
+            entries = node.durable_entries if view == "strict" else node.entries
+            for name, child in sorted(entries.items()):
+                rel = f"{prefix}{name}"
+                if child.is_dir:
+                    out[rel] = None
+                    walk(child, rel + "/")
+                else:
+                    out[rel] = child.durable
+
+        walk(self.top, "")
+        return out
+
+    def _record(self, label: str) -> None:
+        self.snapshots.append((label, {v: self.durable_view(v) for v in VIEWS}))
+
+    def mark(self, label: str) -> None:
+        """Note that ``label`` happened after the last traced call (e.g. a commit returned)."""
+        with self._lock:
+            self.markers.append((len(self.snapshots) - 1, label))
+
+    # ---- traced calls ---------------------------------------------------------------
+
+    def _created(self, rel: str, is_dir: bool) -> Node | None:
+        parent, name = self._parent(rel)
+        if parent is None:
+            return None
+        node = Node(is_dir)
+        parent.entries[name] = node
+        return node
+
+    def open(self, path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
+        fd = os.open(path, flags, mode, dir_fd=dir_fd)
+        rel = self._rel(path) if dir_fd is None else None
+        if rel is None:
+            return fd
+        with self._lock:
+            node = self._lookup(rel)
+            if node is None and flags & os.O_CREAT:
+                node = self._created(rel, False)
+                self._record(f"create {rel}")
+            if node is not None:
+                self._fds[fd] = (node, rel)
+        return fd
+
+    def close(self, fd: int) -> None:
+        with self._lock:
+            self._fds.pop(fd, None)
+        os.close(fd)
+
+    def pwrite(self, fd: int, data: Any, offset: int) -> int:
+        n = os.pwrite(fd, data, offset)
+        with self._lock:
+            hit = self._fds.get(fd)
+            if hit is not None and n > 0:
+                node, rel = hit
+                chunk = bytes(memoryview(data).cast("B")[:n])
+                if len(node.data) < offset:
+                    node.data += bytes(offset - len(node.data))
+                node.data[offset : offset + n] = chunk
+                self._record(f"write {rel} [{offset}, {offset + n})")
+        return n
+
+    def fsync(self, fd: Any) -> None:
+        fd = fd if isinstance(fd, int) else fd.fileno()
+        os.fsync(fd)
+        with self._lock:
+            hit = self._fds.get(fd)
+            if hit is None:
+                return
+            node, rel = hit
+            if self.skip_fsync(rel, node.is_dir):
+                self._record(f"fsync {rel or '.'} (skipped)")
+                return
+            if node.is_dir:
+                node.durable_entries = dict(node.entries)
+            else:
+                node.durable = bytes(node.data)
+            self._record(f"fsync {rel or '.'}")
+
+    def mkdir(self, path: Any, mode: int = 0o777, *, dir_fd: int | None = None) -> None:
+        os.mkdir(path, mode, dir_fd=dir_fd)
+        rel = self._rel(path) if dir_fd is None else None
+        if rel is not None:
+            with self._lock:
+                self._created(rel, True)
+                self._record(f"mkdir {rel}")
+
+    def makedirs(self, path: Any, mode: int = 0o777, exist_ok: bool = False) -> None:
+        rel = self._rel(path)
+        if rel is None or rel == "" or self._lookup(rel) is not None:
+            os.makedirs(path, mode, exist_ok=exist_ok)
+            return
+        head = os.path.dirname(os.path.abspath(os.fsdecode(path)))
+        if not os.path.isdir(head):
+            self.makedirs(head, mode, exist_ok=True)
+        self.mkdir(path, mode)
+
+    def rename(self, src: Any, dst: Any) -> None:
+        os.rename(src, dst)
+        a, b = self._rel(src), self._rel(dst)
+        if a is None or b is None:
+            return
+        with self._lock:
+            pa, na = self._parent(a)
+            pb, nb = self._parent(b)
+            if pa is not None and pb is not None and na in pa.entries:
+                pb.entries[nb] = pa.entries.pop(na)
+                self._record(f"rename {a} -> {b}")
+
+    def unlink(self, path: Any, *, dir_fd: int | None = None) -> None:
+        os.unlink(path, dir_fd=dir_fd)
+        rel = self._rel(path) if dir_fd is None else None
+        if rel is not None:
+            self._unlinked(rel, "unlink")
+
+    def rmtree(self, path: Any, *args: Any, **kwargs: Any) -> None:
+        shutil.rmtree(path, *args, **kwargs)
+        rel = self._rel(path)
+        if rel is not None:
+            self._unlinked(rel, "rmtree")
+
+    def _unlinked(self, rel: str, what: str) -> None:
+        with self._lock:
+            parent, name = self._parent(rel)
+            if parent is not None and parent.entries.pop(name, None) is not None:
+                self._record(f"{what} {rel}")
+
+    def builtin_open(self, file: Any, mode: str = "r", *args: Any, **kwargs: Any) -> Any:
+        f = open(file, mode, *args, **kwargs)  # noqa: SIM115 - returned to the caller
+        rel = self._rel(file) if not isinstance(file, int) else None
+        if rel is None or ("x" not in mode and "w" not in mode):
+            return f
+        return _TracedFile(self, f, rel)
+
+    # ---- installation ---------------------------------------------------------------
+
+    @contextlib.contextmanager
+    def installed(self) -> Iterator[PowerModel]:
+        """Trace the local backend's system calls while the block runs."""
+        os_proxy = _Proxy(
+            os,
+            open=self.open,
+            close=self.close,
+            pwrite=self.pwrite,
+            fsync=self.fsync,
+            mkdir=self.mkdir,
+            makedirs=self.makedirs,
+            rename=self.rename,
+            unlink=self.unlink,
+        )
+        shutil_proxy = _Proxy(shutil, rmtree=self.rmtree)
+        saved = (local_mod.os, local_mod.shutil, directio_mod.os)
+        local_mod.os = os_proxy  # type: ignore[assignment]
+        local_mod.shutil = shutil_proxy  # type: ignore[assignment]
+        directio_mod.os = os_proxy  # type: ignore[assignment]
+        local_mod.open = self.builtin_open  # type: ignore[attr-defined]
+        try:
+            yield self
+        finally:
+            local_mod.os, local_mod.shutil, directio_mod.os = saved  # type: ignore[assignment]
+            del local_mod.open  # type: ignore[attr-defined]
+
+
+class _TracedFile:
+    """A file opened with ``open(path, "xb")`` (small files): writes go into the model."""
+
+    def __init__(self, model: PowerModel, f: Any, rel: str) -> None:
+        self._model = model
+        self._f = f
+        with model._lock:
+            node = model._lookup(rel)
+            if node is None:
+                node = model._created(rel, False)
+                model._record(f"create {rel}")
+            assert node is not None
+            self._node = node
+            model._fds[f.fileno()] = (node, rel)
+        self._rel = rel
+
+    def write(self, data: Any) -> int:
+        n = int(self._f.write(data))
+        with self._model._lock:
+            self._node.data += bytes(memoryview(data).cast("B")[:n])
+            self._model._record(f"write {self._rel}")
+        return n
+
+    def flush(self) -> None:
+        self._f.flush()
+
+    def fileno(self) -> int:
+        return int(self._f.fileno())
+
+    def close(self) -> None:
+        with self._model._lock:
+            self._model._fds.pop(self._f.fileno(), None)
+        self._f.close()
+
+    def __enter__(self) -> _TracedFile:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class _Proxy:
+    """A module whose chosen functions are replaced; everything else is the module's own."""
+
+    def __init__(self, module: Any, **overrides: Any) -> None:
+        self._module = module
+        self.__dict__.update(overrides)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._module, name)
+
+
+def materialize(snapshot: Snapshot, dest: str) -> None:
+    """Write a durable snapshot out as the directory ``dest``."""
+    os.makedirs(dest)
+    for rel, data in sorted(snapshot.items()):
+        p = os.path.join(dest, rel)
+        if data is None:
+            os.makedirs(p, exist_ok=True)
+        else:
+            with open(p, "wb") as f:
+                f.write(data)
