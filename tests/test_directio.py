@@ -226,3 +226,31 @@ def test_default_restore_leaves_targets_untouched_on_corruption(tmp_path: Path) 
             mgr.restore({"model": target}, step=1)
         for k, v in target.state_dict().items():
             assert torch.equal(v, before[k])
+
+
+@pytest.mark.timeout(120)
+def test_large_async_save_in_flight_at_exit_is_finished(tmp_path: Path) -> None:
+    # The file is larger than one bounce buffer, so its writes need I/O threads, started
+    # while the interpreter is already shutting down (no executor accepts work then).
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, torch\n"
+        "from ckptstore import CheckpointManager\n"
+        "m = CheckpointManager(sys.argv[1], async_save=True)\n"
+        "m.save(1, {'a': torch.arange(12 << 20, dtype=torch.float32), 'b': torch.ones(3)})\n"
+    )
+    root = tmp_path / "s"
+    proc = subprocess.run(
+        [sys.executable, "-c", code, str(root)],
+        check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+    )
+    assert proc.returncode == 0, proc.stderr
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [1]
+        assert mgr.verify(1).ok
+        assert torch.equal(mgr.load()["a"], torch.arange(12 << 20, dtype=torch.float32))
