@@ -143,6 +143,7 @@ class CheckpointManager:
         self._bg_error: BaseException | None = None
         self._mutex = threading.RLock()
         self._known_good: set[int] = set()
+        self._metrics: dict[int, Mapping[str, float]] = {}
         self.last_blocked_s = 0.0
 
     # ---- small queries ----------------------------------------------------------------
@@ -374,6 +375,7 @@ class CheckpointManager:
             "; ".join(report.problems),
         )
         self._known_good.discard(step)
+        self._metrics.pop(step, None)
         self.storage.delete(step, background=False)
 
     def _write_files(self, pending: Pending, job: Mapping[str, Any]) -> None:
@@ -1000,10 +1002,16 @@ class CheckpointManager:
         for s in steps:
             metrics: Mapping[str, float] = {}
             if self.policy.needs_metrics:
-                try:
-                    metrics = self.storage.read_manifest(s).metrics
-                except ManifestError:
-                    metrics = {}
+                # A committed manifest never changes: read each once per manager, so pruning
+                # after every save does not re-read thousands of manifests.
+                cached = self._metrics.get(s)
+                if cached is None:
+                    try:
+                        cached = self.storage.read_manifest(s).metrics
+                    except ManifestError:
+                        cached = {}
+                    self._metrics[s] = cached
+                metrics = cached
             infos.append(CheckpointInfo(s, metrics, self.storage.is_pinned(s)))
         return plan_deletions(infos, self.policy, last_good=self._last_good(steps))
 
@@ -1044,6 +1052,7 @@ class CheckpointManager:
                 except OSError as e:
                     raise CommitError(f"could not delete {self.storage.describe(s)}: {e}") from e
                 self._known_good.discard(s)
+                self._metrics.pop(s, None)
                 deleted.append(s)
             if deleted:
                 log.info("retention deleted steps %s", deleted)

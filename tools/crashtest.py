@@ -123,8 +123,9 @@ def run_rank(
     fmt: str,
     async_save: bool,
     seed: int,
+    freeze: bool = False,
 ) -> int:
-    """One rank of a 2-rank job that saves and restores until a rank dies."""
+    """One rank of a 2-rank job that saves and restores until a rank dies (or freezes)."""
     import datetime
 
     import torch
@@ -155,16 +156,18 @@ def run_rank(
         calls = 0
         real = Coordinator.barrier
 
+        sig = signal.SIGSTOP if freeze else signal.SIGKILL
+
         def barrier(self: Coordinator, phase: str, step: int | None = None) -> None:
             nonlocal calls
             calls += 1
             if calls == kill_at and kill_when == "before":
                 emit(f"dying {time.time():.6f} before {phase}")
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
             real(self, phase, step)
             if calls == kill_at and kill_when == "after":
                 emit(f"dying {time.time():.6f} after {phase}")
-                os.kill(os.getpid(), signal.SIGKILL)
+                os.kill(os.getpid(), sig)
 
         Coordinator.barrier = barrier  # type: ignore[method-assign]
     emit(f"ready {rank}")
@@ -294,6 +297,19 @@ class Server:
         if line is None:
             raise EOFError("the fork server died")
         return t, line
+
+    def drain(self) -> list[tuple[float, str]]:
+        """The lines already received (and when), without waiting."""
+        out = []
+        while True:
+            try:
+                t, line = self._q.get_nowait()
+            except queue.Empty:
+                return out
+            if line is None:
+                self._q.put((t, None))
+                return out
+            out.append((t, line))
 
     def line(self, prefix: str, timeout: float, into: list[str] | None = None) -> str:
         """Skip lines (keeping them in ``into``) until one starts with ``prefix``."""
@@ -529,6 +545,7 @@ class DistStats:
     kills: int = 0
     timed_kills: int = 0
     protocol_kills: int = 0
+    frozen: int = 0
     killed_in: dict[str, int] = dataclasses.field(default_factory=dict)
     survivor_timeouts: int = 0
     max_exit_after_kill: float = 0.0
@@ -555,6 +572,10 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
         kill_when = rng.choice(["before", "after"])
         fmt = rng.choice(["safetensors", "torch"])
         async_save = rng.random() < 0.5
+        # A third of the victims freeze (SIGSTOP) instead of dying: a hung rank whose
+        # sockets stay open, so only the timeout can tell; it is killed once the survivor
+        # has exited.
+        freeze = rng.random() < 1 / 3
         root = os.path.join(base, f"dist-{i}")
         lines: list[str] = []
         problems: list[str] = []
@@ -568,13 +589,16 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
             fmt=fmt,
             async_save=async_save,
             seed=i,
+            freeze=freeze,
         )
         pids: dict[int, int] = {}
         exits: dict[int, tuple[float, str]] = {}
         outcomes: dict[int, dict[str, Any]] = {}
         killed_at: float | None = None
         killed_in = "?"
-        where = "timed" if timed else f"barrier call {kill_at} ({kill_when})"
+        where = ("freeze " if freeze else "kill ") + (
+            "timed" if timed else f"at wait {kill_at} ({kill_when})"
+        )
         try:
             deadline = time.monotonic() + 120
             ready = 0
@@ -589,19 +613,26 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
                     ready += 1
                 elif line.startswith(("exit ", "error ")):
                     raise RuntimeError(f"a rank ended before it was ready: {line}")
+            backlog: list[tuple[float, str]] = []
             if timed:
                 time.sleep(rng.uniform(0.0, 1.0))
-                last_op = [x for x in lines if x.startswith(f"op {victim} ")]
+                backlog = server.drain()  # what the ranks were doing when the kill came
+                last_op = [x for _, x in backlog if x.startswith(f"op {victim} ")]
+                last_op = last_op or [x for x in lines if x.startswith(f"op {victim} ")]
                 killed_in = last_op[-1].split()[2] if last_op else "start"
                 killed_at = time.time()
-                os.kill(pids[victim], signal.SIGKILL)
-            # Read until both ranks have exited, or give up: a hang is a violation.
+                os.kill(pids[victim], signal.SIGSTOP if freeze else signal.SIGKILL)
+            # Read until both ranks have exited, or give up: a hang is a violation. (A frozen
+            # victim is killed when the survivor exits, so it exits too.)
             hard = time.monotonic() + 120
             while len(exits) < 2:
-                limit = hard - time.monotonic()
-                if killed_at is not None:
-                    limit = min(limit, killed_at + DIST_TIMEOUT + DIST_SLACK + 30 - time.time())
-                t, line = server.next(limit)
+                if backlog:
+                    t, line = backlog.pop(0)
+                else:
+                    limit = hard - time.monotonic()
+                    if killed_at is not None:
+                        limit = min(limit, killed_at + DIST_TIMEOUT + DIST_SLACK + 30 - time.time())
+                    t, line = server.next(limit)
                 lines.append(line)
                 if line.startswith("dying "):
                     killed_at = float(line.split()[1])
@@ -613,6 +644,9 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
                     pid = int(line.split()[1])
                     rank = next(r for r, p in pids.items() if p == pid)
                     exits[rank] = (t, " ".join(line.split()[2:]))
+                    if rank == 1 - victim and freeze:
+                        with contextlib.suppress(ProcessLookupError):
+                            os.kill(pids[victim], signal.SIGKILL)
             server.line("jobdone", 10, lines)
             server.children = []
         except (TimeoutError, EOFError, RuntimeError) as e:
@@ -625,6 +659,7 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
             stats.kills += 1
             stats.timed_kills += timed
             stats.protocol_kills += not timed
+            stats.frozen += freeze
             phase = killed_in.split()[-1].split(":")[0] if killed_in else "?"
             stats.killed_in[phase] = stats.killed_in.get(phase, 0) + 1
             if exits[victim][1] != f"signal {int(signal.SIGKILL)}":
@@ -664,7 +699,8 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
             )
             print(
                 f"  dist trial {i:3d} kill rank {victim} {where:26s} in {killed_in:28s}"
-                f" survivor exit after {took_s}  "
+                f" survivor: {outcomes.get(survivor, {}).get('error')} at"
+                f" {outcomes.get(survivor, {}).get('phase')}, exit after {took_s}  "
                 + ("OK" if not problems else "VIOLATION: " + "; ".join(problems)),
                 flush=True,
             )
@@ -805,7 +841,8 @@ def campaign(args: argparse.Namespace) -> int:
     if dstats is not None and dstats.trials:
         phases = ", ".join(f"{k} {v}" for k, v in sorted(dstats.killed_in.items()))
         print(
-            f"dist: {dstats.timed_kills} timed kills, {dstats.protocol_kills} at a protocol wait "
+            f"dist: {dstats.timed_kills} timed kills, {dstats.protocol_kills} at a protocol wait, "
+            f"{dstats.frozen} of them a freeze (SIGSTOP) "
             f"(killed in: {phases}); survivors raised BarrierTimeout {dstats.survivor_timeouts}"
             f"/{dstats.kills}; slowest exit {dstats.max_exit_after_kill:.1f}s after the kill "
             f"(barrier_timeout {DIST_TIMEOUT:g}s, allowed {DIST_TIMEOUT + DIST_SLACK:g}s)"
