@@ -1,0 +1,357 @@
+"""Scenarios run on every rank by ``tests/multirank/worker.py`` (one function per scenario).
+
+Each function gets a :class:`Ctx` and returns JSON-serializable data, or raises; the worker
+records either. Failures that a scenario expects are caught with :func:`outcome` so the
+rank can report how long the error took and what it said.
+"""
+
+from __future__ import annotations
+
+import errno
+import hashlib
+import os
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.nn.parallel import DistributedDataParallel as DDP
+from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
+
+from ckptstore import EMA, CheckpointManager, RNGState
+from ckptstore.storage.local import LocalStorage
+
+
+@dataclass
+class Ctx:
+    rank: int
+    world: int
+    workdir: Path
+    args: dict[str, Any]
+
+    @property
+    def root(self) -> Path:
+        return self.workdir / "store"
+
+
+def make_model(seed: int = 0, dropout: float = 0.0) -> nn.Module:
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(8, 16), nn.ReLU(), nn.Dropout(dropout), nn.Linear(16, 4))
+
+
+def digest(module: nn.Module) -> str:
+    h = hashlib.sha256()
+    for k, v in sorted(module.state_dict().items()):
+        h.update(k.encode())
+        h.update(v.detach().contiguous().numpy().tobytes())
+    return h.hexdigest()
+
+
+def train_steps(model: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(n):
+        x = torch.randn(4, 8, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    t0 = time.monotonic()
+    try:
+        value = fn()
+        return {"ok": True, "value": value, "seconds": time.monotonic() - t0}
+    except Exception as e:
+        return {
+            "ok": False,
+            "error_type": type(e).__name__,
+            "message": str(e),
+            "missing_ranks": list(getattr(e, "missing_ranks", []) or []),
+            "phase": getattr(e, "phase", None),
+            "step": getattr(e, "step", None),
+            "seconds": time.monotonic() - t0,
+        }
+
+
+def files_of(root: Path, step: int) -> list[str]:
+    d = root / f"step-{step:012d}"
+    return sorted(os.listdir(d)) if d.exists() else []
+
+
+# ---- replicated ------------------------------------------------------------------------
+
+
+def replicated(ctx: Ctx) -> dict[str, Any]:
+    model = DDP(make_model())
+    opt = torch.optim.Adam(model.parameters(), lr=0.01)
+    train_steps(model, opt, 3, seed=ctx.rank)  # different data per rank, grads all-reduced
+    mgr = CheckpointManager(ctx.root, keep=3)
+    m1 = mgr.save(1, {"model": model, "optimizer": opt}).manifest
+    train_steps(model, opt, 2, seed=10 + ctx.rank)
+    saved = digest(model.module)
+    m2 = mgr.save(2, {"model": model, "optimizer": opt}).manifest
+    files_after_save = files_of(ctx.root, 2)
+    fresh = DDP(make_model(seed=123))
+    opt2 = torch.optim.Adam(fresh.parameters(), lr=0.01)
+    step = mgr.restore({"model": fresh, "optimizer": opt2})
+    mgr.close()
+    return {
+        "saved": saved,
+        "restored": digest(fresh.module),
+        "step": step,
+        "manifest_steps": [m1.step, m2.step],
+        "world_size": m2.world_size,
+        "files": files_after_save,
+        "exp_avg": opt2.state_dict()["state"][0]["exp_avg"].sum().item(),
+        "exp_avg_saved": opt.state_dict()["state"][0]["exp_avg"].sum().item(),
+    }
+
+
+def save_on_rank0_only(ctx: Ctx) -> dict[str, Any]:
+    timeout = float(ctx.args["timeout"])
+    model = make_model()
+    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout)
+    mgr.save(1, {"model": model})
+    if ctx.rank == 0:
+        return outcome(lambda: mgr.save(2, {"model": model}))  # the `if rank == 0` bug
+    time.sleep(timeout + 6)
+    return {"ok": True, "value": "idle"}
+
+
+def rank_exits_before_save(ctx: Ctx) -> dict[str, Any]:
+    timeout = float(ctx.args["timeout"])
+    model = make_model()
+    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout)
+    mgr.save(1, {"model": model})
+    if ctx.rank == 1:
+        os._exit(3)
+    return outcome(lambda: mgr.save(2, {"model": model}))
+
+
+def rank_exits_mid_commit(ctx: Ctx) -> dict[str, Any]:
+    timeout = float(ctx.args["timeout"])
+    model = make_model()
+    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout)
+    mgr.save(1, {"model": model})
+    if ctx.rank == 0:
+        # Rank 0 writes slowly, so the other rank dies while step 2 is being written.
+        from ckptstore.codec import payload
+
+        real = payload.write_group
+
+        def slow(*a: Any, **k: Any) -> None:
+            time.sleep(2.0)
+            real(*a, **k)
+
+        payload.write_group = slow  # type: ignore[assignment]
+    else:
+        threading.Timer(0.7, lambda: os._exit(3)).start()
+    return outcome(lambda: mgr.save(2, {"model": model}))
+
+
+def rank0_raises_in_serialization(ctx: Ctx) -> dict[str, Any]:
+    model = make_model()
+    mgr = CheckpointManager(ctx.root, barrier_timeout=20)
+    mgr.save(1, {"model": model})
+    state: dict[str, Any] = {"model": model, "extra": {"ok": 1}}
+    if ctx.rank == 0:
+        state["extra"] = {"obj": object()}  # not storable without pickle
+    first = outcome(lambda: mgr.save(2, state))
+    # The group is still healthy: a later save works on every rank.
+    second = outcome(lambda: mgr.save(3, {"model": model}).manifest.step)
+    return {"first": first, "second": second, "steps": mgr.steps()}
+
+
+# ---- sharded ---------------------------------------------------------------------------
+
+
+def _shard_state(rank: int) -> dict[str, Any]:
+    return {
+        "shard": torch.arange(6, dtype=torch.float32) + 100 * rank,
+        "model": make_model(seed=rank),  # different weights per rank, as FSDP shards are
+        "meta": {"rank": rank},
+    }
+
+
+def sharded_roundtrip(ctx: Ctx) -> dict[str, Any]:
+    mgr = CheckpointManager(ctx.root, barrier_timeout=30)
+    state = _shard_state(ctx.rank)
+    m = mgr.save(1, state, sharded=True).manifest
+    fresh = {"shard": torch.zeros(6), "model": make_model(seed=99), "meta": None}
+    step = mgr.restore(fresh)
+    return {
+        "step": step,
+        "sharded": m.sharded,
+        "world_size": m.world_size,
+        "files": sorted(m.files),
+        "shard": fresh["shard"].tolist(),
+        "meta": fresh["meta"],
+        "model_ok": digest(fresh["model"]) == digest(state["model"]),
+    }
+
+
+def sharded_restore_other_world(ctx: Ctx) -> dict[str, Any]:
+    mgr = CheckpointManager(ctx.root, barrier_timeout=30)
+    fresh = {"shard": torch.zeros(6), "model": make_model(seed=99), "meta": None}
+    return outcome(lambda: mgr.restore(fresh))
+
+
+def sharded_disk_full(ctx: Ctx) -> dict[str, Any]:
+    mgr = CheckpointManager(ctx.root, barrier_timeout=30)
+    state = _shard_state(ctx.rank)
+    mgr.save(1, state, sharded=True)
+    if ctx.rank == 1:
+        real = LocalStorage._open_write
+
+        def full(self: LocalStorage, rel: str) -> Any:
+            if "step-000000000002" in rel or ".tmp-step-000000000002" in rel:
+                raise OSError(errno.ENOSPC, "No space left on device", rel)
+            return real(self, rel)
+
+        LocalStorage._open_write = full  # type: ignore[method-assign]
+    failed = outcome(lambda: mgr.save(2, state, sharded=True))
+    leftovers = sorted(n for n in os.listdir(ctx.root) if n.startswith("."))
+    dist.barrier()
+    fresh = {"shard": torch.zeros(6), "model": make_model(seed=99), "meta": None}
+    step = mgr.restore(fresh)
+    return {
+        "failed": failed,
+        "steps": mgr.steps(),
+        "leftovers": [n for n in leftovers if n.startswith(".tmp")],
+        "restored_step": step,
+        "shard": fresh["shard"].tolist(),
+    }
+
+
+# ---- restore ---------------------------------------------------------------------------
+
+
+def corrupt_newest(ctx: Ctx) -> dict[str, Any]:
+    model = make_model()
+    mgr = CheckpointManager(ctx.root, barrier_timeout=30)
+    mgr.save(1, {"model": model})
+    with torch.no_grad():
+        model[0].weight.add_(1.0)
+    mgr.save(2, {"model": model})
+    if ctx.rank == 0:
+        p = ctx.root / "step-000000000002" / "model.safetensors"
+        data = bytearray(p.read_bytes())
+        data[-5] ^= 0xFF
+        p.write_bytes(bytes(data))
+    dist.barrier()
+    fresh = make_model(seed=7)
+    step = mgr.restore({"model": fresh})
+    return {"step": step, "digest": digest(fresh), "verify2": mgr.verify(2).ok}
+
+
+def broadcast_restore(ctx: Ctx) -> dict[str, Any]:
+    # Node-local disks: each rank has its own directory; only rank 0's holds checkpoints.
+    root = ctx.workdir / f"node{ctx.rank}"
+    model = make_model(seed=5)
+    mgr = CheckpointManager(root, barrier_timeout=30)
+    mgr.save(1, {"model": model, "step": 1})
+    fresh: dict[str, Any] = {"model": make_model(seed=6), "step": 0}
+    step = mgr.restore(fresh, broadcast=True)
+    return {
+        "step": step,
+        "digest": digest(fresh["model"]),
+        "saved": digest(model),
+        "value": fresh["step"],
+        "local_files": sorted(os.listdir(root)) if root.exists() else [],
+    }
+
+
+def ddp_ema(ctx: Ctx) -> dict[str, Any]:
+    model = DDP(make_model())
+    ema = AveragedModel(model.module, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    opt = torch.optim.SGD(model.parameters(), lr=0.1)
+    for i in range(3):
+        train_steps(model, opt, 1, seed=i)
+        ema.update_parameters(model.module)
+    mgr = CheckpointManager(ctx.root, barrier_timeout=30)
+    mgr.save(1, {"model": model, "optimizer": opt})  # a checkpoint without EMA
+    mgr.save(2, {"model": model, "optimizer": opt, "ema": EMA(ema, source=model)})
+    ema_saved = digest(ema.module)
+    n_saved = int(ema.n_averaged)
+
+    # 1) No EMA stored: rebuilt from the de-parallelized, restored model.
+    m2 = DDP(make_model(seed=42))
+    ema2 = AveragedModel(m2.module, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    opt2 = torch.optim.SGD(m2.parameters(), lr=0.1)
+    s1 = mgr.restore({"model": m2, "optimizer": opt2, "ema": EMA(ema2, source=m2)}, step=1)
+    rebuilt_equals_model = digest(ema2.module) == digest(m2.module)
+    # 2) EMA stored: the EMA weights come back, not the model's.
+    m3 = DDP(make_model(seed=43))
+    ema3 = AveragedModel(m3.module, multi_avg_fn=get_ema_multi_avg_fn(0.5))
+    opt3 = torch.optim.SGD(m3.parameters(), lr=0.1)
+    s2 = mgr.restore({"model": m3, "optimizer": opt3, "ema": EMA(ema3, source=m3)})
+    # Training continues in lockstep after the restore (DDP collectives still match).
+    train_steps(m3, opt3, 1, seed=ctx.rank)
+    return {
+        "s1": s1,
+        "s2": s2,
+        "rebuilt_equals_model": rebuilt_equals_model,
+        "ema_restored": digest(ema3.module) == ema_saved,
+        "ema_differs_from_model": ema_saved != digest(model.module),
+        "n_averaged": int(ema3.n_averaged),
+        "n_saved": n_saved,
+        "after": digest(m3.module),
+    }
+
+
+# ---- exact resume ----------------------------------------------------------------------
+
+
+def train_run(ctx: Ctx) -> dict[str, Any]:
+    """Train to ``total`` steps, checkpointing every 2; stop abruptly after ``stop_at``."""
+    total = int(ctx.args["total"])
+    stop_at = ctx.args.get("stop_at")
+    torch.manual_seed(1000 + ctx.rank)  # per-rank streams: data and dropout differ by rank
+    model = DDP(make_model(seed=0, dropout=0.2))
+    opt = torch.optim.AdamW(model.parameters(), lr=0.01)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+    ema = AveragedModel(model.module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    mgr = CheckpointManager(ctx.root, keep=2, barrier_timeout=30)
+    state: dict[str, Any] = {
+        "model": model,
+        "optimizer": opt,
+        "scheduler": sched,
+        "ema": EMA(ema, source=model),
+        "rng": RNGState(),
+        "step": 0,
+    }
+    start = mgr.resume(state)
+    for step in range(start, total):
+        x = torch.randn(4, 8)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        sched.step()
+        ema.update_parameters(model.module)
+        state["step"] = step
+        if step % 2 == 1:
+            mgr.save(step, state)
+        if stop_at is not None and step == int(stop_at):
+            os._exit(0)  # a crash: no close, no cleanup
+    mgr.close()
+    return {
+        "start": start,
+        "model": digest(model.module),
+        "ema": digest(ema.module),
+        "opt": hashlib.sha256(
+            b"".join(
+                t.numpy().tobytes()
+                for s in opt.state_dict()["state"].values()
+                for t in s.values()
+                if isinstance(t, torch.Tensor)
+            )
+        ).hexdigest(),
+        "lr": opt.param_groups[0]["lr"],
+    }

@@ -1,0 +1,166 @@
+"""Multi-rank behaviour with real processes and gloo on CPU; every test has a hard timeout."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from ckptstore import CheckpointManager
+from tests.multirank.launch import describe, launch
+
+pytestmark = pytest.mark.timeout(120)
+TIMEOUT = 3.0  # barrier_timeout of the failure scenarios
+SLACK = 8.0  # "within barrier_timeout plus a few seconds"
+
+
+def values(results):
+    assert all(r.ok for r in results), describe(results)
+    return [r.value for r in results]
+
+
+def assert_previous_is_newest(root: Path, step: int) -> None:
+    mgr = CheckpointManager(root)
+    assert mgr.steps() == [step]
+    assert mgr.verify(step).ok
+    mgr.load()
+    assert not [n for n in root.iterdir() if n.name.startswith(".tmp")]
+
+
+def test_replicated_save_restore(tmp_path):
+    vals = values(launch("replicated", 2, tmp_path))
+    for v in vals:
+        assert v["step"] == 2
+        assert v["restored"] == v["saved"] == vals[0]["saved"]
+        assert v["exp_avg"] == v["exp_avg_saved"]
+        assert v["world_size"] == 2
+        assert v["manifest_steps"] == [1, 2]
+    # One writer: one file per top-level key, no per-rank files.
+    assert vals[0]["files"] == [
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "state.json",
+    ]
+
+
+def test_save_on_rank0_only_times_out_naming_absent_ranks(tmp_path):
+    vals = values(launch("save_on_rank0_only", 3, tmp_path, args={"timeout": TIMEOUT}))
+    r0 = vals[0]
+    assert not r0["ok"]
+    assert r0["error_type"] == "BarrierTimeout"
+    assert r0["missing_ranks"] == [1, 2]
+    assert r0["phase"] == "save:enter"
+    assert r0["step"] == 2
+    assert "rank(s) 1, 2 did not arrive" in r0["message"]
+    assert r0["seconds"] < TIMEOUT + SLACK
+    assert_previous_is_newest(tmp_path / "store", 1)
+
+
+def test_rank_exits_before_save(tmp_path):
+    res = launch("rank_exits_before_save", 3, tmp_path, args={"timeout": TIMEOUT})
+    assert res[1].returncode == 3
+    for r in (res[0], res[2]):
+        assert r.ok, describe(res)
+        v = r.value
+        assert v["error_type"] == "BarrierTimeout", describe(res)
+        assert v["missing_ranks"] == [1], describe(res)
+        assert v["phase"] == "save:enter"
+        assert v["seconds"] < TIMEOUT + SLACK
+    assert_previous_is_newest(tmp_path / "store", 1)
+
+
+def test_rank_exits_in_the_middle_of_the_commit(tmp_path):
+    res = launch("rank_exits_mid_commit", 2, tmp_path, args={"timeout": TIMEOUT})
+    assert res[1].returncode == 3
+    v = res[0].value
+    assert res[0].ok, describe(res)
+    assert v["error_type"] == "BarrierTimeout", describe(res)
+    assert v["missing_ranks"] == [1]
+    assert v["phase"] == "save:write"
+    assert v["seconds"] < 2.0 + TIMEOUT + SLACK
+    assert_previous_is_newest(tmp_path / "store", 1)
+
+
+def test_rank0_raising_during_serialization_raises_on_every_rank(tmp_path):
+    vals = values(launch("rank0_raises_in_serialization", 2, tmp_path))
+    for v in vals:
+        assert v["first"]["error_type"] == "UnsafeCheckpointError"
+        assert "state['extra']['obj']" in v["first"]["message"]
+        assert v["second"] == {"ok": True, "value": 3, "seconds": v["second"]["seconds"]}
+        assert v["steps"] == [1, 3]
+
+
+def test_sharded_roundtrip_and_refusal_on_other_world_size(tmp_path):
+    vals = values(launch("sharded_roundtrip", 2, tmp_path))
+    for rank, v in enumerate(vals):
+        assert v["step"] == 1
+        assert v["sharded"] is True
+        assert v["world_size"] == 2
+        assert v["shard"] == [100.0 * rank + i for i in range(6)]
+        assert v["meta"] == {"rank": rank}
+        assert v["model_ok"] is True
+    assert "model.rank00001.safetensors" in vals[0]["files"]
+    assert "state.rank00000.json" in vals[0]["files"]
+    other = values(launch("sharded_restore_other_world", 3, tmp_path))
+    for v in other:
+        assert v["error_type"] == "StateMismatchError"
+        assert "sharded by 2 ranks and this job has 3" in v["message"]
+
+
+def test_sharded_save_with_full_disk_on_one_rank(tmp_path):
+    vals = values(launch("sharded_disk_full", 2, tmp_path))
+    for rank, v in enumerate(vals):
+        f = v["failed"]
+        assert f["error_type"] == "CommitError", f
+        assert "rank(s) 1 failed" in f["message"]
+        assert "disk is full" in f["message"] or "No space left" in f["message"]
+        assert "step 1 is still the newest" in f["message"]
+        assert v["steps"] == [1]
+        assert v["restored_step"] == 1
+        assert v["shard"] == [100.0 * rank + i for i in range(6)]
+    assert not [n for n in (tmp_path / "store").iterdir() if n.name.startswith(".tmp")]
+
+
+def test_restore_falls_back_to_the_same_step_on_every_rank(tmp_path):
+    vals = values(launch("corrupt_newest", 2, tmp_path))
+    assert [v["step"] for v in vals] == [1, 1]
+    assert vals[0]["digest"] == vals[1]["digest"]
+    assert vals[0]["verify2"] is False
+
+
+def test_broadcast_restore_from_node_local_disk(tmp_path):
+    vals = values(launch("broadcast_restore", 2, tmp_path))
+    for v in vals:
+        assert v["step"] == 1
+        assert v["digest"] == v["saved"]
+        assert v["value"] == 1
+    assert vals[1]["local_files"] == []  # rank 1 never had the files
+
+
+def test_ddp_ema_rebuild_and_restore(tmp_path):
+    vals = values(launch("ddp_ema", 2, tmp_path))
+    for v in vals:
+        assert v["s1"] == 1
+        assert v["rebuilt_equals_model"] is True
+        assert v["s2"] == 2
+        assert v["ema_restored"] is True
+        assert v["ema_differs_from_model"] is True
+        assert v["n_averaged"] == v["n_saved"] == 3
+    assert vals[0]["after"] == vals[1]["after"]
+
+
+def test_exact_resume_is_bit_identical(tmp_path):
+    straight = values(launch("train_run", 2, tmp_path / "a", args={"total": 9}))
+    crashed = launch("train_run", 2, tmp_path / "b", args={"total": 9, "stop_at": 4})
+    assert all(r.returncode == 0 and not r.ok and r.error_type is None for r in crashed)
+    resumed = values(launch("train_run", 2, tmp_path / "b", args={"total": 9}))
+    for a, b in zip(straight, resumed, strict=True):
+        assert b["start"] == 4  # newest checkpoint was step 3
+        assert a["model"] == b["model"]
+        assert a["ema"] == b["ema"]
+        assert a["opt"] == b["opt"]
+        assert a["lr"] == b["lr"]
+    assert straight[0]["model"] == straight[1]["model"]  # DDP kept ranks in sync
+    assert torch.__version__  # keep the import honest for type checkers
