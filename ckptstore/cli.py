@@ -31,7 +31,7 @@ from typing import Any, TextIO
 
 from . import __version__
 from .codec.tree import SUPPORTED_DTYPES
-from .errors import CkptStoreError, IntegrityError, NoCheckpointError
+from .errors import CkptStoreError, IntegrityError, NoCheckpointError, StoreLockedError
 from .importers import read_source
 from .integrity import VerifyReport, format_crc
 from .layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname
@@ -469,7 +469,15 @@ def prune_store(
     """
     with _open(root, storage_options, keep=policies) as mgr:
         before = mgr.steps()
-        deleted = mgr.plan_prune() if dry_run else mgr.prune()
+        try:
+            deleted = mgr.plan_prune() if dry_run else mgr.prune()
+        except StoreLockedError as e:
+            # The generic advice ("give this one its own directory") is for a second job.
+            raise StoreLockedError(
+                f"{e.message.split(';')[0]}: nothing was deleted. A job is writing this store, "
+                "and its own keep= policy prunes after each of its saves; run `ckptstore "
+                "prune` once it has stopped (--dry-run shows the plan now)"
+            ) from None
         gone = set(deleted)
         return PruneResult(mgr.root, dry_run, deleted, [s for s in before if s not in gone])
 

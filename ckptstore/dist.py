@@ -22,6 +22,7 @@ import json
 import os
 import re
 import socket
+import threading
 import time
 from typing import Any
 
@@ -123,8 +124,12 @@ class Coordinator:
                     while store.add(key + "/acks", 0) < survivors and time.monotonic() < deadline:
                         time.sleep(0.02)
             return missing
-        if store is not None:
-            deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout)
+        if store is None:
+            return [0]
+        wait = min(_VERDICT_WAIT_S, self.timeout)
+
+        def fetch() -> list[int] | None:
+            deadline = time.monotonic() + wait
             while time.monotonic() < deadline:
                 try:
                     if store.check([key]):
@@ -132,9 +137,20 @@ class Coordinator:
                         store.add(key + "/acks", 1)
                         return missing
                 except Exception:
-                    break  # the store lived in rank 0's process: rank 0 is gone
+                    return None  # the store lived in rank 0's process: rank 0 is gone
                 time.sleep(0.02)
-        return [0]
+            return None
+
+        # A store call to a rank 0 that is alive but frozen (SIGSTOP, swapping, a hung
+        # filesystem) blocks for the store's own timeout (30 min by default), not ours:
+        # ask from a helper thread and give up on it after the verdict wait.
+        found: list[list[int] | None] = []
+        helper = threading.Thread(
+            target=lambda: found.append(fetch()), name="ckptstore-verdict", daemon=True
+        )
+        helper.start()
+        helper.join(wait + 1.0)
+        return found[0] if found and found[0] is not None else [0]
 
     def _probe_missing(self, store: Any) -> list[int]:
         """Which ranks are gone: not arrived at this wait, or dead processes on this host."""

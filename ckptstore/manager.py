@@ -814,6 +814,13 @@ class CheckpointManager:
         blobs[_MANIFEST_BLOB] = bytearray(manifest.to_bytes())
         return blobs
 
+    def _vanished(self, step: int) -> bool:
+        """Whether ``step`` is no longer committed: deleted (by retention), not corrupt."""
+        try:
+            return step not in self.storage.list_steps()
+        except OSError:
+            return False
+
     def _candidates(self, step: int | None) -> list[int]:
         steps = self.steps()
         if step is not None:
@@ -876,7 +883,9 @@ class CheckpointManager:
         if status == "error":
             raise value
         skipped: list[str] = []
-        for s in value:
+        queue, bad, relists = list(value), set(), 0
+        while queue:
+            s = queue.pop(0)
             stored: dict[Any, Any] | None = None
             kinds: dict[Any, str | None] = {}
             mine: tuple[str, Any] = ("ok", None)
@@ -909,7 +918,25 @@ class CheckpointManager:
                 if r == self.coord.rank or not isinstance(err, CkptStoreError):
                     raise err
                 raise type(err)(f"rank {r}: {err}")
+            if soft and relists < _RELISTS:
+                # Deleted while we read it (a running job's retention), not corrupt: rank 0
+                # looks again, and every rank goes on with the new newest.
+                again: tuple[str, Any] = ("ok", None)
+                if self.coord.is_leader:
+                    try:
+                        if self._vanished(s):
+                            again = ("ok", [c for c in self._candidates(None) if c not in bad])
+                    except BaseException as e:
+                        again = ("error", e)
+                status, fresh = self.coord.broadcast(again, "restore:rechoose", s)
+                if status == "error":
+                    raise fresh
+                if fresh is not None:
+                    relists += 1
+                    queue = fresh
+                    continue
             if soft:
+                bad.add(s)
                 why = "; ".join(f"rank {r}: {v}" for r, v in soft)
                 log.warning("skipping step %d: %s", s, why)
                 skipped.append(f"step {s}: {why}")
@@ -955,12 +982,20 @@ class CheckpointManager:
             IntegrityError: the requested ``step`` is corrupt.
         """
         skipped: list[str] = []
-        for s in self._candidates(step):
+        queue, bad, relists = self._candidates(step), set(), 0
+        while queue:
+            s = queue.pop(0)
             try:
                 out, _ = self._decode(s, None, rank=rank)
             except (IntegrityError, ManifestError) as e:
+                if step is None and relists < _RELISTS and self._vanished(s):
+                    # Deleted while we read it (a running job's retention), not corrupt.
+                    relists += 1
+                    queue = [c for c in self._candidates(None) if c not in bad]
+                    continue
                 if step is not None:
                     raise
+                bad.add(s)
                 log.warning("skipping step %d: %s", s, e)
                 skipped.append(f"step {s}: {e}")
                 continue
@@ -986,12 +1021,26 @@ class CheckpointManager:
         return report
 
     def pin(self, step: int) -> None:
-        """Protect ``step`` from retention (a ``pinned`` marker in its directory)."""
-        self.storage.set_pinned(self._resolve(step), True)
+        """Protect ``step`` from retention (a ``pinned`` marker in its directory).
+
+        Raises:
+            CommitError: the marker could not be written (read-only store, disk full).
+        """
+        self._set_pinned(step, True)
 
     def unpin(self, step: int) -> None:
         """Let retention delete ``step`` again."""
-        self.storage.set_pinned(self._resolve(step), False)
+        self._set_pinned(step, False)
+
+    def _set_pinned(self, step: int, pinned: bool) -> None:
+        s = self._resolve(step)
+        try:
+            self.storage.set_pinned(s, pinned)
+        except OSError as e:
+            if not _plain_oserror(e):
+                raise
+            what = "pin" if pinned else "unpin"
+            raise CommitError(f"could not {what} {self.storage.describe(s)}: {e}") from e
 
     def plan_prune(self) -> list[int]:
         """The steps :meth:`prune` would delete now."""
@@ -1152,6 +1201,9 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
 
 
 _MANIFEST_BLOB = "manifest.json"
+#: How often a restore looks for the new newest checkpoint when the one it was reading was
+#: deleted under it; past that, a deleted step counts as a failed one.
+_RELISTS = 16
 #: Payload files written at once; more only adds contention on 2-4 cores per rank.
 _WRITE_THREADS = 3
 

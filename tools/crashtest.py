@@ -47,7 +47,6 @@ import tempfile
 import threading
 import time
 import traceback
-import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -398,6 +397,7 @@ class Checker:
 
     def check(self, store: Store, lines: list[str], stats: StoreStats) -> list[str]:
         from ckptstore import CheckpointManager
+        from ckptstore.layout import parse_step_dirname
         from ckptstore.storage import wait_for_deletions
 
         cw = self.cw
@@ -415,12 +415,19 @@ class Checker:
             store.url, keep=store.keep, format=store.fmt, storage_options=store.options
         ) as mgr:
             garbage = mgr.storage.list_garbage()
-            if any(g.startswith(".trash-") for g in garbage):
-                stats.killed_mid_retention += 1
-            if any(not g.startswith(".trash-") for g in garbage):
-                stats.killed_mid_save += 1
             steps = mgr.steps()
             newest = steps[-1] if steps else None
+            # What the kill interrupted: a deletion leaves .trash- (local) or a manifest-less
+            # old step (S3: the manifest goes first); a save a .tmp- or a manifest-less new one.
+            olds = [parse_step_dirname(g) for g in garbage]
+            if any(g.startswith(".trash-") for g in garbage) or any(
+                s is not None and newest is not None and s < newest for s in olds
+            ):
+                stats.killed_mid_retention += 1
+            if any(g.startswith(".tmp-") for g in garbage) or any(
+                s is not None and (newest is None or s > newest) for s in olds
+            ):
+                stats.killed_mid_save += 1
             if lower is not None and (newest is None or newest < lower):
                 bad.append(f"step {lower} was saved (its save returned) but the newest is {newest}")
             if newest is not None and newest > upper:
@@ -470,6 +477,7 @@ class Checker:
 def writer_trials(
     kind: str,
     n: int,
+    *,
     rng: random.Random,
     server: Server,
     checker: Checker,
@@ -698,7 +706,7 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
                 f"{exits[survivor][0] - killed_at:.1f}s" if killed_at and survivor in exits else "?"
             )
             print(
-                f"  dist trial {i:3d} kill rank {victim} {where:26s} in {killed_in:28s}"
+                f"  dist trial {i:3d} rank {victim}: {where:26s} in {killed_in:22s}"
                 f" survivor: {outcomes.get(survivor, {}).get('error')} at"
                 f" {outcomes.get(survivor, {}).get('phase')}, exit after {took_s}  "
                 + ("OK" if not problems else "VIOLATION: " + "; ".join(problems)),
@@ -762,7 +770,14 @@ def campaign(args: argparse.Namespace) -> int:
 
                 results.append(
                     writer_trials(
-                        "local", args.trials, rng, server, checker, make_url, None, args.verbose
+                        "local",
+                        args.trials,
+                        rng=rng,
+                        server=server,
+                        checker=checker,
+                        make_url=make_url,
+                        options=None,
+                        verbose=args.verbose,
                     )
                 )
             else:
@@ -775,12 +790,12 @@ def campaign(args: argparse.Namespace) -> int:
                         writer_trials(
                             "s3",
                             args.trials,
-                            rng,
-                            server,
-                            checker,
-                            make_url_s3,
-                            ep.storage_options,
-                            args.verbose,
+                            rng=rng,
+                            server=server,
+                            checker=checker,
+                            make_url=make_url_s3,
+                            options=ep.storage_options,
+                            verbose=args.verbose,
                         )
                     )
         if args.dist_trials > 0:

@@ -329,16 +329,20 @@ class Storage(abc.ABC):
         Raises:
             IntegrityError: missing, wrong size, or checksum mismatch.
         """
-        buf = bytearray(entry.bytes)
-        mv = memoryview(buf)
+        # Allocated at the first chunk, once stream_file has checked the file's size against
+        # the manifest: a hostile manifest claiming 2**49 bytes is an IntegrityError, not a
+        # MemoryError (or the OOM killer).
+        bufs: list[bytearray] = []
 
         def into(offset: int, chunk: memoryview) -> None:
+            if not bufs:
+                bufs.append(bytearray(entry.bytes))
             end = offset + len(chunk)
-            if end <= len(mv):  # longer files are refused by stream_file
-                mv[offset:end] = chunk
+            if end <= len(bufs[0]):  # longer files are refused by stream_file
+                memoryview(bufs[0])[offset:end] = chunk
 
         self.stream_file(step, name, entry, into)
-        return buf
+        return bufs[0] if bufs else bytearray(entry.bytes)  # empty: no chunk came
 
     def checksum_file(self, step: int, name: str) -> tuple[int, int]:
         """Stream a file and return ``(bytes, crc32c)`` without keeping it in memory."""

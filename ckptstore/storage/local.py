@@ -11,7 +11,7 @@ from typing import IO, Any, ClassVar
 
 import filelock
 
-from ..errors import StoreLockedError
+from ..errors import CommitError, StoreLockedError
 from ..integrity import crc32c_of
 from ..layout import LOCK_NAME
 from .base import Consumer, Storage
@@ -159,15 +159,27 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
         return bool(self._lock.is_locked)
 
     def acquire(self, timeout: float = 0) -> None:
-        os.makedirs(self.root, exist_ok=True)
         try:
+            os.makedirs(self.root, exist_ok=True)
             self._lock.acquire(timeout=timeout)
+        except (FileExistsError, NotADirectoryError):
+            msg = (
+                f"{self.root} is not a directory, so it cannot be a checkpoint store; give "
+                "the path of a directory (it is created if missing)"
+            )
+            raise CommitError(msg) from None
         except filelock.Timeout:
             msg = (
                 f"{self.root} is locked by another writer ({self.path}); two jobs must not "
                 "write one store. Stop the other job or give this one its own directory"
             )
             raise StoreLockedError(msg) from None
+        except OSError as e:
+            msg = (
+                f"cannot write to the store {self.root}: taking its writer lock {self.path} "
+                f"failed ({e.strerror or e}); a writer needs write access to the directory"
+            )
+            raise CommitError(msg) from e
 
     def release(self) -> None:
         if self._lock.is_locked:

@@ -1,0 +1,216 @@
+"""Readers, writers and the CLI on one store at the same time.
+
+- A reader restoring the newest checkpoint in a tight loop while another process saves 500
+  times with ``keep=2`` (so retention deletes the step the reader may be reading) sees no
+  error, and every restore is one whole checkpoint, never a mix of two.
+- While that job runs, a second writer gets ``StoreLockedError`` and ``ckptstore prune``
+  is refused with a message that says what to do; nothing is lost.
+- A step deleted while it is being read is told apart from a corrupt one: ``restore`` and
+  ``load`` go on to the new newest, without a warning about corruption.
+"""
+
+from __future__ import annotations
+
+import logging
+import subprocess
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _helpers import LineReader, subprocess_env
+from torch import nn
+
+from ckptstore import CheckpointManager, CkptStoreError, StoreLockedError
+from ckptstore import cli as cli_mod
+from ckptstore.storage import LocalStorage, wait_for_deletions
+
+SAVES = 500
+
+WRITER = r"""
+import sys
+import torch
+from torch import nn
+from ckptstore import CheckpointManager
+
+torch.set_num_threads(1)
+model = nn.Linear(4, 4)
+with CheckpointManager(sys.argv[1], keep=2) as mgr:
+    for step in range(int(sys.argv[2])):
+        with torch.no_grad():
+            for p in model.parameters():
+                p.fill_(float(step))
+        mgr.save(step, {"model": model, "step": step})
+        if step == 0:
+            print("ready", flush=True)
+print("done", flush=True)
+"""
+
+
+def whole(state: dict[str, Any], step: int) -> bool:
+    """The state holds exactly checkpoint ``step`` (every value is ``step``)."""
+    return state["step"] == step and all(
+        bool((p == step).all()) for p in state["model"].parameters()
+    )
+
+
+@pytest.mark.timeout(90)
+def test_reader_restores_while_writer_saves_and_prunes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "store"
+    proc = subprocess.Popen(
+        [sys.executable, "-c", WRITER, str(root), str(SAVES)],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+        env=subprocess_env(),
+    )
+    out = LineReader(proc.stdout)
+    restores: Counter[str] = Counter()
+    errors: list[str] = []
+    steps_seen: list[int] = []
+    try:
+        out.until("ready", timeout=60)
+        reader = CheckpointManager(root)
+        state: dict[str, Any] = {"model": nn.Linear(4, 4), "step": -1}
+        locked_checked = False
+        deadline = time.monotonic() + 60
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            while proc.poll() is None and time.monotonic() < deadline:
+                try:
+                    s = reader.restore(state)
+                except CkptStoreError as e:
+                    errors.append(f"{type(e).__name__}: {e}")
+                    continue
+                restores["ok"] += 1
+                steps_seen.append(s)
+                if not whole(state, s):
+                    errors.append(f"restore of step {s} is not whole: step={state['step']}")
+                if not locked_checked and s > SAVES // 4:
+                    locked_checked = True
+                    check_writers_are_refused(root, capsys)
+        assert proc.wait(timeout=30) == 0, out.lines[-20:]
+        out.until("done", timeout=10)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+    assert locked_checked, "the job finished before the lock could be checked"
+    assert not errors, f"{len(errors)} errors in {restores['ok']} restores: {errors[:5]}"
+    assert restores["ok"] > 20
+    assert steps_seen == sorted(steps_seen), "a reader never goes back in time"
+    corrupt = [r.getMessage() for r in caplog.records if "skipping" in r.getMessage()]
+    assert not corrupt, f"deleted steps were reported as corrupt: {corrupt[:3]}"
+    wait_for_deletions()
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [SAVES - 2, SAVES - 1], "nothing lost, retention applied"
+        assert mgr.verify().ok
+    print(
+        f"\n{restores['ok']} restores during {SAVES} saves, steps {steps_seen[0]}..{steps_seen[-1]}"
+    )
+
+
+def check_writers_are_refused(root: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """While the job holds the store: a second writer and a CLI prune are refused."""
+    before = CheckpointManager(root).steps()
+    second = CheckpointManager(root, keep=1)
+    try:
+        with pytest.raises(StoreLockedError) as ei:
+            second.save(10**9, {"x": torch.zeros(1)})
+        assert "locked by another writer" in str(ei.value)
+        with pytest.raises(StoreLockedError):
+            second.prune()
+    finally:
+        second.close()
+    capsys.readouterr()
+    rc = cli_mod.main(["prune", str(root), "--keep-last", "1"])
+    captured = capsys.readouterr()
+    assert rc == 1
+    assert captured.out == ""
+    err = captured.err
+    assert "locked by another writer" in err
+    assert "nothing was deleted" in err
+    assert "once it has stopped" in err, err  # what to do
+    # Nothing was deleted by the refused prune: the steps then present are still there
+    # unless the job's own retention (keep=2) has moved past them.
+    after = CheckpointManager(root).steps()
+    assert after[-1] >= before[-1]
+    assert all(s in after for s in before if s >= after[-1] - 1)
+
+
+# ---- a step deleted while it is read ------------------------------------------------------
+
+
+def _saved(root: Path, steps: list[int]) -> None:
+    model = nn.Linear(4, 4)
+    with CheckpointManager(root) as mgr:
+        for s in steps:
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(float(s))
+            mgr.save(s, {"model": model, "step": s})
+
+
+@pytest.mark.parametrize("call", ["restore", "load"])
+def test_step_deleted_while_read_goes_to_the_new_newest(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+    call: str,
+) -> None:
+    # The reader picks step 2; while it reads, a writer commits step 3 and retention
+    # deletes step 2 (and 1): the reader must land on step 3, not fail and not call the
+    # vanished step corrupt.
+    root = tmp_path / "store"
+    _saved(root, [1, 2])
+    writer = CheckpointManager(root, keep=1)
+    real = LocalStorage._stream
+    fired = []
+
+    def stream(self: LocalStorage, rel: str, consume: Any) -> Any:
+        if rel.startswith("step-000000000002/") and not fired:
+            fired.append(rel)
+            model = nn.Linear(4, 4)
+            with torch.no_grad():
+                for p in model.parameters():
+                    p.fill_(3.0)
+            writer.save(3, {"model": model, "step": 3})
+            wait_for_deletions()
+        return real(self, rel, consume)
+
+    monkeypatch.setattr(LocalStorage, "_stream", stream)
+    reader = CheckpointManager(root)
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        if call == "restore":
+            state: dict[str, Any] = {"model": nn.Linear(4, 4), "step": -1}
+            assert reader.restore(state) == 3
+            assert whole(state, 3)
+        else:
+            data = reader.load()
+            assert data["step"] == 3
+            assert all(bool((t == 3).all()) for t in data["model"].values())
+    assert fired
+    assert reader.steps() == [3]
+    assert not [r for r in caplog.records if "skipping" in r.getMessage()]
+    writer.close()
+
+
+def test_corrupt_step_is_still_skipped_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The other side of the distinction: a step that is there but damaged is skipped, and
+    # said so.
+    root = tmp_path / "store"
+    _saved(root, [1, 2])
+    p = root / "step-000000000002" / "model.safetensors"
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 0xFF
+    p.write_bytes(bytes(data))
+    state: dict[str, Any] = {"model": nn.Linear(4, 4), "step": -1}
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert CheckpointManager(root).restore(state) == 1
+    assert any("skipping step 2" in r.getMessage() for r in caplog.records)

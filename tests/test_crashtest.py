@@ -1,0 +1,135 @@
+"""A short run of the crash campaign (tools/crashtest.py), and its checker catching damage.
+
+``make crashtest`` runs the long campaign (300 kills per store, 20 distributed jobs); here it
+runs 30 kills on a local store with 2 distributed jobs, and 10 kills on S3 (moto on
+loopback), each as a subprocess with a hard timeout.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import subprocess
+import sys
+from pathlib import Path
+from types import ModuleType
+from typing import Any
+
+import pytest
+from _helpers import REPO, subprocess_env
+
+from ckptstore import CheckpointManager
+
+TOOL = REPO / "tools" / "crashtest.py"
+
+
+def start(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen[str], Path]:
+    out = tmp_path / f"{name}.json"
+    proc = subprocess.Popen(
+        [sys.executable, str(TOOL), *args, "--json", str(out)],
+        env=subprocess_env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.STDOUT,
+        text=True,
+    )
+    return proc, out
+
+
+def finish(proc: subprocess.Popen[str], out: Path, timeout: float) -> dict[str, Any]:
+    try:
+        text, _ = proc.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        text, _ = proc.communicate()
+        raise AssertionError(f"the campaign hung past {timeout:.0f}s:\n{text[-4000:]}") from None
+    assert proc.returncode == 0, text[-4000:]
+    assert "violations: 0" in text
+    return dict(json.loads(out.read_text()))
+
+
+@pytest.mark.timeout(170)
+def test_short_campaigns(tmp_path: Path) -> None:
+    # Both at once: the S3 one mostly waits for its server.
+    local = start(tmp_path, "local", "--store", "local", "--trials", "30", "--dist-trials", "2")
+    s3 = None
+    if importlib.util.find_spec("moto") and importlib.util.find_spec("s3fs"):
+        s3 = start(tmp_path, "s3", "--store", "s3", "--trials", "10", "--dist-trials", "0")
+    try:
+        doc = finish(*local, timeout=150)
+        assert doc["violations"] == []
+        (stats,) = doc["stores"]
+        assert stats["store"] == "local"
+        assert stats["kills"] == stats["trials"] == 30
+        assert len(stats["configs"]) == 8  # sync/async x safetensors/torch x keep 1/2
+        assert stats["saves_returned"] > 30  # the kills came while saves were going on
+        dist = doc["dist"]
+        assert dist["trials"] == dist["kills"] == dist["survivor_timeouts"] == 2
+        assert dist["max_exit_after_kill"] < 3.0 + 5.0
+        if s3 is None:  # pragma: no cover
+            pytest.skip("moto or s3fs missing: no S3 campaign")
+        doc = finish(*s3, timeout=150)
+        (stats,) = doc["stores"]
+        assert stats["store"] == "s3"
+        assert stats["kills"] == stats["trials"] == 10
+    finally:
+        for proc, _ in filter(None, (local, s3)):
+            if proc.poll() is None:
+                proc.kill()
+                proc.wait()
+
+
+# ---- the checker has teeth --------------------------------------------------------------------
+
+
+def _load(name: str, path: Path) -> ModuleType:
+    spec = importlib.util.spec_from_file_location(name, path)
+    assert spec is not None
+    assert spec.loader is not None
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[name] = mod
+    spec.loader.exec_module(mod)
+    return mod
+
+
+@pytest.fixture(scope="module")
+def ct() -> ModuleType:
+    return _load("crashtest", TOOL)
+
+
+def _store(ct: ModuleType, root: Path, steps: range) -> object:
+    cw = _load("crash_writer", REPO / "tools" / "crash_writer.py")
+    state = cw.make_state()
+    with CheckpointManager(root, keep=2) as mgr:
+        for s in steps:
+            cw.fill(state, s)
+            mgr.save(s, state)
+    store = ct.Store(str(root), "safetensors", False, 2, None)
+    store.newest = steps[0] - 1
+    return store
+
+
+def test_checker_catches_a_lost_save(ct: ModuleType, tmp_path: Path) -> None:
+    store = _store(ct, tmp_path / "s", range(3))
+    stats = ct.StoreStats("local")
+    # The writer said step 3 was saved, but the store's newest is 2.
+    bad = ct.Checker().check(store, ["start 0", "returned 3", "saved 3"], stats)
+    assert any("step 3 was saved" in b for b in bad), bad
+
+
+def test_checker_catches_a_corrupt_newest(ct: ModuleType, tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    store = _store(ct, root, range(3))
+    p = root / "step-000000000002" / "model.safetensors"
+    data = bytearray(p.read_bytes())
+    data[-1] ^= 0xFF
+    p.write_bytes(bytes(data))
+    bad = ct.Checker().check(store, ["start 0", "returned 2", "saved 2"], ct.StoreStats("x"))
+    assert any("does not verify" in b for b in bad), bad
+
+
+def test_checker_catches_a_step_retention_should_have_kept(ct: ModuleType, tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    store = _store(ct, root, range(3))  # keep=2: steps 1 and 2
+    (root / "step-000000000001" / "manifest.json").unlink()
+    bad = ct.Checker().check(store, ["start 0", "returned 2", "saved 2"], ct.StoreStats("x"))
+    assert any("[1] lost" in b for b in bad), bad
