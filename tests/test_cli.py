@@ -729,7 +729,7 @@ def test_completion_script_completes_commands_and_options(
     probe = (
         f"source {script}; "
         'COMP_WORDS=(ckptstore ve); COMP_CWORD=1; _ckptstore; echo "${COMPREPLY[@]}"; '
-        'COMP_WORDS=(ckptstore prune r --keep-l); COMP_CWORD=3; _ckptstore; '
+        "COMP_WORDS=(ckptstore prune r --keep-l); COMP_CWORD=3; _ckptstore; "
         'echo "${COMPREPLY[@]}"'
     )
     res = subprocess.run(["bash", "-c", probe], capture_output=True, text=True, check=True)
