@@ -850,7 +850,9 @@ class CheckpointManager:
         ``broadcast=True`` rank 0 reads them and sends them to the others (node-local
         disks). Every payload is checked against its checksum before anything in ``state``
         changes; a checkpoint that fails on any rank is skipped by all (when ``step`` is
-        None). Tensors go to CPU, then into each target's own device.
+        None), while one deleted as it was read (a running job's retention) is not taken for
+        corrupt: the newest is chosen again. Tensors go to CPU, then into each target's own
+        device.
 
         ``in_place=True`` reads payloads straight into the tensors of the modules, optimizers
         and EMA in ``state`` (when dtype, shape and layout match), skipping one copy of the
@@ -974,8 +976,9 @@ class CheckpointManager:
     def load(self, step: int | None = None, *, rank: int | None = None) -> dict[Any, Any]:
         """The stored state as plain data (modules as state dicts, tensors on CPU).
 
-        Not collective. Without ``step``, the newest checkpoint that verifies. ``rank``
-        picks the shard of a sharded checkpoint (default: this process's rank).
+        Not collective. Without ``step``, the newest checkpoint that verifies (chosen again
+        if the one being read is deleted meanwhile). ``rank`` picks the shard of a sharded
+        checkpoint (default: this process's rank).
 
         Raises:
             NoCheckpointError: nothing committed (or nothing that verifies).

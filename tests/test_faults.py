@@ -177,7 +177,7 @@ class Case:
 
             return prune
         mgr = CheckpointManager(url, format=self.fmt)
-        target = fresh_like(state(2))
+        target = {"model": fresh_like(make_state(2))["model"], "step": -1, "extra": None}
 
         def restore() -> Any:
             try:

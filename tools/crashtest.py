@@ -20,10 +20,11 @@ with SIGKILL after a random delay, then checks the store from this process:
 Stores: a local directory, and S3 (moto's server on loopback, tests/s3server.py).
 
 **Distributed.** ``--dist-trials`` runs 2-rank jobs (gloo on loopback) that save and restore
-in a loop; one rank is killed, either after a random delay or at a random one of its
-protocol waits (before or after it). The survivor must raise ``BarrierTimeout`` and exit
-within ``barrier_timeout`` plus a few seconds of the kill, never hang; the store must still
-hold a checkpoint that verifies.
+in a loop; one rank is killed (SIGKILL) or, a third of the time, frozen (SIGSTOP: a hung
+rank whose sockets stay open, so only the timeout can tell), either after a random delay or
+at a random one of its protocol waits (before or after it). The survivor must raise
+``BarrierTimeout`` naming that rank and exit within ``barrier_timeout`` plus a few seconds,
+never hang; the store must still hold a checkpoint that verifies.
 
 Writers are forked by a fork server (this file with ``--serve``) that imported torch once,
 so a trial costs milliseconds, not an interpreter start. Prints a summary table; exits 1 on
