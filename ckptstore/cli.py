@@ -25,7 +25,6 @@ import math
 import os
 import re
 import sys
-import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
@@ -38,7 +37,7 @@ from .layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname
 from .manager import CheckpointManager
 from .manifest import Manifest
 from .retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
-from .single import atomic_save
+from .single import atomic_save, atomic_write
 from .storage import LocalStorage, Storage
 from .verify import verify_checkpoint, verify_file
 
@@ -1063,26 +1062,7 @@ def _atomic_save_safetensors(tensors: dict[str, Any], out: str, metadata: dict[s
     """``safetensors.torch.save_file`` that is never seen half-written (tmp, fsync, replace)."""
     from safetensors.torch import save_file
 
-    directory = os.path.dirname(os.path.abspath(out))
-    tmp = os.path.join(directory, f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex}")
-    try:
-        save_file(tensors, tmp, metadata=metadata)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-        os.replace(tmp, out)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
-    # The rename is durable only once the directory is (rename(2), fsync(2)).
-    dfd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(dfd)
-    finally:
-        os.close(dfd)
+    atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=metadata))
 
 
 def export_step(

@@ -5,11 +5,12 @@ from __future__ import annotations
 import contextlib
 import os
 import uuid
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-__all__ = ["atomic_save"]
+__all__ = ["atomic_save", "atomic_write"]
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -21,14 +22,30 @@ def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
     file or the new one, whole. Readers that open ``path`` while it is being saved keep
     reading the old file: the ``failed finding central directory`` race cannot happen.
     """
+
+    def write(tmp: str) -> None:
+        with open(tmp, "xb") as f:
+            torch.save(obj, f)
+
+    atomic_write(path, write)
+
+
+def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> None:
+    """Run ``write(tmp_path)``, then make ``tmp_path`` durable and rename it to ``path``.
+
+    The temporary file is in ``path``'s directory and removed if anything fails; the
+    directory is fsynced after the rename, which is durable only then (rename(2), fsync(2)).
+    """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
-        with open(tmp, "xb") as f:
-            torch.save(obj, f)
-            f.flush()
-            os.fsync(f.fileno())
+        write(tmp)
+        fd = os.open(tmp, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
