@@ -130,6 +130,8 @@ class Coordinator:
 
         def fetch() -> list[int] | None:
             deadline = time.monotonic() + wait
+            with contextlib.suppress(Exception):  # "I am alive and failed too" (_probe_missing)
+                store.set(self._failed_key(self.rank), "1")
             while time.monotonic() < deadline:
                 try:
                     if store.check([key]):
@@ -171,7 +173,21 @@ class Coordinator:
             rhost, _, pid = where.rpartition(":")
             if rhost == host and pid.isdigit() and not _alive(int(pid)):
                 missing.append(r)
-        return missing
+        # A rank that arrived but then hung inside the exchange (frozen, deadlocked, or dead
+        # on another host) is told apart from the survivors by silence: every survivor
+        # reports its own failure of this wait (_fail) within about the same timeout. Half
+        # the verdict wait, so the survivors are still waiting for the verdict.
+        silent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
+        deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout) / 2
+        while silent and time.monotonic() < deadline:
+            with contextlib.suppress(Exception):
+                silent = [r for r in silent if not store.check([self._failed_key(r)])]
+            if silent:
+                time.sleep(0.02)
+        return sorted(missing + silent)
+
+    def _failed_key(self, rank: int) -> str:
+        return f"ckptstore/{self._uid}/{self._seq}/failed/{rank}"
 
     def _arrive(self) -> None:
         store = _default_store()

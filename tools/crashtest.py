@@ -127,6 +127,7 @@ def run_rank(
 ) -> int:
     """One rank of a 2-rank job that saves and restores until a rank dies (or freezes)."""
     import datetime
+    import faulthandler
 
     import torch
     import torch.distributed as dist
@@ -170,6 +171,9 @@ def run_rank(
                 os.kill(os.getpid(), sig)
 
         Coordinator.barrier = barrier  # type: ignore[method-assign]
+    # A watchdog: a rank still running this long after the start is stuck; its stacks go
+    # to the campaign's output (and the trial is reported), then it exits.
+    faulthandler.dump_traceback_later(DIST_TIMEOUT + DIST_SLACK + 15, exit=True)
     emit(f"ready {rank}")
     step = 0
     try:
@@ -660,7 +664,7 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
             server.children = []
         except (TimeoutError, EOFError, RuntimeError) as e:
             server.kill_children()
-            problems.append(f"stalled or broke: {e}")
+            problems.append(f"stalled or broke: {e}; the ranks said: {' | '.join(lines[-15:])}")
             with contextlib.suppress(TimeoutError, EOFError):
                 server.line("jobdone", 30, lines)
         survivor = 1 - victim
@@ -675,7 +679,10 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
                 problems.append(f"rank {victim} was to be killed but ended with {exits[victim][1]}")
             out = outcomes.get(survivor)
             if out is None or out["error"] != "BarrierTimeout":
-                problems.append(f"survivor rank {survivor} did not raise BarrierTimeout: {out}")
+                tail = " | ".join(lines[-15:])
+                problems.append(
+                    f"survivor rank {survivor} did not raise BarrierTimeout: {out}; said: {tail}"
+                )
             else:
                 stats.survivor_timeouts += 1
                 if victim not in out["missing"]:

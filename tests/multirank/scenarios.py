@@ -355,3 +355,34 @@ def train_run(ctx: Ctx) -> dict[str, Any]:
         ).hexdigest(),
         "lr": opt.param_groups[0]["lr"],
     }
+
+
+# ---- a rank that hangs (alive, sockets open) ----------------------------------------------
+
+
+def rank_freezes_mid_exchange(ctx: Ctx) -> dict[str, Any]:
+    """The last rank passes the 'save:write' wait, then freezes (SIGSTOP) before the data
+    exchange: only the timeout can tell, and the survivors must still name it."""
+    import signal
+
+    from ckptstore.dist import Coordinator
+
+    timeout = float(ctx.args["timeout"])
+    model = make_model()
+    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout)
+    mgr.save(1, {"model": model})
+    if ctx.rank == ctx.world - 1:
+        real = Coordinator.barrier
+        me = os.getpid()
+
+        def barrier(self: Coordinator, phase: str, step: int | None = None) -> None:
+            real(self, phase, step)
+            if phase == "save:write":
+                if os.fork() == 0:  # the undertaker: the frozen rank cannot end itself
+                    time.sleep(timeout + 6)  # the survivors are done by then
+                    os.kill(me, signal.SIGKILL)
+                    os._exit(0)
+                os.kill(me, signal.SIGSTOP)
+
+        Coordinator.barrier = barrier  # type: ignore[method-assign]
+    return outcome(lambda: mgr.save(2, {"model": model}))
