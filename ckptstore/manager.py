@@ -503,6 +503,10 @@ class CheckpointManager:
                 outcome = ("ok", manifest.to_bytes())
             except BaseException as e:
                 outcome = ("error", e)
+        return self._announce(outcome, step)
+
+    def _announce(self, outcome: tuple[str, Any], step: int) -> Manifest:
+        """Broadcast rank 0's commit outcome; every rank returns the manifest or raises it."""
         status, value = self.coord.broadcast(outcome, "save:commit", step)
         if status == "error":
             raise value if isinstance(value, BaseException) else CommitError(str(value))
@@ -576,11 +580,7 @@ class CheckpointManager:
                     self.storage.abort(pending)
                     err = _commit_error(e, where, self._previous(step)) if _plain_oserror(e) else e
                     outcome = ("error", err)
-        status, value = self.coord.broadcast(outcome, "save:commit", step)
-        if status == "error":
-            raise value if isinstance(value, BaseException) else CommitError(str(value))
-        self._after_commit(step)
-        return Manifest.from_bytes(value)
+        return self._announce(outcome, step)
 
     def _encode_sync(
         self, state: Mapping[Any, Any]
