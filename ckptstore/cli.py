@@ -258,15 +258,18 @@ def list_store(root: str, storage_options: Mapping[str, Any]) -> LsResult:
     """
     with _open(root, storage_options) as mgr:
         infos = []
-        for step in mgr.steps():
+        steps, garbage = mgr.storage.scan()
+        # The storage read, not mgr.manifest(): that re-lists the store per step, quadratic
+        # on an object store; and a local store answers from its listing cache.
+        manifests = mgr.storage.read_manifests(steps, complete=True)
+        for step in steps:
             pinned = mgr.storage.is_pinned(step)
-            try:
-                # The storage read, not mgr.manifest(): that re-lists the store per step,
-                # quadratic on an object store.
-                infos.append(StepInfo(step, pinned, manifest=mgr.storage.read_manifest(step)))
-            except CkptStoreError as e:
-                infos.append(StepInfo(step, pinned, error=_one_line(str(e))))
-        return LsResult(mgr.root, infos, mgr.storage.list_garbage())
+            m = manifests[step]
+            if isinstance(m, CkptStoreError):
+                infos.append(StepInfo(step, pinned, error=_one_line(str(m))))
+            else:
+                infos.append(StepInfo(step, pinned, manifest=m))
+        return LsResult(mgr.root, infos, garbage)
 
 
 def _print_ls(res: LsResult, as_json: bool, out: TextIO) -> None:

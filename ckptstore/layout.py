@@ -10,6 +10,7 @@ import re
 import uuid
 
 __all__ = [
+    "INDEX_NAME",
     "LOCK_NAME",
     "MANIFEST_NAME",
     "PIN_NAME",
@@ -25,11 +26,14 @@ MANIFEST_NAME = "manifest.json"
 STATE_NAME = "state.json"
 PIN_NAME = "pinned"
 LOCK_NAME = ".ckptstore.lock"
+#: The listing cache of a local store (see storage/local.py); never part of a checkpoint.
+INDEX_NAME = ".ckptstore.index"
 
 # [0-9], not \d: \d also matches other scripts' digits ("step-١٢"), which int() accepts.
 _STEP_RE = re.compile(r"step-([0-9]{1,30})")
 _TMP_RE = re.compile(r"\.tmp-step-[0-9]+-[0-9a-f]{32}(?:-r[0-9]+)?")
 _TRASH_RE = re.compile(r"\.trash-step-[0-9]+-[0-9a-f]{32}")
+_INDEX_TMP_RE = re.compile(r"\.ckptstore\.index-[0-9a-f]{32}\.tmp")
 #: Largest step we accept: 12 digits pad every realistic run; more is allowed, to 30.
 MAX_STEP = 10**30 - 1
 
@@ -85,4 +89,9 @@ def is_trash_name(name: str) -> bool:
 
 def is_garbage_name(name: str) -> bool:
     """Whether ``name`` is a tmp or trash entry (``gc`` removes those that are stale)."""
-    return is_tmp_name(name) or is_trash_name(name)
+    return is_tmp_name(name) or is_trash_name(name) or _INDEX_TMP_RE.fullmatch(name) is not None
+
+
+def index_tmp_name() -> str:
+    """A fresh name for the listing cache while it is written (garbage if left behind)."""
+    return f"{INDEX_NAME}-{uuid.uuid4().hex}.tmp"

@@ -1050,21 +1050,17 @@ class CheckpointManager:
         steps = self.steps()
         if not steps:
             return []
-        infos = []
-        for s in steps:
-            metrics: Mapping[str, float] = {}
-            if self.policy.needs_metrics:
-                # A committed manifest never changes: read each once per manager, so pruning
-                # after every save does not re-read thousands of manifests.
-                cached = self._metrics.get(s)
-                if cached is None:
-                    try:
-                        cached = self.storage.read_manifest(s).metrics
-                    except ManifestError:
-                        cached = {}
-                    self._metrics[s] = cached
-                metrics = cached
-            infos.append(CheckpointInfo(s, metrics, self.storage.is_pinned(s)))
+        if self.policy.needs_metrics:
+            # A committed manifest never changes: read each once per manager, so pruning
+            # after every save does not re-read thousands of manifests.
+            misses = [s for s in steps if s not in self._metrics]
+            if misses:
+                got = self.storage.read_manifests(misses, complete=len(misses) == len(steps))
+                for s, m in got.items():
+                    self._metrics[s] = {} if isinstance(m, ManifestError) else m.metrics
+        infos = [
+            CheckpointInfo(s, self._metrics.get(s, {}), self.storage.is_pinned(s)) for s in steps
+        ]
         return plan_deletions(infos, self.policy, last_good=self._last_good(steps))
 
     def _last_good(self, steps: list[int]) -> int | None:

@@ -249,6 +249,46 @@ class Manifest:
             format_version=version,
         )
 
+    def to_cache(self) -> list[Any]:
+        """A compact JSON form for the listing cache (see :meth:`from_cache`)."""
+        return [
+            self.step,
+            {n: [e.bytes, e.crc32c, e.codec, e.compression, e.rank] for n, e in self.files.items()},
+            self.created,
+            self.format,
+            self.world_size,
+            self.sharded,
+            {k: _metric_to_json(v) for k, v in self.metrics.items()},
+            dict(self.metadata),
+            dict(self.versions),
+            self.format_version,
+        ]
+
+    @classmethod
+    def from_cache(cls, row: list[Any]) -> Manifest:
+        """Rebuild a manifest that was validated when it was cached (no checks repeated).
+
+        Only for listings: the cache says what a manifest *was* when its file had a given
+        identity; restore and verify always read and validate ``manifest.json`` itself.
+        Malformed rows raise ``ValueError``/``TypeError``/``KeyError``/``IndexError``.
+        """
+        step, files, created, fmt, world, sharded, metrics, metadata, versions, fv = row
+        return cls(
+            step=int(step),
+            files={
+                str(n): FileEntry(int(b), int(c), str(k), z, r)
+                for n, (b, c, k, z, r) in files.items()
+            },
+            created=str(created),
+            format=str(fmt),
+            world_size=int(world),
+            sharded=bool(sharded),
+            metrics={str(k): float(v) for k, v in metrics.items()},
+            metadata=dict(metadata),
+            versions=dict(versions),
+            format_version=int(fv),
+        )
+
 
 def _canonical(body: Mapping[str, Any]) -> bytes:
     return json.dumps(body, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()

@@ -24,6 +24,10 @@ REPO = Path(__file__).resolve().parent.parent
 MANIFEST = "manifest.json"
 
 
+#: Files of the store itself, not of a checkpoint: the writer lock and the listing cache.
+STORE_FILES = frozenset({".ckptstore.lock", ".ckptstore.index"})
+
+
 def step_dir(step: int) -> str:
     """The directory name of a committed step (spelled out here, not taken from layout.py,
     so a change of the on-disk naming fails the tests)."""
@@ -186,14 +190,14 @@ class StoreView:
             self.fs.rm_file(p)
 
     def files(self) -> dict[str, bytes]:
-        """Every file under the root (except the lock), by relative path, with its bytes."""
+        """Every file under the root (except STORE_FILES), by relative path, with its bytes."""
         out: dict[str, bytes] = {}
         if self.local:
             for dirpath, _, names in os.walk(self.base):
                 for n in names:
                     full = os.path.join(dirpath, n)
                     rel = os.path.relpath(full, self.base).replace(os.sep, "/")
-                    if rel != ".ckptstore.lock":
+                    if rel not in STORE_FILES:
                         out[rel] = Path(full).read_bytes()
         else:
             for p in self.fs.find(self.base):

@@ -35,6 +35,7 @@ from torch.utils.data import DataLoader, TensorDataset
 
 from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError, atomic_save
 from ckptstore.integrations.lightning import CkptStoreIO
+from ckptstore.storage import wait_for_deletions
 from ckptstore.storage.base import Storage
 
 pytestmark = [
@@ -160,6 +161,7 @@ def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     root = tmp_path_factory.mktemp("run")
     plugin = Recorder()
     model = fit(trainer(root / "ckpt", 3, plugin))
+    wait_for_deletions()  # retention frees trash in the background; copy a settled tree
     shutil.copytree(root / "ckpt", root / "pristine", symlinks=True)
     return {"dir": root / "ckpt", "pristine": root / "pristine", "plugin": plugin, "model": model}
 

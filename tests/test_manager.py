@@ -15,6 +15,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import (
+    STORE_FILES,
     LineReader,
     TinyNet,
     assert_same,
@@ -42,7 +43,7 @@ from ckptstore.storage.directio import DirectWriter
 
 def entries(root: Path) -> list[str]:
     wait_for_deletions()
-    return sorted(n for n in os.listdir(root) if n != ".ckptstore.lock")
+    return sorted(n for n in os.listdir(root) if n not in STORE_FILES)
 
 
 def model_sd(state: dict[str, Any]) -> dict[str, torch.Tensor]:

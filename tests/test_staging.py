@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import assert_same, make_state, module_bytes, run_python, step_dir
+from _helpers import STORE_FILES, assert_same, make_state, module_bytes, run_python, step_dir
 
 from ckptstore import CheckpointManager, CommitError, SaveHandle, StepExistsError
 from ckptstore.integrity import CRCWriter
@@ -53,7 +53,7 @@ def gate(monkeypatch: pytest.MonkeyPatch) -> Iterator[Gate]:
 
 def entries(root: Path) -> list[str]:
     wait_for_deletions()
-    return sorted(n for n in os.listdir(root) if n != ".ckptstore.lock")
+    return sorted(n for n in os.listdir(root) if n not in STORE_FILES)
 
 
 @pytest.mark.timeout(60)

@@ -21,6 +21,7 @@ import safetensors.torch
 import torch
 from _helpers import (
     MANIFEST,
+    STORE_FILES,
     StoreView,
     assert_same,
     drop_memory,
@@ -63,7 +64,7 @@ def store(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[StoreView]
 
 
 def root_names(view: StoreView) -> list[str]:
-    return [n for n in view.names() if n != LOCK]
+    return [n for n in view.names() if n not in STORE_FILES]
 
 
 def saved(view: StoreView, steps: list[int], **kwargs: Any) -> dict[int, dict[str, Any]]:

@@ -209,22 +209,26 @@ class Storage(abc.ABC):
 
     def list_steps(self) -> list[int]:
         """Committed steps (those with a manifest), ascending by number."""
-        steps = []
-        for name in self._list(""):
-            step = parse_step_dirname(name)
-            if step is not None and self._exists(f"{name}/{MANIFEST_NAME}"):
-                steps.append(step)
-        return sorted(steps)
+        return self.scan()[0]
 
     def list_garbage(self) -> list[str]:
         """Root entries that are not committed checkpoints: tmp, trash, manifest-less steps."""
-        out = []
+        return self.scan()[1]
+
+    def scan(self) -> tuple[list[int], list[str]]:
+        """One pass over the root: ``(committed steps ascending, garbage names sorted)``."""
+        steps = []
+        garbage = []
         for name in self._list(""):
-            if is_garbage_name(name) or (
-                parse_step_dirname(name) is not None and not self._exists(f"{name}/{MANIFEST_NAME}")
-            ):
-                out.append(name)
-        return sorted(out)
+            step = parse_step_dirname(name)
+            if step is not None:
+                if self._exists(f"{name}/{MANIFEST_NAME}"):
+                    steps.append(step)
+                else:
+                    garbage.append(name)
+            elif is_garbage_name(name):
+                garbage.append(name)
+        return sorted(steps), sorted(garbage)
 
     def read_manifest(self, step: int) -> Manifest:
         """Read and validate the manifest of ``step``.
@@ -248,6 +252,23 @@ class Storage(abc.ABC):
         if m.step != step:
             raise ManifestError(f"{where}: manifest says step {m.step}, directory says {step}")
         return m
+
+    def read_manifests(
+        self, steps: list[int], *, complete: bool = False
+    ) -> dict[int, Manifest | ManifestError]:
+        """The manifests of many steps for a listing: each one, or why it cannot be read.
+
+        ``complete`` says ``steps`` is every committed step (a backend with a listing
+        cache may then rewrite it). Restore and verify never use this: they read and
+        validate the manifest itself.
+        """
+        out: dict[int, Manifest | ManifestError] = {}
+        for s in steps:
+            try:
+                out[s] = self.read_manifest(s)
+            except ManifestError as e:
+                out[s] = e
+        return out
 
     def is_pinned(self, step: int) -> bool:
         """Whether the checkpoint carries a pin marker."""

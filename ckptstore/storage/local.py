@@ -3,17 +3,22 @@
 from __future__ import annotations
 
 import contextlib
+import gc
+import json
 import mmap
 import os
 import shutil
 import stat
+from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
 import filelock
 
-from ..errors import CommitError, StoreLockedError
-from ..integrity import crc32c_of
-from ..layout import LOCK_NAME
+from .._log import logger as log
+from ..errors import CommitError, ManifestError, StoreLockedError
+from ..integrity import crc32c_of, format_crc
+from ..layout import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, index_tmp_name, step_dirname
+from ..manifest import Manifest
 from .base import Consumer, Storage
 from .directio import BUFFER, Call, DirectWriter, open_direct_read, read_into, set_direct
 
@@ -32,7 +37,9 @@ class LocalStorage(Storage):
         self.direct_io = direct_io
 
     def _p(self, rel: str) -> str:
-        return os.path.join(self.root, rel) if rel else self.root
+        # Plain concatenation: os.path.join costs more than the lstat it feeds, and a
+        # listing of 10,000 steps makes 40,000 of them. ``rel`` is always relative.
+        return f"{self.root}/{rel}" if rel else self.root
 
     def _list(self, rel: str) -> list[str]:
         try:
@@ -141,6 +148,91 @@ class LocalStorage(Storage):
         finally:
             os.close(fd)
 
+    # ---- listing cache -------------------------------------------------------------
+    #
+    # `ls` and retention planning on a store of 10,000 checkpoints would parse and validate
+    # 10,000 manifests (about 0.15 ms each). A committed manifest never changes, so
+    # `.ckptstore.index` remembers each validated manifest under the identity of its file
+    # (device, inode, size, mtime_ns, ctime_ns): a listing then costs one lstat per step, and
+    # only manifests whose file is new or changed are read again. The cache is advisory: a
+    # torn, corrupt, foreign or unwritable index is ignored; it is never fsynced and never
+    # consulted by restore or verify.
+
+    def read_manifests(
+        self, steps: list[int], *, complete: bool = False
+    ) -> dict[int, Manifest | ManifestError]:
+        """See :meth:`Storage.read_manifests`; served from the listing cache where valid."""
+        with _gc_paused():  # tens of thousands of acyclic objects: the cyclic GC tripled the time
+            return self._read_manifests(steps, complete)
+
+    def _read_manifests(
+        self, steps: list[int], complete: bool
+    ) -> dict[int, Manifest | ManifestError]:
+        cache = self._load_index()
+        out: dict[int, Manifest | ManifestError] = {}
+        fresh: dict[int, list[Any]] = {}
+        misses = 0
+        for s in steps:
+            rel = f"{step_dirname(s)}/{MANIFEST_NAME}"
+            before = _identity(self._p(rel))
+            hit = cache.get(s)
+            if before is not None and hit is not None and hit[0] == before:
+                try:
+                    m = Manifest.from_cache(hit[1])
+                except (ValueError, TypeError, KeyError, IndexError, AttributeError):
+                    m = None
+                if m is not None and m.step == s:
+                    out[s] = m
+                    fresh[s] = hit
+                    continue
+            misses += 1
+            try:
+                m = self.read_manifest(s)
+            except ManifestError as e:
+                out[s] = e
+                continue
+            out[s] = m
+            if before is not None and _identity(self._p(rel)) == before:
+                fresh[s] = [before, m.to_cache()]
+        if complete and (misses or len(fresh) != len(cache)):
+            self._save_index(fresh)
+        return out
+
+    def _load_index(self) -> dict[int, list[Any]]:
+        path = self._p(INDEX_NAME)
+        try:
+            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+        except OSError:
+            return {}
+        try:
+            with open(fd, "rb", buffering=0) as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode) or st.st_size > _MAX_INDEX_BYTES:
+                    return {}
+                data = f.read(_MAX_INDEX_BYTES + 1)
+            head, _, body = data.partition(b"\n")
+            if head != b"ckptstore-index 1 " + format_crc(crc32c_of(body)).encode():
+                raise ValueError("bad header or checksum")
+            doc = json.loads(body)
+            return {int(k): v for k, v in doc.items() if isinstance(v, list) and len(v) == 2}
+        except (OSError, ValueError, TypeError, AttributeError, RecursionError) as e:
+            log.debug("ignoring the listing cache %s: %s", path, e)
+            return {}
+
+    def _save_index(self, entries: dict[int, list[Any]]) -> None:
+        body = json.dumps({str(k): v for k, v in entries.items()}, separators=(",", ":"))
+        data = b"ckptstore-index 1 " + format_crc(crc32c_of(body.encode())).encode()
+        data += b"\n" + body.encode()
+        tmp = self._p(index_tmp_name())
+        try:
+            with open(tmp, "xb") as f:
+                f.write(data)
+            os.replace(tmp, self._p(INDEX_NAME))
+        except (OSError, ValueError) as e:  # read-only store, full disk: a cache, not data
+            log.debug("could not write the listing cache of %s: %s", self.root, e)
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
     def writer_lock(self) -> _WriterLock:
         """The store's writer lock (``.ckptstore.lock``), acquired without waiting."""
         return _WriterLock(self._p(LOCK_NAME), self.root)
@@ -191,6 +283,33 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+#: A listing cache larger than this is ignored (about 600 bytes per checkpoint).
+_MAX_INDEX_BYTES = 1 << 30
+
+
+@contextlib.contextmanager
+def _gc_paused() -> Iterator[None]:
+    """Pause the cyclic garbage collector (objects are still freed by reference count)."""
+    was = gc.isenabled()
+    gc.disable()
+    try:
+        yield
+    finally:
+        if was:
+            gc.enable()
+
+
+def _identity(path: str) -> list[int] | None:
+    """What changes whenever a file is replaced or rewritten (ctime cannot be set)."""
+    try:
+        st = os.lstat(path)
+    except OSError:
+        return None
+    if not stat.S_ISREG(st.st_mode):
+        return None
+    return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
 
 
 #: Files below this size are read in one buffered call.

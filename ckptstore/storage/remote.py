@@ -206,24 +206,20 @@ class FsspecStorage(Storage):
                 files.add(rest)
         return entries
 
-    def list_steps(self) -> list[int]:
-        """Committed steps (those with a manifest), ascending; one listing of the store."""
+    def scan(self) -> tuple[list[int], list[str]]:
+        """Committed steps and garbage (tmp/trash, manifest-less steps): one listing."""
         steps = []
+        garbage = []
         for top, files in self._scan().items():
             step = parse_step_dirname(top)
-            if step is not None and MANIFEST_NAME in files:
-                steps.append(step)
-        return sorted(steps)
-
-    def list_garbage(self) -> list[str]:
-        """Tmp/trash entries and manifest-less step directories; one listing of the store."""
-        out = []
-        for top, files in self._scan().items():
-            if is_garbage_name(top) or (
-                parse_step_dirname(top) is not None and MANIFEST_NAME not in files
-            ):
-                out.append(top)
-        return sorted(out)
+            if step is not None:
+                if MANIFEST_NAME in files:
+                    steps.append(step)
+                else:
+                    garbage.append(top)
+            elif is_garbage_name(top):
+                garbage.append(top)
+        return sorted(steps), sorted(garbage)
 
     def is_pinned(self, step: int) -> bool:
         """Whether the checkpoint carries a pin marker: one listing of its directory.
