@@ -45,6 +45,7 @@ import torch
 from torch import nn
 
 from ckptstore import CheckpointManager
+from ckptstore.storage import wait_for_deletions
 
 WIDTH = 192  # 4 layers of 192x192: 0.6 MB of weights, 1.8 MB with Adam's moments
 
@@ -150,6 +151,7 @@ def run(
                 pending.wait()
                 emit(f"saved {pending.step}")
                 pending = None
+            wait_for_deletions()  # the previous save's retention is not counted
             arm(crash_at, crash_when)
         handle = mgr.save(step, state)
         if pending is not None:
@@ -163,6 +165,9 @@ def run(
     if pending is not None:
         pending.wait()
         emit(f"saved {pending.step}")
+    # Retention's trash is made durable (root fsync) and removed by a background thread:
+    # wait for it, so a trace ends with that fsync and the kill points include it.
+    wait_for_deletions()
     mgr.close()
     emit("done")
     return 0

@@ -118,8 +118,10 @@ class DirectWriter:
         self.crc = 0
         self.nbytes = 0
         self._size = max(ALIGN, buffer_size - buffer_size % ALIGN)
-        self._bufs = [mmap.mmap(-1, self._size), mmap.mmap(-1, self._size)]
-        self._views = [memoryview(b) for b in self._bufs]
+        # The second bounce buffer is mapped only when the first one fills (small files,
+        # e.g. state.json, never need it).
+        self._bufs = [mmap.mmap(-1, self._size)]
+        self._views = [memoryview(self._bufs[0])]
         self._cur = 0
         self._pos = 0  # bytes filled in the current buffer
         self._offset = 0  # file offset of the current buffer
@@ -186,6 +188,9 @@ class DirectWriter:
             self._can_direct = self.direct
         self._pending = Call(self._pwrite_all, view, self._offset)
         self._offset += self._pos
+        if len(self._bufs) == 1:
+            self._bufs.append(mmap.mmap(-1, self._size))
+            self._views.append(memoryview(self._bufs[1]))
         self._cur ^= 1
         self._pos = 0
 
