@@ -58,7 +58,7 @@ def test_writer_output_is_exactly_the_format() -> None:
         b'{"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},'
         b'"b":{"dtype":"U8","shape":[1],"data_offsets":[8,9]}}'
     )
-    pad = b" " * (-(8 + len(header)) % 8)
+    pad = b" " * (-(8 + len(header)) % 64)  # tensor data starts 64-byte aligned
     expected = (
         struct.pack("<Q", len(header + pad))
         + header
@@ -67,7 +67,31 @@ def test_writer_output_is_exactly_the_format() -> None:
         + bytes([7])
     )
     assert data == expected
-    assert (8 + len(header + pad)) % 8 == 0
+    assert (8 + len(header + pad)) % 64 == 0
+
+
+def test_writer_layout_keeps_big_tensors_aligned() -> None:
+    """A 0-d optimizer ``step`` between big tensors must not misalign every later one."""
+    from ckptstore.codec.safetensors import build_header
+
+    tensors = {
+        "0.exp_avg": torch.zeros(256),
+        "0.step": torch.tensor(1.0),
+        "1.exp_avg": torch.zeros(256),
+        "1.step": torch.tensor(1.0),
+        "h": torch.zeros(3, dtype=torch.float16),
+        "d": torch.zeros(2, dtype=torch.float64),
+    }
+    head, order = build_header(tensors)
+    assert [n for n, _ in order] == ["0.exp_avg", "1.exp_avg", "d", "0.step", "1.step", "h"]
+    pos = len(head)
+    for name, t in order:
+        assert pos % t.element_size() == 0, name
+        if name.endswith("exp_avg"):
+            assert pos % 64 == 0, name
+        pos += t.numel() * t.element_size()
+    loaded = safetensors.torch.load(write(tensors))
+    assert all(torch.equal(loaded[k], v) for k, v in tensors.items())
 
 
 def test_writer_output_loads_with_the_safetensors_library(tmp_path: Path) -> None:

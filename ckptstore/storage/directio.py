@@ -98,6 +98,10 @@ def run_all(calls: Sequence[Callable[[], Any]], max_workers: int = 3) -> list[Ba
     return errors
 
 
+#: Segments shorter than this are copied through the bounce buffer (not worth a request).
+_SEGMENT_MIN = 256 << 10
+
+
 class DirectWriter:
     """A write-only, checksumming file object for one new file (``O_EXCL``).
 
@@ -117,6 +121,7 @@ class DirectWriter:
         self.path = path
         self.crc = 0
         self.nbytes = 0
+        self.bounced = 0  # bytes that went through the bounce buffers (copied once more)
         self._size = max(ALIGN, buffer_size - buffer_size % ALIGN)
         # The second bounce buffer is mapped only when the first one fills (small files,
         # e.g. state.json, never need it).
@@ -134,6 +139,7 @@ class DirectWriter:
         """Copy ``data`` into the bounce buffer, writing out full buffers."""
         mv = memoryview(data).cast("B")
         n = len(mv)
+        self.bounced += n
         done = 0
         while done < n:
             room = self._size - self._pos
@@ -144,6 +150,45 @@ class DirectWriter:
             if self._pos == self._size:
                 self._flush_buffer()
         self.nbytes += n
+        return n
+
+    def write_segment(self, data: Any, address: int) -> int:
+        """Write ``data``, whose first byte is at memory ``address``, without a bounce copy.
+
+        Where the memory and the file offset are congruent modulo the block size (async
+        staging places its buffers so), the block-aligned middle of ``data`` goes to the
+        disk straight from the caller's memory, one buffer-sized request in flight while
+        the next is checksummed; the partial blocks at both ends (shared with neighbouring
+        data) take the ordinary :meth:`write` path. Otherwise all of it does. ``data`` must
+        stay unchanged until :meth:`finish` returns.
+        """
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        start = self._offset + self._pos  # the file offset of mv[0]
+        if n < _SEGMENT_MIN or not self._can_direct or (address - start) % ALIGN:
+            return self.write(mv)
+        head = -start % ALIGN
+        body = (n - head) - (n - head) % ALIGN
+        if head:
+            self.write(mv[:head])
+        if self._pos:  # the bounce buffer now ends on a block boundary: send it first
+            self._flush_buffer()
+        done = head
+        while done < head + body:
+            k = min(self._size, head + body - done)
+            view = mv[done : done + k]
+            self.crc = crc32c_of(view, self.crc)
+            self._wait()
+            if not self.direct:
+                self.direct = self._set_direct(True)
+                if not self.direct:  # refused (tmpfs): the rest through the page cache
+                    self._can_direct = False
+            self._pending = Call(self._pwrite_all, view, self._offset)
+            self._offset += k
+            self.nbytes += k
+            done += k
+        if done < n:
+            self.write(mv[done:])
         return n
 
     def flush(self) -> None:
