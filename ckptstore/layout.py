@@ -17,6 +17,7 @@ __all__ = [
     "STATE_NAME",
     "is_garbage_name",
     "parse_step_dirname",
+    "state_file",
     "step_dirname",
     "tmp_dirname",
     "trash_dirname",
@@ -90,6 +91,11 @@ def is_trash_name(name: str) -> bool:
 def is_garbage_name(name: str) -> bool:
     """Whether ``name`` is a tmp or trash entry (``gc`` removes those that are stale)."""
     return is_tmp_name(name) or is_trash_name(name) or _INDEX_TMP_RE.fullmatch(name) is not None
+
+
+def state_file(rank: int | None) -> str:
+    """The name of the state tree file (per rank in a sharded checkpoint)."""
+    return STATE_NAME if rank is None else f"state.rank{rank:05d}.json"
 
 
 def index_tmp_name() -> str:

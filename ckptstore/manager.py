@@ -2,7 +2,8 @@
 
 The mechanics live elsewhere: the commit protocol in ``storage``, encoding in ``codec``,
 loading into modules in ``state``/``modules``, retention planning in ``retention``, waits in
-``dist``. This module decides who does what, in which order, and what to tell the user.
+``dist``. This module decides who does what, in which order, and what to tell the user;
+the read side (restore, resume, load) is in ``reader``.
 """
 
 from __future__ import annotations
@@ -17,33 +18,32 @@ import re
 import sys
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping, MutableMapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
 
 from .codec import payload as payload_codec
 from .codec import safetensors as safetensors_codec
-from .codec.tree import TreeDecoder, TreeEncoder, tensor_key
+from .codec.tree import TreeEncoder, tensor_key
 from .dist import Coordinator
 from .errors import (
     BarrierTimeout,
     CkptStoreError,
     CommitError,
-    IntegrityError,
     ManifestError,
     NoCheckpointError,
-    StateMismatchError,
     StepExistsError,
     UnsafeCheckpointError,
 )
-from .integrity import VerifyReport, crc32c_of
-from .layout import STATE_NAME
+from .integrity import VerifyReport
+from .layout import state_file
 from .manifest import FORMAT_VERSION, FileEntry, Manifest, utc_now
-from .modules import EMA, RNGState
+from .modules import RNGState
+from .reader import STATE_FORMAT, Reader
 from .retention import CheckpointInfo, RetentionPolicy, as_policy, plan_deletions
 from .staging import BackgroundWriter, SaveHandle, StagingPool
-from .state import apply_state, capture, kind_of, precheck
+from .state import capture, kind_of
 from .storage import Pending, Storage, open_storage, wait_for_deletions
 from .storage.directio import run_all
 from .verify import verify_checkpoint
@@ -53,7 +53,6 @@ __all__ = ["CheckpointManager"]
 from ._log import logger as log
 
 _GROUP_RE = re.compile(r"[A-Za-z0-9][A-Za-z0-9_-]{0,63}")
-STATE_FORMAT = 1
 
 
 def _versions() -> dict[str, str]:
@@ -77,7 +76,7 @@ def group_name(key: Any, index: int) -> str:
     return f"_{index}"
 
 
-class CheckpointManager:
+class CheckpointManager(Reader):
     """An atomic, verified checkpoint store for one training run.
 
     Args:
@@ -670,375 +669,6 @@ class CheckpointManager:
         wait_for_deletions()
         self._raise_bg_error()
 
-    # ---- restore / load ---------------------------------------------------------------
-
-    def _layout_of(self, manifest: Manifest, rank: int) -> tuple[str, dict[str, list[str]]]:
-        """The state file and payload files (by group) that ``rank`` reads."""
-        where = self.storage.describe(manifest.step)
-        if manifest.sharded:
-            if manifest.world_size != self.coord.world_size and self.coord.enabled:
-                raise StateMismatchError(
-                    f"{where} was saved sharded by {manifest.world_size} ranks and this job has "
-                    f"{self.coord.world_size}; a sharded checkpoint restores only on the same "
-                    "world size. Relaunch with that many ranks"
-                )
-            if not 0 <= rank < manifest.world_size:
-                raise StateMismatchError(
-                    f"{where} has shards for ranks 0..{manifest.world_size - 1}, not {rank}"
-                )
-        want_rank = rank if manifest.sharded else None
-        groups: dict[str, list[str]] = {}
-        for name, fe in manifest.files.items():
-            if fe.codec != "json" and fe.rank == want_rank:
-                groups.setdefault(payload_codec.group_of(name), []).append(name)
-        sname = state_file(want_rank)
-        if sname not in manifest.files:
-            raise ManifestError(f"{where}: manifest lists no {sname}")
-        return sname, groups
-
-    def _decode(
-        self,
-        step: int,
-        wanted: Iterable[Any] | None,
-        *,
-        rank: int | None = None,
-        blobs: Mapping[str, bytearray] | None = None,
-        targets: Mapping[Any, Any] | None = None,
-        strict: bool = True,
-        in_place: bool = False,
-    ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
-        """Decode the entries ``wanted`` (all if None) of ``step`` as ``rank`` sees them.
-
-        Every byte is checked against the manifest's checksum before it is trusted; with
-        ``blobs`` the files come from memory (broadcast by rank 0) instead of storage.
-
-        With ``targets`` (the state being restored) the checkpoint is first checked against
-        them from ``state.json`` alone (``StateMismatchError`` before any payload is read).
-        With ``in_place`` tensors are then read straight into the targets' own tensors where
-        dtype, shape and layout match: no intermediate copy, but if a payload fails its
-        checksum those tensors hold partial data (``restore`` goes on to an older checkpoint,
-        which overwrites them, or raises).
-        """
-        rank = self.coord.rank if rank is None else rank
-        manifest = self.storage.read_manifest(step) if blobs is None else _blob_manifest(blobs)
-        where = self.storage.describe(step)
-        sname, groups = self._layout_of(manifest, rank)
-
-        def fetch(name: str) -> bytearray:
-            entry = manifest.files[name]
-            if blobs is None:
-                return self.storage.read_file(step, name, entry)
-            data = blobs.get(name)
-            if data is None or len(data) != entry.bytes or crc32c_of(data) != entry.crc32c:
-                raise IntegrityError(f"{where}/{name}: broadcast copy does not match the manifest")
-            return data
-
-        raw = fetch(sname)
-        try:
-            tree = json.loads(bytes(raw).decode("utf-8"))
-        except (UnicodeDecodeError, ValueError, RecursionError) as e:
-            raise IntegrityError(f"{where}/{sname}: not valid JSON ({e})") from None
-        if not isinstance(tree, dict) or tree.get("ckptstore_state") != STATE_FORMAT:
-            raise IntegrityError(f"{where}/{sname}: not a ckptstore state (format {STATE_FORMAT})")
-        root = tree.get("root")
-        keys = root.get("keys") if isinstance(root, dict) else None
-        vals = root.get("vals") if isinstance(root, dict) else None
-        if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
-            raise IntegrityError(f"{where}/{sname}: malformed root")
-        wanted_set = None if wanted is None else set(wanted)
-        into: dict[str, dict[str, torch.Tensor]] = {}
-        if targets is not None:
-            into = self._precheck(
-                targets,
-                keys=keys,
-                vals=vals,
-                where_state=f"{where}/{sname}",
-                strict=strict,
-                where=where,
-            )
-            if not in_place:
-                into = {}
-        cache: dict[str, dict[str, torch.Tensor]] = {}
-
-        def get_tensor(group: str, key: str) -> torch.Tensor:
-            if group not in cache:
-                names = groups.get(group)
-                if not names:
-                    raise IntegrityError(f"{where}: no payload file for group {group!r}")
-                merged: dict[str, torch.Tensor] = {}
-                for n in sorted(names):
-                    entry = manifest.files[n]
-                    if blobs is None:
-                        part = payload_codec.read_group(
-                            self.storage, step, n, entry, into.get(group)
-                        )
-                    else:
-                        part = payload_codec.decode_payload(fetch(n), entry, f"{where}/{n}")
-                    merged.update(part)
-                cache[group] = merged
-            t = cache[group].get(key)
-            if t is None:
-                raise IntegrityError(f"{where}: tensor {key!r} missing from payload {group!r}")
-            return t
-
-        dec = TreeDecoder(get_tensor, allow_pickle=self.allow_pickle, where=f"{where}/{sname}")
-        out: dict[Any, Any] = {}
-        kinds: dict[Any, str | None] = {}
-        for k, node in zip(keys, vals, strict=True):
-            if isinstance(k, bool) or not isinstance(k, str | int):
-                raise IntegrityError(f"{where}/{sname}: top-level key {k!r} is not str or int")
-            if wanted_set is not None and k not in wanted_set:
-                continue
-            kind, inner = _unwrap(node)
-            value = dec.decode(inner, (k,))
-            if kind == "rng" and isinstance(value, dict) and "per_rank" in value:
-                per_rank = value["per_rank"]
-                value = per_rank[rank] if rank < len(per_rank) else per_rank[0]
-            out[k] = value
-            kinds[k] = kind
-        return out, kinds
-
-    def _precheck(
-        self,
-        targets: Mapping[Any, Any],
-        *,
-        keys: list[Any],
-        vals: list[Any],
-        where_state: str,
-        strict: bool,
-        where: str,
-    ) -> dict[str, dict[str, torch.Tensor]]:
-        """Check ``targets`` against the tree; map payload entries to target tensors."""
-        nodes = dict(zip(keys, vals, strict=True))
-        meta = TreeDecoder(None, allow_pickle=False, where=where_state, meta=True)
-        shadow: dict[Any, Any] = {}
-        kinds: dict[Any, str | None] = {}
-        for k, node in nodes.items():
-            kind, inner = _unwrap(node)
-            kinds[k] = kind
-            target = targets.get(k) if isinstance(k, str | int) else None
-            if isinstance(target, torch.nn.Module | EMA):
-                shadow[k] = meta.decode(inner, (k,))
-            else:
-                shadow[k] = None  # present; checked when loaded
-        precheck(targets, shadow, kinds, strict=strict, where=where)
-        into: dict[str, dict[str, torch.Tensor]] = {}
-        for k, target in targets.items():
-            if k not in nodes or kind_of(target) in (None, "rng"):
-                continue  # plain values are replaced, never written into in place
-            _, inner = _unwrap(nodes[k])
-            collect_targets(inner, capture(target), into)
-        return into
-
-    def _read_blobs(self, step: int) -> dict[str, bytearray]:
-        """Rank 0's verified copy of every file of a replicated checkpoint, for broadcast."""
-        manifest = self.storage.read_manifest(step)
-        if manifest.sharded:
-            raise StateMismatchError(
-                f"{self.storage.describe(step)} is sharded: every rank reads its own shard, so "
-                "restore it without broadcast=True"
-            )
-        blobs = {n: self.storage.read_file(step, n, e) for n, e in manifest.files.items()}
-        blobs[_MANIFEST_BLOB] = bytearray(manifest.to_bytes())
-        return blobs
-
-    def _vanished(self, step: int) -> bool:
-        """Whether ``step`` is no longer committed: deleted (by retention), not corrupt."""
-        try:
-            return step not in self.storage.list_steps()
-        except OSError:
-            return False
-
-    def _candidates(self, step: int | None) -> list[int]:
-        steps = self.steps()
-        if step is not None:
-            if step not in steps:
-                self._resolve(step)  # raises NoCheckpointError with context
-            return [step]
-        if not steps:
-            raise NoCheckpointError(
-                f"{self.root}: no committed checkpoint to restore; check the path, or use "
-                "resume(), which starts from scratch on an empty store"
-            )
-        return list(reversed(steps))
-
-    def restore(
-        self,
-        state: MutableMapping[Any, Any],
-        step: int | None = None,
-        *,
-        strict: bool = True,
-        broadcast: bool = False,
-        in_place: bool = False,
-    ) -> int:
-        """Load a checkpoint into ``state`` in place; collective under torch.distributed.
-
-        Rank 0 picks the step (the newest that verifies, or exactly ``step``) and every rank
-        loads that one: each reads the files itself (shared storage), or with
-        ``broadcast=True`` rank 0 reads them and sends them to the others (node-local
-        disks). Every payload is checked against its checksum before anything in ``state``
-        changes; a checkpoint that fails on any rank is skipped by all (when ``step`` is
-        None), while one deleted as it was read (a running job's retention) is not taken for
-        corrupt: the newest is chosen again. Tensors go to CPU, then into each target's own
-        device.
-
-        ``in_place=True`` reads payloads straight into the tensors of the modules, optimizers
-        and EMA in ``state`` (when dtype, shape and layout match), skipping one copy of the
-        whole state: the fastest restore. The price: a payload that fails its checksum is
-        found after part of it was written, so on ``IntegrityError`` those tensors hold
-        partial data (a fallback to an older checkpoint overwrites them). Names, shapes and
-        dtypes are still checked before anything is read.
-
-        Returns:
-            The restored step.
-
-        Raises:
-            NoCheckpointError: the store is empty, or nothing verifies.
-            IntegrityError: the requested ``step`` is corrupt.
-            StateMismatchError: the checkpoint does not fit the objects in ``state``.
-            BarrierTimeout: a rank did not join in time.
-        """
-        self._check_open()
-        self.wait_save()
-        self._raise_bg_error()
-        self.coord.barrier("restore:enter", step)
-        keys = list(state.keys())
-        listing: tuple[str, Any] = ("ok", None)
-        if self.coord.is_leader:
-            try:
-                listing = ("ok", self._candidates(step))
-            except BaseException as e:
-                listing = ("error", e)
-        status, value = self.coord.broadcast(listing, "restore:choose", step)
-        if status == "error":
-            raise value
-        skipped: list[str] = []
-        queue, bad, relists = list(value), set(), 0
-        while queue:
-            s = queue.pop(0)
-            stored: dict[Any, Any] | None = None
-            kinds: dict[Any, str | None] = {}
-            mine: tuple[str, Any] = ("ok", None)
-            blobs: dict[str, bytearray] | None = None
-            try:
-                if broadcast:
-                    if self.coord.is_leader:
-                        try:
-                            blobs = self._read_blobs(s)
-                        except BaseException:
-                            self.coord.broadcast_bytes({}, "restore:broadcast", s)
-                            raise
-                    blobs = self.coord.broadcast_bytes(blobs, "restore:broadcast", s)
-                    if not blobs:
-                        raise IntegrityError(f"step {s}: rank 0 could not read it")
-                stored, kinds = self._decode(
-                    s, keys, blobs=blobs or None, targets=state, strict=strict, in_place=in_place
-                )
-            except (IntegrityError, ManifestError) as e:
-                mine = ("skip", e)
-            except BarrierTimeout:
-                raise
-            except BaseException as e:
-                mine = ("error", e)
-            verdicts = self.coord.all_gather(mine, "restore:load", s)
-            hard = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
-            soft = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "skip"]
-            if hard or (soft and step is not None):
-                r, err = (hard or soft)[0]
-                if r == self.coord.rank or not isinstance(err, CkptStoreError):
-                    raise err
-                raise type(err)(f"rank {r}: {err}")
-            if soft and relists < _RELISTS:
-                # Deleted while we read it (a running job's retention), not corrupt: rank 0
-                # looks again, and every rank goes on with the new newest.
-                again: tuple[str, Any] = ("ok", None)
-                if self.coord.is_leader:
-                    try:
-                        if self._vanished(s):
-                            again = ("ok", [c for c in self._candidates(None) if c not in bad])
-                    except BaseException as e:
-                        again = ("error", e)
-                status, fresh = self.coord.broadcast(again, "restore:rechoose", s)
-                if status == "error":
-                    raise fresh
-                if fresh is not None:
-                    relists += 1
-                    queue = fresh
-                    continue
-            if soft:
-                bad.add(s)
-                why = "; ".join(f"rank {r}: {v}" for r, v in soft)
-                log.warning("skipping step %d: %s", s, why)
-                skipped.append(f"step {s}: {why}")
-                continue
-            assert stored is not None
-            self._known_good.add(s)
-            apply_state(state, stored, kinds, strict=strict, where=self.storage.describe(s))
-            return int(s)
-        raise NoCheckpointError(
-            f"{self.root}: no checkpoint verifies (`ckptstore verify --all` shows why); "
-            "tried newest first: " + " | ".join(skipped)
-        )
-
-    def resume(
-        self,
-        state: MutableMapping[Any, Any],
-        *,
-        strict: bool = True,
-        broadcast: bool = False,
-        in_place: bool = False,
-    ) -> int:
-        """Restore the newest good checkpoint if there is one (collective).
-
-        Returns:
-            0 on an empty store, else the restored step + 1 (the next step to run).
-        """
-        self._check_open()
-        empty = self.coord.broadcast(
-            not self.steps() if self.coord.is_leader else None, "resume:list"
-        )
-        if empty:
-            return 0
-        return self.restore(state, strict=strict, broadcast=broadcast, in_place=in_place) + 1
-
-    def load(self, step: int | None = None, *, rank: int | None = None) -> dict[Any, Any]:
-        """The stored state as plain data (modules as state dicts, tensors on CPU).
-
-        Not collective. Without ``step``, the newest checkpoint that verifies (chosen again
-        if the one being read is deleted meanwhile). ``rank`` picks the shard of a sharded
-        checkpoint (default: this process's rank).
-
-        Raises:
-            NoCheckpointError: nothing committed (or nothing that verifies).
-            IntegrityError: the requested ``step`` is corrupt.
-        """
-        skipped: list[str] = []
-        queue, bad, relists = self._candidates(step), set(), 0
-        while queue:
-            s = queue.pop(0)
-            try:
-                out, _ = self._decode(s, None, rank=rank)
-            except (IntegrityError, ManifestError) as e:
-                if step is None and relists < _RELISTS and self._vanished(s):
-                    # Deleted while we read it (a running job's retention), not corrupt.
-                    relists += 1
-                    queue = [c for c in self._candidates(None) if c not in bad]
-                    continue
-                if step is not None:
-                    raise
-                bad.add(s)
-                log.warning("skipping step %d: %s", s, e)
-                skipped.append(f"step {s}: {e}")
-                continue
-            self._known_good.add(s)
-            return out
-        raise NoCheckpointError(
-            f"{self.root}: no checkpoint verifies (`ckptstore verify --all` shows why); "
-            "tried newest first: " + " | ".join(skipped)
-        )
-
-    # ---- verify / retention -------------------------------------------------------------
-
     def verify(self, step: int | None = None, *, deep: bool = True) -> VerifyReport:
         """Check a checkpoint (default: the newest committed one).
 
@@ -1227,10 +857,6 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
     return d
 
 
-_MANIFEST_BLOB = "manifest.json"
-#: How often a restore looks for the new newest checkpoint when the one it was reading was
-#: deleted under it; past that, a deleted step counts as a failed one.
-_RELISTS = 16
 #: Payload files written at once; more only adds contention on 2-4 cores per rank.
 _WRITE_THREADS = 3
 #: Below this many payload bytes a save writes its files one after another on the caller's
@@ -1240,25 +866,6 @@ _INLINE_WRITE_BYTES = 4 << 20
 
 def _group_bytes(tensors: Mapping[str, torch.Tensor]) -> int:
     return sum(t.numel() * t.element_size() for t in tensors.values())
-
-
-def state_file(rank: int | None) -> str:
-    """The name of the state tree file (per rank in a sharded checkpoint)."""
-    return STATE_NAME if rank is None else f"state.rank{rank:05d}.json"
-
-
-def _unwrap(node: Any) -> tuple[str | None, Any]:
-    if isinstance(node, dict) and node.get("t") == "stateful":
-        kind = node.get("kind")
-        return (kind if isinstance(kind, str) else "stateful"), node.get("v")
-    return None, node
-
-
-def _blob_manifest(blobs: Mapping[str, bytearray]) -> Manifest:
-    data = blobs.get(_MANIFEST_BLOB)
-    if data is None:
-        raise IntegrityError("rank 0 sent no manifest")
-    return Manifest.from_bytes(bytes(data))
 
 
 def _plain_oserror(e: BaseException) -> bool:
@@ -1277,30 +884,3 @@ def _shard_error(failed: list[tuple[int, Any]], where: str, previous: int | None
         f"sharded save of {where} aborted: rank(s) {ranks} failed to write their shard ({detail}); "
         f"nothing of it is visible and {prev}"
     )
-
-
-def collect_targets(node: Any, current: Any, out: dict[str, dict[str, torch.Tensor]]) -> None:
-    """Pair each tensor reference in ``node`` with the tensor at the same place in ``current``.
-
-    ``current`` is a target's present state; the pairs let payloads be read straight into it.
-    """
-    if isinstance(node, list):
-        if isinstance(current, list | tuple):
-            for n, c in zip(node, current, strict=False):
-                collect_targets(n, c, out)
-        return
-    if not isinstance(node, dict):
-        return
-    t = node.get("t")
-    if t == "tensor" and isinstance(current, torch.Tensor):
-        group, key = node.get("file"), node.get("key")
-        if isinstance(group, str) and isinstance(key, str):
-            out.setdefault(group, {})[key] = current
-    elif t in ("dict", "odict") and isinstance(current, Mapping):
-        keys, vals = node.get("keys"), node.get("vals")
-        if isinstance(keys, list) and isinstance(vals, list):
-            for k, v in zip(keys, vals, strict=False):
-                if isinstance(k, str | int) and k in current:
-                    collect_targets(v, current[k], out)
-    elif t == "tuple" and isinstance(current, tuple | list):
-        collect_targets(node.get("v"), list(current), out)

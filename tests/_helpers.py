@@ -11,7 +11,7 @@ import os
 import subprocess
 import sys
 import uuid
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -304,3 +304,56 @@ class LineReader:
                 raise EOFError(f"child ended before {prefix!r}; it said: {self.lines[-20:]}")
             if line.startswith(prefix):
                 return line
+
+
+def store_problems(
+    url: str,
+    fmt: str,
+    must: set[int],
+    may: set[int],
+    *,
+    state_of: Callable[[int], Mapping[str, Any]],
+    names: Callable[[], list[str]],
+) -> list[str]:
+    """The invariants every faulted or cut-off run must leave; one line per violation.
+
+    Every step in ``must`` is visible, nothing outside ``must | may`` is; every visible
+    step verifies deeply; the newest loads its own model (``state_of(step)["model"]``);
+    ``gc`` leaves no tmp or trash entry (``names()`` lists the root); a new manager saves
+    the next step and loads it back.
+    """
+    from ckptstore import CheckpointManager, CkptStoreError
+    from ckptstore.storage import wait_for_deletions
+
+    def model_of(step: int) -> dict[str, torch.Tensor]:
+        return dict(state_of(step)["model"].state_dict())
+
+    problems: list[str] = []
+    wait_for_deletions()
+    with CheckpointManager(url, format=fmt) as mgr:
+        steps = mgr.steps()
+        if must - set(steps):
+            problems.append(f"committed step(s) {sorted(must - set(steps))} lost; have {steps}")
+        if set(steps) - must - may:
+            problems.append(f"step(s) {sorted(set(steps) - must - may)} visible; have {steps}")
+        for s in steps:
+            report = mgr.verify(s, deep=True)
+            if not report.ok:
+                problems.append(f"visible step {s} does not verify: {report.problems}")
+        if steps:
+            try:
+                assert_same(dict(mgr.load(steps[-1])["model"]), model_of(steps[-1]))
+            except (AssertionError, CkptStoreError) as e:
+                problems.append(f"newest step {steps[-1]} does not load its own data: {e}")
+        mgr.gc()
+        left = [n for n in names() if n.startswith((".tmp-", ".trash-"))]
+        left += mgr.storage.list_garbage()
+        if left:
+            problems.append(f"gc left {sorted(set(left))}")
+        nxt = max([*steps, *must, *may, 0]) + 1
+        try:
+            mgr.save(nxt, state_of(nxt))
+            assert_same(dict(mgr.load(nxt)["model"]), model_of(nxt))
+        except (AssertionError, CkptStoreError) as e:
+            problems.append(f"a new manager could not save step {nxt}: {e}")
+    return problems

@@ -37,7 +37,7 @@ from typing import Any
 import fsspec
 import pytest
 import torch
-from _helpers import assert_same, fresh_like, make_state
+from _helpers import assert_same, fresh_like, make_state, store_problems
 from faults import KINDS, MEANINGS, Injector, injected
 
 from ckptstore import CheckpointManager, CkptStoreError
@@ -203,35 +203,9 @@ class Case:
 
 def check_store(backend: Backend, url: str, must: set[int], may: set[int]) -> list[str]:
     """The invariants every run must leave; one line per violation."""
-    problems: list[str] = []
-    wait_for_deletions()
-    with CheckpointManager(url, format=backend.fmt) as mgr:
-        steps = mgr.steps()
-        if must - set(steps):
-            problems.append(f"committed step(s) {sorted(must - set(steps))} lost; have {steps}")
-        if set(steps) - must - may:
-            problems.append(f"step(s) {sorted(set(steps) - must - may)} visible; have {steps}")
-        for s in steps:
-            report = mgr.verify(s, deep=True)
-            if not report.ok:
-                problems.append(f"visible step {s} does not verify: {report.problems}")
-        if steps:
-            try:
-                assert_same(dict(mgr.load(steps[-1])["model"]), model_of(steps[-1]))
-            except (AssertionError, CkptStoreError) as e:
-                problems.append(f"newest step {steps[-1]} does not load its own data: {e}")
-        mgr.gc()
-        left = [n for n in backend.names(url) if n.startswith((".tmp-", ".trash-"))]
-        left += mgr.storage.list_garbage()
-        if left:
-            problems.append(f"gc left {sorted(set(left))}")
-        nxt = (steps[-1] if steps else 0) + 1
-        try:
-            mgr.save(nxt, state(nxt))
-            assert_same(dict(mgr.load(nxt)["model"]), model_of(nxt))
-        except (AssertionError, CkptStoreError) as e:
-            problems.append(f"a new manager could not save step {nxt}: {e}")
-    return problems
+    return store_problems(
+        url, backend.fmt, must, may, state_of=state, names=lambda: backend.names(url)
+    )
 
 
 def run_once(backend: Backend, case: Case, inj: Injector) -> tuple[Any, list[str], list[str]]:

@@ -30,11 +30,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
-from _helpers import assert_same, make_state
+from _helpers import make_state, store_problems
 from power import VIEWS, PowerModel, Snapshot, materialize
 
-from ckptstore import CheckpointManager, CkptStoreError
+from ckptstore import CheckpointManager
 from ckptstore.storage import wait_for_deletions
 from ckptstore.storage.base import Storage
 
@@ -44,10 +43,6 @@ pytestmark = pytest.mark.timeout(120)
 @functools.cache
 def state(step: int) -> dict[str, Any]:
     return make_state(step)
-
-
-def model_of(step: int) -> dict[str, torch.Tensor]:
-    return dict(state(step)["model"].state_dict())
 
 
 @pytest.fixture
@@ -89,33 +84,7 @@ def recording(model: PowerModel) -> Iterator[PowerModel]:
 
 
 def check_disk(root: Path, fmt: str, must: set[int], may: set[int]) -> list[str]:
-    problems: list[str] = []
-    with CheckpointManager(root, format=fmt) as mgr:
-        steps = mgr.steps()
-        if must - set(steps):
-            problems.append(f"committed step(s) {sorted(must - set(steps))} lost; have {steps}")
-        if set(steps) - must - may:
-            problems.append(f"step(s) {sorted(set(steps) - must - may)} visible; have {steps}")
-        for s in steps:
-            report = mgr.verify(s, deep=True)
-            if not report.ok:
-                problems.append(f"visible step {s} does not verify: {report.problems}")
-        if steps:
-            try:
-                assert_same(dict(mgr.load(steps[-1])["model"]), model_of(steps[-1]))
-            except (AssertionError, CkptStoreError) as e:
-                problems.append(f"newest step {steps[-1]} does not load its own data: {e}")
-        mgr.gc()
-        left = [n for n in os.listdir(root) if n.startswith((".tmp-", ".trash-"))]
-        left += mgr.storage.list_garbage()
-        if left:
-            problems.append(f"gc left {sorted(set(left))}")
-        nxt = max([*steps, *must, *may, 0]) + 1
-        try:
-            mgr.save(nxt, state(nxt))
-        except CkptStoreError as e:
-            problems.append(f"a new manager could not save step {nxt}: {e}")
-    return problems
+    return store_problems(str(root), fmt, must, may, state_of=state, names=lambda: os.listdir(root))
 
 
 def check_every_cut(

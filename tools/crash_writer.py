@@ -51,8 +51,9 @@ WIDTH = 192  # 4 layers of 192x192: 0.6 MB of weights, 1.8 MB with Adam's moment
 
 
 def emit(line: str) -> None:
-    sys.stdout.write(line + "\n")
+    """One line on stdout in one write(2), so lines of concurrent children never mix."""
     sys.stdout.flush()
+    os.write(1, (line + "\n").encode())
 
 
 def make_state() -> dict[str, Any]:
@@ -128,6 +129,7 @@ def run(
     crash_at: int | None = None,
     crash_when: str = "before",
     resume: bool = True,
+    storage_options: dict[str, Any] | None = None,
 ) -> int:
     """Resume from ``root`` and save ``steps`` steps (one more than the resumed one).
 
@@ -136,7 +138,9 @@ def run(
     emit(f"pid {os.getpid()}")
     torch.set_num_threads(1)
     state = make_state()
-    mgr = CheckpointManager(root, keep=keep, format=format, async_save=async_save)
+    mgr = CheckpointManager(
+        root, keep=keep, format=format, async_save=async_save, storage_options=storage_options
+    )
     if resume:
         start = mgr.resume(state)
     else:

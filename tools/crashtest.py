@@ -83,33 +83,17 @@ def run_writer(
     keep: int = 2,
     steps: int = 1_000_000,
 ) -> int:
-    """Resume from ``root`` and save steps until killed (crash_writer.py's loop, any URL)."""
+    """Resume from ``root`` and save steps until killed: crash_writer.py's loop, any URL."""
     import crash_writer as cw
 
-    from ckptstore import CheckpointManager
-
-    emit(f"pid {os.getpid()}")
-    state = cw.make_state()
-    mgr = CheckpointManager(
-        root, keep=keep, format=format, async_save=async_save, storage_options=storage_options
+    return cw.run(
+        root,
+        storage_options=storage_options,
+        format=format,
+        async_save=async_save,
+        keep=keep,
+        steps=steps,
     )
-    start = mgr.resume(state)
-    emit(f"start {start}")
-    pending = None
-    for step in range(start, start + steps):
-        cw.fill(state, step)  # in place, while an async save of the previous step may run
-        handle = mgr.save(step, state)
-        if pending is not None:
-            pending.wait()  # done already: save() waited for the save in flight
-            emit(f"saved {pending.step}")
-        emit(f"returned {step}")
-        if async_save:
-            pending = handle
-        else:
-            emit(f"saved {step}")
-    mgr.close()
-    emit("done")
-    return 0
 
 
 def run_rank(
