@@ -263,17 +263,7 @@ def test_saving_today_reproduces_the_golden_bytes(tmp_path: Path, name: str, fmt
     for group in ("model", "optimizer", "extra"):
         fname = f"{group}{EXT[fmt]}"
         new, old = (today / fname).read_bytes(), (golden / fname).read_bytes()
-        if fmt == "safetensors":
-            # Same names, dtypes, shapes and bytes; the writer's layout (tensor order, header
-            # padding) may improve within format 1 (now 64-byte aligned data, see
-            # test_codec_safetensors), and these files keep proving the old layout loads.
-            a, b = safetensors.torch.load(new), safetensors.torch.load(old)
-            assert sorted(a) == sorted(b), fname
-            for k in b:
-                assert a[k].dtype == b[k].dtype, f"{fname}:{k}"
-                assert a[k].shape == b[k].shape, f"{fname}:{k}"
-                assert bits(a[k]) == bits(b[k]), f"{fname}:{k}"
-        elif golden_manifest["versions"]["torch"] == torch.__version__:
+        if fmt == "safetensors" or golden_manifest["versions"]["torch"] == torch.__version__:
             assert new == old, fname
         else:
             # torch.save archives belong to torch and may change with it: compare contents.

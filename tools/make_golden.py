@@ -7,10 +7,7 @@ The state is built from explicit values (no randomness), so the payload files an
 ``state.json`` are reproducible byte for byte; only ``manifest.json`` differs between runs
 (creation time, library versions). ``tests/test_golden.py`` loads the checked-in stores,
 checks every value, and saves :func:`golden_state` again to prove the bytes have not
-drifted (the safetensors payloads by content: the writer's layout, tensor order and
-header padding, may improve within format 1, and the checked-in files then keep proving
-that the older layout loads; ``--check`` reports them as differing). Regenerate only
-for a deliberate format change, together with a new format
+drifted. Regenerate only for a deliberate format change, together with a new format
 version: old checkpoints must keep loading.
 
 ``torch.save`` archives are byte-reproducible with a given torch version (torch 2.13 derives
