@@ -4,9 +4,11 @@ Checkpoints are written once and not read back soon, so the page cache only cost
 buffered write copies every byte into it and ``fsync`` then flushes it at about half the
 disk's speed. ``O_DIRECT`` DMA-s from our buffers straight to the device. It needs aligned
 buffers, offsets and lengths, so bytes are copied into two page-aligned bounce buffers (a
-copy into existing memory runs at ~20 GB/s) while the other buffer is being written by a
+copy into existing memory runs at 7-20 GB/s) while the other buffer is being written by a
 helper thread; the CRC32C is computed on each buffer as it fills (the ``crc32c`` package
-releases the GIL). The last partial block is padded and the file truncated to its true size.
+releases the GIL). Memory that already lines up with its place in the file (async staging
+arranges that) is written straight from where it is (``DirectWriter.write_segment``). The
+last partial block goes through the page cache, so no padding or truncation is needed.
 Where ``O_DIRECT`` is refused (tmpfs, some network filesystems: ``EINVAL``) the same code
 runs with ordinary buffered writes and ``fsync``.
 """
