@@ -16,7 +16,7 @@ import errno
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
 from typing import IO, Any, ClassVar, Protocol, cast, runtime_checkable
 
 from ..errors import CommitError, IntegrityError, ManifestError, StepExistsError
@@ -219,18 +219,7 @@ class Storage(abc.ABC):
 
     def scan(self) -> tuple[list[int], list[str]]:
         """One pass over the root: ``(committed steps ascending, garbage names sorted)``."""
-        steps = []
-        garbage = []
-        for name in self._list(""):
-            step = parse_step_dirname(name)
-            if step is not None:
-                if self._exists(f"{name}/{MANIFEST_NAME}"):
-                    steps.append(step)
-                else:
-                    garbage.append(name)
-            elif is_garbage_name(name):
-                garbage.append(name)
-        return sorted(steps), sorted(garbage)
+        return split_root(self._list(""), lambda name: self._exists(f"{name}/{MANIFEST_NAME}"))
 
     def read_manifest(self, step: int) -> Manifest:
         """Read and validate the manifest of ``step``.
@@ -505,6 +494,28 @@ class Storage(abc.ABC):
     def writer_lock(self) -> WriterLock | None:
         """A non-blocking writer lock object, or ``None`` where locking is not enforced."""
         return None
+
+
+def split_root(
+    names: Iterable[str], has_manifest: Callable[[str], bool]
+) -> tuple[list[int], list[str]]:
+    """Sort the entries of a store's root: ``(committed steps ascending, garbage sorted)``.
+
+    A step directory is committed when ``has_manifest(name)``, garbage otherwise; tmp and
+    trash entries are garbage; anything else (the lock, the listing cache) is neither.
+    """
+    steps = []
+    garbage = []
+    for name in names:
+        step = parse_step_dirname(name)
+        if step is not None:
+            if has_manifest(name):
+                steps.append(step)
+            else:
+                garbage.append(name)
+        elif is_garbage_name(name):
+            garbage.append(name)
+    return sorted(steps), sorted(garbage)
 
 
 class _Deleter:

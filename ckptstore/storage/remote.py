@@ -35,9 +35,9 @@ import threading
 from collections.abc import Iterator
 from typing import IO, Any, ClassVar
 
-from ..layout import MANIFEST_NAME, PIN_NAME, is_garbage_name, parse_step_dirname, step_dirname
+from ..layout import MANIFEST_NAME, PIN_NAME, step_dirname
 from ..manifest import FileEntry, Manifest
-from .base import Consumer, Storage
+from .base import Consumer, Storage, split_root
 
 __all__ = ["FsspecStorage"]
 
@@ -208,18 +208,8 @@ class FsspecStorage(Storage):
 
     def scan(self) -> tuple[list[int], list[str]]:
         """Committed steps and garbage (tmp/trash, manifest-less steps): one listing."""
-        steps = []
-        garbage = []
-        for top, files in self._scan().items():
-            step = parse_step_dirname(top)
-            if step is not None:
-                if MANIFEST_NAME in files:
-                    steps.append(step)
-                else:
-                    garbage.append(top)
-            elif is_garbage_name(top):
-                garbage.append(top)
-        return sorted(steps), sorted(garbage)
+        entries = self._scan()
+        return split_root(entries, lambda top: MANIFEST_NAME in entries[top])
 
     def is_pinned(self, step: int) -> bool:
         """Whether the checkpoint carries a pin marker: one listing of its directory.
