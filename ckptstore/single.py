@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["atomic_save", "atomic_write"]
+__all__ = ["atomic_save", "atomic_write", "fsync_path"]
 
 
 def atomic_save(obj: Any, path: str | os.PathLike[str]) -> None:
@@ -41,17 +41,21 @@ def atomic_write(path: str | os.PathLike[str], write: Callable[[str], None]) -> 
     tmp = os.path.join(directory, f".{os.path.basename(path)}.tmp-{uuid.uuid4().hex}")
     try:
         write(tmp)
-        fd = os.open(tmp, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        fsync_path(tmp)
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
             os.unlink(tmp)
         raise
-    fd = os.open(directory, os.O_RDONLY | os.O_DIRECTORY)
+    fsync_path(directory, directory=True)
+
+
+def fsync_path(path: str, *, directory: bool = False) -> None:
+    """Make a file, or a directory's entries, durable by path.
+
+    A rename or unlink is durable only once its directory is fsynced (rename(2), fsync(2)).
+    """
+    fd = os.open(path, os.O_RDONLY | (os.O_DIRECTORY if directory else 0))
     try:
         os.fsync(fd)
     finally:

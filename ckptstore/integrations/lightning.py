@@ -100,6 +100,7 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..manager import CheckpointManager
+from ..single import fsync_path
 from ..state import kind_of
 from ..verify import verify_file
 
@@ -427,13 +428,13 @@ class CkptStoreIO(CheckpointIO):
         parent, name = os.path.split(local)
         if os.path.islink(local) or os.path.isfile(local):
             os.unlink(local)
-            _fsync_dir(parent)
+            fsync_path(parent, directory=True)
             return
         if not os.path.isdir(local):
             return
         trash = _sibling(parent, name, "trash")
         os.rename(local, trash)  # atomic: readers see the whole checkpoint or nothing
-        _fsync_dir(parent)
+        fsync_path(parent, directory=True)
         shutil.rmtree(trash, ignore_errors=True)
         log.debug("removed checkpoint %s", local)
 
@@ -515,7 +516,7 @@ def _rename_into_place(tmp: str, path: str) -> None:
                 with contextlib.suppress(OSError):
                     os.rename(trash, path)
             raise
-        _fsync_dir(parent)
+        fsync_path(parent, directory=True)
     except OSError as e:
         raise CommitError(
             f"saving {path} failed: could not move the written checkpoint into place ({e}); "
@@ -527,15 +528,6 @@ def _rename_into_place(tmp: str, path: str) -> None:
                 shutil.rmtree(trash)
             else:
                 os.unlink(trash)
-
-
-def _fsync_dir(path: str) -> None:
-    # A rename or unlink is durable only once its directory is fsynced (rename(2), fsync(2)).
-    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
-    try:
-        os.fsync(fd)
-    finally:
-        os.close(fd)
 
 
 def _load_torch_file(path: str, map_location: Any) -> dict[str, Any]:

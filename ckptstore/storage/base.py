@@ -17,7 +17,7 @@ import os
 import queue
 import threading
 from collections.abc import Callable, Iterable, Iterator
-from typing import IO, Any, ClassVar, Protocol, cast, runtime_checkable
+from typing import IO, Any, ClassVar, Protocol, cast
 
 from ..errors import CommitError, IntegrityError, ManifestError, StepExistsError
 from ..integrity import CRCWriter, crc32c_of, format_crc
@@ -41,7 +41,6 @@ from .._log import logger as log
 READ_CHUNK = 16 << 20
 
 
-@runtime_checkable
 class ChecksummingWriter(Protocol):
     """A file object that computes the CRC32C and size of what it writes."""
 
