@@ -35,6 +35,12 @@ def summary(root: Path) -> list[tuple[int, object, object]]:
     ]
 
 
+def assert_newest_loads(root: Path) -> None:
+    with CheckpointManager(root) as mgr:
+        assert mgr.latest_step() == 4
+        assert torch.equal(mgr.load()["w"], torch.full((4,), 4.0))
+
+
 def rewrite_manifest(root: Path, step: int, loss: float) -> None:
     """Replace a manifest by a forged one with a valid self-checksum and other metrics."""
     path = root / step_dir(step) / "manifest.json"
@@ -100,6 +106,7 @@ def test_a_damaged_cache_is_ignored_and_rebuilt(tmp_path: Path, damage: object) 
     path.write_bytes(damage(path.read_bytes()))  # type: ignore[operator]
     assert summary(root) == good
     assert LocalStorage(str(root))._load_index().keys() == {1, 2, 3, 4}
+    assert_newest_loads(root)
 
 
 def test_a_hostile_cache_with_valid_checksum_but_bad_rows_is_not_trusted(tmp_path: Path) -> None:
@@ -114,6 +121,7 @@ def test_a_hostile_cache_with_valid_checksum_but_bad_rows_is_not_trusted(tmp_pat
     entries[3] = ["nonsense"]  # wrong arity
     st._save_index(entries)
     assert summary(root) == good
+    assert_newest_loads(root)
 
 
 def test_a_broken_manifest_is_never_cached(tmp_path: Path) -> None:
