@@ -23,6 +23,8 @@ from typing import Any
 
 import torch
 
+from . import sharding
+from .chunks import INDEX_FILE
 from .codec import payload as payload_codec
 from .codec import safetensors as safetensors_codec
 from .codec.tree import TreeEncoder, tensor_key
@@ -38,8 +40,8 @@ from .errors import (
 )
 from .integrity import VerifyReport
 from .layout import state_file
-from .manifest import FORMAT_VERSION, FileEntry, Manifest, utc_now
-from .modules import RNGState
+from .manifest import DTENSOR_FORMAT_VERSION, FORMAT_VERSION, FileEntry, Manifest, utc_now
+from .modules import EMA, RNGState
 from .reader import STATE_FORMAT, Reader
 from .retention import CheckpointInfo, RetentionPolicy, as_policy, plan_deletions
 from .staging import BackgroundWriter, SaveHandle, StagingPool
@@ -234,19 +236,23 @@ class CheckpointManager(Reader):
         self.wait_save()  # at most one save in flight
         t0 = time.perf_counter()
         self.coord.barrier("save:enter", step)
-        # An async failure on rank 0 is raised on every rank, not only where it happened.
-        prev = self.coord.broadcast(self._take_bg_error(), "save:previous", step)
+        # An async failure is raised on every rank, not only where it happened; and DTensor
+        # leaves on any rank make the save sharded on all of them.
+        mine = (self._take_bg_error(), sharding.has_dtensors(state))
+        gathered = self.coord.all_gather(mine, "save:previous", step)
+        prev = next((e for e, _ in gathered if e is not None), None)
         if prev is not None:
             raise prev if isinstance(prev, CkptStoreError) else CommitError(str(prev))
-        if sharded:
-            manifest = self._save_sharded(step, state, metrics_d, metadata_d)
-            return self._done(step, manifest, t0)
+        dtensor = any(flag for _, flag in gathered)
         # Per-rank generators are gathered so each rank resumes its own random stream.
         rng = {
             key: self.coord.gather(value.state_dict(), "save:rng", step)
             for key, value in state.items()
-            if isinstance(value, RNGState) and self.coord.enabled
+            if isinstance(value, RNGState) and self.coord.enabled and (dtensor or not sharded)
         }
+        if sharded or dtensor:
+            manifest = self._save_sharded(step, state, metrics_d, metadata_d, rng, dtensor)
+            return self._done(step, manifest, t0)
         job: dict[str, Any] | None = None
         error: BaseException | None = None
         if self.coord.is_leader:
@@ -298,10 +304,17 @@ class CheckpointManager(Reader):
                     log.info("removed stale %s", name)
 
     def _encode(
-        self, state: Mapping[Any, Any], rng: Mapping[Any, Any] | None = None
+        self,
+        state: Mapping[Any, Any],
+        rng: Mapping[Any, Any] | None = None,
+        dtensors: sharding.DTensorCollector | None = None,
     ) -> tuple[bytes, dict[str, dict[str, torch.Tensor]]]:
-        """``state.json`` bytes and the tensor groups of a state (staged if async)."""
-        enc = TreeEncoder(allow_pickle=self.allow_pickle)
+        """``state.json`` bytes and the tensor groups of a state (staged if async).
+
+        With ``dtensors`` (a sharded DTensor save) DTensor leaves are collected there instead
+        of becoming payload tensors, and optimizers are stored keyed by parameter name.
+        """
+        enc = TreeEncoder(allow_pickle=self.allow_pickle, dtensor=dtensors)
         keys: list[Any] = []
         vals: list[Any] = []
         for i, (key, value) in enumerate(state.items()):
@@ -309,12 +322,30 @@ class CheckpointManager(Reader):
                 msg = f"state keys must be str or int, got {key!r}"
                 raise UnsafeCheckpointError(msg)
             kind = kind_of(value)
-            data = capture(value)
+            owner = None
+            if dtensors is not None and isinstance(value, torch.optim.Optimizer):
+                owner = sharding.owner_of(value, state)
+                if owner is None:
+                    msg = (
+                        f"state[{key!r}]: the optimizer's parameters are not all in one module "
+                        "of the state; add the model to the state, so its sharded state can be "
+                        "keyed by parameter name"
+                    )
+                    raise UnsafeCheckpointError(msg)
+                model = state[owner]
+                kind = "optimizer"
+                data = sharding.named_optimizer_state(
+                    value, model.module if isinstance(model, EMA) else model
+                )
+            else:
+                data = capture(value)
             if rng and key in rng and rng[key] is not None:
                 data = {"per_rank": rng[key]}
             node = enc.encode(data, group=group_name(key, i), path=(key,))
             if kind is not None:
                 node = {"t": "stateful", "kind": kind, "v": node}
+                if owner is not None:
+                    node["owner"] = owner
             keys.append(key)
             vals.append(node)
         groups = enc.finish(tensor_key, contiguous=not self.async_save)
@@ -427,7 +458,12 @@ class CheckpointManager(Reader):
             raise first
 
     def _make_manifest(
-        self, step: int, files: Mapping[str, FileEntry], job: Mapping[str, Any], sharded: bool
+        self,
+        step: int,
+        files: Mapping[str, FileEntry],
+        job: Mapping[str, Any],
+        sharded: bool,
+        dtensor: bool = False,
     ) -> Manifest:
         return Manifest(
             step=step,
@@ -435,11 +471,12 @@ class CheckpointManager(Reader):
             created=utc_now(),
             format=self.format,
             world_size=self.coord.world_size,
-            sharded=sharded,
+            sharded=sharded or dtensor,
+            dtensor=dtensor,
             metrics=job["metrics"],
             metadata=job["metadata"],
             versions=_versions(),
-            format_version=FORMAT_VERSION,
+            format_version=DTENSOR_FORMAT_VERSION if dtensor else FORMAT_VERSION,
         )
 
     def _write_job(self, job: dict[str, Any]) -> tuple[Pending, Manifest]:
@@ -540,14 +577,21 @@ class CheckpointManager(Reader):
         self._after_commit(step)
         return value if isinstance(value, Manifest) else Manifest.from_bytes(value)
 
-    def _save_sharded(
+    def _save_sharded(  # noqa: PLR0917 - private, one call site
         self,
         step: int,
         state: Mapping[Any, Any],
         metrics: dict[str, float],
         metadata: dict[str, Any],
+        rng: Mapping[Any, Any],
+        dtensor: bool,
     ) -> Manifest:
-        """Two-phase commit: every rank writes its shard, rank 0 gathers and commits."""
+        """Two-phase commit: every rank writes its shard, rank 0 gathers and commits.
+
+        Per-rank state (``sharded=True``): every rank writes its own tree and payloads.
+        DTensor state: every rank writes the DTensor boxes the global plan gives it, rank 0
+        the rest of the state once, and rank 0 adds the chunk index before the manifest.
+        """
         where = self.storage.describe(step)
         # Phase 0: rank 0 opens the tmp directory every rank writes into.
         opened: tuple[str, Any] = ("ok", None)
@@ -570,11 +614,18 @@ class CheckpointManager(Reader):
         rank = self.coord.rank
         mine: tuple[str, Any]
         try:
-            job = {"groups": {}, "tree": b"", "rank": rank}
-            tree, groups = self._encode_sync(state)
-            job.update(tree=tree, groups=groups)
-            self._write_files(pending, job)
-            mine = ("ok", {n: e for n, e in pending.files.items() if e.rank == rank})
+            if dtensor:
+                mine = self._write_dtensor_part(pending, state, step, rng)
+            else:
+                job = {"groups": {}, "tree": b"", "rank": rank}
+                tree, groups = self._encode_sync(state)
+                job.update(tree=tree, groups=groups)
+                self._write_files(pending, job)
+                mine = ("ok", {"files": {n: e for n, e in pending.files.items() if e.rank == rank}})
+        except BarrierTimeout:
+            if self.coord.is_leader:
+                self.storage.abort(pending)
+            raise
         except BaseException as e:
             log.error("rank %d failed to write its shard of step %d: %s", rank, step, e)
             mine = ("error", e)
@@ -589,16 +640,24 @@ class CheckpointManager(Reader):
         if self.coord.is_leader:
             assert tables is not None
             failed = [(r, v) for r, (s, v) in enumerate(tables) if s == "error"]
-            if failed:
+            if failed or any(s != "ok" for s, _ in tables):
                 self.storage.abort(pending)
                 outcome = ("error", _shard_error(failed, where, self._previous(step)))
             else:
                 files: dict[str, FileEntry] = {}
                 for _, table in tables:
-                    files.update(table)
+                    files.update(table["files"])
                 try:
+                    if dtensor:
+                        index = sharding.build_index(tables[0][1]["md"], [t for _, t in tables])
+                        pending.write_bytes(INDEX_FILE, index.to_bytes(), codec="json")
+                        files[INDEX_FILE] = pending.files[INDEX_FILE]
                     manifest = self._make_manifest(
-                        step, files, {"metrics": metrics, "metadata": metadata}, sharded=True
+                        step,
+                        files,
+                        {"metrics": metrics, "metadata": metadata},
+                        sharded=True,
+                        dtensor=dtensor,
                     )
                     self.storage.commit(pending, manifest)
                     self._known_good.add(step)
@@ -610,14 +669,63 @@ class CheckpointManager(Reader):
         return self._announce(outcome, step)
 
     def _encode_sync(
-        self, state: Mapping[Any, Any]
+        self,
+        state: Mapping[Any, Any],
+        rng: Mapping[Any, Any] | None = None,
+        dtensors: sharding.DTensorCollector | None = None,
     ) -> tuple[bytes, dict[str, dict[str, torch.Tensor]]]:
         """Encode without staging: sharded saves complete before ``save`` returns."""
         was, self.async_save = self.async_save, False
         try:
-            return self._encode(state)
+            return self._encode(state, rng, dtensors)
         finally:
             self.async_save = was
+
+    def _write_dtensor_part(
+        self, pending: Pending, state: Mapping[Any, Any], step: int, rng: Mapping[Any, Any]
+    ) -> tuple[str, Any]:
+        """Phase 1 of a DTensor save on this rank: plan with every rank, write its boxes.
+
+        Every rank encodes the state (the same tree, so the same DTensor names) and makes a
+        local plan; the plans are exchanged (every rank computes the same deduplicated
+        global plan from them); each rank writes the boxes it was given, and rank 0 also
+        writes ``state.json`` and the plain tensors once. A rank that fails before the
+        exchange still takes part in it, so no rank waits for it.
+        """
+        rank = self.coord.rank
+        collector = sharding.DTensorCollector()
+        planned: tuple[str, Any]
+        tree: bytes = b""
+        groups: dict[str, dict[str, torch.Tensor]] = {}
+        try:
+            if self.compression is not None:
+                msg = (
+                    f"compression={self.compression!r} cannot be used with DTensor state: "
+                    "ranks read byte ranges of the shards; save with compression=None"
+                )
+                raise UnsafeCheckpointError(msg)
+            tree, groups = self._encode_sync(state, rng, collector)
+            planned = ("ok", sharding.save_plans(collector.flat, self.coord.is_leader))
+        except BaseException as e:
+            log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)
+            planned = ("error", e)
+        plans = self.coord.all_gather(planned, "save:plan", step)
+        if planned[0] != "ok":
+            return planned
+        if any(s != "ok" for s, _ in plans):
+            return ("aborted", None)  # another rank failed and says why
+        final, md = sharding.global_plan([p for _, p in plans])
+        table = sharding.write_shards(pending, rank, final[rank], collector.flat)
+        if self.coord.is_leader:
+            self._write_files(pending, {"groups": groups, "tree": tree, "rank": None})
+        files = {
+            n: e
+            for n, e in pending.files.items()
+            if e.rank == rank or (self.coord.is_leader and e.rank is None)
+        }
+        table["files"] = files
+        table["md"] = md if self.coord.is_leader else None
+        return ("ok", table)
 
     def _after_commit(self, step: int) -> None:
         """Retention runs only after a commit; its failure never fails the save."""

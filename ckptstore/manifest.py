@@ -20,6 +20,7 @@ from .errors import ManifestError
 from .integrity import crc32c_of, format_crc, parse_crc
 
 __all__ = [
+    "DTENSOR_FORMAT_VERSION",
     "FORMAT_VERSION",
     "MAX_MANIFEST_BYTES",
     "FileEntry",
@@ -27,7 +28,13 @@ __all__ = [
     "validate_file_name",
 ]
 
+#: The format version written for replicated and per-rank checkpoints.
 FORMAT_VERSION = 1
+#: The format version of DTensor checkpoints (``dtensors.json``): a format-1 reader would
+#: take their rank-0 part for the whole state, so it must refuse them.
+DTENSOR_FORMAT_VERSION = 2
+#: The newest format this ckptstore reads.
+READ_FORMAT_VERSION = 2
 #: A manifest larger than this is refused unread (a hostile or corrupt file).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 #: Largest size a manifest may claim for one file (1 PiB): beyond it, it is lying.
@@ -103,6 +110,8 @@ class Manifest:
         format: payload format, ``"safetensors"`` or ``"torch"``.
         world_size: ranks in the job that saved it.
         sharded: whether every rank wrote its own files.
+        dtensor: whether those files hold DTensor shards described by ``dtensors.json``
+            (restorable on any world size), rather than per-rank opaque state.
         metrics: numbers for retention (``KeepBest``) and display.
         metadata: free user metadata (JSON).
         versions: library versions of the writer.
@@ -115,6 +124,7 @@ class Manifest:
     format: str = "safetensors"
     world_size: int = 1
     sharded: bool = False
+    dtensor: bool = False
     metrics: Mapping[str, float] = dataclasses.field(default_factory=dict)
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     versions: Mapping[str, str] = dataclasses.field(default_factory=dict)
@@ -124,6 +134,13 @@ class Manifest:
     def total_bytes(self) -> int:
         """Sum of the sizes of all payload files."""
         return sum(e.bytes for e in self.files.values())
+
+    @property
+    def sharding_kind(self) -> str:
+        """``"replicated"``, ``"sharded"`` (per-rank state) or ``"dtensor"``."""
+        if self.dtensor:
+            return "dtensor"
+        return "sharded" if self.sharded else "replicated"
 
     @property
     def created_datetime(self) -> _dt.datetime | None:
@@ -142,7 +159,7 @@ class Manifest:
             "format": self.format,
             "versions": dict(self.versions),
             "world_size": self.world_size,
-            "sharding": {"kind": "sharded" if self.sharded else "replicated"},
+            "sharding": {"kind": self.sharding_kind},
             "files": {n: e.to_json() for n, e in sorted(self.files.items())},
             "metrics": {k: _metric_to_json(v) for k, v in sorted(self.metrics.items())},
             "metadata": dict(self.metadata),
@@ -180,10 +197,10 @@ class Manifest:
         version = doc.get("format_version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ManifestError(f"{where}: format_version missing or not a positive integer")
-        if version > FORMAT_VERSION:
+        if version > READ_FORMAT_VERSION:
             raise ManifestError(
                 f"{where}: written in format version {version} by a newer ckptstore; this one "
-                f"reads format {FORMAT_VERSION}. Upgrade ckptstore to read it."
+                f"reads formats up to {READ_FORMAT_VERSION}. Upgrade ckptstore to read it."
             )
         checksum = doc.get("checksum")
         body = {k: v for k, v in doc.items() if k != "checksum"}
@@ -218,8 +235,13 @@ class Manifest:
         if fmt not in ("safetensors", "torch"):
             raise ManifestError(f"{where}: unknown payload format {fmt!r}")
         sharding = doc.get("sharding", {"kind": "replicated"})
-        if not isinstance(sharding, dict) or sharding.get("kind") not in ("replicated", "sharded"):
-            raise ManifestError(f"{where}: 'sharding' must be {{'kind': replicated|sharded}}")
+        kind = sharding.get("kind") if isinstance(sharding, dict) else None
+        if kind not in ("replicated", "sharded", "dtensor"):
+            raise ManifestError(
+                f"{where}: 'sharding' must be {{'kind': replicated|sharded|dtensor}}"
+            )
+        if (kind == "dtensor") != (version >= DTENSOR_FORMAT_VERSION):
+            raise ManifestError(f"{where}: sharding kind {kind!r} in format version {version}")
         world_size = _int(doc, "world_size", where, minimum=1)
         metrics_raw = doc.get("metrics", {})
         if not isinstance(metrics_raw, dict):
@@ -242,7 +264,8 @@ class Manifest:
             created=created,
             format=fmt,
             world_size=world_size,
-            sharded=sharding["kind"] == "sharded",
+            sharded=kind != "replicated",
+            dtensor=kind == "dtensor",
             metrics=metrics,
             metadata=metadata,
             versions=versions,
@@ -257,7 +280,7 @@ class Manifest:
             self.created,
             self.format,
             self.world_size,
-            self.sharded,
+            self.sharding_kind,
             {k: _metric_to_json(v) for k, v in self.metrics.items()},
             dict(self.metadata),
             dict(self.versions),
@@ -282,7 +305,8 @@ class Manifest:
             created=str(created),
             format=str(fmt),
             world_size=int(world),
-            sharded=bool(sharded),
+            sharded=sharded is True or sharded in ("sharded", "dtensor"),
+            dtensor=sharded == "dtensor",
             metrics={str(k): float(v) for k, v in metrics.items()},
             metadata=dict(metadata),
             versions=dict(versions),

@@ -15,7 +15,9 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from . import sharding
 from ._log import logger as log
+from .chunks import INDEX_FILE, ChunkIndex, TensorEntry
 from .codec import payload as payload_codec
 from .codec.tree import TreeDecoder
 from .dist import Coordinator
@@ -66,21 +68,31 @@ class Reader:
         def _raise_bg_error(self) -> None: ...
         def _resolve(self, step: int | None) -> int: ...
 
-    def _layout_of(self, manifest: Manifest, rank: int) -> tuple[str, dict[str, list[str]]]:
-        """The state file and payload files (by group) that ``rank`` reads."""
+    def _layout_of(
+        self, manifest: Manifest, rank: int, *, explicit: bool = False
+    ) -> tuple[str, dict[str, list[str]]]:
+        """The state file and payload files (by group) that ``rank`` reads.
+
+        Per-rank state (``sharded=True`` without DTensors) is opaque: it restores only on
+        the world size that saved it. Asking for one rank's part explicitly
+        (``load(rank=r)``) is the only way to read it anywhere else.
+        """
         where = self.storage.describe(manifest.step)
-        if manifest.sharded:
-            if manifest.world_size != self.coord.world_size and self.coord.enabled:
+        per_rank = manifest.sharded and not manifest.dtensor
+        if per_rank:
+            if manifest.world_size != self.coord.world_size and not explicit:
                 raise StateMismatchError(
-                    f"{where} was saved sharded by {manifest.world_size} ranks and this job has "
-                    f"{self.coord.world_size}; a sharded checkpoint restores only on the same "
-                    "world size. Relaunch with that many ranks"
+                    f"{where} holds per-rank state saved with sharded=True by "
+                    f"{manifest.world_size} ranks, and this job has {self.coord.world_size}: "
+                    "each rank's part is opaque, so it restores only on the same world size. "
+                    "Relaunch with that many ranks, or load(step, rank=r) to read one rank's "
+                    "part (DTensor/FSDP2 state restores on any world size)"
                 )
             if not 0 <= rank < manifest.world_size:
                 raise StateMismatchError(
                     f"{where} has shards for ranks 0..{manifest.world_size - 1}, not {rank}"
                 )
-        want_rank = rank if manifest.sharded else None
+        want_rank = rank if per_rank else None
         groups: dict[str, list[str]] = {}
         for name, fe in manifest.files.items():
             if fe.codec != "json" and fe.rank == want_rank:
@@ -113,10 +125,11 @@ class Reader:
         checksum those tensors hold partial data (``restore`` goes on to an older checkpoint,
         which overwrites them, or raises).
         """
+        explicit = rank is not None
         rank = self.coord.rank if rank is None else rank
         manifest = self.storage.read_manifest(step) if blobs is None else _blob_manifest(blobs)
         where = self.storage.describe(step)
-        sname, groups = self._layout_of(manifest, rank)
+        sname, groups = self._layout_of(manifest, rank, explicit=explicit)
 
         def fetch(name: str) -> bytearray:
             entry = manifest.files[name]
@@ -150,8 +163,13 @@ class Reader:
                 strict=strict,
                 where=where,
             )
-            if not in_place:
+            if not in_place or manifest.dtensor:
                 into = {}
+        sharded_leaves: dict[str, torch.Tensor] = {}
+        if manifest.dtensor:
+            sharded_leaves = self._read_sharded(
+                manifest, fetch(INDEX_FILE), keys, vals, wanted_set, targets
+            )
         cache: dict[str, dict[str, torch.Tensor]] = {}
 
         def get_tensor(group: str, key: str) -> torch.Tensor:
@@ -175,7 +193,12 @@ class Reader:
                 raise IntegrityError(f"{where}: tensor {key!r} missing from payload {group!r}")
             return t
 
-        dec = TreeDecoder(get_tensor, allow_pickle=self.allow_pickle, where=f"{where}/{sname}")
+        dec = TreeDecoder(
+            get_tensor,
+            allow_pickle=self.allow_pickle,
+            where=f"{where}/{sname}",
+            get_dtensor=lambda name, _path: sharded_leaves[name],
+        )
         out: dict[Any, Any] = {}
         kinds: dict[Any, str | None] = {}
         for k, node in zip(keys, vals, strict=True):
@@ -185,6 +208,8 @@ class Reader:
                 continue
             kind, inner = _unwrap(node)
             value = dec.decode(inner, (k,))
+            if kind == "optimizer" and targets is not None:
+                value = self._indexed_optimizer(targets, k, node, value, where)
             if kind == "rng" and isinstance(value, dict) and "per_rank" in value:
                 per_rank = value["per_rank"]
                 value = per_rank[rank] if rank < len(per_rank) else per_rank[0]
@@ -213,6 +238,10 @@ class Reader:
             target = targets.get(k) if isinstance(k, str | int) else None
             if isinstance(target, torch.nn.Module | EMA):
                 shadow[k] = meta.decode(inner, (k,))
+            elif kind == "optimizer" and isinstance(target, torch.optim.Optimizer):
+                # Name-keyed optimizer state (a DTensor save): its groups must fit now.
+                self._indexed_optimizer(targets, k, node, meta.decode(inner, (k,)), where)
+                shadow[k] = None
             else:
                 shadow[k] = None  # present; checked when loaded
         precheck(targets, shadow, kinds, strict=strict, where=where)
@@ -223,6 +252,64 @@ class Reader:
             _, inner = _unwrap(nodes[k])
             collect_targets(inner, capture(target), into)
         return into
+
+    def _indexed_optimizer(
+        self, targets: Mapping[Any, Any], key: Any, node: Any, value: Any, where: str
+    ) -> Any:
+        """Name-keyed optimizer state as the target optimizer numbers its parameters."""
+        target = targets.get(key)
+        if not isinstance(target, torch.optim.Optimizer):
+            return value
+        at = f"{where}[{key!r}]"
+        owner = node.get("owner") if isinstance(node, dict) else None
+        model = targets.get(owner) if isinstance(owner, str | int) else None
+        if model is None:
+            found = sharding.owner_of(target, targets)
+            model = targets.get(found) if found is not None else None
+        if isinstance(model, EMA):
+            model = model.module
+        if not isinstance(model, torch.nn.Module):
+            raise StateMismatchError(
+                f"{at}: the optimizer state is keyed by parameter name; put the model that "
+                f"owns its parameters in the state (it was saved as {owner!r})"
+            )
+        return sharding.indexed_optimizer_state(target, model, value, at)
+
+    def _read_sharded(  # noqa: PLR0917 - private, one call site
+        self,
+        manifest: Manifest,
+        raw_index: bytearray,
+        keys: list[Any],
+        vals: list[Any],
+        wanted: set[Any] | None,
+        targets: Mapping[Any, Any] | None,
+    ) -> dict[str, torch.Tensor]:
+        """Read this rank's part of every DTensor leaf of the entries to decode.
+
+        Each leaf is read into a fresh tensor laid out like its target (a DTensor with the
+        target's mesh and placements, so only the overlapping byte ranges are read) or, with
+        no target, a full CPU tensor. Every block is checked before its bytes are copied.
+        """
+        step = manifest.step
+        where = self.storage.describe(step)
+        index = ChunkIndex.from_bytes(raw_index, manifest.files, f"{where}/{INDEX_FILE}")
+        leaves: dict[str, tuple[tuple[Any, ...], TensorEntry]] = {}
+        kinds: dict[Any, str | None] = {}
+        owners: dict[Any, Any] = {}
+        for k, node in zip(keys, vals, strict=True):
+            if wanted is not None and k not in wanted:
+                continue
+            if targets is not None and k not in targets:
+                continue
+            kind, inner = _unwrap(node)
+            kinds[k] = kind
+            if isinstance(node, dict) and "owner" in node:
+                owners[k] = node["owner"]
+            _dtensor_leaves(inner, (k,), index, leaves, where)
+        flat = sharding.restore_targets(leaves, targets, kinds, owners)
+        with self.storage.range_reader(step, manifest.files) as reader:
+            sharding.read_into(index, flat, reader.read, where)
+        return flat
 
     def _read_blobs(self, step: int) -> dict[str, bytearray]:
         """Rank 0's verified copy of every file of a replicated checkpoint, for broadcast."""
@@ -432,6 +519,44 @@ class Reader:
         )
 
     # ---- verify / retention -------------------------------------------------------------
+
+
+def _dtensor_leaves(  # noqa: PLR0917 - private recursion
+    node: Any,
+    path: tuple[Any, ...],
+    index: ChunkIndex,
+    out: dict[str, tuple[tuple[Any, ...], TensorEntry]],
+    where: str,
+    depth: int = 0,
+) -> None:
+    """Collect the DTensor leaves under ``node`` (name -> (path, index entry))."""
+    if depth > 300:
+        raise IntegrityError(f"{where}: state nested too deeply; the file is hostile")
+    if isinstance(node, list):
+        for i, x in enumerate(node):
+            _dtensor_leaves(x, (*path, i), index, out, where, depth + 1)
+        return
+    if not isinstance(node, dict):
+        return
+    t = node.get("t")
+    if t == "dtensor":
+        name = node.get("name")
+        entry = index.tensors.get(name) if isinstance(name, str) else None
+        if entry is None or list(entry.shape) != node.get("shape"):
+            raise IntegrityError(
+                f"{where}: sharded tensor {name!r} at {path} is not in the chunk index as saved"
+            )
+        out[str(name)] = (path, entry)
+    elif t in ("dict", "odict"):
+        keys, vals = node.get("keys"), node.get("vals")
+        if isinstance(keys, list) and isinstance(vals, list):
+            for k, v in zip(keys, vals, strict=False):
+                _dtensor_leaves(v, (*path, k), index, out, where, depth + 1)
+    elif t == "tuple":
+        vs = node.get("v")
+        if isinstance(vs, list):
+            for i, x in enumerate(vs):
+                _dtensor_leaves(x, (*path, i), index, out, where, depth + 1)
 
 
 def _unwrap(node: Any) -> tuple[str | None, Any]:

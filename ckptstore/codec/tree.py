@@ -109,8 +109,16 @@ class TreeEncoder:
     storage and obtain the tensor groups.
     """
 
-    def __init__(self, *, allow_pickle: bool = False) -> None:
+    def __init__(
+        self,
+        *,
+        allow_pickle: bool = False,
+        dtensor: Callable[[Any, tuple[Any, ...]], dict[str, Any]] | None = None,
+    ) -> None:
         self.allow_pickle = allow_pickle
+        # DTensor leaves are not payload tensors: a sharded save names them and writes each
+        # rank's shards itself (see sharding.py); ``dtensor`` returns their node.
+        self._dtensor = dtensor
         self._occurrences: list[_Occurrence] = []
 
     def encode(self, value: Any, *, group: str, path: tuple[Any, ...]) -> Any:
@@ -131,6 +139,14 @@ class TreeEncoder:
         if tv is float:
             return _float_node(v)
         if isinstance(v, torch.Tensor):
+            if _is_dtensor(v):
+                if self._dtensor is None:
+                    msg = (
+                        f"{format_path(path)}: a DTensor can only be saved by a sharded save "
+                        "on every rank"
+                    )
+                    raise UnsafeCheckpointError(msg)
+                return self._dtensor(v, path)
             return self._tensor(v, group, path)
         if tv is list:
             return [self._enc(x, group, (*path, i), depth + 1) for i, x in enumerate(v)]
@@ -297,6 +313,16 @@ class TreeEncoder:
         return groups
 
 
+def _is_dtensor(t: torch.Tensor) -> bool:
+    if type(t) is torch.Tensor:  # the common case, without an import
+        return False
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return False
+    return isinstance(t, DTensor)
+
+
 def _storage_nbytes(t: torch.Tensor) -> int:
     return int(t.untyped_storage().nbytes())
 
@@ -332,8 +358,10 @@ class TreeDecoder:
         allow_pickle: bool = False,
         where: str = "state.json",
         meta: bool = False,
+        get_dtensor: Callable[[str, tuple[Any, ...]], torch.Tensor] | None = None,
     ) -> None:
         self._get = get_tensor
+        self._get_dtensor = get_dtensor
         self.meta = meta
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
         self._params: dict[tuple[str, str, bool], torch.Tensor] = {}
@@ -412,6 +440,8 @@ class TreeDecoder:
                 return np.frombuffer(bytes.fromhex(n["hex"]), dtype=npdt)[0]
             if t in ("tensor", "view", "ndarray"):
                 return self._tensor(n, path)
+            if t == "dtensor":
+                return self._dtensor_leaf(n, path)
             if t == "pickle":
                 if not self.allow_pickle:
                     msg = (
@@ -427,6 +457,20 @@ class TreeDecoder:
                 raise
             raise self._bad(path, f"malformed {t!r} node ({type(e).__name__}: {e})") from None
         raise self._bad(path, f"unknown node type {t!r}")
+
+    def _dtensor_leaf(self, n: Mapping[str, Any], path: tuple[Any, ...]) -> Any:
+        """A sharded tensor: read by the caller from the chunk index, by its flat name."""
+        name = n["name"]
+        dtype = SUPPORTED_DTYPES.get(n["dtype"])
+        if not isinstance(name, str) or dtype is None:
+            raise self._bad(path, "malformed sharded tensor reference")
+        shape = [int(s) for s in n["shape"]]
+        if self.meta or self._get_dtensor is None:
+            return torch.empty(shape, dtype=dtype, device="meta")
+        t = self._get_dtensor(name, path)
+        if list(t.shape) != shape:
+            raise self._bad(path, f"sharded tensor {name!r} is {list(t.shape)}, not {shape}")
+        return t
 
     def _tensor(self, n: Mapping[str, Any], path: tuple[Any, ...]) -> Any:
         group, key = n["file"], n["key"]

@@ -16,7 +16,7 @@ import errno
 import os
 import queue
 import threading
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import IO, Any, ClassVar, Protocol, cast
 
 from ..errors import CommitError, IntegrityError, ManifestError, StepExistsError
@@ -120,6 +120,77 @@ class Pending:
         """Write a small file in one go."""
         with self.open(name, codec=codec, rank=rank) as w:
             w.write(data)
+
+
+class RangeReader:
+    """Reads byte ranges of a committed checkpoint's files, each file opened once.
+
+    A file's size is checked against the manifest when it is opened. The bytes are not
+    checked here: callers check each range against its chunk CRCs (``chunks.read_box``).
+    Use as a context manager; ``read(name, offset, length)`` returns exactly ``length``
+    bytes or raises :class:`IntegrityError`.
+    """
+
+    def __init__(self, storage: Storage, step: int, files: Mapping[str, FileEntry]) -> None:
+        self.storage = storage
+        self.step = step
+        self.files = files
+        self.bytes_read = 0
+        self._open: dict[str, IO[bytes]] = {}
+        self._lock = threading.Lock()
+
+    def _file(self, name: str) -> IO[bytes]:
+        f = self._open.get(name)
+        if f is not None:
+            return f
+        where = self.storage.describe(self.step, name)
+        entry = self.files.get(name)
+        if entry is None:
+            raise IntegrityError(f"{where}: not listed in the manifest")
+        size = self.storage.file_size(self.step, name)
+        if size != entry.bytes:
+            raise IntegrityError(
+                f"{where}: file has {size} bytes, manifest says {entry.bytes}; "
+                "it is truncated, missing or replaced"
+            )
+        f = self.storage.open_file(self.step, name)
+        self._open[name] = f
+        return f
+
+    def read(self, name: str, offset: int, length: int) -> bytearray:
+        """``length`` bytes of ``name`` from ``offset``."""
+        where = self.storage.describe(self.step, name)
+        buf = bytearray(length)
+        mv = memoryview(buf)
+        with self._lock:
+            try:
+                f = self._file(name)
+                f.seek(offset)
+                got = 0
+                while got < length:
+                    n = f.readinto(mv[got:])  # type: ignore[attr-defined]
+                    if not n:
+                        break
+                    got += n
+            except OSError as e:
+                raise IntegrityError(f"{where}: unreadable ({e})") from None
+        if got != length:
+            raise IntegrityError(f"{where}: {length} bytes at {offset} not there; it is truncated")
+        self.bytes_read += length
+        return buf
+
+    def close(self) -> None:
+        """Close every opened file."""
+        for f in self._open.values():
+            with contextlib.suppress(OSError):
+                f.close()
+        self._open.clear()
+
+    def __enter__(self) -> RangeReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
 
 class Storage(abc.ABC):
@@ -354,6 +425,10 @@ class Storage(abc.ABC):
 
         self.stream_file(step, name, entry, into)
         return bufs[0] if bufs else bytearray(entry.bytes)  # empty: no chunk came
+
+    def range_reader(self, step: int, files: Mapping[str, FileEntry]) -> RangeReader:
+        """A reader of byte ranges of ``step``'s files (see :class:`RangeReader`)."""
+        return RangeReader(self, step, files)
 
     def checksum_file(self, step: int, name: str) -> tuple[int, int]:
         """Stream a file and return ``(bytes, crc32c)`` without keeping it in memory."""

@@ -106,7 +106,8 @@ def test_sharded_roundtrip_and_refusal_on_other_world_size(tmp_path):
     other = values(launch("sharded_restore_other_world", 3, tmp_path))
     for v in other:
         assert v["error_type"] == "StateMismatchError"
-        assert "sharded by 2 ranks and this job has 3" in v["message"]
+        assert "saved with sharded=True by 2 ranks, and this job has 3" in v["message"]
+        assert "load(step, rank=r)" in v["message"]
 
 
 def test_sharded_save_with_full_disk_on_one_rank(tmp_path):

@@ -29,7 +29,14 @@ def main() -> None:
     )
     out = Path(workdir) / f"rank{rank_i}.json"
     t0 = time.monotonic()
-    fn = getattr(scenarios, scenario)
+    # "module:function" runs a scenario of another module of this package.
+    module, _, name = scenario.rpartition(":")
+    if module:
+        import importlib
+
+        fn = getattr(importlib.import_module(f"tests.multirank.{module}"), name)
+    else:
+        fn = getattr(scenarios, scenario)
     ctx = scenarios.Ctx(rank=rank_i, world=world_i, workdir=Path(workdir), args=json.loads(args))
     try:
         value = fn(ctx)

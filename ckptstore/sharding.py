@@ -1,0 +1,501 @@
+"""DTensor state (FSDP2, tensor parallel, HSDP): naming, planning, writing shards, restore targets.
+
+A state whose modules, optimizers or plain data hold ``DTensor`` leaves is saved sharded, no
+flag needed. Each DTensor leaf gets a flat name (its path in the state, ``model/0.weight``),
+and ``torch.distributed.checkpoint``'s planners decide who writes what: every rank's local
+plan lists the boxes it holds (``__create_write_items__``), ``dedup_save_plans`` keeps one
+copy of every replicated box (load-balanced over the ranks), ``create_default_global_save_plan``
+gives the global metadata. On restore, ``create_default_local_load_plan`` computes which
+saved boxes overlap each target shard, whatever the mesh, placement or world size.
+
+ckptstore runs those planners itself instead of calling ``dcp.save``/``dcp.load``: their
+collectives would wait on a process group without naming the ranks that are missing, and
+``dcp.load`` reads DCP's pickled ``.metadata``. Here every exchange goes through the manager's
+:class:`~ckptstore.dist.Coordinator` (bounded, names missing ranks), and the metadata is the
+typed JSON chunk index of :mod:`ckptstore.chunks`.
+
+Optimizer state is stored keyed by parameter name (``state/<fqn>/exp_avg``), converted here
+from and to ``Optimizer.state_dict()``: DCP's ``get_optimizer_state_dict`` would first run a
+zero-gradient ``step()`` on an optimizer that has no state yet (a save at step 0 would then
+change the training run it checkpoints), so the conversion is done without it.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._log import logger as log
+from .chunks import BLOCK, Chunk, ChunkIndex, TensorEntry, block_crcs, dtype_name, read_box
+from .chunks import shard_file as shard_file_name
+from .codec import payload as payload_codec
+from .codec import safetensors as safetensors_codec
+from .codec.tree import format_path
+from .errors import StateMismatchError, UnsafeCheckpointError
+from .modules import EMA, de_parallel, module_state
+from .storage.directio import run_all
+
+__all__ = [
+    "DTensorCollector",
+    "build_index",
+    "has_dtensors",
+    "indexed_optimizer_state",
+    "is_dtensor",
+    "named_optimizer_state",
+    "owner_of",
+    "read_into",
+    "restore_targets",
+    "save_plans",
+    "write_shards",
+]
+
+_SCAN_LIMIT = 100_000
+
+
+def _dtensor_type() -> type | None:
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        return None
+    return DTensor
+
+
+def is_dtensor(v: object) -> bool:
+    """Whether ``v`` is a ``torch.distributed.tensor.DTensor``."""
+    cls = _dtensor_type()
+    return cls is not None and isinstance(v, cls)
+
+
+def has_dtensors(state: Mapping[Any, Any]) -> bool:
+    """Whether any module, optimizer or plain value of ``state`` holds a DTensor."""
+    if _dtensor_type() is None:
+        return False
+    budget = [_SCAN_LIMIT]
+
+    def walk(v: Any, depth: int) -> bool:
+        budget[0] -= 1
+        if budget[0] < 0 or depth > 64:
+            return False
+        if isinstance(v, torch.Tensor):
+            return is_dtensor(v)
+        if isinstance(v, EMA):
+            return walk(v.module, depth + 1)
+        if isinstance(v, nn.Module):
+            return any(is_dtensor(t) for t in (*v.parameters(), *v.buffers()))
+        if isinstance(v, torch.optim.Optimizer):
+            return any(is_dtensor(p) for g in v.param_groups for p in g["params"])
+        if isinstance(v, Mapping):
+            return any(walk(x, depth + 1) for x in v.values())
+        if isinstance(v, list | tuple):
+            return any(walk(x, depth + 1) for x in v)
+        return False
+
+    return any(walk(v, 0) for v in state.values())
+
+
+def placement_names(t: Any) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
+    """``(mesh shape, mesh dim names, placements)`` of a DTensor, spelled for the index."""
+    mesh = t.device_mesh
+    names = tuple(mesh.mesh_dim_names or ())
+    out = []
+    for p in t.placements:
+        if p.is_shard():
+            out.append(f"S({p.dim})")
+        elif p.is_replicate():
+            out.append("R")
+        else:
+            out.append(str(p))
+    return tuple(mesh.shape), names, tuple(out)
+
+
+class DTensorCollector:
+    """A :class:`~ckptstore.codec.tree.TreeEncoder` hook: DTensor leaves become named nodes.
+
+    Each DTensor found at ``path`` is recorded under a flat name (the path joined with
+    ``/``, made unique) and replaced in ``state.json`` by ``{"t": "dtensor", "name": ...}``.
+    """
+
+    def __init__(self) -> None:
+        self.flat: dict[str, Any] = {}
+
+    def __call__(self, t: Any, path: tuple[Any, ...]) -> dict[str, Any]:
+        """Record the DTensor ``t`` found at ``path``; return its ``state.json`` node."""
+        for p in t.placements:
+            if p.is_partial():
+                msg = (
+                    f"{format_path(path)}: a DTensor with a Partial placement holds unreduced "
+                    "values; redistribute it to Shard/Replicate before saving"
+                )
+                raise UnsafeCheckpointError(msg)
+        try:
+            dtype = dtype_name(t.dtype)
+        except KeyError:
+            msg = f"{format_path(path)}: DTensors of dtype {t.dtype} cannot be stored"
+            raise UnsafeCheckpointError(msg) from None
+        base = "/".join(str(p) for p in path) or "_"
+        name, n = base, 1
+        while name in self.flat:
+            n += 1
+            name = f"{base}#{n}"
+        self.flat[name] = t
+        node: dict[str, Any] = {
+            "t": "dtensor",
+            "name": name,
+            "dtype": dtype,
+            "shape": list(t.shape),
+        }
+        if isinstance(t, nn.Parameter):
+            node["param"] = True
+        if t.requires_grad:
+            node["requires_grad"] = True
+        return node
+
+
+# ---- optimizer state keyed by parameter name -------------------------------------------
+
+
+def owner_of(opt: torch.optim.Optimizer, state: Mapping[Any, Any]) -> Any:
+    """The key of the module in ``state`` that holds every parameter of ``opt``, or ``None``."""
+    params = {id(p) for g in opt.param_groups for p in g["params"]}
+    for key, value in state.items():
+        module = value.module if isinstance(value, EMA) else value
+        if isinstance(module, nn.Module):
+            have = {id(p) for p in de_parallel(module).parameters()}
+            if params <= have:
+                return key
+    return None
+
+
+def _param_names(opt: torch.optim.Optimizer, model: nn.Module, where: str) -> list[str]:
+    """The name of each parameter of ``opt``, in ``Optimizer.state_dict()``'s numbering."""
+    names = {id(p): n for n, p in de_parallel(model).named_parameters()}
+    out = []
+    for g in opt.param_groups:
+        for p in g["params"]:
+            n = names.get(id(p))
+            if n is None:
+                msg = f"{where}: a parameter of the optimizer is not a parameter of the model"
+                raise StateMismatchError(msg)
+            out.append(n)
+    return out
+
+
+def named_optimizer_state(opt: torch.optim.Optimizer, model: nn.Module) -> dict[str, Any]:
+    """``opt.state_dict()`` with parameters named by their path in ``model``, not numbered."""
+    sd = opt.state_dict()
+    names = _param_names(opt, model, "optimizer")
+    state = {names[i]: v for i, v in sd["state"].items()}
+    groups = [dict(g, params=[names[i] for i in g["params"]]) for g in sd["param_groups"]]
+    return {"state": state, "param_groups": groups}
+
+
+def check_named_optimizer_state(
+    opt: torch.optim.Optimizer, model: nn.Module, stored: Any, where: str
+) -> None:
+    """Raise :class:`StateMismatchError` unless ``stored`` fits ``opt``'s parameter groups."""
+    names = _param_names(opt, model, where)
+    groups = stored.get("param_groups") if isinstance(stored, Mapping) else None
+    if not isinstance(groups, list) or not isinstance(stored.get("state"), Mapping):
+        raise StateMismatchError(f"{where}: stored optimizer state is malformed")
+    if len(groups) != len(opt.param_groups):
+        raise StateMismatchError(
+            f"{where}: the checkpoint has {len(groups)} parameter group(s), the optimizer "
+            f"{len(opt.param_groups)}; build the optimizer as it was when saved"
+        )
+    pos = 0
+    for i, (g, tg) in enumerate(zip(groups, opt.param_groups, strict=True)):
+        want = names[pos : pos + len(tg["params"])]
+        pos += len(tg["params"])
+        have = g.get("params") if isinstance(g, Mapping) else None
+        if not isinstance(have, list) or set(have) != set(want):
+            got = set(have) if isinstance(have, list) else set()
+            extra, lack = sorted(map(str, got - set(want))), sorted(set(want) - got)
+            raise StateMismatchError(
+                f"{where}: parameter group {i} differs: checkpoint has {extra[:5]} the "
+                f"optimizer lacks, and lacks {lack[:5]}; build the optimizer as it was saved"
+            )
+
+
+def indexed_optimizer_state(
+    opt: torch.optim.Optimizer, model: nn.Module, stored: Mapping[str, Any], where: str
+) -> dict[str, Any]:
+    """Name-keyed optimizer state (see :func:`named_optimizer_state`) as ``opt`` numbers it.
+
+    The result is what ``opt.load_state_dict`` takes.
+
+    Raises:
+        StateMismatchError: the parameter groups differ.
+    """
+    check_named_optimizer_state(opt, model, stored, where)
+    names = _param_names(opt, model, where)
+    index = {n: i for i, n in enumerate(names)}
+    groups = []
+    pos = 0
+    for g, tg in zip(stored["param_groups"], opt.param_groups, strict=True):
+        # Optimizer.load_state_dict pairs saved and current parameters by position: list
+        # them in the current optimizer's order.
+        groups.append(dict(g, params=list(range(pos, pos + len(tg["params"])))))
+        pos += len(tg["params"])
+    state = {index[n]: v for n, v in stored["state"].items() if n in index}
+    return {"state": state, "param_groups": groups}
+
+
+# ---- save: planning and writing ---------------------------------------------------------
+
+
+def save_plans(flat: Mapping[str, Any], is_leader: bool) -> Any:
+    """The local DCP save plan of this rank's DTensors."""
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+
+    return create_default_local_save_plan(dict(flat), is_leader)
+
+
+def global_plan(all_plans: list[Any]) -> tuple[list[Any], Any]:
+    """Every rank computes the same deduplicated global plan from the gathered local plans."""
+    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
+    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+
+    plans, md = create_default_global_save_plan(dedup_save_plans(all_plans))
+    return plans, md
+
+
+def _chunk_key(name: str, offsets: Iterable[int]) -> str:
+    return f"{name}@{','.join(str(int(o)) for o in offsets)}"
+
+
+def write_shards(pending: Any, rank: int, plan: Any, flat: Mapping[str, Any]) -> dict[str, Any]:
+    """Write the boxes this rank owns into its shard file (durable on return).
+
+    Returns:
+        ``{"chunks": [(name, offsets, Chunk)], "layout": {name: (mesh, dims, placements)}}``.
+    """
+    from torch.distributed.checkpoint.utils import find_state_dict_object
+
+    tensors: dict[str, torch.Tensor] = {}
+    keys: list[tuple[str, tuple[int, ...], str]] = []
+    for item in plan.items:
+        local = find_state_dict_object(dict(flat), item.index).detach()
+        if local.device.type != "cpu":
+            local = local.cpu()
+        local = local.contiguous()
+        offsets = tuple(int(o) for o in item.index.offset)
+        key = _chunk_key(item.index.fqn, offsets)
+        tensors[key] = local
+        keys.append((item.index.fqn, offsets, key))
+    layout = {n: placement_names(t) for n, t in flat.items()}
+    if not tensors:
+        return {"chunks": [], "layout": layout}
+    fname = shard_file_name(rank)
+    head, order = safetensors_codec.build_header(tensors)
+    starts: dict[str, int] = {}
+    pos = len(head)
+    for k, t in order:
+        starts[k] = pos
+        pos += t.numel() * t.element_size()
+    crcs: dict[str, list[int]] = {}
+
+    def checksum() -> None:
+        for k, t in tensors.items():
+            crcs[k] = block_crcs(safetensors_codec.tensor_bytes(t)) if t.numel() else []
+
+    def write() -> None:
+        payload_codec.write_group(
+            pending, fname, tensors, fmt="safetensors", compression=None, rank=rank
+        )
+
+    # Both release the GIL: the block CRCs cost no time next to the write.
+    errors = run_all([write, checksum], max_workers=2)
+    first = next((e for e in errors if e is not None), None)
+    if first is not None:
+        raise first
+    chunks = [
+        (
+            name,
+            offsets,
+            Chunk(
+                offsets=offsets,
+                sizes=tuple(tensors[key].shape),
+                file=fname,
+                start=starts[key],
+                nbytes=tensors[key].numel() * tensors[key].element_size(),
+                crcs=tuple(crcs[key]),
+            ),
+        )
+        for name, offsets, key in keys
+    ]
+    return {"chunks": chunks, "layout": layout}
+
+
+def build_index(md: Any, tables: Iterable[Mapping[str, Any]]) -> ChunkIndex:
+    """The chunk index from the global metadata and every rank's written chunks."""
+    found: dict[tuple[str, tuple[int, ...]], Chunk] = {}
+    layout: dict[str, Any] = {}
+    for table in tables:
+        for name, offsets, chunk in table["chunks"]:
+            found[(name, tuple(offsets))] = chunk
+        for name, lay in table["layout"].items():
+            layout.setdefault(name, lay)
+    tensors: dict[str, TensorEntry] = {}
+    for name, tmd in md.state_dict_metadata.items():
+        chunks = []
+        for c in tmd.chunks:
+            chunk = found.get((name, tuple(int(o) for o in c.offsets)))
+            if chunk is None:  # a plan item no rank reported: refuse to commit
+                msg = f"no rank wrote the chunk of {name!r} at {list(c.offsets)}"
+                raise RuntimeError(msg)
+            chunks.append(chunk)
+        mesh, dims, placements = layout.get(name, ((), (), ()))
+        tensors[name] = TensorEntry(
+            dtype=dtype_name(tmd.properties.dtype),
+            shape=tuple(int(s) for s in tmd.size),
+            chunks=tuple(chunks),
+            mesh=tuple(mesh),
+            mesh_dims=tuple(dims),
+            placements=tuple(placements),
+        )
+    return ChunkIndex(tensors=tensors, block=BLOCK)
+
+
+# ---- restore: targets and reads ---------------------------------------------------------
+
+
+def _lookup(value: Any, path: tuple[Any, ...]) -> Any:
+    for p in path:
+        if (isinstance(value, Mapping) and p in value) or (
+            isinstance(value, list | tuple) and isinstance(p, int) and 0 <= p < len(value)
+        ):
+            value = value[p]
+        else:
+            return None
+    return value
+
+
+def _fresh_like(template: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An empty tensor to read a stored tensor of ``shape`` into, laid out like ``template``.
+
+    A DTensor template gives a DTensor of the same mesh and placements (so each rank reads
+    only its part); a plain tensor a full tensor on its device; nothing a full CPU tensor.
+    """
+    if is_dtensor(template) and tuple(template.shape) == shape:
+        from torch.distributed.tensor import DTensor
+
+        local = template.to_local()
+        buf = torch.empty(local.shape, dtype=template.dtype, device=local.device)
+        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
+        return DTensor.from_local(
+            buf,
+            template.device_mesh,
+            template.placements,
+            run_check=False,
+            shape=torch.Size(shape),
+            stride=stride,
+        )
+    if isinstance(template, torch.Tensor) and tuple(template.shape) == shape:
+        return torch.empty(shape, dtype=template.dtype, device=template.device)
+    return torch.empty(shape, dtype=dtype)
+
+
+def restore_targets(
+    leaves: Mapping[str, tuple[tuple[Any, ...], TensorEntry]],
+    targets: Mapping[Any, Any] | None,
+    kinds: Mapping[Any, str | None],
+    owners: Mapping[Any, Any],
+) -> dict[str, torch.Tensor]:
+    """A fresh tensor for every stored DTensor leaf, laid out like its target.
+
+    Args:
+        leaves: flat name -> (path in the state, index entry), for the leaves to read.
+        targets: the state being restored, or ``None`` to load full tensors.
+        kinds: the kind each top-level entry was saved as.
+        owners: for ``optimizer`` entries, the key of the module that owns the parameters.
+    """
+    current: dict[Any, Any] = {}
+    out: dict[str, torch.Tensor] = {}
+    for name, (path, entry) in leaves.items():
+        shape, dtype = entry.shape, entry.torch_dtype
+        template: Any = None
+        if targets is not None and path and path[0] in targets:
+            key = path[0]
+            if key not in current:
+                current[key] = _current(targets, key, kinds.get(key), owners.get(key))
+            template = _lookup(current[key], path[1:])
+            if template is None and kinds.get(key) == "optimizer" and len(path) == 4:
+                # A fresh optimizer has no state yet: its moments are laid out like their
+                # parameter (state/<param>/<moment>).
+                params = current[key].get("params", {})
+                template = params.get(path[2]) if path[1] == "state" else None
+        out[name] = _fresh_like(template, shape, dtype)
+    return out
+
+
+def _current(targets: Mapping[Any, Any], key: Any, kind: str | None, owner: Any) -> Any:
+    """A target's present state, to lay restored tensors out like it."""
+    target = targets[key]
+    if isinstance(target, nn.Module):
+        return module_state(target)
+    if isinstance(target, EMA):
+        return {"weights": module_state(target.module)}
+    if kind == "optimizer" and isinstance(target, torch.optim.Optimizer):
+        model = targets.get(owner) if owner is not None else None
+        if isinstance(model, EMA):
+            model = model.module
+        if not isinstance(model, nn.Module):
+            return {}
+        state = named_optimizer_state(target, model)
+        state["params"] = dict(de_parallel(model).named_parameters())
+        return state
+    return None
+
+
+def read_into(
+    index: ChunkIndex,
+    flat: Mapping[str, torch.Tensor],
+    read: Callable[[str, int, int], bytearray],
+    where: str,
+) -> int:
+    """Fill ``flat`` (fresh tensors or DTensors) from the saved chunks that overlap them.
+
+    Each rank reads only the byte ranges that overlap its own shards, and every block it
+    reads is checked against its CRC32C before a byte of it is copied.
+
+    Returns:
+        The number of bytes read.
+    """
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+    from torch.distributed.checkpoint.utils import find_state_dict_object
+
+    if not flat:
+        return 0
+    md = index.dcp_metadata()
+    sub = dict(flat)
+    plan = create_default_local_load_plan(sub, md, True)
+    nread = [0]
+
+    def counted(file: str, offset: int, length: int) -> bytearray:
+        nread[0] += length
+        return read(file, offset, length)
+
+    with torch.no_grad():
+        for item in plan.items:
+            name = item.storage_index.fqn
+            entry = index.tensors[name]
+            chunk = index.chunk_at(name, item.storage_index.offset or ())
+            src = read_box(
+                counted,
+                chunk,
+                entry.torch_dtype,
+                item.storage_offsets,
+                item.lengths,
+                block=index.block,
+                where=where,
+            )
+            dest = find_state_dict_object(sub, item.dest_index)
+            for dim, (off, n) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):
+                dest = dest.narrow(dim, int(off), int(n))
+            dest.copy_(src)
+    log.debug("%s: read %d bytes of sharded tensors", where, nread[0])
+    return nread[0]

@@ -1,0 +1,286 @@
+"""Scenarios for sharded DTensor state: FSDP2, HSDP and tensor-parallel placements.
+
+Run by ``tests/multirank/worker.py`` as ``dtensor_scenarios:<name>``. Every scenario builds
+the same model on every rank from a seed, so a checkpoint saved on one world size and the
+full tensors seen on another can be compared digest by digest.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import signal
+import threading
+import time
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ckptstore import CheckpointManager, RNGState
+from ckptstore.sharding import is_dtensor, named_optimizer_state
+from tests.multirank.scenarios import Ctx, outcome
+
+
+class Net(nn.Module):
+    """Uneven on purpose: 7 and 5 rows do not split evenly over 2, 3 or 4 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(6, 7)
+        self.mid = nn.Linear(7, 5)
+        self.out = nn.Linear(5, 3)
+        self.register_buffer("scale", torch.tensor([0.5, 2.0, 1.5]))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.relu(self.mid(torch.relu(self.inp(x))))) * self.scale
+
+
+def make_net(seed: int = 0) -> Net:
+    torch.manual_seed(seed)
+    return Net()
+
+
+def shard(model: nn.Module, mesh_shape: list[int] | None = None) -> Any:
+    """``fully_shard`` every layer and the root: FSDP2 (1-D mesh) or HSDP (2-D mesh)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    shape = tuple(mesh_shape or [dist.get_world_size()])
+    names = ("replicate", "shard") if len(shape) == 2 else ("shard",)
+    mesh = init_device_mesh("cpu", shape, mesh_dim_names=names)
+    for layer in (model.inp, model.mid, model.out):
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    return mesh
+
+
+def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> None:
+    g = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        x = torch.randn(8, 6, generator=g)
+        loss = model(x).pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    return t.full_tensor() if is_dtensor(t) else t  # type: ignore[attr-defined,no-any-return]
+
+
+def _sha(t: torch.Tensor) -> str:
+    t = _full(t).detach().cpu().contiguous()
+    raw = t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b""
+    return f"{hashlib.sha256(raw).hexdigest()[:16]}:{list(t.shape)}:{t.dtype}"
+
+
+def digests(model: nn.Module, opt: torch.optim.Optimizer | None) -> dict[str, str]:
+    """Digest of every full tensor of the model and the optimizer (collective under FSDP)."""
+    out = {f"model/{k}": _sha(v) for k, v in sorted(model.state_dict().items())}
+    if opt is not None:
+        named = named_optimizer_state(opt, model)
+        for p, st in sorted(named["state"].items()):
+            for k, v in sorted(st.items()):
+                out[f"optim/{p}/{k}"] = _sha(v) if isinstance(v, torch.Tensor) else repr(v)
+        groups = [{k: v for k, v in g.items() if k != "params"} for g in named["param_groups"]]
+        out["optim/groups"] = repr(groups)
+    return out
+
+
+def _mgr(ctx: Ctx, **kw: Any) -> CheckpointManager:
+    return CheckpointManager(ctx.root, barrier_timeout=ctx.args.get("timeout", 60.0), **kw)
+
+
+def fsdp_save(ctx: Ctx) -> dict[str, Any]:
+    """Train an FSDP2 (or HSDP) model a few steps and save it; return the full digests."""
+    model = make_net()
+    shard(model, ctx.args.get("mesh"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 3)
+    torch.manual_seed(1000 + ctx.rank)
+    state = {"model": model, "optimizer": opt, "rng": RNGState(), "step": 3}
+    with _mgr(ctx, keep=ctx.args.get("keep")) as mgr:
+        for step in ctx.args.get("steps", [3]):
+            mgr.save(step, state, metrics={"loss": 1.0})
+        files = sorted(os.listdir(ctx.root / f"step-{ctx.args.get('steps', [3])[-1]:012d}"))
+        manifest = mgr.manifest()
+    return {
+        "digests": digests(model, opt),
+        "files": files,
+        "world": manifest.world_size,
+        "kind": manifest.sharding_kind,
+        "rand": torch.rand(1).item(),
+    }
+
+
+def fsdp_restore(ctx: Ctx) -> dict[str, Any]:
+    """Restore into a fresh FSDP2 (or HSDP) model and optimizer on this world size."""
+    model = make_net(seed=99)
+    shard(model, ctx.args.get("mesh"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "rng": RNGState(), "step": 0}
+    with _mgr(ctx) as mgr:
+        start = mgr.resume(state)
+    out: dict[str, Any] = {"start": start, "step": state["step"], "digests": digests(model, opt)}
+    out["rand"] = torch.rand(1).item()
+    local = {k: list(v.to_local().shape) for k, v in model.state_dict().items() if is_dtensor(v)}
+    out["local_shapes"] = local
+    # Training goes on from the restored state: the optimizer really holds the moments.
+    train(model, opt, 1, seed=7)
+    out["after"] = digests(model, opt)
+    return out
+
+
+def fsdp_train_on(ctx: Ctx) -> dict[str, Any]:
+    """Reference: train 3 steps, then 1 more with seed 7, without any checkpoint."""
+    model = make_net()
+    shard(model, ctx.args.get("mesh"))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 3)
+    train(model, opt, 1, seed=7)
+    return {"after": digests(model, opt)}
+
+
+def tp_save(ctx: Ctx) -> dict[str, Any]:
+    """Plain DTensors with tensor-parallel placements: Shard(0), Shard(1), Replicate()."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    torch.manual_seed(5)
+    full = {
+        "col": torch.randn(9, 6),
+        "row": torch.randn(5, 11),
+        "rep": torch.randn(4),
+        "half": torch.randn(7, 3).to(torch.bfloat16),
+    }
+    place = {"col": Shard(0), "row": Shard(1), "rep": Replicate(), "half": Shard(1)}
+    state = {
+        "weights": {k: distribute_tensor(v, mesh, [place[k]]) for k, v in full.items()},
+        "plain": torch.arange(6),
+        "note": "tp",
+    }
+    with _mgr(ctx) as mgr:
+        mgr.save(1, state)
+    return {k: _sha(v) for k, v in full.items()}
+
+
+def tp_restore(ctx: Ctx) -> dict[str, Any]:
+    """Restore the TP state into other placements: Shard(1) <-> Shard(0), Replicate."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    place = {"col": Shard(1), "row": Shard(0), "rep": Shard(0), "half": Replicate()}
+    shapes = {"col": (9, 6), "row": (5, 11), "rep": (4,), "half": (7, 3)}
+    dtypes = {"half": torch.bfloat16}
+    state: dict[str, Any] = {
+        "weights": {
+            k: distribute_tensor(
+                torch.zeros(s, dtype=dtypes.get(k, torch.float32)), mesh, [place[k]]
+            )
+            for k, s in shapes.items()
+        },
+        "plain": None,
+        "note": None,
+    }
+    with _mgr(ctx) as mgr:
+        mgr.restore(state)
+    w = state["weights"]
+    return {
+        "digests": {k: _sha(v) for k, v in w.items()},
+        "placements": {k: str(v.placements) for k, v in w.items()},
+        "plain": state["plain"].tolist(),
+        "note": state["note"],
+    }
+
+
+def fsdp_corrupt_fallback(ctx: Ctx) -> dict[str, Any]:
+    """Restore when the newest step has a flipped byte in one rank's shard."""
+    model = make_net(seed=99)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
+    with _mgr(ctx) as mgr:
+        restored = mgr.restore(state)
+    return {"restored": restored, "digests": digests(model, opt)}
+
+
+def fsdp_die_in_save(ctx: Ctx) -> dict[str, Any]:
+    """A rank dies in one phase of a sharded save; the survivors must agree, bounded."""
+    model = make_net()
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 1)
+    state = {"model": model, "optimizer": opt}
+    victim = ctx.args["victim"]
+    phase = ctx.args["phase"]
+    mgr = _mgr(ctx)
+    mgr.save(1, state)
+    if ctx.rank == victim:
+        import ckptstore.sharding as sh
+
+        if phase == "plan":
+            orig_plan = sh.save_plans
+
+            def die_plan(*a: Any, **k: Any) -> Any:
+                os.kill(os.getpid(), signal.SIGKILL)
+                return orig_plan(*a, **k)
+
+            sh.save_plans = die_plan  # type: ignore[assignment]
+        elif phase == "write":
+            orig_write = sh.write_shards
+
+            def die_write(*a: Any, **k: Any) -> Any:
+                orig_write(*a, **k)
+                os.kill(os.getpid(), signal.SIGKILL)
+
+            sh.write_shards = die_write  # type: ignore[assignment]
+        elif phase == "commit":
+            # Dies after its shard is written and reported, while rank 0 commits.
+            threading.Timer(0.0, lambda: None).start()
+            orig_gather = mgr.coord.gather
+
+            def die_after_gather(*a: Any, **k: Any) -> Any:
+                r = orig_gather(*a, **k)
+                os.kill(os.getpid(), signal.SIGKILL)
+                return r
+
+            mgr.coord.gather = die_after_gather  # type: ignore[method-assign]
+        elif phase == "error":
+            orig_write2 = sh.write_shards
+
+            def fail_write(*a: Any, **k: Any) -> Any:
+                raise OSError(28, "No space left on device (injected)")
+
+            sh.write_shards = fail_write  # type: ignore[assignment]
+            del orig_write2
+    t0 = time.monotonic()
+    res = outcome(lambda: mgr.save(2, state) and None)
+    res["elapsed"] = time.monotonic() - t0
+    return res
+
+
+def fsdp_die_in_restore(ctx: Ctx) -> dict[str, Any]:
+    """A rank dies while reading its part of a resharded restore."""
+    model = make_net(seed=99)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optimizer": opt}
+    mgr = _mgr(ctx)
+    if ctx.rank == ctx.args["victim"]:
+        import ckptstore.sharding as sh
+
+        orig = sh.read_into
+
+        def die_read(*a: Any, **k: Any) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+            return orig(*a, **k)
+
+        sh.read_into = die_read  # type: ignore[assignment]
+    t0 = time.monotonic()
+    res = outcome(lambda: mgr.restore(state))
+    res["elapsed"] = time.monotonic() - t0
+    return res
