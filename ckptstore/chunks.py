@@ -389,7 +389,7 @@ def read_box(
         piece = mv[(k - b0) * block : min((k + 1) * block, hi) - lo]
         if crc32c_of(piece) != chunk.crcs[k]:
             raise IntegrityError(
-                f"{where}/{chunk.file}: block {k} of the chunk at {list(chunk.offsets)} "
+                f"{where}: block {k} of its chunk at {list(chunk.offsets)} in {chunk.file} "
                 f"(bytes {chunk.start + k * block}..) does not match its crc32c; the file is "
                 "corrupt"
             )

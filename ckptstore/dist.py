@@ -104,7 +104,7 @@ class Coordinator:
     def _key(self) -> str:
         return f"ckptstore/{self._uid}/{self._seq}/missing"
 
-    def _verdict(self, text: str) -> list[int]:
+    def _verdict(self, text: str, in_exchange: bool) -> list[int]:
         """The missing ranks: parsed on rank 0, fetched from rank 0's verdict elsewhere."""
         m = _RANKS_RE.search(text)
         store = _default_store()
@@ -113,12 +113,15 @@ class Coordinator:
             if m:
                 missing = sorted({int(x) for x in re.findall(r"\d+", m.group(1))})
             else:  # "connection closed by peer": gloo names an address, not a rank
-                missing = self._probe_missing(store)
+                missing = self._probe_missing(store, in_exchange)
             if store is not None:
                 # Publish, then wait until every survivor has read it: the store usually
                 # lives in this process, which is about to raise and may exit.
                 survivors = self.world_size - 1 - len(missing)
-                deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout)
+                # A survivor that reached the barrier learns of the failure only when its
+                # own wait for rank 0 times out (gloo does not tell it sooner): keep the
+                # verdict for that long, and the usual verdict wait beyond.
+                deadline = time.monotonic() + self.timeout + min(_VERDICT_WAIT_S, self.timeout)
                 with contextlib.suppress(Exception):
                     store.set(key, json.dumps(missing))
                     while store.add(key + "/acks", 0) < survivors and time.monotonic() < deadline:
@@ -154,8 +157,12 @@ class Coordinator:
         helper.join(wait + 1.0)
         return found[0] if found and found[0] is not None else [0]
 
-    def _probe_missing(self, store: Any) -> list[int]:
-        """Which ranks are gone: not arrived at this wait, or dead processes on this host."""
+    def _probe_missing(self, store: Any, in_exchange: bool) -> list[int]:
+        """Which ranks are gone.
+
+        Dead processes on this host, ranks that never arrived at this wait, and (when the
+        exchange after the barrier failed) ranks gone silent.
+        """
         if store is None:
             return []
         missing = []
@@ -164,27 +171,36 @@ class Coordinator:
             if r == self.rank:
                 continue
             try:
-                if not store.check([f"ckptstore/{self._uid}/{self._seq}/in/{r}"]):
-                    missing.append(r)
-                    continue
                 where = store.get(f"ckptstore/{self._uid}/host/{r}").decode()
             except Exception:
                 continue
             rhost, _, pid = where.rpartition(":")
             if rhost == host and pid.isdigit() and not _alive(int(pid)):
                 missing.append(r)
-        # A rank that arrived but then hung inside the exchange (frozen, deadlocked, or dead
-        # on another host) is told apart from the survivors by silence: every survivor
-        # reports its own failure of this wait (_fail) within about the same timeout. Half
-        # the verdict wait, so the survivors are still waiting for the verdict.
-        silent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
+        # Half the verdict wait, so the survivors are still waiting for the verdict.
         deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout) / 2
-        while silent and time.monotonic() < deadline:
-            with contextlib.suppress(Exception):
-                silent = [r for r in silent if not store.check([self._failed_key(r)])]
-            if silent:
-                time.sleep(0.02)
-        return sorted(missing + silent)
+
+        def poll(ranks: list[int], key: Any) -> list[int]:
+            while ranks and time.monotonic() < deadline:
+                with contextlib.suppress(Exception):
+                    ranks = [r for r in ranks if not store.check([key(r)])]
+                if ranks:
+                    time.sleep(0.02)
+            return ranks
+
+        # A dead peer breaks a wait at once ("connection closed"), while a survivor may
+        # still be on its way to it (reading its part of a checkpoint, say): a rank is
+        # missing only if it has not arrived by the deadline.
+        absent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
+        missing += poll(absent, lambda r: f"ckptstore/{self._uid}/{self._seq}/in/{r}")
+        if in_exchange:
+            # A rank that passed the barrier but hung inside the data exchange (frozen,
+            # deadlocked, or dead on another host) is told apart from the survivors by
+            # silence: every survivor reports its own failure of this wait (_fail) within
+            # about the same timeout.
+            silent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
+            missing += poll(silent, self._failed_key)
+        return sorted(missing)
 
     def _failed_key(self, rank: int) -> str:
         return f"ckptstore/{self._uid}/{self._seq}/failed/{rank}"
@@ -195,9 +211,11 @@ class Coordinator:
             with contextlib.suppress(Exception):
                 store.set(f"ckptstore/{self._uid}/{self._seq}/in/{self.rank}", "1")
 
-    def _fail(self, e: BaseException, phase: str, step: int | None) -> BarrierTimeout:
+    def _fail(
+        self, e: BaseException, phase: str, step: int | None, *, in_exchange: bool = False
+    ) -> BarrierTimeout:
         text = str(e)
-        missing = self._verdict(text)
+        missing = self._verdict(text, in_exchange)
         who = f"rank(s) {', '.join(map(str, missing))}" if missing else "some rank"
         at = f" of step {step}" if step is not None else ""
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
@@ -240,7 +258,7 @@ class Coordinator:
         try:
             return fn()
         except RuntimeError as e:  # a rank died between the barrier and the data
-            raise self._fail(e, phase, step) from None
+            raise self._fail(e, phase, step, in_exchange=True) from None
 
     def broadcast(self, obj: Any, phase: str, step: int | None = None, src: int = 0) -> Any:
         """Send a small picklable object from ``src`` to every rank; returns it everywhere."""
@@ -295,7 +313,7 @@ class Coordinator:
                 try:
                     dist.broadcast(t, src=0, group=self.group)
                 except RuntimeError as e:
-                    raise self._fail(e, phase, step) from None
+                    raise self._fail(e, phase, step, in_exchange=True) from None
             out[name] = buf
         return out
 

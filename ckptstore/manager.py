@@ -137,6 +137,8 @@ class CheckpointManager(Reader):
         self.storage: Storage = open_storage(root, storage_options)
         self.root = self.storage.root
         self.coord = Coordinator(self.barrier_timeout, enabled=bool(distributed))
+        # The background writer's own group, for the commit of async DTensor saves.
+        self._bg_coord: Coordinator | None = None
         self._lock = self.storage.writer_lock() if self.coord.is_leader else None
         self._closed = False
         self._writer: BackgroundWriter | None = None
@@ -251,8 +253,11 @@ class CheckpointManager(Reader):
             if isinstance(value, RNGState) and self.coord.enabled and (dtensor or not sharded)
         }
         if sharded or dtensor:
-            manifest = self._save_sharded(step, state, metrics_d, metadata_d, rng, dtensor)
-            return self._done(step, manifest, t0)
+            done = self._save_sharded(step, state, metrics_d, metadata_d, rng, dtensor)
+            if isinstance(done, SaveHandle):
+                self.last_blocked_s = time.perf_counter() - t0
+                return done
+            return self._done(step, done, t0)
         job: dict[str, Any] | None = None
         error: BaseException | None = None
         if self.coord.is_leader:
@@ -569,9 +574,11 @@ class CheckpointManager(Reader):
         """The committed manifest as other ranks receive it: its bytes, re-validated there."""
         return manifest.to_bytes() if self.coord.enabled else manifest
 
-    def _announce(self, outcome: tuple[str, Any], step: int) -> Manifest:
+    def _announce(
+        self, outcome: tuple[str, Any], step: int, coord: Coordinator | None = None
+    ) -> Manifest:
         """Broadcast rank 0's commit outcome; every rank returns the manifest or raises it."""
-        status, value = self.coord.broadcast(outcome, "save:commit", step)
+        status, value = (coord or self.coord).broadcast(outcome, "save:commit", step)
         if status == "error":
             raise value if isinstance(value, BaseException) else CommitError(str(value))
         self._after_commit(step)
@@ -585,15 +592,45 @@ class CheckpointManager(Reader):
         metadata: dict[str, Any],
         rng: Mapping[Any, Any],
         dtensor: bool,
-    ) -> Manifest:
+    ) -> Manifest | SaveHandle:
         """Two-phase commit: every rank writes its shard, rank 0 gathers and commits.
 
         Per-rank state (``sharded=True``): every rank writes its own tree and payloads.
         DTensor state: every rank writes the DTensor boxes the global plan gives it, rank 0
         the rest of the state once, and rank 0 adds the chunk index before the manifest.
+        With ``async_save`` a DTensor save returns once every rank has staged its boxes;
+        the writes and the commit (with its collectives, on a group of their own) go on in
+        the background.
         """
+        pending = self._open_everywhere(step)
+        rank = self.coord.rank
+        meta = {"metrics": metrics, "metadata": metadata}
+        mine: tuple[str, Any]
+        try:
+            if dtensor:
+                mine = self._plan_dtensor(state, step, rng)
+                if mine[0] == "ok" and self.async_save:
+                    return self._submit_sharded(pending, mine[1], step, meta)
+                if mine[0] == "ok":
+                    mine = self._write_dtensor(pending, mine[1])
+            else:
+                job = {"groups": {}, "tree": b"", "rank": rank}
+                tree, groups = self._encode_sync(state)
+                job.update(tree=tree, groups=groups)
+                self._write_files(pending, job)
+                mine = ("ok", {"files": {n: e for n, e in pending.files.items() if e.rank == rank}})
+        except BarrierTimeout:
+            if self.coord.is_leader:
+                self.storage.abort(pending)
+            raise
+        except BaseException as e:
+            log.error("rank %d failed to write its shard of step %d: %s", rank, step, e)
+            mine = ("error", e)
+        return self._finish_sharded(pending, mine, step, meta, dtensor, self.coord)
+
+    def _open_everywhere(self, step: int) -> Pending:
+        """Phase 0 of a sharded save: rank 0 opens the tmp directory every rank writes into."""
         where = self.storage.describe(step)
-        # Phase 0: rank 0 opens the tmp directory every rank writes into.
         opened: tuple[str, Any] = ("ok", None)
         pending: Pending | None = None
         if self.coord.is_leader:
@@ -608,36 +645,27 @@ class CheckpointManager(Reader):
         status, value = self.coord.broadcast(opened, "save:begin", step)
         if status == "error":
             raise value if isinstance(value, BaseException) else CommitError(str(value))
-        if pending is None:
-            pending = Pending(self.storage, step, value)
-        # Phase 1: every rank writes and fsyncs its own files.
-        rank = self.coord.rank
-        mine: tuple[str, Any]
+        return pending if pending is not None else Pending(self.storage, step, value)
+
+    def _finish_sharded(  # noqa: PLR0917 - private
+        self,
+        pending: Pending,
+        mine: tuple[str, Any],
+        step: int,
+        meta: Mapping[str, Any],
+        dtensor: bool,
+        coord: Coordinator,
+    ) -> Manifest:
+        """Phase 2: rank 0 gathers every rank's files and commits only if all succeeded."""
+        where = self.storage.describe(step)
         try:
-            if dtensor:
-                mine = self._write_dtensor_part(pending, state, step, rng)
-            else:
-                job = {"groups": {}, "tree": b"", "rank": rank}
-                tree, groups = self._encode_sync(state)
-                job.update(tree=tree, groups=groups)
-                self._write_files(pending, job)
-                mine = ("ok", {"files": {n: e for n, e in pending.files.items() if e.rank == rank}})
+            tables = coord.gather(mine, "save:gather", step)
         except BarrierTimeout:
-            if self.coord.is_leader:
+            if coord.is_leader:
                 self.storage.abort(pending)
             raise
-        except BaseException as e:
-            log.error("rank %d failed to write its shard of step %d: %s", rank, step, e)
-            mine = ("error", e)
-        try:
-            tables = self.coord.gather(mine, "save:gather", step)
-        except BarrierTimeout:
-            if self.coord.is_leader:
-                self.storage.abort(pending)
-            raise
-        # Phase 2: rank 0 commits only if every rank succeeded.
         outcome: tuple[str, Any] = ("ok", b"")
-        if self.coord.is_leader:
+        if coord.is_leader:
             assert tables is not None
             failed = [(r, v) for r, (s, v) in enumerate(tables) if s == "error"]
             if failed or any(s != "ok" for s, _ in tables):
@@ -652,13 +680,7 @@ class CheckpointManager(Reader):
                         index = sharding.build_index(tables[0][1]["md"], [t for _, t in tables])
                         pending.write_bytes(INDEX_FILE, index.to_bytes(), codec="json")
                         files[INDEX_FILE] = pending.files[INDEX_FILE]
-                    manifest = self._make_manifest(
-                        step,
-                        files,
-                        {"metrics": metrics, "metadata": metadata},
-                        sharded=True,
-                        dtensor=dtensor,
-                    )
+                    manifest = self._make_manifest(step, files, meta, sharded=True, dtensor=dtensor)
                     self.storage.commit(pending, manifest)
                     self._known_good.add(step)
                     outcome = ("ok", self._outgoing(manifest))
@@ -666,7 +688,7 @@ class CheckpointManager(Reader):
                     self.storage.abort(pending)
                     err = _commit_error(e, where, self._previous(step)) if _plain_oserror(e) else e
                     outcome = ("error", err)
-        return self._announce(outcome, step)
+        return self._announce(outcome, step, coord)
 
     def _encode_sync(
         self,
@@ -681,16 +703,20 @@ class CheckpointManager(Reader):
         finally:
             self.async_save = was
 
-    def _write_dtensor_part(
-        self, pending: Pending, state: Mapping[Any, Any], step: int, rng: Mapping[Any, Any]
+    def _plan_dtensor(
+        self, state: Mapping[Any, Any], step: int, rng: Mapping[Any, Any]
     ) -> tuple[str, Any]:
-        """Phase 1 of a DTensor save on this rank: plan with every rank, write its boxes.
+        """Encode the state and agree on who writes which DTensor box (collective).
 
         Every rank encodes the state (the same tree, so the same DTensor names) and makes a
-        local plan; the plans are exchanged (every rank computes the same deduplicated
-        global plan from them); each rank writes the boxes it was given, and rank 0 also
-        writes ``state.json`` and the plain tensors once. A rank that fails before the
-        exchange still takes part in it, so no rank waits for it.
+        local plan; the plans are exchanged, and every rank computes the same deduplicated
+        global plan from them. A rank that fails before the exchange still takes part in
+        it, so no rank waits for it. With ``async_save`` the boxes and rank 0's plain
+        tensors are copied into staging buffers here: the one copy the caller waits for.
+
+        Returns:
+            ``("ok", job)``, ``("error", e)`` where this rank failed, ``("aborted", None)``
+            where another rank did (and says why).
         """
         rank = self.coord.rank
         collector = sharding.DTensorCollector()
@@ -713,19 +739,76 @@ class CheckpointManager(Reader):
         if planned[0] != "ok":
             return planned
         if any(s != "ok" for s, _ in plans):
-            return ("aborted", None)  # another rank failed and says why
+            return ("aborted", None)
         final, md = sharding.global_plan([p for _, p in plans])
-        table = sharding.write_shards(pending, rank, final[rank], collector.flat)
+        boxes = sharding.local_boxes(final[rank], collector.flat)
+        if self.async_save:
+            self._staging.begin()
+            offsets = sharding.box_file_offsets({k: t for k, (_, _, t) in boxes.items()})
+            boxes = {
+                k: (n, o, self._staging.stage(f"_shards/{k}", t, offsets[k]))
+                for k, (n, o, t) in boxes.items()
+            }
+            if self.coord.is_leader:
+                groups = {g: self._stage_group(g, t) for g, t in groups.items()}
+            self._staging.end()
+        job = {
+            "boxes": boxes,
+            "layout": sharding.layouts(collector.flat),
+            "md": md,
+            "tree": tree,
+            "groups": groups,
+        }
+        return ("ok", job)
+
+    def _write_dtensor(self, pending: Pending, job: Mapping[str, Any]) -> tuple[str, Any]:
+        """Phase 1 of a DTensor save: this rank's boxes, and rank 0 the rest of the state."""
+        rank = self.coord.rank
+        table = sharding.write_shards(pending, rank, job["boxes"], job["layout"])
         if self.coord.is_leader:
-            self._write_files(pending, {"groups": groups, "tree": tree, "rank": None})
-        files = {
+            self._write_files(pending, {"groups": job["groups"], "tree": job["tree"], "rank": None})
+        table["files"] = {
             n: e
             for n, e in pending.files.items()
             if e.rank == rank or (self.coord.is_leader and e.rank is None)
         }
-        table["files"] = files
-        table["md"] = md if self.coord.is_leader else None
+        table["md"] = job["md"] if self.coord.is_leader else None
         return ("ok", table)
+
+    def _submit_sharded(
+        self, pending: Pending, job: Mapping[str, Any], step: int, meta: Mapping[str, Any]
+    ) -> SaveHandle:
+        """Write and commit a staged DTensor save in the background on every rank.
+
+        The commit's collectives run on a second group of ckptstore's own, used only by the
+        background writer (one save in flight at most), so they never interleave with the
+        training thread's; they are bounded by ``barrier_timeout`` like every other.
+        """
+        if self._bg_coord is None:
+            self._bg_coord = Coordinator(self.barrier_timeout, enabled=self.coord.enabled)
+        bg = self._bg_coord
+        if self._writer is None:
+            self._writer = BackgroundWriter()
+        t0 = time.perf_counter()
+
+        def run() -> Manifest:
+            try:
+                try:
+                    mine = self._write_dtensor(pending, job)
+                except BaseException as e:
+                    log.error("rank %d failed to write its shard of step %d: %s", bg.rank, step, e)
+                    mine = ("error", e)
+                m = self._finish_sharded(pending, mine, step, meta, True, bg)
+                if bg.is_leader:
+                    self._log_summary(step, m, time.perf_counter() - t0, self.last_blocked_s)
+                return m
+            except BaseException as e:
+                log.error("async save of step %d failed: %s", step, e)
+                self._bg_error = e
+                raise
+
+        self._inflight = SaveHandle(step, self._writer.submit(run))
+        return self._inflight
 
     def _after_commit(self, step: int) -> None:
         """Retention runs only after a commit; its failure never fails the save."""
@@ -906,6 +989,8 @@ class CheckpointManager(Reader):
             self._closed = True
             if self._lock is not None:
                 self._lock.release()
+            if self._bg_coord is not None:
+                self._bg_coord.close()
             self.coord.close()
 
     def __enter__(self) -> CheckpointManager:

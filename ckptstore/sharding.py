@@ -45,6 +45,8 @@ __all__ = [
     "has_dtensors",
     "indexed_optimizer_state",
     "is_dtensor",
+    "layouts",
+    "local_boxes",
     "named_optimizer_state",
     "owner_of",
     "read_into",
@@ -267,35 +269,59 @@ def _chunk_key(name: str, offsets: Iterable[int]) -> str:
     return f"{name}@{','.join(str(int(o)) for o in offsets)}"
 
 
-def write_shards(pending: Any, rank: int, plan: Any, flat: Mapping[str, Any]) -> dict[str, Any]:
-    """Write the boxes this rank owns into its shard file (durable on return).
+def local_boxes(plan: Any, flat: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...], Any]]:
+    """The boxes this rank writes: ``{key in its shard file: (name, offsets, local tensor)}``.
 
-    Returns:
-        ``{"chunks": [(name, offsets, Chunk)], "layout": {name: (mesh, dims, placements)}}``.
+    The tensors are the DTensors' local shards, where they live (a device, a view): a
+    synchronous save copies them to CPU as it writes, an async save stages them.
     """
     from torch.distributed.checkpoint.utils import find_state_dict_object
 
-    tensors: dict[str, torch.Tensor] = {}
-    keys: list[tuple[str, tuple[int, ...], str]] = []
+    out: dict[str, tuple[str, tuple[int, ...], Any]] = {}
     for item in plan.items:
         local = find_state_dict_object(dict(flat), item.index).detach()
-        if local.device.type != "cpu":
-            local = local.cpu()
-        local = local.contiguous()
         offsets = tuple(int(o) for o in item.index.offset)
-        key = _chunk_key(item.index.fqn, offsets)
-        tensors[key] = local
-        keys.append((item.index.fqn, offsets, key))
-    layout = {n: placement_names(t) for n, t in flat.items()}
-    if not tensors:
-        return {"chunks": [], "layout": layout}
-    fname = shard_file_name(rank)
+        out[_chunk_key(item.index.fqn, offsets)] = (item.index.fqn, offsets, local)
+    return out
+
+
+def box_file_offsets(tensors: Mapping[str, torch.Tensor]) -> dict[str, int]:
+    """Where each tensor's bytes start in the safetensors file the writer makes of them."""
     head, order = safetensors_codec.build_header(tensors)
     starts: dict[str, int] = {}
     pos = len(head)
     for k, t in order:
         starts[k] = pos
         pos += t.numel() * t.element_size()
+    return starts
+
+
+def layouts(flat: Mapping[str, Any]) -> dict[str, Any]:
+    """``{name: (mesh shape, mesh dim names, placements)}`` of this rank's DTensors."""
+    return {n: placement_names(t) for n, t in flat.items()}
+
+
+def write_shards(
+    pending: Any,
+    rank: int,
+    boxes: Mapping[str, tuple[str, tuple[int, ...], Any]],
+    layout: Mapping[str, Any],
+) -> dict[str, Any]:
+    """Write this rank's boxes (see :func:`local_boxes`) into its shard file, durably.
+
+    Returns:
+        ``{"chunks": [(name, offsets, Chunk)], "layout": layout}``, for :func:`build_index`.
+    """
+    tensors: dict[str, torch.Tensor] = {}
+    for key, (_, _, t) in boxes.items():
+        t = t.detach()
+        if t.device.type != "cpu":
+            t = t.cpu()
+        tensors[key] = t.contiguous()
+    if not tensors:
+        return {"chunks": [], "layout": layout}
+    fname = shard_file_name(rank)
+    starts = box_file_offsets(tensors)
     crcs: dict[str, list[int]] = {}
 
     def checksum() -> None:
@@ -325,7 +351,7 @@ def write_shards(pending: Any, rank: int, plan: Any, flat: Mapping[str, Any]) ->
                 crcs=tuple(crcs[key]),
             ),
         )
-        for name, offsets, key in keys
+        for key, (name, offsets, _) in boxes.items()
     ]
     return {"chunks": chunks, "layout": layout}
 
@@ -448,6 +474,8 @@ def _current(targets: Mapping[Any, Any], key: Any, kind: str | None, owner: Any)
         state = named_optimizer_state(target, model)
         state["params"] = dict(de_parallel(model).named_parameters())
         return state
+    if kind is None:
+        return target  # plain data: DTensors in it are laid out as they are now
     return None
 
 
@@ -491,7 +519,7 @@ def read_into(
                 item.storage_offsets,
                 item.lengths,
                 block=index.block,
-                where=where,
+                where=f"{where}: tensor {name!r}",
             )
             dest = find_state_dict_object(sub, item.dest_index)
             for dim, (off, n) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):

@@ -13,6 +13,7 @@ import stat
 import zipfile
 from typing import Any
 
+from .chunks import INDEX_FILE
 from .codec import safetensors as st
 from .codec import torchzip
 from .errors import CkptStoreError, IntegrityError, ManifestError
@@ -47,7 +48,9 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
     except ManifestError as e:
         report.add(str(e))
         return report
-    if manifest.sharded:
+    if manifest.dtensor:
+        wanted = [STATE_NAME, INDEX_FILE]
+    elif manifest.sharded:
         wanted = [f"state.rank{r:05d}.json" for r in range(manifest.world_size)]
     else:
         wanted = [STATE_NAME]

@@ -101,9 +101,23 @@ def fsdp_save(ctx: Ctx) -> dict[str, Any]:
     train(model, opt, 3)
     torch.manual_seed(1000 + ctx.rank)
     state = {"model": model, "optimizer": opt, "rng": RNGState(), "step": 3}
-    with _mgr(ctx, keep=ctx.args.get("keep")) as mgr:
+    handles = []
+    with _mgr(ctx, keep=ctx.args.get("keep"), async_save=ctx.args.get("async", False)) as mgr:
         for step in ctx.args.get("steps", [3]):
-            mgr.save(step, state, metrics={"loss": 1.0})
+            state["step"] = step
+            handles.append(mgr.save(step, state, metrics={"loss": 1.0}))
+            if ctx.args.get("async"):
+                # Training changes its tensors as soon as save returns: the save must not
+                # see it (it was staged).
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.add_(1000.0)
+                train(model, opt, 0)
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.sub_(1000.0)
+        mgr.wait()
+        assert all(h.done() for h in handles)
         files = sorted(os.listdir(ctx.root / f"step-{ctx.args.get('steps', [3])[-1]:012d}"))
         manifest = mgr.manifest()
     return {
@@ -113,6 +127,31 @@ def fsdp_save(ctx: Ctx) -> dict[str, Any]:
         "kind": manifest.sharding_kind,
         "rand": torch.rand(1).item(),
     }
+
+
+def fsdp_async_failure(ctx: Ctx) -> dict[str, Any]:
+    """An async DTensor save whose background write fails on one rank."""
+    model = make_net()
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 1)
+    state = {"model": model, "optimizer": opt}
+    mgr = _mgr(ctx, async_save=True)
+    mgr.save(1, state).wait()
+    if ctx.rank == 1:
+        import ckptstore.sharding as sh
+
+        def fail_write(*a: Any, **k: Any) -> Any:
+            raise OSError(28, "No space left on device (injected)")
+
+        sh.write_shards = fail_write  # type: ignore[assignment]
+    handle = mgr.save(2, state)
+    waited = outcome(lambda: handle.wait() and None)
+    after = outcome(lambda: mgr.save(3, state).wait() and None)
+    mgr.wait()
+    steps = mgr.steps()
+    mgr.close()
+    return {"waited": waited, "after": after, "steps": steps}
 
 
 def fsdp_restore(ctx: Ctx) -> dict[str, Any]:

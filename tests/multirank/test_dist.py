@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointManager
+from ckptstore.errors import StateMismatchError
 from tests.multirank.launch import describe, launch
 
 pytestmark = pytest.mark.timeout(120)
@@ -108,6 +109,14 @@ def test_sharded_roundtrip_and_refusal_on_other_world_size(tmp_path):
         assert v["error_type"] == "StateMismatchError"
         assert "saved with sharded=True by 2 ranks, and this job has 3" in v["message"]
         assert "load(step, rank=r)" in v["message"]
+    # One process without a process group: never rank 0's part silently.
+    mgr = CheckpointManager(tmp_path / "store")
+    with pytest.raises(StateMismatchError, match="per-rank state saved with sharded=True by 2"):
+        mgr.load(1)
+    with pytest.raises(StateMismatchError, match="restores only on the same world size"):
+        mgr.restore({"shard": torch.zeros(6)})
+    # Asking for one rank's part explicitly is allowed.
+    assert mgr.load(1, rank=1)["shard"].tolist() == [100.0 + i for i in range(6)]
 
 
 def test_sharded_save_with_full_disk_on_one_rank(tmp_path):

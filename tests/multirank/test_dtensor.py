@@ -1,0 +1,331 @@
+"""Sharded DTensor state with real FSDP2, HSDP and tensor-parallel DTensors on gloo (CPU).
+
+Every scenario builds the same model from a seed on every rank; a checkpoint saved on one
+world size is compared, full tensor by full tensor (digests), with what another world size,
+mesh or placement restores, and with what one process without a process group loads.
+"""
+
+from __future__ import annotations
+
+import json
+import pickle
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptstore import CheckpointManager
+from ckptstore.chunks import INDEX_FILE
+from ckptstore.errors import IntegrityError, StateMismatchError
+from tests.multirank.dtensor_scenarios import digests, make_net
+from tests.multirank.launch import describe, launch
+
+pytestmark = pytest.mark.timeout(240)
+TIMEOUT = 6.0  # barrier_timeout of the failure scenarios (ranks read and write for real)
+SLACK = 10.0
+
+
+def values(results: list[Any]) -> list[Any]:
+    assert all(r.ok for r in results), describe(results)
+    return [r.value for r in results]
+
+
+@pytest.fixture(scope="module")
+def saved2(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """A store with one FSDP2 checkpoint saved by 2 ranks (uneven shards)."""
+    work = tmp_path_factory.mktemp("fsdp2")
+    vals = values(launch("dtensor_scenarios:fsdp_save", 2, work, timeout=180))
+    assert vals[0]["digests"] == vals[1]["digests"]
+    return work, vals[0]
+
+
+def copy_store(src: Path, dst: Path) -> Path:
+    shutil.copytree(src / "store", dst / "store")
+    return dst
+
+
+def test_fsdp2_save_writes_each_rank_its_shards_and_plain_data_once(saved2):
+    work, v = saved2
+    assert v["kind"] == "dtensor"
+    assert v["world"] == 2
+    # Each rank wrote one shard file; the rest of the state (buffers, optimizer steps,
+    # RNG, plain values) once, by rank 0.
+    assert v["files"] == [
+        "_shards.rank00000.safetensors",
+        "_shards.rank00001.safetensors",
+        INDEX_FILE,
+        "manifest.json",
+        "model.safetensors",
+        "optimizer.safetensors",
+        "rng.safetensors",
+        "state.json",
+    ]
+    step = work / "store" / "step-000000000003"
+    manifest = json.loads((step / "manifest.json").read_text())
+    assert manifest["format_version"] == 2
+    assert manifest["sharding"] == {"kind": "dtensor"}
+    index = json.loads((step / INDEX_FILE).read_text())
+    w = index["tensors"]["model/inp.weight"]
+    assert w["shape"] == [7, 6]
+    assert w["placements"] == ["S(0)"]
+    assert [(c["offsets"], c["sizes"], c["file"]) for c in w["chunks"]] == [
+        ([0, 0], [4, 6], "_shards.rank00000.safetensors"),
+        ([4, 0], [3, 6], "_shards.rank00001.safetensors"),
+    ]
+    # Optimizer moments are keyed by parameter name, sharded like their parameter.
+    assert "optimizer/state/mid.weight/exp_avg" in index["tensors"]
+    # The shard files are plain safetensors: each box loads under its name.
+    from safetensors.torch import load_file
+
+    part = load_file(str(step / "_shards.rank00001.safetensors"))
+    assert part["model/inp.weight@4,0"].shape == (3, 6)
+
+
+@pytest.mark.parametrize("world", [1, 2, 3, 4])
+def test_fsdp2_restores_on_any_world_size(saved2, tmp_path, world):
+    work, saved = saved2
+    copy_store(work, tmp_path)
+    vals = values(launch("dtensor_scenarios:fsdp_restore", world, tmp_path, timeout=180))
+    for v in vals:
+        assert v["start"] == 4
+        assert v["step"] == 3
+        assert v["digests"] == saved["digests"]
+    # Each rank holds only its own rows (7 rows over `world` ranks, uneven).
+    rows = [v["local_shapes"]["inp.weight"][0] for v in vals]
+    assert sum(rows) == 7
+    assert len(set(map(str, (v["after"] for v in vals)))) == 1
+    if world == 2:
+        # Same world size: training goes on bit-identically to a run never checkpointed.
+        ref = values(launch("dtensor_scenarios:fsdp_train_on", 2, tmp_path / "ref", timeout=180))
+        assert vals[0]["after"] == ref[0]["after"]
+        # Each rank resumes its own random stream.
+        assert vals[0]["rand"] == saved["rand"] or vals[1]["rand"] == saved["rand"]
+
+
+def test_fsdp2_checkpoint_loads_in_one_process_without_a_process_group(saved2, tmp_path):
+    work, saved = saved2
+    copy_store(work, tmp_path)
+    mgr = CheckpointManager(tmp_path / "store")
+    # load(): full, plain tensors; the optimizer keyed by parameter name.
+    raw = mgr.load()
+    w = raw["model"]["inp.weight"]
+    assert type(w) is torch.Tensor
+    assert tuple(w.shape) == (7, 6)
+    assert tuple(raw["optimizer"]["state"]["inp.weight"]["exp_avg"].shape) == (7, 6)
+    assert raw["step"] == 3
+    # restore() into a plain model and a fresh plain optimizer: evaluation, fine-tuning.
+    model = make_net(seed=42)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
+    assert mgr.restore(state) == 3
+    assert digests(model, opt) == saved["digests"]
+    assert torch.equal(model.inp.weight.detach(), w)
+
+
+def test_loading_reads_nothing_through_pickle(saved2, tmp_path, monkeypatch):
+    work, saved = saved2
+    copy_store(work, tmp_path)
+
+    def refuse(*a: Any, **k: Any) -> Any:
+        raise AssertionError("pickle used while loading a checkpoint")
+
+    monkeypatch.setattr(pickle, "loads", refuse)
+    monkeypatch.setattr(pickle, "load", refuse)
+    monkeypatch.setattr(pickle, "Unpickler", refuse)
+    monkeypatch.setattr(torch, "load", refuse)
+    mgr = CheckpointManager(tmp_path / "store")
+    model = make_net(seed=42)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    assert mgr.restore({"model": model, "optimizer": opt}, strict=False) == 3
+    monkeypatch.undo()
+    assert digests(model, opt) == saved["digests"]
+
+
+def test_restore_into_a_model_of_another_shape_changes_nothing(saved2, tmp_path):
+    work, _ = saved2
+    copy_store(work, tmp_path)
+    model = make_net(seed=42)
+    model.mid = torch.nn.Linear(7, 4)  # 4 outputs where 5 were saved
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    with pytest.raises(
+        StateMismatchError, match=r"mid.weight: checkpoint \(5, 7\), model \(4, 7\)"
+    ):
+        CheckpointManager(tmp_path / "store").restore({"model": model}, strict=False)
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+
+
+def test_optimizer_with_other_param_groups_is_refused_before_anything_loads(saved2, tmp_path):
+    work, _ = saved2
+    copy_store(work, tmp_path)
+    model = make_net(seed=42)
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    opt = torch.optim.AdamW(
+        [
+            {"params": model.inp.parameters()},
+            {"params": [*model.mid.parameters(), *model.out.parameters()]},
+        ]
+    )
+    with pytest.raises(StateMismatchError, match="parameter group"):
+        CheckpointManager(tmp_path / "store").restore({"model": model, "optimizer": opt})
+    assert all(torch.equal(v, before[k]) for k, v in model.state_dict().items())
+    assert not opt.state
+
+
+def test_async_fsdp2_saves_stage_once_and_commit_in_the_background(tmp_path, saved2):
+    _, sync_saved = saved2
+    vals = values(
+        launch(
+            "dtensor_scenarios:fsdp_save",
+            2,
+            tmp_path,
+            timeout=180,
+            args={"async": True, "steps": [1, 3], "keep": 1},
+        )
+    )
+    # The parameters changed right after each save returned; the checkpoint holds the
+    # values of the moment of the save, exactly as a synchronous save does.
+    assert vals[0]["digests"] == sync_saved["digests"]
+    mgr = CheckpointManager(tmp_path / "store")
+    assert mgr.steps() == [3]
+    assert mgr.verify(3).ok
+    model = make_net(seed=42)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    mgr.restore({"model": model, "optimizer": opt}, strict=False)
+    assert digests(model, opt) == sync_saved["digests"]
+
+
+def test_async_fsdp2_failure_on_one_rank_is_raised_once_on_every_rank(tmp_path):
+    vals = values(launch("dtensor_scenarios:fsdp_async_failure", 2, tmp_path, timeout=180))
+    for v in vals:
+        w = v["waited"]
+        assert w["error_type"] == "CommitError", w
+        assert "rank(s) 1 failed" in w["message"]
+        assert "step 1 is still the newest" in w["message"]
+        # The error was received by wait(): the next save is not refused for it again.
+        assert v["after"]["ok"], v["after"]
+        assert v["steps"] == [1, 3]
+
+
+def test_fsdp2_on_4_ranks_restores_on_2(tmp_path):
+    saved = values(launch("dtensor_scenarios:fsdp_save", 4, tmp_path, timeout=180))[0]
+    vals = values(launch("dtensor_scenarios:fsdp_restore", 2, tmp_path, timeout=180))
+    assert all(v["digests"] == saved["digests"] for v in vals)
+
+
+def test_hsdp_2x2_restores_on_a_1d_mesh_and_in_one_process(tmp_path):
+    saved = values(
+        launch("dtensor_scenarios:fsdp_save", 4, tmp_path, timeout=180, args={"mesh": [2, 2]})
+    )[0]
+    step = tmp_path / "store" / "step-000000000003"
+    index = json.loads((step / INDEX_FILE).read_text())
+    w = index["tensors"]["model/inp.weight"]
+    assert w["mesh"] == [2, 2]
+    assert w["mesh_dims"] == ["replicate", "shard"]
+    assert w["placements"] == ["R", "S(0)"]
+    assert len(w["chunks"]) == 2  # the replicated copies are written once
+    vals = values(launch("dtensor_scenarios:fsdp_restore", 2, tmp_path, timeout=180))
+    assert all(v["digests"] == saved["digests"] for v in vals)
+    model = make_net(seed=42)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    CheckpointManager(tmp_path / "store").restore({"model": model, "optimizer": opt}, strict=False)
+    assert digests(model, opt) == saved["digests"]
+
+
+@pytest.mark.parametrize("world", [2, 3])
+def test_tensor_parallel_placements_restore_into_other_placements(tmp_path, world):
+    saved = values(launch("dtensor_scenarios:tp_save", 2, tmp_path, timeout=180))[0]
+    vals = values(launch("dtensor_scenarios:tp_restore", world, tmp_path, timeout=180))
+    for v in vals:
+        assert v["digests"] == saved
+        assert v["placements"] == {
+            "col": "(Shard(dim=1),)",
+            "row": "(Shard(dim=0),)",
+            "rep": "(Shard(dim=0),)",
+            "half": "(Replicate(),)",
+        }
+        assert v["plain"] == list(range(6))
+        assert v["note"] == "tp"
+    raw = CheckpointManager(tmp_path / "store").load()
+    assert raw["weights"]["half"].dtype == torch.bfloat16
+    assert tuple(raw["weights"]["row"].shape) == (5, 11)
+
+
+def _flip_in_chunk(store: Path, step: int, tensor: str, rank_file: str) -> None:
+    d = store / f"step-{step:012d}"
+    index = json.loads((d / INDEX_FILE).read_text())
+    chunk = next(c for c in index["tensors"][tensor]["chunks"] if c["file"] == rank_file)
+    path = d / rank_file
+    data = bytearray(path.read_bytes())
+    data[chunk["start"] + 5] ^= 0x40
+    path.write_bytes(bytes(data))
+
+
+def test_a_flipped_byte_in_one_shard_makes_every_rank_fall_back(tmp_path):
+    values(launch("dtensor_scenarios:fsdp_save", 2, tmp_path, timeout=180, args={"steps": [2, 3]}))
+    _flip_in_chunk(tmp_path / "store", 3, "model/mid.weight", "_shards.rank00001.safetensors")
+    for world in (2, 3):
+        results = launch("dtensor_scenarios:fsdp_corrupt_fallback", world, tmp_path, timeout=180)
+        vals = values(results)
+        assert all(v["restored"] == 2 for v in vals)
+        log = "".join(r.output for r in results)
+        assert "skipping step 3" in log
+        assert "_shards.rank00001.safetensors" in log
+        assert "model/mid.weight" in log
+    mgr = CheckpointManager(tmp_path / "store")
+    report = mgr.verify(3)
+    assert not report.ok
+    with pytest.raises(IntegrityError, match=r"_shards\.rank00001\.safetensors"):
+        mgr.restore({"model": make_net()}, step=3, strict=False)
+    assert mgr.load()["step"] == 2  # load() falls back to the newest that verifies
+
+
+@pytest.mark.parametrize(
+    ("phase", "victim"), [("plan", 1), ("write", 1), ("write", 0), ("error", 1)]
+)
+def test_a_rank_lost_during_a_sharded_save_leaves_nothing_visible(tmp_path, phase, victim):
+    results = launch(
+        "dtensor_scenarios:fsdp_die_in_save",
+        3,
+        tmp_path,
+        timeout=120,
+        args={"victim": victim, "phase": phase, "timeout": TIMEOUT},
+    )
+    survivors = [r for r in results if r.rank != victim or phase == "error"]
+    for r in survivors:
+        assert r.ok, describe(results)
+        v = r.value
+        assert not v["ok"], v
+        assert v["elapsed"] < TIMEOUT * 3 + SLACK, v
+        if phase == "error":
+            assert v["error_type"] == "CommitError"
+            assert "rank(s) 1 failed" in v["message"]
+            assert "No space left" in v["message"]
+            assert "step 1 is still the newest" in v["message"]
+        else:
+            assert v["error_type"] == "BarrierTimeout", v
+            assert v["missing_ranks"] == [victim], v
+    mgr = CheckpointManager(tmp_path / "store")
+    assert mgr.steps() == [1]
+    assert mgr.verify(1).ok
+    assert mgr.load()["model"]["inp.weight"].shape == (7, 6)
+
+
+def test_a_rank_lost_during_a_resharded_restore_is_named_by_the_survivors(saved2, tmp_path):
+    work, _ = saved2
+    copy_store(work, tmp_path)
+    results = launch(
+        "dtensor_scenarios:fsdp_die_in_restore",
+        3,
+        tmp_path,
+        timeout=120,
+        args={"victim": 2, "timeout": TIMEOUT},
+    )
+    for r in results[:2]:
+        assert r.ok, describe(results)
+        v = r.value
+        assert v["error_type"] == "BarrierTimeout", v
+        assert v["missing_ranks"] == [2]
+        assert v["phase"] == "restore:load"
+        assert v["elapsed"] < TIMEOUT * 3 + SLACK

@@ -1,0 +1,175 @@
+"""The chunk index of DTensor checkpoints: round trip, hostile input, verified ranged reads."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+import pytest
+import torch
+
+from ckptstore.chunks import (
+    Chunk,
+    ChunkIndex,
+    TensorEntry,
+    block_crcs,
+    box_byte_range,
+    read_box,
+)
+from ckptstore.errors import IntegrityError
+from ckptstore.manifest import FileEntry
+
+FILES = {
+    "_shards.rank00000.safetensors": FileEntry(1000, 0, "safetensors"),
+    "_shards.rank00001.safetensors": FileEntry(1000, 0, "safetensors"),
+    "state.json": FileEntry(10, 0, "json"),
+}
+
+
+def two_chunks() -> ChunkIndex:
+    a = Chunk((0, 0), (4, 6), "_shards.rank00000.safetensors", 100, 96, (1,))
+    b = Chunk((4, 0), (3, 6), "_shards.rank00001.safetensors", 200, 72, (2,))
+    return ChunkIndex(
+        {"model/w": TensorEntry("float32", (7, 6), (a, b), (2,), ("dp",), ("S(0)",))},
+        block=4096,
+    )
+
+
+def doc() -> dict[str, Any]:
+    return json.loads(two_chunks().to_bytes())
+
+
+def parse(d: dict[str, Any]) -> ChunkIndex:
+    return ChunkIndex.from_bytes(json.dumps(d).encode(), FILES, "step-1/dtensors.json")
+
+
+def test_round_trip_and_dcp_metadata() -> None:
+    idx = parse(doc())
+    assert idx == two_chunks()
+    md = idx.dcp_metadata()
+    tmd = md.state_dict_metadata["model/w"]
+    assert tuple(tmd.size) == (7, 6)
+    assert [tuple(c.offsets) for c in tmd.chunks] == [(0, 0), (4, 0)]
+    assert idx.chunk_at("model/w", (4, 0)).file == "_shards.rank00001.safetensors"
+    with pytest.raises(IntegrityError, match="no chunk"):
+        idx.chunk_at("model/w", (1, 0))
+
+
+def _edit(path: list[Any], value: Any) -> dict[str, Any]:
+    d = doc()
+    node: Any = d
+    for p in path[:-1]:
+        node = node[p]
+    node[path[-1]] = value
+    return d
+
+
+CHUNK0 = ["tensors", "model/w", "chunks", 0]
+
+
+@pytest.mark.parametrize(
+    ("edit", "message"),
+    [
+        (_edit(["ckptstore_chunks"], 9), "not a ckptstore chunk index"),
+        (_edit(["block"], 0), "'block' must be"),
+        (_edit(["tensors", "model/w", "dtype"], "object"), "unsupported dtype"),
+        (_edit(["tensors", "model/w", "shape"], [7, -6]), "shape must hold integers"),
+        (_edit([*CHUNK0, "offsets"], [4, 0]), "box [4, 0]+[4, 6] outside"),
+        (_edit([*CHUNK0, "sizes"], [3, 6]), "do not fit its box"),
+        (_edit([*CHUNK0, "file"], "../etc/passwd"), "unsafe file name"),
+        (_edit([*CHUNK0, "file"], "state.json"), "not an uncompressed payload"),
+        (_edit([*CHUNK0, "file"], "other.safetensors"), "not an uncompressed payload"),
+        (_edit([*CHUNK0, "start"], 950), "do not fit its box"),
+        (_edit([*CHUNK0, "bytes"], 95), "do not fit its box"),
+        (_edit([*CHUNK0, "crc32c"], []), "one crc32c per 4096 bytes"),
+        (_edit([*CHUNK0, "crc32c"], ["xyz"]), "8 hex digits"),
+        (_edit(["tensors", "model/w", "chunks"], []), "non-empty list"),
+    ],
+)
+def test_hostile_index_is_refused(edit: dict[str, Any], message: str) -> None:
+    with pytest.raises(IntegrityError, match=r"step-1/dtensors\.json") as ei:
+        parse(edit)
+    assert message in str(ei.value)
+
+
+def test_gaps_and_overlaps_are_refused() -> None:
+    # A gap: the second chunk moved down leaves row 4 uncovered (volume still matches
+    # only if something overlaps): both are "do not cover exactly".
+    d = doc()
+    second = d["tensors"]["model/w"]["chunks"][1]
+    d["tensors"]["model/w"]["chunks"].append(dict(second, offsets=[4, 0]))
+    with pytest.raises(IntegrityError, match="cover"):
+        parse(d)
+    d = doc()
+    d["tensors"]["model/w"]["chunks"][1]["offsets"] = [3, 0]  # overlaps row 3, misses row 6
+    with pytest.raises(IntegrityError, match="cover"):
+        parse(d)
+
+
+def test_index_size_and_chunk_count_are_bounded() -> None:
+    with pytest.raises(IntegrityError, match="larger than any real index"):
+        ChunkIndex.from_bytes(b" " * (512 << 20 | 1), FILES, "x")
+    with pytest.raises(IntegrityError, match="not valid JSON"):
+        ChunkIndex.from_bytes(b"[" * 100_000, FILES, "x")
+
+
+def test_box_byte_range_row_major() -> None:
+    # rows 1..2 of a (4, 6) float32 chunk: bytes 24..72
+    assert box_byte_range((4, 6), (1, 0), (2, 6), 4) == (24, 72)
+    # a column block: from (0, 2) to (3, 3) -> elements 2..21
+    assert box_byte_range((4, 6), (0, 2), (4, 2), 4) == (8, 88)
+    assert box_byte_range((4, 6), (0, 0), (0, 6), 4) == (0, 0)
+    assert box_byte_range((), (), (), 2) == (0, 2)
+
+
+def _stored(t: torch.Tensor, block: int) -> tuple[bytearray, Chunk]:
+    raw = bytearray(b"\xee" * 37) + bytearray(t.contiguous().reshape(-1).view(torch.uint8).numpy())
+    chunk = Chunk(
+        (0,) * t.dim(),
+        tuple(t.shape),
+        "f",
+        37,
+        t.numel() * t.element_size(),
+        tuple(block_crcs(raw[37:], block)),
+    )
+    return raw, chunk
+
+
+def test_read_box_returns_the_sub_box_and_reads_only_covering_blocks() -> None:
+    t = torch.arange(64 * 48, dtype=torch.float32).reshape(64, 48)
+    raw, chunk = _stored(t, 4096)
+    reads: list[tuple[int, int]] = []
+
+    def read(name: str, off: int, n: int) -> bytearray:
+        reads.append((off, n))
+        return raw[off : off + n]
+
+    got = read_box(read, chunk, torch.float32, (30, 5), (4, 7), block=4096, where="s")
+    assert torch.equal(got, t[30:34, 5:12])
+    # rows 30..33 lie in bytes 5760..6528: one 4 KiB block (4096..8192), not the chunk.
+    assert reads == [(37 + 4096, 4096)]
+
+
+def test_read_box_detects_a_flipped_byte_before_using_it() -> None:
+    t = torch.randn(64, 48)
+    raw, chunk = _stored(t, 4096)
+    raw[37 + 5000] ^= 1
+
+    def read(name: str, off: int, n: int) -> bytearray:
+        return raw[off : off + n]
+
+    with pytest.raises(IntegrityError, match="block 1 of its chunk at"):
+        read_box(read, chunk, torch.float32, (0, 0), (64, 48), block=4096, where="s")
+    # A box that avoids the damaged block still reads (and is checked).
+    ok = read_box(read, chunk, torch.float32, (0, 0), (10, 48), block=4096, where="s")
+    assert torch.equal(ok, t[:10])
+
+
+def test_read_box_zero_d_and_bfloat16() -> None:
+    t = torch.tensor(3.5, dtype=torch.bfloat16)
+    raw, chunk = _stored(t, 4096)
+    got = read_box(
+        lambda n, o, k: raw[o : o + k], chunk, torch.bfloat16, (), (), block=4096, where="s"
+    )
+    assert got.dtype == torch.bfloat16
+    assert float(got) == 3.5
