@@ -323,3 +323,25 @@ def fsdp_die_in_restore(ctx: Ctx) -> dict[str, Any]:
     res = outcome(lambda: mgr.restore(state))
     res["elapsed"] = time.monotonic() - t0
     return res
+
+
+def golden_save(ctx: Ctx) -> None:
+    """The state of ``tests/golden/v2-dtensor`` (format 2), saved by 2 ranks: fixed values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    mesh = init_device_mesh("cpu", (2,), mesh_dim_names=("dp",))
+    w = torch.arange(21, dtype=torch.float32).reshape(7, 3) / 4
+    b = torch.tensor([1.5, -2.0, 0.25], dtype=torch.bfloat16)
+    cols = torch.arange(10, dtype=torch.int64).reshape(2, 5)
+    state = {
+        "model": {
+            "w": distribute_tensor(w, mesh, [Shard(0)]),
+            "b": distribute_tensor(b, mesh, [Replicate()]),
+            "cols": distribute_tensor(cols, mesh, [Shard(1)]),
+            "scale": torch.tensor(0.5),
+        },
+        "step": 7,
+    }
+    with _mgr(ctx) as mgr:
+        mgr.save(7, state, metrics={"loss": 0.25}, metadata={"note": "golden v2"})

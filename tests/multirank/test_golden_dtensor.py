@@ -1,0 +1,89 @@
+"""The golden DTensor checkpoint (format 2): it loads exactly, and today's bytes are its bytes.
+
+``tests/golden/v2-dtensor`` was written once by the ``dtensor_scenarios:golden_save`` scenario
+on 2 ranks (``launch("dtensor_scenarios:golden_save", 2, dir)``, then its step directory
+copied). The expected values are written out by hand; saving the same state again must
+reproduce the shard files, ``state.json`` and ``dtensors.json`` byte for byte, so the format
+of sharded checkpoints cannot drift by accident.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from ckptstore import CheckpointManager
+from tests.multirank.launch import describe, launch
+
+GOLDEN = Path(__file__).parent.parent / "golden" / "v2-dtensor"
+STEP = "step-000000000007"
+PAYLOADS = [
+    "_shards.rank00000.safetensors",
+    "_shards.rank00001.safetensors",
+    "dtensors.json",
+    "model.safetensors",
+    "state.json",
+]
+
+
+@pytest.fixture
+def golden(tmp_path: Path) -> Path:
+    shutil.copytree(GOLDEN, tmp_path / "store")
+    return tmp_path / "store"
+
+
+def test_manifest_and_deep_verify(golden: Path) -> None:
+    mgr = CheckpointManager(golden)
+    m = mgr.manifest()
+    assert (m.step, m.format_version, m.world_size) == (7, 2, 2)
+    assert m.sharding_kind == "dtensor"
+    assert sorted(m.files) == PAYLOADS
+    assert m.files["_shards.rank00001.safetensors"].rank == 1
+    assert m.files["state.json"].rank is None
+    assert dict(m.metadata) == {"note": "golden v2"}
+    report = mgr.verify(deep=True)
+    assert report.ok, report.problems
+    assert report.files == 5
+
+
+def test_loads_every_value_exactly(golden: Path) -> None:
+    state = CheckpointManager(golden).load()
+    assert list(state) == ["model", "step"]
+    assert state["step"] == 7
+    model = state["model"]
+    assert list(model) == ["w", "b", "cols", "scale"]
+    assert model["w"].dtype == torch.float32
+    assert model["w"].tolist() == [[(3 * r + c) / 4 for c in range(3)] for r in range(7)]
+    assert model["b"].dtype == torch.bfloat16
+    assert model["b"].tolist() == [1.5, -2.0, 0.25]
+    assert model["cols"].dtype == torch.int64
+    assert model["cols"].tolist() == [[0, 1, 2, 3, 4], [5, 6, 7, 8, 9]]
+    assert model["scale"].item() == 0.5
+
+
+def test_restores_into_plain_targets_and_payloads_are_standard(golden: Path) -> None:
+    target = {"model": {"w": torch.zeros(7, 3)}, "step": 0}
+    CheckpointManager(golden).restore(target, strict=False)
+    assert target["model"]["cols"][1, 4].item() == 9
+    part = load_file(str(golden / STEP / "_shards.rank00001.safetensors"))
+    # rank 1 holds rows 4..6 of w, columns 3..4 of cols, and (deduplicated) all of b.
+    assert sorted(part) == ["model/b@0", "model/cols@0,3", "model/w@4,0"]
+    assert part["model/w@4,0"].tolist() == [[(3 * r + c) / 4 for c in range(3)] for r in (4, 5, 6)]
+
+
+@pytest.mark.timeout(180)
+def test_saving_today_reproduces_the_golden_bytes(tmp_path: Path) -> None:
+    results = launch("dtensor_scenarios:golden_save", 2, tmp_path, timeout=150)
+    assert all(r.ok for r in results), describe(results)
+    for name in PAYLOADS:
+        got = (tmp_path / "store" / STEP / name).read_bytes()
+        assert got == (GOLDEN / STEP / name).read_bytes(), name
+    new = json.loads((tmp_path / "store" / STEP / "manifest.json").read_text())
+    old = json.loads((GOLDEN / STEP / "manifest.json").read_text())
+    for key in ("files", "sharding", "format_version", "world_size", "metrics", "metadata"):
+        assert new[key] == old[key], key
