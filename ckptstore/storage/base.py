@@ -242,7 +242,11 @@ class Storage(abc.ABC):
             if size > MAX_MANIFEST_BYTES:
                 raise ManifestError(f"{where}: {size} bytes is larger than any real manifest")
             with self._open_read(rel) as f:
-                data = f.read(MAX_MANIFEST_BYTES + 1)
+                # Ask for the size it has, not the most it may have: a raw read allocates
+                # all it is asked for (64 MiB a manifest); one that grew is read on.
+                data = f.read(size + 1)
+                if len(data) > size:
+                    data += f.read(MAX_MANIFEST_BYTES - size)
         except OSError as e:
             raise ManifestError(f"{where}: unreadable ({e})") from None
         m = Manifest.from_bytes(data, where=where)
