@@ -42,6 +42,7 @@ from typing import Any
 
 import torch
 
+from .codec.torchzip import check_stored
 from .errors import CkptStoreError, IntegrityError
 from .verify import verify_file
 
@@ -375,7 +376,10 @@ def _check_dcp_items(path: str, md: Any) -> list[str]:
                 blob = f.read(length)
                 try:
                     with zipfile.ZipFile(io.BytesIO(blob)) as z:
+                        check_stored(z, where)  # a deflated member is never inflated
                         bad = z.testzip()
+                except IntegrityError:  # check_stored's, complete: keep it from the next clause
+                    raise
                 except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
                     raise IntegrityError(f"{where}: not a valid torch.save item ({e})") from None
                 if bad is not None:

@@ -868,7 +868,7 @@ class CheckpointManager(Reader):
         """
         s = self._resolve(step)
         report = verify_checkpoint(self.storage, s, deep=deep)
-        if report.ok:
+        if report.ok and deep:  # a quick check passes a flipped byte: retention needs deep
             self._known_good.add(s)
         return report
 

@@ -19,7 +19,7 @@ from . import sharding
 from ._log import logger as log
 from .chunks import INDEX_FILE, ChunkIndex, TensorEntry
 from .codec import payload as payload_codec
-from .codec.tree import TreeDecoder
+from .codec.tree import TreeDecoder, stored_tensors
 from .dist import Coordinator
 from .errors import (
     BarrierTimeout,
@@ -31,7 +31,7 @@ from .errors import (
 )
 from .integrity import crc32c_of
 from .layout import state_file
-from .manifest import Manifest
+from .manifest import FileEntry, Manifest
 from .modules import EMA
 from .state import apply_state, capture, kind_of, precheck
 from .storage import Storage
@@ -171,6 +171,16 @@ class Reader:
                 manifest, fetch(INDEX_FILE), keys, vals, wanted_set, targets
             )
         cache: dict[str, dict[str, torch.Tensor]] = {}
+        # What each group's tensors take, from state.json alone: a compressed payload never
+        # inflates past that (with a generous allowance for its container).
+        stored: list[dict[str, dict[str, tuple[int, int]]]] = []
+
+        def limit_of(group: str, entry: FileEntry) -> int | None:
+            if entry.compression is None:
+                return None  # the manifest's size bounds it
+            if not stored:
+                stored.append(stored_tensors(vals))
+            return payload_codec.max_payload_bytes(stored[0].get(group, {}))
 
         def get_tensor(group: str, key: str) -> torch.Tensor:
             if group not in cache:
@@ -180,12 +190,15 @@ class Reader:
                 merged: dict[str, torch.Tensor] = {}
                 for n in sorted(names):
                     entry = manifest.files[n]
+                    limit = limit_of(group, entry)
                     if blobs is None:
                         part = payload_codec.read_group(
-                            self.storage, step, n, entry, into.get(group)
+                            self.storage, step, n, entry, into.get(group), limit=limit
                         )
                     else:
-                        part = payload_codec.decode_payload(fetch(n), entry, f"{where}/{n}")
+                        part = payload_codec.decode_payload(
+                            fetch(n), entry, f"{where}/{n}", limit=limit
+                        )
                     merged.update(part)
                 cache[group] = merged
             t = cache[group].get(key)

@@ -1,8 +1,10 @@
 """Verification of checkpoints and of lone files; nothing here unpickles anything.
 
 Quick: the manifest (self-checksum, names, types), presence and sizes of every file, the
-safetensors header (bounds, overlaps) and the zip central directory of ``.pt`` files. Deep:
-also the CRC32C of every file and the CRC-32 of every zip member.
+safetensors header (bounds, overlaps) and the zip central directory of ``.pt`` files (no
+member may be compressed). Deep: also the CRC32C of every file and the CRC-32 of every zip
+member, and compressed payloads are inflated (never past what their tensors in the state
+file can take, nor past what a safetensors header declares) and checked the same way.
 """
 
 from __future__ import annotations
@@ -14,11 +16,13 @@ import zipfile
 from typing import Any
 
 from .chunks import INDEX_FILE
+from .codec import payload, torchzip
 from .codec import safetensors as st
-from .codec import torchzip
+from .codec.tree import stored_tensors
 from .errors import CkptStoreError, IntegrityError, ManifestError
 from .integrity import VerifyReport, format_crc
-from .layout import STATE_NAME
+from .layout import STATE_NAME, state_file
+from .manifest import FileEntry, Manifest
 from .storage.base import Storage
 
 __all__ = ["verify_checkpoint", "verify_file"]
@@ -40,6 +44,48 @@ def _check_header(f: Any, size: int, codec: str, where: str, deep: bool) -> None
         torchzip.check_zip(f, where, deep=deep)
 
 
+_PAYLOADS = ("safetensors", "torch")
+
+
+class _Limits:
+    """How far each compressed payload of a checkpoint may inflate, from its state files."""
+
+    def __init__(self, storage: Storage, manifest: Manifest) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self._tensors: dict[str, dict[str, dict[str, tuple[int, int]]] | None] = {}
+
+    def of(self, name: str, entry: FileEntry) -> int | None:
+        """The bound of payload ``name``; None when its state file cannot be read."""
+        sname = state_file(entry.rank)
+        if sname not in self._tensors:
+            self._tensors[sname] = self._read(sname)
+        tensors = self._tensors[sname]
+        if tensors is None:
+            return None
+        return payload.max_payload_bytes(tensors.get(payload.group_of(name), {}))
+
+    def _read(self, sname: str) -> dict[str, dict[str, tuple[int, int]]] | None:
+        entry = self.manifest.files.get(sname)
+        if entry is None:
+            return None
+        try:
+            raw = self.storage.read_file(self.manifest.step, sname, entry)
+            doc = json.loads(bytes(raw).decode("utf-8"))
+        except (CkptStoreError, OSError, UnicodeDecodeError, ValueError, RecursionError):
+            return None  # reported as the state file's own problem
+        return stored_tensors(doc.get("root") if isinstance(doc, dict) else None)
+
+
+def _check_compressed(data: bytearray, entry: FileEntry, where: str, limit: int) -> None:
+    """Inflate a checksummed compressed payload (bounded) and check what is inside."""
+    raw = payload.decompressed(data, entry, where, limit)
+    if entry.codec == "safetensors":
+        st.parse_header(raw, len(raw), where)
+    else:
+        torchzip.check_zip(raw, where, deep=True)
+
+
 def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> VerifyReport:
     """Verify one committed checkpoint of ``storage``; problems are collected, not raised."""
     report = VerifyReport(target=storage.describe(step), step=step, deep=deep)
@@ -57,6 +103,7 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
     for name in wanted:
         if name not in manifest.files:
             report.add(f"{storage.describe(step)}: manifest lists no {name}")
+    limits = _Limits(storage, manifest)
     for name, entry in sorted(manifest.files.items()):
         where = storage.describe(step, name)
         report.files += 1
@@ -69,6 +116,14 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
                 report.add(
                     f"{where}: {size} bytes, manifest says {entry.bytes}; truncated or replaced"
                 )
+                continue
+            if deep and entry.compression is not None and entry.codec in _PAYLOADS:
+                # Read once: checksummed, then inflated as far as it may be and checked.
+                data = storage.read_file(step, name, entry)
+                report.bytes_checked += len(data)
+                limit = limits.of(name, entry)
+                if limit is not None:  # else its state file is reported broken
+                    _check_compressed(data, entry, where, limit)
                 continue
             if deep:
                 got, crc = storage.checksum_file(step, name)

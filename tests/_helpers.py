@@ -5,6 +5,7 @@ and running Python in a subprocess.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -134,6 +135,63 @@ def forge_manifest(data: bytes, edit: Any) -> bytes:
     canonical = json.dumps(doc, sort_keys=True, separators=(",", ":"), allow_nan=False)
     doc["checksum"] = format_crc(crc32c_of(canonical.encode()))
     return json.dumps(doc, indent=1, sort_keys=True).encode()
+
+
+def replace_payload(step_path: Path, name: str, data: bytes) -> None:
+    """Replace a file of a committed step and forge its manifest entry (size, CRC32C) to
+    match, as a buggy tool or an attacker would: only the content itself can tell."""
+    (step_path / name).write_bytes(data)
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["files"][name]["bytes"] = len(data)
+        doc["files"][name]["crc32c"] = format_crc(crc32c_of(data))
+
+    manifest = step_path / MANIFEST
+    manifest.write_bytes(forge_manifest(manifest.read_bytes(), edit))
+
+
+@functools.cache
+def zeros_frame(n: int = 1 << 30) -> bytes:
+    """A standard zstd frame of ``n`` zero bytes from the real compressor: 1 GiB in ~32 KB."""
+    import io
+
+    import zstandard
+
+    buf = io.BytesIO()
+    with zstandard.ZstdCompressor(level=1, write_checksum=True).stream_writer(
+        buf, closefd=False
+    ) as w:
+        block = bytes(64 << 20)
+        for _ in range(n // len(block)):
+            w.write(block)
+        w.write(bytes(n % len(block)))
+    return buf.getvalue()
+
+
+def plant_zstd_bomb(root: Path, step: int, name: str) -> None:
+    """Make the compressed payload ``name`` of ``step`` a decompression bomb: its own good
+    content, then 1 GiB of zeros in a second frame; manifest entry and CRC forged to match."""
+    import zstandard
+
+    path = root / step_dir(step) / name
+    good = zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes())
+    bomb = zstandard.ZstdCompressor(level=1, write_checksum=True).compress(good)
+    replace_payload(root / step_dir(step), name, bomb + zeros_frame())
+
+
+def deflated(pt: bytes) -> bytes:
+    """A ``torch.save`` zip with every member deflated (torch.save stores them all)."""
+    import io
+    import zipfile
+
+    out = io.BytesIO()
+    with (
+        zipfile.ZipFile(io.BytesIO(pt)) as src,
+        zipfile.ZipFile(out, "w", compression=zipfile.ZIP_DEFLATED) as dst,
+    ):
+        for info in src.infolist():
+            dst.writestr(info.filename, src.read(info))
+    return out.getvalue()
 
 
 class StoreView:

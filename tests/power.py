@@ -11,13 +11,20 @@ with two views, after POSIX (fsync(2), rename(2)) and the way ext4/xfs behave on
   unlink) is durable once *that directory* is fsynced. Nothing else is: a power cut drops
   every change that was not made durable this way, the most a cut may drop.
 
-After each traced call (each step of a save, a prune...) the model takes two snapshots, the
-two extremes of what a cut may leave (a real crash lies in between):
+After each traced call (each step of a save, a prune...) the model takes three snapshots,
+extremes of what a cut may leave (a real crash lies in between):
 
 - ``"strict"``: only what was made durable: the tree of entries reachable from the root
   through durable entries, with the durable bytes of each file;
 - ``"metadata"``: every directory change survives (journaled metadata, as ext4's default
-  ``data=ordered`` may leave it), but file bytes only where fsynced.
+  ``data=ordered`` may leave it), but file bytes only where fsynced;
+- ``"root-stale"``: every directory change survives except the root's own: POSIX orders
+  nothing between directories, so the unlinks inside a directory may reach the disk while
+  the rename that moved that directory out of the root does not.
+
+``rmtree`` is modelled as the unlinks it makes, one cut point after each, ``manifest.json``
+last in each directory (rmtree's real order is the filesystem's; this one leaves a
+directory looking committed the longest).
 
 :func:`materialize` writes a snapshot out as a directory, which is then opened as a store:
 exactly the disk the machine would come back to.
@@ -41,8 +48,8 @@ from ckptstore.storage import local as local_mod
 
 #: A durable snapshot: relative path -> None for a directory, bytes for a file.
 Snapshot = dict[str, bytes | None]
-#: The two extremes of what a power cut may leave (see the module docstring).
-VIEWS = ("strict", "metadata")
+#: The extremes of what a power cut may leave (see the module docstring).
+VIEWS = ("strict", "metadata", "root-stale")
 
 
 class Node:
@@ -109,11 +116,13 @@ class PowerModel:
         return self._lookup(head), name
 
     def durable_view(self, view: str = "strict") -> Snapshot:
-        """What a power cut now leaves: ``"strict"`` or ``"metadata"`` (see the module doc)."""
+        """What a power cut now leaves: one of :data:`VIEWS` (see the module doc)."""
+        assert view in VIEWS, view
         out: Snapshot = {}
 
         def walk(node: Node, prefix: str) -> None:
-            entries = node.durable_entries if view == "strict" else node.entries
+            stale = view == "strict" or (view == "root-stale" and node is self.top)
+            entries = node.durable_entries if stale else node.entries
             for name, child in sorted(entries.items()):
                 rel = f"{prefix}{name}"
                 if child.is_dir:
@@ -143,12 +152,23 @@ class PowerModel:
         parent.entries[name] = node
         return node
 
+    def _rel_at(self, path: Any, dir_fd: int | None) -> str | None:
+        """The store-relative path of ``path``, opened relative to ``dir_fd`` or not."""
+        if dir_fd is None:
+            return self._rel(path)
+        hit = self._fds.get(dir_fd)
+        if hit is None or not hit[0].is_dir or not isinstance(path, str) or "/" in path:
+            return None
+        return f"{hit[1]}/{path}" if hit[1] else path
+
     def open(self, path: Any, flags: int, mode: int = 0o777, *, dir_fd: int | None = None) -> int:
         fd = os.open(path, flags, mode, dir_fd=dir_fd)
-        rel = self._rel(path) if dir_fd is None else None
-        if rel is None:
-            return fd
         with self._lock:
+            # A file object closes its fd without us: forget whatever that number was.
+            self._fds.pop(fd, None)
+            rel = self._rel_at(path, dir_fd)
+            if rel is None:
+                return fd
             node = self._lookup(rel)
             if node is None and flags & os.O_CREAT:
                 node = self._created(rel, False)
@@ -223,8 +243,9 @@ class PowerModel:
                 self._record(f"rename {a} -> {b}")
 
     def unlink(self, path: Any, *, dir_fd: int | None = None) -> None:
+        with self._lock:
+            rel = self._rel_at(path, dir_fd)
         os.unlink(path, dir_fd=dir_fd)
-        rel = self._rel(path) if dir_fd is None else None
         if rel is not None:
             self._unlinked(rel, "unlink")
 
@@ -232,7 +253,20 @@ class PowerModel:
         shutil.rmtree(path, *args, **kwargs)
         rel = self._rel(path)
         if rel is not None:
+            with self._lock:
+                node = self._lookup(rel)
+                if node is not None and node.is_dir:
+                    self._empty(node, rel)
             self._unlinked(rel, "rmtree")
+
+    def _empty(self, node: Node, rel: str) -> None:
+        """The unlinks of an rmtree below ``node``, one cut point each, the manifest last."""
+        for name in sorted(node.entries, key=lambda n: (n == "manifest.json", n)):
+            child = node.entries[name]
+            if child.is_dir:
+                self._empty(child, f"{rel}/{name}")
+            del node.entries[name]
+            self._record(f"rmtree: unlink {rel}/{name}")
 
     def _unlinked(self, rel: str, what: str) -> None:
         with self._lock:

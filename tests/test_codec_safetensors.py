@@ -285,6 +285,24 @@ def test_parse_header_bounds_the_header_length() -> None:
         st.parse_header(struct.pack("<Q", 10) + b"{}", 100, "partial")
 
 
+def test_declared_size_is_known_from_the_header_alone() -> None:
+    buf = io.BytesIO()
+    st.write_safetensors(buf, {"a": torch.arange(10, dtype=torch.int64), "b": torch.ones(3)})
+    data = buf.getvalue()
+    n = int.from_bytes(data[:8], "little")
+    for cut in (0, 7, 8, 8 + n - 1):
+        assert st.declared_size(data[:cut], "f") is None, cut  # not all of the header yet
+    for cut in (8 + n, len(data) - 1, len(data), len(data) + 5):
+        assert st.declared_size(data[:cut] + b"\0" * max(0, cut - len(data)), "f") == len(data)
+    with pytest.raises(IntegrityError, match=r"^big: .*header length 100000001 is over the"):
+        st.declared_size(struct.pack("<Q", st.MAX_HEADER_BYTES + 1), "big")
+    # Entries are checked against the size the header declares: a gap is refused.
+    gap = {"a": {"dtype": "F32", "shape": [1], "data_offsets": [4, 8]}}
+    raw = json.dumps(gap).encode()
+    with pytest.raises(IntegrityError, match="a gap of 4 bytes"):
+        st.declared_size(struct.pack("<Q", len(raw)) + raw, "gap")
+
+
 # ---- payloads written by the manager are standard files -------------------------------------
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import logging
 import struct
 import zipfile
 from pathlib import Path
@@ -10,6 +11,7 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import assert_same, deflated, fresh_like, make_state, replace_payload, step_dir
 
 from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError
 from ckptstore.codec import torchzip
@@ -171,3 +173,68 @@ def test_views_are_saved_without_their_whole_storage(tmp_path: Path) -> None:
         assert mgr.load()["m"]["head"].tolist() == [0.0, 1.0, 2.0, 3.0]
     size = (tmp_path / "step-000000000001" / "m.pt").stat().st_size
     assert size < 4096  # not the 400 kB storage that torch.save would write for the view
+
+
+def _no_inflating(*args: Any) -> Any:
+    raise AssertionError("a zip member was inflated")
+
+
+def test_check_zip_refuses_a_compressed_member_without_inflating_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = deflated(saved({"w": torch.zeros(100_000)}))  # 400 kB of zeros: about 400 bytes
+    monkeypatch.setattr(zipfile, "_get_decompressor", _no_inflating)
+    for deep in (False, True):
+        with pytest.raises(IntegrityError) as ei:
+            torchzip.check_zip(data, "run/model.pt", deep=deep)
+        msg = str(ei.value)
+        assert msg.startswith("run/model.pt: zip member 'archive/data.pkl' is compressed (deflate")
+        assert "torch.save stores every member uncompressed" in msg
+        assert "refused without inflating anything" in msg
+    # So does the payload decoder, before torch.load sees it.
+    with pytest.raises(IntegrityError, match="is compressed"):
+        torchzip.load_tensor_dict(data, "run/model.pt")
+
+
+def test_check_zip_refuses_a_stored_member_whose_sizes_disagree() -> None:
+    data = bytearray(saved({"w": torch.zeros(4)}))
+    with zipfile.ZipFile(io.BytesIO(bytes(data))) as zf:
+        pos = zf.start_dir  # the central directory: one entry per member, in this order
+        for info in zf.infolist():
+            lengths = struct.unpack("<HHH", data[pos + 28 : pos + 34])
+            if info.filename.endswith("/data/0"):
+                break
+            pos += 46 + sum(lengths)
+    data[pos + 24 : pos + 28] = struct.pack("<I", 1 << 30)  # its uncompressed size
+    with pytest.raises(IntegrityError) as ei:
+        torchzip.check_zip(bytes(data), "m.pt", deep=False)
+    assert str(ei.value) == (
+        f"m.pt: zip member {info.filename!r} is stored uncompressed in 16 bytes but says it "
+        f"holds {1 << 30}; the archive is corrupt"
+    )
+
+
+def test_restore_falls_back_from_a_payload_with_a_compressed_member(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "s"
+    states = {s: make_state(s) for s in (1, 2)}
+    with CheckpointManager(root, format="torch") as mgr:
+        for s, state in states.items():
+            mgr.save(s, state)
+    path = root / step_dir(2) / "model.pt"
+    replace_payload(root / step_dir(2), "model.pt", deflated(path.read_bytes()))
+    where = f"{path}: zip member 'archive/data.pkl' is compressed (deflate, "
+    with CheckpointManager(root) as mgr:
+        fresh = fresh_like(states[1])
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            assert mgr.restore(fresh) == 1
+        assert_same(dict(fresh["model"].state_dict()), dict(states[1]["model"].state_dict()))
+        assert any(where in r.getMessage() for r in caplog.records)
+        with pytest.raises(IntegrityError) as ei:
+            mgr.restore(fresh_like(states[1]), step=2)
+        assert str(ei.value).startswith(where)
+        for deep in (False, True):
+            report = mgr.verify(2, deep=deep)
+            assert len(report.problems) == 1
+            assert report.problems[0].startswith(where)

@@ -19,14 +19,17 @@ from typing import Any
 
 import numpy as np
 import pytest
+import safetensors.torch
 import torch
 
 from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError
+from ckptstore.codec import payload
 from ckptstore.codec.tree import (
     SUPPORTED_DTYPES,
     TreeDecoder,
     TreeEncoder,
     format_path,
+    stored_tensors,
     tensor_key,
 )
 
@@ -195,6 +198,40 @@ def test_everything_roundtrips_through_load_and_restore(
         assert mgr.restore(target) == 3
     assert_identical(loaded, everything())
     assert_identical(target, everything())
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_stored_tensors_bound_every_payload_from_the_state_alone(tmp_path: Path, fmt: str) -> None:
+    # How far restore lets a compressed payload inflate comes from state.json alone; it
+    # must hold every payload the manager writes, with room to spare but not unbounded.
+    state = everything()
+    state["many"] = {
+        f"{'k' * 180}.{i}": torch.zeros([1] * (i % 9), dtype=torch.float16) for i in range(300)
+    }
+    with CheckpointManager(tmp_path / "s", format=fmt) as mgr:
+        mgr.save(1, state)
+    step = tmp_path / "s" / "step-000000000001"
+    tree = json.loads((step / "state.json").read_bytes())["root"]
+    stored = stored_tensors(tree)
+    manifest = json.loads((step / "manifest.json").read_bytes())
+    payloads = {n: e for n, e in manifest["files"].items() if e["codec"] != "json"}
+    assert sorted(stored) == sorted(payload.group_of(n) for n in payloads)
+    for name in payloads:
+        tensors = stored[payload.group_of(name)]
+        data = (step / name).read_bytes()
+        if fmt == "safetensors":
+            keys = set(safetensors.torch.load(data))
+        else:
+            keys = set(torch.load(step / name, weights_only=True))
+        assert keys == set(tensors), name
+        held = sum(size for size, _ in tensors.values())
+        assert held <= len(data) <= payload.max_payload_bytes(tensors), name
+        # ... and no more than a few kB a tensor and 1 MiB a file beyond their data.
+        assert payload.max_payload_bytes(tensors) <= held + (1 << 20) + 8192 * len(tensors)
+    # Malformed nodes add nothing (decoding reports them); views add no entry of their own.
+    assert stored_tensors([{"t": "tensor", "file": "g"}, {"t": "tensor", "dtype": [1]}, 5]) == {}
+    view = {"t": "view", "file": "g", "key": "k", "dtype": "float32", "shape": [10**9]}
+    assert stored_tensors({"t": "dict", "keys": ["v"], "vals": [view]}) == {}
 
 
 def test_scalars_exact(roundtrip: Any) -> None:

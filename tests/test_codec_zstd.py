@@ -4,14 +4,21 @@ from __future__ import annotations
 
 import io
 import json
+import logging
+import tracemalloc
+from collections.abc import Callable
 from pathlib import Path
+from typing import Any
 
 import crc32c
 import pytest
 import torch
 import zstandard
+from _helpers import assert_same, fresh_like, make_state, plant_zstd_bomb, step_dir, zeros_frame
 
 from ckptstore import CheckpointManager, IntegrityError
+from ckptstore import cli as cli_mod
+from ckptstore.codec import safetensors as st
 from ckptstore.codec import zstd
 
 TEXT = b"the quick brown fox jumps over the lazy dog " * 500
@@ -112,3 +119,107 @@ def test_compressed_payload_is_the_uncompressed_one(tmp_path: Path) -> None:
     raw_state = (tmp_path / "raw" / "step-000000000001" / "state.json").read_bytes()
     zst_state = (tmp_path / "zst" / "step-000000000001" / "state.json").read_bytes()
     assert raw_state == zst_state  # the tree names groups, never file names
+
+
+# ---- decompression bombs --------------------------------------------------------------------
+
+
+def peak_bytes(call: Callable[[], Any]) -> tuple[Any, int]:
+    """``call()``'s result, or the exception it raised, and the peak of Python memory it
+    allocated (every buffer a decompression fills is a Python bytes or bytearray)."""
+    tracemalloc.start()
+    try:
+        try:
+            result: Any = call()
+        except Exception as e:
+            result = e
+        return result, tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+
+
+def test_decompress_stops_a_real_bomb_at_its_limit() -> None:
+    bomb = compressed(TEXT) + zeros_frame()  # 1 GiB of zeros after the text, ~33 KB in all
+    assert len(bomb) < 64 << 10
+    err, peak = peak_bytes(
+        lambda: zstd.decompress(bomb, "m.zst", limit=len(TEXT) + 10, why="its tensors can take")
+    )
+    assert isinstance(err, IntegrityError)
+    assert str(err) == (
+        f"m.zst: zstd stream inflates past the {len(TEXT) + 10} bytes its tensors can take; "
+        "refused without inflating the rest (a corrupt file, or a decompression bomb). "
+        "Restore an earlier step"
+    )
+    assert peak < 2 << 20, f"{peak} bytes allocated to refuse it"
+    # The limit itself is fine; one byte less is not.
+    assert zstd.decompress(compressed(TEXT), "m", limit=len(TEXT)) == TEXT
+    with pytest.raises(IntegrityError, match="inflates past the"):
+        zstd.decompress(compressed(TEXT), "m", limit=len(TEXT) - 1)
+
+
+def test_decompress_stops_where_the_safetensors_header_says_the_file_ends() -> None:
+    buf = io.BytesIO()
+    st.write_safetensors(buf, {"w": torch.arange(16, dtype=torch.float32)})
+    raw = buf.getvalue()
+    where = "run/step-000000000002/model.safetensors.zst"
+
+    def declared(out: bytearray) -> int | None:
+        return st.declared_size(out, where)
+
+    assert zstd.decompress(compressed(raw), where, declared=declared) == raw
+    # Declared small, inflating to 1 GiB: no limit is given, the header alone bounds it.
+    err, peak = peak_bytes(
+        lambda: zstd.decompress(compressed(raw) + zeros_frame(), where, declared=declared)
+    )
+    assert isinstance(err, IntegrityError)
+    assert str(err).startswith(
+        f"{where}: zstd stream inflates past the {len(raw)} bytes its own header declares; "
+    )
+    assert peak < 2 << 20, f"{peak} bytes allocated to refuse it"
+    # A header that is not one is refused as soon as it is in.
+    with pytest.raises(IntegrityError, match="not a valid safetensors file"):
+        zstd.decompress(compressed(b"\xff" * 8) + zeros_frame(), where, declared=declared)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_restore_falls_back_from_a_decompression_bomb(
+    tmp_path: Path, fmt: str, caplog: pytest.LogCaptureFixture, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "z"
+    states = {s: make_state(s) for s in (1, 2)}
+    with CheckpointManager(root, format=fmt, compression="zstd") as mgr:
+        for s, state in states.items():
+            mgr.save(s, state)
+    name = {"safetensors": "model.safetensors.zst", "torch": "model.pt.zst"}[fmt]
+    # Step 2's model payload: its own bytes, then 1 GiB of zeros; manifest forged to match.
+    plant_zstd_bomb(root, 2, name)
+    where = f"{root}/{step_dir(2)}/{name}"
+    why = {
+        "safetensors": "bytes its own header declares",
+        "torch": "bytes its tensors in the state file can take",
+    }[fmt]
+    with CheckpointManager(root, keep=1) as mgr:
+        fresh = fresh_like(states[1])
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            got, peak = peak_bytes(lambda: mgr.restore(fresh))
+        assert got == 1, got
+        assert peak < 32 << 20, f"restore allocated {peak} bytes"
+        assert_same(dict(fresh["model"].state_dict()), dict(states[1]["model"].state_dict()))
+        warnings = [r.getMessage() for r in caplog.records if r.levelno == logging.WARNING]
+        assert any("step 2" in w and where in w and "inflates past" in w for w in warnings)
+
+        with pytest.raises(IntegrityError) as ei:
+            mgr.restore(fresh_like(states[1]), step=2)
+        assert str(ei.value).startswith(f"{where}: zstd stream inflates past the ")
+        assert why in str(ei.value)
+        assert mgr.load()["step"] == 1
+
+        report = mgr.verify(2)  # deep: inflates, as far as it may
+        assert report.problems == [str(ei.value)]
+        assert mgr.verify(2, deep=False).ok  # quick checks never inflate anything
+        assert mgr.verify(1).ok
+        # Retention sees step 2 is bad: step 1, the last good one, stays.
+        assert mgr.prune() == []
+        assert mgr.steps() == [1, 2]
+    assert cli_mod.main(["verify", str(root)]) == 1
+    assert "inflates past" in capsys.readouterr().out

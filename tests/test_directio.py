@@ -44,7 +44,7 @@ def test_direct_writer_bytes_size_and_crc(tmp_path: Path, sizes: list[int], dire
     chunks = [os.urandom(n) for n in sizes]
     data = b"".join(chunks)
     w = _write(tmp_path / "f", chunks, direct=direct, buffer_size=1 << 20)
-    assert (tmp_path / "f").read_bytes() == data  # tail padding truncated away
+    assert (tmp_path / "f").read_bytes() == data  # exactly the data: no padding to remove
     assert w.nbytes == len(data)
     assert w.crc == crc32c_of(data)
     if direct and len(data) > 1 << 20:
@@ -127,6 +127,57 @@ def test_local_stream_reads_every_byte_in_order(
     assert total == len(data)
     assert crc == crc32c_of(data)
     assert bytes(seen) == data
+
+
+@pytest.mark.parametrize(
+    ("size", "most"),
+    [
+        ((2 << 20) + 123, None),  # the whole file in one short read, ending unaligned
+        (2 << 20, None),  # a short read ending on a block boundary: one more read, aligned
+        ((2 << 20) + 123, 1 << 20),  # reads capped at whole blocks (as Linux caps at 2 GiB)
+        (3 * ALIGN + 5, None),  # a small file: one buffered read
+    ],
+)
+@pytest.mark.parametrize("direct_io", [True, False])
+def test_reads_never_go_on_at_an_unaligned_offset(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    size: int,
+    most: int | None,
+    direct_io: bool,
+) -> None:
+    # Linux before 5.5 answers an O_DIRECT read at an unaligned offset with EINVAL, even at
+    # the end of the file, where newer kernels return 0. The fake below does the same (and
+    # may also return fewer bytes than asked, in whole blocks): a read that went on after
+    # the short final read would make every payload of 1 MiB or more unreadable there.
+    real = os.preadv
+    offsets: list[int] = []
+
+    def old_kernel_preadv(fd: int, buffers: list[memoryview], offset: int) -> int:
+        offsets.append(offset)
+        if offset % ALIGN:
+            raise OSError(errno.EINVAL, "Invalid argument (O_DIRECT read at an unaligned offset)")
+        if most is not None and len(buffers[0]) > most:
+            buffers = [buffers[0][:most]]
+        return real(fd, buffers, offset)
+
+    data = os.urandom(size)
+    (tmp_path / "f").write_bytes(data)
+    monkeypatch.setattr(os, "preadv", old_kernel_preadv)
+    st = LocalStorage(str(tmp_path), direct_io=direct_io)
+    seen = bytearray()
+    total, crc = st._stream("f", lambda offset, view: seen.extend(view))
+    assert (total, crc) == (len(data), crc32c_of(data))
+    assert bytes(seen) == data
+    assert offsets, "the fake was not called"
+    assert all(o % ALIGN == 0 for o in offsets), offsets
+    buf = bytearray(size + ALIGN)  # read_into itself, asked for more than the file holds
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        assert directio.read_into(fd, memoryview(buf), 0) == size
+    finally:
+        os.close(fd)
+    assert bytes(buf[:size]) == data
 
 
 def _tensors() -> dict[str, torch.Tensor]:

@@ -42,10 +42,13 @@ def simulated_read_only(root: Path, mp: pytest.MonkeyPatch) -> Iterator[None]:
     """Every call that would change something under ``root`` fails with EROFS."""
     top = str(root)
 
-    def inside(p: Any) -> bool:
+    def inside(p: Any, dir_fd: int | None = None) -> bool:
         if not isinstance(p, str | bytes | os.PathLike):
             return False
-        p = os.path.abspath(os.fsdecode(p))
+        p = os.fsdecode(p)
+        if dir_fd is not None:  # relative to an open directory: where that one is
+            p = os.path.join(os.readlink(f"/proc/self/fd/{dir_fd}"), p)
+        p = os.path.abspath(p)
         return p == top or p.startswith(top + os.sep)
 
     def erofs(p: Any) -> OSError:
@@ -56,13 +59,13 @@ def simulated_read_only(root: Path, mp: pytest.MonkeyPatch) -> Iterator[None]:
     writing = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC
 
     def os_open(path: Any, flags: int, *a: Any, **k: Any) -> int:
-        if flags & writing and k.get("dir_fd") is None and inside(path):
+        if flags & writing and inside(path, k.get("dir_fd")):
             raise erofs(path)
         return int(real["open"](path, flags, *a, **k))
 
     def guard(name: str) -> Any:
         def call(path: Any, *a: Any, **k: Any) -> Any:
-            if inside(path) or (a and inside(a[0])):
+            if inside(path, k.get("dir_fd")) or (a and inside(a[0])):
                 raise erofs(path)
             return real[name](path, *a, **k)
 

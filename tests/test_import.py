@@ -18,6 +18,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
+from _helpers import deflated
 from torch import nn
 
 from ckptstore import CheckpointManager
@@ -213,6 +214,29 @@ def test_torch_save_ddp_dict_imports_exactly(tmp_path: Path, capsys) -> None:
     assert_same(dict(fresh.state_dict()), dict(model.state_dict()))
     assert_same(fresh_opt.state_dict(), opt.state_dict())
     assert state["step"] == 70
+
+
+def test_torch_save_with_a_compressed_member_is_refused_uninflated(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import zipfile
+
+    model, _, _ = trained()
+    path = tmp_path / "model.pt"
+    torch.save({"model": model.state_dict(), "step": 3}, path)
+    path.write_bytes(deflated(path.read_bytes()))  # torch.save never compresses a member
+
+    def no_inflating(*args: Any) -> Any:
+        raise AssertionError("a zip member was inflated")
+
+    monkeypatch.setattr(zipfile, "_get_decompressor", no_inflating)
+    root = tmp_path / "store"
+    rc, out, err = run(capsys, "import", path, root, "--step", "3")
+    assert rc == 1, out
+    assert f"{path}: zip member 'model/data.pkl' is compressed (deflate" in err
+    assert "refused without inflating anything" in err
+    assert "Traceback" not in err
+    assert not root.exists() or CheckpointManager(root).steps() == []
 
 
 # ---- DCP directories ---------------------------------------------------------------------

@@ -389,3 +389,24 @@ def test_a_corrupt_step_is_replaced_when_training_reaches_it_again(
         # A step that verifies is never overwritten.
         with pytest.raises(StepExistsError, match="already committed"):
             mgr.save(2, make_state(21))
+
+
+def test_a_quick_verify_does_not_make_retention_trust_a_step(tmp_path: Path) -> None:
+    # A quick verify passes a flipped data byte; retention must still find step 2 bad and
+    # keep step 1, the newest that loads, instead of deleting it as superseded.
+    root = tmp_path / "s"
+    states = {s: make_state(s) for s in (1, 2)}
+    with CheckpointManager(root) as mgr:
+        for s, state in states.items():
+            mgr.save(s, state)
+    path = root / step_dir(2) / "model.safetensors"
+    raw = bytearray(path.read_bytes())
+    raw[-1] ^= 0xFF
+    path.write_bytes(bytes(raw))
+    with CheckpointManager(root, keep=1) as mgr:
+        assert mgr.verify(2, deep=False).ok
+        assert mgr.prune() == []
+        assert mgr.steps() == [1, 2]
+        fresh = fresh_like(states[1])
+        assert mgr.restore(fresh) == 1
+        assert_same(dict(fresh["model"].state_dict()), dict(states[1]["model"].state_dict()))

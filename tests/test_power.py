@@ -14,7 +14,9 @@ a store, and must hold:
 - after ``gc`` no garbage; a new manager saves the next step.
 
 The last tests remove one fsync of the protocol at a time (in the model: the real call still
-runs) and show that the same checks then fail: each fsync is needed.
+runs) and show that the same checks then fail: each fsync is needed. That covers the commit
+(payloads, state.json, manifest, tmp directory, root), the background deleter's root fsync,
+the step directory's fsync after a pin or an unpin, and the parents of a new store's root.
 """
 
 from __future__ import annotations
@@ -24,6 +26,7 @@ import functools
 import os
 import shutil
 import tempfile
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -209,6 +212,10 @@ def _is_manifest(rel: str, is_dir: bool) -> bool:
     return not is_dir and rel.endswith("manifest.json")
 
 
+def _is_state(rel: str, is_dir: bool) -> bool:
+    return not is_dir and rel.endswith("/state.json")
+
+
 @pytest.mark.parametrize(
     ("skip", "symptom"),
     [
@@ -216,8 +223,9 @@ def _is_manifest(rel: str, is_dir: bool) -> bool:
         (_is_root, "committed step(s) [3] lost"),
         (_is_payload, "does not verify"),
         (_is_manifest, "manifest.json: not valid JSON"),
+        (_is_state, "state.json: 0 bytes, manifest says"),
     ],
-    ids=["tmp-dir", "root", "payload", "manifest"],
+    ids=["tmp-dir", "root", "payload", "manifest", "state"],
 )
 def test_each_fsync_is_needed(base: Path, skip: Callable[[str, bool], bool], symptom: str) -> None:
     root = base / "store"
@@ -229,6 +237,91 @@ def test_each_fsync_is_needed(base: Path, skip: Callable[[str, bool], bool], sym
         model, base, "safetensors", before={1, 2}, doomed=set(), new=3
     )
     assert any(symptom in v for v in violations), violations
+
+
+def _is_deleter_root(rel: str, is_dir: bool) -> bool:
+    # The background deleter's fsync of the root, which makes the rename to .trash- durable
+    # before any file of the checkpoint is unlinked (the commit's own root fsync stays).
+    return is_dir and rel == "" and threading.current_thread().name == "ckptstore-deleter"
+
+
+def test_the_deleters_root_fsync_is_needed(base: Path) -> None:
+    root = base / "store"
+    make_store(root, [1, 2, 3, 4], "safetensors")
+    model = PowerModel(str(root), skip_fsync=_is_deleter_root)
+    with recording(model), CheckpointManager(root, keep=2) as mgr:
+        assert mgr.prune() == [1, 2]
+    _, _, violations = check_every_cut(
+        model, base, "safetensors", before={1, 2, 3, 4}, doomed={1, 2}
+    )
+    # The rename away was lost, the unlinks inside were not: a half-removed checkpoint.
+    assert any("(root-stale)" in v and "does not verify" in v for v in violations), violations
+
+
+@pytest.mark.parametrize("skip", [None, "pin", "unpin"], ids=["all-fsyncs", "pin", "unpin"])
+def test_pin_and_unpin_survive_a_power_cut(base: Path, skip: str | None) -> None:
+    # The marker counts by its presence: its directory's fsync is what makes a pin (and an
+    # unpin) durable. The file's own bytes are never fsynced: nothing reads them.
+    root = base / "store"
+    make_store(root, [1, 2], "safetensors")
+    doing: list[str] = []
+
+    def skip_fsync(rel: str, is_dir: bool) -> bool:  # the step directory's, in one call
+        return is_dir and rel.startswith("step-") and doing[-1:] == [skip]
+
+    model = PowerModel(str(root), skip_fsync=skip_fsync)
+    with model.installed(), CheckpointManager(root) as mgr:
+        doing.append("pin")
+        mgr.pin(1)
+        model.mark("pinned")
+        doing.append("unpin")
+        mgr.unpin(1)
+        model.mark("unpinned")
+    at = {label: i for i, label in model.markers}
+    problems = []
+    for label, what, pinned in (("pinned", "pin", True), ("unpinned", "unpin", False)):
+        for view in VIEWS:
+            d = base / f"cut-{label}-{view}"
+            materialize(model.snapshots[at[label]][1][view], str(d))
+            with CheckpointManager(d, keep=1) as mgr:
+                if mgr.storage.is_pinned(1) != pinned:
+                    problems.append(f"power cut ({view}) after {label}: the {what} is lost")
+                # What the pin is for: retention keeps the step, or deletes it once unpinned.
+                deleted = mgr.prune()
+                if deleted != ([] if pinned else [1]):
+                    problems.append(f"power cut ({view}) after {label}: prune deleted {deleted}")
+            wait_for_deletions()
+    if skip is None:
+        assert not problems, problems
+    else:
+        assert f"power cut (strict) after {skip}ned: the {skip} is lost" in problems, problems
+
+
+@pytest.mark.parametrize("skip", [None, "", "a", "a/b"], ids=["all-fsyncs", "top", "a", "a-b"])
+def test_a_new_store_root_survives_a_power_cut(base: Path, skip: str | None) -> None:
+    # makedirs creates the root and its missing parents: each new directory's entry is
+    # durable only once its parent is fsynced.
+    top = base / "top"
+    top.mkdir()
+    root = top / "a" / "b" / "store"
+    skip_fsync = None if skip is None else (lambda rel, is_dir: is_dir and rel == skip)
+    model = PowerModel(str(top), skip_fsync=skip_fsync)
+    with recording(model), CheckpointManager(root) as mgr:
+        mgr.save(1, state(1))
+    commit_at = next(i for i, m in model.markers if m == "commit 1")
+    manifest = "a/b/store/step-000000000001/manifest.json"
+    after = model.snapshots[commit_at:]
+    lost = [label for label, snaps in after if manifest not in snaps["strict"]]
+    d = base / "cut"
+    materialize(model.snapshots[-1][1]["strict"], str(d))
+    with CheckpointManager(d / "a" / "b" / "store") as mgr:
+        steps = mgr.steps()
+    if skip is None:
+        assert not lost, lost
+        assert steps == [1]
+    else:
+        assert lost
+        assert steps == []
 
 
 def test_model_drops_what_was_not_fsynced(base: Path) -> None:

@@ -13,6 +13,7 @@ from typing import Any
 import pytest
 import safetensors.torch
 import torch
+from _helpers import deflated
 
 from ckptstore import atomic_save, verify_file
 
@@ -199,3 +200,25 @@ def test_verify_file_never_unpickles(tmp_path: Path) -> None:
     report = verify_file(path)
     assert report.ok  # structurally fine: a torch zip with valid member CRCs
     assert not os.path.exists(MARKER), "verify_file must never unpickle"
+
+
+def test_verify_file_refuses_a_compressed_member_without_inflating_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    path = tmp_path / "model.pt"
+    buf = io.BytesIO()
+    torch.save(payload(1 << 20), buf)  # 4 MiB of one value: a few kB deflated
+    path.write_bytes(deflated(buf.getvalue()))
+    assert path.stat().st_size < 64 << 10
+
+    def no_inflating(*args: Any) -> Any:
+        raise AssertionError("a zip member was inflated")
+
+    monkeypatch.setattr(zipfile, "_get_decompressor", no_inflating)
+    for deep in (True, False):
+        report = verify_file(path, deep=deep)
+        assert not report.ok
+        assert len(report.problems) == 1
+        assert report.problems[0].startswith(
+            f"{path}: zip member 'archive/data.pkl' is compressed (deflate, "
+        )

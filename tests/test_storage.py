@@ -12,6 +12,7 @@ import json
 import logging
 import os
 import threading
+import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -43,6 +44,7 @@ from ckptstore import (
     ManifestError,
     NoCheckpointError,
     StepExistsError,
+    StoreLockedError,
 )
 from ckptstore.integrity import crc32c_of, format_crc
 from ckptstore.storage import LocalStorage, Storage, open_storage, wait_for_deletions
@@ -610,6 +612,105 @@ def test_lock_file_lives_in_root(local: StoreView) -> None:
         mgr.save(1, {"x": torch.tensor(1)})
         assert os.path.exists(os.path.join(local.base, LOCK))
     assert local.names() == sorted([LOCK, step_dir(1)])
+
+
+@pytest.mark.parametrize("planted", ["symlink", "dangling-symlink", "directory", "fifo"])
+def test_lock_path_is_never_followed_or_opened_as_anything_else(
+    local: StoreView, tmp_path: Path, planted: str
+) -> None:
+    states = saved(local, [1])
+    lock = Path(local.base) / LOCK
+    victim = tmp_path / "victim"
+    lock.unlink()
+    if planted == "symlink":
+        # filelock 3.13-3.x opened the lock with O_TRUNC through the link: emptied victim.
+        victim.write_bytes(b"keep me")
+        os.symlink(victim, lock)
+    elif planted == "dangling-symlink":
+        os.symlink(victim, lock)  # O_CREAT through the link would create the victim
+    elif planted == "directory":
+        lock.mkdir()
+    else:
+        os.mkfifo(lock)
+    with CheckpointManager(local.url, keep=1) as mgr:
+        for call in (lambda: mgr.save(2, make_state(2)), mgr.prune):
+            with pytest.raises(CommitError) as ei:
+                call()
+            msg = str(ei.value)
+            assert f"its writer lock {lock} is a symlink or not a regular file" in msg, msg
+            assert "Remove it" in msg
+        assert mgr.steps() == [1], "nothing written, nothing deleted"
+        fresh = fresh_like(states[1])
+        assert mgr.restore(fresh) == 1  # readers take no lock
+        assert_same(model_sd(fresh), model_sd(states[1]))
+    if planted == "symlink":
+        assert victim.read_bytes() == b"keep me"
+    else:
+        assert not victim.exists()
+    assert root_names(local) == [step_dir(1)]
+    # Once it is removed, the next writer creates a plain lock file and works.
+    if planted == "directory":
+        lock.rmdir()
+    else:
+        lock.unlink()
+    with CheckpointManager(local.url, keep=1) as mgr:
+        mgr.save(2, make_state(2))
+        assert mgr.steps() == [2]
+    assert lock.is_file()
+    assert not lock.is_symlink()
+
+
+def test_writer_lock_excludes_a_second_writer(local: StoreView) -> None:
+    saved(local, [1])
+    st = LocalStorage(local.base)
+    first, second = st.writer_lock(), st.writer_lock()
+    first.acquire()
+    try:
+        assert first.is_locked
+        # Another lock object of this very process is refused as another process would be.
+        with pytest.raises(StoreLockedError, match="is locked by another writer"):
+            second.acquire()
+        assert not second.is_locked
+        with CheckpointManager(local.url) as mgr, pytest.raises(StoreLockedError):
+            mgr.save(2, {"x": torch.tensor(2)})
+        t0 = time.monotonic()
+        with pytest.raises(StoreLockedError):
+            second.acquire(timeout=0.2)  # waits, then gives up
+        assert time.monotonic() - t0 >= 0.2
+    finally:
+        first.release()
+    assert not first.is_locked
+    second.acquire()
+    second.release()
+    lock = Path(local.base) / LOCK
+    assert lock.is_file()
+    assert lock.read_bytes() == b"", "the lock file is never written"
+
+
+def test_pin_never_follows_a_symlinked_step_directory(local: StoreView, tmp_path: Path) -> None:
+    states = saved(local, [1, 2])
+    # Step 2 moved out of the store and linked back in: pin and unpin would write or
+    # remove the marker in the directory outside.
+    outside = tmp_path / "outside-ckpt"
+    os.rename(os.path.join(local.base, step_dir(2)), outside)
+    os.symlink(outside, os.path.join(local.base, step_dir(2)))
+    (outside / "pinned").write_bytes(b"pinned\n")  # for unpin to (not) remove
+    before = {p.name: p.read_bytes() for p in outside.iterdir()}
+    with CheckpointManager(local.url) as mgr:
+        assert mgr.steps() == [1, 2]  # listed, as before: readers refuse it when they read
+        for call, what in ((mgr.pin, "pin"), (mgr.unpin, "unpin")):
+            with pytest.raises(CommitError) as ei:
+                call(2)
+            msg = str(ei.value)
+            assert msg.startswith(f"{local.base}/{step_dir(2)} is a symlink or not a directory")
+            assert f"ckptstore does not {what} it" in msg
+        mgr.pin(1)  # a real step directory still pins
+        assert (Path(local.base) / step_dir(1) / "pinned").is_file()
+        fresh = fresh_like(states[1])
+        assert mgr.restore(fresh) == 1, "the linked step is refused, the previous one loads"
+        assert_same(model_sd(fresh), model_sd(states[1]))
+    assert {p.name: p.read_bytes() for p in outside.iterdir()} == before
+    assert os.path.islink(os.path.join(local.base, step_dir(2)))
 
 
 def test_deletion_goes_through_trash(local: StoreView, monkeypatch: pytest.MonkeyPatch) -> None:

@@ -2,13 +2,25 @@
 
 from __future__ import annotations
 
+import io
 import json
+import tracemalloc
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _helpers import MANIFEST, forge_manifest, local_view, make_state, step_dir
+import zstandard
+from _helpers import (
+    MANIFEST,
+    deflated,
+    forge_manifest,
+    local_view,
+    make_state,
+    plant_zstd_bomb,
+    replace_payload,
+    step_dir,
+)
 
 from ckptstore import CheckpointManager, VerifyReport
 from ckptstore.integrity import crc32c_of, format_crc
@@ -165,3 +177,53 @@ def test_missing_manifest_is_one_problem(tmp_path: Path) -> None:
     assert not report.ok
     assert len(report.problems) == 1
     assert MANIFEST in report.problems[0]
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_deep_verify_reports_a_decompression_bomb_without_inflating_it(
+    tmp_path: Path, fmt: str
+) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root, format=fmt, compression="zstd") as mgr:
+        mgr.save(1, make_state(1))
+    name = f"model{ext(fmt, 'zstd')}"
+    plant_zstd_bomb(root, 1, name)  # its checksum matches: 1 GiB of zeros after its data
+    assert verify(root, deep=False).ok  # quick checks never inflate
+    tracemalloc.start()
+    try:
+        report = verify(root)
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert len(report.problems) == 1, report.problems
+    assert report.problems[0].startswith(
+        f"{root}/{step_dir(1)}/{name}: zstd stream inflates past the "
+    )
+    assert peak < 32 << 20, f"verify allocated {peak} bytes"
+
+
+def _bad_safetensors(raw: bytes) -> bytes:
+    return (len(raw) * 2).to_bytes(8, "little") + raw[8:]  # header longer than the file
+
+
+def _bad_torch(raw: bytes) -> bytes:
+    return deflated(raw)  # torch.save never compresses a member
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_deep_verify_checks_what_is_inside_a_compressed_payload(tmp_path: Path, fmt: str) -> None:
+    # The compressed stream is sound and its checksum matches; the payload inside is not.
+    root = tmp_path / "s"
+    with CheckpointManager(root, format=fmt, compression="zstd") as mgr:
+        mgr.save(1, make_state(1))
+    name = f"model{ext(fmt, 'zstd')}"
+    path = root / step_dir(1) / name
+    raw = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(path.read_bytes())).read()
+    bad = _bad_safetensors(raw) if fmt == "safetensors" else _bad_torch(raw)
+    replace_payload(root / step_dir(1), name, zstandard.ZstdCompressor().compress(bad))
+    assert verify(root, deep=False).ok
+    report = verify(root)
+    assert len(report.problems) == 1, report.problems
+    why = "not a valid safetensors file" if fmt == "safetensors" else "is compressed (deflate"
+    assert report.problems[0].startswith(f"{root}/{step_dir(1)}/{name}: ")
+    assert why in report.problems[0]

@@ -623,7 +623,7 @@ def _(root: Path, outside: Path) -> None:
 @case(
     "zstd-truncated",
     "model.safetensors.zst ends mid-frame (forged to match)",
-    (0, "OK"),
+    (1, "zstd stream is truncated"),
     FALLBACK,
     _err("IntegrityError", "zstd stream is truncated"),
 )

@@ -17,7 +17,7 @@ from ..manifest import FileEntry
 from . import safetensors as st
 from . import torchzip, zstd
 
-__all__ = ["group_of", "payload_name", "read_group", "write_group"]
+__all__ = ["group_of", "max_payload_bytes", "payload_name", "read_group", "write_group"]
 
 EXT = {"safetensors": ".safetensors", "torch": ".pt"}
 
@@ -70,10 +70,58 @@ def write_group(
             torchzip.write_torch(sink, {k: _covering(v) for k, v in tensors.items()})
 
 
-def decode_payload(data: bytearray, entry: FileEntry, where: str) -> dict[str, torch.Tensor]:
-    """Decode the (already checksummed) bytes of a payload file into tensors."""
-    if entry.compression == "zstd":
-        data = zstd.decompress(data, where)
+#: What a payload file may hold beyond its tensors' data, per file and per tensor: far more
+#: than a safetensors header entry (name, dtype, shape, offsets) or a ``torch.save`` zip
+#: member (64-byte alignment, local and central headers, its share of data.pkl) takes.
+_FILE_ALLOWANCE = 1 << 20
+_TENSOR_ALLOWANCE = 4096
+
+
+def max_payload_bytes(tensors: Mapping[str, tuple[int, int]]) -> int:
+    """The most bytes a payload file of ``tensors`` can hold, decompressed.
+
+    Args:
+        tensors: ``{key: (data bytes, ndim)}``, as :func:`tree.stored_tensors` gives them.
+
+    Returns:
+        Their data, plus a generous allowance for the container of either format.
+    """
+    return _FILE_ALLOWANCE + sum(
+        size + _TENSOR_ALLOWANCE + 4 * len(key) + 64 * ndim for key, (size, ndim) in tensors.items()
+    )
+
+
+def decompressed(data: bytearray, entry: FileEntry, where: str, limit: int | None) -> bytearray:
+    """The payload file inside ``data`` (the bytes on disk, already checksummed).
+
+    A compressed file is inflated only as far as ``limit`` (see :func:`max_payload_bytes`)
+    and, for safetensors, as its own header declares: anything beyond is corruption.
+
+    Raises:
+        IntegrityError: the stream is corrupt or truncated, or inflates past its bound.
+    """
+    if entry.compression != "zstd":
+        return data
+    declared = None
+    if entry.codec == "safetensors":
+
+        def declared(out: bytearray) -> int | None:
+            return st.declared_size(out, where)
+
+    return zstd.decompress(
+        data, where, limit=limit, why="its tensors in the state file can take", declared=declared
+    )
+
+
+def decode_payload(
+    data: bytearray, entry: FileEntry, where: str, *, limit: int | None = None
+) -> dict[str, torch.Tensor]:
+    """Decode the (already checksummed) bytes of a payload file into tensors.
+
+    ``limit`` bounds a compressed file (see :func:`decompressed`); pass it for every file
+    that comes from a store.
+    """
+    data = decompressed(data, entry, where, limit)
     if entry.codec == "safetensors":
         return st.read_tensors(data, where)
     if entry.codec == "torch":
@@ -87,13 +135,16 @@ def read_group(
     name: str,
     entry: FileEntry,
     into: Mapping[str, torch.Tensor] | None = None,
+    *,
+    limit: int | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read, checksum and decode one payload file.
 
     An uncompressed safetensors file is decoded while it streams in, each tensor's bytes
     going straight into the matching tensor of ``into`` (same dtype, shape, contiguous,
     CPU) or a fresh one; the checksum is checked when the last byte is in. Other payloads
-    are read whole, checked, then decoded.
+    are read whole, checked, then decoded; a compressed one inflates at most to ``limit``
+    bytes (see :func:`max_payload_bytes`).
     """
     where = storage.describe(step, name)
     if entry.codec == "safetensors" and entry.compression is None:
@@ -101,4 +152,4 @@ def read_group(
         storage.stream_file(step, name, entry, dec)
         return dec.result()
     data = storage.read_file(step, name, entry)
-    return decode_payload(data, entry, where)
+    return decode_payload(data, entry, where, limit=limit)

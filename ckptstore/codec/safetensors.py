@@ -27,6 +27,7 @@ __all__ = [
     "DTYPE_TO_ST",
     "ST_TO_DTYPE",
     "Header",
+    "declared_size",
     "parse_header",
     "read_tensors",
     "tensor_bytes",
@@ -190,14 +191,7 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int, where: st
     if len(head) < 8 + n:
         msg = "parse_header needs the whole header"
         raise ValueError(msg)
-    try:
-        doc = json.loads(bytes(head[8 : 8 + n]).decode("utf-8"), object_pairs_hook=_no_dups)
-    except RecursionError:
-        raise _reject(where, "header nested too deeply") from None
-    except (UnicodeDecodeError, ValueError) as e:
-        raise _reject(where, f"header is not JSON ({e})") from None
-    if not isinstance(doc, dict):
-        raise _reject(where, "header is not a JSON object")
+    doc = _header_json(head, n, where)
     meta = doc.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _reject(where, "__metadata__ must map strings to strings")
@@ -238,6 +232,54 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int, where: st
     if pos != data_len:
         raise _reject(where, f"{data_len - pos} bytes after the last tensor")
     return Header(8 + n, entries, meta)
+
+
+def _header_json(head: bytes | bytearray | memoryview, n: int, where: str) -> dict[str, Any]:
+    try:
+        doc = json.loads(bytes(head[8 : 8 + n]).decode("utf-8"), object_pairs_hook=_no_dups)
+    except RecursionError:
+        raise _reject(where, "header nested too deeply") from None
+    except (UnicodeDecodeError, ValueError) as e:
+        raise _reject(where, f"header is not JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise _reject(where, "header is not a JSON object")
+    return doc
+
+
+def declared_size(head: bytes | bytearray | memoryview, where: str) -> int | None:
+    """The size of the whole file, as the header at its start declares it.
+
+    For a file that arrives piece by piece (decompressed): the bytes after the header are
+    exactly the tensors' data, so the header alone says how long the file must be.
+
+    Args:
+        head: the first bytes of the file (any number of them).
+        where: names the file in error messages.
+
+    Returns:
+        The file's size, or None while ``head`` does not yet hold the whole header.
+
+    Raises:
+        IntegrityError: the header is invalid (too long, not JSON, bad entries).
+    """
+    if len(head) < 8:
+        return None
+    n = int.from_bytes(head[:8], "little")
+    if n > MAX_HEADER_BYTES:
+        raise _reject(where, f"header length {n} is over the {MAX_HEADER_BYTES}-byte limit")
+    if len(head) < 8 + n:
+        return None
+    doc = _header_json(head, n, where)
+    end: int = 0
+    for name, info in doc.items():
+        offs = info.get("data_offsets") if isinstance(info, dict) else None
+        if name != "__metadata__" and isinstance(offs, list) and len(offs) == 2:
+            last = offs[1]
+            if isinstance(last, int) and _nonneg(last):
+                end = max(end, last)
+    size = 8 + n + end
+    parse_header(head, size, where)  # every entry checked against that size
+    return size
 
 
 def _nonneg(v: object) -> bool:

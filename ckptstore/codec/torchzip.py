@@ -17,7 +17,7 @@ import torch
 
 from ..errors import IntegrityError, UnsafeCheckpointError
 
-__all__ = ["check_zip", "load_tensor_dict", "write_torch"]
+__all__ = ["check_stored", "check_zip", "load_tensor_dict", "write_torch"]
 
 
 def write_torch(sink: IO[bytes] | Any, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -80,6 +80,43 @@ def load_tensor_dict(data: bytes | bytearray | memoryview, where: str) -> dict[s
     return obj
 
 
+def check_stored(zf: zipfile.ZipFile, where: str) -> None:
+    """Refuse a zip with a compressed member, from its central directory alone.
+
+    ``torch.save`` stores every member uncompressed. A deflated member is not what it
+    writes, and a few kilobytes of it can inflate to gigabytes (a zip bomb) in
+    ``torch.load`` or in a CRC check; nothing of it is inflated here.
+
+    Raises:
+        IntegrityError: a member is compressed, or its sizes disagree.
+    """
+    for info in zf.infolist():
+        if info.compress_type != zipfile.ZIP_STORED:
+            method = _METHODS.get(info.compress_type, f"method {info.compress_type}")
+            raise IntegrityError(
+                f"{where}: zip member {info.filename!r} is compressed ({method}, "
+                f"{info.compress_size} bytes said to inflate to {info.file_size}); torch.save "
+                "stores every member uncompressed, so this is not a torch.save archive as "
+                "written, and it is refused without inflating anything. Load it with code you "
+                "trust and save it again with torch.save"
+            )
+        if info.compress_size != info.file_size:
+            raise IntegrityError(
+                f"{where}: zip member {info.filename!r} is stored uncompressed in "
+                f"{info.compress_size} bytes but says it holds {info.file_size}; the archive "
+                "is corrupt"
+            )
+
+
+#: Names of the zip compression methods (``zipfile`` constants).
+_METHODS = {
+    zipfile.ZIP_DEFLATED: "deflate",
+    zipfile.ZIP_BZIP2: "bzip2",
+    zipfile.ZIP_LZMA: "lzma",
+    93: "zstd",
+}
+
+
 def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, deep: bool) -> int:
     """Check a ``.pt`` zip: its central directory, and with ``deep`` every member's CRC-32.
 
@@ -87,7 +124,8 @@ def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, d
         The number of members.
 
     Raises:
-        IntegrityError: the archive is truncated (no central directory) or a member is bad.
+        IntegrityError: the archive is truncated (no central directory), a member is
+            compressed (:func:`check_stored`) or, with ``deep``, fails its CRC.
     """
     fobj = MemoryReader(data) if isinstance(data, bytes | bytearray | memoryview) else data
     try:
@@ -95,6 +133,7 @@ def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, d
             names = zf.namelist()
             if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
                 raise IntegrityError(f"{where}: zip archive has no data.pkl; not a torch.save file")
+            check_stored(zf, where)
             if deep:
                 bad = zf.testzip()
                 if bad is not None:

@@ -35,7 +35,7 @@ except ImportError:  # pragma: no cover - numpy is present wherever tests run
     _numpy = None  # type: ignore[assignment]
 np: Any = _numpy
 
-__all__ = ["SUPPORTED_DTYPES", "TreeDecoder", "TreeEncoder", "format_path"]
+__all__ = ["SUPPORTED_DTYPES", "TreeDecoder", "TreeEncoder", "format_path", "stored_tensors"]
 
 #: dtype name <-> torch dtype for every dtype the payload formats store.
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {
@@ -524,6 +524,41 @@ class TreeDecoder:
         if n.get("requires_grad") and t.is_floating_point():
             return t.detach().requires_grad_(True)
         return t
+
+
+def stored_tensors(tree: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    """The tensors a state tree keeps in payload files: ``{group: {key: (bytes, ndim)}}``.
+
+    Read from the JSON tree alone, before any payload is: it bounds how far a compressed
+    payload may inflate. Malformed nodes are skipped here; decoding them fails later with
+    the real error. ``"view"`` nodes add nothing: they reference an entry stored by a
+    ``"tensor"`` (or ``"ndarray"``) node.
+    """
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    todo: list[tuple[Any, int]] = [(tree, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > _MAX_DEPTH + 5:
+            continue
+        if isinstance(node, list):
+            todo.extend((x, depth + 1) for x in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if node.get("t") in ("tensor", "ndarray"):
+            try:
+                group, key = node["file"], node["key"]
+                shape = [int(d) for d in node["shape"]]
+                dtype = SUPPORTED_DTYPES[node["dtype"]]
+            except (KeyError, TypeError, ValueError):
+                continue
+            if isinstance(group, str) and isinstance(key, str):
+                size = (max(0, math.prod(shape)) * dtype.itemsize, len(shape))
+                entries = out.setdefault(group, {})
+                entries[key] = max(entries.get(key, (0, 0)), size)
+            continue
+        todo.extend((v, depth + 1) for v in node.values() if isinstance(v, list | dict))
+    return out
 
 
 _SAFE_KEY_RE = re.compile(r"[^A-Za-z0-9_.\-#]")

@@ -256,6 +256,13 @@ class Storage(abc.ABC):
     def _fsync_dir(self, rel: str) -> None:  # noqa: B027 - optional primitive
         """Make the entries of directory ``rel`` durable (no-op where meaningless)."""
 
+    def _is_plain_dir(self, rel: str) -> bool:
+        """Whether ``rel`` is a directory itself, not a symlink to one.
+
+        Stores without symlinks (object stores) have nothing to refuse: True.
+        """
+        return True
+
     def _put_small(self, rel: str, data: bytes) -> None:
         """Write a small file in one request, durably."""
         f = self._open_write(rel)
@@ -306,7 +313,11 @@ class Storage(abc.ABC):
             if size > MAX_MANIFEST_BYTES:
                 raise ManifestError(f"{where}: {size} bytes is larger than any real manifest")
             with self._open_read(rel) as f:
-                data = f.read(MAX_MANIFEST_BYTES + 1)
+                # Ask for the size it has, not the most it may have: a raw read allocates
+                # all it is asked for (64 MiB a manifest); one that grew is read on.
+                data = f.read(size + 1)
+                if len(data) > size:
+                    data += f.read(MAX_MANIFEST_BYTES - size)
         except OSError as e:
             raise ManifestError(f"{where}: unreadable ({e})") from None
         m = Manifest.from_bytes(data, where=where)
@@ -335,12 +346,33 @@ class Storage(abc.ABC):
         """Whether the checkpoint carries a pin marker."""
         return self._exists(f"{step_dirname(step)}/{PIN_NAME}")
 
+    def _put_marker(self, rel: str, data: bytes) -> None:
+        """Create a small file that counts by its presence alone (nothing reads its bytes).
+
+        Its directory entry is made durable by the caller (``_fsync_dir``); its bytes need
+        not be. Backends without an fsync to save write it as any small file.
+        """
+        self._put_small(rel, data)
+
     def set_pinned(self, step: int, pinned: bool) -> None:
-        """Add or remove the pin marker of a committed checkpoint."""
+        """Add or remove the pin marker of a committed checkpoint.
+
+        Raises:
+            CommitError: the step's entry is a symlink (or not a directory): ckptstore never
+                writes or removes anything through a link, which may lead out of the store.
+            OSError: the marker could not be written or removed.
+        """
         d = step_dirname(step)
+        if not self._is_plain_dir(d):
+            what = "pin" if pinned else "unpin"
+            raise CommitError(
+                f"{self.describe(step)} is a symlink or not a directory; ckptstore does not "
+                f"{what} it, as it never writes through a link (readers refuse it too). "
+                "Replace the link with the checkpoint directory itself, or remove it"
+            )
         rel = f"{d}/{PIN_NAME}"
         if pinned and not self._exists(rel):
-            self._put_small(rel, b"pinned\n")
+            self._put_marker(rel, b"pinned\n")
             self._fsync_dir(d)
         elif not pinned and self._exists(rel):
             self._remove(rel)

@@ -115,8 +115,8 @@ _SEGMENT_MIN = 256 << 10
 class DirectWriter:
     """A write-only, checksumming file object for one new file (``O_EXCL``).
 
-    Call :meth:`finish` to write the tail, truncate, fsync and close; :meth:`abort` closes
-    without fsync. ``crc`` and ``nbytes`` describe what was written.
+    Call :meth:`finish` to write the tail, fsync and close; :meth:`abort` closes without
+    fsync. ``crc`` and ``nbytes`` describe what was written.
     """
 
     def __init__(self, path: str, *, direct: bool = True, buffer_size: int = BUFFER) -> None:
@@ -250,7 +250,10 @@ class DirectWriter:
         self._pos = 0
 
     def finish(self) -> None:
-        """Write the tail, truncate to the true size, fsync and close."""
+        """Write the tail (buffered where it is not whole blocks), fsync and close.
+
+        Nothing is truncated: the file is written exactly as long as the data, never padded.
+        """
         try:
             self._wait()
             if self._pos:
@@ -306,13 +309,23 @@ def open_direct_read(
 
 
 def read_into(fd: int, dest: memoryview, offset: int) -> int:
-    """``pread`` until ``dest`` is full or EOF; returns the bytes read."""
+    """``pread`` until ``dest`` is full or the file ends; returns the bytes read.
+
+    A short read that leaves the position off a block boundary is the end of the file (a
+    regular file returns less than asked only there): the loop stops instead of asking
+    again at that unaligned offset, which with ``O_DIRECT`` fails with ``EINVAL`` on Linux
+    before 5.5 rather than returning 0, and would make every file whose size is not a whole
+    number of blocks unreadable. A short read that ends on a block boundary (Linux returns at
+    most 2 GiB - 4 KiB a call) is followed by another, aligned, read.
+    """
     got = 0
     while got < len(dest):
         n = os.preadv(fd, [dest[got:]], offset + got)
         if n <= 0:
             break
         got += n
+        if got < len(dest) and (offset + got) % ALIGN:
+            break
     return got
 
 

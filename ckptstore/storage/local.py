@@ -3,16 +3,17 @@
 from __future__ import annotations
 
 import contextlib
+import errno
+import fcntl
 import gc
 import json
 import mmap
 import os
 import shutil
 import stat
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 from typing import IO, Any, ClassVar
-
-import filelock
 
 from .._log import logger as log
 from ..errors import CommitError, ManifestError, StoreLockedError
@@ -60,8 +61,15 @@ class LocalStorage(Storage):
     def _size(self, rel: str) -> int:
         return os.lstat(self._p(rel)).st_size
 
+    def _is_plain_dir(self, rel: str) -> bool:
+        try:
+            st = os.lstat(self._p(rel))
+        except OSError:
+            return False
+        return stat.S_ISDIR(st.st_mode)
+
     def _mkdir(self, rel: str) -> None:
-        os.makedirs(self.root, exist_ok=True)
+        _makedirs_durable(self.root)
         os.mkdir(self._p(rel))
 
     def _open_write(self, rel: str) -> IO[bytes]:
@@ -78,11 +86,35 @@ class LocalStorage(Storage):
         f.close()
 
     def _put_small(self, rel: str, data: bytes) -> None:
-        # Manifests, pins: one buffered write and an fsync, cheaper than aligned I/O.
-        with open(self._p(rel), "xb") as f:
-            f.write(data)
-            f.flush()
-            os.fsync(f.fileno())
+        # Manifests: one buffered write and an fsync, cheaper than aligned I/O.
+        self._create(rel, data, fsync=True)
+
+    def _put_marker(self, rel: str, data: bytes) -> None:
+        # The pin marker: is_pinned only looks for its name, so an fsync of its bytes would
+        # buy nothing; the caller fsyncs the directory, which makes the name durable.
+        self._create(rel, data, fsync=False)
+
+    def _create(self, rel: str, data: bytes, *, fsync: bool) -> None:
+        # The directory is opened without following a symlink, as readers open it: a step
+        # directory swapped for a link must not make us create a file outside the root.
+        dfd = _open_dir(self._p, rel)
+        try:
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(rel.rpartition("/")[2], flags, 0o644, dir_fd=dfd)
+        finally:
+            os.close(dfd)
+        try:
+            view = memoryview(data)
+            done = 0
+            while done < len(view):
+                n = os.pwrite(fd, view[done:], done)
+                if n <= 0:
+                    raise OSError(errno.EIO, f"short write to {self._p(rel)}")
+                done += n
+            if fsync:
+                os.fsync(fd)
+        finally:
+            os.close(fd)
 
     def _open_read(self, rel: str) -> IO[bytes]:
         # Open every component without following symlinks: a manifest or a swapped-in link
@@ -126,7 +158,11 @@ class LocalStorage(Storage):
             os.close(fd)
 
     def _remove(self, rel: str) -> None:
-        os.unlink(self._p(rel))
+        dfd = _open_dir(self._p, rel)  # never through a symlinked directory
+        try:
+            os.unlink(rel.rpartition("/")[2], dir_fd=dfd)
+        finally:
+            os.close(dfd)
 
     def _rmtree(self, rel: str) -> None:
         p = self._p(rel)
@@ -142,11 +178,7 @@ class LocalStorage(Storage):
         os.rename(self._p(src), self._p(dst))
 
     def _fsync_dir(self, rel: str) -> None:
-        fd = os.open(self._p(rel), os.O_RDONLY | os.O_DIRECTORY)
-        try:
-            os.fsync(fd)
-        finally:
-            os.close(fd)
+        _fsync_directory(self._p(rel))
 
     # ---- listing cache -------------------------------------------------------------
     #
@@ -239,43 +271,107 @@ class LocalStorage(Storage):
 
 
 class _WriterLock(contextlib.AbstractContextManager[Any]):
-    """filelock's FileLock that fails at once with :class:`StoreLockedError`."""
+    """The store's writer lock: ``flock(2)`` on ``.ckptstore.lock``, taken without waiting.
+
+    Written here on ``fcntl`` rather than with filelock: the 3.x releases open the path with
+    ``O_TRUNC`` and follow a symlink there, so a link planted at ``.ckptstore.lock`` made
+    every writer empty the file it points to (and ``is_singleton=False``, which a lock that
+    refuses a second writer in the same process needs, only exists since 3.13, so
+    ``filelock>=3.12`` installed one that raised TypeError). This lock file is opened with
+    ``O_NOFOLLOW`` and without ``O_TRUNC`` (its content is never read or written), and must
+    be a regular file. ``flock`` locks the open file description, so a second lock object
+    is refused in this process as in any other, and the kernel drops the lock when its
+    holder dies.
+    """
 
     def __init__(self, path: str, root: str) -> None:
         self.path = path
         self.root = root
-        self._lock = filelock.FileLock(path, timeout=0, thread_local=False, is_singleton=False)
+        self._fd: int | None = None
 
     @property
     def is_locked(self) -> bool:
-        return bool(self._lock.is_locked)
+        return self._fd is not None
 
     def acquire(self, timeout: float = 0) -> None:
+        """Take the lock, waiting at most ``timeout`` seconds for another writer.
+
+        Raises:
+            StoreLockedError: another writer holds it.
+            CommitError: the lock file cannot be opened (no write access, the root is not a
+                directory, a symlink or anything but a regular file at the lock's path).
+        """
+        if self._fd is not None:
+            return
+        fd = self._open()
+        deadline = time.monotonic() + max(0.0, timeout)
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError as e:
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and time.monotonic() < deadline:
+                    time.sleep(0.05)
+                    continue
+                os.close(fd)
+                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    msg = (
+                        f"{self.root} is locked by another writer ({self.path}); two jobs must "
+                        "not write one store. Stop the other job or give this one its own "
+                        "directory"
+                    )
+                    raise StoreLockedError(msg) from None
+                msg = (
+                    f"cannot write to the store {self.root}: locking {self.path} failed "
+                    f"({e.strerror or e}); the filesystem must support flock(2)"
+                )
+                raise CommitError(msg) from e
+        self._fd = fd
+
+    def _open(self) -> int:
         try:
-            os.makedirs(self.root, exist_ok=True)
-            self._lock.acquire(timeout=timeout)
+            _makedirs_durable(self.root)
+            # O_NONBLOCK: a FIFO planted at the path must not block the open.
+            flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
+            fd = os.open(self.path, flags, 0o644)
         except (FileExistsError, NotADirectoryError):
             msg = (
                 f"{self.root} is not a directory, so it cannot be a checkpoint store; give "
                 "the path of a directory (it is created if missing)"
             )
             raise CommitError(msg) from None
-        except filelock.Timeout:
-            msg = (
-                f"{self.root} is locked by another writer ({self.path}); two jobs must not "
-                "write one store. Stop the other job or give this one its own directory"
-            )
-            raise StoreLockedError(msg) from None
         except OSError as e:
+            if e.errno in (errno.ELOOP, errno.EISDIR):
+                raise self._not_a_file() from None
             msg = (
                 f"cannot write to the store {self.root}: taking its writer lock {self.path} "
                 f"failed ({e.strerror or e}); a writer needs write access to the directory"
             )
             raise CommitError(msg) from e
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise self._not_a_file()
+        return fd
+
+    def _not_a_file(self) -> CommitError:
+        return CommitError(
+            f"cannot write to the store {self.root}: its writer lock {self.path} is a symlink "
+            "or not a regular file, and ckptstore never follows or opens anything else there "
+            "(a link could make it lock or damage another file). Remove it; the next writer "
+            "creates a plain lock file"
+        )
 
     def release(self) -> None:
-        if self._lock.is_locked:
-            self._lock.release(force=True)
+        """Give the lock back (a no-op when not held)."""
+        fd, self._fd = self._fd, None
+        if fd is None:
+            return
+        try:
+            # Unlock before closing: a child forked meanwhile shares the open file
+            # description, and a close alone would leave the lock held until it exits.
+            fcntl.flock(fd, fcntl.LOCK_UN)
+        finally:
+            os.close(fd)
 
     def __enter__(self) -> _WriterLock:
         self.acquire()
@@ -310,6 +406,55 @@ def _identity(path: str) -> list[int] | None:
     if not stat.S_ISREG(st.st_mode):
         return None
     return [st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns]
+
+
+def _open_dir(path_of: Callable[[str], str], rel: str) -> int:
+    """An fd of the directory holding ``rel``; a symlink there is refused (ELOOP), not followed.
+
+    Only the last component is checked: the root itself may be reached through a symlink.
+    """
+    head = rel.rpartition("/")[0]
+    nofollow = os.O_NOFOLLOW if head else 0
+    return os.open(path_of(head), os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC | nofollow)
+
+
+def _fsync_directory(path: str) -> None:
+    """Make the entries of a directory durable (rename(2), fsync(2))."""
+    fd = os.open(path, os.O_RDONLY | os.O_DIRECTORY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def _makedirs_durable(path: str) -> None:
+    """``os.makedirs(path, exist_ok=True)`` whose new directories survive a power cut.
+
+    A directory made by mkdir(2) is durable only once its parent is fsynced: without that,
+    a new store whose first checkpoint was committed (the root fsynced) could come back
+    from a power cut without the root, or without the parents created for it.
+
+    Raises:
+        FileExistsError: a file is where a directory should be.
+        OSError: a directory could not be made (permissions, read-only filesystem).
+    """
+    missing = []
+    p = os.path.abspath(path)
+    while not os.path.isdir(p):  # a symlink to a directory is a directory here
+        missing.append(p)
+        parent = os.path.dirname(p)
+        if parent == p:
+            break
+        p = parent
+    for d in reversed(missing):
+        try:
+            os.mkdir(d)
+        except FileExistsError:
+            if not os.path.isdir(d):
+                raise
+            # Made meanwhile by another process: fsync its parent anyway, as we return
+            # saying it exists.
+        _fsync_directory(os.path.dirname(d))
 
 
 #: Files below this size are read in one buffered call.
