@@ -29,11 +29,21 @@ from collections.abc import Callable, Iterator, Mapping, Sequence
 from typing import Any, TextIO
 
 from . import __version__
+from .chunks import INDEX_FILE, ChunkIndex
 from .codec.tree import SUPPORTED_DTYPES
+from .consolidate import (
+    DEFAULT_MAX_SHARD,
+    HFExportResult,
+    StepTensors,
+    TensorRef,
+    choose_entry,
+    export_hf,
+    parse_size,
+)
 from .errors import CkptStoreError, IntegrityError, NoCheckpointError, StoreLockedError
 from .importers import read_source
 from .integrity import VerifyReport, format_crc
-from .layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname
+from .layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname, state_file
 from .manager import CheckpointManager
 from .manifest import Manifest
 from .retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
@@ -132,7 +142,7 @@ class _NullBar:
 
 
 @contextlib.contextmanager
-def _progress(total: int, desc: str, unit: str = "it") -> Iterator[Any]:
+def _progress(total: int | None, desc: str, unit: str = "it") -> Iterator[Any]:
     """A tqdm bar on stderr when stderr is a terminal, else a no-op stand-in."""
     if not sys.stderr.isatty():
         yield _NullBar()
@@ -237,6 +247,7 @@ class StepInfo:
             "format": m.format if m else None,
             "world_size": m.world_size if m else None,
             "sharded": m.sharded if m else None,
+            "sharding": m.sharding_kind if m else None,
             "error": self.error,
         }
 
@@ -279,10 +290,12 @@ def _print_ls(res: LsResult, as_json: bool, out: TextIO) -> None:
     if not res.steps:
         print(f"{res.root}: no checkpoints", file=out)
     else:
-        rows = [["step", "created (UTC)", "size", "files", "metrics", "pinned"]]
+        rows = [
+            ["step", "created (UTC)", "size", "files", "world", "sharding", "metrics", "pinned"]
+        ]
         for s in res.steps:
             if s.manifest is None:
-                rows.append([str(s.step), "-", "-", "-", f"BROKEN: {s.error}", ""])
+                rows.append([str(s.step), "-", "-", "-", "-", "-", f"BROKEN: {s.error}", ""])
                 continue
             m = s.manifest
             rows.append(
@@ -291,11 +304,13 @@ def _print_ls(res: LsResult, as_json: bool, out: TextIO) -> None:
                     _created_text(m),
                     human_bytes(m.total_bytes),
                     str(len(m.files)),
+                    str(m.world_size),
+                    m.sharding_kind,
                     _metrics_text(m.metrics),
                     "yes" if s.pinned else "",
                 ]
             )
-        print(_table(rows, right=(0, 2, 3)), file=out)
+        print(_table(rows, right=(0, 2, 3, 4)), file=out)
         total = sum(s.manifest.total_bytes for s in res.steps if s.manifest)
         print(f"{len(res.steps)} checkpoints, {human_bytes(total)}", file=out)
     if res.garbage:
@@ -593,6 +608,33 @@ class EntryInfo:
 
 
 @dataclasses.dataclass
+class ShardedTensorInfo:
+    """One sharded (DTensor) tensor of the chunk index: its full shape and how it was laid out."""
+
+    name: str
+    dtype: str
+    shape: list[int]
+    bytes: int
+    mesh: list[int]
+    mesh_dims: list[str]
+    placements: list[str]
+    chunks: int
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return dataclasses.asdict(self)
+
+    @property
+    def mesh_text(self) -> str:
+        """``shard=2`` / ``replicate=2,shard=4``, or ``[2]`` for unnamed mesh dimensions."""
+        if not self.mesh:
+            return "-"
+        if len(self.mesh_dims) == len(self.mesh):
+            return ",".join(f"{n}={d}" for n, d in zip(self.mesh_dims, self.mesh, strict=True))
+        return str(self.mesh)
+
+
+@dataclasses.dataclass
 class InspectResult:
     """A checkpoint's manifest and the structure of its state."""
 
@@ -600,6 +642,7 @@ class InspectResult:
     manifest: Manifest
     pinned: bool
     entries: list[EntryInfo]
+    sharded_tensors: list[ShardedTensorInfo] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -612,6 +655,7 @@ class InspectResult:
             "format_version": m.format_version,
             "world_size": m.world_size,
             "sharded": m.sharded,
+            "sharding": m.sharding_kind,
             "pinned": self.pinned,
             "versions": dict(m.versions),
             "metrics": {k: _metric_json(v) for k, v in m.metrics.items()},
@@ -619,6 +663,7 @@ class InspectResult:
             "files": {n: e.to_json() for n, e in sorted(m.files.items())},
             "bytes": m.total_bytes,
             "entries": [e.to_dict() for e in self.entries],
+            "sharded_tensors": [t.to_dict() for t in self.sharded_tensors],
         }
 
 
@@ -663,7 +708,7 @@ class _TreeWalker:
                 self.walk(v, [*path, str(k)], out, depth + 1)
         elif t in ("tuple", "stateful"):
             self.walk(node.get("v"), path, out, depth + 1)
-        elif t in ("tensor", "view", "ndarray"):
+        elif t in ("tensor", "view", "ndarray", "dtensor"):
             out.append(self.tensor(node, ".".join(path) or "_"))
 
     def tensor(self, node: Mapping[str, Any], name: str) -> TensorInfo:
@@ -679,6 +724,8 @@ class _TreeWalker:
         nbytes = numel * td.itemsize if td is not None else 0
         ref = (node.get("file"), node.get("key"))
         note = ""
+        if node.get("t") == "dtensor":
+            return TensorInfo(name, dtype, list(shape), nbytes, "sharded")
         if node.get("t") == "view":
             note = f"view of {self.seen.get(ref, ref[1])}"
         elif ref in self.seen:
@@ -706,7 +753,7 @@ def _summary(node: Any) -> str:
         if t == "tuple":
             v = node.get("v")
             return f"tuple ({len(v) if isinstance(v, list) else '?'} items)"
-        if t in ("tensor", "view", "ndarray"):
+        if t in ("tensor", "view", "ndarray", "dtensor"):
             return f"{t} {node.get('dtype')}{node.get('shape')}"
         if t in ("dtype", "device"):
             return f"{t} {node.get('v')}"
@@ -719,27 +766,60 @@ def inspect_step(
 ) -> InspectResult:
     """The manifest and state structure of ``step`` (default: the newest).
 
-    Only ``manifest.json`` and ``state.json`` (its checksum checked) are read, never a payload.
+    Only ``manifest.json``, ``state.json`` and, for a DTensor checkpoint, its chunk index
+    ``dtensors.json`` are read (their checksums checked), never a payload. For a DTensor
+    checkpoint the result lists every sharded tensor: full shape, dtype, the mesh and
+    placements it was saved with, and its number of saved chunks.
 
     Raises:
         NoCheckpointError: no such step.
-        ManifestError, IntegrityError: the manifest or ``state.json`` is corrupt.
+        ManifestError, IntegrityError: the manifest, ``state.json`` or the index is corrupt.
     """
     with _open(root, storage_options) as mgr:
         manifest = mgr.manifest(step)
         s = manifest.step
         where = mgr.storage.describe(s)
         return InspectResult(
-            where, manifest, mgr.storage.is_pinned(s), _state_entries(mgr.storage, manifest)
+            where,
+            manifest,
+            mgr.storage.is_pinned(s),
+            _state_entries(mgr.storage, manifest),
+            _sharded_tensors(mgr.storage, manifest),
         )
 
 
-def _state_entries(storage: Storage, manifest: Manifest) -> list[EntryInfo]:
-    where = storage.describe(manifest.step, STATE_NAME)
-    entry = manifest.files.get(STATE_NAME)
+def _sharded_tensors(storage: Storage, manifest: Manifest) -> list[ShardedTensorInfo]:
+    """The tensors of a DTensor checkpoint's chunk index (none for other checkpoints)."""
+    if not manifest.dtensor:
+        return []
+    entry = manifest.files.get(INDEX_FILE)
     if entry is None:
-        raise IntegrityError(f"{storage.describe(manifest.step)}: manifest lists no {STATE_NAME}")
-    raw = storage.read_file(manifest.step, STATE_NAME, entry)  # checksum checked
+        raise IntegrityError(f"{storage.describe(manifest.step)}: manifest lists no {INDEX_FILE}")
+    raw = storage.read_file(manifest.step, INDEX_FILE, entry)  # checksum checked
+    index = ChunkIndex.from_bytes(raw, manifest.files, storage.describe(manifest.step, INDEX_FILE))
+    return [
+        ShardedTensorInfo(
+            name,
+            t.dtype,
+            list(t.shape),
+            t.nbytes,
+            list(t.mesh),
+            list(t.mesh_dims),
+            list(t.placements),
+            len(t.chunks),
+        )
+        for name, t in sorted(index.tensors.items())
+    ]
+
+
+def _state_entries(storage: Storage, manifest: Manifest) -> list[EntryInfo]:
+    # Per-rank state has one tree per rank: rank 0's shows the structure.
+    name = state_file(0) if manifest.sharding_kind == "sharded" else STATE_NAME
+    where = storage.describe(manifest.step, name)
+    entry = manifest.files.get(name)
+    if entry is None:
+        raise IntegrityError(f"{storage.describe(manifest.step)}: manifest lists no {name}")
+    raw = storage.read_file(manifest.step, name, entry)  # checksum checked
     try:
         tree = json.loads(bytes(raw).decode("utf-8"))
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
@@ -769,7 +849,7 @@ def _print_inspect(res: InspectResult, as_json: bool, out: TextIO) -> None:
         [
             "format",
             f"{m.format}, format version {m.format_version}, world size {m.world_size}, "
-            f"{'sharded' if m.sharded else 'replicated'}",
+            f"{m.sharding_kind}",
         ],
         ["versions", ", ".join(f"{k} {v}" for k, v in sorted(m.versions.items())) or "-"],
         ["metrics", _metrics_text(m.metrics) or "-"],
@@ -795,7 +875,8 @@ def _print_inspect(res: InspectResult, as_json: bool, out: TextIO) -> None:
             ]
         )
     print(_table(rows, right=(1,), indent="  "), file=out)
-    print("\nstate", file=out)
+    per_rank = " (rank 0's part of per-rank state)" if m.sharding_kind == "sharded" else ""
+    print(f"\nstate{per_rank}", file=out)
     for ent in res.entries:
         n = len(ent.tensors)
         extra = f"{n} tensor{'s' * (n != 1)}, {human_bytes(ent.stored_bytes)}" if n else ent.summary
@@ -806,6 +887,28 @@ def _print_inspect(res: InspectResult, as_json: bool, out: TextIO) -> None:
                 shape = "[" + ", ".join(str(d) for d in t.shape) + "]"
                 trows.append([t.name, t.dtype, shape, human_bytes(t.bytes), t.note])
             print(_table(trows, right=(3,), indent="    "), file=out)
+    if res.sharded_tensors:
+        n = len(res.sharded_tensors)
+        chunks = sum(t.chunks for t in res.sharded_tensors)
+        print(
+            f"\nsharded tensors ({n} in {INDEX_FILE}, {chunks} chunks, saved by "
+            f"{m.world_size} rank{'s' * (m.world_size != 1)})",
+            file=out,
+        )
+        srows = [["name", "dtype", "shape", "bytes", "mesh", "placements", "chunks"]]
+        for sti in res.sharded_tensors:
+            srows.append(
+                [
+                    sti.name,
+                    sti.dtype,
+                    "[" + ", ".join(str(d) for d in sti.shape) + "]",
+                    human_bytes(sti.bytes),
+                    sti.mesh_text,
+                    ",".join(sti.placements) or "-",
+                    str(sti.chunks),
+                ]
+            )
+        print(_table(srows, right=(3, 6), indent="  "), file=out)
 
 
 def cmd_inspect(args: argparse.Namespace) -> int:
@@ -1003,6 +1106,8 @@ class ExportResult:
     key: str | None
     tensors: int
     bytes: int
+    #: For a DTensor checkpoint, the world size whose shards were consolidated.
+    consolidated_from: int | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -1010,23 +1115,19 @@ class ExportResult:
 
 
 def _choose_key(entries: list[EntryInfo], key: str | None, where: str) -> EntryInfo:
-    by_key = {str(e.key): e for e in entries}
-    if key is not None:
-        if key not in by_key:
-            raise CkptStoreError(
-                f"{where} has no entry {key!r} (it holds {', '.join(by_key) or 'nothing'}); "
-                "choose one with --key"
-            )
-        return by_key[key]
-    if "model" in by_key:
-        return by_key["model"]
-    modules = [e for e in entries if e.kind == "module"]
-    if len(modules) == 1:
-        return modules[0]
-    raise CkptStoreError(
-        f"{where} has no 'model' entry and {len(modules)} module entries; say which to export "
-        f"with --key (entries: {', '.join(by_key) or 'none'})"
-    )
+    chosen = choose_entry({e.key: e.kind for e in entries}, key, where)
+    return next(e for e in entries if e.key == chosen)
+
+
+def _refuse_per_rank(manifest: Manifest, where: str) -> None:
+    """Per-rank state of several ranks has no one full form: never export one rank's part."""
+    if manifest.sharding_kind == "sharded" and manifest.world_size > 1:
+        raise CkptStoreError(
+            f"{where} holds per-rank state saved with sharded=True by {manifest.world_size} "
+            "ranks: each rank's part is opaque (e.g. an optimizer partition), so there is no "
+            "full state to export, and one rank's part is not the model. Restore it on that "
+            "many ranks instead (DTensor/FSDP2 checkpoints export in full)"
+        )
 
 
 def _flat_tensors(value: Any, key: str, where: str) -> dict[str, Any]:
@@ -1079,11 +1180,18 @@ def export_step(
 ) -> ExportResult:
     """Write checkpoint ``step`` as one ``.safetensors`` (model weights) or ``.pt`` file.
 
+    A DTensor (FSDP2/TP) checkpoint is consolidated: every DTensor is assembled into its
+    full tensor from the chunks all ranks saved (``load()`` without a process group), on
+    any world size; ``consolidated_from`` then says how many ranks saved it. Per-rank
+    ``sharded=True`` state of several ranks is refused. The state is loaded whole: for
+    large models, :func:`ckptstore.consolidate.export_hf` streams one tensor at a time.
+
     Raises:
         FileExistsError: ``out`` exists and ``force`` is false.
         NoCheckpointError: no such step.
         IntegrityError: the checkpoint is corrupt.
-        CkptStoreError: the chosen entry is not a flat dict of tensors (for safetensors).
+        CkptStoreError: the chosen entry is not a flat dict of tensors (for safetensors),
+            or the checkpoint holds per-rank state of several ranks.
     """
     if os.path.lexists(out) and not force:
         raise FileExistsError(errno.EEXIST, "already exists; pass --force to overwrite it", out)
@@ -1094,6 +1202,8 @@ def export_step(
     with _open(root, storage_options) as mgr, _progress(2, "export", unit="phase") as bar:
         manifest = mgr.manifest(step)
         where = mgr.storage.describe(step)
+        _refuse_per_rank(manifest, where)
+        consolidated = manifest.world_size if manifest.dtensor else None
         if not as_safetensors:
             bar.set_postfix_str(f"reading step {step}")
             data = mgr.load(step)
@@ -1102,7 +1212,7 @@ def export_step(
             atomic_save(data, out)
             bar.update(1)
             n = _count_tensors(data)
-            return ExportResult(out, step, "torch", None, n, os.path.getsize(out))
+            return ExportResult(out, step, "torch", None, n, os.path.getsize(out), consolidated)
         entry = _choose_key(_state_entries(mgr.storage, manifest), key, where)
         bar.set_postfix_str(f"reading step {step}")
         value = mgr.load(step)[entry.key]
@@ -1118,8 +1228,50 @@ def export_step(
         )
         bar.update(1)
         return ExportResult(
-            out, step, "safetensors", str(entry.key), len(tensors), os.path.getsize(out)
+            out,
+            step,
+            "safetensors",
+            str(entry.key),
+            len(tensors),
+            os.path.getsize(out),
+            consolidated,
         )
+
+
+def export_hf_step(
+    root: str,
+    step: int,
+    out_dir: str,
+    storage_options: Mapping[str, Any],
+    *,
+    key: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD,
+) -> HFExportResult:
+    """Write one entry of ``step`` as a Hugging Face checkpoint directory (streaming, atomic).
+
+    See :func:`ckptstore.consolidate.export_hf`: ``model.safetensors``, or shards of at most
+    ``max_shard_size`` plus ``model.safetensors.index.json``; DTensor state consolidated on
+    any world size, one tensor in memory at a time; ``out_dir`` appears whole or not at all.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not an empty directory.
+        NoCheckpointError: no such step.
+        IntegrityError: the checkpoint is corrupt.
+        CkptStoreError: no such entry, not a flat dict of tensors, or per-rank state.
+    """
+    with _open(root, storage_options) as mgr:
+        manifest = mgr.manifest(step)
+        _refuse_per_rank(manifest, mgr.storage.describe(step))
+        with _progress(None, "export", unit="B") as bar:
+            return export_hf(
+                mgr.storage,
+                step,
+                out_dir,
+                key=key,
+                max_shard_size=max_shard_size,
+                manifest=manifest,
+                progress=lambda _name, n: bar.update(n),
+            )
 
 
 def _count_tensors(obj: Any, depth: int = 0) -> int:
@@ -1136,8 +1288,38 @@ def _count_tensors(obj: Any, depth: int = 0) -> int:
     return 0
 
 
+def _consolidated_text(world: int | None) -> str:
+    if world is None:
+        return ""
+    return f"; consolidated from the DTensor shards of {world} rank{'s' * (world != 1)}"
+
+
 def cmd_export(args: argparse.Namespace) -> int:
-    """``ckptstore export ROOT --step N OUT``."""
+    """``ckptstore export ROOT --step N OUT`` or ``... --step N --hf OUT_DIR``."""
+    if args.hf:
+        if args.force:
+            raise UsageError("--hf never overwrites: OUT_DIR must not exist (or be empty)")
+        hf = export_hf_step(
+            args.root,
+            args.step,
+            args.out,
+            _storage_options(args),
+            key=args.key,
+            max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD,
+        )
+        if _json(args):
+            print(json.dumps(hf.to_dict(), indent=2))
+        else:
+            world = hf.world_size if hf.sharding == "dtensor" else None
+            n = len([f for f in hf.files if f.endswith(".safetensors")])
+            print(
+                f"exported step {hf.step} (entry {hf.key!r}, {hf.tensors} tensors, "
+                f"{human_bytes(hf.total_size)}{_consolidated_text(world)}) to {hf.out} "
+                f"(Hugging Face safetensors, {n} file{'s' * (n != 1)}: {', '.join(hf.files)})"
+            )
+        return 0
+    if args.max_shard_size is not None:
+        raise UsageError("--max-shard-size applies to --hf only")
     res = export_step(
         args.root, args.step, args.out, _storage_options(args), key=args.key, force=args.force
     )
@@ -1146,7 +1328,8 @@ def cmd_export(args: argparse.Namespace) -> int:
     else:
         what = f"entry {res.key!r}" if res.key is not None else "the whole state"
         print(
-            f"exported step {res.step} ({what}, {res.tensors} tensors) to {res.out} "
+            f"exported step {res.step} ({what}, {res.tensors} tensors"
+            f"{_consolidated_text(res.consolidated_from)}) to {res.out} "
             f"({res.format}, {human_bytes(res.bytes)})"
         )
     return 0
@@ -1182,6 +1365,7 @@ class DiffResult:
     b: int
     rows: list[DiffRow]
     same: int
+    notes: list[str] = dataclasses.field(default_factory=list)
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
@@ -1191,28 +1375,15 @@ class DiffResult:
             "b": self.b,
             "same": self.same,
             "differences": [r.to_dict() for r in self.rows],
+            "notes": list(self.notes),
         }
-
-
-def _flatten(obj: Any, prefix: str, out: dict[str, Any], depth: int = 0) -> None:
-    import torch
-
-    if depth < 100 and isinstance(obj, Mapping) and obj:
-        for k, v in obj.items():
-            _flatten(v, f"{prefix}/{k}" if prefix else str(k), out, depth + 1)
-    elif depth < 100 and isinstance(obj, list | tuple) and obj and not isinstance(obj, torch.Size):
-        if all(not isinstance(v, Mapping | list | tuple | torch.Tensor) for v in obj):
-            out[prefix] = obj  # a short list of scalars reads better whole
-        else:
-            for i, v in enumerate(obj):
-                _flatten(v, f"{prefix}/{i}", out, depth + 1)
-    else:
-        out[prefix] = obj
 
 
 def _describe(v: Any) -> str:
     import torch
 
+    if isinstance(v, TensorRef):
+        return v.describe()
     if isinstance(v, torch.Tensor):
         return f"{str(v.dtype).removeprefix('torch.')}{list(v.shape)}"
     text = repr(v)
@@ -1228,51 +1399,135 @@ def _same_value(a: Any, b: Any) -> bool:
         return repr(a) == repr(b)
 
 
-def diff_steps(root: str, a: int, b: int, storage_options: Mapping[str, Any]) -> DiffResult:
-    """Compare two checkpoints entry by entry (tensors by max absolute difference)."""
+def _leaves(src: StepTensors) -> dict[str, Any]:
+    """``{"model/inp.weight": TensorRef, "step": 3, ...}``: the state's leaves by path."""
+    out: dict[str, Any] = {}
+    for key in src.keys:
+        for path, value in src.leaves(key):
+            out["/".join(str(p) for p in path)] = value
+    return out
+
+
+def _param_groups(leaves: Mapping[str, Any], key: str) -> list[Any] | None:
+    groups: list[Any] = []
+    while isinstance(leaves.get(f"{key}/param_groups/{len(groups)}/params"), list):
+        groups.append(leaves[f"{key}/param_groups/{len(groups)}/params"])
+    return groups or None
+
+
+def _match_optimizer_names(
+    left: dict[str, Any], right: dict[str, Any], keys: set[str], steps: tuple[int, int]
+) -> list[str]:
+    """Key numbered optimizer state (``Optimizer.state_dict()``) by parameter name.
+
+    A DTensor save stores optimizer state keyed by parameter name, in its parameter groups'
+    order; a replicated save of the same optimizer numbers the parameters in that order. When
+    one side names and the other numbers, with groups of the same sizes, the numbered side
+    is renamed (in place) so the two compare entry by entry. Returns a note per entry.
+    """
+    notes = []
+    for key in sorted(keys):
+        gl, gr = _param_groups(left, key), _param_groups(right, key)
+        if gl is None or gr is None or [len(g) for g in gl] != [len(g) for g in gr]:
+            continue
+        fl = [p for g in gl for p in g]
+        fr = [p for g in gr for p in g]
+        named = None
+        if all(isinstance(p, str) for p in fl) and all(type(p) is int for p in fr):
+            named, numbered, names, ids = 0, right, fl, fr
+        elif all(isinstance(p, str) for p in fr) and all(type(p) is int for p in fl):
+            named, numbered, names, ids = 1, left, fr, fl
+        if named is None or len(set(names)) != len(names):
+            continue
+        rename = {str(i): n for i, n in zip(ids, names, strict=True)}
+        prefix = f"{key}/state/"
+        for path in [p for p in numbered if p.startswith(prefix)]:
+            pid, sep, rest = path[len(prefix) :].partition("/")
+            if pid in rename:
+                numbered[f"{prefix}{rename[pid]}{sep}{rest}"] = numbered.pop(path)
+        for g, group in enumerate(gl if named == 1 else gr):
+            numbered[f"{key}/param_groups/{g}/params"] = [rename[str(i)] for i in group]
+        notes.append(
+            f"{key}: step {steps[1 - named]} numbers the optimizer's parameters, step "
+            f"{steps[named]} names them (a DTensor save); matched by position in the "
+            "parameter groups"
+        )
+    return notes
+
+
+def _diff_tensors(path: str, x: Any, y: Any) -> DiffRow | None:
+    """``None`` when equal (NaNs in the same places count as equal), else the row."""
     import torch
 
-    with _open(root, storage_options) as mgr:
-        left: dict[str, Any] = {}
-        right: dict[str, Any] = {}
-        _flatten(mgr.load(a), "", left)
-        _flatten(mgr.load(b), "", right)
-    rows: list[DiffRow] = []
-    same = 0
-    for path in sorted(set(left) | set(right)):
-        if path not in right:
-            rows.append(DiffRow(path, "removed", a=_describe(left[path])))
-            continue
-        if path not in left:
-            rows.append(DiffRow(path, "added", b=_describe(right[path])))
-            continue
-        x, y = left[path], right[path]
-        if isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor):
-            if x.dtype != y.dtype or x.shape != y.shape:
-                rows.append(DiffRow(path, "changed", a=_describe(x), b=_describe(y)))
-            elif torch.equal(x, y) or (
-                x.is_floating_point()
-                and torch.equal(x.isnan(), y.isnan())
-                and torch.equal(x.nan_to_num(), y.nan_to_num())
-            ):
+    if not (isinstance(x, torch.Tensor) and isinstance(y, torch.Tensor)):
+        if _same_value(x, y):
+            return None
+        return DiffRow(path, "changed", a=_describe(x), b=_describe(y))
+    if x.dtype != y.dtype or x.shape != y.shape:
+        return DiffRow(path, "changed", a=_describe(x), b=_describe(y))
+    if torch.equal(x, y) or (
+        x.is_floating_point()
+        and torch.equal(x.isnan(), y.isnan())
+        and torch.equal(x.nan_to_num(), y.nan_to_num())
+    ):
+        return None
+    wide = torch.complex128 if x.is_complex() else torch.float64
+    delta = (x.to(wide) - y.to(wide)).abs().nan_to_num(nan=math.inf)
+    return DiffRow(
+        path,
+        "changed",
+        a=_describe(x),
+        b=_describe(y),
+        max_abs_diff=float(delta.max()) if delta.numel() else 0.0,
+    )
+
+
+def diff_steps(root: str, a: int, b: int, storage_options: Mapping[str, Any]) -> DiffResult:
+    """Compare two checkpoints entry by entry (tensors by max absolute difference).
+
+    Full tensors are compared, read one pair at a time (never a whole checkpoint in memory):
+    a DTensor checkpoint is consolidated from its chunks, so steps saved on different world
+    sizes, or a DTensor step and a replicated step of the same model, compare value by
+    value. Optimizer state keyed by parameter name (DTensor saves) is matched with numbered
+    state (replicated saves) by position in the parameter groups; ``notes`` says so.
+
+    Raises:
+        NoCheckpointError: no such step.
+        IntegrityError: a checkpoint is corrupt.
+        CkptStoreError: per-rank state of several ranks (it has no full form to compare).
+    """
+    with (
+        _open(root, storage_options) as mgr,
+        StepTensors(mgr.storage, a, manifest=mgr.manifest(a)) as sa,
+        StepTensors(mgr.storage, b, manifest=mgr.manifest(b)) as sb,
+    ):
+        left, right = _leaves(sa), _leaves(sb)
+        common = {str(k) for k in sa.keys} & {str(k) for k in sb.keys}
+        notes = _match_optimizer_names(left, right, common, (a, b))
+        rows: list[DiffRow] = []
+        same = 0
+        for path in sorted(set(left) | set(right)):
+            if path not in right:
+                rows.append(DiffRow(path, "removed", a=_describe(left[path])))
+                continue
+            if path not in left:
+                rows.append(DiffRow(path, "added", b=_describe(right[path])))
+                continue
+            x, y = left[path], right[path]
+            if isinstance(x, TensorRef) and isinstance(y, TensorRef):
+                if (x.dtype, x.shape) != (y.dtype, y.shape):
+                    rows.append(DiffRow(path, "changed", a=x.describe(), b=y.describe()))
+                    continue
+                row = _diff_tensors(path, sa.load(x), sb.load(y))  # one pair in memory
+            elif isinstance(x, TensorRef) or isinstance(y, TensorRef):
+                row = DiffRow(path, "changed", a=_describe(x), b=_describe(y))
+            else:
+                row = _diff_tensors(path, x, y)
+            if row is None:
                 same += 1
             else:
-                wide = torch.complex128 if x.is_complex() else torch.float64
-                delta = (x.to(wide) - y.to(wide)).abs().nan_to_num(nan=math.inf)
-                rows.append(
-                    DiffRow(
-                        path,
-                        "changed",
-                        a=_describe(x),
-                        b=_describe(y),
-                        max_abs_diff=float(delta.max()) if delta.numel() else 0.0,
-                    )
-                )
-        elif _same_value(x, y):
-            same += 1
-        else:
-            rows.append(DiffRow(path, "changed", a=_describe(x), b=_describe(y)))
-    return DiffResult(root, a, b, rows, same)
+                rows.append(row)
+    return DiffResult(root, a, b, rows, same, notes)
 
 
 def _print_diff(res: DiffResult, as_json: bool, out: TextIO) -> None:
@@ -1280,6 +1535,8 @@ def _print_diff(res: DiffResult, as_json: bool, out: TextIO) -> None:
         print(json.dumps(res.to_dict(), indent=2), file=out)
         return
     print(f"diff step {res.a} -> step {res.b} ({res.root})", file=out)
+    for note in res.notes:
+        print(f"  note: {note}", file=out)
     marks = {"added": "+", "removed": "-", "changed": "~"}
     table = []
     for r in res.rows:
@@ -1383,6 +1640,13 @@ def _positive_arg(text: str) -> int:
     if value < 1:
         raise argparse.ArgumentTypeError(f"must be >= 1, got {value}")
     return value
+
+
+def _size_arg(text: str) -> int:
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
 
 
 def _json(args: argparse.Namespace) -> bool:
@@ -1493,10 +1757,32 @@ def build_parser() -> argparse.ArgumentParser:
         help="drop the entries that need code to load (listed) instead of refusing the source",
     )
 
-    p = add("export", cmd_export, "write a checkpoint as one .safetensors or .pt file")
+    p = add(
+        "export",
+        cmd_export,
+        "write a checkpoint as one .safetensors or .pt file, or a Hugging Face directory (--hf); "
+        "DTensor (FSDP2/TP) checkpoints are consolidated into full tensors",
+    )
     p.add_argument("root", metavar="ROOT")
     p.add_argument("--step", type=_step_arg, required=True, help="the step to export")
-    p.add_argument("out", metavar="OUT", help="*.safetensors: model weights; else the whole state")
+    p.add_argument(
+        "out",
+        metavar="OUT",
+        help="*.safetensors: model weights; with --hf a new directory; else the whole state",
+    )
+    p.add_argument(
+        "--hf",
+        action="store_true",
+        help="write OUT as a Hugging Face checkpoint directory of the entry's weights "
+        "(model.safetensors, or shards + model.safetensors.index.json), one tensor at a time",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        type=_size_arg,
+        metavar="SIZE",
+        default=None,
+        help="with --hf: largest shard, e.g. 5GB (default), 500MB, 2GiB",
+    )
     p.add_argument("--key", default=None, help="entry to write as safetensors (default: model)")
     p.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
     return parser

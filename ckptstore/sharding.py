@@ -525,5 +525,6 @@ def read_into(
             for dim, (off, n) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):
                 dest = dest.narrow(dim, int(off), int(n))
             dest.copy_(src)
+            del src, dest  # the next chunk's buffer is allocated only after this one is freed
     log.debug("%s: read %d bytes of sharded tensors", where, nread[0])
     return nread[0]

@@ -2,25 +2,29 @@
 
 Quick: the manifest (self-checksum, names, types), presence and sizes of every file, the
 safetensors header (bounds, overlaps) and the zip central directory of ``.pt`` files (no
-member may be compressed). Deep: also the CRC32C of every file and the CRC-32 of every zip
-member, and compressed payloads are inflated (never past what their tensors in the state
-file can take, nor past what a safetensors header declares) and checked the same way.
+member may be compressed); for a DTensor checkpoint also its chunk index (``dtensors.json``,
+validated as hostile input) and that every sharded tensor of ``state.json`` is in it. Deep:
+also the CRC32C of every file and the CRC-32 of every zip member; compressed payloads are
+inflated (never past what their tensors in the state file can take, nor past what a
+safetensors header declares) and checked the same way; for DTensor shard files the CRC32C of
+every block of every chunk, computed in the same single read of the file as its CRC32C.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
 import zipfile
 from typing import Any
 
-from .chunks import INDEX_FILE
+from .chunks import INDEX_FILE, ChunkIndex
 from .codec import payload, torchzip
 from .codec import safetensors as st
 from .codec.tree import stored_tensors
 from .errors import CkptStoreError, IntegrityError, ManifestError
-from .integrity import VerifyReport, format_crc
+from .integrity import VerifyReport, crc32c_of, format_crc
 from .layout import STATE_NAME, state_file
 from .manifest import FileEntry, Manifest
 from .storage.base import Storage
@@ -95,6 +99,7 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
         report.add(str(e))
         return report
     if manifest.dtensor:
+        # One state.json (written by rank 0) and the chunk index; shards are per rank.
         wanted = [STATE_NAME, INDEX_FILE]
     elif manifest.sharded:
         wanted = [f"state.rank{r:05d}.json" for r in range(manifest.world_size)]
@@ -104,6 +109,8 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
         if name not in manifest.files:
             report.add(f"{storage.describe(step)}: manifest lists no {name}")
     limits = _Limits(storage, manifest)
+    index = _check_index(storage, manifest, report) if manifest.dtensor else None
+    blocks = _blocks_by_file(index) if deep and index is not None else {}
     for name, entry in sorted(manifest.files.items()):
         where = storage.describe(step, name)
         report.files += 1
@@ -125,7 +132,21 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
                 if limit is not None:  # else its state file is reported broken
                     _check_compressed(data, entry, where, limit)
                 continue
-            if deep:
+            if deep and name in blocks:
+                # One read of the shard file: its CRC32C and every chunk block's at once.
+                checker = _BlockChecker(blocks[name], where)
+                failed = None
+                try:
+                    storage.stream_file(step, name, entry, checker)
+                except IntegrityError as e:
+                    failed = str(e)
+                report.bytes_checked += checker.seen
+                for p in checker.finish():
+                    report.add(p)
+                if failed is not None:
+                    report.add(failed)
+                    continue
+            elif deep:
                 got, crc = storage.checksum_file(step, name)
                 report.bytes_checked += got
                 if got != entry.bytes:
@@ -148,7 +169,142 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
                     report.add(f"{where}: not valid JSON ({e})")
         except (CkptStoreError, OSError) as e:
             report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
+    # The index and state.json are read before the file loop too: say each problem once.
+    report.problems[:] = list(dict.fromkeys(report.problems))
     return report
+
+
+def _check_index(storage: Storage, manifest: Manifest, report: VerifyReport) -> ChunkIndex | None:
+    """Read and validate the chunk index, and check ``state.json``'s sharded tensors against it.
+
+    Problems go into ``report``; returns the index, or ``None`` when it cannot be used.
+    """
+    step = manifest.step
+    entry = manifest.files.get(INDEX_FILE)
+    if entry is None:
+        return None  # reported as missing
+    where = storage.describe(step, INDEX_FILE)
+    try:
+        raw = storage.read_file(step, INDEX_FILE, entry)
+        index = ChunkIndex.from_bytes(raw, manifest.files, where)
+    except (CkptStoreError, OSError) as e:
+        report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
+        return None
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+        report.add(f"{where}: not a valid chunk index ({type(e).__name__}: {e})")
+        return None
+    state = manifest.files.get(STATE_NAME)
+    if state is None:
+        return index
+    swhere = storage.describe(step, STATE_NAME)
+    try:
+        tree = json.loads(bytes(storage.read_file(step, STATE_NAME, state)).decode("utf-8"))
+    except (CkptStoreError, OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return index  # reported by the file loop with its cause
+    found: list[tuple[str, Any]] = []
+    try:
+        _dtensor_nodes(tree, found, 0)
+    except RecursionError:
+        report.add(f"{swhere}: nested too deeply; the file is hostile")
+        return index
+    for name, shape in found:
+        t = index.tensors.get(name)
+        if t is None:
+            report.add(f"{swhere}: sharded tensor {name!r} is not in {INDEX_FILE}")
+        elif list(t.shape) != shape:
+            report.add(
+                f"{swhere}: sharded tensor {name!r} is {shape}, {INDEX_FILE} says {list(t.shape)}"
+            )
+    return index
+
+
+def _dtensor_nodes(node: Any, out: list[tuple[str, Any]], depth: int) -> None:
+    """Every ``{"t": "dtensor"}`` node of a ``state.json`` tree: ``(name, shape)``."""
+    if depth > 400:
+        raise RecursionError
+    if isinstance(node, list):
+        for x in node:
+            _dtensor_nodes(x, out, depth + 1)
+    elif isinstance(node, dict):
+        if node.get("t") == "dtensor":
+            out.append((str(node.get("name")), node.get("shape")))
+            return
+        for x in node.values():
+            _dtensor_nodes(x, out, depth + 1)
+
+
+@dataclasses.dataclass
+class _Block:
+    """One CRC block of a chunk, at absolute file offsets ``[start, end)``."""
+
+    start: int
+    end: int
+    crc: int
+    k: int
+    tensor: str
+    offsets: tuple[int, ...]
+
+
+def _blocks_by_file(index: ChunkIndex) -> dict[str, list[_Block]]:
+    out: dict[str, list[_Block]] = {}
+    for name, t in index.tensors.items():
+        for c in t.chunks:
+            for k, crc in enumerate(c.crcs):
+                lo = c.start + k * index.block
+                hi = min(c.start + (k + 1) * index.block, c.start + c.nbytes)
+                out.setdefault(c.file, []).append(_Block(lo, hi, crc, k, name, c.offsets))
+    for blocks in out.values():
+        blocks.sort(key=lambda b: (b.start, b.end))
+    return out
+
+
+class _BlockChecker:
+    """A stream consumer that checks the CRC32C of every chunk block of one shard file.
+
+    Slices arrive in order; each block's CRC is continued across the slices it spans and
+    compared once its last byte has been seen. Blocks may overlap (a hostile index): each
+    is checked on its own.
+    """
+
+    def __init__(self, blocks: list[_Block], where: str) -> None:
+        self.blocks = blocks
+        self.where = where
+        self.next = 0
+        self.active: list[tuple[_Block, int]] = []
+        self.problems: list[str] = []
+        self.seen = 0
+
+    def __call__(self, offset: int, chunk: memoryview) -> None:
+        end = offset + len(chunk)
+        self.seen = end
+        while self.next < len(self.blocks) and self.blocks[self.next].start < end:
+            self.active.append((self.blocks[self.next], 0))
+            self.next += 1
+        keep = []
+        for b, crc in self.active:
+            lo, hi = max(b.start, offset), min(b.end, end)
+            if hi > lo:
+                crc = crc32c_of(chunk[lo - offset : hi - offset], crc)
+            if b.end <= end:
+                if crc != b.crc:
+                    self.problems.append(self._bad(b))
+            else:
+                keep.append((b, crc))
+        self.active = keep
+
+    def _bad(self, b: _Block) -> str:
+        return (
+            f"{self.where}: block {b.k} of the chunk of tensor {b.tensor!r} at offsets "
+            f"{list(b.offsets)} (file bytes {b.start}..{b.end}) does not match its crc32c; "
+            "the file is corrupt"
+        )
+
+    def finish(self) -> list[str]:
+        """The problems found; blocks the stream never completed count as bad."""
+        missing = [b for b, _ in self.active] + self.blocks[self.next :]
+        if self.seen:
+            return self.problems + [self._bad(b) for b in missing]
+        return self.problems
 
 
 def verify_file(path: str | os.PathLike[str], *, deep: bool = True) -> VerifyReport:

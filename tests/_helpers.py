@@ -415,3 +415,21 @@ def store_problems(
         except (AssertionError, CkptStoreError) as e:
             problems.append(f"a new manager could not save step {nxt}: {e}")
     return problems
+
+
+def make_mixed_store(workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """A store of one training state in every layout, made by real ranks (gloo on CPU).
+
+    Step 3: DTensor (FSDP2 model and optimizer, a 10 MiB sharded table) saved by 2 ranks;
+    step 4: the same DTensor state saved by 1 rank; step 5: the same values replicated
+    (plain model, numbered optimizer state) by 2 ranks; step 6: per-rank ``sharded=True``
+    state of 2 ranks. Returns the store and the digests of the full tensors.
+    """
+    from tests.multirank.launch import describe, launch
+
+    args = {"dtensor_step": 3, "replicated_step": 5, "per_rank_step": 6}
+    two = launch("export_scenarios:mixed_save", 2, workdir, timeout=240, args=args)
+    assert all(r.ok for r in two), describe(two)
+    one = launch("export_scenarios:mixed_save", 1, workdir, timeout=240, args={"dtensor_step": 4})
+    assert all(r.ok for r in one), describe(one)
+    return workdir / "store", two[0].value["digests"]

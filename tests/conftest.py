@@ -38,3 +38,25 @@ def roundtrip(tmp_path: Path, codec: dict[str, Any]) -> Callable[..., dict[Any, 
             return mgr.load()
 
     return run
+
+
+@pytest.fixture(scope="session")
+def mixed_store_master(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
+    """Made once per session (see ``_helpers.make_mixed_store``); never modify it: copy it."""
+    from _helpers import make_mixed_store
+
+    return make_mixed_store(tmp_path_factory.mktemp("mixed"))
+
+
+@pytest.fixture
+def mixed_store(
+    mixed_store_master: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> tuple[Path, dict[str, Any]]:
+    """A private copy of the mixed store: steps 3 (DTensor, 2 ranks), 4 (DTensor, 1 rank),
+    5 (replicated), 6 (per-rank state); and the digests of its full tensors."""
+    import shutil
+
+    master, digests = mixed_store_master
+    root = tmp_path / "mixed"
+    shutil.copytree(master, root)
+    return root, digests

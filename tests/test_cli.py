@@ -65,12 +65,23 @@ def test_ls_table_orders_steps_numerically(store: Path, capsys: pytest.CaptureFi
     rc, out, err = run(capsys, "ls", store)
     assert rc == 0, err
     lines = out.splitlines()
-    assert lines[0].split() == ["step", "created", "(UTC)", "size", "files", "metrics", "pinned"]
+    assert lines[0].split() == [
+        "step",
+        "created",
+        "(UTC)",
+        "size",
+        "files",
+        "world",
+        "sharding",
+        "metrics",
+        "pinned",
+    ]
     rows = [ln.split() for ln in lines[1:4]]
     assert [r[0] for r in rows] == ["9", "10", "100"]
-    # step, date, time, size value, size unit, files, metrics[, pinned]
+    # step, date, time, size value, size unit, files, world, sharding, metrics[, pinned]
     assert rows[0][5] == "3"
-    assert rows[0][6] == "val_loss=0.111111"
+    assert rows[0][6:8] == ["1", "replicated"]
+    assert rows[0][8] == "val_loss=0.111111"
     assert rows[0][-1] == "yes"
     assert rows[1][-1] == "val_loss=0.1"  # no pinned column text
     assert rows[0][4] in ("B", "kB")
@@ -87,7 +98,7 @@ def test_ls_json(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert [d["step"] for d in data] == [9, 10, 100]
     first = data[0]
     fields = ("step", "created", "bytes", "files", "metrics", "pinned", "format", "world_size")
-    for field in (*fields, "sharded"):
+    for field in (*fields, "sharded", "sharding"):
         assert field in first
     assert first["pinned"] is True
     assert data[1]["pinned"] is False
@@ -95,6 +106,7 @@ def test_ls_json(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert first["format"] == "safetensors"
     assert first["world_size"] == 1
     assert first["sharded"] is False
+    assert first["sharding"] == "replicated"
     assert first["metrics"] == {"val_loss": pytest.approx(1 / 9)}
     payloads = [
         f for f in step_dir(store, 9).iterdir() if f.name not in {"manifest.json", "pinned"}
@@ -754,3 +766,220 @@ def test_storage_options_nest_and_keep_quoted_strings() -> None:
         parse_storage_options(["a=1", "a.b=2"])
     with pytest.raises(Exception, match="expects KEY=VALUE"):
         parse_storage_options(["a..b=1"])
+
+
+# ---- DTensor checkpoints ------------------------------------------------------------------
+# The mixed store (conftest.py): step 3 DTensor by 2 ranks, 4 DTensor by 1 rank, 5 the same
+# values replicated, 6 per-rank sharded=True state of 2 ranks.
+
+
+def sha(t: torch.Tensor) -> str:
+    from tests.multirank.dtensor_scenarios import _sha
+
+    return _sha(t)
+
+
+def test_ls_shows_sharding_and_world_size(mixed_store, capsys) -> None:
+    root, _ = mixed_store
+    rc, out, err = run(capsys, "ls", root)
+    assert rc == 0, err
+    rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[1:5]}
+    assert {k: v[6:8] for k, v in rows.items()} == {
+        "3": ["2", "dtensor"],
+        "4": ["1", "dtensor"],
+        "5": ["2", "replicated"],
+        "6": ["2", "sharded"],
+    }
+    data = {d["step"]: d for d in json.loads(run(capsys, "ls", root, "--json")[1])}
+    assert (data[3]["sharding"], data[3]["world_size"], data[3]["sharded"]) == ("dtensor", 2, True)
+    assert (data[4]["sharding"], data[4]["world_size"]) == ("dtensor", 1)
+    assert (data[6]["sharding"], data[6]["world_size"]) == ("sharded", 2)
+
+
+def test_inspect_dtensor_text_and_json(mixed_store, capsys) -> None:
+    root, _ = mixed_store
+    rc, out, err = run(capsys, "inspect", root, "--step", "3")
+    assert rc == 0, err
+    assert "world size 2, dtensor" in out
+    section = out[out.index("\nsharded tensors") :].splitlines()
+    assert section[1].startswith(
+        "sharded tensors (19 in dtensors.json, 38 chunks, saved by 2 ranks)"
+    )
+    assert section[2].split() == ["name", "dtype", "shape", "bytes", "mesh", "placements", "chunks"]
+    rows = {ln.split()[0]: ln.split() for ln in section[3:]}
+    emb = rows["table/emb"]
+    assert emb[1:4] == ["float32", "[2560,", "1024]"]
+    assert emb[-3:] == ["shard=2", "S(0)", "2"]
+    assert rows["model/inp.weight"][-3:] == ["shard=2", "S(0)", "2"]
+    # the state section names the sharded tensors where they are
+    assert any(
+        ln.split()[:2] == ["inp.weight", "float32"] and "sharded" in ln for ln in out.splitlines()
+    )
+
+    info = json.loads(run(capsys, "inspect", root, "--step", "4", "--json")[1])
+    assert (info["world_size"], info["sharding"], info["format_version"]) == (1, "dtensor", 2)
+    by_name = {t["name"]: t for t in info["sharded_tensors"]}
+    assert by_name["table/emb"] == {
+        "name": "table/emb",
+        "dtype": "float32",
+        "shape": [2560, 1024],
+        "bytes": 2560 * 1024 * 4,
+        "mesh": [1],
+        "mesh_dims": ["shard"],
+        "placements": ["S(0)"],
+        "chunks": 1,
+    }
+    model = next(e for e in info["entries"] if e["key"] == "model")
+    notes = {t["name"]: t["note"] for t in model["tensors"]}
+    assert notes["inp.weight"] == "sharded"
+    assert notes["scale"] == ""
+
+    info = json.loads(run(capsys, "inspect", root, "--step", "5", "--json")[1])
+    assert (info["sharding"], info["sharded_tensors"]) == ("replicated", [])
+    rc, out, err = run(capsys, "inspect", root, "--step", "6")
+    assert rc == 0, err
+    assert "state (rank 0's part of per-rank state)" in out
+
+
+def test_verify_dtensor_steps(mixed_store, capsys) -> None:
+    root, _ = mixed_store
+    rc, out, err = run(capsys, "verify", root, "--all")
+    assert rc == 0, out + err
+    assert "4 checkpoints verified, 0 failed" in out
+    index = json.loads((step_dir(root, 3) / "dtensors.json").read_text())
+    chunk = index["tensors"]["table/emb"]["chunks"][1]
+    assert chunk["file"] == "_shards.rank00001.safetensors"
+    shard = step_dir(root, 3) / chunk["file"]
+    raw = bytearray(shard.read_bytes())
+    raw[chunk["start"] + chunk["bytes"] - 100] ^= 0x10  # in the chunk's last block
+    shard.write_bytes(bytes(raw))
+    rc, out, _ = run(capsys, "verify", root, "--step", "3")
+    assert rc == 1
+    assert "block 1 of the chunk of tensor 'table/emb' at offsets [1280, 0]" in out
+    assert "_shards.rank00001.safetensors" in out
+
+
+def test_diff_dtensor_steps_across_world_sizes(mixed_store, capsys, monkeypatch) -> None:
+    root, _ = mixed_store
+
+    def no_whole_load(*a, **k):
+        raise AssertionError("diff must not load whole checkpoints")
+
+    monkeypatch.setattr(CheckpointManager, "load", no_whole_load)
+    rc, out, err = run(capsys, "diff", root, "3", "3")
+    assert rc == 0, err
+    rc, out, err = run(capsys, "--json", "diff", root, "3", "4")  # 2 ranks vs 1 rank
+    doc = json.loads(out)
+    # Same model, optimizer and table; only the unseeded NumPy/Python generators differ.
+    changed = {d["path"] for d in doc["differences"]}
+    assert changed <= {"rng/numpy/1", "rng/python/1"}, doc["differences"]
+    assert doc["same"] >= 40
+    assert doc["notes"] == []
+
+
+def test_diff_dtensor_and_replicated_steps(mixed_store, capsys) -> None:
+    root, _ = mixed_store
+    for a, b in (("3", "5"), ("5", "3")):
+        rc, out, err = run(capsys, "diff", root, a, b)
+        assert rc == 0, out + err
+        lines = out.splitlines()
+        assert lines[1] == (
+            "  note: optimizer: step 5 numbers the optimizer's parameters, step 3 names them "
+            "(a DTensor save); matched by position in the parameter groups"
+        )
+        assert lines[-1].endswith(" same, 0 changed, 0 added, 0 removed")
+    doc = json.loads(run(capsys, "--json", "diff", root, "5", "4")[1])
+    paths = {d["path"] for d in doc["differences"]}
+    assert not {p for p in paths if p.startswith(("model/", "optimizer/", "table/"))}
+
+
+def test_export_consolidates_dtensor_steps(mixed_store, tmp_path, capsys) -> None:
+    root, digests = mixed_store
+    for step, ranks in (("3", "2 ranks"), ("4", "1 rank")):
+        out_file = tmp_path / f"model{step}.safetensors"
+        rc, out, err = run(capsys, "export", root, "--step", step, out_file)
+        assert rc == 0, err
+        assert f"(entry 'model', 7 tensors; consolidated from the DTensor shards of {ranks})" in out
+        tensors = load_file(str(out_file))
+        assert {f"model/{k}": sha(v) for k, v in tensors.items()} == {
+            k: v for k, v in digests.items() if k.startswith("model/")
+        }
+    rc, out, err = run(capsys, "export", root, "--step", "5", tmp_path / "rep.safetensors")
+    assert rc == 0, err
+    assert "consolidated" not in out
+    rep = load_file(str(tmp_path / "rep.safetensors"))
+    assert rep.keys() == tensors.keys()
+    assert all(torch.equal(rep[k], tensors[k]) for k in rep)
+
+    rc, out, err = run(capsys, "export", root, "--step", "3", tmp_path / "all.pt", "--json")
+    assert rc == 0, err
+    res = json.loads(out)
+    assert res["consolidated_from"] == 2
+    # The whole state: NumPy's RNG state needs weights_only=False (our own file).
+    data = torch.load(tmp_path / "all.pt", weights_only=False)
+    assert sha(data["table"]["emb"]) == digests["table/emb"]
+    assert set(data["optimizer"]["state"]) == {n for n in tensors if n != "scale"}
+
+
+def test_export_refuses_per_rank_state(mixed_store, tmp_path, capsys) -> None:
+    root, _ = mixed_store
+    for argv in (
+        [tmp_path / "x.pt"],
+        [tmp_path / "x.safetensors"],
+        ["--hf", tmp_path / "hf"],
+    ):
+        rc, out, err = run(capsys, "export", root, "--step", "6", *argv)
+        assert rc == 1
+        assert out == ""
+        assert "per-rank state saved with sharded=True by 2 ranks" in err
+        assert "Traceback" not in err
+    assert list(tmp_path.iterdir()) == [root]
+
+
+def test_export_hf_cli(mixed_store, tmp_path, capsys) -> None:
+    root, digests = mixed_store
+    out_dir = tmp_path / "hf"
+    rc, out, err = run(capsys, "export", root, "--step", "3", "--hf", out_dir, "--key", "table")
+    assert rc == 0, err
+    assert "consolidated from the DTensor shards of 2 ranks" in out
+    assert sorted(p.name for p in out_dir.iterdir()) == ["model.safetensors"]
+    assert sha(load_file(str(out_dir / "model.safetensors"))["emb"]) == digests["table/emb"]
+
+    rc, out, err = run(
+        capsys, "export", root, "--step", "3", "--hf", tmp_path / "hf2", "--max-shard-size", "100B"
+    )
+    assert rc == 0, err
+    index = json.loads((tmp_path / "hf2" / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == {k.removeprefix("model/") for k in digests if "model/" in k}
+    doc = json.loads(
+        run(capsys, "--json", "export", root, "--step", "4", tmp_path / "hf3", "--hf")[1]
+    )
+    assert (doc["files"], doc["sharding"], doc["world_size"]) == (
+        ["model.safetensors"],
+        "dtensor",
+        1,
+    )
+
+    # an existing, non-empty directory is never touched
+    rc, out, err = run(capsys, "export", root, "--step", "3", "--hf", out_dir)
+    assert rc == 1
+    assert f"{out_dir}: exists and is not empty" in err
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        ["--hf", "{tmp}/a", "--force"],
+        ["{tmp}/a.safetensors", "--max-shard-size", "1GB"],
+        ["--hf", "{tmp}/a", "--max-shard-size", "lots"],
+        ["--hf", "{tmp}/a", "--max-shard-size", "0"],
+    ],
+)
+def test_export_hf_usage_errors(store: Path, tmp_path: Path, argv: list[str], capsys) -> None:
+    rc, out, err = run(
+        capsys, "export", store, "--step", "10", *[a.format(tmp=tmp_path) for a in argv]
+    )
+    assert rc == 2, err
+    assert out == ""
+    assert "usage: ckptstore export" in err
+    assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import json
 import tracemalloc
@@ -14,6 +15,7 @@ import zstandard
 from _helpers import (
     MANIFEST,
     deflated,
+    flip_byte,
     forge_manifest,
     local_view,
     make_state,
@@ -227,3 +229,129 @@ def test_deep_verify_checks_what_is_inside_a_compressed_payload(tmp_path: Path, 
     why = "not a valid safetensors file" if fmt == "safetensors" else "is compressed (deflate"
     assert report.problems[0].startswith(f"{root}/{step_dir(1)}/{name}: ")
     assert why in report.problems[0]
+
+
+# ---- DTensor checkpoints: the chunk index and per-block CRCs -------------------------------
+
+
+def dtensor_verify(root: Path, step: int, deep: bool = True) -> VerifyReport:
+    with CheckpointManager(root) as mgr:
+        return mgr.verify(step, deep=deep)
+
+
+def index_of(root: Path, step: int) -> dict[str, Any]:
+    return json.loads((root / step_dir(step) / "dtensors.json").read_text())
+
+
+def test_dtensor_checkpoint_verifies(mixed_store: tuple[Path, dict[str, Any]]) -> None:
+    root, _ = mixed_store
+    for step in (3, 4):
+        files = json.loads((root / step_dir(step) / MANIFEST).read_text())["files"]
+        assert "state.json" in files
+        assert "dtensors.json" in files
+        assert not [n for n in files if n.startswith("state.rank")]
+        deep = dtensor_verify(root, step)
+        assert deep.ok, deep.problems
+        assert deep.files == len(files)
+        assert deep.bytes_checked == sum(e["bytes"] for e in files.values())
+        assert dtensor_verify(root, step, deep=False).ok
+
+
+@pytest.mark.parametrize(("step", "rank", "block"), [(3, 1, 1), (3, 0, 0), (4, 0, 2)])
+def test_flipped_chunk_byte_names_file_block_and_tensor(
+    mixed_store: tuple[Path, dict[str, Any]], step: int, rank: int, block: int
+) -> None:
+    root, _ = mixed_store
+    shard_file = f"_shards.rank{rank:05d}.safetensors"
+    chunk = next(
+        c for c in index_of(root, step)["tensors"]["table/emb"]["chunks"] if c["file"] == shard_file
+    )
+    assert len(chunk["crc32c"]) > block  # the table's chunks span several 4 MiB blocks
+    path = root / step_dir(step) / shard_file
+    at = chunk["start"] + block * (4 << 20) + 123
+    path.write_bytes(flip_byte(path.read_bytes(), at))
+
+    assert dtensor_verify(root, step, deep=False).ok  # sizes and headers still fine
+    report = dtensor_verify(root, step)
+    assert not report.ok
+    first = report.problems[0]
+    assert first.startswith(str(root / step_dir(step) / shard_file) + ": ")
+    assert f"block {block} of the chunk of tensor 'table/emb'" in first
+    assert f"at offsets {chunk['offsets']}" in first
+    assert "does not match" in first
+    # and the whole-file checksum, from the same single read of the file
+    assert len(report.problems) == 2
+    assert shard_file in report.problems[1]
+    assert "crc32c" in report.problems[1]
+
+
+def forge_index(root: Path, step: int, edit: Any) -> None:
+    """Rewrite dtensors.json with ``edit(doc)`` and forge the manifest to match it."""
+    doc = index_of(root, step)
+    edit(doc)
+    data = json.dumps(doc).encode()
+    (root / step_dir(step) / "dtensors.json").write_bytes(data)
+    mpath = root / step_dir(step) / MANIFEST
+
+    def fix(m: dict[str, Any]) -> None:
+        m["files"]["dtensors.json"].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
+
+    mpath.write_bytes(forge_manifest(mpath.read_bytes(), fix))
+
+
+def first_chunk(doc: dict[str, Any]) -> dict[str, Any]:
+    return doc["tensors"]["model/inp.weight"]["chunks"][0]  # type: ignore[no-any-return]
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda d: first_chunk(d).update(start=1 << 40), "do not fit its box"),
+        (lambda d: first_chunk(d).update(file="../../etc/passwd"), "unsafe file name"),
+        (lambda d: first_chunk(d).update(offsets=[1, 0]), "cover"),
+        (lambda d: d["tensors"].pop("model/inp.weight"), "'model/inp.weight' is not in"),
+        (lambda d: d["tensors"]["model/inp.bias"].update(shape=[8]), "cover"),
+        (lambda d: d.update(block=7), "'block'"),
+    ],
+    ids=["out-of-file", "path", "overlap", "missing-tensor", "shape", "block"],
+)
+def test_quick_verify_reports_a_hostile_index(
+    mixed_store: tuple[Path, dict[str, Any]], edit: Any, expected: str
+) -> None:
+    root, _ = mixed_store
+    forge_index(root, 3, edit)
+    for deep in (False, True):
+        report = dtensor_verify(root, 3, deep=deep)
+        assert not report.ok
+        assert any("dtensors.json" in p or "state.json" in p for p in report.problems)
+        assert any(expected in p for p in report.problems), report.problems
+
+
+def test_dtensor_manifest_must_list_the_index(mixed_store: tuple[Path, dict[str, Any]]) -> None:
+    root, _ = mixed_store
+    mpath = root / step_dir(3) / MANIFEST
+    mpath.write_bytes(forge_manifest(mpath.read_bytes(), lambda d: d["files"].pop("dtensors.json")))
+    report = dtensor_verify(root, 3, deep=False)
+    assert not report.ok
+    assert "manifest lists no dtensors.json" in report.problems[0]
+
+
+def test_block_checker_across_slices_and_overlaps() -> None:
+    from ckptstore.verify import _Block, _BlockChecker
+
+    data = bytes(range(256)) * 40  # 10240 bytes
+    spans = [(0, 4096), (4096, 8192), (8192, 10000), (100, 5000), (10000, 10000)]
+    blocks = sorted(
+        (_Block(lo, hi, crc32c_of(data[lo:hi]), k, "t", (k,)) for k, (lo, hi) in enumerate(spans)),
+        key=lambda b: (b.start, b.end),
+    )
+    blocks[1].crc ^= 1  # the (100, 5000) block: overlaps two others
+    for size in (1, 7, 1000, 4096, 20000):
+        checker = _BlockChecker([dataclasses.replace(b) for b in blocks], "f")
+        for off in range(0, len(data), size):
+            checker(off, memoryview(data[off : off + size]))
+        problems = checker.finish()
+        assert problems == [
+            "f: block 3 of the chunk of tensor 't' at offsets [3] (file bytes 100..5000) does "
+            "not match its crc32c; the file is corrupt"
+        ], size
