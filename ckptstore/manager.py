@@ -356,7 +356,7 @@ class CheckpointManager(Reader):
     ) -> dict[str, Any]:
         """Capture and encode the state in the caller's thread (the one copy if async)."""
         self._take_lock()
-        self._claim_step(step)
+        replace = self._claim_step(step)
         tree, groups = self._encode(state, rng)
         return {
             "step": step,
@@ -365,20 +365,26 @@ class CheckpointManager(Reader):
             "metrics": metrics,
             "metadata": metadata,
             "rank": rank,
+            "replace": replace,
         }
 
-    def _claim_step(self, step: int) -> None:
+    def _claim_step(self, step: int) -> bool:
         """Make sure ``step`` may be written: absent, or committed but corrupt (replaced).
 
         After ``restore`` skipped a corrupt newest checkpoint, training reaches that step
         again; refusing the save then would stop the job for good. A committed step that
-        verifies is never overwritten.
+        verifies is never overwritten. A corrupt one is replaced only when the new save
+        commits (``Storage.begin(replace=True)``): if its verification failed transiently
+        and the new save fails, it is still there.
+
+        Returns:
+            Whether the save replaces a committed (corrupt) step.
 
         Raises:
             StepExistsError: ``step`` is committed and verifies.
         """
         if step not in set(self.steps()):
-            return
+            return False
         report = verify_checkpoint(self.storage, step, deep=True)
         if report.ok:
             raise StepExistsError(
@@ -386,13 +392,13 @@ class CheckpointManager(Reader):
                 "Save under a new step, or delete this one first (ckptstore prune / gc)"
             )
         log.warning(
-            "%s is committed but does not verify (%s); replacing it with this save",
+            "%s is committed but does not verify (%s); this save replaces it when it commits",
             self.storage.describe(step),
             "; ".join(report.problems),
         )
         self._known_good.discard(step)
         self._metrics.pop(step, None)
-        self.storage.delete(step, background=False)
+        return True
 
     def _write_files(self, pending: Pending, job: Mapping[str, Any]) -> None:
         """Write every payload file and the state tree; each is durable on return.
@@ -451,7 +457,7 @@ class CheckpointManager(Reader):
         step = job["step"]
         where = self.storage.describe(step)
         try:
-            pending = self.storage.begin(step)
+            pending = self.storage.begin(step, replace=job.get("replace", False))
         except OSError as e:
             raise _commit_error(e, where, self._previous(step)) from e
         try:
@@ -555,8 +561,8 @@ class CheckpointManager(Reader):
         if self.coord.is_leader:
             try:
                 self._take_lock()
-                self._claim_step(step)
-                pending = self.storage.begin(step)
+                replace = self._claim_step(step)
+                pending = self.storage.begin(step, replace=replace)
                 opened = ("ok", pending.dirname)
             except BaseException as e:
                 err = _commit_error(e, where, self._previous(step)) if _plain_oserror(e) else e

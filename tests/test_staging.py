@@ -35,10 +35,10 @@ class Gate:
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         real = Storage.begin
 
-        def begin(storage: Storage, step: int) -> Any:
+        def begin(storage: Storage, step: int, **kwargs: Any) -> Any:
             self.entered.set()
             assert self.opened.wait(20), "the test never opened the gate"
-            return real(storage, step)
+            return real(storage, step, **kwargs)
 
         monkeypatch.setattr(Storage, "begin", begin)
 
