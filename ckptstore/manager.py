@@ -9,6 +9,7 @@ the read side (restore, resume, load) is in ``reader``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import functools
 import json
@@ -280,7 +281,7 @@ class CheckpointManager(Reader):
                 self._bg_error = e
                 raise
 
-        self._inflight = SaveHandle(step, self._writer.submit(run))
+        self._inflight = SaveHandle(step, self._writer.submit(run), on_error=self._error_seen)
         return self._inflight
 
     def _done(self, step: int, manifest: Manifest, t0: float) -> SaveHandle:
@@ -653,6 +654,11 @@ class CheckpointManager(Reader):
             return err
         return CommitError(f"the previous async save failed: {err}")
 
+    def _error_seen(self, err: BaseException) -> None:
+        """The caller got ``err`` from ``SaveHandle.wait``: it is not raised a second time."""
+        if self._bg_error is err:
+            self._bg_error = None
+
     def _raise_bg_error(self) -> None:
         err = self._take_bg_error()
         if err is not None:
@@ -662,8 +668,7 @@ class CheckpointManager(Reader):
         """Wait for the in-flight async save, if any (its error is raised by :meth:`wait`)."""
         h, self._inflight = self._inflight, None
         if h is not None:
-            with contextlib.suppress(BaseException):
-                h.wait()
+            h._settle()  # its error stays pending until raised (once) to the caller
 
     def wait(self) -> None:
         """Wait for the in-flight save and background deletions; raise a background error.
@@ -854,7 +859,9 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
 
 
 def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    d = dict(metadata or {})
+    # A deep copy: an async save writes the manifest later, and what the caller changes
+    # after save returns must not end up in it.
+    d = copy.deepcopy(dict(metadata or {}))
     try:
         json.dumps(d, allow_nan=False)
     except (TypeError, ValueError) as e:
