@@ -112,11 +112,21 @@ class Coordinator:
 
     def _await_ranks(self, store: Any) -> None:
         """Wait until every rank has constructed this coordinator (its host key is set)."""
+        # Polled with check(), not store.wait(): after a wait times out, the TCPStore client
+        # may fail the next requests, and naming the missing ranks needs them.
         keys = [self._host_key(r) for r in range(self.world_size)]
-        try:
-            store.wait(keys, datetime.timedelta(seconds=self.timeout))
-        except Exception as e:  # DistStoreError on timeout; anything else: the store is gone
-            raise self._init_timeout(store, e) from None
+        deadline = time.monotonic() + self.timeout
+        pause = 0.01
+        while True:
+            try:
+                if store.check(keys):
+                    return
+            except Exception as e:  # the store is gone: new_group would fail the same way
+                raise self._init_timeout(store, e) from None
+            if time.monotonic() >= deadline:
+                raise self._init_timeout(store, TimeoutError("waiting for the other ranks"))
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)  # a few requests a second per rank, at most
 
     def _init_timeout(self, store: Any, e: BaseException) -> BarrierTimeout:
         missing: list[int] = []
@@ -125,6 +135,18 @@ class Coordinator:
                 with contextlib.suppress(Exception):
                     if not store.check([self._host_key(r)]):
                         missing.append(r)
+            acks = f"ckptstore/{self._uid}/init/acks"
+            if self.rank == 0:
+                # The store usually lives in this process, which is about to raise and may
+                # exit: wait (bounded) until the other ranks that came have looked too.
+                others = self.world_size - 1 - len(missing)
+                deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout)
+                with contextlib.suppress(Exception):
+                    while store.add(acks, 0) < others and time.monotonic() < deadline:
+                        time.sleep(0.02)
+            else:
+                with contextlib.suppress(Exception):
+                    store.add(acks, 1)
         who = f"rank(s) {', '.join(map(str, missing))}" if missing else "some rank"
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         msg = (
