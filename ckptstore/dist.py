@@ -20,6 +20,7 @@ import datetime
 import itertools
 import json
 import os
+import pickle
 import re
 import socket
 import threading
@@ -28,13 +29,16 @@ from typing import Any
 
 import torch.distributed as dist
 
-from .errors import BarrierTimeout
+from .errors import BarrierTimeout, CkptStoreError, CommitError
 
 __all__ = ["Coordinator"]
 
 _RANKS_RE = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 #: How long a survivor waits for rank 0's verdict on who is missing.
 _VERDICT_WAIT_S = 10.0
+#: Numbers the enabled coordinators of this process, in construction order. The number names
+#: the coordination keys, so it must be the same on every rank: a coordinator that takes part
+#: in no collective (``enabled=False``, built on one rank only) never takes one.
 _instances = itertools.count()
 
 
@@ -81,20 +85,79 @@ class Coordinator:
         self.rank = dist.get_rank() if self.enabled else 0
         self.world_size = dist.get_world_size() if self.enabled else 1
         self.group: Any = None
-        self._uid = next(_instances)
+        self._uid = -1  # no coordination keys without a process group
         self._seq = 0
         self._broken: BarrierTimeout | None = None
         if self.enabled:
-            self.group = dist.new_group(
-                backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
-            )
+            self._uid = next(_instances)
             store = _default_store()
+            try:
+                store.set(self._host_key(self.rank), f"{socket.gethostname()}:{os.getpid()}")
+            except Exception:  # no default store (or a broken one): new_group alone decides
+                store = None
             if store is not None:
+                # new_group waits for every rank too, but a rank that never constructs the
+                # manager surfaces from it as a raw DistStoreError that names no one. Wait for
+                # the others' keys first, so the error names the missing ranks.
+                self._await_ranks(store)
+            try:
+                self.group = dist.new_group(
+                    backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
+                )
+            except RuntimeError as e:  # DistStoreError and gloo's errors alike
+                raise self._init_timeout(store, e) from None
+
+    def _host_key(self, rank: int) -> str:
+        return f"ckptstore/{self._uid}/host/{rank}"
+
+    def _await_ranks(self, store: Any) -> None:
+        """Wait until every rank has constructed this coordinator (its host key is set)."""
+        # Polled with check(), not store.wait(): after a wait times out, the TCPStore client
+        # may fail the next requests, and naming the missing ranks needs them.
+        keys = [self._host_key(r) for r in range(self.world_size)]
+        deadline = time.monotonic() + self.timeout
+        pause = 0.01
+        while True:
+            try:
+                if store.check(keys):
+                    return
+            except Exception as e:  # the store is gone: new_group would fail the same way
+                raise self._init_timeout(store, e) from None
+            if time.monotonic() >= deadline:
+                raise self._init_timeout(store, TimeoutError("waiting for the other ranks"))
+            time.sleep(pause)
+            pause = min(pause * 2, 0.2)  # a few requests a second per rank, at most
+
+    def _init_timeout(self, store: Any, e: BaseException) -> BarrierTimeout:
+        missing: list[int] = []
+        if store is not None:
+            for r in range(self.world_size):
                 with contextlib.suppress(Exception):
-                    store.set(
-                        f"ckptstore/{self._uid}/host/{self.rank}",
-                        f"{socket.gethostname()}:{os.getpid()}",
-                    )
+                    if not store.check([self._host_key(r)]):
+                        missing.append(r)
+            acks = f"ckptstore/{self._uid}/init/acks"
+            if self.rank == 0:
+                # The store usually lives in this process, which is about to raise and may
+                # exit: wait (bounded) until the other ranks that came have looked too.
+                others = self.world_size - 1 - len(missing)
+                deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout)
+                with contextlib.suppress(Exception):
+                    while store.add(acks, 0) < others and time.monotonic() < deadline:
+                        time.sleep(0.02)
+            else:
+                with contextlib.suppress(Exception):
+                    store.add(acks, 1)
+        who = f"rank(s) {', '.join(map(str, missing))}" if missing else "some rank"
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        msg = (
+            f"rank {self.rank}: {who} did not construct the CheckpointManager ('init') within "
+            f"{self.timeout:g}s. Constructing it is collective under torch.distributed: build "
+            "it on every rank, in the same order, or pass distributed=False where it is used "
+            f"on one rank only; check the logs of {who}. ({first})"
+        )
+        exc = BarrierTimeout(msg, missing_ranks=missing, phase="init")
+        self._broken = exc
+        return exc
 
     @property
     def is_leader(self) -> bool:
@@ -171,7 +234,7 @@ class Coordinator:
             if r == self.rank:
                 continue
             try:
-                where = store.get(f"ckptstore/{self._uid}/host/{r}").decode()
+                where = store.get(self._host_key(r)).decode()
             except Exception:
                 continue
             rhost, _, pid = where.rpartition(":")
@@ -264,6 +327,8 @@ class Coordinator:
         """Send a small picklable object from ``src`` to every rank; returns it everywhere."""
         if not self.enabled:
             return obj
+        if self.rank == src:
+            obj = _sendable(obj, phase, self.rank)
         box = [obj if self.rank == src else None]
         self._collective(
             phase, step, lambda: dist.broadcast_object_list(box, src=src, group=self.group)
@@ -276,6 +341,7 @@ class Coordinator:
         """Collect one small object per rank on ``dst`` (a list by rank); ``None`` elsewhere."""
         if not self.enabled:
             return [obj]
+        obj = _sendable(obj, phase, self.rank)
         out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
         self._collective(
             phase, step, lambda: dist.gather_object(obj, out, dst=dst, group=self.group)
@@ -286,6 +352,7 @@ class Coordinator:
         """Every rank's object, on every rank."""
         if not self.enabled:
             return [obj]
+        obj = _sendable(obj, phase, self.rank)
         out: list[Any] = [None] * self.world_size
         self._collective(phase, step, lambda: dist.all_gather_object(out, obj, group=self.group))
         return out
@@ -323,3 +390,64 @@ class Coordinator:
             with contextlib.suppress(RuntimeError, ValueError, AssertionError):
                 dist.destroy_process_group(self.group)
             self.group = None
+
+
+def _sendable(obj: Any, phase: str, rank: int) -> Any:
+    """``obj`` if it survives a pickle round trip, else a copy that does.
+
+    Every rank must leave a collective the same way: an object that fails to pickle on the
+    sender (an exception holding a lock) or to unpickle on the receivers (an exception
+    whose ``__init__`` needs more arguments than it keeps) would raise on one side only and
+    leave the others waiting for the timeout. Exceptions are replaced by a
+    :class:`CkptStoreError` (a :class:`CommitError` in a save) carrying the original type
+    name and message; containers are rebuilt around their sendable parts; any other
+    unsendable value becomes such an error too, so the failure at least reaches every rank.
+    """
+    why = _pickle_failure(obj)
+    if why is None:
+        return obj
+    if isinstance(obj, BaseException):
+        return _stand_in(obj, phase, rank, why)
+    if isinstance(obj, tuple | list) and type(obj) in (tuple, list):
+        rebuilt: Any = type(obj)(_sendable(x, phase, rank) for x in obj)
+    elif type(obj) is dict:
+        rebuilt = {k: _sendable(v, phase, rank) for k, v in obj.items()}
+    else:
+        rebuilt = None
+    if rebuilt is not None and _pickle_failure(rebuilt) is None:
+        return rebuilt
+    return _stand_in(obj, phase, rank, why)
+
+
+def _pickle_failure(obj: Any) -> str | None:
+    """Why ``obj`` cannot make a pickle round trip, or ``None`` when it can."""
+    try:
+        pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+    except Exception as e:
+        return f"{type(e).__name__}: {e}"
+    return None
+
+
+def _stand_in(obj: Any, phase: str, rank: int, why: str) -> CkptStoreError:
+    """A picklable error standing in for ``obj``, which could not be sent to the other ranks."""
+    cls = CommitError if phase.startswith("save") else CkptStoreError
+    if isinstance(obj, BaseException):
+        try:
+            text = str(obj)
+        except Exception:
+            text = object.__repr__(obj)
+        msg = (
+            f"{type(obj).__name__}: {text} [raised on rank {rank} at '{phase}'; it cannot be "
+            f"pickled ({why}), so every rank raises it as {cls.__name__}; the traceback on "
+            f"rank {rank} shows the original]"
+        )
+    else:
+        msg = (
+            f"rank {rank} could not send a {type(obj).__name__} to the other ranks at "
+            f"'{phase}' ({why}); this is a bug in ckptstore or in a state_dict(), please "
+            "report it"
+        )
+    err = cls(msg)
+    if isinstance(obj, BaseException):
+        err.__cause__ = obj  # the sender's traceback shows the original; never pickled
+    return err

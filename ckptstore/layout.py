@@ -16,6 +16,8 @@ __all__ = [
     "PIN_NAME",
     "STATE_NAME",
     "is_garbage_name",
+    "old_dirname",
+    "parse_old_dirname",
     "parse_step_dirname",
     "state_file",
     "step_dirname",
@@ -34,6 +36,7 @@ INDEX_NAME = ".ckptstore.index"
 _STEP_RE = re.compile(r"step-([0-9]{1,30})")
 _TMP_RE = re.compile(r"\.tmp-step-[0-9]+-[0-9a-f]{32}(?:-r[0-9]+)?")
 _TRASH_RE = re.compile(r"\.trash-step-[0-9]+-[0-9a-f]{32}")
+_OLD_RE = re.compile(r"\.old-step-([0-9]{1,30})-[0-9a-f]{32}")
 _INDEX_TMP_RE = re.compile(r"\.ckptstore\.index-[0-9a-f]{32}\.tmp")
 #: Largest step we accept: 12 digits pad every realistic run; more is allowed, to 30.
 MAX_STEP = 10**30 - 1
@@ -76,6 +79,22 @@ def tmp_dirname(step: int) -> str:
 def trash_dirname(step: int) -> str:
     """A fresh, unique name under which a checkpoint being deleted vanishes at once."""
     return f".trash-step-{_check_step(step):012d}-{uuid.uuid4().hex}"
+
+
+def old_dirname(step: int) -> str:
+    """Where a corrupt committed checkpoint waits while its replacement is renamed into place.
+
+    Only on filesystems that cannot exchange two directories atomically (see
+    ``Storage.commit``): if the process dies between the two renames, the next writer's
+    ``gc`` renames it back to ``step-N``. Neither a step nor garbage to the loader.
+    """
+    return f".old-step-{_check_step(step):012d}-{uuid.uuid4().hex}"
+
+
+def parse_old_dirname(name: str) -> int | None:
+    """The step of an :func:`old_dirname` entry, or ``None`` if ``name`` is not one."""
+    m = _OLD_RE.fullmatch(name)
+    return int(m.group(1)) if m else None
 
 
 def is_tmp_name(name: str) -> bool:

@@ -9,6 +9,7 @@ the read side (restore, resume, load) is in ``reader``.
 from __future__ import annotations
 
 import contextlib
+import copy
 import errno
 import functools
 import json
@@ -291,7 +292,7 @@ class CheckpointManager(Reader):
                 self._bg_error = e
                 raise
 
-        self._inflight = SaveHandle(step, self._writer.submit(run))
+        self._inflight = SaveHandle(step, self._writer.submit(run), on_error=self._error_seen)
         return self._inflight
 
     def _done(self, step: int, manifest: Manifest, t0: float) -> SaveHandle:
@@ -392,7 +393,7 @@ class CheckpointManager(Reader):
     ) -> dict[str, Any]:
         """Capture and encode the state in the caller's thread (the one copy if async)."""
         self._take_lock()
-        self._claim_step(step)
+        replace = self._claim_step(step)
         tree, groups = self._encode(state, rng)
         return {
             "step": step,
@@ -401,20 +402,26 @@ class CheckpointManager(Reader):
             "metrics": metrics,
             "metadata": metadata,
             "rank": rank,
+            "replace": replace,
         }
 
-    def _claim_step(self, step: int) -> None:
+    def _claim_step(self, step: int) -> bool:
         """Make sure ``step`` may be written: absent, or committed but corrupt (replaced).
 
         After ``restore`` skipped a corrupt newest checkpoint, training reaches that step
         again; refusing the save then would stop the job for good. A committed step that
-        verifies is never overwritten.
+        verifies is never overwritten. A corrupt one is replaced only when the new save
+        commits (``Storage.begin(replace=True)``): if its verification failed transiently
+        and the new save fails, it is still there.
+
+        Returns:
+            Whether the save replaces a committed (corrupt) step.
 
         Raises:
             StepExistsError: ``step`` is committed and verifies.
         """
         if step not in set(self.steps()):
-            return
+            return False
         report = verify_checkpoint(self.storage, step, deep=True)
         if report.ok:
             raise StepExistsError(
@@ -422,13 +429,13 @@ class CheckpointManager(Reader):
                 "Save under a new step, or delete this one first (ckptstore prune / gc)"
             )
         log.warning(
-            "%s is committed but does not verify (%s); replacing it with this save",
+            "%s is committed but does not verify (%s); this save replaces it when it commits",
             self.storage.describe(step),
             "; ".join(report.problems),
         )
         self._known_good.discard(step)
         self._metrics.pop(step, None)
-        self.storage.delete(step, background=False)
+        return True
 
     def _write_files(self, pending: Pending, job: Mapping[str, Any]) -> None:
         """Write every payload file and the state tree; each is durable on return.
@@ -493,7 +500,7 @@ class CheckpointManager(Reader):
         step = job["step"]
         where = self.storage.describe(step)
         try:
-            pending = self.storage.begin(step)
+            pending = self.storage.begin(step, replace=job.get("replace", False))
         except OSError as e:
             raise _commit_error(e, where, self._previous(step)) from e
         try:
@@ -636,8 +643,8 @@ class CheckpointManager(Reader):
         if self.coord.is_leader:
             try:
                 self._take_lock()
-                self._claim_step(step)
-                pending = self.storage.begin(step)
+                replace = self._claim_step(step)
+                pending = self.storage.begin(step, replace=replace)
                 opened = ("ok", pending.dirname)
             except BaseException as e:
                 err = _commit_error(e, where, self._previous(step)) if _plain_oserror(e) else e
@@ -807,7 +814,7 @@ class CheckpointManager(Reader):
                 self._bg_error = e
                 raise
 
-        self._inflight = SaveHandle(step, self._writer.submit(run))
+        self._inflight = SaveHandle(step, self._writer.submit(run), on_error=self._error_seen)
         return self._inflight
 
     def _after_commit(self, step: int) -> None:
@@ -838,6 +845,11 @@ class CheckpointManager(Reader):
             return err
         return CommitError(f"the previous async save failed: {err}")
 
+    def _error_seen(self, err: BaseException) -> None:
+        """The caller got ``err`` from ``SaveHandle.wait``: it is not raised a second time."""
+        if self._bg_error is err:
+            self._bg_error = None
+
     def _raise_bg_error(self) -> None:
         err = self._take_bg_error()
         if err is not None:
@@ -847,8 +859,7 @@ class CheckpointManager(Reader):
         """Wait for the in-flight async save, if any (its error is raised by :meth:`wait`)."""
         h, self._inflight = self._inflight, None
         if h is not None:
-            with contextlib.suppress(BaseException):
-                h.wait()
+            h._settle()  # its error stays pending until raised (once) to the caller
 
     def wait(self) -> None:
         """Wait for the in-flight save and background deletions; raise a background error.
@@ -1041,7 +1052,9 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
 
 
 def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
-    d = dict(metadata or {})
+    # A deep copy: an async save writes the manifest later, and what the caller changes
+    # after save returns must not end up in it.
+    d = copy.deepcopy(dict(metadata or {}))
     try:
         json.dumps(d, allow_nan=False)
     except (TypeError, ValueError) as e:

@@ -14,6 +14,7 @@ deadlocks (see the seeds); ckptstore never goes through the wrapper.
 from __future__ import annotations
 
 import collections
+import hashlib
 import random
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
@@ -21,6 +22,7 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
+from ._log import logger as log
 from .errors import StateMismatchError
 
 try:
@@ -29,7 +31,15 @@ except ImportError:  # pragma: no cover
     _numpy = None  # type: ignore[assignment]
 np: Any = _numpy
 
-__all__ = ["EMA", "RNGState", "Stateful", "de_parallel", "load_module_state", "module_state"]
+__all__ = [
+    "EMA",
+    "RNGState",
+    "Stateful",
+    "de_parallel",
+    "load_module_state",
+    "module_state",
+    "rng_for_rank",
+]
 
 _PREFIXES = ("module.", "_orig_mod.")
 
@@ -105,6 +115,13 @@ def _strip_leading(keys: list[str], target: set[str]) -> str:
     return stripped
 
 
+def _matching_keys(target: nn.Module, stored: Mapping[str, Any]) -> int:
+    """How many keys of ``stored`` name an entry of ``target`` (after prefix stripping)."""
+    tkeys = {normalize_key(k) for k in de_parallel(target).state_dict()}
+    prefix = _strip_leading(list(stored), tkeys)
+    return sum(normalize_key(k[len(prefix) :] if prefix else k) in tkeys for k in stored)
+
+
 def load_module_state(
     target: nn.Module, stored: Mapping[str, Any], *, strict: bool = True, where: str = "model"
 ) -> None:
@@ -172,7 +189,8 @@ class EMA:
         source: the model being averaged (plain, DDP or compiled). Needed to rebuild.
         rebuild: on restore, ignore a stored EMA and copy the restored model's weights.
 
-    On restore the stored EMA is loaded if present; if the checkpoint has none (or
+    On restore the stored EMA is loaded if present, also when it was saved as a plain module
+    (``{"ema": averaged_model}``, without ``EMA``); if the checkpoint has none (or
     ``rebuild=True``) its weights are rebuilt from the de-parallelized ``source`` after the
     model is restored. Counters (``n_averaged``, ``updates``, ``decay``) are saved too.
     """
@@ -234,6 +252,40 @@ class EMA:
             elif cur is not None and not isinstance(cur, torch.Tensor):
                 setattr(owner, name, v)
 
+    def weights_target(self, stored: Mapping[str, Any]) -> nn.Module:
+        """The module that weights saved as a plain module load into.
+
+        ``{"ema": averaged_model}`` stores the object given as ``ema`` (an ``AveragedModel``
+        with its ``n_averaged``, a timm ``ModelEmaV2``); ``{"ema": averaged_model.module}``
+        the averaged module itself. The one whose keys ``stored`` matches best is chosen.
+        """
+        inner = self.module
+        owner = self._counter_owner()
+        if (
+            isinstance(owner, nn.Module)
+            and owner is not inner
+            and _matching_keys(owner, stored) > _matching_keys(inner, stored)
+        ):
+            return owner
+        return inner
+
+    def load_weights(self, stored: Mapping[str, Any], *, strict: bool = True) -> None:
+        """Load an EMA saved as a plain module (see :meth:`weights_target`).
+
+        Raises:
+            StateMismatchError: the stored weights do not fit.
+        """
+        load_module_state(self.weights_target(stored), stored, strict=strict, where="ema")
+        self._continue_averaging()
+
+    def _continue_averaging(self) -> None:
+        # AveragedModel copies the model over its averages on the next update while
+        # n_averaged is 0: the restored averages would be thrown away.
+        n = getattr(self._counter_owner(), "n_averaged", None)
+        if isinstance(n, torch.Tensor) and int(n) == 0:
+            with torch.no_grad():
+                n.fill_(1)
+
     def rebuild_from_source(self) -> None:
         """Copy the de-parallelized source model's weights into the EMA.
 
@@ -245,19 +297,62 @@ class EMA:
             raise StateMismatchError(msg)
         src = module_state(self.source)
         load_module_state(self.module, src, strict=True, where="ema (rebuilt from source)")
-        owner = self._counter_owner()
-        n = getattr(owner, "n_averaged", None)
-        if isinstance(n, torch.Tensor) and int(n) == 0:
-            with torch.no_grad():
-                n.fill_(1)  # averaging continues from the restored model, not a fresh copy
+        self._continue_averaging()  # from the restored model, not a fresh copy
 
 
 class RNGState:
     """The random generators of this process: Python, NumPy, torch CPU and CUDA.
 
     Put it in the state (``"rng": RNGState()``) to make a resumed run draw the same numbers
-    as an uninterrupted one.
+    as an uninterrupted one. Under torch.distributed every rank's generators are saved and
+    each rank restores its own.
+
+    Args:
+        derive_missing: what a rank restores when the checkpoint holds no stream of its own
+            (restoring on more ranks than saved, or a single-process checkpoint on several
+            ranks). ``False`` (default): rank 0's stream, so those ranks draw the same numbers
+            as rank 0 (a warning says so). ``True``: a distinct stream derived from the saved
+            stream of rank ``rank % saved_ranks`` and the rank (see :meth:`derive`): the same
+            on every run, different on every rank.
     """
+
+    def __init__(self, *, derive_missing: bool = False) -> None:
+        self.derive_missing = bool(derive_missing)
+
+    @staticmethod
+    def derive(state: Mapping[str, Any], rank: int) -> dict[str, Any]:
+        """A new generator state for ``rank``, seeded from a hash of ``(state, rank)``.
+
+        Deterministic (SHA-256 of the saved generator states and the rank, never Python's
+        salted ``hash``), so a rerun derives the same streams, and distinct for each rank.
+        Every generator present in ``state`` gets its own seed: Python, NumPy, torch CPU and
+        each CUDA device.
+
+        Args:
+            state: a saved stream, as :meth:`state_dict` returns it.
+            rank: the rank the stream is for.
+
+        Returns:
+            A state for :meth:`load_state_dict`.
+        """
+        h = hashlib.sha256(b"ckptstore.RNGState.derive/1\0%d\0" % rank)
+        _hash_into(h, state)
+        digest = h.digest()
+
+        def seed(label: str) -> int:
+            return int.from_bytes(hashlib.sha256(digest + label.encode()).digest()[:8], "little")
+
+        out: dict[str, Any] = {}
+        if "python" in state:
+            out["python"] = random.Random(seed("python")).getstate()
+        if "torch" in state:
+            out["torch"] = torch.Generator().manual_seed(seed("torch")).get_state()
+        if "numpy" in state and np is not None:
+            out["numpy"] = np.random.RandomState(seed("numpy") % 2**32).get_state()
+        cuda = state.get("cuda")
+        if cuda is not None:
+            out["cuda_seeds"] = [seed(f"cuda{i}") for i in range(len(cuda))]
+        return out
 
     def state_dict(self) -> dict[str, Any]:
         """Capture the generators now."""
@@ -280,6 +375,10 @@ class RNGState:
         npst = state_dict.get("numpy")
         if npst is not None and np is not None:
             np.random.set_state(tuple(npst))
+        seeds = state_dict.get("cuda_seeds")  # from derive(): no CUDA needed to make them
+        if seeds is not None and torch.cuda.is_available():
+            for i, sd in enumerate(list(seeds)[: torch.cuda.device_count()]):
+                torch.cuda.default_generators[i].manual_seed(int(sd))
         cuda = state_dict.get("cuda")
         if cuda is not None and torch.cuda.is_available():
             cuda = list(cuda)
@@ -294,3 +393,74 @@ def _as_tuple(v: Any) -> Any:
     if isinstance(v, list | tuple):
         return tuple(_as_tuple(x) for x in v)
     return v
+
+
+def _hash_into(h: Any, value: Any) -> None:
+    """Feed a saved generator state into a hash, the same bytes in every process."""
+    if isinstance(value, torch.Tensor):
+        h.update(b"T")
+        h.update(value.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes())
+    elif np is not None and isinstance(value, np.ndarray):
+        h.update(b"A" + str(value.dtype).encode())
+        h.update(np.ascontiguousarray(value).tobytes())
+    elif isinstance(value, Mapping):
+        h.update(b"{")
+        for k in sorted(value, key=str):
+            h.update(repr(k).encode())
+            _hash_into(h, value[k])
+        h.update(b"}")
+    elif isinstance(value, list | tuple):
+        h.update(b"[")
+        for v in value:
+            _hash_into(h, v)
+        h.update(b"]")
+    else:
+        h.update(repr(value).encode())
+
+
+def rng_for_rank(
+    stored: Mapping[str, Any], rank: int, *, target: Any = None, warn: bool = True
+) -> Any:
+    """The generator state ``rank`` restores from a stored :class:`RNGState` entry.
+
+    A distributed save stores every rank's stream (``{"per_rank": [...]}``), a single
+    process one stream (rank 0's). A rank with no stream of its own gets rank 0's (logged
+    as a warning when ``warn``), or, when ``target`` is ``RNGState(derive_missing=True)``, a
+    stream derived from that of rank ``rank % saved_ranks`` (:meth:`RNGState.derive`).
+
+    Args:
+        stored: the decoded entry.
+        rank: the rank restoring it.
+        target: the object it is restored into.
+        warn: log a warning for a rank that gets another rank's stream (restore does;
+            ``load`` returns plain data and does not).
+
+    Returns:
+        The state to pass to :meth:`RNGState.load_state_dict`.
+    """
+    streams = stored.get("per_rank", [stored])
+    if not isinstance(streams, list) or not streams:
+        return stored  # malformed: RNGState.load_state_dict reports it
+    if rank < len(streams):
+        return streams[rank]
+    if isinstance(target, RNGState) and target.derive_missing:
+        src = rank % len(streams)
+        log.info(
+            "rank %d has no saved RNG stream (the checkpoint holds %d); derived one from "
+            "rank %d's stream (RNGState(derive_missing=True))",
+            rank,
+            len(streams),
+            src,
+        )
+        return RNGState.derive(streams[src], rank)
+    if warn:
+        log.warning(
+            "rank %d has no saved RNG stream (the checkpoint holds %d, saved by %d rank(s)): "
+            "it restores rank 0's, so it draws the same random numbers as rank 0 (dropout, "
+            "augmentation, sampling). Pass RNGState(derive_missing=True) to derive a distinct, "
+            "deterministic stream for each such rank instead",
+            rank,
+            len(streams),
+            len(streams),
+        )
+    return streams[0]

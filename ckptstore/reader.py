@@ -28,11 +28,12 @@ from .errors import (
     ManifestError,
     NoCheckpointError,
     StateMismatchError,
+    UnsafeCheckpointError,
 )
 from .integrity import crc32c_of
 from .layout import state_file
 from .manifest import FileEntry, Manifest
-from .modules import EMA
+from .modules import EMA, rng_for_rank
 from .state import apply_state, capture, kind_of, precheck
 from .storage import Storage
 
@@ -223,9 +224,12 @@ class Reader:
             value = dec.decode(inner, (k,))
             if kind == "optimizer" and targets is not None:
                 value = self._indexed_optimizer(targets, k, node, value, where)
-            if kind == "rng" and isinstance(value, dict) and "per_rank" in value:
-                per_rank = value["per_rank"]
-                value = per_rank[rank] if rank < len(per_rank) else per_rank[0]
+            if kind == "rng" and isinstance(value, dict):
+                # A per-rank checkpoint keeps each rank's own stream in its own state file;
+                # replicated and DTensor ones keep every rank's in rank 0's.
+                index = 0 if manifest.sharded and not manifest.dtensor else rank
+                target = targets.get(k) if targets is not None else None
+                value = rng_for_rank(value, index, target=target, warn=targets is not None)
             out[k] = value
             kinds[k] = kind
         return out, kinds
@@ -252,9 +256,16 @@ class Reader:
             if isinstance(target, torch.nn.Module | EMA):
                 shadow[k] = meta.decode(inner, (k,))
             elif kind == "optimizer" and isinstance(target, torch.optim.Optimizer):
-                # Name-keyed optimizer state (a DTensor save): its groups must fit now.
-                self._indexed_optimizer(targets, k, node, meta.decode(inner, (k,)), where)
-                shadow[k] = None
+                # Name-keyed optimizer state (a DTensor save), checked as its optimizer
+                # numbers it: groups by parameter name here, then shapes like any other.
+                shadow[k] = self._indexed_optimizer(
+                    targets, k, node, meta.decode(inner, (k,)), where
+                )
+            elif kind_of(target) == "stateful":  # an optimizer's param groups, say
+                try:
+                    shadow[k] = meta.decode(inner, (k,))
+                except UnsafeCheckpointError:
+                    shadow[k] = None  # holds a pickle: checked when loaded
             else:
                 shadow[k] = None  # present; checked when loaded
         precheck(targets, shadow, kinds, strict=strict, where=where)
@@ -389,17 +400,21 @@ class Reader:
         Raises:
             NoCheckpointError: the store is empty, or nothing verifies.
             IntegrityError: the requested ``step`` is corrupt.
-            StateMismatchError: the checkpoint does not fit the objects in ``state``.
+            StateMismatchError: the checkpoint does not fit the objects in ``state``; nothing
+                in ``state`` changed.
+            CommitError: the previous async save failed (raised on every rank).
             BarrierTimeout: a rank did not join in time.
         """
         self._check_open()
         self.wait_save()
-        self._raise_bg_error()
         self.coord.barrier("restore:enter", step)
         keys = list(state.keys())
         listing: tuple[str, Any] = ("ok", None)
         if self.coord.is_leader:
             try:
+                # A failed async save (only rank 0 writes) is raised on every rank, carried
+                # by this first exchange, as save carries it by "save:previous".
+                self._raise_bg_error()
                 listing = ("ok", self._candidates(step))
             except BaseException as e:
                 listing = ("error", e)
@@ -486,11 +501,23 @@ class Reader:
 
         Returns:
             0 on an empty store, else the restored step + 1 (the next step to run).
+
+        Raises:
+            CommitError: the previous async save failed (raised on every rank).
+            StateMismatchError, BarrierTimeout: as :meth:`restore`.
         """
         self._check_open()
-        empty = self.coord.broadcast(
-            not self.steps() if self.coord.is_leader else None, "resume:list"
-        )
+        self.wait_save()
+        listed: tuple[str, Any] = ("ok", None)
+        if self.coord.is_leader:
+            try:
+                self._raise_bg_error()  # on every rank, as in restore
+                listed = ("ok", not self.steps())
+            except BaseException as e:
+                listed = ("error", e)
+        status, empty = self.coord.broadcast(listed, "resume:list")
+        if status == "error":
+            raise empty
         if empty:
             return 0
         return self.restore(state, strict=strict, broadcast=broadcast, in_place=in_place) + 1

@@ -30,11 +30,13 @@ class StagingPool:
     def __init__(self) -> None:
         self._bufs: dict[str, torch.Tensor] = {}
         self._used: set[str] = set()
+        self._devices: set[torch.device] = set()
         self.allocated_bytes = 0
 
     def begin(self) -> None:
         """Start staging a new save."""
         self._used = set()
+        self._devices = set()
 
     def stage(self, key: str, t: torch.Tensor, file_offset: int | None = None) -> torch.Tensor:
         """A contiguous CPU copy of ``t`` in a reused buffer.
@@ -55,16 +57,22 @@ class StagingPool:
         self._used.add(key)
         start = 0 if file_offset is None else (file_offset - buf.data_ptr()) % _BLOCK
         out = buf[start : start + nbytes].view(t.dtype).view(t.shape)
+        if t.device.type == "cuda":
+            self._devices.add(t.device)
         out.copy_(t.detach(), non_blocking=t.device.type == "cuda")
         return out
 
     def end(self) -> None:
-        """Forget buffers the last save did not use (the state changed shape)."""
+        """Wait until every copy has landed; forget buffers this save did not use."""
         for k in list(self._bufs):
             if k not in self._used:
                 del self._bufs[k]
-        if torch.cuda.is_available():
-            torch.cuda.synchronize()  # non_blocking copies must land before the writer reads
+        # A non_blocking copy runs on the current stream of its source device: the writer
+        # must not checksum a buffer before it lands. torch.cuda.synchronize() alone waits
+        # for the current device only, and a model spread over GPUs has tensors elsewhere.
+        for device in sorted(self._devices, key=lambda d: d.index or 0):
+            torch.cuda.synchronize(device)
+        self._devices = set()
 
 
 #: O_DIRECT's alignment unit (directio.ALIGN).
@@ -75,11 +83,19 @@ class SaveHandle:
     """The outcome of a save: already done for a synchronous save, pending for an async one."""
 
     def __init__(
-        self, step: int, future: concurrent.futures.Future[Any] | None = None, result: Any = None
+        self,
+        step: int,
+        future: concurrent.futures.Future[Any] | None = None,
+        result: Any = None,
+        *,
+        on_error: Callable[[BaseException], None] | None = None,
     ) -> None:
         self.step = step
         self._future = future
         self._result = result
+        # Told when wait() hands the save's error to the caller: the manager then does not
+        # raise it a second time from the next save.
+        self._on_error = on_error
 
     def done(self) -> bool:
         """Whether the checkpoint is committed (or failed)."""
@@ -89,11 +105,23 @@ class SaveHandle:
         """Block until committed; returns the :class:`~ckptstore.manifest.Manifest`.
 
         Raises:
-            CommitError: the save failed.
+            CommitError: the save failed. Once raised here, the manager's next ``save``,
+                ``wait``, ``restore`` or ``close`` does not raise it again.
         """
         if self._future is None:
             return self._result
-        return self._future.result(timeout)
+        try:
+            return self._future.result(timeout)
+        except BaseException as e:
+            f = self._future
+            if self._on_error is not None and f.done() and not f.cancelled() and f.exception() is e:
+                self._on_error(e)
+            raise
+
+    def _settle(self) -> None:
+        """Wait until the save is over, raising nothing (its error stays with the manager)."""
+        if self._future is not None:
+            concurrent.futures.wait([self._future])
 
     @property
     def manifest(self) -> Any:

@@ -401,3 +401,39 @@ def test_rng_state_continues_identically(tmp_path: Path) -> None:
     assert set(raw) >= {"python", "numpy", "torch"}
     assert isinstance(raw["python"], tuple)
     assert raw["torch"].dtype == torch.uint8
+
+
+@pytest.mark.parametrize("saved", ["averaged_model", "averaged_module"])
+def test_ema_saved_as_a_plain_module_is_restored_not_rebuilt(tmp_path: Path, saved: str) -> None:
+    model = Net(1)
+    ema, ema_mod = make_ema("averaged", model)
+    for i in range(3):
+        perturb(model, 0.5 + i)
+        update("averaged", ema, model)
+    saved_ema = module_bytes(ema_mod)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        # {"ema": averaged_model}: no EMA marker, so it is stored as a plain module.
+        mgr.save(1, {"model": model, "ema": ema if saved == "averaged_model" else ema_mod})
+        model2 = DDP(Net(2))
+        ema2, ema_mod2 = make_ema("averaged", Net(3))
+        mgr.restore({"model": model2, "ema": EMA(ema2, source=model2)})
+    assert_same(module_bytes(ema_mod2), saved_ema)  # the stored averages, not the model
+    # The counter comes back with the AveragedModel; with the bare module it is at least 1,
+    # so the next update averages instead of copying the model over the restored weights.
+    assert int(ema2.n_averaged) == (3 if saved == "averaged_model" else 1)
+
+
+def test_rng_derive_is_deterministic_and_distinct_per_rank() -> None:
+    torch.manual_seed(5)
+    saved = RNGState().state_dict()
+    a, b = RNGState.derive(saved, 2), RNGState.derive(saved, 2)
+    assert_same(a, b)
+    assert set(a) == set(saved)
+    other = RNGState.derive(saved, 3)
+    assert not torch.equal(a["torch"], other["torch"])
+    assert a["python"] != other["python"]
+    assert not torch.equal(a["torch"], saved["torch"])
+    RNGState().load_state_dict(a)
+    first = torch.rand(2)
+    RNGState().load_state_dict(b)
+    assert torch.equal(torch.rand(2), first)

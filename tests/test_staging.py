@@ -35,10 +35,10 @@ class Gate:
     def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
         real = Storage.begin
 
-        def begin(storage: Storage, step: int) -> Any:
+        def begin(storage: Storage, step: int, **kwargs: Any) -> Any:
             self.entered.set()
             assert self.opened.wait(20), "the test never opened the gate"
-            return real(storage, step)
+            return real(storage, step, **kwargs)
 
         monkeypatch.setattr(Storage, "begin", begin)
 
@@ -286,3 +286,76 @@ def test_exit_right_after_async_save_still_commits(tmp_path: Path) -> None:
         assert torch.equal(mgr.load()["x"], torch.arange(10.0) * 2)
         mgr.gc()
     assert entries(root) == [step_dir(2)]
+
+
+# ---- issue 10: frozen metadata, errors raised once, every device synchronized -------------
+
+
+@pytest.mark.timeout(60)
+def test_metadata_changed_after_save_returns_is_not_in_the_manifest(
+    tmp_path: Path, gate: Gate
+) -> None:
+    meta: dict[str, Any] = {"run": {"tags": ["a"], "cfg": {"lr": 0.1}}}
+    with CheckpointManager(tmp_path / "s", async_save=True) as mgr:
+        handle = mgr.save(1, {"x": torch.ones(2)}, metadata=meta)
+        meta["run"]["tags"].append("changed later")  # the writer has not run yet
+        meta["run"]["cfg"]["lr"] = 9.0
+        gate.open()
+        assert handle.wait().metadata == {"run": {"tags": ["a"], "cfg": {"lr": 0.1}}}
+        assert mgr.manifest(1).metadata == {"run": {"tags": ["a"], "cfg": {"lr": 0.1}}}
+
+
+@pytest.mark.timeout(60)
+def test_an_error_received_from_wait_is_not_raised_again(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root, async_save=True) as mgr:
+        mgr.save(1, {"x": torch.arange(4.0)}).wait()
+        with monkeypatch.context() as m:
+            m.setattr(CRCWriter, "write", _enospc)
+            m.setattr(DirectWriter, "write", _enospc)
+            handle = mgr.save(2, {"x": torch.zeros(4)})
+            with pytest.raises(CommitError, match="disk is full"):
+                handle.wait()  # the caller has the error now ...
+        mgr.save(3, {"x": torch.ones(4)}).wait()  # ... so the next save saves
+        mgr.wait()
+        assert mgr.steps() == [1, 3]
+
+
+class _OnDevice(torch.Tensor):
+    """A CPU tensor that says it lives on a GPU: to see which devices staging waits for."""
+
+    fake: torch.device = torch.device("cuda", 1)
+
+    @property
+    def device(self) -> torch.device:  # type: ignore[override]
+        return self.fake
+
+
+def _on(t: torch.Tensor, index: int) -> torch.Tensor:
+    out = t.as_subclass(_OnDevice)
+    out.fake = torch.device("cuda", index)  # type: ignore[attr-defined]
+    return out
+
+
+def test_staging_waits_for_the_copies_of_every_source_device(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    synced: list[Any] = []
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: synced.append(device))
+    pool = StagingPool()
+    pool.begin()
+    tensors = {"a": _on(torch.ones(4), 1), "b": _on(torch.ones(2), 3), "c": torch.ones(3)}
+    tensors["d"] = _on(torch.zeros(5), 1)
+    staged = {k: pool.stage(k, t) for k, t in tensors.items()}
+    assert synced == [], "copies are waited for once, at the end"
+    pool.end()
+    # Each GPU a copy came from, not only the current one (torch.cuda.synchronize() alone).
+    assert synced == [torch.device("cuda", 1), torch.device("cuda", 3)]
+    assert all(torch.equal(staged[k], torch.Tensor(tensors[k])) for k in tensors)
+    synced.clear()
+    pool.begin()
+    pool.stage("c", torch.ones(3))
+    pool.end()
+    assert synced == []  # nothing came from a GPU: nothing to wait for

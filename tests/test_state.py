@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Any
 
@@ -120,3 +121,73 @@ def test_stateful_objects_round_trip(tmp_path: Path) -> None:
     assert torch.equal(c2.hist, c.hist)
     assert_same(opt2.state_dict(), opt.state_dict())
     assert scaler2.get_scale() == scaler.get_scale()
+
+
+# ---- a refused restore changes nothing (issue 10, item 8) ------------------------------
+
+
+def _model_and_adam(seed: int, groups: int = 1) -> tuple[nn.Module, torch.optim.Optimizer]:
+    torch.manual_seed(seed)
+    m = nn.Sequential(nn.Linear(4, 8), nn.Linear(8, 2))
+    params = list(m.parameters())
+    if groups == 1:
+        opt = torch.optim.Adam(params, lr=0.01)
+    else:  # the same parameters, in two groups (say, no weight decay on biases)
+        opt = torch.optim.Adam([{"params": params[:2]}, {"params": params[2:], "lr": 0.1}])
+    m(torch.ones(3, 4)).sum().backward()
+    opt.step()
+    return m, opt
+
+
+@pytest.mark.parametrize("in_place", [False, True])
+def test_optimizer_with_other_param_groups_is_refused_before_the_model_changes(
+    tmp_path: Path, in_place: bool
+) -> None:
+    model, opt = _model_and_adam(0)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+        model2, opt2 = _model_and_adam(1, groups=2)
+        before, opt_before = module_bytes(model2), copy.deepcopy(opt2.state_dict())
+        with pytest.raises(StateMismatchError, match=r"parameter groups do not match") as ei:
+            mgr.restore({"model": model2, "optimizer": opt2}, in_place=in_place)
+    assert "it has 2 group(s) of [2, 2] parameters" in str(ei.value)
+    assert "the checkpoint 1 group(s) of [4]" in str(ei.value)
+    assert_same(module_bytes(model2), before)  # bit-identical: nothing was loaded
+    assert_same(opt2.state_dict(), opt_before)
+
+
+def test_optimizer_buffers_of_other_shapes_are_refused(tmp_path: Path) -> None:
+    _, opt = _model_and_adam(0)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"optimizer": opt})
+        other = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))  # as many params, other shapes
+        opt2 = torch.optim.Adam(other.parameters())
+        with pytest.raises(StateMismatchError, match=r"state\[0\]\['exp_avg'\]") as ei:
+            mgr.restore({"optimizer": opt2})
+    assert "checkpoint (8, 4), parameter (6, 4)" in ei.value.mismatched[0]
+    assert opt2.state_dict()["state"] == {}
+
+
+class Refuser:
+    """A Stateful whose load_state_dict refuses for a reason no check can foresee."""
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"v": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        raise ValueError("version 1 states are no longer supported")
+
+
+def test_a_refusal_no_check_foresaw_puts_back_what_was_loaded(tmp_path: Path) -> None:
+    model, opt = _model_and_adam(0)
+    sched = torch.optim.lr_scheduler.StepLR(opt, step_size=2)
+    sched.step()
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt, "sched": sched, "z": Refuser()})
+        model2, opt2 = _model_and_adam(1)
+        sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=5)
+        before = copy.deepcopy((module_bytes(model2), opt2.state_dict(), sched2.state_dict()))
+        target = {"model": model2, "optimizer": opt2, "sched": sched2, "z": Refuser()}
+        with pytest.raises(StateMismatchError, match=r"\['z'\]: Refuser.load_state_dict"):
+            mgr.restore(target)
+    assert_same((module_bytes(model2), opt2.state_dict(), sched2.state_dict()), before)

@@ -300,6 +300,120 @@ def _raise(e: BaseException) -> None:
     raise e
 
 
+def _fails_verification_once(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
+    """The next verification of ``step`` by the manager fails, as a flaky read would."""
+    from ckptstore import manager as manager_mod
+    from ckptstore.integrity import VerifyReport
+
+    real = manager_mod.verify_checkpoint
+    flaky = [True]
+
+    def verify(storage: Storage, s: int, **kw: Any) -> VerifyReport:
+        if s == step and flaky:
+            flaky.clear()
+            return VerifyReport(target=storage.describe(s), step=s, problems=["read timed out"])
+        return real(storage, s, **kw)
+
+    monkeypatch.setattr(manager_mod, "verify_checkpoint", verify)
+
+
+def test_a_failed_save_keeps_the_step_it_was_to_replace(
+    store: StoreView, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.codec import payload
+
+    states = saved(store, [1, 2])
+    with CheckpointManager(store.url) as mgr:
+        # Step 2 fails verification transiently, and its replacement fails to write.
+        _fails_verification_once(monkeypatch, 2)
+
+        def full(*a: Any, **k: Any) -> None:
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(payload, "write_group", full)
+        with pytest.raises(CommitError, match="disk is full"):
+            mgr.save(2, make_state(20))
+        monkeypatch.undo()
+        # The good checkpoint is still there, whole.
+        assert mgr.steps() == [1, 2]
+        assert mgr.verify(2).ok
+        assert_same(dict(mgr.load(2)["model"]), model_sd(states[2]))
+
+
+def test_a_corrupt_step_is_replaced_only_when_its_replacement_commits(
+    store: StoreView, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    saved(store, [1, 2])
+    store.corrupt(2, "model.safetensors")
+    with CheckpointManager(store.url) as mgr:
+        real = Storage.commit
+        seen: list[list[int]] = []
+
+        def commit(self: Storage, pending: Any, manifest: Any) -> None:
+            seen.append(self.list_steps())  # everything is written: the old one is there
+            real(self, pending, manifest)
+
+        monkeypatch.setattr(Storage, "commit", commit)
+        state = make_state(22)
+        mgr.save(2, state)
+        assert seen == [[1, 2]]
+        assert mgr.steps() == [1, 2]
+        assert mgr.verify(2).ok
+        assert_same(dict(mgr.load(2)["model"]), model_sd(state))
+    wait_for_deletions()
+    assert root_names(store) == [step_dir(1), step_dir(2)], "the old one is gone afterwards"
+
+
+@pytest.mark.parametrize("exchange", [True, False])
+def test_a_crash_while_replacing_leaves_the_old_or_the_new_step(
+    local: StoreView, monkeypatch: pytest.MonkeyPatch, exchange: bool
+) -> None:
+    states = saved(local, [1, 2])
+    local.corrupt(2, "model.safetensors")
+    old_bytes = local.read(f"{step_dir(2)}/model.safetensors")
+    if not exchange:  # NFS, say: two renames, and the process dies between them
+        monkeypatch.setattr(
+            LocalStorage, "_exchange", lambda self, a, b: _raise(NotImplementedError())
+        )
+    real_rename = LocalStorage._rename
+
+    def rename(self: LocalStorage, src: str, dst: str) -> None:
+        if src.startswith(".tmp-step-000000000002-") and dst == step_dir(2):
+            raise Crash
+        real_rename(self, src, dst)
+
+    monkeypatch.setattr(LocalStorage, "_rename", rename)
+    monkeypatch.setattr(Storage, "abort", lambda self, pending: None)  # a crash cleans nothing
+    real_fsync = LocalStorage._fsync_dir
+
+    def fsync_dir(self: LocalStorage, rel: str) -> None:
+        if rel == "" and exchange:
+            raise Crash  # the exchange happened; the process dies before the fsync
+        real_fsync(self, rel)
+
+    monkeypatch.setattr(LocalStorage, "_fsync_dir", fsync_dir)
+    mgr = CheckpointManager(local.url)
+    with pytest.raises(Crash):
+        mgr.save(2, state := make_state(22))
+    monkeypatch.undo()
+    mgr._lock.release()  # the process is gone, and its lock with it
+    with CheckpointManager(local.url) as mgr2:
+        if exchange:  # the new one is step 2 from the exchange on
+            assert mgr2.steps() == [1, 2]
+            assert_same(dict(mgr2.load(2)["model"]), model_sd(state))
+        else:  # between the renames: the next writer's gc puts the old one back
+            assert mgr2.steps() == [1]
+            mgr2.gc()
+            assert mgr2.steps() == [1, 2]
+            assert local.read(f"{step_dir(2)}/model.safetensors") == old_bytes
+            assert not mgr2.verify(2).ok  # still the corrupt one ...
+            mgr2.save(2, state)  # ... which the next save replaces
+            assert_same(dict(mgr2.load(2)["model"]), model_sd(state))
+        mgr2.gc()
+    assert root_names(local) == [step_dir(1), step_dir(2)]
+    assert states
+
+
 def test_failed_write_is_cleaned_up(store: StoreView, monkeypatch: pytest.MonkeyPatch) -> None:
     states = saved(store, [1])
     with CheckpointManager(store.url) as mgr:

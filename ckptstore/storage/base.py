@@ -26,6 +26,8 @@ from ..layout import (
     PIN_NAME,
     is_garbage_name,
     is_tmp_name,
+    old_dirname,
+    parse_old_dirname,
     parse_step_dirname,
     step_dirname,
     tmp_dirname,
@@ -77,13 +79,16 @@ class Pending:
     """A checkpoint being written: a directory that readers never look at.
 
     On a local filesystem it is ``.tmp-step-N-<uuid>/``; on a store without rename it is
-    ``step-N/`` itself, invisible until its manifest is put.
+    ``step-N/`` itself, invisible until its manifest is put (or, when it replaces a corrupt
+    committed ``step-N``, a ``.tmp-`` prefix that is copied into place at commit).
     """
 
-    def __init__(self, storage: Storage, step: int, dirname: str) -> None:
+    def __init__(self, storage: Storage, step: int, dirname: str, *, replace: bool = False) -> None:
         self.storage = storage
         self.step = step
         self.dirname = dirname
+        #: The save replaces a committed (corrupt) ``step-N``, which stays until the commit.
+        self.replace = replace
         self.files: dict[str, FileEntry] = {}
         self._lock = threading.Lock()
 
@@ -262,6 +267,24 @@ class Storage(abc.ABC):
         Stores without symlinks (object stores) have nothing to refuse: True.
         """
         return True
+
+    def _exchange(self, a: str, b: str) -> None:
+        """Swap two directories atomically; ``NotImplementedError`` where impossible."""
+        raise NotImplementedError
+
+    def _copy(self, src: str, dst: str) -> None:
+        """Copy one file durably (object stores: server-side where they can)."""
+        with self._open_read(src) as f:
+            out = self._open_write(dst)
+            try:
+                while chunk := f.read(READ_CHUNK):
+                    out.write(chunk)
+                self._finish_write(out, dst)
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    abort = getattr(out, "abort", None)
+                    (abort or out.close)()
+                raise
 
     def _put_small(self, rel: str, data: bytes) -> None:
         """Write a small file in one request, durably."""
@@ -481,26 +504,34 @@ class Storage(abc.ABC):
 
     # ---- the commit protocol --------------------------------------------------------
 
-    def begin(self, step: int) -> Pending:
+    def begin(self, step: int, *, replace: bool = False) -> Pending:
         """Start writing checkpoint ``step``.
 
+        Args:
+            step: the step to write.
+            replace: ``step`` is committed but corrupt, and this save replaces it. The old
+                one is left as it is until the new one commits, so a save that fails keeps
+                it (its verification may have failed only transiently).
+
         Raises:
-            StepExistsError: ``step`` is already committed.
+            StepExistsError: ``step`` is already committed (and ``replace`` is not set).
         """
         final = step_dirname(step)
-        if self._exists(f"{final}/{MANIFEST_NAME}"):
+        if not replace and self._exists(f"{final}/{MANIFEST_NAME}"):
             raise StepExistsError(
                 f"{self.describe(step)} is already committed; steps are write-once. Save under "
                 "a new step, or delete this one first (ckptstore prune / gc)"
             )
-        if self.atomic_rename:
+        if self.atomic_rename or replace:
+            # Without a rename, a replacement is written beside the old checkpoint and
+            # copied into place at commit: its payload names are those of the old one.
             dirname = tmp_dirname(step)
         else:
             dirname = final
             if self._exists(final):  # manifest-less leftovers of a crashed save: garbage
                 self._rmtree(final)
         self._mkdir(dirname)
-        return Pending(self, step, dirname)
+        return Pending(self, step, dirname, replace=replace)
 
     def commit(self, pending: Pending, manifest: Manifest) -> None:
         """Make ``pending`` the committed checkpoint described by ``manifest``.
@@ -511,6 +542,9 @@ class Storage(abc.ABC):
         """
         final = step_dirname(pending.step)
         body = manifest.to_bytes()
+        if not self.atomic_rename and pending.replace:
+            self._replace_by_copy(pending, body)
+            return
         self._put_small(f"{pending.dirname}/{MANIFEST_NAME}", body)
         if not self.atomic_rename:
             return  # the manifest put was the commit
@@ -519,7 +553,12 @@ class Storage(abc.ABC):
         self._fsync_dir(pending.dirname)
         if self._exists(final):
             if self._exists(f"{final}/{MANIFEST_NAME}"):
-                raise StepExistsError(f"{self.describe(pending.step)} was committed concurrently")
+                if not pending.replace:
+                    raise StepExistsError(
+                        f"{self.describe(pending.step)} was committed concurrently"
+                    )
+                self._swap_in(pending, final)
+                return
             self._discard(final)  # a manifest-less step directory is garbage
         self._rename(pending.dirname, final)
         # fsync the root: the rename itself is only durable once the parent directory is.
@@ -531,6 +570,67 @@ class Storage(abc.ABC):
             with contextlib.suppress(OSError):
                 self._rename(final, pending.dirname)
             raise
+
+    def _swap_in(self, pending: Pending, final: str) -> None:
+        """Put the written ``pending`` in place of the committed (corrupt) ``final``.
+
+        With an atomic exchange of the two directories (Linux ``renameat2``
+        ``RENAME_EXCHANGE``), a crash at any point leaves the old or the new checkpoint as
+        ``step-N``. Without one (NFS, say) the old one is first renamed to
+        ``.old-step-N-<uuid>``, then the new one into place: a crash between the two renames
+        leaves neither as ``step-N`` until the next writer's :meth:`gc` renames the old one
+        back. Either way the old one is deleted only once the new one is durable.
+        """
+        aside = pending.dirname
+        try:
+            self._exchange(pending.dirname, final)  # the old checkpoint is now at `aside`
+        except NotImplementedError:
+            aside = old_dirname(pending.step)
+            self._rename(final, aside)
+            try:
+                self._rename(pending.dirname, final)
+            except OSError:
+                with contextlib.suppress(OSError):
+                    self._rename(aside, final)  # (a crash here is undone by gc)
+                raise
+        try:
+            self._fsync_dir("")
+        except OSError:
+            # Not durable, so not committed: put the old one back, so that the caller's
+            # error ("nothing of it is visible") is true; the new one is at pending.dirname.
+            with contextlib.suppress(OSError):
+                if aside == pending.dirname:
+                    self._exchange(final, aside)
+                else:
+                    self._rename(final, pending.dirname)
+                    self._rename(aside, final)
+            raise
+        try:
+            trash = trash_dirname(pending.step)
+            self._rename(aside, trash)
+            _deleter.submit(self, trash, fsync_root=True)
+        except OSError as e:  # the new one is committed; gc removes what is left
+            log.warning("could not remove the replaced %s: %s; `ckptstore gc` will", aside, e)
+
+    def _replace_by_copy(self, pending: Pending, body: bytes) -> None:
+        """Commit a replacement on a store without rename (see :meth:`begin`).
+
+        The old checkpoint goes only now that the new one is completely written: its
+        manifest first (it vanishes whole), then its files; the new files are copied into
+        ``step-N/`` and the manifest put last, as in any commit. A crash before that put
+        leaves no ``step-N`` (restore falls back to the step before); the new files stay in
+        the ``.tmp-`` prefix until ``gc``.
+        """
+        final = step_dirname(pending.step)
+        with contextlib.suppress(FileNotFoundError):
+            self._remove(f"{final}/{MANIFEST_NAME}")
+        with contextlib.suppress(FileNotFoundError):
+            self._rmtree(final)
+        self._mkdir(final)
+        for name in sorted(pending.files):
+            self._copy(f"{pending.dirname}/{name}", f"{final}/{name}")
+        self._put_small(f"{final}/{MANIFEST_NAME}", body)
+        _deleter.submit(self, pending.dirname)
 
     def abort(self, pending: Pending) -> None:
         """Throw away a save in flight; best effort (``gc`` removes what is left)."""
@@ -579,6 +679,8 @@ class Storage(abc.ABC):
         lock, or pass ``include_tmp=False``.
         """
         removed = []
+        if include_tmp:
+            removed += self._recover_old()
         for name in self.list_garbage():
             if is_tmp_name(name) and not include_tmp:
                 continue
@@ -593,6 +695,27 @@ class Storage(abc.ABC):
             removed.append(name)
         if removed:
             self._fsync_dir("")
+        return removed
+
+    def _recover_old(self) -> list[str]:
+        """Finish replacements cut short between their two renames (see :meth:`_swap_in`).
+
+        An ``.old-step-N-…`` entry is the checkpoint a save was replacing: renamed back to
+        ``step-N`` when that is absent (the new one never got there), removed otherwise.
+        """
+        removed = []
+        for name in sorted(self._list("")):
+            step = parse_old_dirname(name)
+            if step is None:
+                continue
+            final = step_dirname(step)
+            if not self._exists(final):
+                self._rename(name, final)
+                self._fsync_dir("")
+                log.warning("restored %s, which an interrupted save was replacing", final)
+            else:
+                self._rmtree(name)
+                removed.append(name)
         return removed
 
     # ---- locking (local only) -------------------------------------------------------

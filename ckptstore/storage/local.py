@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import errno
 import fcntl
 import gc
@@ -11,6 +12,7 @@ import mmap
 import os
 import shutil
 import stat
+import sys
 import time
 from collections.abc import Callable, Iterator
 from typing import IO, Any, ClassVar
@@ -176,6 +178,19 @@ class LocalStorage(Storage):
         # rename(2) replaces an existing empty directory silently; callers check first,
         # under the writer lock.
         os.rename(self._p(src), self._p(dst))
+
+    def _exchange(self, a: str, b: str) -> None:
+        # renameat2(RENAME_EXCHANGE): both names stay taken throughout, so replacing a
+        # committed step has no moment without a step-N (ext4, xfs, btrfs, tmpfs; not NFS).
+        fn = _renameat2()
+        if fn is None:
+            raise NotImplementedError("renameat2 is not available")
+        pa, pb = os.fsencode(self._p(a)), os.fsencode(self._p(b))
+        if fn(_AT_FDCWD, pa, _AT_FDCWD, pb, _RENAME_EXCHANGE) != 0:
+            err = ctypes.get_errno()
+            if err in (errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.ENOTSUP):
+                raise NotImplementedError(f"RENAME_EXCHANGE refused: {os.strerror(err)}")
+            raise OSError(err, os.strerror(err), self._p(a))
 
     def _fsync_dir(self, rel: str) -> None:
         _fsync_directory(self._p(rel))
@@ -379,6 +394,23 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 2  # linux/fs.h
+
+
+def _renameat2() -> Any:
+    """The C library's ``renameat2`` (glibc 2.28+), or ``None`` (not Linux, old glibc)."""
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        fn = ctypes.CDLL(None, use_errno=True).renameat2
+    except (OSError, AttributeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
 
 
 #: A listing cache larger than this is ignored (about 600 bytes per checkpoint).

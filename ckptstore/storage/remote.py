@@ -270,6 +270,10 @@ class FsspecStorage(Storage):
 
     # ---- removal --------------------------------------------------------------------
 
+    def _copy(self, src: str, dst: str) -> None:
+        # Server-side on S3 and GCS (CopyObject): the bytes never pass through this process.
+        self.fs.copy(self._p(src), self._fresh(self._p(dst)))
+
     def _remove(self, rel: str) -> None:
         self.fs.rm_file(self._p(rel))
 

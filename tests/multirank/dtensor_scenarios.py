@@ -108,14 +108,14 @@ def fsdp_save(ctx: Ctx) -> dict[str, Any]:
             handles.append(mgr.save(step, state, metrics={"loss": 1.0}))
             if ctx.args.get("async"):
                 # Training changes its tensors as soon as save returns: the save must not
-                # see it (it was staged).
+                # see it (it was staged). Then the values are put back exactly.
+                params = list(model.parameters())
                 with torch.no_grad():
-                    for p in model.parameters():
-                        p.add_(1000.0)
-                train(model, opt, 0)
-                with torch.no_grad():
-                    for p in model.parameters():
-                        p.sub_(1000.0)
+                    kept = [p.detach().clone() for p in params]
+                    for p in params:
+                        p.mul_(-3.0).add_(1000.0)
+                    for p, k in zip(params, kept, strict=True):
+                        p.copy_(k)
         mgr.wait()
         assert all(h.done() for h in handles)
         files = sorted(os.listdir(ctx.root / f"step-{ctx.args.get('steps', [3])[-1]:012d}"))
@@ -141,10 +141,13 @@ def fsdp_async_failure(ctx: Ctx) -> dict[str, Any]:
     if ctx.rank == 1:
         import ckptstore.sharding as sh
 
-        def fail_write(*a: Any, **k: Any) -> Any:
+        real = sh.write_shards
+
+        def fail_once(*a: Any, **k: Any) -> Any:
+            sh.write_shards = real  # type: ignore[assignment]
             raise OSError(28, "No space left on device (injected)")
 
-        sh.write_shards = fail_write  # type: ignore[assignment]
+        sh.write_shards = fail_once  # type: ignore[assignment]
     handle = mgr.save(2, state)
     waited = outcome(lambda: handle.wait() and None)
     after = outcome(lambda: mgr.save(3, state).wait() and None)

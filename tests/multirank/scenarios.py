@@ -305,6 +305,174 @@ def ddp_ema(ctx: Ctx) -> dict[str, Any]:
     }
 
 
+# ---- failures that must reach every rank at once (issue 10) ------------------------------
+
+
+def async_failure_then_restore(ctx: Ctx) -> dict[str, Any]:
+    """Rank 0's async save fails in the background; then every rank restores (or resumes)."""
+    from ckptstore.codec import payload
+
+    timeout = float(ctx.args["timeout"])
+    via = ctx.args["via"]
+    model = make_model()
+    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout, async_save=True)
+    mgr.save(1, {"model": model}).wait()
+    if ctx.rank == 0:
+
+        def full(*a: Any, **k: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        payload.write_group = full  # type: ignore[assignment]
+    mgr.save(2, {"model": model})  # returns at once; rank 0's writer fails behind it
+    fresh = make_model(seed=9)
+    call = {
+        "restore": lambda: mgr.restore({"model": fresh}),
+        "resume": lambda: mgr.resume({"model": fresh}),
+    }[via]
+    first = outcome(call)
+    second = outcome(call)  # reported once: the group is healthy and the step is there
+    return {"first": first, "second": second, "digest_ok": digest(fresh) == digest(model)}
+
+
+class LockedError(Exception):
+    """An exception that cannot be pickled: it holds a lock."""
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message)
+        self.lock = threading.Lock()
+
+
+class Refuses:
+    """A Stateful whose state_dict() raises an unpicklable exception (on chosen ranks)."""
+
+    def __init__(self, raises: bool) -> None:
+        self.raises = raises
+
+    def state_dict(self) -> dict[str, Any]:
+        if self.raises:
+            raise LockedError("the loader is mid-epoch and holds its lock")
+        return {"pos": 1}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        pass
+
+
+def unpicklable_error_in_state_dict(ctx: Ctx) -> dict[str, Any]:
+    timeout = float(ctx.args["timeout"])
+    model = make_model()
+    out: dict[str, Any] = {}
+    for mode in ("sync", "async", "sharded"):
+        root = ctx.workdir / f"store-{mode}"
+        mgr = CheckpointManager(root, barrier_timeout=timeout, async_save=mode == "async")
+        sharded = mode == "sharded"
+        state = {"model": model, "loader": Refuses(raises=ctx.rank == 0)}
+
+        def first(m: Any = mgr, st: Any = state, sh: bool = sharded) -> Any:
+            return m.save(1, st, sharded=sh).wait()
+
+        def second(m: Any = mgr, sh: bool = sharded) -> Any:
+            handle = m.save(2, {"model": model}, sharded=sh)
+            handle.wait()
+            return handle.step
+
+        out[mode] = outcome(first)
+        out[mode + "_next"] = outcome(second)  # the group is intact: the next save works
+        mgr.close()
+    return out
+
+
+def manager_on_some_ranks(ctx: Ctx) -> dict[str, Any]:
+    timeout = float(ctx.args["timeout"])
+    if ctx.rank == ctx.world - 1:
+        time.sleep(timeout + 4)  # never constructs it: the bug under test
+        return {"ok": True, "value": "absent"}
+    return outcome(lambda: CheckpointManager(ctx.root, barrier_timeout=timeout))
+
+
+def exporter_then_rank_dies(ctx: Ctx) -> dict[str, Any]:
+    """Rank 0 alone builds a manager with distributed=False first (an exporter, Lightning's
+    CheckpointIO); then a rank dies in a save, and every survivor must name that rank."""
+    timeout = float(ctx.args["timeout"])
+    model = make_model()
+    if ctx.rank == 0:
+        with CheckpointManager(ctx.workdir / "export", distributed=False) as exporter:
+            exporter.save(1, {"model": model})
+    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout)
+    mgr.save(1, {"model": model})
+    if ctx.rank == 1:
+        os._exit(3)
+    return outcome(lambda: mgr.save(2, {"model": model}))
+
+
+def _draws() -> list[float]:
+    import random
+
+    import numpy as np
+
+    return [*torch.rand(2).tolist(), random.random(), float(np.random.rand())]
+
+
+def _seed_all(seed: int) -> None:
+    import random
+
+    import numpy as np
+
+    torch.manual_seed(seed)
+    random.seed(seed)
+    np.random.seed(seed)
+
+
+def rng_save(ctx: Ctx) -> dict[str, Any]:
+    """Save each rank's generators (world 1: a single-process checkpoint)."""
+    _seed_all(100 + ctx.rank)
+    with CheckpointManager(ctx.root, barrier_timeout=30) as mgr:
+        mgr.save(1, {"rng": RNGState()})
+    return {"draws": _draws()}
+
+
+def rng_sharded(ctx: Ctx) -> dict[str, Any]:
+    """A sharded save keeps each rank's stream in its own file: each gets its own back."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                seen.append(record.getMessage())
+
+    logging.getLogger("ckptstore").addHandler(Keep())
+    _seed_all(100 + ctx.rank)
+    with CheckpointManager(ctx.root, barrier_timeout=30) as mgr:
+        mgr.save(1, {"rng": RNGState()}, sharded=True)
+        saved = _draws()
+        _seed_all(7)
+        mgr.restore({"rng": RNGState(derive_missing=True)})
+    return {"saved": saved, "restored": _draws(), "warnings": seen}
+
+
+def rng_restore(ctx: Ctx) -> dict[str, Any]:
+    """Restore on more ranks than saved: plain, then with derive_missing (twice)."""
+    import logging
+
+    seen: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            if record.levelno >= logging.WARNING:
+                seen.append(record.getMessage())
+
+    logging.getLogger("ckptstore").addHandler(Keep())
+    out: dict[str, Any] = {}
+    with CheckpointManager(ctx.root, barrier_timeout=30) as mgr:
+        for name, derive in (("plain", False), ("derived", True), ("again", True)):
+            _seed_all(7)  # the same scrambled state on every rank before each restore
+            seen.clear()
+            mgr.restore({"rng": RNGState(derive_missing=derive)})
+            out[name] = {"draws": _draws(), "warnings": list(seen)}
+    return out
+
+
 # ---- exact resume ----------------------------------------------------------------------
 
 
