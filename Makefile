@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit demo bench crashtest clean
+.PHONY: venv test lint typecheck unit demo demo-fsdp bench crashtest clean
 
 venv: $(STAMP)
 
@@ -29,8 +29,14 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# The DDP part (killed mid-save, resumes bit-identically), then the FSDP2 part.
 demo: $(STAMP)
 	$(BIN)/python tools/demo.py
+	$(BIN)/python tools/demo_fsdp.py
+
+# FSDP2 on 2 ranks killed mid-save; resumes on 3 ranks and in 1 process (no process group).
+demo-fsdp: $(STAMP)
+	$(BIN)/python tools/demo_fsdp.py
 
 # Benchmark vs torch.save, safetensors, DCP and the raw disk; results in bench-out/bench.json.
 # e.g. make bench BENCH_ARGS="--size 100MB --plot"
