@@ -39,7 +39,8 @@ demo-fsdp: $(STAMP)
 	$(BIN)/python tools/demo_fsdp.py
 
 # Benchmark vs torch.save, safetensors, DCP and the raw disk; results in bench-out/bench.json.
-# e.g. make bench BENCH_ARGS="--size 100MB --plot"
+# e.g. make bench BENCH_ARGS="--size 100MB --plot"; FSDP2 (2 ranks, restore on 1 and 3):
+# make bench BENCH_ARGS="--sharded --size 256MB"
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python tools/bench.py $(BENCH_ARGS)
