@@ -141,7 +141,7 @@ def run_distributed(args: argparse.Namespace) -> None:
     rank, world = dist.get_rank(), dist.get_world_size()
     logging.basicConfig(level=logging.WARNING, format=f"  [rank {rank}] %(message)s")
     result_path = f"{args.result}.rank{rank}"
-    # A seed other than the first run's: a restore must overwrite every weight.
+    # The resumed jobs pass another seed: a restore must overwrite every weight.
     model = make_model(seed=0 if args.fresh_seed is None else args.fresh_seed)
     mesh = init_device_mesh("cpu", (world,))
     for layer in model.layers():
