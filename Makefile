@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit demo bench crashtest clean
+.PHONY: venv test lint typecheck unit demo demo-fsdp bench crashtest clean
 
 venv: $(STAMP)
 
@@ -29,11 +29,18 @@ unit: $(STAMP)
 
 test: lint typecheck unit
 
+# The DDP part (killed mid-save, resumes bit-identically), then the FSDP2 part.
 demo: $(STAMP)
 	$(BIN)/python tools/demo.py
+	$(BIN)/python tools/demo_fsdp.py
+
+# FSDP2 on 2 ranks killed mid-save; resumes on 3 ranks and in 1 process (no process group).
+demo-fsdp: $(STAMP)
+	$(BIN)/python tools/demo_fsdp.py
 
 # Benchmark vs torch.save, safetensors, DCP and the raw disk; results in bench-out/bench.json.
-# e.g. make bench BENCH_ARGS="--size 100MB --plot"
+# e.g. make bench BENCH_ARGS="--size 100MB --plot"; FSDP2 (2 ranks, restore on 1 and 3):
+# make bench BENCH_ARGS="--sharded --size 256MB"
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python tools/bench.py $(BENCH_ARGS)

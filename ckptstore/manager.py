@@ -1078,7 +1078,15 @@ def _plain_oserror(e: BaseException) -> bool:
     return isinstance(e, OSError) and not isinstance(e, CkptStoreError)
 
 
-def _shard_error(failed: list[tuple[int, Any]], where: str, previous: int | None) -> CommitError:
+def _shard_error(
+    failed: list[tuple[int, Any]], where: str, previous: int | None
+) -> CommitError | UnsafeCheckpointError:
+    """The error every rank raises when some ranks could not write their part of a save.
+
+    A state that cannot be saved at all (it needs pickle, compression with DTensors, a
+    Partial placement, an optimizer without its model) stays an ``UnsafeCheckpointError``,
+    as in a replicated save; a failure to write is a ``CommitError``.
+    """
     prev = (
         f"step {previous} is still the newest checkpoint"
         if previous is not None
@@ -1086,6 +1094,11 @@ def _shard_error(failed: list[tuple[int, Any]], where: str, previous: int | None
     )
     detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
     ranks = ", ".join(str(r) for r, _ in failed)
+    if failed and all(isinstance(e, UnsafeCheckpointError) for _, e in failed):
+        return UnsafeCheckpointError(
+            f"sharded save of {where} refused by rank(s) {ranks} ({detail}); nothing of it is "
+            f"visible and {prev}"
+        )
     return CommitError(
         f"sharded save of {where} aborted: rank(s) {ranks} failed to write their shard ({detail}); "
         f"nothing of it is visible and {prev}"

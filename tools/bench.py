@@ -5,6 +5,7 @@
     .venv/bin/python tools/bench.py --size 100MB --repeats 5
     .venv/bin/python tools/bench.py --only disk-odirect,ckpt-st,torch --size 300MB
     .venv/bin/python tools/bench.py --plot               # also sweep 10MB..--size, write a PNG
+    .venv/bin/python tools/bench.py --sharded --size 256MB  # FSDP2: 2 ranks, restore on 1, 3
 
 The state is shaped like GPT-2-medium (embedding, 16 blocks of attention/MLP/layernorm
 tensors, about 200 fp32 tensors), scaled so the parameters weigh ``--size``, plus the AdamW
@@ -17,6 +18,10 @@ new directory. Restores are cold: every file of the checkpoint is fsynced and th
 from the page cache with ``posix_fadvise(POSIX_FADV_DONTNEED)`` (no root needed); the
 fraction still resident afterwards is checked with ``mincore`` and reported. Results go to
 ``--out`` (JSON) and a table on stdout; no number here is asserted by any test.
+
+The ``sharded`` contender (``--sharded``; not in the default run) measures FSDP2 state in
+real processes: a save on 2 ranks and a resharded restore on 1 process and on 3 ranks, for
+ckptstore, DCP and raw O_DIRECT side by side (see tools/bench_sharded.py).
 """
 
 from __future__ import annotations
@@ -78,6 +83,7 @@ OTHERS = (
     "verify",
     "protocol",
     "ls10k",
+    "sharded",
 )
 ALL = PAIRS + OTHERS
 
@@ -110,6 +116,9 @@ DESCRIPTIONS = {
     "fsync floor: write 1 KB + fsync file + fsync directory",
     "ls10k": "steps/latest_step/plan_prune/`ckptstore ls` on a store of --ls-count "
     "checkpoints (metadata only, warm cache)",
+    "sharded": "FSDP2 state of --size params + AdamW: ckptstore vs DCP vs raw O_DIRECT, save on "
+    "2 ranks, cold resharded restore on 1 process (no process group) and on 3 ranks "
+    "(tools/bench_sharded.py)",
 }
 
 
@@ -1408,16 +1417,27 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--size", type=parse_size, default=parse_size("1GB"), help="param bytes")
     p.add_argument("--repeats", type=int, default=3)
-    p.add_argument("--only", default="", help="comma list of contenders (default: all)")
+    p.add_argument("--only", default="", help="comma list of contenders (default: all but sharded)")
     p.add_argument("--dir", type=Path, default=REPO / "bench-out" / "work")
     p.add_argument("--out", type=Path, default=REPO / "bench-out" / "bench.json")
     p.add_argument("--plot", action="store_true", help=f"also sweep {', '.join(SWEEP)}")
     p.add_argument("--ls-count", type=int, default=10_000)
     p.add_argument("--ls-timeout", type=float, default=60.0, help="seconds for `ckptstore ls`")
+    p.add_argument(
+        "--sharded",
+        action="store_true",
+        help="run the sharded contender (FSDP2 save on 2 ranks, restore on 1 and 3; minutes "
+        "at 1GB, not in the default run): alone, or with those --only names",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
-    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else list(ALL)
+    # The sharded contender starts 6 processes and DCP's resharded loads are slow: minutes
+    # at 1 GB, so the default run leaves it out (--sharded or --only sharded runs it).
+    default = [n for n in ALL if n != "sharded"]
+    names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else default
+    if args.sharded:
+        names = [n for n in names if n != "sharded" and args.only] + ["sharded"]
     bad = [n for n in names if n not in ALL]
     if bad:
         p.error(f"unknown contender(s) {', '.join(bad)}; choose from {', '.join(ALL)}")
@@ -1496,12 +1516,20 @@ def main(argv: list[str] | None = None) -> int:
         result["machine"]["library_sha_end"] = library_fingerprint()
         changed = result["machine"]["library_sha_end"] != result["machine"]["library_sha_start"]
         result["machine"]["library_changed_during_run"] = changed
-        print_report(ctx, rows, targets, ls)
+        if [n for n in args.names if n != "sharded"]:
+            print_report(ctx, rows, targets, ls)
         if changed:
             print("warning: ckptstore's source changed during this run; rerun for clean numbers")
         sweep = [{"param_bytes": ctx.param_bytes, "state_bytes": ctx.state_bytes, "rows": rows}]
+        odirect = ctx.odirect_ok
         del ctx
         gc.collect()
+        if "sharded" in args.names:
+            import bench_sharded
+
+            sharded = bench_sharded.run(args.size, work, args.repeats, odirect=odirect)
+            result["sharded"] = sharded
+            bench_sharded.print_report(sharded)
         if args.plot:
             pairs = [n for n in args.names if n in PAIRS]
             for size_text in SWEEP:

@@ -348,3 +348,25 @@ def golden_save(ctx: Ctx) -> None:
     }
     with _mgr(ctx) as mgr:
         mgr.save(7, state, metrics={"loss": 0.25}, metadata={"note": "golden v2"})
+
+
+def fsdp_refused(ctx: Ctx) -> dict[str, Any]:
+    """DTensor state that cannot be saved: every rank gets the refusal as such, nothing lands."""
+    from torch.distributed.tensor import DTensor, Partial
+
+    model = make_net()
+    mesh = shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 1)
+    out: dict[str, Any] = {}
+    with _mgr(ctx, compression="zstd") as mgr:
+        out["zstd"] = outcome(lambda: mgr.save(1, {"model": model, "optimizer": opt}) and None)
+    with _mgr(ctx) as mgr:
+        partial = DTensor.from_local(torch.ones(2), mesh, [Partial()])
+        out["partial"] = outcome(lambda: mgr.save(1, {"model": model, "p": partial}) and None)
+        out["orphan"] = outcome(lambda: mgr.save(1, {"optimizer": opt}) and None)
+        out["steps"] = mgr.steps()
+        mgr.save(2, {"model": model, "optimizer": opt})  # the store is still usable
+        out["after"] = mgr.steps()
+    out["leftovers"] = sorted(n for n in os.listdir(ctx.root) if n.startswith(".tmp"))
+    return out

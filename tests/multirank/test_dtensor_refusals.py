@@ -1,0 +1,34 @@
+"""Refused DTensor state: the refusal reaches every rank as UnsafeCheckpointError.
+
+A sharded save aborts on every rank when one rank fails; a failure to *write* is a
+CommitError, but a state that cannot be saved at all (compression with DTensors, a Partial
+placement, an optimizer without its model) must keep its type, as in a replicated save.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+from tests.multirank.launch import describe, launch
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def test_refused_dtensor_state_raises_unsafe_on_every_rank(tmp_path):
+    res = launch("dtensor_scenarios:fsdp_refused", 2, tmp_path)
+    assert all(r.ok for r in res), describe(res)
+    for r in res:
+        v = r.value
+        for case, words in (
+            ("zstd", "compression='zstd' cannot be used with DTensor state"),
+            ("partial", "Partial placement"),
+            ("orphan", "add the model to the state"),
+        ):
+            got = v[case]
+            assert not got["ok"], (case, got)
+            assert got["error_type"] == "UnsafeCheckpointError", (case, got)
+            assert words in got["message"], (case, got)
+            assert "nothing of it is visible" in got["message"], (case, got)
+        assert v["steps"] == []
+        assert v["after"] == [2]
+        assert v["leftovers"] == []

@@ -1,0 +1,660 @@
+"""The sharded part of tools/bench.py: FSDP2 save on 2 ranks, resharded restore 2 -> 1 and 2 -> 3.
+
+Three contenders, side by side, interleaved round-robin inside each job:
+
+- ``ckpt``: ``CheckpointManager.save(1, {"model": fsdp_model, "optimizer": opt})`` on every
+  rank; restore with ``CheckpointManager(root).restore(state)`` (on 1 process without a
+  process group, into a plain model and a fresh AdamW; on 3 ranks into a fresh FSDP2 model
+  and a fresh AdamW).
+- ``dcp``: ``get_state_dict(model, opt)`` then ``dcp.save`` with
+  ``FileSystemWriter(sync_files=True)`` (plus an fsync of ``.metadata`` and the directory);
+  restore with ``get_state_dict``, ``dcp.load`` in place and ``set_state_dict``, into the
+  same fresh targets.
+- ``raw``: every rank writes its own local bytes of the state (the same byte count as its
+  shards) with O_DIRECT from one aligned buffer, then fsync; restore reads the same bytes
+  with O_DIRECT, split over the restoring ranks as evenly as the files allow (1 process
+  reads everything, each of 3 ranks a third).
+
+A job is a set of fresh processes (``python tools/bench_sharded.py JOBDIR`` with RANK,
+WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment; no torchrun). Timings start after
+a barrier and stop after the barrier that follows the operation, so each is the time until
+the slowest rank is done; building the model and optimizer, constructing managers and
+dropping the page cache are untimed. Every process runs one intra-op thread
+(``OMP_NUM_THREADS=1``, as torchrun sets it). Before every restore, every file of the checkpoint is
+fsynced and evicted with ``posix_fadvise(DONTNEED)`` (checked with ``mincore``), as the
+rest of the bench does. After every restore, float64 sums of the model parameters and of
+both AdamW moments are compared with those of the saved state (the restore really loaded
+every byte, or the bench fails).
+"""
+
+from __future__ import annotations
+
+import datetime
+import gc
+import json
+import mmap
+import os
+import shutil
+import socket
+import statistics
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import bench  # tools/bench.py: the model, disk helpers, O_DIRECT constants
+
+CONTENDERS = ("raw", "dcp", "ckpt")
+SAVE_WORLD = 2
+RESTORE_WORLDS = (1, 3)
+OPS = ("save-2", "restore-2to1", "restore-2to3")
+DESCRIPTIONS = {
+    "raw": "each rank O_DIRECT-writes its local state bytes from one aligned buffer + fsync; "
+    "restore O_DIRECT-reads the same bytes split over the restoring ranks",
+    "dcp": "get_state_dict + dcp.save(FileSystemWriter(sync_files=True)) + fsync of "
+    ".metadata and directory; restore get_state_dict + dcp.load in place + set_state_dict",
+    "ckpt": "CheckpointManager.save on every rank (FSDP2 DTensor state); restore "
+    "CheckpointManager.restore (1 process: no process group, plain model)",
+}
+
+
+# ---- the state ---------------------------------------------------------------------------------
+
+
+def build(param_bytes: int, world: int, *, init: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+    """bench.py's GPT-2-like model, FSDP2-sharded when ``world > 1``, and a fresh AdamW.
+
+    With ``init`` the weights are random and the optimizer has taken one real step (the
+    state that is saved); without, the tensors are allocated but untouched (restore targets).
+    """
+    shape = bench.Shape.for_bytes(param_bytes)
+    with torch.device("meta"):
+        model = bench.GPT2Like(shape)
+    if world > 1:
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        mesh = init_device_mesh("cpu", (world,))
+        for block in model.h:
+            fully_shard(block, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+    model.to_empty(device="cpu")
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    if init:
+        gen = torch.Generator().manual_seed(1 + rank_of())
+        with torch.no_grad():
+            for p in model.parameters():
+                local(p).normal_(0.0, 0.02, generator=gen)
+        for p in model.parameters():
+            p.grad = p.detach().clone().mul_(1e-3)
+        opt.step()
+        for p in model.parameters():
+            p.grad = None
+    return model, opt
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+
+
+def local_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [local(p.detach()) for p in model.parameters()]
+    for st in opt.state.values():
+        out += [local(v) for v in st.values() if isinstance(v, torch.Tensor)]
+    return out
+
+
+def sums(model: nn.Module, opt: torch.optim.Optimizer) -> list[float]:
+    """float64 sums of this rank's parameters, exp_avg and exp_avg_sq, summed over ranks."""
+    acc = torch.zeros(3, dtype=torch.float64)
+    with torch.no_grad():
+        for p in model.parameters():
+            acc[0] += local(p.detach()).double().sum()
+            st = opt.state.get(p, {})
+            if "exp_avg" in st:
+                acc[1] += local(st["exp_avg"]).double().sum()
+                acc[2] += local(st["exp_avg_sq"]).double().sum()
+    if dist_on():
+        import torch.distributed as dist
+
+        dist.all_reduce(acc)
+    return [float(x) for x in acc]
+
+
+# ---- process group helpers ---------------------------------------------------------------------
+
+
+def dist_on() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def rank_of() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist_on() else 0
+
+
+def world_of() -> int:
+    import torch.distributed as dist
+
+    return dist.get_world_size() if dist_on() else 1
+
+
+def barrier() -> None:
+    if dist_on():
+        import torch.distributed as dist
+
+        dist.barrier()
+
+
+def settle_all() -> None:
+    bench.settle()
+    barrier()
+
+
+def timed(fn: Any) -> float:
+    """Barrier, run ``fn`` on every rank, barrier: the time until the slowest rank is done."""
+    settle_all()
+    t0 = time.perf_counter()
+    fn()
+    barrier()
+    return time.perf_counter() - t0
+
+
+def drop_cache(root: Path) -> float | None:
+    """fsync and evict every file under ``root``; the fraction still resident afterwards."""
+    files = bench.tree_files(root)
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    total = resident = 0
+    for f in files:
+        r = bench.resident_bytes(f)
+        if r is None:
+            return None
+        total += f.stat().st_size
+        resident += r
+    return resident / total if total else 0.0
+
+
+# ---- raw O_DIRECT ------------------------------------------------------------------------------
+
+
+class Raw:
+    """O_DIRECT writes and reads of the same byte counts, from one aligned buffer."""
+
+    def __init__(self, tensors: list[torch.Tensor] | None) -> None:
+        self.buf = mmap.mmap(-1, bench.CHUNK)  # page-aligned
+        dst = torch.frombuffer(self.buf, dtype=torch.uint8)
+        pos = 0
+        for t in tensors or []:  # real state bytes, so nothing could compress zeros
+            src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+            n = min(len(src), bench.CHUNK - pos)
+            dst[pos : pos + n].copy_(src[:n])
+            pos += n
+            if pos == bench.CHUNK:
+                break
+        if pos < bench.CHUNK:
+            dst[pos:].random_()
+        del dst
+
+    def write(self, path: Path, nbytes: int) -> None:
+        nbytes = -(-nbytes // bench.ALIGN) * bench.ALIGN
+        mv = memoryview(self.buf)
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+        try:
+            left = nbytes
+            while left:
+                n = os.write(fd, mv[: min(left, bench.CHUNK)])
+                if n <= 0 or n % bench.ALIGN:
+                    msg = f"short O_DIRECT write ({n} bytes)"
+                    raise OSError(msg)
+                left -= n
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+            mv.release()
+
+    def read(self, spans: list[tuple[Path, int, int]]) -> int:
+        """Read ``(file, offset, length)`` spans (aligned) with O_DIRECT; bytes read."""
+        got = 0
+        for path, off, length in spans:
+            fd = os.open(path, os.O_RDONLY | os.O_DIRECT)
+            try:
+                pos, end = off, off + length
+                while pos < end:
+                    want = min(bench.CHUNK, end - pos)
+                    n = os.preadv(fd, [memoryview(self.buf)[:want]], pos)
+                    if n <= 0:
+                        break
+                    pos += n
+                    got += n
+            finally:
+                os.close(fd)
+        return got
+
+    def close(self) -> None:
+        self.buf.close()
+
+
+def raw_spans(d: Path, rank: int, world: int) -> list[tuple[Path, int, int]]:
+    """This rank's share of the concatenated raw files, cut on 4 KiB boundaries."""
+    files = sorted(d.glob("raw.rank*.bin"))
+    sizes = [f.stat().st_size for f in files]
+    total = sum(sizes)
+    blocks = total // bench.ALIGN
+    lo = blocks * rank // world * bench.ALIGN
+    hi = blocks * (rank + 1) // world * bench.ALIGN
+    spans, base = [], 0
+    for f, size in zip(files, sizes, strict=True):
+        a, b = max(lo, base), min(hi, base + size)
+        if a < b:
+            spans.append((f, a - base, b - a))
+        base += size
+    return spans
+
+
+# ---- the jobs (one process per rank) -----------------------------------------------------------
+
+
+def nothing() -> None:
+    """No clean-up."""
+
+
+def save_op(
+    c: str, d: Path, model: nn.Module, opt: torch.optim.Optimizer, *, raw: Raw | None, nbytes: int
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The timed part of contender ``c``'s save into ``d`` (run on every rank), and its
+    untimed clean-up."""
+    rank = rank_of()
+    if c == "ckpt":
+        from ckptstore import CheckpointManager
+
+        mgr = CheckpointManager(d, keep=None, barrier_timeout=3600)  # collective, untimed
+
+        def ckpt() -> None:
+            mgr.save(1, {"model": model, "optimizer": opt})
+
+        return ckpt, mgr.close
+    if c == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        def dcp_save() -> None:
+            msd, osd = get_state_dict(model, opt)
+            writer = dcp.FileSystemWriter(str(d), sync_files=True)
+            dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
+            barrier()
+            if rank == 0:
+                bench.fsync_tree(d)  # .metadata and the directory: durable
+
+        return dcp_save, nothing
+    assert raw is not None
+
+    def raw_save() -> None:
+        raw.write(d / f"raw.rank{rank}.bin", nbytes)
+        barrier()
+        if rank == 0:
+            bench.fsync_dir(d)
+
+    return raw_save, nothing
+
+
+def restore_op(
+    c: str,
+    d: Path,
+    model: nn.Module | None,
+    opt: torch.optim.Optimizer | None,
+    *,
+    raw: Raw | None,
+    raw_bytes: list[int],
+) -> tuple[Callable[[], None], Callable[[], None]]:
+    """The timed part of contender ``c``'s restore from ``d`` (run on every rank), and its
+    untimed clean-up."""
+    if c == "ckpt":
+        from ckptstore import CheckpointManager
+
+        mgr = CheckpointManager(d, keep=None, barrier_timeout=3600)  # collective, untimed
+
+        def ckpt() -> None:
+            mgr.restore({"model": model, "optimizer": opt})
+
+        return ckpt, mgr.close
+    if c == "dcp":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        assert model is not None
+        assert opt is not None
+
+        def dcp_load() -> None:
+            msd, osd = get_state_dict(model, opt)
+            sd = {"model": msd, "optim": osd}
+            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(d)))
+            set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
+
+        return dcp_load, nothing
+    assert raw is not None
+    spans = raw_spans(d, rank_of(), world_of())
+
+    def raw_load() -> None:
+        raw_bytes.append(raw.read(spans))
+
+    return raw_load, nothing
+
+
+def save_job(job: dict[str, Any]) -> dict[str, Any]:
+    rank = rank_of()
+    t0 = time.perf_counter()
+    model, opt = build(job["param_bytes"], SAVE_WORLD, init=True)
+    tensors = local_tensors(model, opt)
+    my_bytes = sum(t.numel() * t.element_size() for t in tensors)
+    out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "times": {}}
+    out["local_bytes"] = my_bytes
+    out["sums"] = sums(model, opt)
+    raw = Raw(tensors) if job["odirect"] else None
+    base = Path(job["dir"])
+    contenders = [c for c in job["contenders"] if c != "raw" or raw is not None]
+    for r in range(job["repeats"]):
+        k = r % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            d = base / f"{c}-{r}"
+            if rank == 0:
+                d.mkdir(parents=True)
+            barrier()
+            op, done = save_op(c, d, model, opt, raw=raw, nbytes=my_bytes)
+            seconds = timed(op)
+            done()
+            out["times"].setdefault(c, []).append(seconds)
+            if rank == 0:
+                bench.log(f"  sharded {c:<5} save-2         {seconds:8.3f} s")
+                if r > 0:  # the first round's checkpoints are kept for the restores
+                    shutil.rmtree(d, ignore_errors=True)
+                    os.sync()
+            barrier()
+    if raw is not None:
+        raw.close()
+    return out
+
+
+def restore_job(job: dict[str, Any]) -> dict[str, Any]:
+    rank, world = rank_of(), job["world"]
+    dirs = {c: Path(p) for c, p in job["dirs"].items()}
+    raw = Raw(None) if "raw" in dirs else None
+    out: dict[str, Any] = {"times": {}, "resident": [], "checks": [], "raw_bytes": []}
+    contenders = [c for c in job["contenders"] if c in dirs]
+    want = job["sums"]
+    for r in range(job["repeats"]):
+        k = r % len(contenders)
+        for c in contenders[k:] + contenders[:k]:
+            model: nn.Module | None = None
+            opt: torch.optim.Optimizer | None = None
+            if c != "raw":  # fresh targets each time, untimed
+                model, opt = build(job["param_bytes"], world, init=False)
+            op, done = restore_op(c, dirs[c], model, opt, raw=raw, raw_bytes=out["raw_bytes"])
+            if rank == 0:
+                out["resident"].append(drop_cache(dirs[c]))
+            barrier()
+            seconds = timed(op)
+            done()
+            out["times"].setdefault(c, []).append(seconds)
+            if model is not None and opt is not None:
+                got = sums(model, opt)
+                ok = all(
+                    abs(a - b) <= 1e-9 * max(1.0, abs(b)) for a, b in zip(got, want, strict=True)
+                )
+                out["checks"].append({"contender": c, "ok": ok, "sums": got})
+                if not ok:
+                    msg = f"{c} restore on {world} rank(s) loaded other values: {got} != {want}"
+                    raise RuntimeError(msg)
+            if rank == 0:
+                bench.log(f"  sharded {c:<5} restore-2to{world}   {seconds:8.3f} s")
+            model = opt = op = done = None  # type: ignore[assignment]
+            gc.collect()
+            barrier()
+    if raw is not None:
+        raw.close()
+    return out
+
+
+def worker(jobdir: Path) -> None:
+    job = json.loads((jobdir / "job.json").read_text())
+    torch.set_num_threads(1)  # as torchrun sets it (see launch)
+    import warnings
+
+    warnings.filterwarnings("ignore")  # DCP warns when it runs without a process group
+    if job["world"] > 1:
+        import torch.distributed as dist
+
+        dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3600))
+    rank = rank_of()
+    out = save_job(job) if job["kind"] == "save" else restore_job(job)
+    (jobdir / f"result.rank{rank}.json").write_text(json.dumps(out))
+    if dist_on():
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+
+
+# ---- the parent ------------------------------------------------------------------------------
+
+
+def launch(jobdir: Path, job: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
+    """Run ``job`` on ``job['world']`` fresh processes; their results, by rank."""
+    jobdir.mkdir(parents=True, exist_ok=True)
+    (jobdir / "job.json").write_text(json.dumps(job))
+    world = job["world"]
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    procs = []
+    for rank in range(world):
+        # One intra-op thread per process, as torchrun sets it, for every contender and
+        # world size alike: on a loaded machine OpenMP threads spinning at their barriers
+        # made plain tensor copies ~10x slower in the 1-process restore.
+        env = dict(os.environ, OMP_NUM_THREADS="1")
+        if world > 1:
+            env.update(
+                RANK=str(rank),
+                WORLD_SIZE=str(world),
+                LOCAL_RANK=str(rank),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+                TORCH_CPP_LOG_LEVEL="FATAL",
+            )
+        else:
+            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
+                env.pop(k, None)
+        cmd = [sys.executable, str(Path(__file__).resolve()), str(jobdir)]
+        procs.append(subprocess.Popen(cmd, env=env))
+    deadline = time.monotonic() + timeout
+    failed = None
+    for rank, p in enumerate(procs):
+        try:
+            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            rc = None
+        if rc != 0:
+            failed = f"rank {rank} of the {job['kind']} job on {world} rank(s): exit {rc}"
+            break
+    if failed:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+        raise RuntimeError(failed)
+    return [json.loads((jobdir / f"result.rank{r}.json").read_text()) for r in range(world)]
+
+
+def run(
+    param_bytes: int, work: Path, repeats: int, *, odirect: bool, timeout: float = 3600
+) -> dict[str, Any]:
+    """Save on 2 ranks, restore on 1 and on 3; every contender interleaved in each job."""
+    contenders = [c for c in CONTENDERS if c != "raw" or odirect]
+    base = work / "sharded"
+    load = [os.getloadavg()[0]]
+    bench.log(
+        f"sharded: FSDP2 save on {SAVE_WORLD} ranks, restore on "
+        f"{' and '.join(map(str, RESTORE_WORLDS))}: {', '.join(contenders)}"
+    )
+    saved = launch(
+        base / "job-save",
+        {
+            "kind": "save",
+            "world": SAVE_WORLD,
+            "param_bytes": param_bytes,
+            "repeats": repeats,
+            "contenders": contenders,
+            "dir": str(base / "ckpts"),
+            "odirect": odirect,
+        },
+        timeout,
+    )
+    times: dict[tuple[str, str], list[float]] = {}
+    for c, ts in saved[0]["times"].items():
+        times[(c, "save-2")] = ts
+    dirs = {c: str(base / "ckpts" / f"{c}-0") for c in contenders}
+    disk = {c: bench.du(Path(p)) for c, p in dirs.items()}
+    resident: list[float | None] = []
+    raw_bytes: dict[int, int] = {}
+    for world in RESTORE_WORLDS:
+        res = launch(
+            base / f"job-restore-{world}",
+            {
+                "kind": "restore",
+                "world": world,
+                "param_bytes": param_bytes,
+                "repeats": repeats,
+                "contenders": contenders,
+                "dirs": dirs,
+                "sums": saved[0]["sums"],
+            },
+            timeout,
+        )
+        load.append(os.getloadavg()[0])
+        for c, ts in res[0]["times"].items():
+            times[(c, f"restore-2to{world}")] = ts
+        resident += res[0]["resident"]
+        raw_bytes[world] = sum(r["raw_bytes"][0] for r in res) if res[0]["raw_bytes"] else 0
+    shutil.rmtree(base, ignore_errors=True)
+    load.append(os.getloadavg()[0])
+    state_bytes = sum(r["local_bytes"] for r in saved)
+    rows = []
+    med = {k: statistics.median(v) for k, v in times.items()}
+    for (c, op), ts in times.items():
+        m = med[(c, op)]
+        rows.append(
+            {
+                "contender": c,
+                "op": op,
+                "n": len(ts),
+                "times_s": ts,
+                "median_s": m,
+                "min_s": min(ts),
+                "max_s": max(ts),
+                "gb_s": state_bytes / m / bench.GB,
+                "spread": max(ts) / min(ts),
+                "vs_raw": med[("raw", op)] / m if ("raw", op) in med else None,
+                "vs_dcp": med[("dcp", op)] / m if ("dcp", op) in med else None,
+            }
+        )
+    return {
+        "state_bytes": state_bytes,
+        "per_rank_bytes": [r["local_bytes"] for r in saved],
+        "build_s": saved[0]["build_s"],
+        "disk_bytes": disk,
+        "raw_restore_bytes": raw_bytes,
+        "resident_after_drop": resident,
+        "loadavg_1min_seen": load,
+        "threads_per_process": 1,
+        "rows": rows,
+        "targets": targets(rows),
+        "descriptions": {c: DESCRIPTIONS[c] for c in contenders},
+    }
+
+
+def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """The issue's sharded targets, as speed ratios (median; and best run against best run)."""
+
+    def get(c: str, op: str) -> dict[str, Any] | None:
+        return next((r for r in rows if r["contender"] == c and r["op"] == op), None)
+
+    out = []
+    for name, need, op, theirs in (
+        ("sharded save >= 0.8x raw O_DIRECT write", 0.8, "save-2", "raw"),
+        ("sharded save >= 1.5x DCP", 1.5, "save-2", "dcp"),
+        ("resharded restore 2->1 >= 1.5x DCP", 1.5, "restore-2to1", "dcp"),
+        ("resharded restore 2->3 >= 1.5x DCP", 1.5, "restore-2to3", "dcp"),
+    ):
+        ours, them = get("ckpt", op), get(theirs, op)
+        value = them["median_s"] / ours["median_s"] if ours and them else None
+        best = them["min_s"] / ours["min_s"] if ours and them else None
+        out.append(
+            {
+                "target": name,
+                "value": value,
+                "value_min": best,
+                "threshold": f">= {need}",
+                "pass": None if value is None else value >= need,
+                "detail": f"ckpt {op} vs {theirs} {op} (speed ratio)",
+            }
+        )
+    return out
+
+
+def print_report(res: dict[str, Any]) -> None:
+    print()
+    print(
+        f"sharded (FSDP2): {bench.human(res['state_bytes'])} of state (params + AdamW) saved by "
+        f"2 ranks ({' + '.join(bench.human(b) for b in res['per_rank_bytes'])}), restored "
+        "on 1 process (no process group) and on 3 ranks; GB/s = state bytes / s"
+    )
+    head = (
+        f"{'contender':<10} {'op':<13} {'median s':>9} {'GB/s':>6} {'x raw':>6} {'x dcp':>6} "
+        f"{'n':>3} {'max/min':>7}"
+    )
+    print(head)
+    print("-" * len(head))
+    order = {c: i for i, c in enumerate(CONTENDERS)}
+    for r in sorted(res["rows"], key=lambda r: (OPS.index(r["op"]), order[r["contender"]])):
+        print(
+            f"{r['contender']:<10} {r['op']:<13} {r['median_s']:>9.3f} {r['gb_s']:>6.2f} "
+            f"{bench.fmt(r['vs_raw'], '.2f'):>6} {bench.fmt(r['vs_dcp'], '.2f'):>6} "
+            f"{r['n']:>3} {r['spread']:>7.2f}"
+        )
+    known = [x for x in res["resident_after_drop"] if x is not None]
+    if known:
+        print(
+            f"cold cache: max {max(known):.1%} of a checkpoint still resident after "
+            "posix_fadvise(DONTNEED)"
+        )
+    cpus = os.cpu_count() or 1
+    if max(res["loadavg_1min_seen"]) > cpus:
+        print(
+            f"warning: load average reached {max(res['loadavg_1min_seen']):.1f} on {cpus} CPUs: "
+            "other work shared the CPUs and the disk, so medians are noisy (see max/min)"
+        )
+    print("sharded targets:")
+    for t in res["targets"]:
+        verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
+        val = bench.fmt(t["value"], ".3f")
+        best = "" if t["value_min"] is None else f"; best-of-runs {t['value_min']:.3f}"
+        print(f"  {verdict}  {t['target']:<44} {val:>7}  ({t['threshold']}; {t['detail']}{best})")
+
+
+if __name__ == "__main__":
+    worker(Path(sys.argv[1]))
