@@ -29,6 +29,7 @@ from typing import Any
 
 import torch.distributed as dist
 
+from ._gc import gc_paused
 from .errors import BarrierTimeout, CkptStoreError, CommitError
 
 __all__ = ["Coordinator"]
@@ -319,7 +320,8 @@ class Coordinator:
     def _collective(self, phase: str, step: int | None, fn: Any) -> Any:
         self.barrier(phase, step)
         try:
-            return fn()
+            with gc_paused():  # unpickling every rank's save plan: many small objects
+                return fn()
         except RuntimeError as e:  # a rank died between the barrier and the data
             raise self._fail(e, phase, step, in_exchange=True) from None
 
@@ -403,8 +405,11 @@ def _sendable(obj: Any, phase: str, rank: int) -> Any:
     name and message; containers are rebuilt around their sendable parts; any other
     unsendable value becomes such an error too, so the failure at least reaches every rank.
     """
-    why = _pickle_failure(obj)
-    if why is None:
+    why = _pickle_failure(obj, round_trip=False)
+    if why is None and not any(_pickle_failure(e) for e in _exceptions_in(obj)):
+        return obj
+    why = why or _pickle_failure(obj)
+    if why is None:  # pragma: no cover - an exception in it failed, so obj fails too
         return obj
     if isinstance(obj, BaseException):
         return _stand_in(obj, phase, rank, why)
@@ -419,13 +424,34 @@ def _sendable(obj: Any, phase: str, rank: int) -> Any:
     return _stand_in(obj, phase, rank, why)
 
 
-def _pickle_failure(obj: Any) -> str | None:
-    """Why ``obj`` cannot make a pickle round trip, or ``None`` when it can."""
+def _pickle_failure(obj: Any, *, round_trip: bool = True) -> str | None:
+    """Why ``obj`` cannot make a pickle round trip (or be pickled), or ``None``."""
     try:
-        pickle.loads(pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL))
+        data = pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+        if round_trip:
+            pickle.loads(data)
     except Exception as e:
         return f"{type(e).__name__}: {e}"
     return None
+
+
+def _exceptions_in(obj: Any, depth: int = 0) -> list[BaseException]:
+    """The exceptions in ``obj`` and its tuples, lists and dicts (as ckptstore sends them).
+
+    Only they can fail to unpickle on the receivers (an ``__init__`` that needs more
+    arguments than it keeps); the rest of what ckptstore sends (plans, file tables,
+    manifests) is plain data, so it is pickled once to check the sender's side, not
+    unpickled again: a large DTensor save plan would cost as much again.
+    """
+    if isinstance(obj, BaseException):
+        return [obj]
+    if depth > 4:
+        return []
+    if type(obj) in (tuple, list):
+        return [e for x in obj for e in _exceptions_in(x, depth + 1)]
+    if type(obj) is dict:
+        return [e for x in obj.values() for e in _exceptions_in(x, depth + 1)]
+    return []
 
 
 def _stand_in(obj: Any, phase: str, rank: int, why: str) -> CkptStoreError:

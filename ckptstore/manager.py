@@ -140,6 +140,8 @@ class CheckpointManager(Reader):
         self.coord = Coordinator(self.barrier_timeout, enabled=bool(distributed))
         # The background writer's own group, for the commit of async DTensor saves.
         self._bg_coord: Coordinator | None = None
+        # (DTensor layout, this rank's part of the global save plan, its metadata).
+        self._save_plan: tuple[Any, Any, Any] | None = None
         self._lock = self.storage.writer_lock() if self.coord.is_leader else None
         self._closed = False
         self._writer: BackgroundWriter | None = None
@@ -738,7 +740,12 @@ class CheckpointManager(Reader):
                 )
                 raise UnsafeCheckpointError(msg)
             tree, groups = self._encode_sync(state, rng, collector)
-            planned = ("ok", sharding.save_plans(collector.flat, self.coord.is_leader))
+            key = sharding.layout_key(collector.flat)
+            # The same layout as the last save on every rank: its global plan still holds,
+            # and the exchange carries one flag instead of every rank's plan.
+            hit = self._save_plan is not None and self._save_plan[0] == key
+            local = None if hit else sharding.save_plans(collector.flat, self.coord.is_leader)
+            planned = ("ok", local)
         except BaseException as e:
             log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)
             planned = ("error", e)
@@ -747,8 +754,18 @@ class CheckpointManager(Reader):
             return planned
         if any(s != "ok" for s, _ in plans):
             return ("aborted", None)
-        final, md = sharding.global_plan([p for _, p in plans])
-        boxes = sharding.local_boxes(final[rank], collector.flat)
+        if any(p is None for _, p in plans) and any(p is not None for _, p in plans):
+            # Some ranks kept their layout, others did not: plan again, all of them.
+            local = local or sharding.save_plans(collector.flat, self.coord.is_leader)
+            plans = self.coord.all_gather(("ok", local), "save:plan", step)
+        if all(p is None for _, p in plans):
+            assert self._save_plan is not None
+            _, mine, md = self._save_plan
+        else:
+            final, md = sharding.global_plan([p for _, p in plans])
+            mine = final[rank]
+            self._save_plan = (key, mine, md)
+        boxes = sharding.local_boxes(mine, collector.flat)
         if self.async_save:
             self._staging.begin()
             offsets = sharding.box_file_offsets({k: t for k, (_, _, t) in boxes.items()})

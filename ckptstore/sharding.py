@@ -45,6 +45,7 @@ __all__ = [
     "has_dtensors",
     "indexed_optimizer_state",
     "is_dtensor",
+    "layout_key",
     "layouts",
     "local_boxes",
     "named_optimizer_state",
@@ -254,6 +255,26 @@ def save_plans(flat: Mapping[str, Any], is_leader: bool) -> Any:
     from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
 
     return create_default_local_save_plan(dict(flat), is_leader)
+
+
+def layout_key(flat: Mapping[str, Any]) -> tuple[Any, ...]:
+    """What this rank's save plan depends on: names, shapes, dtypes, meshes, placements.
+
+    Equal keys on a rank give the same local plan, without the ~0.3 ms per DTensor that
+    computing it costs.
+    """
+    return tuple(
+        (
+            name,
+            tuple(t.shape),
+            t.dtype,
+            t.requires_grad,
+            tuple(t.placements),
+            id(t.device_mesh),
+            tuple(t.to_local().shape),
+        )
+        for name, t in flat.items()
+    )
 
 
 def global_plan(all_plans: list[Any]) -> tuple[list[Any], Any]:

@@ -370,3 +370,35 @@ def fsdp_refused(ctx: Ctx) -> dict[str, Any]:
         out["after"] = mgr.steps()
     out["leftovers"] = sorted(n for n in os.listdir(ctx.root) if n.startswith(".tmp"))
     return out
+
+
+def fsdp_plan_cache(ctx: Ctx) -> dict[str, Any]:
+    """Save plans reused while the layout stays (all ranks hit, mixed, all miss)."""
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    model = make_net()
+    mesh = shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optimizer": opt}
+    out: dict[str, Any] = {"planned": 0}
+    import ckptstore.sharding as sh
+
+    real = sh.save_plans
+
+    def counted(*a: Any, **k: Any) -> Any:
+        out["planned"] += 1
+        return real(*a, **k)
+
+    sh.save_plans = counted  # type: ignore[assignment]
+    with _mgr(ctx) as mgr:
+        for step in (1, 2, 3, 4):
+            train(model, opt, 1, seed=step)
+            if step == 3 and ctx.rank == 1:
+                mgr._save_plan = None  # this rank alone plans again: a mixed exchange
+            if step == 4:
+                torch.manual_seed(4)
+                state["extra"] = distribute_tensor(torch.randn(5, 2), mesh, [Shard(0)])
+            mgr.save(step, state)
+            out[str(step)] = digests(model, opt)
+        out["extra"] = _sha(state["extra"])
+    return out

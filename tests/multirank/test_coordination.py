@@ -18,7 +18,7 @@ TIMEOUT = 4.0  # barrier_timeout of the scenarios where a rank is missing
 SLACK = 6.0
 #: barrier_timeout where every rank is there and must fail fast: an error that arrives only
 #: after it (a rank that waited it out) fails "< PROMPT"; the margin absorbs a loaded host.
-LONG = 10.0
+LONG = 30.0
 PROMPT = LONG / 2
 
 

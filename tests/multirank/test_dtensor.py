@@ -329,3 +329,21 @@ def test_a_rank_lost_during_a_resharded_restore_is_named_by_the_survivors(saved2
         assert v["missing_ranks"] == [2]
         assert v["phase"] == "restore:load"
         assert v["elapsed"] < TIMEOUT * 3 + SLACK
+
+
+def test_save_plans_are_reused_while_the_layout_stays(tmp_path):
+    vals = values(launch("dtensor_scenarios:fsdp_plan_cache", 2, tmp_path, timeout=180))
+    saved = vals[0]
+    # Step 1 plans; step 2 reuses; step 3 is planned again by all (rank 1 had lost its
+    # plan); step 4 changed the layout. Without the cache: 4 plans a rank.
+    assert [v["planned"] for v in vals] == [3, 3]
+    mgr = CheckpointManager(tmp_path / "store")
+    for step in (1, 2, 3, 4):
+        model = make_net(seed=42)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        state: dict[str, Any] = {"model": model, "optimizer": opt, "extra": None}
+        mgr.restore(state, step=step, strict=step == 4)
+        assert digests(model, opt) == saved[str(step)], step
+    from tests.multirank.dtensor_scenarios import _sha
+
+    assert _sha(state["extra"]) == saved["extra"]
