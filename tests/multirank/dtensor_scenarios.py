@@ -265,13 +265,13 @@ def fsdp_die_in_save(ctx: Ctx) -> dict[str, Any]:
         import ckptstore.sharding as sh
 
         if phase == "plan":
-            orig_plan = sh.save_plans
+            orig_key = sh.layout_key  # runs in every save's planning, cached plan or not
 
             def die_plan(*a: Any, **k: Any) -> Any:
                 os.kill(os.getpid(), signal.SIGKILL)
-                return orig_plan(*a, **k)
+                return orig_key(*a, **k)
 
-            sh.save_plans = die_plan  # type: ignore[assignment]
+            sh.layout_key = die_plan  # type: ignore[assignment]
         elif phase == "write":
             orig_write = sh.write_shards
 
