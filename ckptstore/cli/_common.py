@@ -6,7 +6,7 @@ import argparse
 import contextlib
 import json
 import re
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from ..errors import CkptStoreError
@@ -144,7 +144,3 @@ def storage_options(args: argparse.Namespace, *roots: str) -> dict[str, Any]:
     if opts and roots and all(is_local(r) for r in roots):
         raise UsageError("storage options are for fsspec URLs; a local path takes none")
     return opts
-
-
-#: ``run`` of a command module, for ``set_defaults``.
-Runner = Callable[[argparse.Namespace], int]

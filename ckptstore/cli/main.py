@@ -22,14 +22,13 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from types import ModuleType
 from typing import NoReturn
 
 from .. import __version__
 from ..errors import CkptStoreError
 from ..stores import is_local, remote_error
 from . import completion, diff, export, gc, import_, inspect, ls, pin, prune, rm, verify
-from ._common import UsageError
+from ._common import Command, UsageError
 from ._output import one_line
 
 __all__ = ["build_parser", "main"]
@@ -37,7 +36,7 @@ __all__ = ["build_parser", "main"]
 PROG = "ckptstore"
 
 #: Every command: its name, its help, and the module that parses and runs it.
-COMMANDS: list[tuple[str, str, ModuleType]] = [
+COMMANDS: list[tuple[str, str, Command]] = [
     (ls.NAME, ls.HELP, ls),
     (verify.NAME, verify.HELP, verify),
     (prune.NAME, prune.HELP, prune),
