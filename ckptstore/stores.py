@@ -94,7 +94,11 @@ def _child_stores(
             child: Storage = LocalStorage(path)
         else:
             child = open_storage(posixpath.join(storage.root, name), storage_options)
-        if any(_is_store_entry(n) for n in _names(child)):
+        try:
+            names_in = _names(child)
+        except OSError:  # a subdirectory we may not read (``ls /etc``) holds no store of ours
+            continue
+        if any(_is_store_entry(n) for n in names_in):
             out.append(child)
     return out
 
