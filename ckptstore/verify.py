@@ -348,7 +348,8 @@ def verify_file(path: str | os.PathLike[str], *, deep: bool = True) -> VerifyRep
 
     For a zip: the central directory, that it is a ``torch.save`` archive, and with ``deep``
     every member's CRC-32 (which ``torch.load`` itself never checks). For safetensors: the
-    header, every dtype, shape and offset against the file size.
+    header, every dtype, shape and offset against the file size. Anything else (random
+    bytes) is reported as "not a checkpoint format ckptstore knows", not as a bad header.
     """
     path = os.fspath(path)
     report = VerifyReport(target=path, deep=deep)
