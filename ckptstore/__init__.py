@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+import importlib
+from typing import TYPE_CHECKING, Any
 
 from .errors import (
     BarrierTimeout,
@@ -16,14 +17,40 @@ from .errors import (
     StoreLockedError,
     UnsafeCheckpointError,
 )
+from .inspect import inspect_step
 from .integrity import VerifyReport
-from .manager import CheckpointManager
+from .listing import list_store, list_stores
 from .manifest import FileEntry, Manifest
-from .modules import EMA, RNGState
 from .retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
-from .single import atomic_save
-from .staging import SaveHandle
-from .verify import verify_file
+from .steps import delete_steps, gc_store, pin_steps, prune_store
+from .verify import verify_file, verify_path
+
+__version__ = "0.1.0"
+
+# Names whose module imports torch are loaded on first use (PEP 562), so that `import
+# ckptstore` and the commands that only read JSON and bytes (`ckptstore ls`, `verify --quick`,
+# `prune --dry-run`) start without torch's 1.5-2 s import (issue 12). Type checkers see them
+# through the TYPE_CHECKING imports below.
+_LAZY = {
+    "EMA": ".modules",
+    "RNGState": ".modules",
+    "CheckpointManager": ".manager",
+    "SaveHandle": ".staging",
+    "atomic_save": ".single",
+    "diff_steps": ".diff",
+    "export_hf_step": ".export",
+    "export_step": ".export",
+    "import_file": ".importers",
+}
+
+if TYPE_CHECKING:
+    from .diff import diff_steps
+    from .export import export_hf_step, export_step
+    from .importers import import_file
+    from .manager import CheckpointManager
+    from .modules import EMA, RNGState
+    from .single import atomic_save
+    from .staging import SaveHandle
 
 __all__ = [
     "EMA",
@@ -49,5 +76,31 @@ __all__ = [
     "VerifyReport",
     "__version__",
     "atomic_save",
+    "delete_steps",
+    "diff_steps",
+    "export_hf_step",
+    "export_step",
+    "gc_store",
+    "import_file",
+    "inspect_step",
+    "list_store",
+    "list_stores",
+    "pin_steps",
+    "prune_store",
     "verify_file",
+    "verify_path",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    module = _LAZY.get(name)
+    if module is None:
+        msg = f"module {__name__!r} has no attribute {name!r}"
+        raise AttributeError(msg)
+    value = getattr(importlib.import_module(module, __name__), name)
+    globals()[name] = value  # once loaded, an ordinary attribute
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(__all__))

@@ -22,14 +22,15 @@ import dataclasses
 import json
 import math
 from collections.abc import Mapping, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from .codec.tree import SUPPORTED_DTYPES
+from .codec.dtypes import ITEMSIZE
 from .errors import IntegrityError
 from .integrity import crc32c_of, format_crc, parse_crc
 from .manifest import FileEntry, validate_file_name
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = [
     "BLOCK",
@@ -54,7 +55,6 @@ MAX_INDEX_BYTES = 512 << 20
 _MAX_NDIM = 64
 _MAX_DIM = 1 << 48
 _MAX_CHUNKS = 1 << 22
-_DTYPE_NAMES = {v: k for k, v in SUPPORTED_DTYPES.items()}
 
 
 def shard_file(rank: int) -> str:
@@ -105,12 +105,14 @@ class TensorEntry:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype as a torch dtype."""
+        from .codec.tree import SUPPORTED_DTYPES
+
         return SUPPORTED_DTYPES[self.dtype]
 
     @property
     def nbytes(self) -> int:
         """Bytes of the full tensor."""
-        return math.prod(self.shape) * self.torch_dtype.itemsize
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
 
     def to_json(self) -> dict[str, Any]:
         """JSON form."""
@@ -178,6 +180,7 @@ class ChunkIndex:
 
     def dcp_metadata(self) -> Any:
         """The index as ``torch.distributed.checkpoint.metadata.Metadata`` for DCP's planners."""
+        import torch
         from torch.distributed.checkpoint.metadata import (
             ChunkStorageMetadata,
             Metadata,
@@ -243,9 +246,9 @@ def _tensor_entry(  # noqa: PLR0917 - a private validator with one call site
     if not isinstance(row, dict):
         raise IntegrityError(f"{at}: entry must be an object")
     dtype = row.get("dtype")
-    if not isinstance(dtype, str) or dtype not in SUPPORTED_DTYPES:
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
         raise IntegrityError(f"{at}: unsupported dtype {dtype!r}")
-    itemsize = SUPPORTED_DTYPES[dtype].itemsize
+    itemsize = ITEMSIZE[dtype]
     shape = _ints(row.get("shape"), "shape", at)
     numel = math.prod(shape)
     raw_chunks = row.get("chunks")
@@ -377,6 +380,8 @@ def read_box(
     Raises:
         IntegrityError: a block does not match its CRC32C.
     """
+    import torch
+
     itemsize = dtype.itemsize
     first, end = box_byte_range(chunk.sizes, box_offsets, lengths, itemsize)
     if first == end:
@@ -400,4 +405,7 @@ def read_box(
 
 def dtype_name(dtype: torch.dtype) -> str:
     """The index's name of a dtype (``float32``)."""
-    return _DTYPE_NAMES[dtype]
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise KeyError(dtype)
+    return name

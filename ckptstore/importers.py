@@ -1,6 +1,7 @@
-"""Reading checkpoints that other tools wrote, for ``ckptstore import``, without running code.
+"""Importing checkpoints that other tools wrote (``ckptstore import``), without running code.
 
-Three kinds of source:
+:func:`import_file` reads a source with :func:`read_source` and commits it as a step. Four
+kinds of source:
 
 - a ``torch.save`` file holding a dict (or a bare state dict): its zip CRCs are checked (torch
   does not), then it is loaded with ``torch.load(weights_only=True)``;
@@ -14,7 +15,13 @@ Three kinds of source:
   item's bytes are checked (bounds, zip CRCs) before use, and every item is loaded with
   ``weights_only=True``, non-tensor ones included (DCP itself loads those with
   ``weights_only=False``). It is read in this one process: no process group is needed, and
-  tensors saved in shards by many ranks come back whole.
+  tensors saved in shards by many ranks come back whole;
+- a ``.safetensors`` file: its header and bounds are checked, and its tensors are a bare
+  state dict.
+
+Anything else (random bytes, an unknown format) is "not a checkpoint format ckptstore
+knows", before any parser sees it. NumPy arrays and scalars in a ``torch.save`` file (an
+``RNGState`` holds one) load through numpy's own array reconstruction, explicitly allowed.
 
 A pickle that asks for anything beyond tensors and plain data (a custom class in Lightning's
 ``hyper_parameters``, an ``argparse.Namespace``) makes the source refused, naming what it
@@ -29,6 +36,7 @@ import collections
 import contextlib
 import dataclasses
 import errno
+import importlib
 import io
 import itertools
 import os
@@ -42,14 +50,19 @@ from typing import Any
 
 import torch
 
+from ._progress import Progress
 from .codec.torchzip import check_stored
 from .errors import CkptStoreError, IntegrityError
-from .verify import verify_file
+from .verify import looks_like_safetensors, verify_file
 
-__all__ = ["DCP_METADATA", "Source", "read_source"]
+__all__ = ["DCP_METADATA", "ImportResult", "Source", "import_file", "prepare_import", "read_source"]
 
 #: The file that makes a directory a DCP checkpoint.
 DCP_METADATA = ".metadata"
+#: Wrapper prefixes stripped from the keys of imported state dicts (DDP, torch.compile).
+_WRAPPER_PREFIXES = ("module.", "_orig_mod.")
+#: First bytes of a pre-1.6 ``torch.save`` file: pickle protocol 2, then its LONG1 magic.
+_LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"
 #: The entry Lightning puts in every checkpoint it writes.
 _LIGHTNING_KEY = "pytorch-lightning_version"
 _FILE_NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,254}")
@@ -115,6 +128,17 @@ def read_source(path: str, *, skip_unsafe: bool = False) -> Source:
         return Source(obj, "dcp", notes, {})
     if not os.path.isfile(path):
         raise FileNotFoundError(errno.ENOENT, "no such file", path)
+    with open(path, "rb") as f:
+        head = f.read(16)
+        size = os.fstat(f.fileno()).st_size
+    if looks_like_safetensors(head, size):
+        return Source(_read_safetensors(path), "safetensors", ["a safetensors file"], {})
+    if not head.startswith((b"PK", _LEGACY_TORCH_MAGIC)):
+        raise CkptStoreError(
+            f"{path}: not a checkpoint format ckptstore knows; import reads torch.save files "
+            "(.pt, .pth, .bin), Lightning .ckpt files, .safetensors files and "
+            "torch.distributed.checkpoint directories"
+        )
     obj, notes = _read_torch(path, skip_unsafe=skip_unsafe)
     if isinstance(obj, dict) and _LIGHTNING_KEY in obj:
         info = {k: _int_or_none(obj.get(k)) for k in ("global_step", "epoch")}
@@ -126,6 +150,21 @@ def read_source(path: str, *, skip_unsafe: bool = False) -> Source:
         )
         return Source(obj, "lightning", notes, {"lightning": info})
     return Source(obj, "torch", notes, {})
+
+
+def _read_safetensors(path: str) -> dict[str, Any]:
+    """The tensors of a ``.safetensors`` file, after its header and bounds are checked."""
+    from safetensors.torch import load_file
+
+    report = verify_file(path, deep=True)
+    if not report.ok:
+        raise IntegrityError(_one_line(report.problems[0]))
+    try:
+        return dict(load_file(path))
+    except Exception as e:  # the library's own errors have no common base
+        raise IntegrityError(
+            f"{path}: safetensors could not read it ({_one_line(str(e))})"
+        ) from None
 
 
 def _int_or_none(v: Any) -> int | None:
@@ -186,9 +225,38 @@ def _read_torch(path: str, *, skip_unsafe: bool) -> tuple[Any, list[str]]:
     return _read_torch_skipping(path, what)
 
 
+def _numpy_globals() -> list[Any]:
+    """What a ``torch.save``d numpy array or scalar needs, for a ``weights_only`` load.
+
+    ``RNGState`` holds NumPy's generator state (an ``ndarray``), so a whole state written by
+    ``ckptstore export OUT.pt`` (or by ``torch.save`` of any state that has one) holds
+    pickled numpy arrays, which torch's ``weights_only`` unpickler refuses. Allowed here:
+    numpy's array and scalar reconstruction and its dtypes, nothing else. They build arrays
+    from raw bytes; the elements of an object array are unpickled by the same restricted
+    unpickler as everything else, so no code can be named through them.
+    """
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy is present wherever tests run
+        return []
+    try:
+        multiarray = importlib.import_module("numpy._core.multiarray")  # numpy >= 2
+    except ImportError:  # pragma: no cover - numpy 1.x
+        multiarray = importlib.import_module("numpy.core.multiarray")
+    dtypes = {type(np.dtype(c)) for c in "?bBhHiIlLqQefdgFDGSUVMmO"}
+    return [
+        multiarray._reconstruct,
+        multiarray.scalar,
+        np.ndarray,
+        np.dtype,
+        *sorted(dtypes, key=str),
+    ]
+
+
 def _torch_load(path: str) -> Any:
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        with torch.serialization.safe_globals(_numpy_globals()):
+            return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise
     except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
@@ -237,9 +305,11 @@ def _read_torch_skipping(path: str, what: str) -> tuple[Any, list[str]]:
         names = sorted(torch.serialization.get_unsafe_globals_in_checkpoint(path))
     except (ValueError, RuntimeError, zipfile.BadZipFile) as e:
         raise CkptStoreError(f"{path}: cannot list what the file needs ({e})") from None
+    allowed = {f"{g.__module__}.{g.__qualname__}" for g in _numpy_globals()}
+    names = [n for n in names if n not in allowed]
     stubs = _Placeholders(names)
     try:
-        with torch.serialization.safe_globals(stubs.globals()):
+        with torch.serialization.safe_globals([*_numpy_globals(), *stubs.globals()]):
             obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError as e:
         raise _cannot_skip(path, _refused(e) or what, "torch refuses it outright") from None
@@ -520,3 +590,168 @@ def _int_optimizer_keys(obj: dict[Any, Any], path: str = "") -> list[str]:
                 continue
         notes.extend(_int_optimizer_keys(v, where))
     return notes
+
+
+# ---- committing a source as a step ------------------------------------------------------
+
+
+@dataclasses.dataclass
+class ImportResult:
+    """What ``ckptstore import`` stored."""
+
+    source: str
+    where: str
+    step: int
+    keys: list[str]
+    bytes: int
+    notes: list[str]
+    kind: str = "torch"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return dataclasses.asdict(self)
+
+
+def _strip_wrapper_prefix(sd: dict[str, Any]) -> tuple[dict[str, Any], str]:
+    """Remove ``module.``/``_orig_mod.`` prefixes shared by every key of a flat state dict."""
+    keys = list(sd)
+    stripped = ""
+    changed = True
+    while changed and keys:
+        changed = False
+        for p in _WRAPPER_PREFIXES:
+            if all(k.startswith(p) and len(k) > len(p) for k in keys):
+                keys = [k[len(p) :] for k in keys]
+                stripped += p
+                changed = True
+    if not stripped:
+        return sd, ""
+    out: dict[str, Any] = (
+        collections.OrderedDict() if isinstance(sd, collections.OrderedDict) else {}
+    )
+    for old, new in zip(sd, keys, strict=True):
+        out[new] = sd[old]
+    meta = getattr(sd, "_metadata", None)
+    if isinstance(meta, dict):
+        # Module versions keyed by submodule path: keep the wrapped module's, re-rooted.
+        new_meta = {}
+        outer = stripped[:-1]
+        for k, v in meta.items():
+            if k == outer:
+                new_meta[""] = v
+            elif k.startswith(stripped):
+                new_meta[k[len(stripped) :]] = v
+        out._metadata = new_meta  # type: ignore[attr-defined]
+    return out, stripped
+
+
+def _is_flat_tensor_dict(obj: Any) -> bool:
+    return (
+        isinstance(obj, dict)
+        and len(obj) > 0
+        and all(isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items())
+    )
+
+
+def prepare_import(obj: Any, *, key: str = "model") -> tuple[dict[Any, Any], list[str]]:
+    """Shape a loaded ``torch.save`` object for :meth:`CheckpointManager.save`.
+
+    A bare state dict (``{name: tensor}``) is stored under ``key``; every flat tensor dict
+    loses a ``module.``/``_orig_mod.`` prefix shared by all its keys. Returns the state and
+    notes on what was changed.
+
+    Raises:
+        CkptStoreError: ``obj`` is not a dict.
+    """
+    notes: list[str] = []
+    if not isinstance(obj, dict):
+        raise CkptStoreError(
+            f"the file holds a {type(obj).__name__}, not a dict; ckptstore stores a dict of "
+            "named entries (e.g. {'model': state_dict, 'optimizer': ...})"
+        )
+    if _is_flat_tensor_dict(obj):
+        sd, prefix = _strip_wrapper_prefix(obj)
+        notes.append(f"a bare state dict: stored under {key!r}")
+        if prefix:
+            notes.append(f"stripped {prefix!r} from the keys of {key!r}")
+        return {key: sd}, notes
+    state: dict[Any, Any] = {}
+    for k, v in obj.items():
+        if _is_flat_tensor_dict(v):
+            v, prefix = _strip_wrapper_prefix(v)
+            if prefix:
+                notes.append(f"stripped {prefix!r} from the keys of {k!r}")
+        state[k] = v
+    return state, notes
+
+
+def import_file(
+    source: str | os.PathLike[str],
+    root: str | os.PathLike[str],
+    step: int,
+    *,
+    key: str = "model",
+    format: str = "safetensors",
+    compression: str | None = None,
+    skip_unsafe: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> ImportResult:
+    """Load a foreign checkpoint (never running its code) and commit it as ``step`` of ``root``.
+
+    ``source`` is a ``torch.save`` file, a Lightning ``.ckpt``, a ``.safetensors`` file or a
+    ``torch.distributed.checkpoint`` directory (see :func:`read_source`). A bare state dict
+    is stored under ``key``; ``module.``/``_orig_mod.`` prefixes are stripped. The store is
+    created if needed.
+
+    Args:
+        source: the file or DCP directory.
+        root: the store: a local directory or an fsspec URL.
+        step: the step to store it as.
+        key: the entry name for a bare state dict.
+        format: the payload format of the new step (``"safetensors"`` or ``"torch"``).
+        compression: ``None`` or ``"zstd"``.
+        skip_unsafe: drop the entries that need code to load instead of refusing the source.
+        storage_options: fsspec options for a URL.
+        progress: called as the import advances.
+
+    Raises:
+        ValueError: ``format`` or ``compression`` is not one ckptstore writes.
+        FileNotFoundError: nothing at ``source``.
+        CkptStoreError: the source needs code to load (see ``skip_unsafe``), is not a dict,
+            is not a checkpoint format ckptstore knows, or cannot be stored.
+        IntegrityError: the source is corrupt.
+        StepExistsError: ``step`` is already committed.
+        StoreLockedError: another process writes the store.
+    """
+    from .manager import CheckpointManager  # the manager imports this module's neighbours
+
+    source = os.fspath(source)
+    report = progress or (lambda done, total, what: None)
+    report(0, 2, f"reading {os.path.basename(os.path.normpath(source))}")
+    src = read_source(source, skip_unsafe=skip_unsafe)
+    state, notes = prepare_import(src.obj, key=key)
+    notes = src.notes + notes
+    report(1, 2, f"writing step {step}")
+    mgr = CheckpointManager(
+        root,
+        keep=None,
+        format=format,
+        compression=compression,
+        storage_options=storage_options or None,
+        distributed=False,
+    )
+    with mgr:
+        metadata = {"imported_from": os.path.abspath(source), **src.metadata}
+        manifest = mgr.save(step, state, metadata=metadata).wait()
+        where = mgr.storage.describe(step)
+        report(2, 2, "done")
+    return ImportResult(
+        source=source,
+        where=where,
+        step=step,
+        keys=[str(k) for k in state],
+        bytes=manifest.total_bytes if manifest is not None else 0,
+        notes=notes,
+        kind=src.kind,
+    )

@@ -8,6 +8,9 @@ also the CRC32C of every file and the CRC-32 of every zip member; compressed pay
 inflated (never past what their tensors in the state file can take, nor past what a
 safetensors header declares) and checked the same way; for DTensor shard files the CRC32C of
 every block of every chunk, computed in the same single read of the file as its CRC32C.
+
+A file inside a step directory is checked against the manifest beside it (its size and
+CRC32C, then its structure); a lone file on its own structure. Nothing here imports torch.
 """
 
 from __future__ import annotations
@@ -17,19 +20,27 @@ import json
 import os
 import stat
 import zipfile
+from collections.abc import Mapping
 from typing import Any
 
+from ._progress import Progress
 from .chunks import INDEX_FILE, ChunkIndex
 from .codec import payload, torchzip
 from .codec import safetensors as st
-from .codec.tree import stored_tensors
-from .errors import CkptStoreError, IntegrityError, ManifestError
+from .codec.payload import stored_tensors
+from .errors import CkptStoreError, IntegrityError, ManifestError, NoCheckpointError
 from .integrity import VerifyReport, crc32c_of, format_crc
-from .layout import STATE_NAME, state_file
+from .layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname, state_file
 from .manifest import FileEntry, Manifest
 from .storage.base import Storage
 
-__all__ = ["verify_checkpoint", "verify_file"]
+__all__ = [
+    "looks_like_safetensors",
+    "verify_checkpoint",
+    "verify_file",
+    "verify_path",
+    "verify_stored_file",
+]
 
 #: First bytes of a pre-1.6 ``torch.save`` file: pickle protocol 2, then its LONG1 magic.
 _LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"
@@ -112,66 +123,79 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
     index = _check_index(storage, manifest, report) if manifest.dtensor else None
     blocks = _blocks_by_file(index) if deep and index is not None else {}
     for name, entry in sorted(manifest.files.items()):
-        where = storage.describe(step, name)
-        report.files += 1
-        try:
-            size = storage.file_size(step, name)
-            if size is None:
-                report.add(f"{where}: missing or not a regular file")
-                continue
-            if size != entry.bytes:
-                report.add(
-                    f"{where}: {size} bytes, manifest says {entry.bytes}; truncated or replaced"
-                )
-                continue
-            if deep and entry.compression is not None and entry.codec in _PAYLOADS:
-                # Read once: checksummed, then inflated as far as it may be and checked.
-                data = storage.read_file(step, name, entry)
-                report.bytes_checked += len(data)
-                limit = limits.of(name, entry)
-                if limit is not None:  # else its state file is reported broken
-                    _check_compressed(data, entry, where, limit)
-                continue
-            if deep and name in blocks:
-                # One read of the shard file: its CRC32C and every chunk block's at once.
-                checker = _BlockChecker(blocks[name], where)
-                failed = None
-                try:
-                    storage.stream_file(step, name, entry, checker)
-                except IntegrityError as e:
-                    failed = str(e)
-                report.bytes_checked += checker.seen
-                for p in checker.finish():
-                    report.add(p)
-                if failed is not None:
-                    report.add(failed)
-                    continue
-            elif deep:
-                got, crc = storage.checksum_file(step, name)
-                report.bytes_checked += got
-                if got != entry.bytes:
-                    report.add(f"{where}: read {got} bytes, manifest says {entry.bytes}")
-                    continue
-                if crc != entry.crc32c:
-                    report.add(
-                        f"{where}: crc32c {format_crc(crc)} does not match the manifest's "
-                        f"{format_crc(entry.crc32c)}; the file is corrupt"
-                    )
-                    continue
-            if entry.compression is None and entry.codec in ("safetensors", "torch"):
-                with storage.open_file(step, name) as f:
-                    _check_header(f, size, entry.codec, where, deep)
-            elif entry.codec == "json" and deep:
-                data = storage.read_file(step, name, entry)
-                try:
-                    json.loads(bytes(data).decode("utf-8"))
-                except (UnicodeDecodeError, ValueError, RecursionError) as e:
-                    report.add(f"{where}: not valid JSON ({e})")
-        except (CkptStoreError, OSError) as e:
-            report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
+        _check_entry(storage, manifest, name, entry, report, deep, limits, blocks)
     # The index and state.json are read before the file loop too: say each problem once.
     report.problems[:] = list(dict.fromkeys(report.problems))
     return report
+
+
+def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's loop
+    storage: Storage,
+    manifest: Manifest,
+    name: str,
+    entry: FileEntry,
+    report: VerifyReport,
+    deep: bool,
+    limits: _Limits,
+    blocks: Mapping[str, list[_Block]],
+) -> None:
+    """Check one file of a checkpoint against its manifest entry; problems go to ``report``."""
+    step = manifest.step
+    where = storage.describe(step, name)
+    report.files += 1
+    try:
+        size = storage.file_size(step, name)
+        if size is None:
+            report.add(f"{where}: missing or not a regular file")
+            return
+        if size != entry.bytes:
+            report.add(f"{where}: {size} bytes, manifest says {entry.bytes}; truncated or replaced")
+            return
+        if deep and entry.compression is not None and entry.codec in _PAYLOADS:
+            # Read once: checksummed, then inflated as far as it may be and checked.
+            data = storage.read_file(step, name, entry)
+            report.bytes_checked += len(data)
+            limit = limits.of(name, entry)
+            if limit is not None:  # else its state file is reported broken
+                _check_compressed(data, entry, where, limit)
+            return
+        if deep and name in blocks:
+            # One read of the shard file: its CRC32C and every chunk block's at once.
+            checker = _BlockChecker(blocks[name], where)
+            failed = None
+            try:
+                storage.stream_file(step, name, entry, checker)
+            except IntegrityError as e:
+                failed = str(e)
+            report.bytes_checked += checker.seen
+            for p in checker.finish():
+                report.add(p)
+            if failed is not None:
+                report.add(failed)
+                return
+        elif deep:
+            got, crc = storage.checksum_file(step, name)
+            report.bytes_checked += got
+            if got != entry.bytes:
+                report.add(f"{where}: read {got} bytes, manifest says {entry.bytes}")
+                return
+            if crc != entry.crc32c:
+                report.add(
+                    f"{where}: crc32c {format_crc(crc)} does not match the manifest's "
+                    f"{format_crc(entry.crc32c)}; the file is corrupt"
+                )
+                return
+        if entry.compression is None and entry.codec in ("safetensors", "torch"):
+            with storage.open_file(step, name) as f:
+                _check_header(f, size, entry.codec, where, deep)
+        elif entry.codec == "json" and deep:
+            data = storage.read_file(step, name, entry)
+            try:
+                json.loads(bytes(data).decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
+                report.add(f"{where}: not valid JSON ({e})")
+    except (CkptStoreError, OSError) as e:
+        report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
 
 
 def _check_index(storage: Storage, manifest: Manifest, report: VerifyReport) -> ChunkIndex | None:
@@ -307,12 +331,25 @@ class _BlockChecker:
         return self.problems
 
 
+def looks_like_safetensors(head: bytes, size: int) -> bool:
+    """Whether a file of ``size`` bytes starting with ``head`` (16 bytes) may be safetensors.
+
+    Its first 8 bytes are the length of a JSON header that fits in the file and opens with
+    ``{``. Anything else is not worth a complaint about its header.
+    """
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return 2 <= n <= min(size - 8, st.MAX_HEADER_BYTES) and head[8:9] == b"{"
+
+
 def verify_file(path: str | os.PathLike[str], *, deep: bool = True) -> VerifyReport:
     """Verify a lone ``.pt`` / ``.ckpt`` (zip) or ``.safetensors`` file, never unpickling it.
 
     For a zip: the central directory, that it is a ``torch.save`` archive, and with ``deep``
     every member's CRC-32 (which ``torch.load`` itself never checks). For safetensors: the
-    header, every dtype, shape and offset against the file size.
+    header, every dtype, shape and offset against the file size. Anything else (random
+    bytes) is reported as "not a checkpoint format ckptstore knows", not as a bad header.
     """
     path = os.fspath(path)
     report = VerifyReport(target=path, deep=deep)
@@ -335,8 +372,15 @@ def verify_file(path: str | os.PathLike[str], *, deep: bool = True) -> VerifyRep
                     "without unpickling. Re-save it with a current torch (zip format)"
                 )
                 return report
-            elif path.endswith(".safetensors") or not zipfile.is_zipfile(path):
+            elif path.endswith(".safetensors") or looks_like_safetensors(f.read(16), st_.st_size):
+                f.seek(0)
                 _check_header(f, st_.st_size, "safetensors", path, deep)
+            elif not zipfile.is_zipfile(path):
+                report.add(
+                    f"{path}: not a checkpoint format ckptstore knows (neither a torch.save "
+                    "zip archive nor a safetensors file)"
+                )
+                return report
             if deep:
                 report.bytes_checked = st_.st_size
     except IntegrityError as e:
@@ -344,3 +388,104 @@ def verify_file(path: str | os.PathLike[str], *, deep: bool = True) -> VerifyRep
     except OSError as e:
         report.add(f"{path}: unreadable ({e})")
     return report
+
+
+def verify_stored_file(
+    storage: Storage, step: int, name: str, *, deep: bool = True
+) -> VerifyReport:
+    """Verify one file of a committed checkpoint against its manifest (size, CRC32C, structure).
+
+    ``manifest.json`` itself is checked as a manifest (its own checksum, names, types).
+    """
+    report = VerifyReport(target=storage.describe(step, name), deep=deep)
+    try:
+        manifest = storage.read_manifest(step)
+    except ManifestError as e:
+        report.add(str(e))
+        return report
+    if name == MANIFEST_NAME:
+        report.files = 1
+        return report
+    entry = manifest.files.get(name)
+    if entry is None:
+        report.add(
+            f"{report.target}: not a file of the checkpoint (its manifest does not list it), "
+            "so it cannot be checked against it"
+        )
+        return report
+    index = None
+    if deep and manifest.dtensor and name != INDEX_FILE:
+        index = _check_index(storage, manifest, VerifyReport(target=report.target))
+    blocks = _blocks_by_file(index) if index is not None else {}
+    _check_entry(storage, manifest, name, entry, report, deep, _Limits(storage, manifest), blocks)
+    return report
+
+
+def verify_path(
+    target: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    step: int | None = None,
+    all_steps: bool = False,
+    deep: bool = True,
+    progress: Progress | None = None,
+) -> list[VerifyReport]:
+    """Verify a store (its newest step, ``step``, or every step), a step directory, or a file.
+
+    A file inside a committed step directory is checked against the manifest beside it
+    (size and CRC32C, then its structure); any other file on its own (:func:`verify_file`).
+
+    Args:
+        target: a store (local directory or fsspec URL), a step directory, or a file.
+        storage_options: fsspec options for a URL.
+        step: the step to verify (default: the newest).
+        all_steps: verify every committed step.
+        deep: compute checksums (else sizes, headers and structure only).
+        progress: called after each step with ``(done, total, "step N")``.
+
+    Returns:
+        One report per checkpoint or file verified.
+
+    Raises:
+        NoCheckpointError: nothing at ``target``, no store there, an empty store, or
+            ``step`` is not committed.
+        ValueError: ``step`` or ``all_steps`` given for a file.
+    """
+    from .stores import committed_step, is_local, open_store, reaching
+
+    target = os.fspath(target)
+    path = target.partition("://")[2] if "://" in target else target
+    if is_local(target) and os.path.isfile(path):
+        if step is not None or all_steps:
+            msg = f"{target} is a file: --step and --all apply to stores only"
+            raise ValueError(msg)
+        parent = os.path.dirname(os.path.abspath(path))
+        parsed = parse_step_dirname(os.path.basename(parent))
+        if parsed is not None and os.path.isfile(os.path.join(parent, MANIFEST_NAME)):
+            from .storage import LocalStorage
+
+            store = LocalStorage(os.path.dirname(parent))
+            return [verify_stored_file(store, parsed, os.path.basename(path), deep=deep)]
+        return [verify_file(path, deep=deep)]
+    if is_local(target) and not os.path.lexists(path):
+        raise NoCheckpointError(f"{path}: no such file or directory")
+    if is_local(target) and step is None and not all_steps:
+        # A step directory given directly (ROOT/step-000000001000): verify that step.
+        parsed = parse_step_dirname(os.path.basename(os.path.normpath(path)))
+        if parsed is not None and os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            target, step = os.path.dirname(os.path.abspath(path)), parsed
+    storage = open_store(target, storage_options)
+    with reaching(storage.root):
+        if not all_steps:
+            return [verify_checkpoint(storage, committed_step(storage, step), deep=deep)]
+        steps = storage.list_steps()
+        if not steps:
+            raise NoCheckpointError(f"{storage.root}: no committed checkpoint")
+        reports = []
+        for i, s in enumerate(steps):
+            if progress is not None:
+                progress(i, len(steps), f"step {s}")
+            reports.append(verify_checkpoint(storage, s, deep=deep))
+        if progress is not None:
+            progress(len(steps), len(steps), "done")
+        return reports

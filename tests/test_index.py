@@ -15,8 +15,8 @@ import pytest
 import torch
 from _helpers import flip_byte, forge_manifest, step_dir
 
-from ckptstore import CheckpointManager, KeepBest, KeepLast
-from ckptstore.cli import list_store, main
+from ckptstore import CheckpointManager, KeepBest, KeepLast, list_store
+from ckptstore.cli import main
 from ckptstore.errors import ManifestError
 from ckptstore.layout import INDEX_NAME, index_tmp_name
 from ckptstore.storage.local import LocalStorage

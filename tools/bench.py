@@ -999,15 +999,15 @@ def run_rounds(ctx: Ctx, contenders: list[Contender], repeats: int) -> None:
 
 _LS_SCRIPT = """
 import json, sys, time
-from ckptstore import cli
+from ckptstore import list_store
 t0 = time.perf_counter()
-res = cli.list_store(sys.argv[1], {})
+res = list_store(sys.argv[1], {})
 print(json.dumps({"seconds": time.perf_counter() - t0, "steps": len(res.steps)}))
 """
 
 
 def time_ls_subprocess(root: Path, timeout: float) -> dict[str, Any]:
-    """``ckptstore ls``'s work (cli.list_store), timed inside a child we can give up on."""
+    """``ckptstore ls``'s work (ckptstore.list_store), timed inside a child we can give up on."""
     t0 = time.perf_counter()
     try:
         res = subprocess.run(

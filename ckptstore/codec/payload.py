@@ -7,17 +7,27 @@ extension for per-rank shards and ``.zst`` after it when compressed.
 from __future__ import annotations
 
 import contextlib
+import math
 from collections.abc import Iterator, Mapping
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from ..errors import IntegrityError
 from ..manifest import FileEntry
 from . import safetensors as st
 from . import torchzip, zstd
+from .dtypes import ITEMSIZE
 
-__all__ = ["group_of", "max_payload_bytes", "payload_name", "read_group", "write_group"]
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "group_of",
+    "max_payload_bytes",
+    "payload_name",
+    "read_group",
+    "stored_tensors",
+    "write_group",
+]
 
 EXT = {"safetensors": ".safetensors", "torch": ".pt"}
 
@@ -77,11 +87,50 @@ _FILE_ALLOWANCE = 1 << 20
 _TENSOR_ALLOWANCE = 4096
 
 
+#: How deep :func:`stored_tensors` walks (the tree codec nests at most 200 levels).
+_MAX_TREE_DEPTH = 205
+
+
+def stored_tensors(tree: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    """The tensors a state tree keeps in payload files: ``{group: {key: (bytes, ndim)}}``.
+
+    Read from the JSON tree alone, before any payload is: it bounds how far a compressed
+    payload may inflate. Malformed nodes are skipped here; decoding them fails later with
+    the real error. ``"view"`` nodes add nothing: they reference an entry stored by a
+    ``"tensor"`` (or ``"ndarray"``) node. Needs no torch (``verify`` runs without it).
+    """
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    todo: list[tuple[Any, int]] = [(tree, 0)]
+    while todo:
+        node, depth = todo.pop()
+        if depth > _MAX_TREE_DEPTH:
+            continue
+        if isinstance(node, list):
+            todo.extend((x, depth + 1) for x in node)
+            continue
+        if not isinstance(node, dict):
+            continue
+        if node.get("t") in ("tensor", "ndarray"):
+            try:
+                group, key = node["file"], node["key"]
+                shape = [int(d) for d in node["shape"]]
+                itemsize = ITEMSIZE[node["dtype"]]
+            except (KeyError, TypeError, ValueError):
+                continue
+            if isinstance(group, str) and isinstance(key, str):
+                size = (max(0, math.prod(shape)) * itemsize, len(shape))
+                entries = out.setdefault(group, {})
+                entries[key] = max(entries.get(key, (0, 0)), size)
+            continue
+        todo.extend((v, depth + 1) for v in node.values() if isinstance(v, list | dict))
+    return out
+
+
 def max_payload_bytes(tensors: Mapping[str, tuple[int, int]]) -> int:
     """The most bytes a payload file of ``tensors`` can hold, decompressed.
 
     Args:
-        tensors: ``{key: (data bytes, ndim)}``, as :func:`tree.stored_tensors` gives them.
+        tensors: ``{key: (data bytes, ndim)}``, as :func:`stored_tensors` gives them.
 
     Returns:
         Their data, plus a generous allowance for the container of either format.

@@ -7,21 +7,29 @@ the way. Tensors are laid out largest element first, so every tensor's data is a
 its element size (the header is padded to 8 bytes) and reads can view the buffer in place.
 
 The reader trusts nothing: the header length, every dtype, shape and offset are bounded and
-checked against the file size, and overlapping or gapped ranges are refused.
+checked against the file size, and overlapping or gapped ranges are refused. Validating a
+header needs no torch (``verify`` runs without it); torch is imported where tensors are made.
 """
 
 from __future__ import annotations
 
 import ctypes
+import functools
 import json
 import math
 import struct
 from collections.abc import Mapping
-from typing import Any, Protocol
-
-import torch
+from typing import TYPE_CHECKING, Any, Protocol
 
 from ..errors import IntegrityError
+from .dtypes import ITEMSIZE, SAFETENSORS_CODES
+
+if TYPE_CHECKING:
+    import torch
+
+    #: safetensors dtype code <-> torch dtype (built on first use: see ``__getattr__``).
+    ST_TO_DTYPE: dict[str, torch.dtype]
+    DTYPE_TO_ST: dict[torch.dtype, str]
 
 __all__ = [
     "DTYPE_TO_ST",
@@ -34,27 +42,26 @@ __all__ = [
     "write_safetensors",
 ]
 
-ST_TO_DTYPE: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "U16": torch.uint16,
-    "U32": torch.uint32,
-    "U64": torch.uint64,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-    "F8_E4M3FNUZ": torch.float8_e4m3fnuz,
-    "F8_E5M2FNUZ": torch.float8_e5m2fnuz,
-    "C64": torch.complex64,
-}
-DTYPE_TO_ST = {v: k for k, v in ST_TO_DTYPE.items()}
+
+@functools.cache
+def _dtype_tables() -> tuple[dict[str, torch.dtype], dict[torch.dtype, str]]:
+    import torch
+
+    st_to = {code: getattr(torch, name) for code, name in SAFETENSORS_CODES.items()}
+    return st_to, {v: k for k, v in st_to.items()}
+
+
+def __getattr__(name: str) -> Any:
+    # PEP 562: ST_TO_DTYPE and DTYPE_TO_ST hold torch dtypes, so they are made on first use
+    # and importing this module does not import torch.
+    if name == "ST_TO_DTYPE":
+        return _dtype_tables()[0]
+    if name == "DTYPE_TO_ST":
+        return _dtype_tables()[1]
+    msg = f"module {__name__!r} has no attribute {name!r}"
+    raise AttributeError(msg)
+
+
 #: The safetensors library refuses headers over 100 MB; so do we.
 MAX_HEADER_BYTES = 100_000_000
 
@@ -111,7 +118,7 @@ def build_header(
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
     offset = 0
     for name, t in order:
-        st = DTYPE_TO_ST.get(t.dtype)
+        st = _dtype_tables()[1].get(t.dtype)
         if st is None:
             msg = f"tensor {name!r}: dtype {t.dtype} has no safetensors equivalent"
             raise ValueError(msg)
@@ -158,19 +165,26 @@ class Header:
 
     Attributes:
         data_start: file offset of the first tensor byte.
-        entries: name -> (dtype, shape, start, end), offsets relative to ``data_start``.
+        codes: name -> (safetensors dtype code, shape, start, end), offsets relative to
+            ``data_start``.
         metadata: the ``__metadata__`` strings.
     """
 
     def __init__(
         self,
         data_start: int,
-        entries: dict[str, tuple[torch.dtype, list[int], int, int]],
+        codes: dict[str, tuple[str, list[int], int, int]],
         metadata: dict[str, str],
     ) -> None:
         self.data_start = data_start
-        self.entries = entries
+        self.codes = codes
         self.metadata = metadata
+
+    @functools.cached_property
+    def entries(self) -> dict[str, tuple[torch.dtype, list[int], int, int]]:
+        """Name -> (torch dtype, shape, start, end), offsets relative to ``data_start``."""
+        st_to = _dtype_tables()[0]
+        return {n: (st_to[c], shape, a, b) for n, (c, shape, a, b) in self.codes.items()}
 
 
 def _reject(where: str, what: str) -> IntegrityError:
@@ -196,14 +210,14 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int, where: st
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _reject(where, "__metadata__ must map strings to strings")
     data_len = file_size - 8 - n
-    entries: dict[str, tuple[torch.dtype, list[int], int, int]] = {}
+    entries: dict[str, tuple[str, list[int], int, int]] = {}
     for name, info in doc.items():
         if not isinstance(info, dict):
             raise _reject(where, f"entry {name!r} is not an object")
         st_dtype = info.get("dtype")
         # A list or object here is unhashable: look it up only when it is a string.
-        dtype = ST_TO_DTYPE.get(st_dtype) if isinstance(st_dtype, str) else None
-        if dtype is None:
+        dtype = SAFETENSORS_CODES.get(st_dtype) if isinstance(st_dtype, str) else None
+        if dtype is None or not isinstance(st_dtype, str):
             raise _reject(where, f"entry {name!r} has unknown dtype {info.get('dtype')!r}")
         shape, offs = info.get("shape"), info.get("data_offsets")
         if not isinstance(shape, list) or not all(_nonneg(s) for s in shape):
@@ -211,7 +225,7 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int, where: st
         if not isinstance(offs, list) or len(offs) != 2 or not all(_nonneg(o) for o in offs):
             raise _reject(where, f"entry {name!r} has malformed data_offsets {offs!r}")
         start, end = offs
-        size = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        size = math.prod(shape) * ITEMSIZE[dtype]
         if end < start or end - start != size:
             raise _reject(
                 where, f"entry {name!r}: offsets [{start}, {end}] do not fit shape {shape}"
@@ -221,7 +235,7 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int, where: st
                 where,
                 f"entry {name!r}: data [{start}, {end}] runs past the file ({data_len} data bytes)",
             )
-        entries[name] = (dtype, shape, start, end)
+        entries[name] = (st_dtype, shape, start, end)
     pos = 0
     for name, (_, _, start, end) in sorted(entries.items(), key=lambda kv: (kv[1][2], kv[1][3])):
         if start < pos:
@@ -303,6 +317,8 @@ def read_tensors(buf: bytearray, where: str) -> dict[str, torch.Tensor]:
     file buffer would keep the whole file alive, and ``torch.save`` of it would write the
     whole file again.
     """
+    import torch
+
     header = parse_header(buf, len(buf), where)
     out: dict[str, torch.Tensor] = {}
     base = (
@@ -340,6 +356,8 @@ class StreamDecoder:
         self.reused = 0
 
     def _setup(self) -> None:
+        import torch
+
         header = parse_header(self._head, self.file_size, self.where)
         self.header = header
         ranges = []

@@ -2,7 +2,7 @@
 
 ``torch.load`` does not check the CRC-32 its zip stores per member, so a flipped byte loads
 silently; ckptstore checks its own CRC32C first, and ``verify`` also walks the zip central
-directory and member CRCs without unpickling anything.
+directory and member CRCs without unpickling anything (and without importing torch).
 """
 
 from __future__ import annotations
@@ -11,11 +11,12 @@ import io
 import pickle
 import zipfile
 from collections.abc import Mapping
-from typing import IO, Any, cast
-
-import torch
+from typing import IO, TYPE_CHECKING, Any, cast
 
 from ..errors import IntegrityError, UnsafeCheckpointError
+
+if TYPE_CHECKING:
+    import torch
 
 __all__ = ["check_stored", "check_zip", "load_tensor_dict", "write_torch"]
 
@@ -26,6 +27,8 @@ def write_torch(sink: IO[bytes] | Any, tensors: Mapping[str, torch.Tensor]) -> N
     Raises:
         OSError: writing to ``sink`` failed (disk full, I/O error), as ``sink`` raised it.
     """
+    import torch
+
     rec = _Recording(sink)
     try:
         torch.save(dict(tensors), cast("IO[bytes]", rec))  # torch needs write() and flush()
@@ -61,6 +64,8 @@ class _Recording:
 
 def load_tensor_dict(data: bytes | bytearray | memoryview, where: str) -> dict[str, torch.Tensor]:
     """Load a flat tensor dict saved by :func:`write_torch`, never unpickling code."""
+    import torch
+
     check_zip(data, where, deep=False)
     try:
         reader = cast(IO[bytes], MemoryReader(data))

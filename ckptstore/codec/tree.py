@@ -28,6 +28,8 @@ from typing import Any
 import torch
 
 from ..errors import IntegrityError, UnsafeCheckpointError
+from .dtypes import ITEMSIZE
+from .payload import stored_tensors
 
 try:  # numpy is optional: torch does not require it
     import numpy as _numpy
@@ -38,26 +40,7 @@ np: Any = _numpy
 __all__ = ["SUPPORTED_DTYPES", "TreeDecoder", "TreeEncoder", "format_path", "stored_tensors"]
 
 #: dtype name <-> torch dtype for every dtype the payload formats store.
-SUPPORTED_DTYPES: dict[str, torch.dtype] = {
-    "float64": torch.float64,
-    "float32": torch.float32,
-    "float16": torch.float16,
-    "bfloat16": torch.bfloat16,
-    "int64": torch.int64,
-    "int32": torch.int32,
-    "int16": torch.int16,
-    "int8": torch.int8,
-    "uint8": torch.uint8,
-    "uint16": torch.uint16,
-    "uint32": torch.uint32,
-    "uint64": torch.uint64,
-    "bool": torch.bool,
-    "float8_e4m3fn": torch.float8_e4m3fn,
-    "float8_e5m2": torch.float8_e5m2,
-    "float8_e4m3fnuz": torch.float8_e4m3fnuz,
-    "float8_e5m2fnuz": torch.float8_e5m2fnuz,
-    "complex64": torch.complex64,
-}
+SUPPORTED_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZE}
 _DTYPE_NAMES = {v: k for k, v in SUPPORTED_DTYPES.items()}
 _ALL_TORCH_DTYPES = {
     str(v).removeprefix("torch."): v for v in vars(torch).values() if isinstance(v, torch.dtype)
@@ -524,41 +507,6 @@ class TreeDecoder:
         if n.get("requires_grad") and t.is_floating_point():
             return t.detach().requires_grad_(True)
         return t
-
-
-def stored_tensors(tree: Any) -> dict[str, dict[str, tuple[int, int]]]:
-    """The tensors a state tree keeps in payload files: ``{group: {key: (bytes, ndim)}}``.
-
-    Read from the JSON tree alone, before any payload is: it bounds how far a compressed
-    payload may inflate. Malformed nodes are skipped here; decoding them fails later with
-    the real error. ``"view"`` nodes add nothing: they reference an entry stored by a
-    ``"tensor"`` (or ``"ndarray"``) node.
-    """
-    out: dict[str, dict[str, tuple[int, int]]] = {}
-    todo: list[tuple[Any, int]] = [(tree, 0)]
-    while todo:
-        node, depth = todo.pop()
-        if depth > _MAX_DEPTH + 5:
-            continue
-        if isinstance(node, list):
-            todo.extend((x, depth + 1) for x in node)
-            continue
-        if not isinstance(node, dict):
-            continue
-        if node.get("t") in ("tensor", "ndarray"):
-            try:
-                group, key = node["file"], node["key"]
-                shape = [int(d) for d in node["shape"]]
-                dtype = SUPPORTED_DTYPES[node["dtype"]]
-            except (KeyError, TypeError, ValueError):
-                continue
-            if isinstance(group, str) and isinstance(key, str):
-                size = (max(0, math.prod(shape)) * dtype.itemsize, len(shape))
-                entries = out.setdefault(group, {})
-                entries[key] = max(entries.get(key, (0, 0)), size)
-            continue
-        todo.extend((v, depth + 1) for v in node.values() if isinstance(v, list | dict))
-    return out
 
 
 _SAFE_KEY_RE = re.compile(r"[^A-Za-z0-9_.\-#]")

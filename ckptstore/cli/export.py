@@ -1,0 +1,123 @@
+"""``ckptstore export ROOT --step N OUT`` or ``--hf OUT_DIR``: a checkpoint as standard files."""
+
+from __future__ import annotations
+
+import argparse
+
+from ._common import UsageError, add_root, as_json, step_arg, storage_options
+from ._output import Bar, human_bytes, plural, print_json
+
+NAME = "export"
+HELP = (
+    "write a checkpoint as one .safetensors or .pt file, or a Hugging Face directory (--hf); "
+    "DTensor (FSDP2/TP) checkpoints are consolidated into full tensors"
+)
+
+
+def _size_arg(text: str) -> int:
+    from ..consolidate import parse_size  # torch: only when the flag is given
+
+    try:
+        return parse_size(text)
+    except ValueError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``ROOT --step N OUT``, ``--hf``, ``--max-shard-size``, ``--key``, ``--force``."""
+    add_root(parser)
+    parser.add_argument("--step", type=step_arg, required=True, help="the step to export")
+    parser.add_argument(
+        "out",
+        metavar="OUT",
+        help="*.safetensors: model weights; with --hf a new directory; else the whole state",
+    )
+    parser.add_argument(
+        "--hf",
+        action="store_true",
+        help="write OUT as a Hugging Face checkpoint directory of the entry's weights "
+        "(model.safetensors, or shards + model.safetensors.index.json), one tensor at a time",
+    )
+    parser.add_argument(
+        "--max-shard-size",
+        type=_size_arg,
+        metavar="SIZE",
+        default=None,
+        help="with --hf: largest shard, e.g. 5GB (default), 500MB, 2GiB",
+    )
+    parser.add_argument(
+        "--key", default=None, help="entry to write as safetensors (default: model)"
+    )
+    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+
+
+def _consolidated_text(world: int | None) -> str:
+    if world is None:
+        return ""
+    return f"; consolidated from the DTensor shards of {plural(world, 'rank')}"
+
+
+def run(args: argparse.Namespace) -> int:
+    """Export one file, or with ``--hf`` a Hugging Face directory."""
+    opts = storage_options(args, args.root)
+    if args.hf:
+        if args.force:
+            raise UsageError("--hf never overwrites: OUT_DIR must not exist (or be empty)")
+        return _run_hf(args, opts)
+    if args.max_shard_size is not None:
+        raise UsageError("--max-shard-size applies to --hf only")
+    from ..export import export_step  # torch: imported only when this command runs
+
+    bar = Bar("export", unit="phase")
+    try:
+        res = export_step(
+            args.root,
+            args.step,
+            args.out,
+            key=args.key,
+            force=args.force,
+            storage_options=opts,
+            progress=bar,
+        )
+    finally:
+        bar.close()
+    if as_json(args):
+        print_json(res.to_dict())
+    else:
+        what = f"entry {res.key!r}" if res.key is not None else "the whole state"
+        print(
+            f"exported step {res.step} ({what}, {res.tensors} tensors"
+            f"{_consolidated_text(res.consolidated_from)}) to {res.out} "
+            f"({res.format}, {human_bytes(res.bytes)})"
+        )
+    return 0
+
+
+def _run_hf(args: argparse.Namespace, opts: dict[str, object]) -> int:
+    from ..consolidate import DEFAULT_MAX_SHARD
+    from ..export import export_hf_step
+
+    bar = Bar("export", unit="B")
+    try:
+        hf = export_hf_step(
+            args.root,
+            args.step,
+            args.out,
+            key=args.key,
+            max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD,
+            storage_options=opts,
+            progress=bar,
+        )
+    finally:
+        bar.close()
+    if as_json(args):
+        print_json(hf.to_dict())
+    else:
+        world = hf.world_size if hf.sharding == "dtensor" else None
+        n = len([f for f in hf.files if f.endswith(".safetensors")])
+        print(
+            f"exported step {hf.step} (entry {hf.key!r}, {hf.tensors} tensors, "
+            f"{human_bytes(hf.total_size)}{_consolidated_text(world)}) to {hf.out} "
+            f"(Hugging Face safetensors, {plural(n, 'file')}: {', '.join(hf.files)})"
+        )
+    return 0

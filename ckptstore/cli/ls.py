@@ -1,0 +1,77 @@
+"""``ckptstore ls ROOT``: the committed checkpoints of a store, or of each store in a directory."""
+
+from __future__ import annotations
+
+import argparse
+
+from ..listing import Listings, StoreListing, list_stores
+from ._common import add_root, as_json, storage_options
+from ._output import created_text, human_bytes, metrics_text, plural, print_json, table
+
+NAME = "ls"
+HELP = "list the committed checkpoints of a store (or of each store in a directory)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``ROOT``."""
+    add_root(parser, "store directory or fsspec URL, or a directory of stores (Lightning's)")
+
+
+def run(args: argparse.Namespace) -> int:
+    """List; exit 1 when a manifest is broken."""
+    res = list_stores(args.root, storage_options(args, args.root))
+    if as_json(args):
+        if res.nested:
+            print_json({"root": res.root, "stores": [s.to_dict() for s in res.stores]})
+        else:
+            print_json([s.to_dict() for s in res.stores[0].steps])
+    else:
+        print_listings(res)
+    return 1 if any(s.broken for s in res.stores) else 0
+
+
+def print_listings(res: Listings) -> None:
+    """One store as a table; several, each under its root (``ls`` of many directories)."""
+    if not res.nested:
+        print_listing(res.stores[0])
+        return
+    for i, store in enumerate(res.stores):
+        print(("\n" if i else "") + f"{store.root}:")
+        print_listing(store)
+    print(f"\n{plural(len(res.stores), 'store')} in {res.root}")
+
+
+def print_listing(res: StoreListing) -> None:
+    """The steps of one store as an aligned table, then its stale entries."""
+    if not res.steps:
+        print(f"{res.root}: no checkpoints")
+    else:
+        rows = [
+            ["step", "created (UTC)", "size", "files", "world", "sharding", "metrics", "pinned"]
+        ]
+        for s in res.steps:
+            if s.manifest is None:
+                rows.append([str(s.step), "-", "-", "-", "-", "-", f"BROKEN: {s.error}", ""])
+                continue
+            m = s.manifest
+            rows.append(
+                [
+                    str(s.step),
+                    created_text(m),
+                    human_bytes(m.total_bytes),
+                    str(len(m.files)),
+                    str(m.world_size),
+                    m.sharding_kind,
+                    metrics_text(m.metrics),
+                    "yes" if s.pinned else "",
+                ]
+            )
+        print(table(rows, right=(0, 2, 3, 4)))
+        total = sum(s.manifest.total_bytes for s in res.steps if s.manifest)
+        print(f"{plural(len(res.steps), 'checkpoint')}, {human_bytes(total)}")
+    if res.garbage:
+        n = len(res.garbage)
+        print(
+            f"{n} stale {'entry' if n == 1 else 'entries'} (interrupted saves or deletions): "
+            f"{', '.join(res.garbage)}; `ckptstore gc` removes them"
+        )
