@@ -13,6 +13,7 @@ from .errors import (
     NoCheckpointError,
     StateMismatchError,
     StepExistsError,
+    StepProtectedError,
     StoreLockedError,
     UnsafeCheckpointError,
 )
@@ -44,6 +45,7 @@ __all__ = [
     "SaveHandle",
     "StateMismatchError",
     "StepExistsError",
+    "StepProtectedError",
     "StoreLockedError",
     "UnsafeCheckpointError",
     "VerifyReport",
