@@ -255,6 +255,10 @@ class _Tracker(Protocol):
         """Forget a deleted step (already gone from the shared step list)."""
         ...
 
+    def load(self, items: Iterable[tuple[int, Mapping[str, float]]]) -> None:
+        """Record the steps a planner starts with, at once (they are all looked at first)."""
+        ...
+
     def keeps(self, step: int) -> bool:
         """Whether the policy keeps ``step`` now."""
         ...
@@ -266,6 +270,9 @@ class _LastTracker:
     def __init__(self, n: int, steps: list[int]) -> None:
         self.n = n
         self.steps = steps
+
+    def load(self, items: Iterable[tuple[int, Mapping[str, float]]]) -> None:
+        pass
 
     def add(self, step: int, metrics: Mapping[str, float]) -> Iterable[int]:
         return [self.steps[-self.n - 1]] if len(self.steps) > self.n else []
@@ -281,6 +288,9 @@ class _EveryTracker:
     def __init__(self, every: int) -> None:
         self.every = every
 
+    def load(self, items: Iterable[tuple[int, Mapping[str, float]]]) -> None:
+        pass
+
     def add(self, step: int, metrics: Mapping[str, float]) -> Iterable[int]:
         return ()
 
@@ -292,6 +302,9 @@ class _EveryTracker:
 
 
 class _AllTracker:
+    def load(self, items: Iterable[tuple[int, Mapping[str, float]]]) -> None:
+        pass
+
     def add(self, step: int, metrics: Mapping[str, float]) -> Iterable[int]:
         return ()
 
@@ -303,25 +316,37 @@ class _AllTracker:
 
 
 class _BestTracker:
-    # The scored steps in ranking order, as KeepBest.keep sorts them: (score, -step).
+    # The scored steps, worst first, best last: (-score, step), so that ties rank the newer
+    # step better as KeepBest.keep does, and a new best (training improves) is inserted
+    # near the end of the list, where inserting moves little.
     def __init__(self, policy: KeepBest) -> None:
         self.policy = policy
         self.ranked: list[tuple[float, int]] = []
         self.key: dict[int, tuple[float, int]] = {}
         self.lacking: set[int] = set()
 
-    def add(self, step: int, metrics: Mapping[str, float]) -> Iterable[int]:
+    def _key(self, step: int, metrics: Mapping[str, float]) -> tuple[float, int] | None:
         if self.policy.keeps_lacking(metrics):
             self.lacking.add(step)
         score = self.policy.score(metrics)
-        if score is None:
+        return None if score is None else (-score, step)
+
+    def load(self, items: Iterable[tuple[int, Mapping[str, float]]]) -> None:
+        for step, metrics in items:
+            key = self._key(step, metrics)
+            if key is not None:
+                self.key[step] = key
+        self.ranked = sorted(self.key.values())
+
+    def add(self, step: int, metrics: Mapping[str, float]) -> Iterable[int]:
+        key = self._key(step, metrics)
+        if key is None:
             return ()
-        key = (score, -step)
         i = bisect.bisect_left(self.ranked, key)
         self.ranked.insert(i, key)
         self.key[step] = key
-        k = self.policy.k
-        return [-self.ranked[k][1]] if i < k < len(self.ranked) else []
+        edge = len(self.ranked) - self.policy.k  # the best k are ranked[edge:]
+        return [self.ranked[edge - 1][1]] if i >= edge > 0 else []
 
     def remove(self, step: int) -> None:
         self.lacking.discard(step)
@@ -333,12 +358,19 @@ class _BestTracker:
         if step in self.lacking:
             return True
         key = self.key.get(step)
-        return key is not None and bisect.bisect_left(self.ranked, key) < self.policy.k
+        if key is None:
+            return False
+        return bisect.bisect_left(self.ranked, key) >= len(self.ranked) - self.policy.k
 
 
 class _UnionTracker:
     def __init__(self, members: list[_Tracker]) -> None:
         self.members = members
+
+    def load(self, items: Iterable[tuple[int, Mapping[str, float]]]) -> None:
+        items = list(items)
+        for m in self.members:
+            m.load(items)
 
     def add(self, step: int, metrics: Mapping[str, float]) -> Iterable[int]:
         return [s for m in self.members for s in m.add(step, metrics)]
@@ -398,10 +430,20 @@ class RetentionPlanner:
         self._pinned: set[int] = set()
         self._metric_counts: dict[str, int] = {}
         self._tracker = _tracker(policy, self._steps)
-        # Steps that may be deletable (every step at first); all others the policy keeps.
-        self._pending: set[int] = set()
         for c in ordered:
-            self.add(c.step, c.metrics, pinned=c.pinned)
+            if c.step in self._set:
+                continue
+            self._steps.append(c.step)
+            self._set.add(c.step)
+            self._metrics[c.step] = dict(c.metrics)
+            for name in c.metrics:
+                self._metric_counts[name] = self._metric_counts.get(name, 0) + 1
+            if c.pinned:
+                self._pinned.add(c.step)
+        if self._tracker is not None:
+            self._tracker.load((s, self._metrics[s]) for s in self._steps)
+        # Steps that may be deletable (every step at first); all others the policy keeps.
+        self._pending: set[int] = set(self._steps)
 
     def __contains__(self, step: object) -> bool:
         return step in self._set
