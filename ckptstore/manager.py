@@ -416,6 +416,8 @@ class CheckpointManager(Reader):
                     self._check_order(step, known)
                 return None, self._claim_step(step, known)
         except BaseException as e:  # raised on every rank by save()
+            if _plain_oserror(e):  # listing the store or taking its lock failed
+                return _commit_error(e, self.storage.describe(step), None), False
             return e, False
 
     def _check_policy_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
