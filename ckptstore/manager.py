@@ -107,9 +107,10 @@ class CheckpointManager(Reader):
             single process even under torch.distributed, starting no collective; for code
             that runs on one rank only (a Lightning ``CheckpointIO`` saves on rank 0 alone).
         create: ``False``: ``root`` must already be a store (a directory holding checkpoints
-            or ckptstore's own files); anything else raises ``NoCheckpointError`` ("no store
-            at ROOT") and nothing is created there, now or later. For tools that inspect or
-            clean existing stores (``ckptstore ls``, ``gc``, ``prune``, ``rm``).
+            or ckptstore's own files); anything else (missing, empty, a file, a directory of
+            other things) raises ``NoCheckpointError`` ("no store at ROOT: ...") before
+            anything is created. For tools that inspect or clean existing stores
+            (``ckptstore ls``, ``gc``, ``prune``, ``rm``, ``pin``).
 
     A root that is a checkpoint directory (``.../step-000000000100``) or a regular file is
     refused whatever ``create`` says, naming the store it probably meant; a local directory
