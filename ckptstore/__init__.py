@@ -14,6 +14,7 @@ from .errors import (
     NoCheckpointError,
     StateMismatchError,
     StepExistsError,
+    StepProtectedError,
     StoreLockedError,
     UnsafeCheckpointError,
 )
@@ -71,6 +72,7 @@ __all__ = [
     "SaveHandle",
     "StateMismatchError",
     "StepExistsError",
+    "StepProtectedError",
     "StoreLockedError",
     "UnsafeCheckpointError",
     "VerifyReport",

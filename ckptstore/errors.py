@@ -21,6 +21,7 @@ __all__ = [
     "NoCheckpointError",
     "StateMismatchError",
     "StepExistsError",
+    "StepProtectedError",
     "StoreLockedError",
     "UnsafeCheckpointError",
 ]
@@ -62,11 +63,22 @@ class ManifestError(CkptStoreError, ValueError):
 
 
 class NoCheckpointError(CkptStoreError, FileNotFoundError):
-    """The store holds no checkpoint (or none that verifies) where one was required."""
+    """No checkpoint (or none that verifies) where one was required, or no store at all.
+
+    The second: the path given is a file, a checkpoint directory, or (opened with
+    ``create=False``) a directory that holds no store.
+    """
 
 
 class StepExistsError(CkptStoreError, FileExistsError):
     """A checkpoint for this step is already committed; steps are write-once."""
+
+
+class StepProtectedError(CkptStoreError, PermissionError):
+    """A deletion was refused: the step is pinned, or the only one that verifies.
+
+    ``force=True`` (``ckptstore rm --force``) deletes it anyway.
+    """
 
 
 class UnsafeCheckpointError(CkptStoreError, TypeError):

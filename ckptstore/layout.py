@@ -16,6 +16,7 @@ __all__ = [
     "PIN_NAME",
     "STATE_NAME",
     "is_garbage_name",
+    "is_store_entry",
     "old_dirname",
     "parse_old_dirname",
     "parse_step_dirname",
@@ -110,6 +111,21 @@ def is_trash_name(name: str) -> bool:
 def is_garbage_name(name: str) -> bool:
     """Whether ``name`` is a tmp or trash entry (``gc`` removes those that are stale)."""
     return is_tmp_name(name) or is_trash_name(name) or _INDEX_TMP_RE.fullmatch(name) is not None
+
+
+def is_store_entry(name: str) -> bool:
+    """Whether ``name`` is an entry only ckptstore makes in a store's root.
+
+    A step directory (also one not spelled canonically, ``step-9``), a save in flight, a
+    checkpoint being deleted or replaced, or one of the store's own files (``.ckptstore.*``):
+    a directory holding one of them is a store; one holding none is not.
+    """
+    return (
+        _STEP_RE.fullmatch(name) is not None
+        or is_garbage_name(name)
+        or _OLD_RE.fullmatch(name) is not None
+        or name.startswith(".ckptstore.")
+    )
 
 
 def state_file(rank: int | None) -> str:

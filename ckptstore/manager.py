@@ -37,6 +37,7 @@ from .errors import (
     ManifestError,
     NoCheckpointError,
     StepExistsError,
+    StepProtectedError,
     UnsafeCheckpointError,
 )
 from .integrity import VerifyReport
@@ -44,10 +45,17 @@ from .layout import state_file
 from .manifest import DTENSOR_FORMAT_VERSION, FORMAT_VERSION, FileEntry, Manifest, utc_now
 from .modules import EMA, RNGState
 from .reader import STATE_FORMAT, Reader
-from .retention import CheckpointInfo, RetentionPolicy, as_policy, plan_deletions
+from .retention import (
+    CheckpointInfo,
+    RetentionPlanner,
+    RetentionPolicy,
+    as_policy,
+    keep_best_policies,
+)
 from .staging import BackgroundWriter, SaveHandle, StagingPool
 from .state import capture, kind_of
 from .storage import Pending, Storage, open_storage, wait_for_deletions
+from .storage.base import step_exists_message
 from .storage.directio import run_all
 from .verify import verify_checkpoint
 
@@ -98,9 +106,21 @@ class CheckpointManager(Reader):
             the manager, ``save`` and ``restore`` are then collective). ``False``: act as a
             single process even under torch.distributed, starting no collective; for code
             that runs on one rank only (a Lightning ``CheckpointIO`` saves on rank 0 alone).
+        create: ``False``: ``root`` must already be a store (a directory holding checkpoints
+            or ckptstore's own files); anything else (missing, empty, a file, a directory of
+            other things) raises ``NoCheckpointError`` ("no store at ROOT: ...") before
+            anything is created. For tools that inspect or clean existing stores
+            (``ckptstore ls``, ``gc``, ``prune``, ``rm``, ``pin``).
+
+    A root that is a checkpoint directory (``.../step-000000000100``) or a regular file is
+    refused whatever ``create`` says, naming the store it probably meant; a local directory
+    that holds other things and no store is used with a warning (the store is made beside
+    them). ``gc()`` and ``prune()`` create nothing (not even the writer lock) in a directory
+    that holds no store.
 
     Raises:
         ValueError: an argument is invalid; the message names it.
+        NoCheckpointError: ``root`` is a checkpoint or a file, or (``create=False``) no store.
     """
 
     def __init__(
@@ -115,6 +135,7 @@ class CheckpointManager(Reader):
         storage_options: Mapping[str, Any] | None = None,
         allow_pickle: bool = False,
         distributed: bool = True,
+        create: bool = True,
     ) -> None:
         if format not in ("safetensors", "torch"):
             msg = f"format must be 'safetensors' or 'torch', got {format!r}"
@@ -137,6 +158,9 @@ class CheckpointManager(Reader):
         self.allow_pickle = bool(allow_pickle)
         self.storage: Storage = open_storage(root, storage_options)
         self.root = self.storage.root
+        # Before the group is made: a wrong root fails here, on every rank alike (they see
+        # the same path), instead of after a collective.
+        self.storage.check_root(create=bool(create))
         self.coord = Coordinator(self.barrier_timeout, enabled=bool(distributed))
         # The background writer's own group, for the commit of async DTensor saves.
         self._bg_coord: Coordinator | None = None
@@ -150,7 +174,16 @@ class CheckpointManager(Reader):
         self._bg_error: BaseException | None = None
         self._mutex = threading.RLock()
         self._known_good: set[int] = set()
+        #: Steps found not to verify (restore skipped them, verify or retention failed them).
+        self._known_bad: set[int] = set()
         self._metrics: dict[int, Mapping[str, float]] = {}
+        #: Whether this process is the store's writer: it holds the writer lock (local), or
+        #: it is rank 0 and has begun to write (object stores, which have no lock).
+        self._claimed = False
+        #: While claimed: the committed steps, their metrics and the retention plan, kept up
+        #: to date by this manager's own commits and deletions (no other process writes), so
+        #: a save touches O(1) entries of the store however many steps it holds.
+        self._planner: RetentionPlanner | None = None
         self.last_blocked_s = 0.0
 
     # ---- small queries ----------------------------------------------------------------
@@ -201,6 +234,7 @@ class CheckpointManager(Reader):
         metrics: Mapping[str, float] | None = None,
         metadata: Mapping[str, Any] | None = None,
         sharded: bool = False,
+        allow_older: bool = False,
     ) -> SaveHandle:
         """Save ``state`` as checkpoint ``step``; collective under torch.distributed.
 
@@ -217,11 +251,18 @@ class CheckpointManager(Reader):
             metrics: numbers kept in the manifest (``KeepBest`` ranks by them).
             metadata: free JSON-serializable data kept in the manifest.
             sharded: every rank writes its own files (FSDP/ZeRO); else rank 0 writes.
+            allow_older: save a step older than the newest committed one (which is refused
+                otherwise: training that restarted without ``resume()`` would have its
+                checkpoints deleted by retention or passed over by the next resume).
 
         Returns:
             A :class:`SaveHandle`; for a synchronous save it is already done.
 
         Raises:
+            ValueError: ``metrics`` lack the metric of a ``KeepBest`` policy (unless it says
+                ``missing="keep"``), or ``step`` is older than the newest committed step that
+                is not known to be corrupt (unless ``allow_older``); rank 0 decides, every
+                rank raises it, and nothing was written.
             StepExistsError: ``step`` is already committed.
             UnsafeCheckpointError: ``state`` holds an object that needs pickle.
             CommitError: writing failed (disk full, permissions, ...); nothing is visible
@@ -241,14 +282,23 @@ class CheckpointManager(Reader):
         self.wait_save()  # at most one save in flight
         t0 = time.perf_counter()
         self.coord.barrier("save:enter", step)
-        # An async failure is raised on every rank, not only where it happened; and DTensor
-        # leaves on any rank make the save sharded on all of them.
-        mine = (self._take_bg_error(), sharding.has_dtensors(state))
+        # An async failure is raised on every rank, not only where it happened; DTensor
+        # leaves on any rank make the save sharded on all of them; and rank 0, which holds
+        # the store's listing, says whether the save may go ahead at all (the same error on
+        # every rank, before anything is written).
+        refusal: BaseException | None = None
+        replace = False
+        if self.coord.is_leader:
+            refusal, replace = self._admit(step, metrics_d, allow_older)
+        mine = (self._take_bg_error(), sharding.has_dtensors(state), refusal)
         gathered = self.coord.all_gather(mine, "save:previous", step)
-        prev = next((e for e, _ in gathered if e is not None), None)
+        prev = next((e for e, _, _ in gathered if e is not None), None)
         if prev is not None:
             raise prev if isinstance(prev, CkptStoreError) else CommitError(str(prev))
-        dtensor = any(flag for _, flag in gathered)
+        refused = gathered[0][2]
+        if refused is not None:
+            raise refused
+        dtensor = any(flag for _, flag, _ in gathered)
         # Per-rank generators are gathered so each rank resumes its own random stream.
         rng = {
             key: self.coord.gather(value.state_dict(), "save:rng", step)
@@ -256,7 +306,7 @@ class CheckpointManager(Reader):
             if isinstance(value, RNGState) and self.coord.enabled and (dtensor or not sharded)
         }
         if sharded or dtensor:
-            done = self._save_sharded(step, state, metrics_d, metadata_d, rng, dtensor)
+            done = self._save_sharded(step, state, metrics_d, metadata_d, rng, dtensor, replace)
             if isinstance(done, SaveHandle):
                 self.last_blocked_s = time.perf_counter() - t0
                 return done
@@ -265,7 +315,9 @@ class CheckpointManager(Reader):
         error: BaseException | None = None
         if self.coord.is_leader:
             try:
-                job = self._prepare(step, state, metrics_d, metadata_d, rank=None, rng=rng)
+                job = self._prepare(
+                    step, state, metrics_d, metadata_d, rank=None, rng=rng, replace=replace
+                )
             except BaseException as e:  # reported to every rank below
                 error = e
         if not self.async_save:
@@ -303,13 +355,123 @@ class CheckpointManager(Reader):
             self._log_summary(step, manifest, self.last_blocked_s, self.last_blocked_s)
         return SaveHandle(step, result=manifest)
 
-    def _take_lock(self) -> None:
-        if self._lock is not None and not self._lock.is_locked:
+    def _acquire(self) -> None:
+        """Become the store's writer (rank 0): take its lock where it has one.
+
+        Raises:
+            StoreLockedError: another process writes the store.
+        """
+        if self._claimed:
+            return
+        if self._lock is not None:
             self._lock.acquire()
+        self._claimed = self.coord.is_leader
+
+    def _take_lock(self) -> None:
+        """Become the writer before a save; a lock just taken also clears crashed saves."""
+        fresh = self._lock is not None and not self._lock.is_locked
+        self._acquire()
+        if fresh:
             # We are now the only writer: leftovers of crashed saves are garbage.
             with contextlib.suppress(OSError):
                 for name in self.storage.gc(include_tmp=True):
                     log.info("removed stale %s", name)
+
+    def _known(self) -> RetentionPlanner:
+        """The committed steps as retention sees them.
+
+        While this manager is the store's writer the answer is kept up to date by its own
+        commits and deletions (one listing, and one read of the manifests retention needs,
+        per manager); otherwise the store is listed afresh, since others may write it.
+        """
+        if self._planner is not None:
+            return self._planner
+        steps = self.storage.list_steps()
+        if self.policy.needs_metrics:
+            # A committed manifest never changes: read each once per manager.
+            misses = [s for s in steps if s not in self._metrics]
+            if misses:
+                got = self.storage.read_manifests(misses, complete=len(misses) == len(steps))
+                for s, m in got.items():
+                    self._metrics[s] = {} if isinstance(m, ManifestError) else m.metrics
+        planner = RetentionPlanner(
+            self.policy, (CheckpointInfo(s, self._metrics.get(s, {})) for s in steps)
+        )
+        if self._claimed:
+            self._planner = planner
+        return planner
+
+    def _admit(
+        self, step: int, metrics: Mapping[str, float], allow_older: bool
+    ) -> tuple[BaseException | None, bool]:
+        """Rank 0: may ``step`` be saved? Takes the writer lock; nothing is written.
+
+        Returns:
+            ``(error, replace)``: the error every rank raises (or ``None``), and whether the
+            save replaces a committed step that does not verify.
+        """
+        try:
+            self._check_policy_metrics(step, metrics)
+            self._take_lock()
+            with self._mutex:
+                known = self._known()
+                if not allow_older:
+                    self._check_order(step, known)
+                return None, self._claim_step(step, known)
+        except BaseException as e:  # raised on every rank by save()
+            if _plain_oserror(e):  # listing the store or taking its lock failed
+                return _commit_error(e, self.storage.describe(step), None), False
+            return e, False
+
+    def _check_policy_metrics(self, step: int, metrics: Mapping[str, float]) -> None:
+        """A save must carry the metric of every ``KeepBest`` (or the policy allows it)."""
+        lacking = [b for b in keep_best_policies(self.policy) if b.metric not in metrics]
+        if not lacking:
+            return
+        got = ", ".join(repr(k) for k in sorted(metrics)) or "none"
+        refused = [b for b in lacking if b.missing == "error"]
+        if refused:
+            b = refused[0]
+            msg = (
+                f"refusing to save step {step} in {self.root}: its metrics lack {b.metric!r}, "
+                f"which {b!r} ranks checkpoints by (got metrics: {got}); nothing was written. "
+                "Without it retention would keep only the newest steps and delete the best. "
+                f"Pass metrics={{{b.metric!r}: ...}}, fix the metric's name, or use "
+                f"KeepBest(..., missing='keep') to keep such steps"
+            )
+            raise ValueError(msg)
+        for b in lacking:
+            log.warning(
+                "step %d has no metric %r (got metrics: %s): %r keeps it for good; retention "
+                "never deletes it for lacking the metric (mgr.delete(%d) does)",
+                step,
+                b.metric,
+                got,
+                b,
+                step,
+            )
+
+    def _check_order(self, step: int, known: RetentionPlanner) -> None:
+        """Refuse a step older than the newest committed one not known to be corrupt.
+
+        Restarting training without ``resume()`` saves steps below those in the store:
+        retention would delete them at once (they are not the newest) and the next resume
+        would pass them over. A step restore skipped as corrupt does not count, so training
+        that resumed before it saves it (and the ones after it) again.
+        """
+        newest = next((s for s in reversed(known) if s not in self._known_bad), None)
+        if newest is None or step >= newest:
+            return
+        have = list(known)
+        held = f"{len(have)} step{'s' * (len(have) != 1)}, {have[0]}..{have[-1]}"
+        msg = (
+            f"refusing to save step {step} in {self.root}: the store already holds newer "
+            f"checkpoints ({held}; newest {newest}); nothing was written. Training probably "
+            "restarted without resume(): call mgr.resume(state) before training to continue "
+            f"after step {newest}, or save(..., allow_older=True) to save it anyway "
+            "(retention may delete it at once: it is not the newest)"
+        )
+        raise ValueError(msg)
 
     def _encode(
         self,
@@ -392,10 +554,9 @@ class CheckpointManager(Reader):
         *,
         rank: int | None,
         rng: Mapping[Any, Any] | None = None,
+        replace: bool = False,
     ) -> dict[str, Any]:
         """Capture and encode the state in the caller's thread (the one copy if async)."""
-        self._take_lock()
-        replace = self._claim_step(step)
         tree, groups = self._encode(state, rng)
         return {
             "step": step,
@@ -407,7 +568,7 @@ class CheckpointManager(Reader):
             "replace": replace,
         }
 
-    def _claim_step(self, step: int) -> bool:
+    def _claim_step(self, step: int, known: RetentionPlanner) -> bool:
         """Make sure ``step`` may be written: absent, or committed but corrupt (replaced).
 
         After ``restore`` skipped a corrupt newest checkpoint, training reaches that step
@@ -422,21 +583,17 @@ class CheckpointManager(Reader):
         Raises:
             StepExistsError: ``step`` is committed and verifies.
         """
-        if step not in set(self.steps()):
+        if step not in known:
             return False
         report = verify_checkpoint(self.storage, step, deep=True)
         if report.ok:
-            raise StepExistsError(
-                f"{self.storage.describe(step)} is already committed; steps are write-once. "
-                "Save under a new step, or delete this one first (ckptstore prune / gc)"
-            )
+            raise StepExistsError(step_exists_message(self.storage, step))
         log.warning(
             "%s is committed but does not verify (%s); this save replaces it when it commits",
             self.storage.describe(step),
             "; ".join(report.problems),
         )
         self._known_good.discard(step)
-        self._metrics.pop(step, None)
         return True
 
     def _write_files(self, pending: Pending, job: Mapping[str, Any]) -> None:
@@ -525,7 +682,26 @@ class CheckpointManager(Reader):
                 where = self.storage.describe(pending.step)
                 raise _commit_error(e, where, self._previous(pending.step)) from e
             raise
-        self._known_good.add(pending.step)
+        self._committed(manifest)
+
+    def _committed(self, manifest: Manifest) -> None:
+        """Rank 0 committed ``manifest``: what the manager knows of the store follows."""
+        step = manifest.step
+        with self._mutex:
+            self._known_good.add(step)
+            self._known_bad.discard(step)
+            self._metrics[step] = manifest.metrics
+            if self._planner is not None:
+                self._planner.add(step, manifest.metrics)
+
+    def _forget(self, step: int) -> None:
+        """``step`` was deleted (by this manager, or found gone)."""
+        with self._mutex:
+            self._known_good.discard(step)
+            self._known_bad.discard(step)
+            self._metrics.pop(step, None)
+            if self._planner is not None:
+                self._planner.remove(step)
 
     def _commit_job(self, job: dict[str, Any]) -> Manifest:
         """Write and commit in one go (the async writer, which has no one to wait for)."""
@@ -601,6 +777,7 @@ class CheckpointManager(Reader):
         metadata: dict[str, Any],
         rng: Mapping[Any, Any],
         dtensor: bool,
+        replace: bool,
     ) -> Manifest | SaveHandle:
         """Two-phase commit: every rank writes its shard, rank 0 gathers and commits.
 
@@ -611,7 +788,7 @@ class CheckpointManager(Reader):
         the writes and the commit (with its collectives, on a group of their own) go on in
         the background.
         """
-        pending = self._open_everywhere(step)
+        pending = self._open_everywhere(step, replace)
         rank = self.coord.rank
         meta = {"metrics": metrics, "metadata": metadata}
         mine: tuple[str, Any]
@@ -637,15 +814,13 @@ class CheckpointManager(Reader):
             mine = ("error", e)
         return self._finish_sharded(pending, mine, step, meta, dtensor, self.coord)
 
-    def _open_everywhere(self, step: int) -> Pending:
+    def _open_everywhere(self, step: int, replace: bool) -> Pending:
         """Phase 0 of a sharded save: rank 0 opens the tmp directory every rank writes into."""
         where = self.storage.describe(step)
         opened: tuple[str, Any] = ("ok", None)
         pending: Pending | None = None
         if self.coord.is_leader:
             try:
-                self._take_lock()
-                replace = self._claim_step(step)
                 pending = self.storage.begin(step, replace=replace)
                 opened = ("ok", pending.dirname)
             except BaseException as e:
@@ -691,7 +866,7 @@ class CheckpointManager(Reader):
                         files[INDEX_FILE] = pending.files[INDEX_FILE]
                     manifest = self._make_manifest(step, files, meta, sharded=True, dtensor=dtensor)
                     self.storage.commit(pending, manifest)
-                    self._known_good.add(step)
+                    self._committed(manifest)
                     outcome = ("ok", self._outgoing(manifest))
                 except BaseException as e:
                     self.storage.abort(pending)
@@ -840,7 +1015,7 @@ class CheckpointManager(Reader):
             return
         try:
             self.prune()
-        except (CkptStoreError, OSError) as e:
+        except (CkptStoreError, OSError, ValueError) as e:
             log.warning("retention after step %d failed: %s", step, e)
 
     def _log_summary(self, step: int, manifest: Manifest, seconds: float, blocked: float) -> None:
@@ -896,8 +1071,10 @@ class CheckpointManager(Reader):
         """
         s = self._resolve(step)
         report = verify_checkpoint(self.storage, s, deep=deep)
-        if report.ok and deep:  # a quick check passes a flipped byte: retention needs deep
-            self._known_good.add(s)
+        if deep:  # a quick check passes a flipped byte: retention needs deep
+            with self._mutex:
+                (self._known_good if report.ok else self._known_bad).add(s)
+                (self._known_bad if report.ok else self._known_good).discard(s)
         return report
 
     def pin(self, step: int) -> None:
@@ -921,27 +1098,51 @@ class CheckpointManager(Reader):
                 raise
             what = "pin" if pinned else "unpin"
             raise CommitError(f"could not {what} {self.storage.describe(s)}: {e}") from e
+        with self._mutex:
+            if self._planner is not None:
+                self._planner.set_pinned(s, pinned)
 
     def plan_prune(self) -> list[int]:
-        """The steps :meth:`prune` would delete now."""
-        steps = self.steps()
-        if not steps:
-            return []
-        if self.policy.needs_metrics:
-            # A committed manifest never changes: read each once per manager, so pruning
-            # after every save does not re-read thousands of manifests.
-            misses = [s for s in steps if s not in self._metrics]
-            if misses:
-                got = self.storage.read_manifests(misses, complete=len(misses) == len(steps))
-                for s, m in got.items():
-                    self._metrics[s] = {} if isinstance(m, ManifestError) else m.metrics
-        infos = [
-            CheckpointInfo(s, self._metrics.get(s, {}), self.storage.is_pinned(s)) for s in steps
-        ]
-        return plan_deletions(infos, self.policy, last_good=self._last_good(steps))
+        """The steps :meth:`prune` would delete now.
 
-    def _last_good(self, steps: list[int]) -> int | None:
-        for s in reversed(steps):
+        Raises:
+            ValueError: no committed step has the metric of a ``KeepBest`` policy (a typo
+                would otherwise make retention delete the best checkpoints); nothing is
+                deleted. The message lists the metrics the store has.
+        """
+        with self._mutex:
+            known = self._known()
+            if not len(known):
+                return []
+            self._check_store_metrics(known)
+            if not known.incremental:
+                # A policy of the user's own may look at pins: give it every step's.
+                for s in known:
+                    known.set_pinned(s, self.storage.is_pinned(s))
+            doomed = known.plan(last_good=self._last_good(known))
+            # Built-in policies are planned without reading every step's pin (a pin only
+            # ever keeps a step; another process may have pinned one): read the doomed ones'.
+            out = []
+            for s in doomed:
+                if self.storage.is_pinned(s):
+                    known.set_pinned(s, True)
+                else:
+                    out.append(s)
+            return out
+
+    def _check_store_metrics(self, known: RetentionPlanner) -> None:
+        for b in keep_best_policies(self.policy):
+            if b.missing != "error" or known.metric_count(b.metric):
+                continue
+            have = ", ".join(repr(m) for m in known.metric_names()) or "none"
+            msg = (
+                f"{b!r}: no checkpoint in {self.root} has the metric {b.metric!r} (the store's "
+                f"metrics: {have}); nothing was deleted. Check the metric's name"
+            )
+            raise ValueError(msg)
+
+    def _last_good(self, known: RetentionPlanner) -> int | None:
+        for s in reversed(known):
             if s in self._known_good:
                 return s
             # Deep: a quick check (sizes, headers) passes a flipped byte, and retention
@@ -950,6 +1151,7 @@ class CheckpointManager(Reader):
             if report.ok:
                 self._known_good.add(s)
                 return s
+            self._known_bad.add(s)
             log.warning(
                 "retention keeps an older step: step %d does not verify: %s",
                 s,
@@ -962,34 +1164,128 @@ class CheckpointManager(Reader):
 
         Deletion renames a checkpoint away atomically and frees its space in the
         background. Never deletes the newest, a pinned one, or the newest that verifies.
+        In a directory without checkpoints it does nothing and creates nothing.
+
+        Raises:
+            StoreLockedError: another process writes the store.
+            ValueError: as :meth:`plan_prune`.
+            CommitError: a checkpoint could not be deleted.
         """
         self._check_open()
         with self._mutex:
-            if self._lock is not None and not self._lock.is_locked:
-                self._lock.acquire()
+            if not self._claimed:
+                if not self.storage.list_steps():
+                    return []  # nothing to delete: take (create) no lock here
+                self._acquire()
             doomed = self.plan_prune()
             deleted = []
             for s in doomed:
                 try:
                     self.storage.delete(s)
                 except FileNotFoundError:
+                    self._forget(s)
                     continue
                 except OSError as e:
                     raise CommitError(f"could not delete {self.storage.describe(s)}: {e}") from e
-                self._known_good.discard(s)
-                self._metrics.pop(s, None)
+                self._forget(s)
                 deleted.append(s)
             if deleted:
                 log.info("retention deleted steps %s", deleted)
             return deleted
 
+    def delete(self, step: int, *, force: bool = False) -> None:
+        """Delete one committed checkpoint now, atomically (as retention does).
+
+        Locally it is renamed to ``.trash-...`` (it vanishes whole, at once), the root is
+        fsynced, and its files are removed in the background; on object stores its manifest
+        goes first. Takes the writer lock (so not while another job writes the store) and
+        waits for this manager's own save in flight. Not collective: under
+        torch.distributed call it on one rank.
+
+        Args:
+            step: the committed step to delete.
+            force: delete it even if it is pinned, or the only checkpoint that verifies.
+
+        Raises:
+            NoCheckpointError: ``step`` is not committed (nothing is created or deleted).
+            StepProtectedError: ``step`` is pinned, or no other checkpoint verifies (it
+                would leave nothing to resume from); ``force=True`` deletes it anyway.
+            StoreLockedError: another process writes the store.
+            CommitError: it could not be deleted; it is still there.
+        """
+        self._check_open()
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            msg = f"step must be an int >= 0, got {step!r}"
+            raise ValueError(msg)
+        self.wait_save()
+        with self._mutex:
+            if not self._claimed:
+                if step not in self.storage.list_steps():
+                    self._resolve(step)  # raises NoCheckpointError; takes (creates) no lock
+                self._acquire()
+            known = self._known()
+            if step not in known:
+                self._resolve(step)
+            where = self.storage.describe(step)
+            root = self.root.rstrip("/")
+            if not force:
+                if self.storage.is_pinned(step):
+                    raise StepProtectedError(
+                        f"{where} is pinned; nothing was deleted. Unpin it first "
+                        f"(mgr.unpin({step}), `ckptstore unpin {root} --step {step}`), or "
+                        f"delete it anyway with force=True (`ckptstore rm {root} --step "
+                        f"{step} --force`)"
+                    )
+                if not self._another_good(known, step):
+                    report = verify_checkpoint(self.storage, step, deep=True)
+                    if report.ok:
+                        others = len(known) - 1
+                        raise StepProtectedError(
+                            f"{where} is the only checkpoint in {root} that verifies "
+                            f"({others} other step{'s' * (others != 1)}); deleting it would "
+                            "leave nothing to resume from, so nothing was deleted. Delete "
+                            f"it anyway with force=True (`ckptstore rm {root} --step {step} "
+                            "--force`)"
+                        )
+            try:
+                # Durable on return; on object stores the files go now, not later, so a
+                # new save of the same step cannot lose its files to a late deletion.
+                self.storage.delete(step, background=False, durable=True)
+            except FileNotFoundError:
+                pass  # gone meanwhile: what was asked is done
+            except OSError as e:
+                raise CommitError(f"could not delete {where}: {e}; it is still there") from e
+            self._forget(step)
+            log.info("deleted %s", where)
+
+    def _another_good(self, known: RetentionPlanner, step: int) -> bool:
+        """Whether a committed step other than ``step`` verifies (newest first, deep)."""
+        for s in reversed(known):
+            if s == step or s in self._known_bad:
+                continue
+            if s in self._known_good:
+                return True
+            if verify_checkpoint(self.storage, s, deep=True).ok:
+                self._known_good.add(s)
+                return True
+            self._known_bad.add(s)
+        return False
+
     def gc(self) -> list[str]:
-        """Remove stale ``.tmp-``/``.trash-`` entries and manifest-less step directories."""
+        """Remove stale ``.tmp-``/``.trash-`` entries and manifest-less step directories.
+
+        In a directory that is not a store it does nothing and creates nothing.
+        """
         self._check_open()
         self.wait_save()  # our own save in flight is not stale: its .tmp- must stay
-        if self._lock is not None and not self._lock.is_locked:
-            self._lock.acquire()
-        removed = self.storage.gc(include_tmp=True)
+        with self._mutex:
+            if not self._claimed:
+                if self.storage.root_state().kind != "store":
+                    return []  # take (create) no lock in a directory that is no store
+                self._acquire()
+            removed = self.storage.gc(include_tmp=True)
+            # gc may bring back a step an interrupted replacement had moved aside: list anew.
+            self._planner = None
         wait_for_deletions()
         return removed
 
@@ -1015,6 +1311,8 @@ class CheckpointManager(Reader):
             self._raise_bg_error()
         finally:
             self._closed = True
+            self._claimed = False
+            self._planner = None
             if self._lock is not None:
                 self._lock.release()
             if self._bg_coord is not None:

@@ -56,6 +56,7 @@ class Reader:
     root: str
     allow_pickle: bool
     _known_good: set[int]
+    _known_bad: set[int]
 
     if TYPE_CHECKING:
         # Provided by CheckpointManager.
@@ -476,12 +477,16 @@ class Reader:
                     continue
             if soft:
                 bad.add(s)
+                # A save of this step (or of one after it, once training resumed before
+                # it) replaces it; it does not count as the newest (see save()).
+                self._known_bad.add(s)
                 why = "; ".join(f"rank {r}: {v}" for r, v in soft)
                 log.warning("skipping step %d: %s", s, why)
                 skipped.append(f"step {s}: {why}")
                 continue
             assert stored is not None
             self._known_good.add(s)
+            self._known_bad.discard(s)
             apply_state(state, stored, kinds, strict=strict, where=self.storage.describe(s))
             return int(s)
         raise NoCheckpointError(
@@ -548,6 +553,7 @@ class Reader:
                 if step is not None:
                     raise
                 bad.add(s)
+                self._known_bad.add(s)
                 log.warning("skipping step %d: %s", s, e)
                 skipped.append(f"step {s}: {e}")
                 continue

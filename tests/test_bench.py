@@ -14,7 +14,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-ONLY = "disk-odirect,disk-buffered,torch,ckpt-st,ckpt-async,copy-prealloc,verify,protocol,ls10k"
+ONLY = (
+    "disk-odirect,disk-buffered,torch,ckpt-st,ckpt-async,copy-prealloc,verify,protocol,scale,ls10k"
+)
 
 
 def test_bench_smoke(tmp_path: Path) -> None:
@@ -36,6 +38,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
         "30",
         "--ls-timeout",
         "60",
+        "--scale-count",
+        "50",
     ]
     res = subprocess.run(
         cmd, capture_output=True, text=True, timeout=120, cwd=tmp_path, check=False
@@ -70,6 +74,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
         ("copy-prealloc", "copy"),
         ("verify", "verify"),
         ("protocol", "tiny-save"),
+        ("scale", "save-empty"),
+        ("scale", "save-big"),
     ]
     if doc["odirect"]["available"]:
         want += [("disk-odirect", "save"), ("disk-odirect", "restore")]
@@ -84,6 +90,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
             assert math.isfinite(r["gb_s"])
     assert rows[("ckpt-st", "save")]["ratio_to_raw"] > 0
 
+    assert doc["extra"]["scale"]["count"] == 50
+    assert rows[("scale", "save-big")]["n"] == rows[("scale", "save-empty")]["n"] == 10
     assert doc["ls"]["count"] == 30
     for op in ("steps", "latest_step", "plan_keep_last", "plan_keep_best", "ls"):
         assert doc["ls"]["ops"][op]["median_s"] > 0, op

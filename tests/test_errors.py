@@ -19,6 +19,7 @@ from ckptstore.errors import (
     NoCheckpointError,
     StateMismatchError,
     StepExistsError,
+    StepProtectedError,
     StoreLockedError,
     UnsafeCheckpointError,
 )
@@ -30,6 +31,7 @@ BASES: dict[type[CkptStoreError], tuple[type[BaseException], ...]] = {
     ManifestError: (ValueError,),
     NoCheckpointError: (FileNotFoundError, OSError),
     StepExistsError: (FileExistsError, OSError),
+    StepProtectedError: (PermissionError, OSError),
     UnsafeCheckpointError: (TypeError,),
     StoreLockedError: (OSError,),
     StateMismatchError: (KeyError, LookupError),

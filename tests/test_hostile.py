@@ -18,7 +18,6 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 from _helpers import assert_same, fresh_like, make_state
 
 from ckptstore import CheckpointManager, CommitError, NoCheckpointError
@@ -171,14 +170,15 @@ def test_store_path_that_is_a_file(tmp_path: Path, where: str) -> None:
     f = tmp_path / "weights.bin"
     f.write_bytes(b"not a directory")
     root = f if where == "file" else f / "ckpt"
-    mgr = CheckpointManager(root)
-    assert mgr.steps() == []
-    with pytest.raises(NoCheckpointError):
-        mgr.restore(fresh_like(make_state(1)))
-    with pytest.raises(CommitError, match="is not a directory, so it cannot be a checkpoint store"):
-        mgr.save(1, {"x": torch.zeros(1)})
-    with pytest.raises(CommitError, match="not a directory"):
-        mgr.gc()
-    mgr.close()
+    # Refused when the manager is made, before it could start training from scratch.
+    want = (
+        f"{f} is a file, not a checkpoint store .*; did you mean the store {tmp_path}\\?"
+        if where == "file"
+        else f"{root} cannot be a checkpoint store: part of its path is a file"
+    )
+    for create in (True, False):
+        with pytest.raises(NoCheckpointError, match=want):
+            CheckpointManager(root, create=create)
     assert f.read_bytes() == b"not a directory"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["weights.bin"], "nothing created"
     shutil.rmtree(tmp_path / "nothing", ignore_errors=True)

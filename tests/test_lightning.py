@@ -250,6 +250,9 @@ def test_fit_commits_every_checkpoint_as_a_verified_store(tmp_path: Path) -> Non
             assert mgr.verify().ok, mgr.verify().problems
             meta = mgr.manifest().metadata["lightning"]
             assert meta == {"global_step": saved["global_step"], "epoch": saved["epoch"], "rank": 0}
+            if path.name in best:  # the value ModelCheckpoint ranked it by
+                value = float(cb.best_k_models[str(path)])
+                assert mgr.manifest().metrics == {"val_loss": pytest.approx(value)}
         # What loads is exactly what Lightning saved, types included.
         assert_same(plugin.load_checkpoint(path), saved)
     assert [s for p, s in plugin.saved if p.endswith("last.ckpt")][-1]["global_step"] == 12
@@ -263,6 +266,64 @@ def test_fit_commits_every_checkpoint_as_a_verified_store(tmp_path: Path) -> Non
     assert hp["root"] == pathlib.Path("/data/x")
     assert type(last["state_dict"]) is collections.OrderedDict
     assert isinstance(last["optimizer_states"][0]["state"][0]["exp_avg"], torch.Tensor)
+
+
+@pytest.mark.parametrize("mode", ["max", "min"])
+def test_monitored_metric_goes_into_the_manifest(tmp_path: Path, mode: str) -> None:
+    # Monitoring the global step itself makes the values known in advance (steps 4, 8, 12),
+    # so every store's metric must be the step it was saved at.
+    fit(trainer(tmp_path, 3, monitor="step", mode=mode, save_top_k=2))
+    got = {}
+    for path in sorted(tmp_path.iterdir()):
+        with CheckpointManager(path, distributed=False) as mgr:
+            m = mgr.manifest()
+        got[path.name] = (m.metadata["lightning"]["global_step"], m.metrics)
+    top = (
+        ["epoch=1-step=8.ckpt", "epoch=2-step=12.ckpt"]
+        if mode == "max"
+        else [
+            "epoch=0-step=4.ckpt",
+            "epoch=1-step=8.ckpt",
+        ]
+    )
+    assert sorted(got) == [*top, "last.ckpt"]
+    for name in top:
+        step, metrics = got[name]
+        assert metrics == {"step": float(step)}, name
+    # last.ckpt: its own step's value (Lightning saves it right after a top-k save), never
+    # another step's; with "min" the newest top-k save, and so last.ckpt, is step 8.
+    step, metrics = got["last.ckpt"]
+    assert step == (12 if mode == "max" else 8)
+    assert metrics == {"step": float(step)}
+
+
+def test_a_stale_monitored_value_is_left_out(tmp_path: Path) -> None:
+    # A save that is no top-k save of its step (last.ckpt after a deferred or failed step,
+    # and on every epoch in older Lightning) carries the callback's current_score of an
+    # earlier step: that value would be wrong for this checkpoint, so none is stored.
+    plugin = CkptStoreIO()
+    top = str(tmp_path / "epoch=0-step=4.ckpt")
+    last = str(tmp_path / "last.ckpt")
+
+    def checkpoint(step: int) -> dict[str, Any]:
+        state = {
+            "monitor": "val_loss",
+            "current_score": torch.tensor(0.5),
+            "best_k_models": {top: torch.tensor(0.5)},
+            "last_model_path": last,
+        }
+        return {"global_step": step, "epoch": 0, "callbacks": {"ModelCheckpoint{}": state}}
+
+    plugin.save_checkpoint(checkpoint(4), top)
+    plugin.save_checkpoint(checkpoint(4), last)  # right after the top-k save of step 4
+    plugin.save_checkpoint(checkpoint(9), last)  # step 9: current_score is step 4's
+    metrics = {}
+    for path in (top, last):
+        with CheckpointManager(path, distributed=False) as mgr:
+            metrics[Path(path).name] = [mgr.manifest(s).metrics for s in mgr.steps()]
+    assert metrics == {"epoch=0-step=4.ckpt": [{"val_loss": 0.5}], "last.ckpt": [{}]}
+    with CheckpointManager(last, distributed=False) as mgr:
+        assert mgr.steps() == [9], "keep=1: the version of step 4 was pruned"
 
 
 def test_fit_resumes_from_last(run: dict[str, Any], ckdir: Path) -> None:

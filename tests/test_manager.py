@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import logging
 import os
 import random
 import subprocess
 import sys
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -15,6 +17,7 @@ import numpy as np
 import pytest
 import torch
 from _helpers import (
+    MANIFEST,
     STORE_FILES,
     LineReader,
     TinyNet,
@@ -29,10 +32,13 @@ from ckptstore import (
     CheckpointManager,
     CkptStoreError,
     CommitError,
+    KeepBest,
+    KeepEvery,
     KeepLast,
     NoCheckpointError,
     RNGState,
     StepExistsError,
+    StepProtectedError,
     StoreLockedError,
     UnsafeCheckpointError,
 )
@@ -410,3 +416,424 @@ def test_a_quick_verify_does_not_make_retention_trust_a_step(tmp_path: Path) -> 
         fresh = fresh_like(states[1])
         assert mgr.restore(fresh) == 1
         assert_same(dict(fresh["model"].state_dict()), dict(states[1]["model"].state_dict()))
+
+
+# ---- guardrails: never silently lose or ignore work --------------------------------------------
+
+
+def snapshot(root: Path) -> dict[str, bytes | None]:
+    """Every entry under ``root`` (the store's own files too): directories as None."""
+    wait_for_deletions()
+    out: dict[str, bytes | None] = {}
+    for dirpath, dirs, files in os.walk(root):
+        rel = os.path.relpath(dirpath, root)
+        for d in dirs:
+            out[os.path.normpath(os.path.join(rel, d))] = None
+        for f in files:
+            out[os.path.normpath(os.path.join(rel, f))] = Path(dirpath, f).read_bytes()
+    return out
+
+
+TINY = {"w": torch.arange(4.0), "step": 0}
+
+
+def test_keep_best_refuses_a_save_without_its_metric(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keep = [KeepBest(1, "val_loss"), KeepLast(1)]
+    with CheckpointManager(root, keep=keep) as mgr:
+        # The first save already says so, before anything is written (the root included).
+        with pytest.raises(ValueError, match="metrics lack 'val_loss'") as ei:
+            mgr.save(1, TINY, metrics={"loss": 0.3, "acc": 0.9})
+        assert "got metrics: 'acc', 'loss'" in str(ei.value)
+        assert "KeepBest(k=1, metric='val_loss'" in str(ei.value)
+        assert "nothing was written" in str(ei.value)
+        assert "missing='keep'" in str(ei.value)
+        assert not root.exists()
+        mgr.save(1, TINY, metrics={"val_loss": 0.1})  # the best
+        mgr.save(2, TINY, metrics={"val_loss": 0.5})
+        before = snapshot(root)
+        with pytest.raises(ValueError, match=r"got metrics: none"):
+            mgr.save(3, TINY)
+        assert snapshot(root) == before, "nothing written, nothing deleted"
+        assert mgr.steps() == [1, 2]
+        mgr.save(3, TINY, metrics={"val_loss": 0.7})
+        assert mgr.steps() == [1, 3], "the best (1) and the newest"
+
+
+def test_keep_best_missing_keep_keeps_such_steps_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "s"
+    keep = [KeepBest(1, "val_loss", missing="keep"), KeepLast(1)]
+    with CheckpointManager(root, keep=keep) as mgr:
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            mgr.save(1, TINY, metrics={"loss": 1.0})
+        warning = " ".join(r.getMessage() for r in caplog.records)
+        assert "step 1 has no metric 'val_loss' (got metrics: 'loss')" in warning
+        assert "keeps it for good" in warning
+        assert "mgr.delete(1)" in warning
+        for step, value in ((2, 0.5), (3, 0.3), (4, 0.4), (5, 0.6)):
+            mgr.save(step, TINY, metrics={"val_loss": value})
+        assert mgr.steps() == [1, 3, 5], "1 lacks the metric, 3 is the best, 5 the newest"
+
+
+def test_prune_with_a_metric_no_checkpoint_has_deletes_nothing(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, TINY, metrics={"loss": 1.0 / s, "acc": 0.5})
+    (root / ".ckptstore.index").unlink(missing_ok=True)  # the listing cache: any listing writes it
+    before = snapshot(root)
+    with CheckpointManager(root, keep=[KeepBest(1, "val_los"), KeepLast(1)]) as mgr:
+        for call in (mgr.plan_prune, mgr.prune):
+            with pytest.raises(
+                ValueError, match=r"no checkpoint in .* has the metric 'val_los'"
+            ) as ei:
+                call()
+            assert "the store's metrics: 'acc', 'loss'" in str(ei.value)
+            assert "nothing was deleted" in str(ei.value)
+    after = snapshot(root)
+    after.pop(".ckptstore.index", None)
+    assert after == before
+
+
+def test_saving_an_older_step_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root, keep=3) as mgr:
+        for s in (100, 200):
+            mgr.save(s, TINY)
+    before = snapshot(root)
+    # Training restarted without resume(): its first save is step 10.
+    with CheckpointManager(root, keep=3) as mgr:
+        with pytest.raises(ValueError, match="refusing to save step 10") as ei:
+            mgr.save(10, TINY)
+        msg = str(ei.value)
+        assert "already holds newer checkpoints (2 steps, 100..200; newest 200)" in msg
+        assert "probably restarted without resume()" in msg
+        assert "allow_older=True" in msg
+        assert "nothing was written" in msg
+        assert snapshot(root) == before, "nothing written, nothing deleted"
+        assert mgr.resume(dict(TINY)) == 201
+        mgr.save(201, TINY)
+        # An explicit choice: kept as long as retention keeps it.
+        mgr.save(150, TINY, allow_older=True)
+        assert mgr.steps() == [150, 200, 201]
+        mgr.save(202, TINY)
+        assert mgr.steps() == [200, 201, 202]
+
+
+def test_an_older_step_is_allowed_where_newer_ones_are_corrupt(tmp_path: Path) -> None:
+    # Steps 3 and 4 are corrupt: resume lands on 2, and training saves 3 and 4 again.
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        for s in (1, 2, 3, 4):
+            mgr.save(s, make_state(s))
+    for s in (3, 4):
+        payload = root / step_dir(s) / "model.safetensors"
+        raw = bytearray(payload.read_bytes())
+        raw[-1] ^= 0xFF
+        payload.write_bytes(bytes(raw))
+    with CheckpointManager(root) as mgr:
+        state = fresh_like(make_state(0))
+        assert mgr.resume(state) == 3
+        mgr.save(3, make_state(30))
+        mgr.save(4, make_state(40))
+        assert mgr.steps() == [1, 2, 3, 4]
+        assert all(mgr.verify(s).ok for s in (1, 2, 3, 4))
+        with pytest.raises(ValueError, match="refusing to save step 2"):
+            mgr.save(2, make_state(20))  # 2 verifies, and so do the newer ones now
+
+
+def test_keep_best_store_with_older_steps_resumes_and_saves(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    keep = [KeepBest(2, "val_loss"), KeepLast(1)]
+    losses = {1: 0.1, 2: 0.9, 3: 0.2, 4: 0.8, 5: 0.7}
+    with CheckpointManager(root, keep=keep) as mgr:
+        for s, v in losses.items():
+            mgr.save(s, TINY, metrics={"val_loss": v})
+        assert mgr.steps() == [1, 3, 5]
+    with CheckpointManager(root, keep=keep) as mgr:
+        assert mgr.resume(dict(TINY)) == 6
+        mgr.save(6, TINY, metrics={"val_loss": 0.05})
+        assert mgr.steps() == [1, 6], "the best two, the newest among them"
+
+
+def test_a_step_directory_as_root_is_refused(tmp_path: Path) -> None:
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        mgr.save(100, TINY)
+    before = snapshot(tmp_path)
+    for path in (root / step_dir(100), root / step_dir(7)):
+        for create in (True, False):
+            with pytest.raises(NoCheckpointError) as ei:
+                CheckpointManager(path, create=create)
+            msg = str(ei.value)
+            step = int(path.name[5:])
+            assert f"{path} is a checkpoint (step {step}) of the store {root}" in msg
+            assert f"CheckpointManager({str(root)!r})" in msg
+    # A payload file of a step: the store is two levels up.
+    with pytest.raises(NoCheckpointError, match=f"did you mean the store {root}\\?"):
+        CheckpointManager(root / step_dir(100) / "state.json")
+    assert snapshot(tmp_path) == before, "nothing created or changed"
+
+
+def test_a_directory_that_is_not_a_store_is_used_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "data"
+    root.mkdir()
+    for name in ("train.csv", "notes.txt", "images", "labels.json"):
+        (root / name).write_text("x")
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        mgr = CheckpointManager(root)
+    warning = " ".join(r.getMessage() for r in caplog.records)
+    assert f"{root} is not a checkpoint store but holds 'images', 'labels.json', " in warning
+    assert "and 1 more" in warning
+    assert "check the path" in warning
+    assert mgr.resume(dict(TINY)) == 0
+    mgr.save(1, TINY)
+    assert mgr.steps() == [1]
+    mgr.close()
+    caplog.clear()
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        CheckpointManager(root).close()  # a store now: no warning
+        CheckpointManager(tmp_path / "new").close()  # nor for a new or empty directory
+    assert not caplog.records
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "other"])
+def test_create_false_refuses_what_is_no_store_and_creates_nothing(
+    tmp_path: Path, kind: str
+) -> None:
+    root = tmp_path / "x"
+    if kind != "missing":
+        root.mkdir()
+    if kind == "other":
+        (root / "a.txt").write_text("a")
+        (root / "sub").mkdir()
+    before = snapshot(tmp_path)
+    why = {
+        "missing": "no such directory",
+        "empty": "the directory is empty",
+        "other": "it holds no checkpoints, only 'a.txt', 'sub'",
+    }[kind]
+    with pytest.raises(NoCheckpointError, match=f"^no store at {root}: {why}; check the path$"):
+        CheckpointManager(root, create=False)
+    assert snapshot(tmp_path) == before
+
+
+def test_create_false_opens_a_store() -> None:
+    url = "memory://ckptstore-create-false"
+    with pytest.raises(NoCheckpointError, match=f"no store at {url}: nothing is there"):
+        CheckpointManager(url, create=False)
+    with CheckpointManager(url) as mgr:
+        mgr.save(1, TINY)
+    with CheckpointManager(url, create=False) as mgr:
+        assert mgr.steps() == [1]
+        mgr.delete(1, force=True)
+    # An object store emptied of its last step is no store any more (no lock file there).
+    with pytest.raises(NoCheckpointError, match=f"no store at {url}"):
+        CheckpointManager(url, create=False)
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty", "other"])
+def test_gc_and_prune_create_nothing_outside_a_store(tmp_path: Path, kind: str) -> None:
+    root = tmp_path / "x"
+    if kind != "missing":
+        root.mkdir()
+    if kind == "other":
+        (root / "a.txt").write_text("a")
+    before = snapshot(tmp_path)
+    with CheckpointManager(root, keep=1) as mgr:
+        assert mgr.gc() == []
+        assert mgr.prune() == []
+        assert mgr.plan_prune() == []
+        with pytest.raises(NoCheckpointError, match="no committed checkpoint"):
+            mgr.delete(1)
+    assert snapshot(tmp_path) == before, "no lock file, no directory"
+
+
+# ---- delete ----------------------------------------------------------------------------------
+
+
+def test_delete_removes_one_step_atomically(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, make_state(s))
+        synced: list[str] = []
+        real_fsync = LocalStorage._fsync_dir
+
+        def fsync_dir(self: LocalStorage, rel: str) -> None:
+            # Renamed to .trash- (gone whole) before the root is made durable.
+            synced.append(",".join(sorted(os.listdir(self.root))))
+            real_fsync(self, rel)
+
+        monkeypatch.setattr(LocalStorage, "_fsync_dir", fsync_dir)
+        mgr.delete(2)
+        monkeypatch.undo()
+        assert synced, "the root is fsynced before delete returns"
+        assert step_dir(2) not in synced[0].split(",")
+        assert ".trash-step-000000000002-" in synced[0]
+        assert mgr.steps() == [1, 3]
+        assert entries(root) == [step_dir(1), step_dir(3)]
+        with pytest.raises(NoCheckpointError, match=r"have 1\.\.3"):
+            mgr.delete(2)
+        # Retention goes on from what is left; the step can be saved again.
+        mgr.save(2, make_state(2), allow_older=True)
+        assert mgr.verify(2).ok
+
+
+def test_delete_refuses_a_pinned_step_unless_forced(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        for s in (1, 2):
+            mgr.save(s, TINY)
+        mgr.pin(1)
+        before = snapshot(root)
+        with pytest.raises(StepProtectedError, match="is pinned; nothing was deleted") as ei:
+            mgr.delete(1)
+        assert f"ckptstore rm {root} --step 1 --force" in str(ei.value)
+        assert f"ckptstore unpin {root} --step 1" in str(ei.value)
+        assert snapshot(root) == before
+        mgr.delete(1, force=True)
+        assert mgr.steps() == [2]
+
+
+def test_delete_refuses_the_only_step_that_verifies_unless_forced(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, make_state(s))
+    for s in (1, 3):  # only step 2 verifies
+        payload = root / step_dir(s) / "model.safetensors"
+        raw = bytearray(payload.read_bytes())
+        raw[-1] ^= 0xFF
+        payload.write_bytes(bytes(raw))
+    with CheckpointManager(root) as mgr:
+        before = snapshot(root)
+        with pytest.raises(StepProtectedError) as ei:
+            mgr.delete(2)
+        msg = str(ei.value)
+        assert f"{root}/{step_dir(2)} is the only checkpoint in {root} that verifies" in msg
+        assert "(2 other steps)" in msg
+        assert "nothing was deleted" in msg
+        assert "force=True" in msg
+        assert snapshot(root) == before
+        mgr.delete(3)  # a corrupt one goes without force
+        mgr.delete(1)
+        with pytest.raises(StepProtectedError, match=r"\(0 other steps\)"):
+            mgr.delete(2)
+        mgr.delete(2, force=True)
+        assert mgr.steps() == []
+    assert entries(root) == []
+
+
+def test_delete_is_refused_while_another_job_writes(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as writer:
+        writer.save(1, TINY)
+        writer.save(2, TINY)
+        with CheckpointManager(root) as other:
+            with pytest.raises(StoreLockedError):
+                other.delete(1)
+            assert other.steps() == [1, 2]
+
+
+def test_step_exists_error_says_how_to_delete_the_step(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(5, TINY)
+        with pytest.raises(StepExistsError) as ei:
+            mgr.save(5, TINY)
+    msg = str(ei.value)
+    assert f"`ckptstore rm {root} --step 5`" in msg
+    assert "mgr.delete(5)" in msg
+    assert "prune / gc" not in msg
+
+
+# ---- scale: a save touches O(1) entries of the store -----------------------------------------
+
+
+def grow(root: Path, n: int, stride: int) -> None:
+    """Steps stride, 2*stride, ..., n*stride: hard-linked copies, each with its manifest."""
+    with CheckpointManager(root) as mgr:
+        mgr.save(stride, TINY, metrics={"val_loss": 1.0})
+        manifest = mgr.manifest(stride)
+    src = root / step_dir(stride)
+    names = [p.name for p in src.iterdir() if p.name != MANIFEST]
+    for s in range(2 * stride, (n + 1) * stride, stride):
+        d = root / step_dir(s)
+        d.mkdir()
+        for name in names:
+            os.link(src / name, d / name)
+        m = dataclasses.replace(manifest, step=s, metrics={"val_loss": float(s % 97)})
+        (d / MANIFEST).write_bytes(m.to_bytes())
+
+
+def counting(reads: list[int]) -> Any:
+    real_read = LocalStorage.read_manifest
+
+    def read_manifest(self: LocalStorage, step: int) -> Any:
+        reads.append(step)
+        return real_read(self, step)
+
+    return read_manifest
+
+
+class FsCalls:
+    """Counts the filesystem calls that look at entries (lstat, stat, listdir, scandir, open)."""
+
+    NAMES = ("lstat", "stat", "listdir", "scandir", "open")
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.counts: Counter[str] = Counter()
+        for name in self.NAMES:
+            real = getattr(os, name)
+            monkeypatch.setattr(os, name, self._wrap(name, real))
+
+    def _wrap(self, name: str, real: Any) -> Any:
+        def call(*args: Any, **kwargs: Any) -> Any:
+            self.counts[name] += 1
+            return real(*args, **kwargs)
+
+        return call
+
+
+@pytest.mark.parametrize(
+    "keep",
+    [
+        None,
+        [KeepLast(3), KeepEvery(1), KeepBest(3, "val_loss")],
+        [KeepLast(2), KeepEvery(10), KeepBest(1, "val_loss")],  # deletes a step per save
+    ],
+    ids=["keep-all", "last-every-best", "deleting"],
+)
+def test_a_save_touches_as_many_entries_on_a_big_store_as_on_a_small_one(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, keep: Any
+) -> None:
+    # Counted in every thread: the background deleter's work is waited for within its save.
+    per_save: dict[int, list[Counter[str]]] = {}
+    for n in (20, 800):
+        root = tmp_path / f"s{n}"
+        grow(root, n, stride=10)
+        top = n * 10
+        with CheckpointManager(root, keep=keep) as mgr:
+            mgr.save(top + 1, TINY, metrics={"val_loss": 5.0})  # lists the store (once)
+            wait_for_deletions()
+            reads: list[int] = []
+            with monkeypatch.context() as m:
+                m.setattr(LocalStorage, "read_manifest", counting(reads))
+                calls = FsCalls(m)
+                per_save[n] = []
+                for s in range(top + 2, top + 7):
+                    before = Counter(calls.counts)
+                    mgr.save(s, TINY, metrics={"val_loss": 50.0 + s})
+                    wait_for_deletions()
+                    per_save[n].append(calls.counts - before)
+            assert reads == [], "no manifest is read again"
+            if keep is not None and KeepEvery(10) in keep:
+                assert mgr.steps()[-3:] == [top, top + 5, top + 6], "retention deleted"
+    small, big = per_save[20], per_save[800]
+    assert big == small, f"{small} on 20 steps, {big} on 800"
+    assert sum(small[0].values()) < 40

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import random
 from collections.abc import Sequence
 from typing import Any
 
@@ -12,8 +13,10 @@ from ckptstore import KeepBest, KeepEvery, KeepLast, RetentionPolicy
 from ckptstore.retention import (
     CheckpointInfo,
     KeepAll,
+    RetentionPlanner,
     Union,
     as_policy,
+    keep_best_policies,
     plan_deletions,
 )
 
@@ -78,6 +81,27 @@ def test_keep_best_ties_go_to_the_newer() -> None:
     assert KeepBest(2, "loss").keep(cps) == {3, 2}
     assert KeepBest(1, "loss", mode="max").keep(cps) == {4}
     assert KeepBest(2, "loss", mode="max").keep(cps) == {4, 3}
+
+
+def test_keep_best_missing_keep_keeps_steps_without_the_metric() -> None:
+    cps = [
+        CheckpointInfo(1, {}),
+        CheckpointInfo(2, {"loss": 0.5}),
+        CheckpointInfo(3, {"acc": 1.0}),
+        CheckpointInfo(4, {"loss": float("nan")}),  # has it: NaN never counts as best
+        CheckpointInfo(5, {"loss": 0.7}),
+    ]
+    assert KeepBest(1, "loss").keep(cps) == {2}
+    assert KeepBest(1, "loss", missing="keep").keep(cps) == {1, 2, 3}
+    assert plan_deletions(cps, KeepBest(1, "loss", missing="keep")) == [4]
+    assert "missing='keep'" in repr(KeepBest(1, "loss", missing="keep"))
+
+
+def test_keep_best_policies_are_found_in_unions() -> None:
+    a, b = KeepBest(1, "loss"), KeepBest(2, "acc", mode="max")
+    assert keep_best_policies(a) == [a]
+    assert keep_best_policies(KeepLast(3)) == []
+    assert keep_best_policies(as_policy([KeepLast(1), a, KeepEvery(5), b])) == [a, b]
 
 
 def test_keep_every() -> None:
@@ -170,6 +194,10 @@ def test_plan_is_sorted_and_pure() -> None:
         (lambda: KeepBest(1, None), "KeepBest(metric) must be a non-empty str, got None"),
         (lambda: KeepBest(1, "loss", mode="x"), "KeepBest(mode) must be 'min' or 'max', got 'x'"),
         (lambda: KeepBest(1, "loss", mode="MIN"), "KeepBest(mode) must be 'min' or 'max'"),
+        (
+            lambda: KeepBest(1, "loss", missing="skip"),
+            "KeepBest(missing) must be 'error' or 'keep', got 'skip'",
+        ),
         (lambda: KeepEvery(0), "KeepEvery(steps) must be a positive int, got 0"),
         (lambda: KeepEvery("10"), "KeepEvery(steps) must be a positive int, got '10'"),
     ],
@@ -210,3 +238,92 @@ def test_as_policy_refuses(keep: Any, error: str) -> None:
         as_policy(keep)
     assert error in str(ei.value)
     assert str(ei.value).startswith(("keep must be", "KeepLast(n)"))
+
+
+# ---- the incremental planner ------------------------------------------------------------------
+
+POLICIES = [
+    KeepAll(),
+    KeepLast(1),
+    KeepLast(3),
+    KeepEvery(4),
+    KeepBest(2, "loss"),
+    KeepBest(1, "loss", mode="max"),
+    KeepBest(2, "loss", missing="keep"),
+    as_policy([KeepLast(2), KeepBest(2, "loss")]),
+    as_policy([KeepLast(1), KeepEvery(5), KeepBest(1, "acc", mode="max", missing="keep")]),
+    as_policy([KeepEvery(3), KeepBest(3, "loss"), KeepBest(1, "acc")]),
+]
+
+
+def _random_metrics(rng: random.Random) -> dict[str, float]:
+    out = {}
+    if rng.random() < 0.8:
+        out["loss"] = rng.choice([0.1, 0.2, 0.3, float("nan"), rng.random()])  # ties too
+    if rng.random() < 0.5:
+        out["acc"] = rng.choice([0.5, rng.random()])
+    return out
+
+
+@pytest.mark.parametrize("policy", POLICIES, ids=repr)
+def test_planner_plans_exactly_what_plan_deletions_plans(policy: Any) -> None:
+    # A writer's life in random order: saves (mostly newer steps, sometimes older ones or
+    # a replacement), retention applied or only planned, deletions by hand, pins, a newest
+    # step that fails to verify. After each event the planner must agree with the pure plan.
+    for seed in range(12):
+        rng = random.Random(seed)
+        start = [CheckpointInfo(s, _random_metrics(rng)) for s in rng.sample(range(40), 6)]
+        planner = RetentionPlanner(policy, start)
+        ref = {c.step: c for c in start}
+        for _ in range(120):
+            event = rng.random()
+            if event < 0.55 or not ref:
+                step = max(ref, default=0) + rng.randint(1, 3)
+                if rng.random() < 0.15:
+                    step = rng.randint(0, step)  # older, or a replacement of a known one
+                metrics = _random_metrics(rng)
+                planner.add(step, metrics)
+                ref[step] = CheckpointInfo(step, metrics)  # a replacement has no pin marker
+            elif event < 0.65:
+                victim = rng.choice(sorted(ref))
+                planner.remove(victim)
+                del ref[victim]
+            elif event < 0.75:
+                s = rng.choice(sorted(ref))
+                pinned = rng.random() < 0.5
+                planner.set_pinned(s, pinned)
+                ref[s] = CheckpointInfo(s, ref[s].metrics, pinned)
+            steps = sorted(ref)
+            last_good = rng.choice([steps[-1], steps[0], None]) if steps else None
+            want = plan_deletions(list(ref.values()), policy, last_good=last_good)
+            got = planner.plan(last_good=last_good)
+            assert got == want, (seed, steps)
+            assert planner.steps == steps
+            if rng.random() < 0.7:  # retention deleted what it planned
+                for s in got:
+                    planner.remove(s)
+                    del ref[s]
+
+
+def test_planner_looks_only_at_steps_whose_fate_can_change() -> None:
+    # 10,000 steps kept by KeepEvery(1): after a new step, the plan examines a handful.
+    policy = as_policy([KeepLast(3), KeepEvery(1), KeepBest(3, "loss")])
+    planner = RetentionPlanner(
+        policy, [CheckpointInfo(s, {"loss": (s * 7919) % 1000 / 1000}) for s in range(10_000)]
+    )
+    assert planner.incremental
+    assert planner.plan(last_good=9_999) == []  # the first plan looks at every step
+    planner.add(10_000, {"loss": 0.5})
+    assert len(planner._pending) <= 3
+    assert planner.plan(last_good=10_000) == []
+    assert planner.metric_count("loss") == 10_001
+    assert planner.metric_names() == ["loss"]
+
+
+def test_planner_plans_custom_policies_in_full() -> None:
+    planner = RetentionPlanner(DeleteEverything(), infos(1, 2, 3))
+    assert not planner.incremental
+    planner.set_pinned(2, True)
+    assert planner.plan(last_good=3) == [1]
+    planner.add(4, {})
+    assert planner.plan(last_good=4) == [1, 3]

@@ -69,13 +69,16 @@ def root_names(view: StoreView) -> list[str]:
     return [n for n in view.names() if n not in STORE_FILES]
 
 
-def saved(view: StoreView, steps: list[int], **kwargs: Any) -> dict[int, dict[str, Any]]:
+def saved(
+    view: StoreView, steps: list[int], *, allow_older: bool = False, **kwargs: Any
+) -> dict[int, dict[str, Any]]:
     """Save one state per step (seeded by the step) and close; returns the states."""
     states = {}
     with CheckpointManager(view.url, **kwargs) as mgr:
         for s in steps:
             states[s] = make_state(s)
-            mgr.save(s, states[s], metrics={"val_loss": 1.0 / (s + 1)})
+            metrics = {"val_loss": 1.0 / (s + 1)}
+            mgr.save(s, states[s], metrics=metrics, allow_older=allow_older)
     wait_for_deletions()
     return states
 
@@ -156,7 +159,7 @@ def test_commit_leaves_exactly_the_step_directory(store: StoreView) -> None:
 
 
 def test_steps_are_ordered_by_number(store: StoreView) -> None:
-    saved(store, [100, 9, 10])
+    saved(store, [100, 9, 10], allow_older=True)
     with CheckpointManager(store.url) as mgr:
         assert mgr.steps() == [9, 10, 100]
         assert mgr.latest_step() == 100

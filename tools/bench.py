@@ -4,6 +4,7 @@
     .venv/bin/python tools/bench.py                      # 1 GB of params + 2 GB of AdamW state
     .venv/bin/python tools/bench.py --size 100MB --repeats 5
     .venv/bin/python tools/bench.py --only disk-odirect,ckpt-st,torch --size 300MB
+    .venv/bin/python tools/bench.py --only scale --size 1MB --repeats 5   # save vs step count
     .venv/bin/python tools/bench.py --plot               # also sweep 10MB..--size, write a PNG
     .venv/bin/python tools/bench.py --sharded --size 256MB  # FSDP2: 2 ranks, restore on 1, 3
 
@@ -53,7 +54,7 @@ import torch
 from torch import nn
 
 import ckptstore
-from ckptstore import CheckpointManager, KeepBest, KeepLast
+from ckptstore import CheckpointManager, KeepBest, KeepEvery, KeepLast
 from ckptstore.layout import MANIFEST_NAME, step_dirname
 
 REPO = Path(__file__).resolve().parent.parent
@@ -82,6 +83,7 @@ OTHERS = (
     "step-slowdown",
     "verify",
     "protocol",
+    "scale",
     "ls10k",
     "sharded",
 )
@@ -114,6 +116,9 @@ DESCRIPTIONS = {
     "verify": "CheckpointManager.verify(deep=True) of a cold safetensors checkpoint",
     "protocol": "median save of a few-KB state (keep=3, so retention runs too), and the "
     "fsync floor: write 1 KB + fsync file + fsync directory",
+    "scale": "median few-KB save on a store of --scale-count steps vs the same save on an "
+    "empty store, interleaved, one manager each, keep=[KeepLast(3), KeepEvery(100), "
+    "KeepBest(3)] (so retention plans and deletes a step per save on both)",
     "ls10k": "steps/latest_step/plan_prune/`ckptstore ls` on a store of --ls-count "
     "checkpoints (metadata only, warm cache)",
     "sharded": "FSDP2 state of --size params + AdamW: ckptstore vs DCP vs raw O_DIRECT, save on "
@@ -950,6 +955,68 @@ class Protocol(Contender):
         remove(self.floor)
 
 
+class Scale(Contender):
+    """A save's cost must not grow with the steps in the store: big store vs empty store."""
+
+    name = "scale"
+    per_round = 10
+    stride = 100  # the big store's steps are multiples of it: KeepEvery keeps them all
+
+    def setup(self, ctx: Ctx) -> None:
+        self.count = ctx.args.scale_count
+        self.keep = [KeepLast(3), KeepEvery(self.stride), KeepBest(3, "val_loss")]
+        self.tiny = {"w": torch.randn(256), "b": torch.zeros(16), "step": 0, "lr": 1e-4}
+        empty, big = ctx.newdir("scale-empty") / "store", ctx.newdir("scale-big") / "store"
+        t0 = time.perf_counter()
+        with CheckpointManager(big, keep=None) as mgr:
+            mgr.save(self.stride, self.tiny, metrics={"val_loss": 1.0})
+        grow_store(big, self.stride, self.count * self.stride, self.stride, self.stride)
+        grown = time.perf_counter() - t0
+        self.mgrs = {
+            "save-empty": CheckpointManager(empty, keep=self.keep),
+            "save-big": CheckpointManager(big, keep=self.keep),
+        }
+        self.next = {"save-empty": 1, "save-big": self.count * self.stride + 1}
+        # The first save of a manager lists the store once (and reads the manifests KeepBest
+        # needs, from the listing cache): a one-time cost, not in the medians.
+        first = {op: self.save(op) for op in self.mgrs}
+        ctx.extra["scale"] = {
+            "count": self.count,
+            "policy": repr(self.keep),
+            "create_s": grown,
+            "first_save_s": first,
+        }
+        log(f"  scale: {self.count} steps made in {grown:.1f}s; first saves {first}")
+
+    def save(self, op: str) -> float:
+        step = self.next[op]
+        self.next[op] += 1
+        self.tiny["step"] = step
+        t0 = time.perf_counter()
+        self.mgrs[op].save(step, self.tiny, metrics={"val_loss": float(step % 7)})
+        return time.perf_counter() - t0
+
+    def round(self, ctx: Ctx, r: int) -> None:
+        settle()
+        order = list(self.mgrs) if r % 2 == 0 else list(reversed(self.mgrs))
+        for _ in range(self.per_round):
+            for op in order:
+                ctx.times.setdefault((self.name, op), []).append(self.save(op))
+        med = {
+            op: statistics.median(ctx.times[(self.name, op)][-self.per_round :]) * 1e3
+            for op in self.mgrs
+        }
+        log(
+            f"  {self.name:<16} few-KB save: empty store {med['save-empty']:.2f} ms, "
+            f"{self.count} steps {med['save-big']:.2f} ms"
+        )
+
+    def teardown(self, ctx: Ctx) -> None:
+        for mgr in self.mgrs.values():
+            mgr.close()
+            remove(Path(mgr.root).parent)
+
+
 def make_contenders(names: list[str]) -> list[Contender]:
     table: dict[str, Callable[[], Contender]] = {
         "disk-odirect": DiskODirect,
@@ -968,6 +1035,7 @@ def make_contenders(names: list[str]) -> list[Contender]:
         "step-slowdown": StepSlowdown,
         "verify": Verify,
         "protocol": Protocol,
+        "scale": Scale,
     }
     return [table[n]() for n in names if n in table]
 
@@ -1027,13 +1095,13 @@ def time_ls_subprocess(root: Path, timeout: float) -> dict[str, Any]:
     return out
 
 
-def grow_store(root: Path, template: int, upto: int, have: int) -> None:
-    """Copy checkpoint ``template`` to steps have+1..upto: hard links, fresh manifests."""
+def grow_store(root: Path, template: int, upto: int, have: int, stride: int = 1) -> None:
+    """Copy checkpoint ``template`` to steps have+stride..upto: hard links, fresh manifests."""
     src = root / step_dirname(template)
     with CheckpointManager(root) as mgr:
         manifest = mgr.manifest(template)
     names = [p.name for p in src.iterdir() if p.name != MANIFEST_NAME]
-    for s in range(have + 1, upto + 1):
+    for s in range(have + stride, upto + 1, stride):
         d = root / step_dirname(s)
         d.mkdir()
         for n in names:
@@ -1232,6 +1300,13 @@ def evaluate_targets(ctx: Ctx, rows: list[dict[str, Any]], ls: dict[str, Any] | 
             "detail": "median CheckpointManager.save of a few-KB state, keep=3",
         }
     )
+    scale = ctx.extra.get("scale")
+    at_most(
+        f"few-KB save on {scale['count'] if scale else 10_000:,} steps <= 1.5x on an empty store",
+        1.5,
+        ("scale", "save-big"),
+        ("scale", "save-empty"),
+    )
     for op in ("steps", "latest_step", "plan_keep_last", "plan_keep_best", "ls"):
         v = None
         detail = "not run"
@@ -1422,6 +1497,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--out", type=Path, default=REPO / "bench-out" / "bench.json")
     p.add_argument("--plot", action="store_true", help=f"also sweep {', '.join(SWEEP)}")
     p.add_argument("--ls-count", type=int, default=10_000)
+    p.add_argument(
+        "--scale-count", type=int, default=10_000, help="steps in the big store of 'scale'"
+    )
     p.add_argument("--ls-timeout", type=float, default=60.0, help="seconds for `ckptstore ls`")
     p.add_argument(
         "--sharded",

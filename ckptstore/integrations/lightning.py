@@ -51,6 +51,11 @@ manifest's creation time, then global step). Any other path is loaded exactly: i
 ``torch.save`` checkpoint of an earlier run) loads after :func:`ckptstore.verify_file` has
 checked its zip CRCs, with ``torch.load(weights_only=True)``.
 
+**Metrics.** The value of each metric a ``ModelCheckpoint`` monitors goes into the manifest's
+metrics (``ckptstore ls`` shows it): a top-k checkpoint gets the value it was ranked by; a
+``last.ckpt`` gets it when a top-k checkpoint of the same global step was just saved, and
+none otherwise (the callback's ``current_score`` would then be an earlier step's).
+
 **What is stored.** Tensors and plain data as ckptstore stores them (types exact: int keys of
 optimizer state, tuples, ``OrderedDict`` with its ``_metadata``, ``inf``). A few Python types
 that Lightning checkpoints carry are converted losslessly and rebuilt on load, never pickled:
@@ -187,6 +192,8 @@ class CkptStoreIO(CheckpointIO):
         self.allow_pickle = bool(allow_pickle)
         self.fallback = bool(fallback)
         self.storage_options = dict(storage_options) if storage_options else None
+        #: monitor -> (global step, value) of the last top-k save seen (see _monitored).
+        self._scores: dict[str, tuple[int | None, float]] = {}
 
     def __repr__(self) -> str:
         return (
@@ -224,6 +231,7 @@ class CkptStoreIO(CheckpointIO):
             msg = f"checkpoint must be a dict, got {type(checkpoint).__name__}"
             raise TypeError(msg)
         where = os.fspath(path)
+        metrics = self._monitored(checkpoint, where)
         state = _encode_checkpoint(checkpoint)
         global_step = _int_or(checkpoint.get("global_step"), 0)
         metadata = {
@@ -236,9 +244,9 @@ class CkptStoreIO(CheckpointIO):
         try:
             local = _local_path(where)
             if local is None:
-                self._commit_version(where, state, global_step, metadata)
+                self._commit_version(where, state, global_step, metadata, metrics)
             else:
-                self._save_local(local, state, global_step, metadata)
+                self._save_local(local, state, global_step, metadata, metrics)
         except UnsafeCheckpointError as e:
             detail = e.message.replace("state[", "checkpoint[", 1)
             raise UnsafeCheckpointError(
@@ -246,32 +254,71 @@ class CkptStoreIO(CheckpointIO):
                 "CkptStoreIO(allow_pickle=True))"
             ) from None
 
+    def _monitored(self, checkpoint: Mapping[str, Any], where: str) -> dict[str, float]:
+        """The values of the metrics ``ModelCheckpoint`` monitors, for this checkpoint.
+
+        A top-k checkpoint's value is the one its callback ranked it by (its entry in
+        ``best_k_models``). Any other save (``last.ckpt``) gets the value only when a top-k
+        save of the same global step just had it: the callback's ``current_score`` is
+        otherwise that of an earlier step, and a stale number is worse than none.
+        """
+        global_step = _int_or(checkpoint.get("global_step"), None)
+        metrics: dict[str, float] = {}
+        callbacks = checkpoint.get("callbacks")
+        if not isinstance(callbacks, Mapping):
+            return metrics
+        for cb in callbacks.values():
+            if not isinstance(cb, Mapping) or not isinstance(cb.get("monitor"), str):
+                continue
+            monitor = cb["monitor"]
+            best = cb.get("best_k_models")
+            value = _number(best.get(where)) if isinstance(best, Mapping) else None
+            if value is not None:
+                self._scores[monitor] = (global_step, value)
+            else:
+                seen = self._scores.get(monitor)
+                if seen is None or seen[0] != global_step or global_step is None:
+                    continue
+                value = seen[1]
+            metrics[monitor] = value
+        return metrics
+
     def _save_local(
-        self, path: str, state: dict[str, Any], global_step: int, metadata: dict[str, Any]
+        self,
+        path: str,
+        state: dict[str, Any],
+        global_step: int,
+        metadata: dict[str, Any],
+        metrics: dict[str, float],
     ) -> None:
         parent, name = os.path.split(path)
         os.makedirs(parent, exist_ok=True)
         _remove_stale_siblings(parent, name)
         if os.path.isdir(path) and not os.path.islink(path):
-            self._commit_version(path, state, global_step, metadata)
+            self._commit_version(path, state, global_step, metadata, metrics)
             return
         # A new path (or a file or link to replace): complete the store aside, then rename it
         # in, so that Lightning (and a crash) never sees a path without a checkpoint in it.
         tmp = _sibling(parent, name, "tmp")
         try:
-            self._commit_version(tmp, state, global_step, metadata)
+            self._commit_version(tmp, state, global_step, metadata, metrics)
             _rename_into_place(tmp, path)
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
 
     def _commit_version(
-        self, root: str, state: dict[str, Any], global_step: int, metadata: dict[str, Any]
+        self,
+        root: str,
+        state: dict[str, Any],
+        global_step: int,
+        metadata: dict[str, Any],
+        metrics: dict[str, float],
     ) -> None:
         with self._manager(root, allow_pickle=self.allow_pickle) as mgr:
             latest = mgr.latest_step()
             step = global_step if latest is None else max(global_step, latest + 1)
-            mgr.save(step, state, metadata=metadata)
+            mgr.save(step, state, metadata=metadata, metrics=metrics)
 
     def _manager(self, root: str, *, allow_pickle: bool) -> CheckpointManager:
         # distributed=False: Lightning saves on rank 0 alone and loads on every rank on its
@@ -552,6 +599,17 @@ def _load_torch_file(path: str, map_location: Any) -> dict[str, Any]:
 
 
 # ---- conversions ---------------------------------------------------------------------
+
+
+def _number(value: Any) -> float | None:
+    """A monitored value (a 0-d tensor, usually) as a float; ``None`` if it is none."""
+    if isinstance(value, torch.Tensor):
+        if value.numel() != 1:
+            return None
+        value = value.item()
+    if isinstance(value, bool) or not isinstance(value, int | float):
+        return None
+    return float(value)
 
 
 def _int_or(value: Any, default: int | None) -> Any:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import atexit
 import contextlib
+import dataclasses
 import errno
 import os
 import queue
@@ -19,12 +20,19 @@ import threading
 from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import IO, Any, ClassVar, Protocol, cast
 
-from ..errors import CommitError, IntegrityError, ManifestError, StepExistsError
+from ..errors import (
+    CommitError,
+    IntegrityError,
+    ManifestError,
+    NoCheckpointError,
+    StepExistsError,
+)
 from ..integrity import CRCWriter, crc32c_of, format_crc
 from ..layout import (
     MANIFEST_NAME,
     PIN_NAME,
     is_garbage_name,
+    is_store_entry,
     is_tmp_name,
     old_dirname,
     parse_old_dirname,
@@ -35,7 +43,14 @@ from ..layout import (
 )
 from ..manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, validate_file_name
 
-__all__ = ["Pending", "Storage", "WriterLock", "wait_for_deletions"]
+__all__ = [
+    "Pending",
+    "RootState",
+    "Storage",
+    "WriterLock",
+    "step_exists_message",
+    "wait_for_deletions",
+]
 
 from .._log import logger as log
 
@@ -198,6 +213,45 @@ class RangeReader:
         self.close()
 
 
+#: How many entries of a directory that is not a store its messages name.
+_SAMPLE = 3
+#: Listings of the root started again when a step vanished under one (see Storage.scan).
+_SCAN_TRIES = 5
+
+
+@dataclasses.dataclass(frozen=True)
+class RootState:
+    """What a store's root is (:meth:`Storage.root_state`).
+
+    Attributes:
+        kind: ``"store"``, ``"missing"``, ``"file"``, ``"blocked"`` (a file where a parent
+            directory should be), ``"empty"`` (a directory with nothing in it) or
+            ``"other"`` (a directory holding entries ckptstore never makes).
+        sample: for ``"other"``: the first few of those entries, sorted.
+        count: for ``"other"``: how many entries there are.
+    """
+
+    kind: str
+    sample: tuple[str, ...] = ()
+    count: int = 0
+
+    def sample_text(self) -> str:
+        """``'a', 'b', 'c' and 4 more`` for messages."""
+        text = ", ".join(repr(n) for n in self.sample)
+        more = self.count - len(self.sample)
+        return f"{text} and {more} more" if more > 0 else text
+
+
+def step_exists_message(storage: Storage, step: int) -> str:
+    """What :class:`StepExistsError` says: what happened and the two ways to delete it."""
+    root = storage.root.rstrip("/")
+    return (
+        f"{storage.describe(step)} is already committed; steps are write-once. Save under a "
+        f"new step, or delete this one first: `ckptstore rm {root} --step {step}` or "
+        f"mgr.delete({step})"
+    )
+
+
 class Storage(abc.ABC):
     """A checkpoint store at one root; see the module docstring for the division of labour.
 
@@ -208,6 +262,8 @@ class Storage(abc.ABC):
     atomic_rename: ClassVar[bool] = False
     #: Whether the writer lock is enforced (local filesystems only).
     lockable: ClassVar[bool] = False
+    #: Whether listing the root costs no request (local): its checks then run at every open.
+    cheap_listing: ClassVar[bool] = False
 
     def __init__(self, root: str) -> None:
         self.root = root
@@ -318,8 +374,121 @@ class Storage(abc.ABC):
         return self.scan()[1]
 
     def scan(self) -> tuple[list[int], list[str]]:
-        """One pass over the root: ``(committed steps ascending, garbage names sorted)``."""
-        return split_root(self._list(""), lambda name: self._exists(f"{name}/{MANIFEST_NAME}"))
+        """One pass over the root: ``(committed steps ascending, garbage names sorted)``.
+
+        A step directory that vanished between the listing and the look at its manifest
+        (retention renamed it away) makes the pass start again: a directory read while
+        entries are renamed in and out may miss the new ones (readdir(3) leaves that
+        unspecified), and a writer saving fast could otherwise leave a reader with an empty
+        listing of a store that never was empty.
+        """
+        for _ in range(_SCAN_TRIES):
+            vanished = False
+
+            def has_manifest(name: str) -> bool:
+                nonlocal vanished
+                if self._exists(f"{name}/{MANIFEST_NAME}"):
+                    return True
+                if not self._exists(name):
+                    vanished = True
+                return False
+
+            found = split_root(self._list(""), has_manifest)
+            if not vanished:
+                break
+        return found
+
+    # ---- is this a store? ----------------------------------------------------------
+
+    def _root_kind(self) -> str:
+        """What the root itself is: ``"missing"``, ``"file"``, ``"dir"`` or ``"blocked"``.
+
+        ``"blocked"``: a file is where one of its parent directories should be.
+        """
+        if self._is_regular_file(""):
+            return "file"
+        return "dir" if self._list("") else "missing"
+
+    def root_state(self) -> RootState:
+        """Whether the root is a store, and if not, what it is instead.
+
+        A store is a directory holding at least one entry ckptstore makes (``step-*``, a save
+        in flight or being deleted, ``.ckptstore.*``). Costs one listing of the root.
+        """
+        kind = self._root_kind()
+        if kind != "dir":
+            return RootState(kind)
+        names = self._list("")
+        if not names:
+            return RootState("empty")
+        if any(is_store_entry(n) for n in names):
+            return RootState("store")
+        return RootState("other", tuple(sorted(names)[:_SAMPLE]), len(names))
+
+    def probable_store(self) -> str:
+        """The store a wrong root (a file, a checkpoint) was probably meant to name.
+
+        The parent, or the grandparent when the parent is a checkpoint itself (the root was
+        a payload file of a step). Worked out from the path alone.
+        """
+        parent = self.root.rstrip("/").rpartition("/")[0] or "/"
+        head, _, name = parent.rpartition("/")
+        if parse_step_dirname(name) is not None and head:
+            return head
+        return parent
+
+    def check_root(self, *, create: bool = True) -> None:
+        """Refuse a root that cannot be the store meant; warn about a suspicious one.
+
+        A checkpoint directory (``.../step-000000000100``) is refused from its name alone.
+        Backends with :attr:`cheap_listing` (local) also refuse a regular file and warn
+        about a non-empty directory that is not a store (it works: the store is made beside
+        what is there). With ``create=False`` anything but an existing store is refused,
+        on every backend (one listing); nothing is created either way.
+
+        Raises:
+            NoCheckpointError: the root is a checkpoint, a file, or (``create=False``) no
+                store; the message names the store it probably meant where there is one.
+        """
+        root = self.root.rstrip("/")
+        step = parse_step_dirname(root.rpartition("/")[2])
+        if step is not None:
+            store = self.probable_store()
+            raise NoCheckpointError(
+                f"{root} is a checkpoint (step {step}) of the store {store}, not a store itself; "
+                f"give the store's directory: CheckpointManager({store!r}) "
+                f"(restore(state, step={step}) loads this step)"
+            )
+        if create and not self.cheap_listing:
+            return
+        state = self.root_state()
+        if state.kind == "file":
+            raise NoCheckpointError(
+                f"{root} is a file, not a checkpoint store (a store is a directory of step-* "
+                f"checkpoints); did you mean the store {self.probable_store()}?"
+            )
+        if state.kind == "blocked":
+            raise NoCheckpointError(
+                f"{root} cannot be a checkpoint store: part of its path is a file, not a "
+                "directory; give the path of a directory (it is created if missing)"
+            )
+        if state.kind == "store":
+            return
+        if not create:
+            why = {
+                "missing": "nothing is there" if not self.cheap_listing else "no such directory",
+                "empty": "the directory is empty",
+            }.get(state.kind)
+            if why is None:
+                why = f"it holds no checkpoints, only {state.sample_text()}"
+            raise NoCheckpointError(f"no store at {root}: {why}; check the path")
+        if state.kind == "other":
+            log.warning(
+                "%s is not a checkpoint store but holds %s: the store will be created beside "
+                "them. If you meant another directory, check the path",
+                root,
+                state.sample_text(),
+            )
 
     def read_manifest(self, step: int) -> Manifest:
         """Read and validate the manifest of ``step``.
@@ -518,10 +687,7 @@ class Storage(abc.ABC):
         """
         final = step_dirname(step)
         if not replace and self._exists(f"{final}/{MANIFEST_NAME}"):
-            raise StepExistsError(
-                f"{self.describe(step)} is already committed; steps are write-once. Save under "
-                "a new step, or delete this one first (ckptstore prune / gc)"
-            )
+            raise StepExistsError(step_exists_message(self, step))
         if self.atomic_rename or replace:
             # Without a rename, a replacement is written beside the old checkpoint and
             # copied into place at commit: its payload names are those of the old one.
@@ -639,12 +805,14 @@ class Storage(abc.ABC):
         except OSError as e:
             log.warning("could not remove %s: %s; `ckptstore gc` will", pending.dirname, e)
 
-    def delete(self, step: int, *, background: bool = True) -> None:
+    def delete(self, step: int, *, background: bool = True, durable: bool = False) -> None:
         """Delete a committed checkpoint so that it vanishes whole, at once.
 
         Local: rename to ``.trash-...`` (atomic); in the background, fsync the root and only
         then remove the files (a power cut before that fsync brings the whole checkpoint
         back, never a half-removed one; its return is harmless, retention deletes it again).
+        With ``durable`` the root is fsynced before returning, so the deletion survives a
+        power cut from then on (an explicit delete; retention leaves it to the background).
         Object stores: remove the manifest first (the checkpoint is gone from that moment),
         then the rest in the background, or now with ``background=False`` (before the same
         step is written again: a late background delete would remove the new files).
@@ -653,7 +821,9 @@ class Storage(abc.ABC):
         if self.atomic_rename:
             trash = trash_dirname(step)
             self._rename(final, trash)
-            _deleter.submit(self, trash, fsync_root=True)
+            if durable:
+                self._fsync_dir("")
+            _deleter.submit(self, trash, fsync_root=not durable)
         else:
             with contextlib.suppress(FileNotFoundError):
                 self._remove(f"{final}/{MANIFEST_NAME}")

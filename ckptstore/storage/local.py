@@ -33,6 +33,7 @@ class LocalStorage(Storage):
 
     atomic_rename: ClassVar[bool] = True
     lockable: ClassVar[bool] = True
+    cheap_listing: ClassVar[bool] = True
 
     def __init__(self, root: str, *, direct_io: bool = True) -> None:
         super().__init__(os.path.abspath(os.path.expanduser(root)))
@@ -52,6 +53,16 @@ class LocalStorage(Storage):
 
     def _exists(self, rel: str) -> bool:
         return os.path.lexists(self._p(rel))
+
+    def _root_kind(self) -> str:
+        # The root itself may be reached through a symlink (to a directory): stat follows.
+        try:
+            st = os.stat(self.root)
+        except FileNotFoundError:
+            return "missing"
+        except NotADirectoryError:
+            return "blocked"  # a file where a parent directory should be
+        return "dir" if stat.S_ISDIR(st.st_mode) else "file"
 
     def _is_regular_file(self, rel: str) -> bool:
         try:

@@ -224,6 +224,14 @@ class FsspecStorage(Storage):
     def _exists(self, rel: str) -> bool:
         return bool(self.fs.exists(self._fresh(self._p(rel))))
 
+    def _root_kind(self) -> str:
+        # Object stores have no empty directories: a prefix with nothing under it is missing.
+        try:
+            info = self.fs.info(self._fresh(self.path))
+        except FileNotFoundError:
+            return "missing"
+        return "file" if info.get("type") == "file" else "dir"
+
     def _is_regular_file(self, rel: str) -> bool:
         try:
             return self._info(self._p(rel)).get("type") == "file"

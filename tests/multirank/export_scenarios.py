@@ -42,7 +42,8 @@ def mixed_save(ctx: Ctx) -> dict[str, Any]:
     torch.manual_seed(1000 + ctx.rank)
     state = {"model": model, "optimizer": opt, "table": table, "rng": RNGState(), "step": 3}
     with CheckpointManager(ctx.root, barrier_timeout=60.0) as mgr:
-        mgr.save(ctx.args["dtensor_step"], state, metrics={"loss": 1.0})
+        # The 1-rank DTensor step (4) is saved after the 2-rank launch made steps 3, 5, 6.
+        mgr.save(ctx.args["dtensor_step"], state, metrics={"loss": 1.0}, allow_older=True)
         full_sd = {k: _full(v).detach().clone() for k, v in model.state_dict().items()}
         if ctx.args.get("replicated_step") is not None:
             plain = make_net(seed=99)

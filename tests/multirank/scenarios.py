@@ -23,7 +23,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
-from ckptstore import EMA, CheckpointManager, RNGState
+from ckptstore import EMA, CheckpointManager, KeepBest, KeepLast, RNGState
 from ckptstore.storage.local import LocalStorage
 
 
@@ -122,6 +122,29 @@ def save_on_rank0_only(ctx: Ctx) -> dict[str, Any]:
         return outcome(lambda: mgr.save(2, {"model": model}))  # the `if rank == 0` bug
     time.sleep(timeout + 6)
     return {"ok": True, "value": "idle"}
+
+
+def guardrails(ctx: Ctx) -> dict[str, Any]:
+    """Saves that rank 0 refuses (it holds the listing): every rank raises the same error."""
+    model = make_model()
+    out: dict[str, Any] = {}
+    with CheckpointManager(ctx.root, barrier_timeout=30.0) as mgr:
+        mgr.save(10, {"model": model}, metrics={"val_loss": 1.0})
+        # Training restarted without resume(): older steps, replicated and per-rank.
+        out["older"] = outcome(lambda: mgr.save(5, {"model": model}))
+        out["older_sharded"] = outcome(lambda: mgr.save(6, {"model": model}, sharded=True))
+    keep = [KeepBest(1, "val_loss"), KeepLast(1)]
+    with CheckpointManager(ctx.root, keep=keep, async_save=True, barrier_timeout=30.0) as mgr:
+        # The metrics stored are rank 0's: rank 0's decide, whatever the other ranks pass.
+        lacking = {"loss": 0.5} if ctx.rank == 0 else {"val_loss": 0.5}
+        out["rank0_lacks_metric"] = outcome(lambda: mgr.save(11, {"model": model}, metrics=lacking))
+        only0 = {"val_loss": 0.5} if ctx.rank == 0 else None
+        out["only_rank0_has_it"] = outcome(
+            lambda: mgr.save(12, {"model": model}, metrics=only0).wait() and None
+        )
+        out["older_async"] = outcome(lambda: mgr.save(7, {"model": model}))
+        out["steps"] = mgr.steps()
+    return out
 
 
 def rank_exits_before_save(ctx: Ctx) -> dict[str, Any]:

@@ -59,6 +59,25 @@ def test_save_on_rank0_only_times_out_naming_absent_ranks(tmp_path):
     assert_previous_is_newest(tmp_path / "store", 1)
 
 
+def test_refused_saves_raise_the_same_error_on_every_rank(tmp_path):
+    vals = values(launch("guardrails", 2, tmp_path))
+    for key, start in (
+        ("older", "refusing to save step 5"),
+        ("older_sharded", "refusing to save step 6"),
+        ("rank0_lacks_metric", "refusing to save step 11"),
+        ("older_async", "refusing to save step 7"),
+    ):
+        got = [v[key] for v in vals]
+        assert [g["ok"] for g in got] == [False, False], (key, got)
+        assert {g["error_type"] for g in got} == {"ValueError"}, (key, got)
+        assert got[0]["message"] == got[1]["message"], key
+        assert got[0]["message"].startswith(f"{start} in {tmp_path / 'store'}"), key
+    assert "resume()" in vals[0]["older"]["message"]
+    assert "metrics lack 'val_loss'" in vals[1]["rank0_lacks_metric"]["message"]
+    assert all(v["only_rank0_has_it"]["ok"] for v in vals)
+    assert [v["steps"] for v in vals] == [[12], [12]]
+
+
 def test_rank_exits_before_save(tmp_path):
     res = launch("rank_exits_before_save", 3, tmp_path, args={"timeout": TIMEOUT})
     assert res[1].returncode == 3
