@@ -743,7 +743,9 @@ def import_file(
     )
     with mgr:
         metadata = {"imported_from": os.path.abspath(source), **src.metadata}
-        manifest = mgr.save(step, state, metadata=metadata).wait()
+        # An import places the step it is told to: an older step than the newest is asked
+        # for, not a training run restarted without resume().
+        manifest = mgr.save(step, state, metadata=metadata, allow_older=True).wait()
         where = mgr.storage.describe(step)
         report(2, 2, "done")
     return ImportResult(

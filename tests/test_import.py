@@ -216,6 +216,21 @@ def test_torch_save_ddp_dict_imports_exactly(tmp_path: Path, capsys) -> None:
     assert state["step"] == 70
 
 
+def test_import_places_an_older_step_than_the_newest(tmp_path: Path, capsys) -> None:
+    model, _, _ = trained()
+    path = tmp_path / "m.pt"
+    torch.save({"model": model.state_dict()}, path)
+    root = tmp_path / "store"
+    assert run(capsys, "import", path, root, "--step", "90")[0] == 0
+    # Saving step 50 from training would be refused (resume() forgotten); an import names
+    # its step on purpose.
+    rc, out, err = run(capsys, "import", path, root, "--step", "50")
+    assert rc == 0, err
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [50, 90]
+        assert mgr.verify(50).ok
+
+
 def test_torch_save_with_a_compressed_member_is_refused_uninflated(
     tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
 ) -> None:
