@@ -224,7 +224,7 @@ def test_import_places_an_older_step_than_the_newest(tmp_path: Path, capsys) -> 
     assert run(capsys, "import", path, root, "--step", "90")[0] == 0
     # Saving step 50 from training would be refused (resume() forgotten); an import names
     # its step on purpose.
-    rc, out, err = run(capsys, "import", path, root, "--step", "50")
+    rc, _, err = run(capsys, "import", path, root, "--step", "50")
     assert rc == 0, err
     with CheckpointManager(root) as mgr:
         assert mgr.steps() == [50, 90]
