@@ -32,33 +32,28 @@ def port() -> int:
         return int(s.getsockname()[1])
 
 
-def launch(store: Path, tag: str, *extra: str, timeout: float = 120) -> list[dict]:
+def env_for(rank: int, world: int, master_port: int) -> dict[str, str]:
+    """The environment of one rank, as torchrun would set it."""
+    return dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(master_port),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        # gloo's C++ logs repeat what BarrierTimeout says, with stack traces
+        TORCH_CPP_LOG_LEVEL="FATAL",
+    )
+
+
+def run_ranks(
+    cmd: list[str], world: int, results: Path, *, timeout: float, prog: str
+) -> list[dict]:
+    """Run ``cmd`` as ``world`` ranks; each rank's JSON result (``results.rankN``), by rank."""
     p = port()
-    procs = []
-    for rank in range(WORLD):
-        env = dict(
-            os.environ,
-            RANK=str(rank),
-            WORLD_SIZE=str(WORLD),
-            LOCAL_RANK=str(rank),
-            MASTER_ADDR="127.0.0.1",
-            MASTER_PORT=str(p),
-            OMP_NUM_THREADS="1",
-            # gloo's C++ logs repeat what BarrierTimeout says, with stack traces
-            TORCH_CPP_LOG_LEVEL="FATAL",
-        )
-        cmd = [
-            sys.executable,
-            str(ROOT / "tools" / "demo_train.py"),
-            "--store",
-            str(store),
-            "--steps",
-            str(STEPS),
-            "--result",
-            str(WORK / tag),
-            *extra,
-        ]
-        procs.append(subprocess.Popen(cmd, env=env))
+    procs = [subprocess.Popen(cmd, env=env_for(r, world, p)) for r in range(world)]
     deadline = time.monotonic() + timeout
     for proc in procs:
         try:
@@ -66,14 +61,29 @@ def launch(store: Path, tag: str, *extra: str, timeout: float = 120) -> list[dic
         except subprocess.TimeoutExpired:
             for q in procs:
                 q.kill()
-            sys.exit(f"demo: {tag} hung past {timeout}s — this is a bug")
+            sys.exit(f"{prog}: {results.name} hung past {timeout}s — this is a bug")
     out = []
     for rank, proc in enumerate(procs):
-        f = WORK / f"{tag}.rank{rank}"
+        f = results.parent / f"{results.name}.rank{rank}"
         res = json.loads(f.read_text()) if f.exists() else {}
         res["returncode"] = proc.returncode
         out.append(res)
     return out
+
+
+def launch(store: Path, tag: str, *extra: str, timeout: float = 120) -> list[dict]:
+    cmd = [
+        sys.executable,
+        str(ROOT / "tools" / "demo_train.py"),
+        "--store",
+        str(store),
+        "--steps",
+        str(STEPS),
+        "--result",
+        str(WORK / tag),
+        *extra,
+    ]
+    return run_ranks(cmd, WORLD, WORK / tag, timeout=timeout, prog="demo")
 
 
 def cli(*args: str) -> None:

@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
@@ -29,6 +28,10 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from demo import run_ranks  # one launcher for both demos  # noqa: E402
+
 STEPS = 24
 EVERY = 4  # saves at steps 3, 7, 11, 15, 19, 23
 KILL_AT = 15
@@ -36,32 +39,10 @@ KILL_RANK = 0
 CRASH_TIMEOUT = 6.0  # barrier_timeout of the job that is killed: how long rank 1 waits
 
 
-def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
-def env_for(rank: int, world: int, master_port: int) -> dict[str, str]:
-    return dict(
-        os.environ,
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(master_port),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        # gloo's C++ logs repeat what BarrierTimeout says, with stack traces
-        TORCH_CPP_LOG_LEVEL="FATAL",
-    )
-
-
 def launch(
     world: int, work: Path, tag: str, *extra: str, timeout: float = 120
 ) -> list[dict[str, Any]]:
     """Run ``world`` ranks of tools/demo_fsdp_train.py; their results, by rank."""
-    p = port()
     cmd = [
         sys.executable,
         str(ROOT / "tools" / "demo_fsdp_train.py"),
@@ -75,22 +56,7 @@ def launch(
         str(EVERY),
         *extra,
     ]
-    procs = [subprocess.Popen(cmd, env=env_for(r, world, p)) for r in range(world)]
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            sys.exit(f"demo-fsdp: {tag} hung past {timeout}s — this is a bug")
-    out = []
-    for rank, proc in enumerate(procs):
-        f = work / f"{tag}.rank{rank}"
-        res = json.loads(f.read_text()) if f.exists() else {}
-        res["returncode"] = proc.returncode
-        out.append(res)
-    return out
+    return run_ranks(cmd, world, work / tag, timeout=timeout, prog="demo-fsdp")
 
 
 def single(work: Path, steps: list[int], timeout: float = 120) -> dict[str, Any]:
