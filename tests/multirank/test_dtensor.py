@@ -83,7 +83,8 @@ def test_fsdp2_save_writes_each_rank_its_shards_and_plain_data_once(saved2):
     assert part["model/inp.weight@4,0"].shape == (3, 6)
 
 
-@pytest.mark.parametrize("world", [1, 2, 3, 4])
+# 4 ranks: test_fsdp2_on_4_ranks_restores_on_2 (2 cores: each extra launch costs ~10 s).
+@pytest.mark.parametrize("world", [1, 2, 3])
 def test_fsdp2_restores_on_any_world_size(saved2, tmp_path, world):
     work, saved = saved2
     copy_store(work, tmp_path)
@@ -265,7 +266,7 @@ def _flip_in_chunk(store: Path, step: int, tensor: str, rank_file: str) -> None:
 def test_a_flipped_byte_in_one_shard_makes_every_rank_fall_back(tmp_path):
     values(launch("dtensor_scenarios:fsdp_save", 2, tmp_path, timeout=180, args={"steps": [2, 3]}))
     _flip_in_chunk(tmp_path / "store", 3, "model/mid.weight", "_shards.rank00001.safetensors")
-    for world in (2, 3):
+    for world in (3,):  # another world size than the save's: every rank reads other ranges
         results = launch("dtensor_scenarios:fsdp_corrupt_fallback", world, tmp_path, timeout=180)
         vals = values(results)
         assert all(v["restored"] == 2 for v in vals)
