@@ -336,11 +336,20 @@ class CheckpointManager(Reader):
         blocked = self.last_blocked_s
 
         def run() -> Manifest:
+            m = self._commit_job(job)
+            self._after_commit(step)
+            self._log_summary(step, m, time.perf_counter() - t0, blocked)
+            return m
+
+        return self._in_background(step, run)
+
+    def _in_background(self, step: int, work: Callable[[], Manifest]) -> SaveHandle:
+        """Run an async save's ``work`` on the writer; a failure is kept for the next call."""
+        assert self._writer is not None
+
+        def run() -> Manifest:
             try:
-                m = self._commit_job(job)
-                self._after_commit(step)
-                self._log_summary(step, m, time.perf_counter() - t0, blocked)
-                return m
+                return work()
             except BaseException as e:
                 log.error("async save of step %d failed: %s", step, e)
                 self._bg_error = e
@@ -992,22 +1001,16 @@ class CheckpointManager(Reader):
 
         def run() -> Manifest:
             try:
-                try:
-                    mine = self._write_dtensor(pending, job)
-                except BaseException as e:
-                    log.error("rank %d failed to write its shard of step %d: %s", bg.rank, step, e)
-                    mine = ("error", e)
-                m = self._finish_sharded(pending, mine, step, meta, True, bg)
-                if bg.is_leader:
-                    self._log_summary(step, m, time.perf_counter() - t0, self.last_blocked_s)
-                return m
+                mine = self._write_dtensor(pending, job)
             except BaseException as e:
-                log.error("async save of step %d failed: %s", step, e)
-                self._bg_error = e
-                raise
+                log.error("rank %d failed to write its shard of step %d: %s", bg.rank, step, e)
+                mine = ("error", e)
+            m = self._finish_sharded(pending, mine, step, meta, True, bg)
+            if bg.is_leader:
+                self._log_summary(step, m, time.perf_counter() - t0, self.last_blocked_s)
+            return m
 
-        self._inflight = SaveHandle(step, self._writer.submit(run), on_error=self._error_seen)
-        return self._inflight
+        return self._in_background(step, run)
 
     def _after_commit(self, step: int) -> None:
         """Retention runs only after a commit; its failure never fails the save."""
