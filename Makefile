@@ -24,8 +24,12 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# Two workers (the CI machine has 2 cores): most of the suite waits on processes, fsync and
+# timeouts, not on the CPU. worksteal keeps the long multi-rank tests from ending on one worker.
+# PYTEST_ARGS="-n 0" runs it in one process.
+PYTEST_ARGS ?= -n 2 --dist worksteal
 unit: $(STAMP)
-	$(BIN)/python -m pytest -q -x -p no:cacheprovider
+	$(BIN)/python -m pytest -q -x -p no:cacheprovider $(PYTEST_ARGS)
 
 test: lint typecheck unit
 

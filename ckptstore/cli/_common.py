@@ -88,6 +88,13 @@ def add_root(parser: argparse.ArgumentParser, help: str = "store directory or fs
     parser.add_argument("root", metavar="ROOT", help=help)
 
 
+def add_steps(parser: argparse.ArgumentParser, help: str) -> None:
+    """A required, repeatable ``--step N``."""
+    parser.add_argument(
+        "--step", type=step_arg, action="append", required=True, metavar="N", help=help
+    )
+
+
 def as_json(args: argparse.Namespace) -> bool:
     """Whether ``--json`` was given (before or after the command)."""
     return bool(getattr(args, "json", False))

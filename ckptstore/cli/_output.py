@@ -115,3 +115,9 @@ class Bar:
         if self._bar is not None:
             self._bar.close()
             self._bar = None
+
+    def __enter__(self) -> Bar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

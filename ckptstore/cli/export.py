@@ -68,8 +68,7 @@ def run(args: argparse.Namespace) -> int:
         raise UsageError("--max-shard-size applies to --hf only")
     from ..export import export_step  # torch: imported only when this command runs
 
-    bar = Bar("export", unit="phase")
-    try:
+    with Bar("export", unit="phase") as bar:
         res = export_step(
             args.root,
             args.step,
@@ -79,8 +78,6 @@ def run(args: argparse.Namespace) -> int:
             storage_options=opts,
             progress=bar,
         )
-    finally:
-        bar.close()
     if as_json(args):
         print_json(res.to_dict())
     else:
@@ -97,8 +94,7 @@ def _run_hf(args: argparse.Namespace, opts: dict[str, object]) -> int:
     from ..consolidate import DEFAULT_MAX_SHARD
     from ..export import export_hf_step
 
-    bar = Bar("export", unit="B")
-    try:
+    with Bar("export", unit="B") as bar:
         hf = export_hf_step(
             args.root,
             args.step,
@@ -108,8 +104,6 @@ def _run_hf(args: argparse.Namespace, opts: dict[str, object]) -> int:
             storage_options=opts,
             progress=bar,
         )
-    finally:
-        bar.close()
     if as_json(args):
         print_json(hf.to_dict())
     else:

@@ -38,8 +38,7 @@ def run(args: argparse.Namespace) -> int:
     from ..importers import import_file  # torch: imported only when this command runs
 
     opts = storage_options(args, args.root)
-    bar = Bar("import", unit="phase")
-    try:
+    with Bar("import", unit="phase") as bar:
         res = import_file(
             args.file,
             args.root,
@@ -51,8 +50,6 @@ def run(args: argparse.Namespace) -> int:
             storage_options=opts,
             progress=bar,
         )
-    finally:
-        bar.close()
     if as_json(args):
         print_json(res.to_dict())
     else:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..steps import pin_steps
-from ._common import add_root, as_json, step_arg, storage_options, usage_errors
+from ._common import add_root, add_steps, as_json, storage_options, usage_errors
 from ._output import print_json, steps_text
 
 NAME = "pin"
@@ -15,14 +15,7 @@ HELP = "pin steps: retention (keep=, ckptstore prune) never deletes them"
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``ROOT``, ``--step`` (repeatable)."""
     add_root(parser)
-    parser.add_argument(
-        "--step",
-        type=step_arg,
-        action="append",
-        required=True,
-        metavar="N",
-        help="the step (repeat for more)",
-    )
+    add_steps(parser, "the step (repeat for more)")
 
 
 def run(args: argparse.Namespace) -> int:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..steps import delete_steps
-from ._common import add_root, as_json, step_arg, storage_options, usage_errors
+from ._common import add_root, add_steps, as_json, storage_options, usage_errors
 from ._output import plural, print_json, steps_text
 
 NAME = "rm"
@@ -15,14 +15,7 @@ HELP = "delete steps, each atomically (refuses pinned steps and the last good on
 def add_arguments(parser: argparse.ArgumentParser) -> None:
     """``ROOT``, ``--step`` (repeatable), ``--force``."""
     add_root(parser)
-    parser.add_argument(
-        "--step",
-        type=step_arg,
-        action="append",
-        required=True,
-        metavar="N",
-        help="a step to delete (repeat for more)",
-    )
+    add_steps(parser, "a step to delete (repeat for more)")
     parser.add_argument(
         "--force",
         action="store_true",

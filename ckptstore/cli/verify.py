@@ -30,19 +30,15 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Verify; exit 1 when anything fails."""
-    bar = Bar("verify", unit="ckpt")
-    try:
-        with usage_errors():
-            reports = verify_path(
-                args.target,
-                storage_options(args, args.target),
-                step=args.step,
-                all_steps=args.all,
-                deep=not args.quick,
-                progress=bar,
-            )
-    finally:
-        bar.close()
+    with Bar("verify", unit="ckpt") as bar, usage_errors():
+        reports = verify_path(
+            args.target,
+            storage_options(args, args.target),
+            step=args.step,
+            all_steps=args.all,
+            deep=not args.quick,
+            progress=bar,
+        )
     if as_json(args):
         print_json([r.to_dict() for r in reports])
     else:
