@@ -14,9 +14,11 @@ A step that is safe on the replica gets a ``replicated`` marker in its local dir
 ``ckptstore ls``, and so a step the replica's retention deleted is not uploaded again).
 
 Reading back costs a download of every byte uploaded. S3 can check a CRC32C itself
-(``ChecksumAlgorithm``), but s3fs 2026.9 does not send per-part checksums for its multipart
-uploads, and a composite checksum of parts is not the manifest's whole-file CRC32C: the
-read-back is the check that holds for every store.
+(``ChecksumAlgorithm="CRC32C"``), but botocore computes it only with ``awscrt`` installed
+(``MissingDependencyException`` otherwise: checked against botocore in this venv), s3fs
+2026.9 does not pass per-part checksums to ``CompleteMultipartUpload``, and a composite
+checksum of parts is not the manifest's whole-file CRC32C: the read-back is the check that
+holds for every store.
 
 :func:`fetch_step` is the other direction: a replica step copied into the local store with
 the local commit protocol (restore from either tier reads it from there).
@@ -26,11 +28,13 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import dataclasses
 import json
 import os
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from ._log import logger as log
 from .errors import CkptStoreError, CommitError, IntegrityError, ManifestError, StepExistsError
@@ -39,7 +43,15 @@ from .manifest import FileEntry, Manifest
 from .retention import CheckpointInfo, RetentionPolicy, plan_deletions
 from .storage import Storage
 
-__all__ = ["ReplicaError", "Replicator", "fetch_step", "read_replica_url", "replicated_steps"]
+__all__ = [
+    "ReplicaError",
+    "ReplicateResult",
+    "Replicator",
+    "fetch_step",
+    "read_replica_url",
+    "replicate",
+    "replicated_steps",
+]
 
 #: Files uploaded (or downloaded) at once per step.
 DEFAULT_THREADS = 4
@@ -578,9 +590,14 @@ class Replicator:
             ) from err
 
     def close(self, *, wait: bool = True) -> None:
-        """Stop the thread, first finishing the queued uploads unless ``wait`` is False."""
+        """Stop the thread, first finishing the queued uploads unless ``wait`` is False.
+
+        Without ``wait`` the upload in flight is abandoned (nothing of it is visible on the
+        replica; the next uploader on these roots does it again).
+        """
         try:
             if wait:
+                self.resume()  # a paused uploader would never finish
                 self.wait()
         finally:
             with self._cond:
@@ -591,3 +608,80 @@ class Replicator:
             t = self._thread
             if t is not None and t is not threading.current_thread():
                 t.join()
+
+
+@dataclasses.dataclass
+class ReplicateResult:
+    """What :func:`replicate` did.
+
+    Attributes:
+        uploaded: steps uploaded by this call, in upload order.
+        safe: every local step that is now safe on the replica, ascending.
+        failed: steps whose upload failed, with why.
+    """
+
+    uploaded: list[int]
+    safe: list[int]
+    failed: dict[int, str]
+
+
+def replicate(
+    local_root: str | os.PathLike[str],
+    url: str,
+    replica_options: Mapping[str, Any] | None = None,
+    *,
+    keep: RetentionPolicy | None = None,
+    watch: bool = False,
+    interval: float = 10.0,
+    stop: threading.Event | None = None,
+    threads: int = DEFAULT_THREADS,
+) -> ReplicateResult:
+    """Upload a local store's committed steps to a replica, from outside the training job.
+
+    The same uploader as ``CheckpointManager(..., replica=url)``: what a crash left on the
+    replica is cleaned first, then the steps it lacks are uploaded newest first. With
+    ``watch``, the local store is listed again every ``interval`` seconds and new steps are
+    uploaded until ``stop`` is set (or the process is interrupted). It never deletes a local
+    step; ``keep`` is the replica's retention (None: keep every step there).
+
+    Raises:
+        NoCheckpointError: ``local_root`` is not a store.
+        ReplicaError: (without ``watch``) an upload failed.
+    """
+    from .storage import open_storage
+
+    local = open_storage(local_root)
+    local.check_root(create=False)
+    replica = open_storage(url, replica_options)
+    uploaded: list[int] = []
+    failed: dict[int, str] = {}
+    up = Replicator(
+        local,
+        replica,
+        policy=keep,
+        threads=threads,
+        retention=keep is not None,
+        url=url,
+        on_safe=uploaded.append,
+    )
+    stop = stop or threading.Event()
+    try:
+        up.recover()
+        while True:
+            try:
+                up.wait()
+            except ReplicaError as e:
+                if not watch:
+                    raise
+                log.error("%s", e)
+            with up._cond:
+                failed.update({s: str(e) for s, e in up._failed.items()})
+            if not watch or stop.wait(interval):
+                break
+            for s in local.list_steps():
+                if not up.is_safe(s) and s not in up._failed:
+                    up.submit(s)
+    finally:
+        up.close(wait=False)
+    safe = sorted(s for s in local.list_steps() if up.is_safe(s))
+    return ReplicateResult(uploaded, safe, failed)

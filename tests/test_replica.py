@@ -209,3 +209,114 @@ def test_save_is_unchanged_by_a_replica(tmp_path: Path, s3: S3Endpoint, url: str
         torch.tensor(list(s3.client.cat_file(f"{url}/{step_dir(5)}/manifest.json"))),
         torch.tensor(list(m.to_bytes())),
     )
+
+
+# ---- the CLI: ls shows the tiers, replicate is the sidecar ----------------------------------
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    from ckptstore.cli import main
+
+    rc = main([str(a) for a in argv])
+    out, _ = capsys.readouterr()
+    return rc, out
+
+
+def test_ls_shows_tiers_and_upload_state(
+    tmp_path: Path, s3: S3Endpoint, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    root = tmp_path / "a"
+    with tiered(root, s3, url, keep=None, replica_keep=1) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.wait()
+        assert mgr.replica is not None
+        mgr.replica.pause()
+        mgr.save(2, make_state(2))
+        rc, out = cli(capsys, "ls", root)
+        assert rc == 0
+        rows = [ln for ln in out.splitlines() if ln.split()[:1] in (["1"], ["2"]) and "B " in ln]
+        lines = {ln.split()[0]: ln for ln in rows}
+        assert lines["1"].endswith("local+replica")
+        assert lines["2"].endswith("local (uploading)")
+        assert f"replica: {url}" in out
+        data = json.loads(cli(capsys, "ls", root, "--json")[1])
+        assert [(d["step"], d["tiers"], d["uploaded"]) for d in data] == [
+            (1, ["local", "replica"], True),
+            (2, ["local"], False),
+        ]
+        mgr.replica.resume()
+    shutil.rmtree(root / step_dir(1))  # only on the replica now (and 2 in both)
+    rc, out = cli(capsys, "ls", root, "--replica", url, "--json", *s3.cli_options)
+    assert rc == 0
+    data = json.loads(out)
+    # replica_keep=1 deleted step 1 from the replica once step 2 was there: 1 is nowhere.
+    assert [(d["step"], d["tiers"]) for d in data] == [(2, ["local", "replica"])]
+
+
+def test_replicate_sidecar(
+    tmp_path: Path, s3: S3Endpoint, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "a"
+    with CheckpointManager(root, keep=None) as plain:  # a job that knows nothing of replicas
+        for s in (1, 2):
+            plain.save(s, make_state(s))
+    rc, out = cli(capsys, "replicate", root, url, *s3.cli_options)
+    assert rc == 0, out
+    assert "uploaded 2, 1;" in out  # newest first
+    assert replica_steps(s3, url) == [1, 2]
+    assert (root / step_dir(1) / REPLICATED_NAME).exists()
+    rc, out = cli(capsys, "replicate", root, url, *s3.cli_options)  # nothing left to do
+    assert rc == 0
+    assert out.startswith("uploaded ;")
+    # What it uploaded restores on a new node.
+    with tiered(tmp_path / "b", s3, url) as mgr:
+        assert_same(dict(mgr.load()["model"]), snapshot(make_state(2))["model"])
+
+
+def test_replicate_watch_uploads_new_steps_until_stopped(
+    tmp_path: Path, s3: S3Endpoint, url: str
+) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from _helpers import REPO
+
+    root = tmp_path / "a"
+    with CheckpointManager(root, keep=None) as plain:
+        plain.save(1, make_state(1))
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ckptstore.cli",
+                "replicate",
+                str(root),
+                url,
+                "--watch",
+                "--interval",
+                "0.2",
+                *s3.cli_options,
+            ],
+            cwd=REPO,
+            env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while replica_steps(s3, url) != [1] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            plain.save(2, make_state(2))  # saved while the sidecar watches
+            while replica_steps(s3, url) != [1, 2] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert replica_steps(s3, url) == [1, 2]
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "safe on" in out
