@@ -14,6 +14,8 @@ __all__ = [
     "LOCK_NAME",
     "MANIFEST_NAME",
     "PIN_NAME",
+    "REPLICATED_NAME",
+    "REPLICA_NAME",
     "STATE_NAME",
     "is_garbage_name",
     "is_store_entry",
@@ -29,6 +31,10 @@ __all__ = [
 MANIFEST_NAME = "manifest.json"
 STATE_NAME = "state.json"
 PIN_NAME = "pinned"
+#: Marker in a local step: its upload to the replica committed and verified.
+REPLICATED_NAME = "replicated"
+#: The replica a local store uploads to (its URL), for ``ckptstore ls``.
+REPLICA_NAME = ".ckptstore.replica"
 LOCK_NAME = ".ckptstore.lock"
 #: The listing cache of a local store (see storage/local.py); never part of a checkpoint.
 INDEX_NAME = ".ckptstore.index"

@@ -16,7 +16,8 @@ from typing import Any
 from ._fmt import created_json, metric_json
 from .errors import CkptStoreError
 from .manifest import Manifest
-from .storage import Storage
+from .replica import read_replica_url, replicated_steps
+from .storage import Storage, open_storage
 from .stores import find_stores, open_store, reaching
 
 __all__ = ["Listings", "StepInfo", "StoreListing", "list_store", "list_stores"]
@@ -30,6 +31,11 @@ class StepInfo:
     pinned: bool
     manifest: Manifest | None = None
     error: str | None = None
+    #: With a replica: where the step is (``"local"``, ``"replica"``), else None.
+    tiers: tuple[str, ...] | None = None
+    #: With a replica: whether the local step's upload is done (None without a replica,
+    #: or for a step that is only on the replica).
+    uploaded: bool | None = None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (``ckptstore ls --json``)."""
@@ -46,6 +52,8 @@ class StepInfo:
             "sharded": m.sharded if m else None,
             "sharding": m.sharding_kind if m else None,
             "error": self.error,
+            "tiers": list(self.tiers) if self.tiers is not None else None,
+            "uploaded": self.uploaded,
         }
 
 
@@ -56,6 +64,8 @@ class StoreListing:
     root: str
     steps: list[StepInfo]
     garbage: list[str]
+    #: The replica this local store uploads to (recorded by the manager), or None.
+    replica: str | None = None
 
     @property
     def broken(self) -> bool:
@@ -68,6 +78,7 @@ class StoreListing:
             "root": self.root,
             "steps": [s.to_dict() for s in self.steps],
             "garbage": list(self.garbage),
+            "replica": self.replica,
         }
 
 
@@ -103,6 +114,32 @@ def _listing(storage: Storage) -> StoreListing:
     return StoreListing(storage.root, infos, garbage)
 
 
+def _with_tiers(
+    res: StoreListing, storage: Storage, replica: str | None, options: Mapping[str, Any] | None
+) -> StoreListing:
+    """Add each step's tiers and upload state to the listing of a local store.
+
+    From the ``replicated`` markers, and the replica's own listing when its URL is given
+    (``ls --replica URL``).
+    """
+    url = replica or read_replica_url(storage)
+    if url is None:
+        return res
+    done = replicated_steps(storage, [s.step for s in res.steps])
+    remote: set[int] = set()
+    if replica is not None:
+        with reaching(replica):
+            remote = set(open_storage(replica, options).list_steps())
+    for s in res.steps:
+        s.uploaded = s.step in done or s.step in remote
+        s.tiers = ("local", "replica") if s.uploaded else ("local",)
+    have = {s.step for s in res.steps}
+    res.steps.extend(StepInfo(s, False, tiers=("replica",)) for s in remote - have)
+    res.steps.sort(key=lambda s: s.step)
+    res.replica = url
+    return res
+
+
 def list_store(
     root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> StoreListing:
@@ -123,17 +160,29 @@ def list_store(
 
 
 def list_stores(
-    root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+    root: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    replica: str | None = None,
 ) -> Listings:
     """List the store at ``root``, or each store directly inside it.
 
     A Lightning checkpoint directory (``ModelCheckpoint(dirpath=...)`` with the
     ``CkptStoreIO`` plugin) holds one store per ``*.ckpt`` name: each is listed.
 
+    A local store that uploads to a replica (``CheckpointManager(..., replica=URL)``) has
+    each step's tiers and upload state filled in from its ``replicated`` markers; with
+    ``replica`` that store is listed too (``storage_options`` are then its options), and
+    steps only there are added.
+
     Raises:
         NoCheckpointError: ``root`` is neither a store nor holds any.
         CkptStoreError: an object store cannot be reached (the message says what to check).
     """
-    storage, stores = find_stores(root, storage_options)
+    storage, stores = find_stores(root, storage_options if replica is None else None)
     nested = stores != [storage]
-    return Listings(storage.root, [_listing(s) for s in stores], nested)
+    out = [
+        _with_tiers(_listing(s), s, replica if not nested else None, storage_options)
+        for s in stores
+    ]
+    return Listings(storage.root, out, nested)

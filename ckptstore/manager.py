@@ -20,11 +20,12 @@ import sys
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from types import EllipsisType
 from typing import Any
 
 import torch
 
-from . import sharding
+from . import sharding, tiers
 from .chunks import INDEX_FILE
 from .codec import payload as payload_codec
 from .codec import safetensors as safetensors_codec
@@ -45,6 +46,7 @@ from .layout import state_file
 from .manifest import DTENSOR_FORMAT_VERSION, FORMAT_VERSION, FileEntry, Manifest, utc_now
 from .modules import EMA, RNGState
 from .reader import STATE_FORMAT, Reader
+from .replica import ReplicaError, Replicator
 from .retention import (
     CheckpointInfo,
     RetentionPlanner,
@@ -111,6 +113,14 @@ class CheckpointManager(Reader):
             other things) raises ``NoCheckpointError`` ("no store at ROOT: ...") before
             anything is created. For tools that inspect or clean existing stores
             (``ckptstore ls``, ``gc``, ``prune``, ``rm``, ``pin``).
+        replica: a second tier: any fsspec URL (``s3://bucket/run1``). ``save`` commits to
+            ``root`` as without it; each committed step is then uploaded in the background
+            (payloads, then the manifest; every file read back and checked). Local retention
+            keeps a step until it, or a newer one, is safe there; ``resume``/``restore``
+            take the newest step that verifies in either tier (a replica step is fetched
+            into ``root`` first); ``wait``/``close`` wait for the uploads.
+        replica_keep: the replica's retention, as ``keep`` (default: the same as ``keep``).
+        replica_options: fsspec storage options for ``replica``.
 
     A root that is a checkpoint directory (``.../step-000000000100``) or a regular file is
     refused whatever ``create`` says, naming the store it probably meant; a local directory
@@ -136,6 +146,9 @@ class CheckpointManager(Reader):
         allow_pickle: bool = False,
         distributed: bool = True,
         create: bool = True,
+        replica: str | None = None,
+        replica_keep: int | RetentionPolicy | Iterable[RetentionPolicy] | EllipsisType | None = ...,
+        replica_options: Mapping[str, Any] | None = None,
     ) -> None:
         if format not in ("safetensors", "torch"):
             msg = f"format must be 'safetensors' or 'torch', got {format!r}"
@@ -185,6 +198,16 @@ class CheckpointManager(Reader):
         #: a save touches O(1) entries of the store however many steps it holds.
         self._planner: RetentionPlanner | None = None
         self.last_blocked_s = 0.0
+        #: The replica tier (``replica=``): its uploader on the rank that uploads, else None.
+        self.replica: Replicator | None = None
+        self.replica_storage: Storage | None = None
+        if replica is not None:
+            keep_there = self.policy if replica_keep is ... else as_policy(replica_keep)
+            self.replica_storage, self.replica = tiers.open_replica(
+                self.storage, replica, replica_options, keep_there, self.coord.is_leader
+            )
+            if self.replica is not None:
+                self.replica.on_safe = self._replica_safe
 
     # ---- small queries ----------------------------------------------------------------
 
@@ -1012,8 +1035,23 @@ class CheckpointManager(Reader):
 
         return self._in_background(step, run)
 
+    def _replica_safe(self, step: int) -> None:
+        """The uploader's callback: ``step`` is safe on the replica.
+
+        Local steps that retention held back for the replica may go now (on the uploader's
+        thread: retention takes the manager's lock, the training thread does not wait).
+        """
+        if self.replica is not None and self.replica.holding and self._claimed:
+            self.replica.holding = False
+            self.prune()
+
     def _after_commit(self, step: int) -> None:
-        """Retention runs only after a commit; its failure never fails the save."""
+        """Retention runs only after a commit; its failure never fails the save.
+
+        With a replica, the step is queued for upload first (on the uploading rank).
+        """
+        if self.replica is not None:
+            self.replica.submit(step)
         if not self.coord.is_leader:
             return
         try:
@@ -1057,12 +1095,15 @@ class CheckpointManager(Reader):
             h._settle()  # its error stays pending until raised (once) to the caller
 
     def wait(self) -> None:
-        """Wait for the in-flight save and background deletions; raise a background error.
+        """Wait for the in-flight save, uploads and deletions; raise a background error.
 
         Raises:
             CommitError: the last async save failed.
+            ReplicaError: an upload failed (the step stays in the local store).
         """
         self.wait_save()
+        if self.replica is not None:
+            self.replica.wait()
         wait_for_deletions()
         self._raise_bg_error()
 
@@ -1123,6 +1164,8 @@ class CheckpointManager(Reader):
                 for s in known:
                     known.set_pinned(s, self.storage.is_pinned(s))
             doomed = known.plan(last_good=self._last_good(known))
+            if self.replica is not None:  # a step not yet safe on the replica is held
+                doomed = self.replica.deletable(doomed)
             # Built-in policies are planned without reading every step's pin (a pin only
             # ever keeps a step; another process may have pinned one): read the doomed ones'.
             out = []
@@ -1300,10 +1343,12 @@ class CheckpointManager(Reader):
             raise RuntimeError(msg)
 
     def close(self) -> None:
-        """Finish the in-flight save, release the writer lock and the process group.
+        """Finish the in-flight save and uploads, release the writer lock and the group.
 
         Raises:
             CommitError: the last async save failed.
+            ReplicaError: an upload failed (the step stays in the local store; the next
+                manager on it uploads it).
         """
         if self._closed:
             return
@@ -1311,8 +1356,18 @@ class CheckpointManager(Reader):
             self.wait_save()
             if self._writer is not None:
                 self._writer.shutdown()
+            upload_error: ReplicaError | None = None
+            if self.replica is not None:
+                try:
+                    self.replica.close()
+                except ReplicaError as e:
+                    upload_error = e
             self._raise_bg_error()
+            if upload_error is not None:
+                raise upload_error
         finally:
+            if self.replica is not None:
+                self.replica.close(wait=False)  # a no-op once closed above
             self._closed = True
             self._claimed = False
             self._planner = None

@@ -15,7 +15,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import sharding
+from . import sharding, tiers
 from ._log import logger as log
 from .chunks import INDEX_FILE, ChunkIndex, TensorEntry
 from .codec import payload as payload_codec
@@ -52,6 +52,8 @@ class Reader:
     """Restore, resume and load; mixed into ``CheckpointManager``, which owns the state."""
 
     storage: Storage
+    #: The replica tier's store (``replica=``), or None: restore takes steps from both.
+    replica_storage: Storage | None
     coord: Coordinator
     root: str
     allow_pickle: bool
@@ -355,8 +357,34 @@ class Reader:
         except OSError:
             return False
 
+    def _restore_steps(self) -> list[int]:
+        """The committed steps a restore chooses from: both tiers' when there is a replica."""
+        if self.replica_storage is None:
+            return self.steps()
+        return tiers.all_steps(self.storage, self.replica_storage)
+
+    def _bring_local(self, step: int, *, replace: bool, broadcast: bool) -> None:
+        """Make ``step`` readable from the local store, fetching it from the replica.
+
+        Collective: rank 0 fetches first (on a shared filesystem that serves every rank),
+        then every other rank fetches what its own (node-local) root still lacks, unless
+        rank 0 alone reads (``broadcast``). Every rank raises rank 0's error alike.
+        """
+        assert self.replica_storage is not None
+        outcome: tuple[str, Any] = ("ok", None)
+        if self.coord.is_leader:
+            try:
+                tiers.ensure_local(self.storage, self.replica_storage, step, replace=replace)
+            except BaseException as e:
+                outcome = ("error", e)
+        status, value = self.coord.broadcast(outcome, "restore:fetch", step)
+        if status == "error":
+            raise value if isinstance(value, BaseException) else IntegrityError(str(value))
+        if not self.coord.is_leader and not broadcast:
+            tiers.ensure_local(self.storage, self.replica_storage, step)
+
     def _candidates(self, step: int | None) -> list[int]:
-        steps = self.steps()
+        steps = self._restore_steps()
         if step is not None:
             if step not in steps:
                 self._resolve(step)  # raises NoCheckpointError with context
@@ -424,6 +452,7 @@ class Reader:
             raise value
         skipped: list[str] = []
         queue, bad, relists = list(value), set(), 0
+        refetched: set[int] = set()
         while queue:
             s = queue.pop(0)
             stored: dict[Any, Any] | None = None
@@ -431,6 +460,8 @@ class Reader:
             mine: tuple[str, Any] = ("ok", None)
             blobs: dict[str, bytearray] | None = None
             try:
+                if self.replica_storage is not None:
+                    self._bring_local(s, replace=s in refetched, broadcast=broadcast)
                 if broadcast:
                     if self.coord.is_leader:
                         try:
@@ -458,6 +489,18 @@ class Reader:
                 if r == self.coord.rank or not isinstance(err, CkptStoreError):
                     raise err
                 raise type(err)(f"rank {r}: {err}")
+            if soft and self.replica_storage is not None and s not in refetched:
+                # The local copy failed: rank 0 looks for the replica's, which replaces it.
+                there: tuple[str, Any] = ("ok", False)
+                if self.coord.is_leader:
+                    there = ("ok", tiers.on_replica(self.replica_storage, s))
+                _, retry = self.coord.broadcast(there, "restore:replica", s)
+                if retry:
+                    why = "; ".join(f"rank {r}: {v}" for r, v in soft)
+                    log.warning("step %d: the local copy failed (%s); using the replica's", s, why)
+                    refetched.add(s)
+                    queue.insert(0, s)
+                    continue
             if soft and relists < _RELISTS:
                 # Deleted while we read it (a running job's retention), not corrupt: rank 0
                 # looks again, and every rank goes on with the new newest.
@@ -517,7 +560,7 @@ class Reader:
         if self.coord.is_leader:
             try:
                 self._raise_bg_error()  # on every rank, as in restore
-                listed = ("ok", not self.steps())
+                listed = ("ok", not self._restore_steps())
             except BaseException as e:
                 listed = ("error", e)
         status, empty = self.coord.broadcast(listed, "resume:list")
@@ -540,11 +583,21 @@ class Reader:
         """
         skipped: list[str] = []
         queue, bad, relists = self._candidates(step), set(), 0
+        refetched: set[int] = set()
         while queue:
             s = queue.pop(0)
             try:
+                if self.replica_storage is not None:
+                    tiers.ensure_local(
+                        self.storage, self.replica_storage, s, replace=s in refetched
+                    )
                 out, _ = self._decode(s, None, rank=rank)
             except (IntegrityError, ManifestError) as e:
+                if s not in refetched and tiers.on_replica(self.replica_storage, s):
+                    log.warning("step %d: the local copy failed (%s); using the replica's", s, e)
+                    refetched.add(s)
+                    queue.insert(0, s)
+                    continue
                 if step is None and relists < _RELISTS and self._vanished(s):
                     # Deleted while we read it (a running job's retention), not corrupt.
                     relists += 1

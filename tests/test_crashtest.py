@@ -1,8 +1,9 @@
 """A short run of the crash campaign (tools/crashtest.py), and its checker catching damage.
 
 ``make crashtest`` runs the long campaign (300 kills per store, 20 distributed jobs); here it
-runs 30 kills on a local store with 2 distributed jobs, and 10 kills on S3 (moto on
-loopback), each as a subprocess with a hard timeout.
+runs 30 kills on a local store with 2 distributed jobs, 10 kills on S3 (moto on loopback),
+and 16 kills of the replica tier's uploader mid-upload to S3, each as a subprocess with a
+hard timeout.
 """
 
 from __future__ import annotations
@@ -47,13 +48,26 @@ def finish(proc: subprocess.Popen[str], out: Path, timeout: float) -> dict[str, 
     return dict(json.loads(out.read_text()))
 
 
-@pytest.mark.timeout(170)
+@pytest.mark.timeout(230)
 def test_short_campaigns(tmp_path: Path) -> None:
-    # Both at once: the S3 one mostly waits for its server.
-    local = start(tmp_path, "local", "--store", "local", "--trials", "30", "--dist-trials", "2")
-    s3 = None
+    # All at once: the S3 ones mostly wait for their server.
+    local = start(
+        tmp_path,
+        "local",
+        *("--store", "local", "--trials", "30", "--dist-trials", "2", "--upload-trials", "0"),
+    )
+    s3 = up = None
     if importlib.util.find_spec("moto") and importlib.util.find_spec("s3fs"):
-        s3 = start(tmp_path, "s3", "--store", "s3", "--trials", "10", "--dist-trials", "0")
+        s3 = start(
+            tmp_path,
+            "s3",
+            *("--store", "s3", "--trials", "10", "--dist-trials", "0", "--upload-trials", "0"),
+        )
+        up = start(
+            tmp_path,
+            "upload",
+            *("--store", "local", "--trials", "0", "--dist-trials", "0", "--upload-trials", "16"),
+        )
     try:
         doc = finish(*local, timeout=150)
         assert doc["violations"] == []
@@ -71,8 +85,15 @@ def test_short_campaigns(tmp_path: Path) -> None:
         (stats,) = doc["stores"]
         assert stats["store"] == "s3"
         assert stats["kills"] == stats["trials"] == 10
+        assert up is not None
+        doc = finish(*up, timeout=200)
+        assert doc["violations"] == []
+        ups = doc["uploads"]
+        assert ups["trials"] == 16
+        assert ups["kills"] >= 10  # a few uploads may finish before their kill
+        assert ups["killed_mid_upload"] + ups["complete_at_kill"] > 0
     finally:
-        for proc, _ in filter(None, (local, s3)):
+        for proc, _ in filter(None, (local, s3, up)):
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()

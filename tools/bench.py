@@ -7,6 +7,7 @@
     .venv/bin/python tools/bench.py --only scale --size 1MB --repeats 5   # save vs step count
     .venv/bin/python tools/bench.py --plot               # also sweep 10MB..--size, write a PNG
     .venv/bin/python tools/bench.py --sharded --size 256MB  # FSDP2: 2 ranks, restore on 1, 3
+    .venv/bin/python tools/bench.py --replica --size 64MB   # two tiers: local + S3 (moto)
 
 The state is shaped like GPT-2-medium (embedding, 16 blocks of attention/MLP/layernorm
 tensors, about 200 fp32 tensors), scaled so the parameters weigh ``--size``, plus the AdamW
@@ -86,6 +87,7 @@ OTHERS = (
     "scale",
     "ls10k",
     "sharded",
+    "replica",
 )
 ALL = PAIRS + OTHERS
 
@@ -124,6 +126,9 @@ DESCRIPTIONS = {
     "sharded": "FSDP2 state of --size params + AdamW: ckptstore vs DCP vs raw O_DIRECT, save on "
     "2 ranks, cold resharded restore on 1 process (no process group) and on 3 ranks "
     "(tools/bench_sharded.py)",
+    "replica": "two tiers against moto's S3 on loopback: save blocking time with replica= vs "
+    "without, a CPU training step during an upload vs idle, upload throughput vs s3fs put "
+    "(tools/bench_replica.py)",
 }
 
 
@@ -1484,6 +1489,10 @@ def plot_sweep(sweep: list[dict[str, Any]], path: Path) -> str | None:
 # ---- main --------------------------------------------------------------------------------------
 
 
+#: Contenders run on their own, outside the rounds, and only when asked for.
+_APART = ("sharded", "replica")
+
+
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(
         description="ckptstore vs torch.save, safetensors, DCP and the raw disk",
@@ -1507,15 +1516,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         help="run the sharded contender (FSDP2 save on 2 ranks, restore on 1 and 3; minutes "
         "at 1GB, not in the default run): alone, or with those --only names",
     )
+    p.add_argument(
+        "--replica",
+        action="store_true",
+        help="run the replica contender (two tiers against moto's S3; not in the default run): "
+        "alone, or with those --only names",
+    )
     args = p.parse_args(argv)
     if args.repeats < 1:
         p.error("--repeats must be >= 1")
     # The sharded contender starts 6 processes and DCP's resharded loads are slow: minutes
     # at 1 GB, so the default run leaves it out (--sharded or --only sharded runs it).
-    default = [n for n in ALL if n != "sharded"]
+    default = [n for n in ALL if n not in _APART]
     names = [n.strip() for n in args.only.split(",") if n.strip()] if args.only else default
     if args.sharded:
         names = [n for n in names if n != "sharded" and args.only] + ["sharded"]
+    if args.replica:
+        names = [n for n in names if n != "replica" and (args.only or args.sharded)]
+        names.append("replica")
     bad = [n for n in names if n not in ALL]
     if bad:
         p.error(f"unknown contender(s) {', '.join(bad)}; choose from {', '.join(ALL)}")
@@ -1594,7 +1612,7 @@ def main(argv: list[str] | None = None) -> int:
         result["machine"]["library_sha_end"] = library_fingerprint()
         changed = result["machine"]["library_sha_end"] != result["machine"]["library_sha_start"]
         result["machine"]["library_changed_during_run"] = changed
-        if [n for n in args.names if n != "sharded"]:
+        if [n for n in args.names if n not in _APART]:
             print_report(ctx, rows, targets, ls)
         if changed:
             print("warning: ckptstore's source changed during this run; rerun for clean numbers")
@@ -1608,6 +1626,12 @@ def main(argv: list[str] | None = None) -> int:
             sharded = bench_sharded.run(args.size, work, args.repeats, odirect=odirect)
             result["sharded"] = sharded
             bench_sharded.print_report(sharded)
+        if "replica" in args.names:
+            import bench_replica
+
+            replica = bench_replica.run(args.size, work, args.repeats)
+            result["replica"] = replica
+            bench_replica.print_report(replica)
         if args.plot:
             pairs = [n for n in args.names if n in PAIRS]
             for size_text in SWEEP:

@@ -1,7 +1,7 @@
 """Crash campaign: SIGKILL checkpoint writers at random moments and check every invariant.
 
     python tools/crashtest.py [--store local|s3|both] [--trials N] [--seed S]
-                              [--dist-trials M] [--json OUT] [--verbose]
+                              [--dist-trials M] [--upload-trials U] [--json OUT] [--verbose]
 
 **Writers.** A writer process resumes from its store and saves step after step (sync or
 async, safetensors or torch payloads, retention ``keep=1`` or ``2`` pruning after every
@@ -18,6 +18,14 @@ with SIGKILL after a random delay, then checks the store from this process:
 5. a new manager on the store saves the next step and loads it back.
 
 Stores: a local directory, and S3 (moto's server on loopback, tests/s3server.py).
+
+**Uploads.** ``--upload-trials`` kills (SIGKILL) an uploader of the replica tier
+(``ckptstore.replica.Replicator``) at a random moment of uploading a local store of two
+steps (6 MB payloads, multipart, and small ones) to a fresh S3 prefix. After each kill:
+every step visible on the replica verifies deeply and its manifest is the local one byte
+for byte, and every step the uploader reported safe is there; then a new uploader on the
+same roots must leave the replica with every step, no manifest-less step and no incomplete
+multipart upload.
 
 **Distributed.** ``--dist-trials`` runs 2-rank jobs (gloo on loopback) that save and restore
 in a loop; one rank is killed (SIGKILL) or, a third of the time, frozen (SIGSTOP: a hung
@@ -94,6 +102,28 @@ def run_writer(
         keep=keep,
         steps=steps,
     )
+
+
+def run_uploader(local: str, url: str, storage_options: dict[str, Any]) -> int:
+    """Upload the local store to ``url`` until done (or killed): the replica tier's uploader.
+
+    Prints ``safe N`` once step N is committed and verified on the replica: a crash from
+    then on must not lose it there.
+    """
+    from ckptstore.replica import Replicator
+    from ckptstore.storage import open_storage
+
+    emit(f"pid {os.getpid()}")
+    up = Replicator(
+        open_storage(local),
+        open_storage(url, storage_options),
+        on_safe=lambda s: emit(f"safe {s}"),
+        retention=False,
+    )
+    emit(f"queued {' '.join(str(s) for s in up.recover())}")
+    up.close()
+    emit("done")
+    return 0
 
 
 def run_rank(
@@ -233,6 +263,8 @@ def serve() -> int:
         pids = []
         if kind == "writer":
             jobs: list[tuple[Any, dict[str, Any]]] = [(run_writer, job)]
+        elif kind == "uploader":
+            jobs = [(run_uploader, job)]
         else:
             jobs = [(run_rank, dict(job, rank=r)) for r in (0, 1)]
         for fn, kwargs in jobs:
@@ -708,6 +740,161 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
     return stats
 
 
+# ---- upload trials (the replica tier) --------------------------------------------------------
+
+#: The local store every upload trial replicates: steps whose model payload is above the
+#: multipart threshold (so kills land in multipart uploads too) and a small optimizer.
+UPLOAD_STEPS = (1, 2)
+UPLOAD_BLOCK = 5 << 20
+
+
+@dataclasses.dataclass
+class UploadStats:
+    """Figures of the upload campaign."""
+
+    trials: int = 0
+    kills: int = 0
+    killed_mid_upload: int = 0  # the kill left a manifest-less step or a multipart upload
+    multipart_left: int = 0  # ... of which an incomplete multipart upload
+    complete_at_kill: int = 0  # replica steps committed when the kill came (all verified)
+    safe_reported: int = 0
+    violations: list[str] = dataclasses.field(default_factory=list)
+    elapsed: float = 0.0
+    upload_s: float = 0.0  # one whole upload, measured before the trials
+
+
+def _upload_template(base: str) -> str:
+    """A local store with UPLOAD_STEPS, each step's tensors holding its number."""
+    import torch
+
+    from ckptstore import CheckpointManager
+
+    root = os.path.join(base, "upload-template")
+    with CheckpointManager(root, keep=None) as mgr:
+        for s in UPLOAD_STEPS:
+            state = {
+                "model": {"w": torch.full((3 << 19,), float(s))},  # 6 MB: multipart
+                "optimizer": {"m": torch.full((1 << 16,), float(s))},  # 256 kB: one PUT
+                "step": s,
+            }
+            mgr.save(s, state)
+    return root
+
+
+def _clone(template: str, dst: str) -> None:
+    """A copy of the template store whose files are hard links (the uploader only reads)."""
+    import shutil
+
+    shutil.copytree(template, dst, copy_function=os.link)
+
+
+def _replica_problems(replica: Any, local: Any, stats: UploadStats | None) -> list[str]:
+    """Every committed replica step verifies deeply and is the local step, byte for byte."""
+    from ckptstore.verify import verify_checkpoint
+
+    bad = []
+    for s in replica.list_steps():
+        if stats is not None:
+            stats.complete_at_kill += 1
+        report = verify_checkpoint(replica, s, deep=True)
+        if not report.ok:
+            bad.append(f"replica step {s} is visible but does not verify: {report.problems}")
+        elif replica.read_manifest(s).to_bytes() != local.read_manifest(s).to_bytes():
+            bad.append(f"replica step {s} differs from the local one")
+    return bad
+
+
+def upload_trials(
+    n: int, rng: random.Random, server: Server, base: str, verbose: bool
+) -> UploadStats:
+    """Kill an uploader at random moments; check the replica; let a new one finish."""
+    from ckptstore.replica import Replicator
+    from ckptstore.storage import open_storage
+
+    stats = UploadStats()
+    t0 = time.monotonic()
+    template = _upload_template(base)
+    with _s3() as ep:
+        opts = dict(ep.storage_options, default_block_size=UPLOAD_BLOCK)
+        fs = ep.fs(fresh=True)
+        bucket = ep.bucket
+
+        def run(local: str, url: str, delay: float | None) -> tuple[list[str], float]:
+            lines: list[str] = []
+            server.submit(kind="uploader", local=local, url=url, storage_options=opts)
+            start = time.monotonic()
+            if delay is None:
+                server.line("jobdone", timeout=300, into=lines)
+                return lines, time.monotonic() - start
+            pid = int(server.line("pid ", 60, lines).split()[1])
+            deadline = start + delay
+            while time.monotonic() < deadline:
+                with contextlib.suppress(TimeoutError):
+                    _, line = server.next(deadline - time.monotonic())
+                    lines.append(line)
+                    if line == "jobdone":
+                        return lines, delay
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(pid, signal.SIGKILL)
+            server.line("jobdone", timeout=60, into=lines)
+            return lines, delay
+
+        # One whole upload, to spread the kills over its length.
+        local0 = os.path.join(base, "upload-0")
+        _clone(template, local0)
+        _, stats.upload_s = run(local0, ep.url(ep.unique_prefix("upload")), None)
+        for i in range(n):
+            local = os.path.join(base, f"upload-{i + 1}")
+            _clone(template, local)
+            prefix = ep.unique_prefix("upload")
+            url = ep.url(prefix)
+            delay = rng.uniform(0.0, stats.upload_s * 1.1)
+            lines, _ = run(local, url, delay)
+            stats.trials += 1
+            killed = any(ln.startswith("exit ") and " signal 9" in ln for ln in lines)
+            stats.kills += killed
+            safe = _numbers(lines, "safe")
+            stats.safe_reported += len(safe)
+            lstore = open_storage(local)
+            replica = open_storage(url, dict(opts, skip_instance_cache=True))
+            problems = _replica_problems(replica, lstore, stats)
+            have = set(replica.list_steps())
+            lost = sorted(set(safe) - have)
+            if lost:
+                problems.append(f"step(s) {lost} were reported safe but are not on the replica")
+            uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{prefix}/")
+            mpu = len(uploads.get("Uploads", []))
+            garbage = replica.list_garbage()
+            stats.multipart_left += mpu > 0
+            stats.killed_mid_upload += bool(garbage or mpu)
+            # The next uploader on the same roots finishes the job and cleans up.
+            up = Replicator(lstore, open_storage(url, dict(opts, skip_instance_cache=True)))
+            up.recover()
+            up.close()
+            after = open_storage(url, dict(opts, skip_instance_cache=True))
+            problems += _replica_problems(after, lstore, None)
+            if after.list_steps() != list(UPLOAD_STEPS):
+                problems.append(f"after recovery the replica has {after.list_steps()}")
+            if after.list_garbage():
+                problems.append(f"after recovery the replica has garbage {after.list_garbage()}")
+            left = fs.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=f"{prefix}/")
+            if left.get("Uploads"):
+                problems.append("after recovery incomplete multipart uploads are left")
+            stats.violations += [f"upload trial {i}: {p}" for p in problems]
+            if verbose:
+                print(
+                    f"  upload trial {i:3d} kill at {delay:5.2f}s: safe {safe}, committed "
+                    f"{sorted(have)}, garbage {garbage}, multipart {mpu}  "
+                    + ("OK" if not problems else "VIOLATION: " + "; ".join(problems)),
+                    flush=True,
+                )
+            import shutil
+
+            shutil.rmtree(local, ignore_errors=True)
+    stats.elapsed = time.monotonic() - t0
+    return stats
+
+
 # ---- the campaign ----------------------------------------------------------------------------
 
 
@@ -748,6 +935,7 @@ def campaign(args: argparse.Namespace) -> int:
     )
     results: list[StoreStats] = []
     dstats: DistStats | None = None
+    ustats: UploadStats | None = None
     server = Server()
     base = tempfile.mkdtemp(prefix="ckptstore-crashtest-")
     try:
@@ -792,6 +980,8 @@ def campaign(args: argparse.Namespace) -> int:
                     )
         if args.dist_trials > 0:
             dstats = dist_trials(args.dist_trials, rng, server, base, args.verbose)
+        if args.upload_trials > 0:
+            ustats = upload_trials(args.upload_trials, rng, server, base, args.verbose)
     finally:
         server.close()
         import shutil
@@ -854,7 +1044,18 @@ def campaign(args: argparse.Namespace) -> int:
             f"/{dstats.kills}; slowest exit {dstats.max_exit_after_kill:.1f}s after the kill "
             f"(barrier_timeout {DIST_TIMEOUT:g}s, allowed {DIST_TIMEOUT + DIST_SLACK:g}s)"
         )
+    if ustats is not None:
+        print(
+            f"uploads: {ustats.kills}/{ustats.trials} uploaders killed (SIGKILL) within "
+            f"{ustats.upload_s * 1.1:.2f}s of their start (one whole upload of "
+            f"{len(UPLOAD_STEPS)} steps: {ustats.upload_s:.2f}s); {ustats.killed_mid_upload} "
+            f"left a partial step or multipart upload ({ustats.multipart_left} a multipart "
+            f"upload); {ustats.complete_at_kill} replica steps committed at the kills, all "
+            f"checked; {ustats.safe_reported} reported safe; violations "
+            f"{len(ustats.violations)}; {ustats.elapsed:.0f}s"
+        )
     violations = [v for s in results for v in s.violations] + (dstats.violations if dstats else [])
+    violations += ustats.violations if ustats else []
     print(f"violations: {len(violations)}; elapsed {elapsed:.0f}s")
     for v in violations:
         print(f"  {v}")
@@ -864,6 +1065,7 @@ def campaign(args: argparse.Namespace) -> int:
             "trials_per_store": args.trials,
             "stores": [s.to_dict() for s in results],
             "dist": dataclasses.asdict(dstats) if dstats else None,
+            "uploads": dataclasses.asdict(ustats) if ustats else None,
             "violations": violations,
             "elapsed": elapsed,
         }
@@ -877,6 +1079,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--trials", type=int, default=300, help="writer kills per store")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dist-trials", type=int, default=20, help="2-rank jobs with a rank killed")
+    p.add_argument(
+        "--upload-trials", type=int, default=300, help="uploads to S3 killed (replica tier)"
+    )
     p.add_argument("--json", metavar="OUT", help="write every figure to OUT")
     p.add_argument("--verbose", action="store_true", help="one line per trial")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)

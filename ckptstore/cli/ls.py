@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..listing import Listings, StoreListing, list_stores
+from ..listing import Listings, StepInfo, StoreListing, list_stores
 from ._common import add_root, as_json, storage_options
 from ._output import created_text, human_bytes, metrics_text, plural, print_json, table
 
@@ -13,13 +13,22 @@ HELP = "list the committed checkpoints of a store (or of each store in a directo
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``ROOT``."""
+    """``ROOT [--replica URL]``."""
     add_root(parser, "store directory or fsspec URL, or a directory of stores (Lightning's)")
+    parser.add_argument(
+        "--replica",
+        metavar="URL",
+        help="also list this replica of a local store (--storage-option are its options)",
+    )
 
 
 def run(args: argparse.Namespace) -> int:
     """List; exit 1 when a manifest is broken."""
-    res = list_stores(args.root, storage_options(args, args.root))
+    if args.replica is not None:
+        opts = storage_options(args, args.replica)
+        res = list_stores(args.root, opts, replica=args.replica)
+    else:
+        res = list_stores(args.root, storage_options(args, args.root))
     if as_json(args):
         if res.nested:
             print_json({"root": res.root, "stores": [s.to_dict() for s in res.stores]})
@@ -41,17 +50,31 @@ def print_listings(res: Listings) -> None:
     print(f"\n{plural(len(res.stores), 'store')} in {res.root}")
 
 
+def _tiers_text(s: StepInfo) -> str:
+    if s.tiers == ("replica",):
+        return "replica"
+    return "local+replica" if s.uploaded else "local (uploading)"
+
+
 def print_listing(res: StoreListing) -> None:
     """The steps of one store as an aligned table, then its stale entries."""
     if not res.steps:
         print(f"{res.root}: no checkpoints")
     else:
+        tiers = res.replica is not None
         rows = [
             ["step", "created (UTC)", "size", "files", "world", "sharding", "metrics", "pinned"]
+            + (["tiers"] if tiers else [])
         ]
         for s in res.steps:
+            where = [_tiers_text(s)] if tiers else []
+            if s.manifest is None and s.error is None:  # only on the replica
+                rows.append([str(s.step), "-", "-", "-", "-", "-", "", "", *where])
+                continue
             if s.manifest is None:
-                rows.append([str(s.step), "-", "-", "-", "-", "-", f"BROKEN: {s.error}", ""])
+                rows.append(
+                    [str(s.step), "-", "-", "-", "-", "-", f"BROKEN: {s.error}", "", *where]
+                )
                 continue
             m = s.manifest
             rows.append(
@@ -64,11 +87,14 @@ def print_listing(res: StoreListing) -> None:
                     m.sharding_kind,
                     metrics_text(m.metrics),
                     "yes" if s.pinned else "",
+                    *where,
                 ]
             )
         print(table(rows, right=(0, 2, 3, 4)))
         total = sum(s.manifest.total_bytes for s in res.steps if s.manifest)
         print(f"{plural(len(res.steps), 'checkpoint')}, {human_bytes(total)}")
+        if tiers:
+            print(f"replica: {res.replica}")
     if res.garbage:
         n = len(res.garbage)
         print(

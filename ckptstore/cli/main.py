@@ -27,7 +27,20 @@ from typing import NoReturn
 from .. import __version__
 from ..errors import CkptStoreError
 from ..stores import is_local, remote_error
-from . import completion, diff, export, gc, import_, inspect, ls, pin, prune, rm, verify
+from . import (
+    completion,
+    diff,
+    export,
+    gc,
+    import_,
+    inspect,
+    ls,
+    pin,
+    prune,
+    replicate,
+    rm,
+    verify,
+)
 from ._common import Command, UsageError
 from ._output import one_line
 
@@ -49,6 +62,7 @@ COMMANDS: list[tuple[str, str, Command]] = [
     (diff.NAME, diff.HELP, diff),
     (import_.NAME, import_.HELP, import_),
     (export.NAME, export.HELP, export),
+    (replicate.NAME, replicate.HELP, replicate),
 ]
 
 

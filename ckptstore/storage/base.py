@@ -888,6 +888,13 @@ class Storage(abc.ABC):
                 removed.append(name)
         return removed
 
+    def abort_incomplete_uploads(self) -> int:
+        """Abort multipart uploads left under the root by a crash; returns how many.
+
+        Only object stores have them (billed until aborted); elsewhere there is nothing to do.
+        """
+        return 0
+
     # ---- locking (local only) -------------------------------------------------------
 
     def writer_lock(self) -> WriterLock | None:

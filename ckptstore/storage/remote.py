@@ -276,6 +276,36 @@ class FsspecStorage(Storage):
             f = io.BufferedReader(f)
         return f  # type: ignore[no-any-return]
 
+    def abort_incomplete_uploads(self) -> int:
+        """Abort the S3 multipart uploads under the root (a crashed upload's parts).
+
+        Lists them with the root as prefix (``ListMultipartUploads``), so uploads of other
+        stores in the bucket are never touched. Filesystems other than s3fs have none.
+        """
+        call = getattr(self.fs, "call_s3", None)
+        if call is None:
+            return 0
+        bucket, _, key = self.path.strip("/").partition("/")
+        prefix = f"{key}/" if key else ""
+        aborted = 0
+        kw: dict[str, Any] = {"Bucket": bucket, "Prefix": prefix}
+        while True:
+            out = call("list_multipart_uploads", **kw)
+            for up in out.get("Uploads", []):
+                # The prefix is literal for S3; check again so a store never reaches outside.
+                if str(up["Key"]).startswith(prefix):
+                    call(
+                        "abort_multipart_upload",
+                        Bucket=bucket,
+                        Key=up["Key"],
+                        UploadId=up["UploadId"],
+                    )
+                    aborted += 1
+            if not out.get("IsTruncated"):
+                return aborted
+            kw["KeyMarker"] = out.get("NextKeyMarker", "")
+            kw["UploadIdMarker"] = out.get("NextUploadIdMarker", "")
+
     # ---- removal --------------------------------------------------------------------
 
     def _copy(self, src: str, dst: str) -> None:

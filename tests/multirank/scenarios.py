@@ -577,3 +577,43 @@ def rank_freezes_mid_exchange(ctx: Ctx) -> dict[str, Any]:
 
         Coordinator.barrier = barrier  # type: ignore[method-assign]
     return outcome(lambda: mgr.save(2, {"model": model}))
+
+
+# ---- two tiers: a replica on S3 (moto, started by the test) ------------------------------------
+
+
+def _tiered(ctx: Ctx, root: Path) -> CheckpointManager:
+    return CheckpointManager(
+        root,
+        keep=None,
+        barrier_timeout=30,
+        replica=ctx.args["url"],
+        replica_options=ctx.args["options"],
+    )
+
+
+def replica_save(ctx: Ctx) -> dict[str, Any]:
+    """A replicated and a per-rank sharded save on a shared local root with a replica."""
+    mgr = _tiered(ctx, ctx.root)
+    uploader = mgr.replica is not None
+    mgr.save(1, {"model": make_model(seed=7), "step": 1})
+    state = _shard_state(ctx.rank)
+    m = mgr.save(2, state, sharded=True).manifest
+    mgr.close()  # waits for the uploads (rank 0's)
+    return {"uploader": uploader, "files": sorted(m.files), "model": digest(state["model"])}
+
+
+def replica_restore(ctx: Ctx) -> dict[str, Any]:
+    """Both ranks on a new, empty shared root: the newest step comes from the replica."""
+    mgr = _tiered(ctx, ctx.workdir / "new-node")
+    fresh = {"shard": torch.zeros(6), "model": make_model(seed=99), "meta": None}
+    nxt = mgr.resume(fresh)
+    steps = mgr.steps()
+    mgr.close()
+    return {
+        "next": nxt,
+        "shard": fresh["shard"].tolist(),
+        "meta": fresh["meta"],
+        "model": digest(fresh["model"]),
+        "local_steps": steps,
+    }

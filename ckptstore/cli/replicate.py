@@ -1,0 +1,67 @@
+"""``ckptstore replicate LOCAL_ROOT URL [--watch]``: upload a local store to a replica.
+
+The sidecar form of ``CheckpointManager(..., replica=URL)``, for jobs that do not pass
+``replica=`` themselves: the same uploader, the same commit protocol on the replica.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import signal
+import threading
+
+from ..replica import replicate
+from ..retention import KeepLast
+from ._common import add_root, as_json, positive_arg, storage_options
+from ._output import print_json, steps_text
+
+NAME = "replicate"
+HELP = "upload a local store's committed steps to a replica URL (--watch: keep doing it)"
+
+
+def add_arguments(parser: argparse.ArgumentParser) -> None:
+    """``LOCAL_ROOT URL [--watch] [--interval S] [--keep-last N]``."""
+    add_root(parser, "the local store")
+    parser.add_argument("url", metavar="URL", help="the replica: an fsspec URL (s3://bucket/run)")
+    parser.add_argument(
+        "--watch", action="store_true", help="keep uploading new steps until interrupted"
+    )
+    parser.add_argument(
+        "--interval", type=float, default=10.0, metavar="S", help="seconds between looks (10)"
+    )
+    parser.add_argument(
+        "--keep-last", type=positive_arg, metavar="N", help="replica retention: keep N newest"
+    )
+
+
+def run(args: argparse.Namespace) -> int:
+    """Upload; with ``--watch`` until SIGINT/SIGTERM. Exit 1 when an upload failed."""
+    stop = threading.Event()
+    with contextlib.ExitStack() as restore:
+        if args.watch and threading.current_thread() is threading.main_thread():
+            for sig in (signal.SIGINT, signal.SIGTERM):
+                old = signal.signal(sig, lambda *_: stop.set())
+                restore.callback(signal.signal, sig, old)
+        res = replicate(
+            args.root,
+            args.url,
+            storage_options(args, args.url),
+            keep=KeepLast(args.keep_last) if args.keep_last else None,
+            watch=args.watch,
+            interval=max(0.1, float(args.interval)),
+            stop=stop,
+        )
+    if as_json(args):
+        print_json(
+            {
+                "uploaded": res.uploaded,
+                "safe": res.safe,
+                "failed": {str(k): v for k, v in res.failed.items()},
+            }
+        )
+    else:
+        print(f"uploaded {steps_text(res.uploaded)}; safe on {args.url}: {steps_text(res.safe)}")
+        for s, why in sorted(res.failed.items()):
+            print(f"step {s} failed: {why}")
+    return 1 if res.failed else 0

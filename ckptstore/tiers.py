@@ -1,0 +1,97 @@
+"""Two tiers as the manager sees them: opening the replica, and steps from either tier.
+
+The uploader itself is :mod:`ckptstore.replica`. Here: the replica store opened next to the
+local one (and its uploader, on the rank that uploads), the union of both tiers' steps that
+``resume``/``restore`` choose from, and a replica step brought into the local store so the
+ordinary read path (checksums included) restores it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ._log import logger as log
+from .errors import IntegrityError, NoCheckpointError
+from .replica import Replicator, fetch_step
+from .retention import RetentionPolicy
+from .storage import Storage, open_storage
+
+__all__ = ["all_steps", "ensure_local", "open_replica"]
+
+
+def open_replica(
+    local: Storage,
+    url: str,
+    options: Mapping[str, Any] | None,
+    policy: RetentionPolicy,
+    uploader: bool,
+) -> tuple[Storage, Replicator | None]:
+    """Open the replica store at ``url``; with ``uploader``, its recovered uploader too.
+
+    The uploader first cleans what a crashed upload left on the replica and queues the local
+    steps the replica lacks (:meth:`Replicator.recover`).
+
+    Raises:
+        ValueError: ``url`` is not a string, or is the local store itself.
+        ImportError: the fsspec backend for ``url`` is not installed.
+    """
+    if not isinstance(url, str) or not url:
+        msg = f"replica must be an fsspec URL string (e.g. 's3://bucket/run1'), got {url!r}"
+        raise ValueError(msg)
+    replica = open_storage(url, options)
+    if replica.root.rstrip("/") == local.root.rstrip("/"):
+        msg = f"replica must be another store than the local root, got {url!r} for both"
+        raise ValueError(msg)
+    replica.check_root(create=True)
+    if not uploader:
+        return replica, None
+    up = Replicator(local, replica, policy=policy, url=url)
+    up.recover()
+    return replica, up
+
+
+def all_steps(local: Storage, replica: Storage | None) -> list[int]:
+    """The committed steps of both tiers, ascending.
+
+    A replica that fails to list is skipped with a warning: the local steps still restore.
+    """
+    steps = set(local.list_steps())
+    if replica is not None:
+        try:
+            steps.update(replica.list_steps())
+        except OSError as e:
+            log.warning("could not list the replica %s: %s; using the local steps", replica.root, e)
+    return sorted(steps)
+
+
+def on_replica(replica: Storage | None, step: int) -> bool:
+    """Whether ``step`` is committed on the replica (False without one, or unreachable)."""
+    if replica is None:
+        return False
+    try:
+        return step in replica.list_steps()
+    except OSError:
+        return False
+
+
+def ensure_local(local: Storage, replica: Storage, step: int, *, replace: bool = False) -> bool:
+    """Bring the replica's ``step`` into the local store unless it is there already.
+
+    With ``replace`` the local copy (which failed its checks) is replaced by the replica's.
+
+    Returns:
+        Whether it was fetched.
+
+    Raises:
+        NoCheckpointError, ManifestError, IntegrityError: the replica's copy is missing or
+            does not verify (nothing local changed).
+        OSError: the local disk refused it.
+    """
+    if not replace and step in local.list_steps():
+        return False
+    try:
+        fetch_step(replica, local, step, replace=replace and step in local.list_steps())
+    except NoCheckpointError as e:  # deleted there meanwhile: this step is not to be had
+        raise IntegrityError(f"step {step} is in neither tier any more: {e}") from e
+    return True

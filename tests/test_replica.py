@@ -1,0 +1,322 @@
+"""Two tiers (``ckptstore.replica``, ``ckptstore.tiers``): a local store replicated to S3.
+
+Every replica is a prefix on moto's S3 server on loopback (``tests/s3server.py``), reached
+over HTTP through s3fs: nothing is mocked. Uploads are held back by the uploader's own gate
+(``Replicator.pause``), a real mechanism of the code under test.
+"""
+
+from __future__ import annotations
+
+import logging
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+import torch
+from _helpers import assert_same, fresh_like, make_state, step_dir
+from s3server import S3Endpoint, s3_server
+
+from ckptstore import CheckpointManager
+from ckptstore.layout import REPLICATED_NAME
+from ckptstore.replica import ReplicaError, Replicator
+from ckptstore.storage import open_storage, wait_for_deletions
+
+pytestmark = pytest.mark.timeout(90)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Endpoint]:
+    with s3_server() as ep:
+        yield ep
+        wait_for_deletions()
+
+
+@pytest.fixture
+def url(s3: S3Endpoint) -> str:
+    return s3.url(s3.unique_prefix())
+
+
+def tiered(root: Path, s3: S3Endpoint, url: str, **kwargs: Any) -> CheckpointManager:
+    return CheckpointManager(root, replica=url, replica_options=s3.storage_options, **kwargs)
+
+
+def replica_steps(s3: S3Endpoint, url: str) -> list[int]:
+    return open_storage(url, {**s3.storage_options, "skip_instance_cache": True}).list_steps()
+
+
+def snapshot(state: dict[str, Any]) -> dict[str, Any]:
+    """What must come back bit for bit: model and optimizer state."""
+    return {
+        "model": {k: v.detach().clone() for k, v in state["model"].state_dict().items()},
+        "optimizer": state["optimizer"].state_dict()["state"],
+        "step": state["step"],
+    }
+
+
+def test_upload_wipe_local_resume_from_replica(tmp_path: Path, s3: S3Endpoint, url: str) -> None:
+    states = {s: make_state(s) for s in (1, 2)}
+    expect = snapshot(states[2])
+    with tiered(tmp_path / "a", s3, url, keep=2) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+        mgr.wait()
+        assert replica_steps(s3, url) == [1, 2]
+        assert (tmp_path / "a" / step_dir(2) / REPLICATED_NAME).exists()
+        # The replica's manifest is the local one, byte for byte.
+        local = (tmp_path / "a" / step_dir(2) / "manifest.json").read_bytes()
+        assert s3.client.cat_file(f"{url}/{step_dir(2)}/manifest.json") == local
+    shutil.rmtree(tmp_path / "a")  # the node is gone
+
+    with tiered(tmp_path / "b", s3, url, keep=2) as mgr:  # a new node, an empty disk
+        fresh = fresh_like(states[2])
+        assert mgr.resume(fresh) == 3
+        assert_same(snapshot(fresh), expect)
+        # Cached locally with the local commit protocol; not uploaded again.
+        assert mgr.steps() == [2]
+        assert mgr.verify(2).ok
+        assert mgr.replica is not None
+        assert mgr.replica.pending() == []
+
+
+def test_corrupt_newest_local_resumes_from_replica_copy(
+    tmp_path: Path, s3: S3Endpoint, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    states = {s: make_state(s) for s in (1, 2)}
+    expect = snapshot(states[2])
+    root = tmp_path / "a"
+    with tiered(root, s3, url, keep=3) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    payload = root / step_dir(2) / "model.safetensors"
+    data = bytearray(payload.read_bytes())
+    data[-1] ^= 0xFF
+    payload.write_bytes(bytes(data))
+
+    with tiered(root, s3, url, keep=3) as mgr, caplog.at_level(logging.WARNING, "ckptstore"):
+        fresh = fresh_like(states[2])
+        assert mgr.restore(fresh) == 2  # not step 1: the replica's step 2 verifies
+        assert_same(snapshot(fresh), expect)
+        assert "using the replica's" in caplog.text
+        assert mgr.verify(2).ok  # the local copy was replaced by the replica's
+        assert payload.read_bytes() != bytes(data)
+
+
+def test_replica_retention(tmp_path: Path, s3: S3Endpoint, url: str) -> None:
+    with tiered(tmp_path / "a", s3, url, keep=4, replica_keep=2) as mgr:
+        for s in range(1, 5):
+            mgr.save(s, make_state(s))
+            mgr.wait()
+        assert mgr.steps() == [1, 2, 3, 4]
+    wait_for_deletions()
+    assert replica_steps(s3, url) == [3, 4]
+    # Deleted whole: no object of step 1 or 2 is left.
+    left = s3.client.find(url.removeprefix("s3://"))
+    assert not [p for p in left if step_dir(1) in p or step_dir(2) in p]
+
+
+def test_local_retention_waits_for_the_upload(
+    tmp_path: Path, s3: S3Endpoint, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    root = tmp_path / "a"
+    with tiered(root, s3, url, keep=1) as mgr:
+        assert mgr.replica is not None
+        mgr.replica.pause()
+        for s in (1, 2, 3):
+            mgr.save(s, make_state(s))
+        # Nothing is on the replica yet: retention (keep=1) deleted nothing locally.
+        assert mgr.steps() == [1, 2, 3]
+        assert replica_steps(s3, url) == []
+        assert mgr.replica.pending() == [3, 2, 1]  # newest first
+        with caplog.at_level(logging.WARNING, "ckptstore"):
+            mgr.replica.resume()
+            mgr.wait()
+        # Step 3 went first; once it was safe, 1 and 2 were no longer needed locally.
+        assert mgr.steps() == [3]
+        assert 3 in replica_steps(s3, url)
+    wait_for_deletions()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [step_dir(3)]
+
+
+def test_recover_cleans_a_crashed_upload_and_uploads_newest_first(
+    tmp_path: Path, s3: S3Endpoint, url: str
+) -> None:
+    root = tmp_path / "a"
+    with CheckpointManager(root, keep=None) as plain:  # saved before the replica existed
+        for s in (1, 2, 3):
+            plain.save(s, make_state(s))
+    # What a killed uploader leaves: a step without its manifest, a multipart upload.
+    fs = s3.client
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    fs.pipe_file(f"{bucket}/{prefix}/{step_dir(3)}/model.safetensors", b"half")
+    fs.call_s3("create_multipart_upload", Bucket=bucket, Key=f"{prefix}/{step_dir(2)}/x")
+    other = fs.call_s3("create_multipart_upload", Bucket=bucket, Key="elsewhere/x")
+
+    local = open_storage(root)
+    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    up = Replicator(local, replica)
+    up.pause()
+    assert up.recover() == [3, 2, 1]
+    uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket)["Uploads"]
+    assert [u["UploadId"] for u in uploads] == [other["UploadId"]]  # only ours aborted
+    assert replica.list_steps() == []
+    assert replica.list_garbage() == []  # the manifest-less step is gone
+    up.resume()
+    up.close()
+    assert replica.list_steps() == [1, 2, 3]
+    for s in (1, 2, 3):
+        assert (root / step_dir(s) / REPLICATED_NAME).exists()
+    fs.call_s3(
+        "abort_multipart_upload", Bucket=bucket, Key="elsewhere/x", UploadId=other["UploadId"]
+    )
+
+
+def test_corrupt_local_step_is_never_uploaded(tmp_path: Path, s3: S3Endpoint, url: str) -> None:
+    root = tmp_path / "a"
+    with CheckpointManager(root) as plain:
+        plain.save(1, make_state(1))
+    payload = root / step_dir(1) / "optimizer.safetensors"
+    data = bytearray(payload.read_bytes())
+    data[len(data) // 2] ^= 1
+    payload.write_bytes(bytes(data))
+    mgr = tiered(root, s3, url)
+    with pytest.raises(ReplicaError, match="crc32c"):
+        mgr.wait()
+    assert replica_steps(s3, url) == []
+    assert s3.client.find(url.removeprefix("s3://")) == []  # nothing of it is left there
+    assert not (root / step_dir(1) / REPLICATED_NAME).exists()
+    mgr.close()
+
+
+def test_save_is_unchanged_by_a_replica(tmp_path: Path, s3: S3Endpoint, url: str) -> None:
+    """The local commit is the same with or without a replica, and load works from it."""
+    st = make_state(5)
+    with tiered(tmp_path / "a", s3, url) as mgr:
+        assert mgr.replica is not None
+        mgr.replica.pause()
+        m = mgr.save(5, st).wait()
+        assert m is not None
+        assert (tmp_path / "a" / step_dir(5) / "manifest.json").read_bytes() == m.to_bytes()
+        assert_same(dict(mgr.load()["model"]), snapshot(st)["model"])
+        mgr.replica.resume()
+    assert replica_steps(s3, url) == [5]
+    assert torch.equal(
+        torch.tensor(list(s3.client.cat_file(f"{url}/{step_dir(5)}/manifest.json"))),
+        torch.tensor(list(m.to_bytes())),
+    )
+
+
+# ---- the CLI: ls shows the tiers, replicate is the sidecar ----------------------------------
+
+
+def cli(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str]:
+    from ckptstore.cli import main
+
+    rc = main([str(a) for a in argv])
+    out, _ = capsys.readouterr()
+    return rc, out
+
+
+def test_ls_shows_tiers_and_upload_state(
+    tmp_path: Path, s3: S3Endpoint, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    import json
+
+    root = tmp_path / "a"
+    with tiered(root, s3, url, keep=None, replica_keep=1) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.wait()
+        assert mgr.replica is not None
+        mgr.replica.pause()
+        mgr.save(2, make_state(2))
+        rc, out = cli(capsys, "ls", root)
+        assert rc == 0
+        rows = [ln for ln in out.splitlines() if ln.split()[:1] in (["1"], ["2"]) and "B " in ln]
+        lines = {ln.split()[0]: ln for ln in rows}
+        assert lines["1"].endswith("local+replica")
+        assert lines["2"].endswith("local (uploading)")
+        assert f"replica: {url}" in out
+        data = json.loads(cli(capsys, "ls", root, "--json")[1])
+        assert [(d["step"], d["tiers"], d["uploaded"]) for d in data] == [
+            (1, ["local", "replica"], True),
+            (2, ["local"], False),
+        ]
+        mgr.replica.resume()
+    shutil.rmtree(root / step_dir(1))  # only on the replica now (and 2 in both)
+    rc, out = cli(capsys, "ls", root, "--replica", url, "--json", *s3.cli_options)
+    assert rc == 0
+    data = json.loads(out)
+    # replica_keep=1 deleted step 1 from the replica once step 2 was there: 1 is nowhere.
+    assert [(d["step"], d["tiers"]) for d in data] == [(2, ["local", "replica"])]
+
+
+def test_replicate_sidecar(
+    tmp_path: Path, s3: S3Endpoint, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    root = tmp_path / "a"
+    with CheckpointManager(root, keep=None) as plain:  # a job that knows nothing of replicas
+        for s in (1, 2):
+            plain.save(s, make_state(s))
+    rc, out = cli(capsys, "replicate", root, url, *s3.cli_options)
+    assert rc == 0, out
+    assert "uploaded 2, 1;" in out  # newest first
+    assert replica_steps(s3, url) == [1, 2]
+    assert (root / step_dir(1) / REPLICATED_NAME).exists()
+    rc, out = cli(capsys, "replicate", root, url, *s3.cli_options)  # nothing left to do
+    assert rc == 0
+    assert out.startswith("uploaded ;")
+    # What it uploaded restores on a new node.
+    with tiered(tmp_path / "b", s3, url) as mgr:
+        assert_same(dict(mgr.load()["model"]), snapshot(make_state(2))["model"])
+
+
+def test_replicate_watch_uploads_new_steps_until_stopped(
+    tmp_path: Path, s3: S3Endpoint, url: str
+) -> None:
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    from _helpers import REPO
+
+    root = tmp_path / "a"
+    with CheckpointManager(root, keep=None) as plain:
+        plain.save(1, make_state(1))
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                "-m",
+                "ckptstore.cli",
+                "replicate",
+                str(root),
+                url,
+                "--watch",
+                "--interval",
+                "0.2",
+                *s3.cli_options,
+            ],
+            cwd=REPO,
+            env={**__import__("os").environ, "PYTHONPATH": str(REPO)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            deadline = time.monotonic() + 60
+            while replica_steps(s3, url) != [1] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            plain.save(2, make_state(2))  # saved while the sidecar watches
+            while replica_steps(s3, url) != [1, 2] and time.monotonic() < deadline:
+                time.sleep(0.2)
+            assert replica_steps(s3, url) == [1, 2]
+        finally:
+            proc.send_signal(signal.SIGINT)
+            out, err = proc.communicate(timeout=60)
+    assert proc.returncode == 0, err
+    assert "safe on" in out

@@ -1,0 +1,172 @@
+"""The ``replica`` contender of tools/bench.py: the two-tier manager against moto's S3.
+
+    .venv/bin/python tools/bench.py --replica --size 64MB --repeats 5
+
+Three figures, each measured side by side in one run (moto's S3 server on loopback,
+``tests/s3server.py``, in its own process):
+
+1. **save blocking time** with a replica vs without: ``save`` of the same state, durable,
+   alternating between a local-only manager and one with ``replica=`` (whose uploads of the
+   previous steps run meanwhile); medians and their ratio (goal: <= 1.1x).
+2. **training-step slowdown** while an upload runs: a CPU-bound step (matmuls) timed with no
+   upload, then while the uploader sends a step; medians and their ratio (goal: < 1.05x).
+3. **upload throughput**: one step uploaded by the uploader (with its read-back check, and
+   without it) vs ``s3fs`` ``put`` of the same files; bytes of the step / seconds.
+
+Nothing here is asserted by a test; a shared host makes every figure noisy.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import statistics
+import sys
+import tempfile
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path[:0] = [str(REPO / "tests")]
+
+
+def _state(param_bytes: int) -> dict[str, Any]:
+    import bench
+
+    model, opt, _ = bench.build_state(param_bytes)
+    return {"model": model, "optimizer": opt}
+
+
+def _train_step(a: torch.Tensor, b: torch.Tensor) -> float:
+    t0 = time.perf_counter()
+    for _ in range(4):
+        a = torch.tanh(a @ b)
+    return time.perf_counter() - t0
+
+
+def run(param_bytes: int, work: Path, repeats: int) -> dict[str, Any]:
+    """Run the three measurements; returns their figures (JSON-ready)."""
+    from s3server import s3_server
+
+    from ckptstore import CheckpointManager
+    from ckptstore.replica import Replicator
+    from ckptstore.storage import open_storage, wait_for_deletions
+
+    out: dict[str, Any] = {"param_bytes": param_bytes, "repeats": repeats}
+    state = _state(param_bytes)
+    with s3_server(bucket="ckptstore-bench") as ep, tempfile.TemporaryDirectory(dir=work) as d:
+        opts = ep.storage_options
+        # ---- 1. save blocking time ----
+        plain = CheckpointManager(os.path.join(d, "plain"), keep=2)
+        tiered = CheckpointManager(
+            os.path.join(d, "tiered"),
+            keep=2,
+            replica=ep.url("save"),
+            replica_options=opts,
+        )
+        for m in (plain, tiered):  # warm up: first writes, first requests
+            m.save(0, state)
+        tiered.wait()
+        t_plain, t_tiered = [], []
+        for r in range(1, repeats + 1):
+            order = [(plain, t_plain), (tiered, t_tiered)]
+            for m, sink in order if r % 2 else reversed(order):
+                t0 = time.perf_counter()
+                m.save(r, state)
+                sink.append(time.perf_counter() - t0)
+        tiered.wait()
+        state_bytes = tiered.manifest(repeats).total_bytes
+        plain.close()
+        tiered.close()
+        out["save"] = {
+            "state_bytes": state_bytes,
+            "local_s": statistics.median(t_plain),
+            "tiered_s": statistics.median(t_tiered),
+            "ratio": statistics.median(t_tiered) / statistics.median(t_plain),
+        }
+        # ---- 2. training-step slowdown while an upload runs ----
+        local = open_storage(os.path.join(d, "tiered"))
+        step = local.list_steps()[-1]
+        torch.manual_seed(0)
+        a, b = torch.randn(512, 512), torch.randn(512, 512) / 512**0.5
+        for _ in range(5):
+            _train_step(a, b)
+        idle = [_train_step(a, b) for _ in range(40)]
+        up = Replicator(local, open_storage(ep.url("slowdown"), opts), retention=False)
+        done = threading.Event()
+        busy: list[float] = []
+        uploader = threading.Thread(target=lambda: (up.upload_step(step), done.set()))
+        t_up = time.perf_counter()
+        uploader.start()
+        while not done.is_set():
+            busy.append(_train_step(a, b))
+        uploader.join()
+        t_up = time.perf_counter() - t_up
+        out["train_step"] = {
+            "idle_s": statistics.median(idle),
+            "during_upload_s": statistics.median(busy) if busy else None,
+            "steps_during_upload": len(busy),
+            "upload_s": t_up,
+            "ratio": statistics.median(busy) / statistics.median(idle) if busy else None,
+            "torch_threads": torch.get_num_threads(),
+        }
+        # ---- 3. upload throughput: uploader vs s3fs put, interleaved ----
+        fs = ep.fs(fresh=True)
+        src = os.path.join(d, "tiered", f"step-{step:012d}")
+        files = [f for f in os.listdir(src) if f not in ("replicated", "pinned")]
+        ours, ours_nrb, put = [], [], []
+        for r in range(repeats):
+            for kind in ["ours", "nrb", "put"] if r % 2 == 0 else ["put", "nrb", "ours"]:
+                prefix = ep.unique_prefix(kind)
+                t0 = time.perf_counter()
+                if kind == "put":
+                    fs.put([os.path.join(src, f) for f in files], f"{ep.bucket}/{prefix}/")
+                    put.append(time.perf_counter() - t0)
+                else:
+                    rep = Replicator(
+                        local,
+                        open_storage(ep.url(prefix), opts),
+                        retention=False,
+                        read_back=kind == "ours",
+                    )
+                    rep.upload_step(step)
+                    (ours if kind == "ours" else ours_nrb).append(time.perf_counter() - t0)
+        nbytes = sum(os.path.getsize(os.path.join(src, f)) for f in files)
+        out["upload"] = {
+            "bytes": nbytes,
+            "uploader_read_back_MBps": nbytes / statistics.median(ours) / 1e6,
+            "uploader_no_read_back_MBps": nbytes / statistics.median(ours_nrb) / 1e6,
+            "s3fs_put_MBps": nbytes / statistics.median(put) / 1e6,
+            "ratio_read_back": statistics.median(put) / statistics.median(ours),
+            "ratio_no_read_back": statistics.median(put) / statistics.median(ours_nrb),
+        }
+        with contextlib.suppress(Exception):
+            wait_for_deletions()
+    return out
+
+
+def print_report(res: dict[str, Any]) -> None:
+    """The figures as a few lines."""
+    s, t, u = res["save"], res["train_step"], res["upload"]
+    print(
+        f"replica: save blocks {s['tiered_s'] * 1e3:.1f} ms with a replica vs "
+        f"{s['local_s'] * 1e3:.1f} ms without: {s['ratio']:.2f}x (goal <= 1.1x; "
+        f"{s['state_bytes'] / 1e6:.0f} MB state, median of {res['repeats']})"
+    )
+    if t["ratio"] is not None:
+        print(
+            f"replica: training step {t['during_upload_s'] * 1e3:.2f} ms during an upload vs "
+            f"{t['idle_s'] * 1e3:.2f} ms idle: {t['ratio']:.3f}x (goal < 1.05x; "
+            f"{t['steps_during_upload']} steps over a {t['upload_s']:.1f}s upload, "
+            f"{t['torch_threads']} torch threads)"
+        )
+    print(
+        f"replica: upload {u['uploader_read_back_MBps']:.0f} MB/s with read-back, "
+        f"{u['uploader_no_read_back_MBps']:.0f} MB/s without, s3fs put "
+        f"{u['s3fs_put_MBps']:.0f} MB/s: {u['ratio_read_back']:.2f}x / "
+        f"{u['ratio_no_read_back']:.2f}x of put (goal >= 1x)"
+    )
