@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .._blocks import BLOCK, check_blocks
 from ..errors import IntegrityError
+from ..integrity import BLOCK
 from ..manifest import FileEntry
 from . import safetensors as st
 from . import torchzip, zstd
@@ -261,10 +261,11 @@ def _read_zstd(  # noqa: PLR0917 - private, one call site
     """Stream a compressed payload through :class:`~ckptstore.codec.zstd.Inflater`.
 
     The compressed bytes are checked before they are inflated: block by block against the
-    manifest's per-block CRCs where it has them, whole (read first) for a file of one block
-    or less. A large file of an older manifest (no block CRCs) inflates as it streams, and
-    its checksum is checked at its end: until this returns, nothing it wrote may be trusted
-    (tensors of ``into`` may hold partial data on error, as with ``in_place``).
+    manifest's per-block CRCs where it has them (``stream_file`` passes on only verified
+    blocks), whole (read first) for a file of one block or less. A large file of an older
+    manifest (no block CRCs) inflates as it streams, and its checksum is checked at its end:
+    until this returns, nothing it wrote may be trusted (tensors of ``into`` may hold partial
+    data on error, as with ``in_place``).
     """
     where = storage.describe(step, name)
     target = _ZstdTarget(entry, where, into)
@@ -279,69 +280,12 @@ def _read_zstd(  # noqa: PLR0917 - private, one call site
     )
     target.inflater = inflater
     try:
-        blocks = getattr(entry, "blocks", None)
-        if blocks is None and entry.bytes <= BLOCK:
+        if entry.blocks is None and entry.bytes <= BLOCK:
             inflater.feed(storage.read_file(step, name, entry))
         else:
-            feed = _BlockChecked(entry, blocks, where, inflater.feed)
-            storage.stream_file(step, name, entry, feed)
-            feed.finish()
+            # With block CRCs, stream_file hands on only bytes whose block passed.
+            storage.stream_file(step, name, entry, lambda _offset, chunk: inflater.feed(chunk))
         inflater.finish()
     finally:
         inflater.close()
     return target.result()
-
-
-class _BlockChecked:
-    """A stream consumer that hands on only bytes whose block CRC has been checked.
-
-    Pieces arrive in order at any offsets; whole blocks inside a piece are checked where they
-    lie, a block split between pieces is gathered first. With no block CRCs (an older
-    manifest), pieces pass unchecked: the file's CRC is checked at its end.
-    """
-
-    def __init__(
-        self,
-        entry: FileEntry,
-        blocks: tuple[int, ...] | None,
-        where: str,
-        feed: Callable[[memoryview], None],
-    ) -> None:
-        self.entry = entry
-        self.blocks = blocks
-        self.where = where
-        self.feed = feed
-        self.carry = bytearray()
-        self.at = 0  # file offset of the first byte not yet handed on
-
-    def _check(self, offset: int, data: memoryview) -> None:
-        check_blocks(self.entry, offset, data, self.where)
-        self.feed(data)
-
-    def __call__(self, offset: int, chunk: memoryview) -> None:
-        if self.blocks is None:
-            self.feed(chunk)
-            return
-        if offset != self.at + len(self.carry):
-            raise IntegrityError(f"{self.where}: read out of order at byte {offset}")
-        if self.carry:
-            take = min(len(chunk), BLOCK - len(self.carry))
-            self.carry += chunk[:take]
-            chunk = chunk[take:]
-            if len(self.carry) < BLOCK:
-                return
-            self._check(self.at, memoryview(self.carry))
-            self.at += BLOCK
-            self.carry = bytearray()
-        whole = len(chunk) // BLOCK * BLOCK
-        if whole:
-            self._check(self.at, chunk[:whole])
-            self.at += whole
-        self.carry += chunk[whole:]
-
-    def finish(self) -> None:
-        """Check and hand on the last (short) block."""
-        if self.blocks is not None and self.carry:
-            self._check(self.at, memoryview(self.carry))
-            self.at += len(self.carry)
-            self.carry = bytearray()
