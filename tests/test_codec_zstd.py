@@ -463,3 +463,33 @@ def test_golden_zstd_stores_of_the_single_frame_writer_still_load(tmp_path: Path
     with CheckpointManager(old) as a, CheckpointManager(plain) as b:
         assert a.verify(1000).ok
         assert_same(a.load(1000), b.load(1000))
+
+
+def test_a_corrupt_compressed_block_is_refused_before_it_inflates(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(2 << 20, generator=g)  # 8 MiB: about two blocks compressed
+    root = tmp_path / "z"
+    with CheckpointManager(root, compression="zstd") as mgr:
+        mgr.save(1, {"model": {"w": w}})
+        entry = mgr.manifest(1).files["model.safetensors.zst"]
+    assert entry.blocks is not None
+    assert len(entry.blocks) == 2
+    path = root / step_dir(1) / "model.safetensors.zst"
+    data = bytearray(path.read_bytes())
+    data[(4 << 20) + 100] ^= 0x04  # block 1: the manifest is left as it was
+    path.write_bytes(bytes(data))
+    fed: list[int] = []
+
+    class Recorded(zstd.Inflater):
+        def feed(self, data: bytes | bytearray | memoryview) -> None:
+            fed.append(len(data))
+            super().feed(data)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(zstd, "Inflater", Recorded)
+        with CheckpointManager(root) as mgr, pytest.raises(IntegrityError) as ei:
+            mgr.load(1)
+    assert str(ei.value).startswith(
+        f"{root}/{step_dir(1)}/model.safetensors.zst: block 1 (bytes {4 << 20}.."
+    )
+    assert sum(fed) <= 4 << 20  # only block 0 reached the decompressor
