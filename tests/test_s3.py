@@ -453,6 +453,7 @@ def test_restore_reads_files_and_ranges_concurrently_byte_exact(
     from ckptstore.storage import remote
 
     monkeypatch.setattr(remote, "RANGE", 1 << 20)  # many ranges out of small objects
+    monkeypatch.setattr(remote, "MAX_RANGE", 1 << 20)
     state = big_state()
     with manager(s3, url) as mgr:
         mgr.save(7, state)

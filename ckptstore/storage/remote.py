@@ -23,8 +23,8 @@ Four things about fsspec filesystems shape this file:
 - **One stream per object is slow.** A buffered fsspec file reads an object as one
   sequential stream with a large read-ahead (s3fs: 50 MB), so a ranged read of a few blocks
   fetches far more, and one large object is fetched at one connection's speed.
-  :meth:`FsspecStorage._stream` reads objects as ranged GETs of :data:`RANGE` bytes, a few
-  in flight per object (:data:`WINDOW`, from a small shared pool), handed on in order;
+  :meth:`FsspecStorage._stream` reads objects as ranged GETs of 8-32 MiB, a few in flight
+  per object (from a small shared pool), handed on in order;
   :meth:`FsspecStorage.range_reader` reads exactly the ranges asked for. The reader decodes
   up to :attr:`FsspecStorage.read_concurrency` files at once.
 - **Closing a file publishes it.** An S3 upload is committed by ``close()``, a failed one
@@ -55,9 +55,13 @@ __all__ = ["FsspecStorage"]
 
 #: Characters fsspec's ``rm``/``expand_path`` treat as a glob (``glob.has_magic``).
 _GLOB_CHARS = re.compile(r"[*?\[]")
-#: Bytes one ranged GET of a streamed object asks for.
+#: Bytes one ranged GET of a streamed object asks for, at least and at most: an object is
+#: cut into about 8 ranges within these bounds. Servers that answer a range by reading the
+#: whole object (moto does) pay for every range, so a large object takes fewer, larger ones.
 RANGE = 8 << 20
-#: Ranged GETs in flight per streamed object: each holds up to RANGE bytes until handed on.
+MAX_RANGE = 32 << 20
+#: Bytes of ranged GETs in flight per streamed object (at least 2 ranges, at most 4).
+IN_FLIGHT = 64 << 20
 WINDOW = 4
 #: Threads issuing ranged GETs, shared by every object this process reads.
 GET_THREADS = 16
@@ -237,27 +241,30 @@ class FsspecStorage(Storage):
         return bytes(self.fs.cat_file(p, start=start, end=end))
 
     def _stream(self, rel: str, consume: Consumer | None, *, crc: bool = True) -> tuple[int, int]:
-        """Read an object as ranged GETs, :data:`WINDOW` in flight, handed on in order.
+        """Read an object as ranged GETs, a few in flight, handed on in order.
 
         The size comes from the metadata this read already fetched (``stream_file`` checked
-        it against the manifest); at most ``WINDOW`` ranges of :data:`RANGE` bytes are held.
+        it against the manifest). Ranges are :data:`RANGE` to :data:`MAX_RANGE` bytes, 2 to
+        :data:`WINDOW` of them in flight, at most :data:`IN_FLIGHT` bytes (plus one range).
         """
         p = self._p(rel)
         size = self._size(rel)
         if size == 0:
             return 0, 0
         pool = _getters()
-        starts = iter(range(0, size, RANGE))
+        step = min(MAX_RANGE, max(RANGE, -(-size // 8 // (1 << 20)) << 20))
+        window = max(2, min(WINDOW, IN_FLIGHT // step))
+        starts = iter(range(0, size, step))
         jobs: collections.deque[tuple[int, concurrent.futures.Future[bytes]]] = collections.deque()
         total = 0
         total_crc = 0
         try:
             while True:
-                while len(jobs) < WINDOW:
+                while len(jobs) < window:
                     start = next(starts, None)
                     if start is None:
                         break
-                    end = min(size, start + RANGE)
+                    end = min(size, start + step)
                     jobs.append((end - start, pool.submit(self._get, p, start, end)))
                 if not jobs:
                     break
