@@ -389,14 +389,15 @@ def test_restore_streams_compressed_payloads_through_a_bounded_buffer(
     monkeypatch.setattr(zstd, "FRAME", 1 << 20)
     monkeypatch.setattr(zstd, "THREADS", 2)  # a window of 3 frames in flight
     g = torch.Generator().manual_seed(3)
-    w = torch.randn(10 << 20, generator=g)  # 40 MiB, barely compressible
+    # 40 MiB, barely compressible (safetensors: the buffers are measured); torch: 12 MiB.
+    w = torch.randn((10 if fmt == "safetensors" else 3) << 20, generator=g)
     state = {"model": {"w": w, "b": torch.arange(7)}, "step": 3}
     root = tmp_path / "z"
     with CheckpointManager(root, format=fmt, compression="zstd") as mgr:
         mgr.save(3, state)
     ext = {"safetensors": ".safetensors", "torch": ".pt"}[fmt]
     path = root / step_dir(3) / f"model{ext}.zst"
-    assert len(frames_of(path.read_bytes())) >= 40
+    assert len(frames_of(path.read_bytes())) >= w.nbytes >> 20  # 1 MiB frames
     peaks: list[int] = []
 
     class Recorded(zstd.Inflater):
