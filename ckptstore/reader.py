@@ -597,7 +597,11 @@ class Reader:
             NoCheckpointError: nothing committed (or nothing that verifies).
             IntegrityError: the requested ``step`` is corrupt.
             StateMismatchError: an entry of ``keys`` is not in the checkpoint.
+            TypeError: ``keys`` is a string (one entry is ``keys=["model"]``).
         """
+        if isinstance(keys, str | bytes):
+            msg = f"keys= takes a list of top-level entries, e.g. keys=[{keys!r}], not a string"
+            raise TypeError(msg)
         wanted = None if keys is None else list(keys)
         skipped: list[str] = []
         queue, bad, relists = self._candidates(step), set(), 0

@@ -169,3 +169,12 @@ def test_load_of_an_entry_that_is_not_there_says_what_is(
         mgr.load(1, keys=["model", "nope"])
     assert "holds no entries ['nope']" in str(ei.value)
     assert "'optimizer'" in str(ei.value)
+
+
+def test_keys_as_a_string_is_refused_with_the_fix(store: tuple[Path, dict[str, Any]]) -> None:
+    root, _ = store
+    with CheckpointManager(root) as mgr, pytest.raises(TypeError) as ei:
+        mgr.load(1, keys="model")
+    assert str(ei.value) == (
+        "keys= takes a list of top-level entries, e.g. keys=['model'], not a string"
+    )
