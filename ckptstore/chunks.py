@@ -26,7 +26,7 @@ from typing import TYPE_CHECKING, Any
 
 from .codec.dtypes import ITEMSIZE
 from .errors import IntegrityError
-from .integrity import crc32c_of, format_crc, parse_crc
+from .integrity import BLOCK, crc32c_of, format_crc, parse_crc
 from .manifest import FileEntry, validate_file_name
 
 if TYPE_CHECKING:
@@ -44,8 +44,8 @@ __all__ = [
     "shard_file",
 ]
 
-#: Bytes covered by one CRC32C of a chunk.
-BLOCK = 4 << 20
+# BLOCK (bytes covered by one CRC32C of a chunk) is integrity.BLOCK, the same block size as
+# the per-block CRCs of whole payload files (FileEntry.blocks).
 #: The chunk index of a DTensor checkpoint.
 INDEX_FILE = "dtensors.json"
 #: The index format version.

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .errors import ManifestError
-from .integrity import crc32c_of, format_crc, parse_crc
+from .integrity import BLOCK, block_count, crc32c_of, format_crc, parse_crc
 
 __all__ = [
     "DTENSOR_FORMAT_VERSION",
@@ -64,13 +64,27 @@ def validate_file_name(name: object) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class FileEntry:
-    """One row of the file table."""
+    """One row of the file table.
+
+    Attributes:
+        bytes: the file's size as stored.
+        crc32c: CRC32C of the whole file as stored.
+        codec: ``"safetensors"``, ``"torch"`` or ``"json"``.
+        compression: ``None`` or ``"zstd"``.
+        rank: the rank that wrote it, for per-rank files.
+        blocks: CRC32C of each consecutive :data:`~ckptstore.integrity.BLOCK` (4 MiB) of the
+            file as stored (compressed bytes for ``.zst`` files), the last one short; so a
+            byte range can be checked before it is used (:func:`~ckptstore.integrity.
+            check_blocks`). ``None`` for files of one block or less, and in manifests
+            written before it existed.
+    """
 
     bytes: int
     crc32c: int
     codec: str
     compression: str | None = None
     rank: int | None = None
+    blocks: tuple[int, ...] | None = None
 
     def to_json(self) -> dict[str, Any]:
         """JSON form of the row."""
@@ -82,6 +96,8 @@ class FileEntry:
         }
         if self.rank is not None:
             out["rank"] = self.rank
+        if self.blocks is not None:
+            out["blocks"] = list(self.blocks)
         return out
 
 
@@ -293,6 +309,8 @@ class Manifest:
 
         Only for listings: the cache says what a manifest *was* when its file had a given
         identity; restore and verify always read and validate ``manifest.json`` itself.
+        The per-block CRCs (``FileEntry.blocks``) are not cached: listings never use them,
+        and they would make the cache about 1 KB per GB of checkpoint per step.
         Malformed rows raise ``ValueError``/``TypeError``/``KeyError``/``IndexError``.
         """
         step, files, created, fmt, world, sharded, metrics, metadata, versions, fv = row
@@ -353,7 +371,32 @@ def _file_entry(row: object, where: str) -> FileEntry:
     rank = row.get("rank")
     if rank is not None and (isinstance(rank, bool) or not isinstance(rank, int) or rank < 0):
         raise ManifestError(f"{where}: 'rank' must be a non-negative integer")
-    return FileEntry(bytes=size, crc32c=crc, codec=codec, compression=compression, rank=rank)
+    blocks = _blocks(row.get("blocks"), size, where)
+    return FileEntry(
+        bytes=size, crc32c=crc, codec=codec, compression=compression, rank=rank, blocks=blocks
+    )
+
+
+_U32 = 0xFFFFFFFF
+
+
+def _blocks(raw: object, size: int, where: str) -> tuple[int, ...] | None:
+    """Validate a row's per-block CRCs: exactly one u32 per :data:`BLOCK` bytes of the file."""
+    if raw is None:
+        return None
+    want = block_count(size, BLOCK)
+    # The length is checked before anything is iterated: the work is bounded by the size the
+    # row claims, itself bounded (and the manifest by MAX_MANIFEST_BYTES).
+    if not isinstance(raw, list) or len(raw) != want:
+        got = len(raw) if isinstance(raw, list) else type(raw).__name__
+        raise ManifestError(
+            f"{where}: 'blocks' must be a list of {want} CRC32Cs (one per {BLOCK} bytes of its "
+            f"{size}), got {got}; the manifest is corrupt or hostile"
+        )
+    for v in raw:
+        if isinstance(v, bool) or not isinstance(v, int) or not 0 <= v <= _U32:
+            raise ManifestError(f"{where}: 'blocks' must hold integers in [0, 2**32), got {v!r}")
+    return tuple(raw)
 
 
 def utc_now() -> str:

@@ -164,7 +164,11 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
             checker = _BlockChecker(blocks[name], where)
             failed = None
             try:
-                storage.stream_file(step, name, entry, checker)
+                # The chunk blocks name the tensor a bad byte belongs to: every one is
+                # checked, with the whole-file CRC (not the file's own blocks, which would
+                # stop the stream at the first bad one).
+                whole = dataclasses.replace(entry, blocks=None)
+                storage.stream_file(step, name, whole, checker)
             except IntegrityError as e:
                 failed = str(e)
             report.bytes_checked += checker.seen
@@ -173,6 +177,16 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
             if failed is not None:
                 report.add(failed)
                 return
+        elif deep and entry.blocks is not None:
+            # Every block's CRC32C (the file's own CRC is not computed on top: the blocks
+            # cover every byte, and the manifest that lists both is self-checksummed).
+            try:
+                storage.stream_file(step, name, entry)
+            except IntegrityError as e:
+                report.add(str(e))
+                return
+            finally:
+                report.bytes_checked += entry.bytes
         elif deep:
             got, crc = storage.checksum_file(step, name)
             report.bytes_checked += got

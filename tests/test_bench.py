@@ -146,3 +146,21 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
         "resharded restore 2->3 >= 1.5x DCP",
     }
     assert len(sh["resident_after_drop"]) == 2 * len(contenders)  # before every restore
+
+
+@pytest.mark.timeout(200)
+def test_bench_s3_smoke(tmp_path: Path) -> None:
+    pytest.importorskip("moto.server")
+    cmd = [sys.executable, str(REPO / "tools" / "bench_s3.py"), "--size", "4MB", "--repeats", "1"]
+    res = subprocess.run(
+        cmd, capture_output=True, text=True, timeout=180, cwd=tmp_path, check=False
+    )
+    assert res.returncode == 0, res.stderr[-3000:]
+    lines = res.stdout.splitlines()
+    for name in ("s3fs-cat", "ckpt-load", "ckpt-restore"):
+        assert any(line.split()[:1] == [name] and "GB/s" in line for line in lines), name
+    ratios = [line for line in lines if "speed vs s3fs cat" in line]
+    assert len(ratios) == 2
+    for line in ratios:
+        value = float(line.split(": ")[1].split("x")[0])
+        assert value > 0

@@ -223,3 +223,274 @@ def test_restore_falls_back_from_a_decompression_bomb(
         assert mgr.steps() == [1, 2]
     assert cli_mod.main(["verify", str(root)]) == 1
     assert "inflates past" in capsys.readouterr().out
+
+
+# ---- frames, streaming, threads --------------------------------------------------------------
+
+
+def noise(n: int, seed: int = 0) -> bytes:
+    """``n`` bytes that compress a little, as weights do (random floats, low bits zeroed)."""
+    g = torch.Generator().manual_seed(seed)
+    t = torch.randn(n // 4, generator=g).view(torch.int32) & ~0xFFF
+    return bytes(t.view(torch.uint8).numpy().tobytes())
+
+
+def frames_of(data: bytes) -> list[tuple[int, int]]:
+    """(compressed length, declared content size) of each frame of ``data``."""
+    out = []
+    pos = 0
+    while pos < len(data):
+        size = zstandard.frame_content_size(data[pos:])
+        n = zstandard.ZstdDecompressor().decompressobj()
+        n.decompress(data[pos:])
+        length = len(data) - pos - len(n.unused_data)
+        out.append((length, size))
+        pos += length
+    return out
+
+
+def test_sink_writes_independent_frames_with_sizes_and_checksums() -> None:
+    raw = noise(5 * (64 << 10) // 2)  # two and a half frames of 64 KiB
+    buf = io.BytesIO()
+    sink = zstd.ZstdSink(buf, frame=64 << 10)
+    for i in range(0, len(raw), 50_000):  # writes that do not line up with frames
+        sink.write(memoryview(raw)[i : i + 50_000])
+    sink.close()
+    data = buf.getvalue()
+    frames = frames_of(data)
+    assert [size for _, size in frames] == [64 << 10, 64 << 10, 32 << 10]
+    pos = 0
+    for length, _ in frames:
+        assert zstandard.get_frame_parameters(data[pos:]).has_checksum
+        pos += length
+    # Any zstd reader reads the concatenation of frames.
+    reader = zstandard.ZstdDecompressor().stream_reader(io.BytesIO(data), read_across_frames=True)
+    assert reader.read() == raw
+    assert zstd.decompress(data, "x") == raw
+
+
+def test_inflater_streams_in_order_holding_a_few_frames() -> None:
+    frame = 256 << 10
+    raw = noise(24 << 20)
+    buf = io.BytesIO()
+    sink = zstd.ZstdSink(buf, frame=frame)
+    sink.write(raw)
+    sink.close()
+    data = buf.getvalue()
+    assert len(frames_of(data)) == 96
+    out = bytearray(len(raw))  # allocated before tracing: the target, not a buffer
+    at = [0]
+
+    def consume(piece: memoryview) -> None:
+        out[at[0] : at[0] + len(piece)] = piece
+        at[0] += len(piece)
+
+    inflater = zstd.Inflater(consume, "m.zst", limit=len(raw), window=3)
+
+    def run() -> int:
+        for i in range(0, len(data), 1 << 20):
+            inflater.feed(memoryview(data)[i : i + (1 << 20)])
+        return inflater.finish()
+
+    got, peak = peak_bytes(run)
+    assert got == len(raw)
+    assert out == raw
+    # Held at once: the piece being parsed (a frame's worth of input at most) and the
+    # frames in flight (compressed and inflated), never the 24 MiB stream.
+    bound = zstd.FRAME + (1 << 20) + 4 * 2 * frame
+    assert inflater.peak <= bound, (inflater.peak, bound)
+    assert peak < bound + (1 << 20), f"{peak} bytes allocated while inflating"
+
+
+def test_inflater_streams_a_single_frame_file_of_earlier_versions_block_by_block() -> None:
+    raw = noise(12 << 20, seed=1)
+    buf = io.BytesIO()
+    # The writer of earlier versions: one multi-threaded frame, no content size.
+    cctx = zstandard.ZstdCompressor(level=1, threads=-1, write_checksum=True)
+    with cctx.stream_writer(buf, closefd=False) as w:
+        w.write(raw)
+    data = buf.getvalue()
+    assert zstandard.frame_content_size(data) == -1
+    sizes: list[int] = []
+    out = bytearray()
+
+    def consume(piece: memoryview) -> None:
+        sizes.append(len(piece))
+        out.extend(piece)
+
+    inflater = zstd.Inflater(consume, "old.zst", limit=len(raw))
+    for i in range(0, len(data), 1 << 20):
+        inflater.feed(memoryview(data)[i : i + (1 << 20)])
+    assert inflater.finish() == len(raw)
+    assert out == raw
+    assert max(sizes) <= 2 << 20  # pieces of what a fed megabyte completes, not the file
+    assert inflater.peak <= zstd.FRAME + (3 << 20)
+
+
+def test_inflater_refuses_a_frame_whose_declared_size_passes_the_limit_before_inflating() -> None:
+    data = zstandard.ZstdCompressor(level=1).compress(bytes(8 << 20))  # declares 8 MiB
+    inflater = zstd.Inflater(lambda _: None, "m.zst", limit=1 << 20, why="its tensors can take")
+    with pytest.raises(IntegrityError, match=r"inflates past the 1048576 bytes its tensors"):
+        inflater.feed(data)
+    assert inflater.out == 0  # nothing inflated
+
+
+def test_inflater_refuses_a_frame_of_empty_blocks_that_never_ends() -> None:
+    good = zstandard.ZstdCompressor(level=1).compress(b"abc")
+    # Same header (3 bytes of content), then endless empty raw blocks: bounded, refused.
+    header_len = 6  # magic, descriptor (single segment), 1-byte content size
+    hostile = good[:header_len] + b"\x00\x00\x00" * 200_000
+    inflater = zstd.Inflater(lambda _: None, "m.zst")
+    with pytest.raises(IntegrityError, match="longer than its 3 bytes of content can take"):
+        inflater.feed(hostile)
+    assert inflater.peak < 2 * zstd.FRAME
+
+
+def test_inflater_names_a_corrupt_frame() -> None:
+    raw = noise(3 << 20, seed=2)
+    buf = io.BytesIO()
+    sink = zstd.ZstdSink(buf, frame=1 << 20)
+    sink.write(raw)
+    sink.close()
+    data = bytearray(buf.getvalue())
+    first, second, _ = frames_of(bytes(data))
+    data[first[0] + second[0] // 2] ^= 0x55  # inside the second frame
+    with pytest.raises(IntegrityError) as ei:
+        zstd.decompress(data, "run/model.safetensors.zst")
+    msg = str(ei.value)
+    assert msg.startswith("run/model.safetensors.zst: zstd stream is corrupt (")
+    assert f"frame at byte {first[0]})" in msg
+
+
+def _forge(step_path: Path, name: str, data: bytes) -> None:
+    """Replace a payload, forging its manifest entry (size, CRC and block CRCs) to match."""
+    from _helpers import forge_manifest
+
+    from ckptstore.chunks import block_crcs
+    from ckptstore.integrity import crc32c_of, format_crc
+
+    (step_path / name).write_bytes(data)
+
+    def edit(doc: dict[str, Any]) -> None:
+        entry = doc["files"][name]
+        entry["bytes"] = len(data)
+        entry["crc32c"] = format_crc(crc32c_of(data))
+        if entry.get("blocks") is not None:
+            entry["blocks"] = block_crcs(data)
+
+    manifest = step_path / "manifest.json"
+    manifest.write_bytes(forge_manifest(manifest.read_bytes(), edit))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_restore_streams_compressed_payloads_through_a_bounded_buffer(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(zstd, "FRAME", 1 << 20)
+    monkeypatch.setattr(zstd, "THREADS", 2)  # a window of 3 frames in flight
+    g = torch.Generator().manual_seed(3)
+    # 40 MiB, barely compressible (safetensors: the buffers are measured); torch: 12 MiB.
+    w = torch.randn((10 if fmt == "safetensors" else 3) << 20, generator=g)
+    state = {"model": {"w": w, "b": torch.arange(7)}, "step": 3}
+    root = tmp_path / "z"
+    with CheckpointManager(root, format=fmt, compression="zstd") as mgr:
+        mgr.save(3, state)
+    ext = {"safetensors": ".safetensors", "torch": ".pt"}[fmt]
+    path = root / step_dir(3) / f"model{ext}.zst"
+    assert len(frames_of(path.read_bytes())) >= w.nbytes >> 20  # 1 MiB frames
+    peaks: list[int] = []
+
+    class Recorded(zstd.Inflater):
+        def finish(self) -> int:
+            n = super().finish()
+            peaks.append(self.peak)
+            return n
+
+    monkeypatch.setattr(zstd, "Inflater", Recorded)
+    target = {"model": {"w": torch.zeros_like(w), "b": torch.zeros(7, dtype=torch.int64)}}
+    with CheckpointManager(root) as mgr:
+        got, peak = peak_bytes(lambda: mgr.load(3))
+    assert isinstance(got, dict), got
+    assert_same(got["model"], state["model"])
+    assert got["step"] == 3
+    # The input being parsed (up to two frames) and the window of frames in flight (each
+    # compressed and inflated), one more while a frame is handed over: 1 MiB frames.
+    assert max(peaks) <= (2 + 2 * (3 + 1)) * (1 << 20) + (64 << 10), peaks
+    if fmt == "safetensors":
+        # Streamed into the tensors: the buffers read and inflated, not the 40 MiB file.
+        assert peak < 30 << 20, f"load allocated {peak} bytes"
+        with CheckpointManager(root) as mgr:
+            mgr.restore(target, in_place=True)
+        assert torch.equal(target["model"]["w"], w)
+
+
+def test_corrupt_frame_is_found_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(zstd, "FRAME", 1 << 20)
+    root = tmp_path / "z"
+    states = {s: {"model": {"w": torch.randn(1 << 20) + s}} for s in (1, 2)}
+    with CheckpointManager(root, compression="zstd") as mgr:
+        for s, state in states.items():
+            mgr.save(s, state)
+    name = "model.safetensors.zst"
+    data = bytearray((root / step_dir(2) / name).read_bytes())
+    first = frames_of(bytes(data))[0][0]
+    data[first + 5000] ^= 0x01  # inside the second frame; checksums forged to match
+    _forge(root / step_dir(2), name, bytes(data))
+    where = f"{root}/{step_dir(2)}/{name}"
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(IntegrityError) as ei:
+            mgr.load(2)
+        assert str(ei.value).startswith(f"{where}: zstd stream is corrupt (")
+        assert f"frame at byte {first})" in str(ei.value)
+        fresh = {"model": {"w": torch.zeros(1 << 20)}}
+        assert mgr.restore(fresh) == 1  # falls back to the step that verifies
+        assert torch.equal(fresh["model"]["w"], states[1]["model"]["w"])
+
+
+GOLDEN_ZSTD = Path(__file__).parent / "golden_zstd"
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_golden_zstd_stores_of_the_single_frame_writer_still_load(tmp_path: Path, fmt: str) -> None:
+    import shutil
+
+    old = tmp_path / "old"
+    shutil.copytree(GOLDEN_ZSTD / f"v1-{fmt}-zstd", old)
+    plain = tmp_path / "plain"
+    shutil.copytree(Path(__file__).parent / "golden" / f"v1-{fmt}", plain)
+    for p in (old / "step-000000001000").glob("*.zst"):
+        data = p.read_bytes()
+        assert zstandard.frame_content_size(data) == -1  # one streamed frame, no size
+    with CheckpointManager(old) as a, CheckpointManager(plain) as b:
+        assert a.verify(1000).ok
+        assert_same(a.load(1000), b.load(1000))
+
+
+def test_a_corrupt_compressed_block_is_refused_before_it_inflates(tmp_path: Path) -> None:
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(2 << 20, generator=g)  # 8 MiB: about two blocks compressed
+    root = tmp_path / "z"
+    with CheckpointManager(root, compression="zstd") as mgr:
+        mgr.save(1, {"model": {"w": w}})
+        entry = mgr.manifest(1).files["model.safetensors.zst"]
+    assert entry.blocks is not None
+    assert len(entry.blocks) == 2
+    path = root / step_dir(1) / "model.safetensors.zst"
+    data = bytearray(path.read_bytes())
+    data[(4 << 20) + 100] ^= 0x04  # block 1: the manifest is left as it was
+    path.write_bytes(bytes(data))
+    fed: list[int] = []
+
+    class Recorded(zstd.Inflater):
+        def feed(self, data: bytes | bytearray | memoryview) -> None:
+            fed.append(len(data))
+            super().feed(data)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(zstd, "Inflater", Recorded)
+        with CheckpointManager(root) as mgr, pytest.raises(IntegrityError) as ei:
+            mgr.load(1)
+    assert str(ei.value).startswith(
+        f"{root}/{step_dir(1)}/model.safetensors.zst: block 1 (bytes {4 << 20}.."
+    )
+    assert sum(fed) <= 4 << 20  # only block 0 reached the decompressor

@@ -10,6 +10,7 @@ import crc32c
 import pytest
 
 from ckptstore import FileEntry, Manifest, ManifestError
+from ckptstore.integrity import BLOCK
 from ckptstore.manifest import (
     FORMAT_VERSION,
     MAX_FILE_BYTES,
@@ -246,3 +247,63 @@ def test_non_finite_numbers_in_json() -> None:
 def test_oversized_manifest() -> None:
     data = b" " * (MAX_MANIFEST_BYTES + 1)
     refuse(data, f"{MAX_MANIFEST_BYTES + 1} bytes is larger than any real manifest")
+
+
+# ---- per-block CRCs -----------------------------------------------------------------------
+
+
+BIG = 10 * BLOCK + 5  # 11 blocks, the last one 5 bytes
+
+
+def with_blocks(blocks: object, size: int = BIG) -> bytes:
+    doc = json.loads(sample().to_bytes())
+    doc["files"]["model.safetensors"].update(bytes=size, blocks=blocks)
+    return resign(doc)
+
+
+def test_blocks_roundtrip_and_are_json_integers() -> None:
+    blocks = tuple(range(0xFFFFFFF5, 0x100000000))  # 11 u32 values, the largest included
+    m = Manifest.from_bytes(with_blocks(list(blocks)))
+    entry = m.files["model.safetensors"]
+    assert entry.blocks == blocks
+    assert entry.bytes == BIG
+    doc = json.loads(m.to_bytes())
+    assert doc["files"]["model.safetensors"]["blocks"] == list(blocks)
+    assert Manifest.from_bytes(m.to_bytes()) == m
+    # Absent (small files, old manifests): None, and not written.
+    assert m.files["state.json"].blocks is None
+    assert "blocks" not in doc["files"]["state.json"]
+
+
+@pytest.mark.parametrize(
+    ("blocks", "fragment"),
+    [
+        ([1] * 10, "list of 11 CRC32Cs"),  # one short
+        ([1] * 12, "list of 11 CRC32Cs"),  # one too many
+        ([1] * 1_000_000, "got 1000000"),  # refused by its length, not iterated
+        ("00000001", "got str"),
+        ({"0": 1}, "got dict"),
+        ([1] * 10 + [-1], "integers in [0, 2**32)"),
+        ([1] * 10 + [1 << 32], "integers in [0, 2**32)"),
+        ([1] * 10 + [True], "integers in [0, 2**32)"),
+        ([1] * 10 + [1.0], "integers in [0, 2**32)"),
+        ([1] * 10 + ["00000001"], "integers in [0, 2**32)"),
+    ],
+)
+def test_hostile_blocks_are_refused(blocks: object, fragment: str) -> None:
+    refuse(with_blocks(blocks), "file 'model.safetensors'", "'blocks'", fragment)
+
+
+def test_blocks_of_an_empty_or_one_block_file() -> None:
+    assert Manifest.from_bytes(with_blocks([], size=0)).files["model.safetensors"].blocks == ()
+    refuse(with_blocks([7], size=0), "list of 0 CRC32Cs")
+    one = Manifest.from_bytes(with_blocks([7], size=BLOCK)).files["model.safetensors"]
+    assert one.blocks == (7,)
+    refuse(with_blocks([7, 8], size=BLOCK), "list of 1 CRC32Cs")
+
+
+def test_listing_cache_leaves_blocks_out() -> None:
+    m = Manifest.from_bytes(with_blocks(list(range(11))))
+    back = Manifest.from_cache(json.loads(json.dumps(m.to_cache())))
+    assert back.files["model.safetensors"].blocks is None
+    assert back.files["model.safetensors"].crc32c == m.files["model.safetensors"].crc32c

@@ -395,6 +395,129 @@ def test_damaged_payload_is_caught(
         assert mgr.verify(1).ok
 
 
+class GetCounter:
+    """Counts the bytes of every ranged GET a storage makes, and how many run at once.
+
+    Wraps the real ``FsspecStorage._get`` (one request to the server each): the payloads a
+    load reads all go through it.
+    """
+
+    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        import threading
+
+        self.bytes = 0
+        self.calls = 0
+        self.running = 0
+        self.most = 0
+        self._lock = threading.Lock()
+        real = FsspecStorage._get
+
+        def counted(storage: FsspecStorage, p: str, start: int, end: int) -> bytes:
+            with self._lock:
+                self.running += 1
+                self.most = max(self.most, self.running)
+            try:
+                data = real(storage, p, start, end)
+            finally:
+                with self._lock:
+                    self.running -= 1
+            with self._lock:
+                self.bytes += len(data)
+                self.calls += 1
+            return data
+
+        monkeypatch.setattr(FsspecStorage, "_get", counted)
+
+
+def big_state() -> dict[str, Any]:
+    """Three payload files, the model's 6 MiB; "alias" shares the model's tensor "b"."""
+    block = 4 << 20
+    model = {
+        "a": torch.arange((block - 4096) // 4, dtype=torch.int32),
+        "b": torch.arange(3 << 20, dtype=torch.int32) * 3,  # 12 MiB, block-aligned in the file
+        "c": torch.arange(1 << 20, dtype=torch.int32) * 5,
+    }
+    return {
+        "model": model,
+        "optimizer": {"m": torch.arange(1 << 20, dtype=torch.float32)},
+        "alias": {"b": model["b"]},
+        "extra": {"v": torch.ones(100)},
+        "step": 7,
+    }
+
+
+@pytest.mark.timeout(120)
+def test_restore_reads_files_and_ranges_concurrently_byte_exact(
+    s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.storage import remote
+
+    monkeypatch.setattr(remote, "RANGE", 1 << 20)  # many ranges out of small objects
+    monkeypatch.setattr(remote, "MAX_RANGE", 1 << 20)
+    state = big_state()
+    with manager(s3, url) as mgr:
+        mgr.save(7, state)
+    counter = GetCounter(monkeypatch)
+    s3.requests.clear()
+    with manager(s3, url, other=True) as mgr:
+        got = mgr.load(7)
+    assert_same(got, state)
+    model_key = f"/{s3.bucket}/{prefix}/{step_dir(7)}/model.safetensors"
+    gets = [r for r in s3.requests() if r.method == "GET" and r.path == model_key]
+    assert len(gets) == 20  # 20 MiB (4 KiB of header), one ranged GET per MiB
+    assert counter.most > 1, "ranges and files were fetched one at a time"
+    assert counter.most <= remote.WINDOW * FsspecStorage.read_concurrency
+
+
+@pytest.mark.timeout(120)
+def test_corrupt_block_of_a_large_object_is_found_before_use(
+    s3: S3Endpoint, url: str, prefix: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    state = big_state()
+    older = big_state()
+    older["model"]["c"] += 1
+    with manager(s3, url) as mgr:
+        mgr.save(6, older)
+        mgr.save(7, state)
+        key = f"{s3.bucket}/{prefix}/{step_dir(7)}/model.safetensors"
+        data = bytearray(s3.client.cat_file(key))
+        data[(4 << 20) + 12345] ^= 0x10  # block 1, inside "b"
+        s3.client.pipe_file(key, bytes(data))
+        where = f"{url}/{step_dir(7)}/model.safetensors"
+        with pytest.raises(IntegrityError) as ei:
+            mgr.load(7)
+        assert str(ei.value).startswith(f"{where}: block 1 (bytes {4 << 20}..{8 << 20}) crc32c")
+        with pytest.raises(IntegrityError, match=r"block 1 "):
+            mgr.load(7, keys=["alias"])  # a ranged read checks the same block
+        assert mgr.load(7, keys=["optimizer"])["optimizer"]["m"].equal(state["optimizer"]["m"])
+        fresh = {"model": {k: torch.zeros_like(v) for k, v in state["model"].items()}}
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            assert mgr.restore(fresh) == 6
+        assert_same(fresh["model"], older["model"])
+
+
+@pytest.mark.timeout(120)
+def test_partial_load_reads_only_the_ranges_it_needs(
+    s3: S3Endpoint, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    state = big_state()
+    with manager(s3, url) as mgr:
+        mgr.save(7, state)
+    small = 64 << 10  # state.json
+    with manager(s3, url, other=True) as mgr:
+        counter = GetCounter(monkeypatch)
+        got = mgr.load(7, keys=["model"])
+        assert_same(got["model"], state["model"])
+        needed = sum(t.numel() * t.element_size() for t in state["model"].values())
+        assert needed <= counter.bytes <= 1.05 * needed + small, (counter.bytes, needed)
+
+        counter = GetCounter(monkeypatch)
+        got = mgr.load(7, keys=["alias"])
+        assert_same(got["alias"], state["alias"])
+        needed = 12 << 20  # "b": three blocks; and the block holding the header
+        assert counter.bytes <= 1.05 * needed + (4 << 20) + small, (counter.bytes, needed)
+
+
 HOSTILE = ["../x", "../../x"]
 
 

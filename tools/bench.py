@@ -8,6 +8,7 @@
     .venv/bin/python tools/bench.py --plot               # also sweep 10MB..--size, write a PNG
     .venv/bin/python tools/bench.py --sharded --size 256MB  # FSDP2: 2 ranks, restore on 1, 3
     .venv/bin/python tools/bench.py --replica --size 64MB   # two tiers: local + S3 (moto)
+    .venv/bin/python tools/bench.py --s3 --only ckpt-st --size 64MB  # S3 (moto) vs s3fs cat
 
 The state is shaped like GPT-2-medium (embedding, 16 blocks of attention/MLP/layernorm
 tensors, about 200 fp32 tensors), scaled so the parameters weigh ``--size``, plus the AdamW
@@ -1256,6 +1257,18 @@ def evaluate_targets(ctx: Ctx, rows: list[dict[str, Any]], ls: dict[str, Any] | 
         ("torch", "restore"),
     )
     speed(
+        "zstd restore >= 0.5x uncompressed restore (safetensors)",
+        0.5,
+        ("ckpt-st-zstd", "restore"),
+        ("ckpt-st", "restore"),
+    )
+    speed(
+        "zstd restore >= 0.5x uncompressed restore (torch format)",
+        0.5,
+        ("ckpt-torch-zstd", "restore"),
+        ("ckpt-torch", "restore"),
+    )
+    speed(
         "deep verify >= 0.8x cold read bandwidth (raw O_DIRECT read)",
         0.8,
         ("verify", "verify"),
@@ -1511,6 +1524,12 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--ls-timeout", type=float, default=60.0, help="seconds for `ckptstore ls`")
     p.add_argument(
+        "--s3",
+        action="store_true",
+        help="also restore from moto's S3 server on loopback vs s3fs cat of the same objects "
+        "(tools/bench_s3.py)",
+    )
+    p.add_argument(
         "--sharded",
         action="store_true",
         help="run the sharded contender (FSDP2 save on 2 ranks, restore on 1 and 3; minutes "
@@ -1620,6 +1639,11 @@ def main(argv: list[str] | None = None) -> int:
         odirect = ctx.odirect_ok
         del ctx
         gc.collect()
+        if args.s3:
+            import bench_s3
+
+            result["s3"] = bench_s3.run(args.size, args.repeats)
+            bench_s3.print_report(result["s3"])
         if "sharded" in args.names:
             import bench_sharded
 

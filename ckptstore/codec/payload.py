@@ -12,6 +12,7 @@ from collections.abc import Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import IntegrityError
+from ..integrity import BLOCK
 from ..manifest import FileEntry
 from . import safetensors as st
 from . import torchzip, zstd
@@ -200,5 +201,91 @@ def read_group(
         dec = st.StreamDecoder(entry.bytes, where, into)
         storage.stream_file(step, name, entry, dec)
         return dec.result()
+    if entry.compression == "zstd" and entry.codec in ("safetensors", "torch"):
+        return _read_zstd(storage, step, name, entry, into, limit)
     data = storage.read_file(step, name, entry)
     return decode_payload(data, entry, where, limit=limit)
+
+
+class _ZstdTarget:
+    """Where a compressed payload's content goes as it inflates.
+
+    A safetensors file streams into its tensors (``into``'s own where they match) through
+    :class:`~ckptstore.codec.safetensors.StreamDecoder`, made once the header has declared
+    the file's size; a ``torch.save`` zip, whose directory is at its end, is collected.
+    """
+
+    def __init__(
+        self, entry: FileEntry, where: str, into: Mapping[str, torch.Tensor] | None
+    ) -> None:
+        self.entry = entry
+        self.where = where
+        self.into = into
+        self.inflater: zstd.Inflater | None = None
+        self.decoder: st.StreamDecoder | None = None
+        self.buf = bytearray()
+
+    def __call__(self, piece: memoryview) -> None:
+        assert self.inflater is not None
+        size = self.inflater.declared_size
+        if self.entry.codec == "safetensors" and size is not None:
+            if self.decoder is None:
+                self.decoder = st.StreamDecoder(size, self.where, self.into)
+            self.decoder(self.inflater.out, piece)
+        else:
+            self.buf += piece
+
+    def result(self) -> dict[str, torch.Tensor]:
+        assert self.inflater is not None
+        if self.entry.codec == "torch":
+            return torchzip.load_tensor_dict(self.buf, self.where)
+        size = self.inflater.declared_size
+        if self.decoder is None or size is None:
+            return st.read_tensors(self.buf, self.where)  # raises what is wrong with it
+        if self.inflater.out != size:
+            raise IntegrityError(
+                f"{self.where}: zstd stream inflates to {self.inflater.out} bytes, its "
+                f"safetensors header declares {size}; the file is truncated or corrupt"
+            )
+        return self.decoder.result()
+
+
+def _read_zstd(  # noqa: PLR0917 - private, one call site
+    storage: Any,
+    step: int,
+    name: str,
+    entry: FileEntry,
+    into: Mapping[str, torch.Tensor] | None,
+    limit: int | None,
+) -> dict[str, torch.Tensor]:
+    """Stream a compressed payload through :class:`~ckptstore.codec.zstd.Inflater`.
+
+    The compressed bytes are checked before they are inflated: block by block against the
+    manifest's per-block CRCs where it has them (``stream_file`` passes on only verified
+    blocks), whole (read first) for a file of one block or less. A large file of an older
+    manifest (no block CRCs) inflates as it streams, and its checksum is checked at its end:
+    until this returns, nothing it wrote may be trusted (tensors of ``into`` may hold partial
+    data on error, as with ``in_place``).
+    """
+    where = storage.describe(step, name)
+    target = _ZstdTarget(entry, where, into)
+    declared = None
+    if entry.codec == "safetensors":
+
+        def declared(out: bytearray) -> int | None:
+            return st.declared_size(out, where)
+
+    inflater = zstd.Inflater(
+        target, where, limit=limit, why="its tensors in the state file can take", declared=declared
+    )
+    target.inflater = inflater
+    try:
+        if entry.blocks is None and entry.bytes <= BLOCK:
+            inflater.feed(storage.read_file(step, name, entry))
+        else:
+            # With block CRCs, stream_file hands on only bytes whose block passed.
+            storage.stream_file(step, name, entry, lambda _offset, chunk: inflater.feed(chunk))
+        inflater.finish()
+    finally:
+        inflater.close()
+    return target.result()

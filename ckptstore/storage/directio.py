@@ -24,7 +24,7 @@ import threading
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..integrity import crc32c_of
+from ..integrity import BlockCRC
 
 __all__ = ["ALIGN", "DirectWriter", "open_direct_read", "read_into"]
 
@@ -119,7 +119,7 @@ class DirectWriter:
     """A write-only, checksumming file object for one new file (``O_EXCL``).
 
     Call :meth:`finish` to write the tail, fsync and close; :meth:`abort` closes without
-    fsync. ``crc`` and ``nbytes`` describe what was written.
+    fsync. ``crc``, ``blocks`` and ``nbytes`` describe what was written.
     """
 
     def __init__(self, path: str, *, direct: bool = True, buffer_size: int = BUFFER) -> None:
@@ -132,7 +132,7 @@ class DirectWriter:
         self.direct = False  # whether O_DIRECT was used for any write
         self._can_direct = bool(direct and _O_DIRECT)
         self.path = path
-        self.crc = 0
+        self._sum = BlockCRC()
         self.nbytes = 0
         self.bounced = 0  # bytes that went through the bounce buffers (copied once more)
         self._size = max(ALIGN, buffer_size - buffer_size % ALIGN)
@@ -145,6 +145,16 @@ class DirectWriter:
         self._offset = 0  # file offset of the current buffer
         self._pending: Call | None = None
         self._closed = False
+
+    @property
+    def crc(self) -> int:
+        """CRC32C of the bytes sent to the file so far (buffered ones are not yet in)."""
+        return self._sum.crc
+
+    @property
+    def blocks(self) -> tuple[int, ...] | None:
+        """Per-block CRC32Cs of the file (complete after :meth:`finish`)."""
+        return self._sum.block_crcs()
 
     # -- file-object protocol (what torch.save and our encoders use) --
 
@@ -190,7 +200,7 @@ class DirectWriter:
         while done < head + body:
             k = min(self._size, head + body - done)
             view = mv[done : done + k]
-            self.crc = crc32c_of(view, self.crc)
+            self._sum.update(view)
             self._wait()
             if not self.direct:
                 self.direct = self._set_direct(True)
@@ -239,7 +249,7 @@ class DirectWriter:
 
     def _flush_buffer(self) -> None:
         view = self._views[self._cur][: self._pos]
-        self.crc = crc32c_of(view, self.crc)
+        self._sum.update(view)
         self._wait()  # the other buffer must be on disk before we reuse it next
         if self._can_direct and not self.direct:
             self.direct = self._set_direct(True)
@@ -261,7 +271,7 @@ class DirectWriter:
             self._wait()
             if self._pos:
                 view = self._views[self._cur][: self._pos]
-                self.crc = crc32c_of(view, self.crc)
+                self._sum.update(view)
                 if self.direct and self._pos % ALIGN:
                     self._set_direct(False)  # an unaligned tail goes through the cache
                 self._pwrite_all(view, self._offset)

@@ -147,7 +147,7 @@ class LocalStorage(Storage):
             raise
         return open(fd, "rb", buffering=0)
 
-    def _stream(self, rel: str, consume: Consumer | None) -> tuple[int, int]:
+    def _stream(self, rel: str, consume: Consumer | None, *, crc: bool = True) -> tuple[int, int]:
         # Large files: O_DIRECT reads into two aligned buffers, one filled by an I/O thread
         # while the other is checksummed and consumed, so the disk never waits for the CPU.
         # Small files (state.json, small payloads): one buffered read.
@@ -166,7 +166,7 @@ class LocalStorage(Storage):
                 return _stream_small(fd, st.st_size, consume)
             if self.direct_io:
                 set_direct(fd, True)  # refused (tmpfs): buffered reads, same code
-            return _stream_large(fd, consume)
+            return _stream_large(fd, consume, crc=crc)
         finally:
             os.close(fd)
 
@@ -503,12 +503,12 @@ def _stream_small(fd: int, size: int, consume: Consumer | None) -> tuple[int, in
     return n, crc
 
 
-def _stream_large(fd: int, consume: Consumer | None) -> tuple[int, int]:
+def _stream_large(fd: int, consume: Consumer | None, *, crc: bool = True) -> tuple[int, int]:
     bufs = [mmap.mmap(-1, BUFFER), mmap.mmap(-1, BUFFER)]
     views = [memoryview(b) for b in bufs]
     fut: Call | None = Call(read_into, fd, views[0], 0)
     try:
-        crc = 0
+        total_crc = 0
         offset = 0
         cur = 0
         while fut is not None:
@@ -520,14 +520,15 @@ def _stream_large(fd: int, consume: Consumer | None) -> tuple[int, int]:
                 fut = Call(read_into, fd, views[cur ^ 1], offset + n)
             chunk = views[cur][:n]
             try:
-                crc = crc32c_of(chunk, crc)
+                if crc:
+                    total_crc = crc32c_of(chunk, total_crc)
                 if consume is not None:
                     consume(offset, chunk)
             finally:
                 chunk.release()
             offset += n
             cur ^= 1
-        return offset, crc
+        return offset, total_crc
     finally:
         if fut is not None:  # never free a buffer the I/O thread is still reading into
             with contextlib.suppress(Exception):

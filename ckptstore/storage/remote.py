@@ -20,6 +20,13 @@ Four things about fsspec filesystems shape this file:
 - **``rm`` globs.** ``fs.rm(path)`` expands ``*``, ``?`` and ``[`` in ``path`` as a glob, so
   a store at ``s3://b/exp[1]`` removing ``step-1`` would also remove ``s3://b/exp1/step-1``.
   :meth:`FsspecStorage._rmtree` never hands such a path to ``rm``.
+- **One stream per object is slow.** A buffered fsspec file reads an object as one
+  sequential stream with a large read-ahead (s3fs: 50 MB), so a ranged read of a few blocks
+  fetches far more, and one large object is fetched at one connection's speed.
+  :meth:`FsspecStorage._stream` reads objects as ranged GETs of 8-32 MiB, a few in flight
+  per object (from a small shared pool), handed on in order;
+  :meth:`FsspecStorage.range_reader` reads exactly the ranges asked for. The reader decodes
+  up to :attr:`FsspecStorage.read_concurrency` files at once.
 - **Closing a file publishes it.** An S3 upload is committed by ``close()``, a failed one
   must be discarded instead (which also aborts a multipart upload, billed until aborted):
   :class:`_Upload` gives the base class the ``abort`` it calls on failure.
@@ -27,22 +34,86 @@ Four things about fsspec filesystems shape this file:
 
 from __future__ import annotations
 
+import collections
+import concurrent.futures
 import contextlib
+import functools
 import io
 import posixpath
 import re
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import IO, Any, ClassVar
 
+from ..errors import IntegrityError
+from ..integrity import crc32c_of
 from ..layout import MANIFEST_NAME, PIN_NAME, step_dirname
-from ..manifest import FileEntry, Manifest
-from .base import Consumer, Storage, split_root
+from ..manifest import FileEntry, Manifest, validate_file_name
+from .base import Consumer, RangeReader, Storage, split_root
 
 __all__ = ["FsspecStorage"]
 
 #: Characters fsspec's ``rm``/``expand_path`` treat as a glob (``glob.has_magic``).
 _GLOB_CHARS = re.compile(r"[*?\[]")
+#: Bytes one ranged GET of a streamed object asks for, at least and at most: an object is
+#: cut into about 8 ranges within these bounds. Servers that answer a range by reading the
+#: whole object (moto does) pay for every range, so a large object takes fewer, larger ones.
+RANGE = 8 << 20
+MAX_RANGE = 32 << 20
+#: Bytes of ranged GETs in flight per streamed object (at least 2 ranges, at most 4).
+IN_FLIGHT = 64 << 20
+WINDOW = 4
+#: Threads issuing ranged GETs, shared by every object this process reads.
+GET_THREADS = 16
+
+
+@functools.cache
+def _getters() -> concurrent.futures.ThreadPoolExecutor:
+    """The GET workers: they only fetch, never wait on each other, so sharing them is safe."""
+    return concurrent.futures.ThreadPoolExecutor(GET_THREADS, thread_name_prefix="ckptstore-get")
+
+
+class _RangeGets(RangeReader):
+    """A :class:`RangeReader` whose every read is one ranged GET of exactly its bytes.
+
+    A buffered fsspec file would read ahead far past a range (s3fs: 50 MB), which a
+    partial load must not pay. Reads of several threads run at once.
+    """
+
+    storage: FsspecStorage
+
+    def __init__(self, storage: FsspecStorage, step: int, files: Mapping[str, FileEntry]) -> None:
+        super().__init__(storage, step, files)
+        self._sized: set[str] = set()
+
+    def read(self, name: str, offset: int, length: int) -> bytearray:
+        """``length`` bytes of ``name`` from ``offset``, in one request."""
+        where = self.storage.describe(self.step, name)
+        entry = self.files.get(name)
+        if entry is None:
+            raise IntegrityError(f"{where}: not listed in the manifest")
+        validate_file_name(name)
+        if name not in self._sized:
+            size = self.storage.file_size(self.step, name)
+            if size != entry.bytes:
+                raise IntegrityError(
+                    f"{where}: file has {size} bytes, manifest says {entry.bytes}; "
+                    "it is truncated, missing or replaced"
+                )
+            with self._lock:
+                self._sized.add(name)
+        if offset < 0 or length < 0 or offset + length > entry.bytes:
+            raise IntegrityError(f"{where}: {length} bytes at {offset} run past the file")
+        p = self.storage._p(f"{step_dirname(self.step)}/{name}")
+        try:
+            data = self.storage._get(p, offset, offset + length) if length else b""
+        except OSError as e:
+            raise IntegrityError(f"{where}: unreadable ({e})") from None
+        if len(data) != length:
+            raise IntegrityError(f"{where}: {length} bytes at {offset} not there; it is truncated")
+        with self._lock:
+            self.bytes_read += length
+        return bytearray(data)
 
 
 class _Upload:
@@ -87,6 +158,8 @@ class FsspecStorage(Storage):
 
     atomic_rename: ClassVar[bool] = False
     lockable: ClassVar[bool] = False
+    #: Payload files a restore decodes at once (each streamed as WINDOW ranged GETs).
+    read_concurrency: ClassVar[int] = 4
 
     def __init__(self, fs: Any, path: str, url: str) -> None:
         super().__init__(url.rstrip("/"))
@@ -158,6 +231,56 @@ class FsspecStorage(Storage):
         """As :meth:`Storage.file_size`, with one metadata request for the file."""
         with self._one_look():
             return super().file_size(step, name)
+
+    def range_reader(self, step: int, files: Mapping[str, FileEntry]) -> RangeReader:
+        """A reader of byte ranges whose every read is one ranged GET (see :class:`_RangeGets`)."""
+        return _RangeGets(self, step, files)
+
+    def _get(self, p: str, start: int, end: int) -> bytes:
+        """Bytes ``[start, end)`` of object ``p``: one ranged GET."""
+        return bytes(self.fs.cat_file(p, start=start, end=end))
+
+    def _stream(self, rel: str, consume: Consumer | None, *, crc: bool = True) -> tuple[int, int]:
+        """Read an object as ranged GETs, a few in flight, handed on in order.
+
+        The size comes from the metadata this read already fetched (``stream_file`` checked
+        it against the manifest). Ranges are :data:`RANGE` to :data:`MAX_RANGE` bytes, 2 to
+        :data:`WINDOW` of them in flight, at most :data:`IN_FLIGHT` bytes (plus one range).
+        """
+        p = self._p(rel)
+        size = self._size(rel)
+        if size == 0:
+            return 0, 0
+        pool = _getters()
+        step = min(MAX_RANGE, max(RANGE, -(-size // 8 // (1 << 20)) << 20))
+        window = max(2, min(WINDOW, IN_FLIGHT // step))
+        starts = iter(range(0, size, step))
+        jobs: collections.deque[tuple[int, concurrent.futures.Future[bytes]]] = collections.deque()
+        total = 0
+        total_crc = 0
+        try:
+            while True:
+                while len(jobs) < window:
+                    start = next(starts, None)
+                    if start is None:
+                        break
+                    end = min(size, start + step)
+                    jobs.append((end - start, pool.submit(self._get, p, start, end)))
+                if not jobs:
+                    break
+                want, fut = jobs.popleft()
+                data = fut.result()
+                if len(data) != want:
+                    raise OSError(f"a ranged GET returned {len(data)} bytes of {want}")
+                if crc:
+                    total_crc = crc32c_of(data, total_crc)
+                if consume is not None:
+                    consume(total, memoryview(data))
+                total += want
+        finally:
+            for _, fut in jobs:
+                fut.cancel()
+        return total, total_crc
 
     # ---- listing --------------------------------------------------------------------
 
