@@ -255,3 +255,20 @@ def test_step_timer_times_the_same_work_after_warm_up_in_every_window(
     assert not any(bench.file_mapped(_sources(ctx)))  # the async save read memory
     info = ctx.extra["step_slowdown"][-1]
     assert info["intra_op_threads"] == bench.torch.get_num_threads()
+    # The competition each window saw is kept, and a round where it differed is marked.
+    for k in ("others_cpu_share_without", "others_cpu_share_during_save"):
+        assert 0.0 <= info[k] <= 1.0, (k, info[k])
+    differs = abs(info["others_cpu_share_during_save"] - info["others_cpu_share_without"])
+    assert info["confounded"] == (differs > bench.StepSlowdown.CONFOUNDED)
+
+
+def test_other_processes_cpu_share_is_the_machines_busy_time_less_ours() -> None:
+    bench = _bench()
+    # 200 busy ticks of 200, 50 of them ours: others took 75% of the machine.
+    assert bench.others_share((100, 1000, 10), (300, 1200, 60)) == 0.75
+    assert bench.others_share((100, 1000, 10), (110, 1200, 20)) == 0.0
+    assert math.isnan(bench.others_share(None, (1, 2, 3)))
+    sample = bench.cpu_ticks()
+    assert sample is not None
+    busy, total, ours = sample
+    assert 0 < ours <= busy <= total
