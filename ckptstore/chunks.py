@@ -57,8 +57,15 @@ _MAX_DIM = 1 << 48
 _MAX_CHUNKS = 1 << 22
 
 
-def shard_file(rank: int) -> str:
-    """The file a rank writes its DTensor shards into (no state key can produce the name)."""
+def shard_file(rank: int, part: int = 0) -> str:
+    """A file a rank writes its DTensor shards into (no state key can produce the name).
+
+    A rank with many bytes to write splits them over several files (``part`` 1, 2, ...),
+    written concurrently (see :func:`ckptstore.sharding.write_shards`); the chunk index
+    says which file holds each chunk, so readers need no rule to find them.
+    """
+    if part:
+        return f"_shards.rank{rank:05d}.{part}.safetensors"
     return f"_shards.rank{rank:05d}.safetensors"
 
 

@@ -995,9 +995,15 @@ class CheckpointManager(Reader):
     def _write_dtensor(self, pending: Pending, job: Mapping[str, Any]) -> tuple[str, Any]:
         """Phase 1 of a DTensor save: this rank's boxes, and rank 0 the rest of the state."""
         rank = self.coord.rank
-        table = sharding.write_shards(pending, rank, job["boxes"], job["layout"])
+        plain = None
         if self.coord.is_leader:
-            self._write_files(pending, {"groups": job["groups"], "tree": job["tree"], "rank": None})
+            # Rank 0's plain part is written alongside its shards, not after them.
+            plain = functools.partial(
+                self._write_files,
+                pending,
+                {"groups": job["groups"], "tree": job["tree"], "rank": None},
+            )
+        table = sharding.write_shards(pending, rank, job["boxes"], job["layout"], also=plain)
         table["files"] = {
             n: e
             for n, e in pending.files.items()

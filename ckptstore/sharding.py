@@ -22,6 +22,7 @@ change the training run it checkpoints), so the conversion is done without it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -32,7 +33,6 @@ from torch import nn
 from ._log import logger as log
 from .chunks import BLOCK, Chunk, ChunkIndex, TensorEntry, block_crcs, dtype_name, read_box
 from .chunks import shard_file as shard_file_name
-from .codec import payload as payload_codec
 from .codec import safetensors as safetensors_codec
 from .codec.tree import format_path
 from .errors import StateMismatchError, UnsafeCheckpointError
@@ -53,6 +53,8 @@ __all__ = [
     "read_into",
     "restore_targets",
     "save_plans",
+    "shard_layout",
+    "split_parts",
     "write_shards",
 ]
 
@@ -251,10 +253,44 @@ def indexed_optimizer_state(
 
 
 def save_plans(flat: Mapping[str, Any], is_leader: bool) -> Any:
-    """The local DCP save plan of this rank's DTensors."""
-    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    """The local DCP save plan of this rank's DTensors.
 
-    return create_default_local_save_plan(dict(flat), is_leader)
+    The plan ``create_default_local_save_plan`` makes, item for item, but DCP's per-DTensor
+    work (``compute_local_shape_and_global_offset`` and the item's properties, ~1 ms a
+    DTensor on a loaded CPU: 0.6 s of a 2-rank save of 588 DTensors) is done once per
+    distinct layout: a model's layers, and the moments of AdamW beside each parameter, repeat
+    a few shapes. Only the name differs between the items of DTensors of one layout.
+    """
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    memo: dict[tuple[Any, ...], list[Any]] = {}
+    items: list[Any] = []
+    for fqn, t in flat.items():
+        with torch.no_grad():  # to_local() without an autograd function (see layout_key)
+            local = t.to_local() if is_dtensor(t) else None
+        if local is None or type(local) is not torch.Tensor:
+            # Not a plain DTensor (a nested subclass plans itself): DCP as it is.
+            items += create_default_local_save_plan({fqn: t}, is_leader).items
+            continue
+        if t.device_mesh.get_coordinate() is None:
+            continue  # this rank is not in the DTensor's mesh: it writes none of it
+        key = (
+            tuple(t.shape),
+            tuple(t.placements),
+            id(t.device_mesh),
+            t.requires_grad,
+            local.dtype,
+            local.layout,
+            local.is_pinned(),
+        )
+        template = memo.get(key)
+        if template is None:
+            template = memo[key] = create_default_local_save_plan({fqn: t}, is_leader).items
+        items += [
+            dataclasses.replace(it, index=dataclasses.replace(it.index, fqn=fqn)) for it in template
+        ]
+    return SavePlan(items)
 
 
 def layout_key(flat: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -263,18 +299,21 @@ def layout_key(flat: Mapping[str, Any]) -> tuple[Any, ...]:
     Equal keys on a rank give the same local plan, without the ~0.3 ms per DTensor that
     computing it costs.
     """
-    return tuple(
-        (
-            name,
-            tuple(t.shape),
-            t.dtype,
-            t.requires_grad,
-            tuple(t.placements),
-            id(t.device_mesh),
-            tuple(t.to_local().shape),
+    # Under no_grad, to_local() returns the local tensor instead of running an autograd
+    # function (~0.1 ms a DTensor that requires grad).
+    with torch.no_grad():
+        return tuple(
+            (
+                name,
+                tuple(t.shape),
+                t.dtype,
+                t.requires_grad,
+                tuple(t.placements),
+                id(t.device_mesh),
+                tuple(t.to_local().shape),
+            )
+            for name, t in flat.items()
         )
-        for name, t in flat.items()
-    )
 
 
 def global_plan(all_plans: list[Any]) -> tuple[list[Any], Any]:
@@ -299,8 +338,17 @@ def local_boxes(plan: Any, flat: Mapping[str, Any]) -> dict[str, tuple[str, tupl
     from torch.distributed.checkpoint.utils import find_state_dict_object
 
     out: dict[str, tuple[str, tuple[int, ...], Any]] = {}
+    sd = dict(flat)
     for item in plan.items:
-        local = find_state_dict_object(dict(flat), item.index).detach()
+        t = sd[item.index.fqn]
+        with torch.no_grad():  # to_local() without an autograd function (see layout_key)
+            local = t.to_local() if is_dtensor(t) else None
+        if local is not None and type(local) is torch.Tensor:
+            # A plain DTensor holds one chunk on a rank, the one its own plan item names
+            # (``find_state_dict_object`` would compute the layout again to find it).
+            local = local.detach()
+        else:
+            local = find_state_dict_object(sd, item.index).detach()
         offsets = tuple(int(o) for o in item.index.offset)
         out[_chunk_key(item.index.fqn, offsets)] = (item.index.fqn, offsets, local)
     return out
@@ -322,13 +370,100 @@ def layouts(flat: Mapping[str, Any]) -> dict[str, Any]:
     return {n: placement_names(t) for n, t in flat.items()}
 
 
+#: Tensors of at least this many bytes are placed in their shard file at an offset congruent
+#: to their address modulo the O_DIRECT block, so the writer sends them to the disk straight
+#: from their memory (``DirectWriter.write_segment``) instead of copying them through its
+#: bounce buffers; the padding costs under 4 KiB each (< 0.4 %). Smaller tensors are packed.
+ZERO_COPY_MIN = 1 << 20
+#: The O_DIRECT block (``storage.directio.ALIGN``).
+_ALIGN = 4096
+
+
+def shard_layout(
+    tensors: Mapping[str, torch.Tensor],
+) -> tuple[bytes, list[tuple[str, torch.Tensor]], dict[str, int]]:
+    """The safetensors header, file order and data offsets of a shard file of ``tensors``.
+
+    The order is the one :func:`~ckptstore.codec.safetensors.build_header` uses. A tensor of
+    at least :data:`ZERO_COPY_MIN` bytes whose memory does not line up with its place in the
+    file (``data_ptr() - offset`` not a multiple of 4096: a DTensor's local shard lies
+    wherever the allocator put it) is moved up by a padding entry (``_pad.N``, uint8 zeros:
+    the format allows no gap, and no chunk key lacks an ``@``, so none collides with one).
+    Without it, every byte went through the writer's bounce buffers, a copy that on 2 cores
+    made the sharded save 0.54x a raw O_DIRECT write of the same bytes. Tensors that already
+    line up (async staging places them so) get no padding, and files of small tensors are
+    laid out exactly as :func:`build_header` lays them out.
+
+    Returns:
+        ``(header, [(key, tensor)] in file order with the padding, {key: file offset})``.
+    """
+    order: list[tuple[str, torch.Tensor]] = []
+    pos = 0  # offset from the start of the data (which starts on a block boundary when large)
+    for key, t in safetensors_codec.file_order(tensors):
+        n = t.numel() * t.element_size()
+        item = t.element_size()
+        want = pos
+        if n >= ZERO_COPY_MIN and t.data_ptr() % item == 0:
+            want = pos + (t.data_ptr() - pos) % _ALIGN
+        elif pos % item:
+            want = pos + -pos % item
+        if want > pos:
+            order.append((f"_pad.{len(order)}", torch.zeros(want - pos, dtype=torch.uint8)))
+            pos = want
+        order.append((key, t))
+        pos += n
+    head = safetensors_codec.encode_header(order)
+    starts: dict[str, int] = {}
+    at = len(head)
+    for key, t in order:
+        starts[key] = at
+        at += t.numel() * t.element_size()
+    return head, order, starts
+
+
+#: A rank writes its boxes into one shard file per this many bytes (at most
+#: :data:`MAX_PARTS`), each by its own writer: each writer keeps one request in flight, so
+#: the parts keep several in flight. With one, a 2-rank save of 384 MB a rank issued ~300
+#: requests of ~2.5 MB (one per tensor, sent zero-copy) one after the other, and a virtual
+#: disk ran them at ~0.75 GB/s where 4 in flight reach its 32 MB-request speed.
+PART_BYTES = 64 << 20
+MAX_PARTS = 4
+
+
+def split_parts(tensors: Mapping[str, torch.Tensor]) -> list[dict[str, torch.Tensor]]:
+    """``tensors`` in ``max(1, min(MAX_PARTS, bytes // PART_BYTES))`` parts of near-equal bytes.
+
+    Largest first into the lightest part; each part keeps the callers' key order.
+    """
+    sizes = {k: t.numel() * t.element_size() for k, t in tensors.items()}
+    n = max(1, min(MAX_PARTS, sum(sizes.values()) // PART_BYTES))
+    if n == 1:
+        return [dict(tensors)]
+    load = [0] * n
+    where: dict[str, int] = {}
+    for k in sorted(sizes, key=lambda k: -sizes[k]):
+        i = min(range(n), key=load.__getitem__)
+        where[k] = i
+        load[i] += sizes[k]
+    parts: list[dict[str, torch.Tensor]] = [{} for _ in range(n)]
+    for k, t in tensors.items():
+        parts[where[k]][k] = t
+    return [p for p in parts if p]
+
+
 def write_shards(
     pending: Any,
     rank: int,
     boxes: Mapping[str, tuple[str, tuple[int, ...], Any]],
     layout: Mapping[str, Any],
+    also: Callable[[], None] | None = None,
 ) -> dict[str, Any]:
-    """Write this rank's boxes (see :func:`local_boxes`) into its shard file, durably.
+    """Write this rank's boxes (see :func:`local_boxes`) into its shard files, durably.
+
+    The boxes go into one or more files (:func:`split_parts`), each laid out by
+    :func:`shard_layout` so large tensors are written without a copy; the files and the
+    per-block CRC32Cs of each are written and computed concurrently (all release the GIL).
+    ``also`` (rank 0's plain part of the state) runs alongside them.
 
     Returns:
         ``{"chunks": [(name, offsets, Chunk)], "layout": layout}``, for :func:`build_index`.
@@ -339,23 +474,24 @@ def write_shards(
         if t.device.type != "cpu":
             t = t.cpu()
         tensors[key] = t.contiguous()
-    if not tensors:
-        return {"chunks": [], "layout": layout}
-    fname = shard_file_name(rank)
-    starts = box_file_offsets(tensors)
+    calls: list[Callable[[], None]] = [also] if also is not None else []
     crcs: dict[str, list[int]] = {}
+    placed: dict[str, tuple[str, int]] = {}  # key -> (file, start)
+    for part, group in enumerate(split_parts(tensors) if tensors else []):
+        fname = shard_file_name(rank, part)
+        head, order, starts = shard_layout(group)
+        placed.update((k, (fname, starts[k])) for k in group)
 
-    def checksum() -> None:
-        for k, t in tensors.items():
-            crcs[k] = block_crcs(safetensors_codec.tensor_bytes(t)) if t.numel() else []
+        def write(fname: str = fname, head: bytes = head, order: Any = order) -> None:
+            with pending.open(fname, codec="safetensors", rank=rank) as w:
+                safetensors_codec.write_laid_out(w, head, order)
 
-    def write() -> None:
-        payload_codec.write_group(
-            pending, fname, tensors, fmt="safetensors", compression=None, rank=rank
-        )
+        def checksum(group: dict[str, torch.Tensor] = group) -> None:
+            for k, t in group.items():
+                crcs[k] = block_crcs(safetensors_codec.tensor_bytes(t)) if t.numel() else []
 
-    # Both release the GIL: the block CRCs cost no time next to the write.
-    errors = run_all([write, checksum], max_workers=2)
+        calls += [write, checksum]
+    errors = run_all(calls, max_workers=len(calls))
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
@@ -366,8 +502,8 @@ def write_shards(
             Chunk(
                 offsets=offsets,
                 sizes=tuple(tensors[key].shape),
-                file=fname,
-                start=starts[key],
+                file=placed[key][0],
+                start=placed[key][1],
                 nbytes=tensors[key].numel() * tensors[key].element_size(),
                 crcs=tuple(crcs[key]),
             ),

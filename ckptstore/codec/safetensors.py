@@ -36,9 +36,12 @@ __all__ = [
     "ST_TO_DTYPE",
     "Header",
     "declared_size",
+    "encode_header",
+    "file_order",
     "parse_header",
     "read_tensors",
     "tensor_bytes",
+    "write_laid_out",
     "write_safetensors",
 ]
 
@@ -113,6 +116,21 @@ def build_header(
 ) -> tuple[bytes, list[tuple[str, torch.Tensor]]]:
     """The 8-byte length prefix plus the padded JSON header, and the tensors in file order."""
     order = _layout(tensors)
+    return encode_header(order, metadata), order
+
+
+def file_order(tensors: Mapping[str, torch.Tensor]) -> list[tuple[str, torch.Tensor]]:
+    """The order :func:`build_header` lays ``tensors`` out in (see ``_layout``)."""
+    return _layout(tensors)
+
+
+def encode_header(
+    order: list[tuple[str, torch.Tensor]], metadata: Mapping[str, str] | None = None
+) -> bytes:
+    """The 8-byte length prefix plus the padded JSON header of tensors stored in ``order``.
+
+    Each tensor's data follows the previous one's with no gap (the format allows none).
+    """
     header: dict[str, Any] = {}
     if metadata:
         header["__metadata__"] = {str(k): str(v) for k, v in metadata.items()}
@@ -130,7 +148,7 @@ def build_header(
     # tensor data starts on a block boundary, for at most 4 KB of spaces.
     align = DATA_ALIGN if offset >= BLOCK_LAYOUT_MIN else 8
     raw += b" " * (-(8 + len(raw)) % align)
-    return struct.pack("<Q", len(raw)) + raw, order
+    return struct.pack("<Q", len(raw)) + raw
 
 
 def write_safetensors(
@@ -142,6 +160,15 @@ def write_safetensors(
         The number of bytes written.
     """
     head, order = build_header(tensors, metadata)
+    return write_laid_out(sink, head, order)
+
+
+def write_laid_out(sink: _Sink, head: bytes, order: list[tuple[str, torch.Tensor]]) -> int:
+    """Stream a safetensors file whose header ``head`` lists ``order`` (see :func:`encode_header`).
+
+    Returns:
+        The number of bytes written.
+    """
     sink.write(head)
     total = len(head)
     # A DirectWriter takes a tensor whole and, where its memory lines up with its place in

@@ -1,0 +1,222 @@
+"""The save side of ckptstore.sharding: shard file layout, parts, and the memoized DCP plan.
+
+Multi-rank behaviour (plans over several ranks, restores on other world sizes) is in
+``tests/multirank/test_dtensor.py``; here one process, real files, and a one-rank gloo
+group where DTensors are needed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from safetensors.torch import load_file
+
+from ckptstore import sharding
+from ckptstore.chunks import BLOCK, block_crcs
+from ckptstore.codec import safetensors as st
+from ckptstore.integrity import crc32c_of
+from ckptstore.storage import open_storage
+
+pytestmark = pytest.mark.timeout(60)
+
+MB = 1 << 20
+
+
+def _misaligned(nbytes: int, shift: int) -> torch.Tensor:
+    """A float32 tensor of ``nbytes`` whose data starts ``shift`` bytes past a 4 KiB page."""
+    base = torch.empty(nbytes + 8192, dtype=torch.uint8)
+    skip = (shift - base.data_ptr()) % 4096
+    t = base[skip : skip + nbytes].view(torch.float32)
+    t.copy_(torch.arange(t.numel(), dtype=torch.float32) * (shift + 1))
+    assert t.data_ptr() % 4096 == shift
+    return t
+
+
+def test_large_tensors_line_up_with_their_memory_and_the_file_stays_standard(
+    tmp_path: Path,
+) -> None:
+    tensors = {
+        "a@0": _misaligned(2 * MB, 64),
+        "b@0": _misaligned(3 * MB, 1344),
+        "c@0,0": _misaligned(MB + 4096, 0),
+        "small@0": torch.arange(10, dtype=torch.float64),  # packed, no alignment needed
+        "step@": torch.tensor(3.0),
+    }
+    head, order, starts = sharding.shard_layout(tensors)
+    # Every tensor of at least ZERO_COPY_MIN bytes starts where its memory does, modulo the
+    # O_DIRECT block: the writer sends it to the disk without copying it.
+    for k in ("a@0", "b@0", "c@0,0"):
+        assert (starts[k] - tensors[k].data_ptr()) % 4096 == 0, k
+    pads = [k for k, _ in order if k.startswith("_pad.")]
+    assert pads, "misaligned tensors need padding"
+    assert all("@" not in k for k in pads)  # never a chunk key
+    assert sum(t.numel() for k, t in order if k in pads) < 4096 * len(pads)
+    path = tmp_path / "shard.safetensors"
+    with open(path, "wb") as f:
+        st.write_laid_out(f, head, order)
+    # A standard file: the safetensors library reads it, padding included.
+    loaded = load_file(str(path))
+    assert set(loaded) == set(tensors) | set(pads)
+    for k, t in tensors.items():
+        assert torch.equal(loaded[k], t), k
+    data = path.read_bytes()
+    for k, t in tensors.items():
+        n = t.numel() * t.element_size()
+        assert data[starts[k] : starts[k] + n] == st.tensor_bytes(t).tobytes(), k
+
+
+def test_small_files_are_laid_out_as_build_header_does() -> None:
+    tensors = {"w@0,0": torch.ones(3, 5), "b@0": torch.zeros(7, dtype=torch.bfloat16)}
+    head, order, starts = sharding.shard_layout(tensors)
+    want_head, want_order = st.build_header(tensors)
+    assert head == want_head
+    assert [k for k, _ in order] == [k for k, _ in want_order]
+    assert starts == sharding.box_file_offsets(tensors)
+
+
+def test_tensors_already_lined_up_get_no_padding() -> None:
+    # What async staging hands the writer: memory congruent to the standard layout.
+    plain = {"a@0": torch.empty(2 * MB // 4), "b@0": torch.empty(3 * MB // 4)}
+    offsets = sharding.box_file_offsets(plain)
+    staged = {k: _misaligned(t.numel() * 4, offsets[k] % 4096) for k, t in plain.items()}
+    head, order, _ = sharding.shard_layout(staged)
+    assert [k for k, _ in order] == [k for k, _ in st.build_header(staged)[1]]
+    assert head == st.build_header(staged)[0]
+
+
+def test_split_parts_balances_bytes_and_keeps_small_ranks_in_one_file(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    small = {f"t{i}@0": torch.empty(10) for i in range(5)}
+    assert sharding.split_parts(small) == [small]
+    monkeypatch.setattr(sharding, "PART_BYTES", 1000)
+    sizes = [4000, 3000, 2000, 1000, 1000, 500, 500]
+    many = {f"t{i}@0": torch.empty(n // 4) for i, n in enumerate(sizes)}
+    parts = sharding.split_parts(many)
+    assert len(parts) == sharding.MAX_PARTS
+    assert sorted(k for p in parts for k in p) == sorted(many)
+    loads = [sum(t.numel() * 4 for t in p.values()) for p in parts]
+    assert sorted(loads, reverse=True) == [4000, 3000, 2500, 2500]  # largest first, lightest part
+    assert sum(loads) == sum(sizes)
+
+
+def test_write_shards_spreads_a_large_rank_over_files_with_correct_chunks(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(sharding, "PART_BYTES", 2 * MB)
+    storage = open_storage(tmp_path / "store")
+    storage.check_root()
+    pending = storage.begin(5)
+    boxes = {
+        f"w{i}@{i * 8},0": (f"w{i}", (i * 8, 0), _misaligned((i + 1) * MB, 64 * i))
+        for i in range(4)
+    }
+    wrote: list[str] = []
+    table = sharding.write_shards(pending, 3, boxes, {}, also=lambda: wrote.append("plain"))
+    assert wrote == ["plain"]  # rank 0's plain part ran alongside
+    files = sorted(pending.files)
+    assert files == [
+        "_shards.rank00003.1.safetensors",
+        "_shards.rank00003.2.safetensors",
+        "_shards.rank00003.3.safetensors",
+        "_shards.rank00003.safetensors",
+    ]
+    assert all(pending.files[f].rank == 3 for f in files)
+    root = tmp_path / "store" / pending.dirname
+    for f in files:  # every file durable on disk, with the size and CRC32C recorded
+        data = (root / f).read_bytes()
+        assert (len(data), crc32c_of(data)) == (pending.files[f].bytes, pending.files[f].crc32c)
+    assert len(table["chunks"]) == 4
+    for name, offsets, chunk in table["chunks"]:
+        t = boxes[f"{name}@{offsets[0]},0"][2]
+        data = (root / chunk.file).read_bytes()[chunk.start : chunk.start + chunk.nbytes]
+        assert data == st.tensor_bytes(t).tobytes()
+        assert list(chunk.crcs) == block_crcs(data, BLOCK)
+        assert chunk.sizes == tuple(t.shape)
+    storage.abort(pending)
+
+
+# ---- the memoized save plan (DTensors on a one-rank mesh) ------------------------------------
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():  # pragma: no cover - another module left one behind
+        yield init_device_mesh("cpu", (1,))
+        return
+    init = tmp_path_factory.mktemp("pg") / "rendezvous"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def test_save_plans_equal_dcps_item_for_item(mesh: object) -> None:
+    from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    flat: dict[str, object] = {}
+    for layer in range(3):  # repeated layouts, as a model's layers and AdamW's moments
+        for moment in ("w", "exp_avg", "exp_avg_sq"):
+            t = DTensor.from_local(torch.randn(4, 6), mesh, [Shard(0)])  # type: ignore[arg-type]
+            if moment == "w":
+                t = torch.nn.Parameter(t)
+            flat[f"h.{layer}.{moment}"] = t
+    flat["bias"] = DTensor.from_local(torch.randn(6), mesh, [Replicate()])  # type: ignore[arg-type]
+    flat["half"] = DTensor.from_local(
+        torch.randn(4, 6).bfloat16(),
+        mesh,  # type: ignore[arg-type]
+        [Shard(1)],
+    )
+    for leader in (True, False):
+        ours = sharding.save_plans(flat, leader)
+        theirs = create_default_local_save_plan(dict(flat), leader)
+        assert len(ours.items) == len(theirs.items) == len(flat)
+        for a, b in zip(ours.items, theirs.items, strict=True):
+            assert a.index == b.index
+            assert a.type == b.type
+            assert dataclasses.asdict(a.tensor_data) == dataclasses.asdict(b.tensor_data)
+
+
+def test_split_padded_shards_save_verify_load_and_restore(
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Parts and padding end to end: the manager writes them, verify and restore read them."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ckptstore import CheckpointManager
+
+    monkeypatch.setattr(sharding, "PART_BYTES", 100 << 10)
+    monkeypatch.setattr(sharding, "ZERO_COPY_MIN", 64 << 10)
+    gen = torch.Generator().manual_seed(3)
+
+    def dt(*shape: int) -> object:
+        return DTensor.from_local(torch.randn(*shape, generator=gen), mesh, [Shard(0)])  # type: ignore[arg-type]
+
+    state = {"model": {f"w{i}": dt(64 + i, 300 + 7 * i) for i in range(6)}, "step": 4}
+    with CheckpointManager(tmp_path / "store") as mgr:
+        mgr.save(4, state)
+        m = mgr.manifest(4)
+        shards = sorted(n for n in m.files if n.startswith("_shards."))
+        assert len(shards) > 1  # split over parts
+        assert mgr.verify(4, deep=True).ok
+        step_dir = tmp_path / "store" / "step-000000000004"
+        pads = [k for n in shards for k in load_file(str(step_dir / n)) if k.startswith("_pad.")]
+        assert pads  # and padded
+        loaded = mgr.load(4)
+        for k, v in state["model"].items():
+            assert torch.equal(loaded["model"][k], v.full_tensor()), k  # type: ignore[attr-defined]
+        target = {"model": {k: dt(*v.shape) for k, v in state["model"].items()}, "step": 0}  # type: ignore[attr-defined]
+        assert mgr.restore(target) == 4
+        for k, v in state["model"].items():
+            assert torch.equal(target["model"][k].to_local(), v.to_local()), k  # type: ignore[attr-defined]
