@@ -320,3 +320,17 @@ def test_replicate_watch_uploads_new_steps_until_stopped(
             out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "safe on" in out
+
+
+def test_async_saves_upload_after_their_commit(tmp_path: Path, s3: S3Endpoint, url: str) -> None:
+    states = {s: make_state(s) for s in (1, 2)}
+    with tiered(tmp_path / "a", s3, url, keep=1, replica_keep=None, async_save=True) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+        mgr.wait()
+        assert replica_steps(s3, url) == [1, 2]
+        assert mgr.steps() == [2]  # step 1 went once it was safe (or 2 was)
+    with tiered(tmp_path / "b", s3, url) as mgr:
+        fresh = fresh_like(states[2])
+        assert mgr.restore(fresh) == 2
+        assert_same(snapshot(fresh), snapshot(states[2]))
