@@ -37,6 +37,7 @@ from .errors import (
     CommitError,
     ManifestError,
     NoCheckpointError,
+    ReplicaError,
     StepExistsError,
     StepProtectedError,
     UnsafeCheckpointError,
@@ -46,7 +47,7 @@ from .layout import state_file
 from .manifest import DTENSOR_FORMAT_VERSION, FORMAT_VERSION, FileEntry, Manifest, utc_now
 from .modules import EMA, RNGState
 from .reader import STATE_FORMAT, Reader
-from .replica import ReplicaError, Replicator
+from .replica import Replicator
 from .retention import (
     CheckpointInfo,
     RetentionPlanner,

@@ -37,7 +37,13 @@ from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ._log import logger as log
-from .errors import CkptStoreError, CommitError, IntegrityError, ManifestError, StepExistsError
+from .errors import (
+    CkptStoreError,
+    IntegrityError,
+    ManifestError,
+    ReplicaError,
+    StepExistsError,
+)
 from .layout import REPLICA_NAME, REPLICATED_NAME, step_dirname
 from .manifest import FileEntry, Manifest
 from .retention import CheckpointInfo, RetentionPolicy, plan_deletions
@@ -59,10 +65,6 @@ DEFAULT_THREADS = 4
 _ATTEMPTS = 3
 #: Seconds before the second attempt; doubled for each further one.
 _BACKOFF = 0.5
-
-
-class ReplicaError(CommitError):
-    """An upload to the replica failed; the step is still safe in the local store."""
 
 
 class _WriteFailed(Exception):
