@@ -434,6 +434,11 @@ class Replicator:
             self._cond.notify_all()
         self._start()
 
+    def failed(self, error: BaseException) -> None:
+        """Record ``error`` for :meth:`wait` to raise (a failure outside an upload)."""
+        with self._cond:
+            self._error = error
+
     def retry(self) -> None:
         """Queue again the steps whose upload failed."""
         with self._cond:
