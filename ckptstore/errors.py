@@ -19,6 +19,7 @@ __all__ = [
     "IntegrityError",
     "ManifestError",
     "NoCheckpointError",
+    "ReplicaError",
     "StateMismatchError",
     "StepExistsError",
     "StepProtectedError",
@@ -52,6 +53,10 @@ def _rebuild(cls: type[CkptStoreError], message: str, state: dict[str, Any]) -> 
 
 class CommitError(CkptStoreError, OSError):
     """A checkpoint could not be written or committed; nothing of it is visible."""
+
+
+class ReplicaError(CommitError):
+    """An upload to the replica tier failed; the step is still safe in the local store."""
 
 
 class IntegrityError(CkptStoreError, ValueError):

@@ -37,6 +37,7 @@ from .errors import (
     CommitError,
     ManifestError,
     NoCheckpointError,
+    ReplicaError,
     StepExistsError,
     StepProtectedError,
     UnsafeCheckpointError,
@@ -46,7 +47,7 @@ from .layout import state_file
 from .manifest import DTENSOR_FORMAT_VERSION, FORMAT_VERSION, FileEntry, Manifest, utc_now
 from .modules import EMA, RNGState
 from .reader import STATE_FORMAT, Reader
-from .replica import ReplicaError, Replicator
+from .replica import Replicator
 from .retention import (
     CheckpointInfo,
     RetentionPlanner,
@@ -303,6 +304,21 @@ class CheckpointManager(Reader):
         metrics_d = _check_metrics(metrics)
         metadata_d = _check_metadata(metadata)
         self.wait_save()  # at most one save in flight
+        # The save's writes go before the uploads of earlier steps (which wait at their next
+        # slice of bytes); an async save keeps them waiting until it commits.
+        with self.replica.held() if self.replica is not None else contextlib.nullcontext():
+            return self._save_now(step, state, metrics_d, metadata_d, sharded, allow_older)
+
+    def _save_now(  # noqa: PLR0917 - private, one call site
+        self,
+        step: int,
+        state: Mapping[Any, Any],
+        metrics_d: dict[str, float],
+        metadata_d: dict[str, Any],
+        sharded: bool,
+        allow_older: bool,
+    ) -> SaveHandle:
+        """:meth:`save` once its arguments are checked and no save is in flight."""
         t0 = time.perf_counter()
         self.coord.barrier("save:enter", step)
         # An async failure is raised on every rank, not only where it happened; DTensor
@@ -370,6 +386,9 @@ class CheckpointManager(Reader):
         """Run an async save's ``work`` on the writer; a failure is kept for the next call."""
         assert self._writer is not None
 
+        held = self.replica.held() if self.replica is not None else contextlib.nullcontext()
+        held.__enter__()  # uploads wait until this save commits
+
         def run() -> Manifest:
             try:
                 return work()
@@ -377,8 +396,15 @@ class CheckpointManager(Reader):
                 log.error("async save of step %d failed: %s", step, e)
                 self._bg_error = e
                 raise
+            finally:
+                held.__exit__(None, None, None)
 
-        self._inflight = SaveHandle(step, self._writer.submit(run), on_error=self._error_seen)
+        try:
+            future = self._writer.submit(run)
+        except BaseException:
+            held.__exit__(None, None, None)
+            raise
+        self._inflight = SaveHandle(step, future, on_error=self._error_seen)
         return self._inflight
 
     def _done(self, step: int, manifest: Manifest, t0: float) -> SaveHandle:

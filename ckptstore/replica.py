@@ -33,11 +33,17 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from typing import Any
 
 from ._log import logger as log
-from .errors import CkptStoreError, CommitError, IntegrityError, ManifestError, StepExistsError
+from .errors import (
+    CkptStoreError,
+    IntegrityError,
+    ManifestError,
+    ReplicaError,
+    StepExistsError,
+)
 from .layout import REPLICA_NAME, REPLICATED_NAME, step_dirname
 from .manifest import FileEntry, Manifest
 from .retention import CheckpointInfo, RetentionPolicy, plan_deletions
@@ -59,10 +65,6 @@ DEFAULT_THREADS = 4
 _ATTEMPTS = 3
 #: Seconds before the second attempt; doubled for each further one.
 _BACKOFF = 0.5
-
-
-class ReplicaError(CommitError):
-    """An upload to the replica failed; the step is still safe in the local store."""
 
 
 class _WriteFailed(Exception):
@@ -136,6 +138,8 @@ def copy_files(
                     f"crc32c {entry.crc32c:08x}"
                 )
             if read_back:
+                if gate is not None:
+                    gate()
                 size, crc = dst._stream(f"{pending.dirname}/{name}", None)
                 if (size, crc) != (entry.bytes, entry.crc32c):
                     raise IntegrityError(
@@ -292,6 +296,8 @@ class Replicator:
         self._stop = False
         self._open = threading.Event()
         self._open.set()
+        self._paused = False
+        self._holds = 0
         self.uploaded_bytes = 0
         #: Local retention held back a step for the replica (see :meth:`deletable`).
         self.holding = False
@@ -304,11 +310,34 @@ class Replicator:
         For tests and for jobs that want the network to themselves for a while; nothing is
         lost, :meth:`resume` goes on where it stopped.
         """
-        self._open.clear()
+        with self._cond:
+            self._paused = True
+            self._set_gate()
 
     def resume(self) -> None:
         """Let uploads go on after :meth:`pause`."""
-        self._open.set()
+        with self._cond:
+            self._paused = False
+            self._set_gate()
+
+    @contextlib.contextmanager
+    def held(self) -> Iterator[None]:
+        """Hold uploads while the block runs (a save: its writes go first). Nests."""
+        with self._cond:
+            self._holds += 1
+            self._set_gate()
+        try:
+            yield
+        finally:
+            with self._cond:
+                self._holds -= 1
+                self._set_gate()
+
+    def _set_gate(self) -> None:
+        if self._paused or self._holds:
+            self._open.clear()
+        else:
+            self._open.set()
 
     def _gate(self) -> None:
         while not self._open.wait(0.1):
@@ -404,6 +433,11 @@ class Replicator:
             self._failed.pop(step, None)
             self._cond.notify_all()
         self._start()
+
+    def failed(self, error: BaseException) -> None:
+        """Record ``error`` for :meth:`wait` to raise (a failure outside an upload)."""
+        with self._cond:
+            self._error = error
 
     def retry(self) -> None:
         """Queue again the steps whose upload failed."""

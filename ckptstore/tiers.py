@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from ._log import logger as log
-from .errors import IntegrityError, NoCheckpointError
+from .errors import CkptStoreError, IntegrityError, NoCheckpointError
 from .replica import Replicator, fetch_step
 from .retention import RetentionPolicy
 from .storage import Storage, open_storage
@@ -47,7 +47,14 @@ def open_replica(
     if not uploader:
         return replica, None
     up = Replicator(local, replica, policy=policy, url=url)
-    up.recover()
+    try:
+        up.recover()
+    except (OSError, CkptStoreError) as e:
+        # The replica being unreachable must not stop training (nor, under torch.distributed,
+        # leave rank 0 out of the next collective): the local tier works, the error is
+        # raised by wait()/close(), and the next manager recovers.
+        log.error("could not recover the replica %s: %s; saving locally only for now", url, e)
+        up.failed(e)
     return replica, up
 
 
@@ -60,7 +67,7 @@ def all_steps(local: Storage, replica: Storage | None) -> list[int]:
     if replica is not None:
         try:
             steps.update(replica.list_steps())
-        except OSError as e:
+        except Exception as e:  # botocore's errors are no OSError; the local tier still works
             log.warning("could not list the replica %s: %s; using the local steps", replica.root, e)
     return sorted(steps)
 
@@ -71,7 +78,7 @@ def on_replica(replica: Storage | None, step: int) -> bool:
         return False
     try:
         return step in replica.list_steps()
-    except OSError:
+    except Exception:  # unreachable (botocore's errors are no OSError): not to be had there
         return False
 
 

@@ -94,6 +94,8 @@ class S3Endpoint:
     endpoint: str
     bucket: str
     requests: RequestLog
+    #: The server process's id (a bench lowers its priority: it stands in for a remote host).
+    pid: int = 0
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -181,7 +183,9 @@ def s3_server(bucket: str = "ckptstore-test") -> Iterator[S3Endpoint]:
         line = server.stdout.readline() if ready else ""
         if not line.strip().isdigit():
             raise RuntimeError(f"the moto server did not start (exit code {server.poll()})")
-        ep = S3Endpoint(f"http://127.0.0.1:{int(line)}", bucket, RequestLog(log_path))
+        ep = S3Endpoint(
+            f"http://127.0.0.1:{int(line)}", bucket, RequestLog(log_path), pid=server.pid
+        )
         _create_bucket(ep.endpoint, bucket)
         yield ep
     finally:

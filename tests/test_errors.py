@@ -17,6 +17,7 @@ from ckptstore.errors import (
     IntegrityError,
     ManifestError,
     NoCheckpointError,
+    ReplicaError,
     StateMismatchError,
     StepExistsError,
     StepProtectedError,
@@ -27,6 +28,7 @@ from ckptstore.errors import (
 BASES: dict[type[CkptStoreError], tuple[type[BaseException], ...]] = {
     CkptStoreError: (Exception,),
     CommitError: (OSError,),
+    ReplicaError: (CommitError, OSError),
     IntegrityError: (ValueError,),
     ManifestError: (ValueError,),
     NoCheckpointError: (FileNotFoundError, OSError),

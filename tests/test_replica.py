@@ -320,3 +320,43 @@ def test_replicate_watch_uploads_new_steps_until_stopped(
             out, err = proc.communicate(timeout=60)
     assert proc.returncode == 0, err
     assert "safe on" in out
+
+
+def test_async_saves_upload_after_their_commit(tmp_path: Path, s3: S3Endpoint, url: str) -> None:
+    states = {s: make_state(s) for s in (1, 2)}
+    with tiered(tmp_path / "a", s3, url, keep=1, replica_keep=None, async_save=True) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+        mgr.wait()
+        assert replica_steps(s3, url) == [1, 2]
+        assert mgr.steps() == [2]  # step 1 went once it was safe (or 2 was)
+    with tiered(tmp_path / "b", s3, url) as mgr:
+        fresh = fresh_like(states[2])
+        assert mgr.restore(fresh) == 2
+        assert_same(snapshot(fresh), snapshot(states[2]))
+
+
+def test_unreachable_replica_never_stops_local_saves(tmp_path: Path) -> None:
+    import socket
+
+    with socket.socket() as sock:  # a port nothing listens on
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    opts = {
+        "key": "testing",
+        "secret": "testing",
+        "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
+        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
+    }
+    mgr = CheckpointManager(tmp_path / "a", replica="s3://nowhere/run", replica_options=opts)
+    st = make_state(1)
+    mgr.save(1, st)  # the local tier works
+    assert mgr.steps() == [1]
+    with pytest.raises(ReplicaError):
+        mgr.wait()
+    assert_same(dict(mgr.load()["model"]), snapshot(st)["model"])  # the replica is skipped
+    mgr.save(2, make_state(2))
+    with pytest.raises(ReplicaError):  # a failure not raised yet is raised by close
+        mgr.close()
+    assert CheckpointManager(tmp_path / "a").steps() == [1, 2]  # nothing local was lost
+    assert not (tmp_path / "a" / step_dir(1) / REPLICATED_NAME).exists()

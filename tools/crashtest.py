@@ -822,11 +822,15 @@ def upload_trials(
         def run(local: str, url: str, delay: float | None) -> tuple[list[str], float]:
             lines: list[str] = []
             server.submit(kind="uploader", local=local, url=url, storage_options=opts)
+            pid = int(server.line("pid ", 60, lines).split()[1])
+            # The clock starts once the uploader has recovered and queued its steps (its
+            # start, s3fs's client and the first listings come before): the kills land in
+            # the uploads themselves.
+            server.line("queued", 120, lines)
             start = time.monotonic()
             if delay is None:
                 server.line("jobdone", timeout=300, into=lines)
                 return lines, time.monotonic() - start
-            pid = int(server.line("pid ", 60, lines).split()[1])
             deadline = start + delay
             while time.monotonic() < deadline:
                 with contextlib.suppress(TimeoutError):
@@ -1047,7 +1051,7 @@ def campaign(args: argparse.Namespace) -> int:
     if ustats is not None:
         print(
             f"uploads: {ustats.kills}/{ustats.trials} uploaders killed (SIGKILL) within "
-            f"{ustats.upload_s * 1.1:.2f}s of their start (one whole upload of "
+            f"{ustats.upload_s * 1.1:.2f}s of their first upload (one whole upload of "
             f"{len(UPLOAD_STEPS)} steps: {ustats.upload_s:.2f}s); {ustats.killed_mid_upload} "
             f"left a partial step or multipart upload ({ustats.multipart_left} a multipart "
             f"upload); {ustats.complete_at_kill} replica steps committed at the kills, all "

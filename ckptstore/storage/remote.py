@@ -405,9 +405,20 @@ class FsspecStorage(Storage):
         Lists them with the root as prefix (``ListMultipartUploads``), so uploads of other
         stores in the bucket are never touched. Filesystems other than s3fs have none.
         """
-        call = getattr(self.fs, "call_s3", None)
-        if call is None:
+        raw = getattr(self.fs, "call_s3", None)
+        if raw is None:
             return 0
+
+        def call(method: str, **kw: Any) -> Any:
+            # call_s3 hands out botocore's own errors (EndpointConnectionError, ClientError),
+            # which s3fs's file methods translate: do the same, so callers see an OSError.
+            try:
+                return raw(method, **kw)
+            except OSError:
+                raise
+            except Exception as e:
+                raise OSError(f"{method} under {self.root} failed: {e}") from e
+
         bucket, _, key = self.path.strip("/").partition("/")
         prefix = f"{key}/" if key else ""
         aborted = 0
