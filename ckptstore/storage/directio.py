@@ -21,12 +21,13 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..integrity import BlockCRC
+from ..integrity import BlockCRC, crc32c_of
 
-__all__ = ["ALIGN", "DirectWriter", "open_direct_read", "read_into"]
+__all__ = ["ALIGN", "DirectWriter", "open_direct_read", "read_into", "stream_pipelined"]
 
 ALIGN = 4096
 #: Size of each of the two bounce buffers; large writes keep the device queue full.
@@ -122,7 +123,14 @@ class DirectWriter:
     fsync. ``crc``, ``blocks`` and ``nbytes`` describe what was written.
     """
 
-    def __init__(self, path: str, *, direct: bool = True, buffer_size: int = BUFFER) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        direct: bool = True,
+        buffer_size: int = BUFFER,
+        choose: Callable[[], bool] | None = None,
+    ) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         # O_DIRECT is switched on (fcntl) only once a whole buffer is ready: small files
         # are cheaper through the page cache (an O_DIRECT write that extends a file costs
@@ -131,6 +139,9 @@ class DirectWriter:
         self.fd = os.open(path, flags, 0o644)
         self.direct = False  # whether O_DIRECT was used for any write
         self._can_direct = bool(direct and _O_DIRECT)
+        # Asked once, when the first whole buffer is ready, whether O_DIRECT is worth it on
+        # this device (iomode.write_mode): a file that never fills a buffer never asks.
+        self._choose = choose
         self.path = path
         self._sum = BlockCRC()
         self.nbytes = 0
@@ -187,6 +198,8 @@ class DirectWriter:
         """
         mv = memoryview(data).cast("B")
         n = len(mv)
+        if n >= _SEGMENT_MIN and self._buffered(n):
+            return self._write_through(mv)
         start = self._offset + self._pos  # the file offset of mv[0]
         if n < _SEGMENT_MIN or not self._can_direct or (address - start) % ALIGN:
             return self.write(mv)
@@ -212,6 +225,35 @@ class DirectWriter:
             done += k
         if done < n:
             self.write(mv[done:])
+        return n
+
+    def _buffered(self, n: int) -> bool:
+        """Whether this file is written through the page cache (decided for ``n`` bytes)."""
+        if self._choose is not None and n >= self._size:
+            self._set_direct_choice()
+        return not self._can_direct
+
+    def _set_direct_choice(self) -> None:
+        choose, self._choose = self._choose, None
+        if choose is not None and not choose():
+            self._can_direct = False
+
+    def _write_through(self, mv: memoryview) -> int:
+        """Buffered writes straight from the caller's memory (no bounce copy), in slices.
+
+        Any offset and length will do through the page cache; one slice is written by the
+        I/O thread while the next is checksummed.
+        """
+        if self._pos:
+            self._flush_buffer()  # the bytes before it, at their offset
+        n = len(mv)
+        for i in range(0, n, self._size):
+            view = mv[i : i + self._size]
+            self._sum.update(view)
+            self._wait()
+            self._pending = Call(self._pwrite_all, view, self._offset)
+            self._offset += len(view)
+        self.nbytes += n
         return n
 
     def flush(self) -> None:
@@ -245,6 +287,10 @@ class DirectWriter:
             offset += n
 
     def _set_direct(self, on: bool) -> bool:
+        if on and self._choose is not None:
+            self._set_direct_choice()
+            if not self._can_direct:
+                return False
         return set_direct(self.fd, on)
 
     def _flush_buffer(self) -> None:
@@ -355,3 +401,112 @@ def set_direct(fd: int, on: bool) -> bool:
             raise
         return False  # tmpfs and some network filesystems refuse O_DIRECT
     return True
+
+
+#: Reads in flight while the slice before them is checked and consumed: one more than the
+#: two a plain double buffer keeps, so a disk that serves several requests at once (through
+#: readahead or a deeper O_DIRECT queue) is kept busy while the CPU works.
+READ_DEPTH = 3
+#: Slices of the first large file of a device read each way to choose the mode (3 x 32 MiB
+#: with O_DIRECT, then 3 buffered); smaller files are read buffered until a probe ran.
+PROBE_SLICES = 3
+
+
+def _timed_read(fd: int, dest: memoryview, offset: int) -> tuple[int, float, float]:
+    t0 = time.perf_counter()
+    n = read_into(fd, dest, offset)
+    return n, t0, time.perf_counter()
+
+
+def stream_pipelined(
+    buffered_fd: int,
+    direct_fd: int | None,
+    consume: Callable[[int, memoryview], None] | None,
+    *,
+    crc: bool = True,
+    mode: str | None = None,
+    on_probe: Callable[[float, float], str] | None = None,
+) -> tuple[int, int]:
+    """Read a file front to back, :data:`READ_DEPTH` slices in flight; ``(bytes, crc32c)``.
+
+    Each slice is read by an I/O thread into one of ``READ_DEPTH + 1`` page-aligned buffers
+    of :data:`BUFFER` bytes, then checksummed (with ``crc``; else 0 is returned) and passed
+    to ``consume(offset, view)`` in order on the calling thread (the view is valid only
+    during the call). ``mode`` picks the descriptor: ``"direct"`` (``direct_fd``, opened with
+    ``O_DIRECT``) or ``"buffered"``. With ``mode=None`` and a ``direct_fd``, the first
+    :data:`PROBE_SLICES` slices are read with ``O_DIRECT``, the next ones buffered, and
+    ``on_probe(direct bytes/s, buffered bytes/s)`` returns the mode for the rest.
+    """
+    nbuf = READ_DEPTH + 1
+    bufs = [mmap.mmap(-1, BUFFER) for _ in range(nbuf)]
+    views = [memoryview(b) for b in bufs]
+    probing = mode is None and direct_fd is not None and on_probe is not None
+    chosen = mode or "buffered"
+    spans: dict[str, list[tuple[int, float, float]]] = {"direct": [], "buffered": []}
+    kinds: dict[int, str] = {}
+    futs: dict[int, Call] = {}
+    done = False  # a short read was seen: no more submissions
+
+    def mode_of(i: int) -> str:
+        if probing:
+            return "direct" if i < PROBE_SLICES else "buffered"
+        return chosen
+
+    def submit(i: int) -> None:
+        kind = mode_of(i)
+        fd = direct_fd if kind == "direct" and direct_fd is not None else buffered_fd
+        kinds[i] = kind
+        futs[i] = Call(_timed_read, fd, views[i % nbuf], i * BUFFER)
+
+    try:
+        for i in range(READ_DEPTH):
+            submit(i)
+        total_crc = 0
+        offset = 0
+        i = 0
+        while i in futs:
+            n, t0, t1 = futs.pop(i).result()
+            if n < BUFFER:
+                done = True
+            elif not done and i + READ_DEPTH not in futs:
+                submit(i + READ_DEPTH)  # into the buffer of slice i - 1, consumed already
+            if probing:
+                spans[kinds[i]].append((n, t0, t1))
+                if i == 2 * PROBE_SLICES - 1 and on_probe is not None:
+                    chosen = on_probe(_rate(spans["direct"]), _rate(spans["buffered"]))
+                    probing = False
+            if n == 0:
+                break
+            chunk = views[i % nbuf][:n]
+            try:
+                if crc:
+                    total_crc = crc32c_of(chunk, total_crc)
+                if consume is not None:
+                    consume(offset, chunk)
+            finally:
+                chunk.release()
+            offset += n
+            i += 1
+            if done and n < BUFFER:
+                break
+        return offset, total_crc
+    finally:
+        for f in futs.values():  # never free a buffer an I/O thread is still reading into
+            with contextlib.suppress(Exception):
+                f.result()
+        for v in views:
+            v.release()
+        for b in bufs:
+            # A view a failed consumer still holds (in its traceback) would turn the real
+            # error into a BufferError; the mapping is then freed with the view.
+            with contextlib.suppress(BufferError):
+                b.close()
+
+
+def _rate(spans: list[tuple[int, float, float]]) -> float:
+    """Bytes per second of reads that overlapped in time: bytes over their union span."""
+    if not spans:
+        return 0.0
+    nbytes = sum(n for n, _, _ in spans)
+    wall = max(t1 for _, _, t1 in spans) - min(t0 for _, t0, _ in spans)
+    return nbytes / wall if wall > 0 else 0.0
