@@ -65,7 +65,7 @@ def forget() -> None:
 
 
 #: Size of each of the two probe files of :func:`write_mode` (written once per device).
-WRITE_PROBE_BYTES = 64 << 20
+WRITE_PROBE_BYTES = 32 << 20
 
 
 def write_mode(directory: str) -> str:
