@@ -344,3 +344,30 @@ def test_torch_format_restores_by_streaming_into_the_targets(tmp_path: Path) -> 
         assert mgr.restore({"model": dst}) == 1
     assert_same(dict(dst.state_dict()), dict(src.state_dict()))
     assert dst.weight.data_ptr() == ptr
+
+
+def test_torch_format_corrupt_block_never_reaches_its_target(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    src = torch.nn.Linear(1536, 1536)  # 9 MiB of weight: blocks 0..2 of model.pt
+    root = tmp_path / "s"
+    with CheckpointManager(root, format="torch") as mgr:
+        mgr.save(1, {"model": src})
+    path = root / step_dir(1) / "model.pt"
+    data = bytearray(path.read_bytes())
+    _, start, size = member_data_offset(bytes(data), "data/0")
+    at = start + size - 100  # the weight's last bytes: the file's last block
+    assert at // (4 << 20) == 2
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    dst = torch.nn.Linear(1536, 1536)
+    with torch.no_grad():
+        dst.weight.fill_(7)
+        dst.bias.fill_(7)
+    with CheckpointManager(root) as mgr, pytest.raises(IntegrityError) as ei:
+        mgr.restore({"model": dst}, step=1)
+    assert str(path) in str(ei.value)
+    assert "block 2 " in str(ei.value)
+    # The bytes of the bad block never reached the weight.
+    flat = dst.weight.detach().reshape(-1)
+    tail = (size - ((at // (4 << 20)) * (4 << 20) - start)) // 4
+    assert bool((flat[-tail:] == 7).all())

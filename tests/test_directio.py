@@ -469,7 +469,7 @@ def test_async_staging_places_tensors_for_zero_copy(tmp_path: Path) -> None:
 BLOCK = 4 << 20
 
 
-def _tensors(seed: int) -> dict[str, torch.Tensor]:
+def _big_tensors(seed: int) -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(seed)
     return {
         "a": torch.randn(9 << 20, generator=g),  # 36 MiB: more than one 32 MiB read slice
@@ -488,7 +488,7 @@ class Buffers(nn.Module):
 
 
 def _big_state(seed: int, fill: float | None = None) -> dict[str, nn.Module]:
-    ts = _tensors(seed)
+    ts = _big_tensors(seed)
     if fill is not None:
         ts = {k: torch.full_like(v, fill) for k, v in ts.items()}
     return {"m": Buffers(ts)}
@@ -553,7 +553,7 @@ def test_a_corrupt_block_never_reaches_its_target(tmp_path: Path, io_mode: str) 
     assert bool((target["b"] == 7).all())
     assert bool((target["c"] == 7).all())
     a = target["a"]
-    want = _tensors(1)["a"]
+    want = _big_tensors(1)["a"]
     changed = (a != 7).nonzero()
     if len(changed):
         n = int(changed[-1]) + 1
@@ -572,7 +572,7 @@ def test_the_fallback_step_overwrites_what_the_failed_one_wrote(tmp_path: Path) 
     state = _big_state(0, fill=0)
     with CheckpointManager(root) as mgr:
         assert mgr.restore(state) == 1
-    for k, v in _tensors(1).items():
+    for k, v in _big_tensors(1).items():
         assert torch.equal(_of(state)[k], v), k
 
 
@@ -674,18 +674,39 @@ def test_read_mode_is_probed_once_per_device(
     iomode.forget()
 
 
-def test_write_mode_is_probed_once_and_leaves_nothing(
+def test_write_mode_follows_the_speeds_saves_reached(tmp_path: Path) -> None:
+    from ckptstore.storage import iomode
+
+    iomode.forget()
+    d = str(tmp_path)
+    # Each mode once first (whatever order), then the faster, the other every 8th file.
+    assert {iomode.write_mode(d), iomode.write_mode(d)} == {"direct", "buffered"}
+    iomode.record_write(d, "direct", 1 << 30, 1.0)
+    iomode.record_write(d, "buffered", 1 << 30, 4.0)
+    iomode.record_write(d, "buffered", 1 << 10, 1e-9)  # too small to count
+    picks = [iomode.write_mode(d) for _ in range(16)]
+    assert picks.count("buffered") == 2  # explored
+    assert picks.count("direct") == 14
+    # Conditions change: buffered becomes faster, and the next exploration shows it.
+    iomode.record_write(d, "buffered", 1 << 30, 0.1)
+    iomode.record_write(d, "buffered", 1 << 30, 0.1)
+    assert [iomode.write_mode(d) for _ in range(4)] == ["buffered"] * 4
+    iomode.forget()
+
+
+def test_a_large_auto_save_reports_its_speed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from ckptstore.storage import iomode
 
-    monkeypatch.setattr(iomode, "WRITE_PROBE_BYTES", 1 << 20)
     iomode.forget()
-    calls: list[str] = []
-    real = iomode._probe_write
-    monkeypatch.setattr(iomode, "_probe_write", lambda d: calls.append(d) or real(d))
-    assert iomode.write_mode(str(tmp_path)) in ("direct", "buffered")
-    assert iomode.write_mode(str(tmp_path)) == iomode.write_mode(str(tmp_path))
-    assert len(calls) == 1
-    assert list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(iomode, "MEASURED_WRITE_BYTES", 1 << 20)
+    x = torch.randn(9 << 20)  # 36 MiB: fills a whole buffer, so its mode is chosen
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"x": x})
+        mgr.save(2, {"x": x})
+        assert torch.equal(mgr.load(2)["x"], x)
+    writes = [h for h in iomode.decisions() if h["op"] == "write"]
+    assert [h["mode"] for h in writes] in (["direct", "buffered"], ["buffered", "direct"])
+    assert all(float(h["bytes_per_s"]) > 0 for h in writes)  # type: ignore[arg-type]
     iomode.forget()

@@ -1704,6 +1704,10 @@ def main(argv: list[str] | None = None) -> int:
             ls = bench_ls(work, args.ls_count, args.repeats, args.ls_timeout)
         rows = summarize(ctx)
         targets = evaluate_targets(ctx, rows, ls)
+        with contextlib.suppress(ImportError, AttributeError):
+            from ckptstore.storage import iomode  # what "auto" measured and chose
+
+            ctx.extra["iomode"] = iomode.decisions()
         result.update(
             {
                 "config": {

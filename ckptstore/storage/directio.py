@@ -130,6 +130,7 @@ class DirectWriter:
         direct: bool = True,
         buffer_size: int = BUFFER,
         choose: Callable[[], bool] | None = None,
+        report: Callable[[bool, int, float], None] | None = None,
     ) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         # O_DIRECT is switched on (fcntl) only once a whole buffer is ready: small files
@@ -142,6 +143,11 @@ class DirectWriter:
         # Asked once, when the first whole buffer is ready, whether O_DIRECT is worth it on
         # this device (iomode.write_mode): a file that never fills a buffer never asks.
         self._choose = choose
+        # Told (O_DIRECT?, bytes, seconds from open to fsync) when a file whose mode was
+        # chosen is durable: the measurement the next choice is made from.
+        self._report = report
+        self._chosen = False
+        self._t_open = time.perf_counter()
         self.path = path
         self._sum = BlockCRC()
         self.nbytes = 0
@@ -235,8 +241,10 @@ class DirectWriter:
 
     def _set_direct_choice(self) -> None:
         choose, self._choose = self._choose, None
-        if choose is not None and not choose():
-            self._can_direct = False
+        if choose is not None:
+            self._chosen = True
+            if not choose():
+                self._can_direct = False
 
     def _write_through(self, mv: memoryview) -> int:
         """Buffered writes straight from the caller's memory (no bounce copy), in slices.
@@ -324,6 +332,8 @@ class DirectWriter:
                 self._offset += self._pos
                 self._pos = 0
             os.fsync(self.fd)
+            if self._chosen and self._report is not None:
+                self._report(self._can_direct, self.nbytes, time.perf_counter() - self._t_open)
         finally:
             self._close()
 

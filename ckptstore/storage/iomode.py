@@ -5,8 +5,11 @@ through the page cache), while a virtual disk or a network block device often re
 through the page cache, whose readahead keeps more requests in flight. The first large file
 a process reads from a device is read half one way, half the other (a probe of real reads,
 no extra I/O); the faster mode is remembered for that device (``st_dev``) for the life of the
-process, and every later large read there uses it. Writes are probed the same way, once per
-device, with a small file written both ways and fsynced (:func:`write_mode`).
+process, and every later large read there uses it. Writes are measured on the files being
+saved too (:func:`write_mode`, :func:`record_write`): each mode once, then the faster, the
+other tried again now and then, since a small probe file says little of how the page cache
+copes with gigabytes (on the shared test machine, buffered writes of a 64 MB probe kept up
+with O_DIRECT while 3 GB saves ran at a fifth of its speed).
 
 ``LocalStorage(io="direct" | "buffered")`` (or ``storage_options={"io": ...}`` for a local
 path) forces a mode; ``"auto"`` (the default) measures.
@@ -15,22 +18,26 @@ path) forces a mode; ``"auto"`` (the default) measures.
 from __future__ import annotations
 
 import contextlib
-import mmap
 import os
 import threading
-import time
-import uuid
 
 from .._log import logger as log
 
-__all__ = ["IO_MODES", "forget", "read_mode", "record_read_probe", "write_mode"]
+__all__ = [
+    "IO_MODES",
+    "decisions",
+    "forget",
+    "read_mode",
+    "record_read_probe",
+    "record_write",
+    "write_mode",
+]
 
 #: The values of ``LocalStorage(io=...)``.
 IO_MODES = ("auto", "direct", "buffered")
 
 _lock = threading.Lock()
 _read: dict[int, str] = {}
-_write: dict[int, str] = {}
 #: A mode must be this much faster to be chosen over buffered I/O (which also works where
 #: O_DIRECT does not, and leaves the file in the page cache for a second reader).
 _MARGIN = 1.05
@@ -47,6 +54,15 @@ def record_read_probe(dev: int, direct_bps: float, buffered_bps: float) -> str:
     with _lock:
         _read.setdefault(dev, mode)
         mode = _read[dev]
+        _history.append(
+            {
+                "op": "read-probe",
+                "dev": dev,
+                "direct_bytes_per_s": direct_bps,
+                "buffered_bytes_per_s": buffered_bps,
+                "mode": mode,
+            }
+        )
     log.debug(
         "read probe on device %#x: O_DIRECT %.2f GB/s, buffered %.2f GB/s: %s",
         dev,
@@ -61,77 +77,59 @@ def forget() -> None:
     """Drop every measured mode (tests; a process that moved to other disks)."""
     with _lock:
         _read.clear()
-        _write.clear()
+        _wstats.clear()
+        _wcount.clear()
+        _history.clear()
 
 
-#: Size of each of the two probe files of :func:`write_mode` (written once per device).
-WRITE_PROBE_BYTES = 32 << 20
+#: Files at least this large report their write speed (smaller ones say little of the disk).
+MEASURED_WRITE_BYTES = 64 << 20
+#: Every this many large files, the mode that is not the best is tried again: conditions
+#: change (other writers, the page cache filling), so an old verdict is refreshed.
+EXPLORE_EVERY = 8
+
+_wstats: dict[int, dict[str, float]] = {}
+_wcount: dict[int, int] = {}
+_history: list[dict[str, object]] = []
 
 
 def write_mode(directory: str) -> str:
-    """The faster durable write mode on the device of ``directory``, probed once.
+    """The write mode for the next large file on the device of ``directory``.
 
-    The probe writes :data:`WRITE_PROBE_BYTES` with ``O_DIRECT`` and the same buffered, each
-    fsynced, into hidden files of ``directory`` (removed at once), and keeps the faster: a
-    few hundred milliseconds once per device per process. Where ``O_DIRECT`` is refused, or
-    the probe fails, ``"buffered"``.
+    Chosen from the speeds real saves reached there (:func:`record_write`): each mode is
+    tried once first, then the faster one is used, and every :data:`EXPLORE_EVERY`-th file
+    the other is tried again. No extra I/O: the files being saved are the measurement.
     """
     dev = os.stat(directory).st_dev
-    mode = _write.get(dev)
-    if mode is not None:
-        return mode
     with _lock:
-        mode = _write.get(dev)
-        if mode is None:
-            mode = _probe_write(directory)
-            _write[dev] = mode
+        stats = _wstats.setdefault(dev, {})
+        n = _wcount[dev] = _wcount.get(dev, 0) + 1
+        untried = [m for m in ("buffered", "direct") if m not in stats]
+        if untried:
+            mode = untried[0] if n % 2 else untried[-1]
+        else:
+            best = "direct" if stats["direct"] > stats["buffered"] * _MARGIN else "buffered"
+            other = "buffered" if best == "direct" else "direct"
+            mode = other if n % EXPLORE_EVERY == 0 else best
     return mode
 
 
-def _probe_write(directory: str) -> str:
-    from .directio import _O_DIRECT, ALIGN
+def record_write(directory: str, mode: str, nbytes: int, seconds: float) -> None:
+    """Fold a durable write of ``nbytes`` in ``seconds`` (open to fsync) into the stats."""
+    if nbytes < MEASURED_WRITE_BYTES or seconds <= 0:
+        return
+    with contextlib.suppress(OSError):
+        dev = os.stat(directory).st_dev
+        bps = nbytes / seconds
+        with _lock:
+            stats = _wstats.setdefault(dev, {})
+            old = stats.get(mode)
+            stats[mode] = bps if old is None else (old + bps) / 2
+            _history.append({"op": "write", "dev": dev, "mode": mode, "bytes_per_s": bps})
+            del _history[:-1000]
 
-    if not _O_DIRECT:
-        return "buffered"
-    buf = mmap.mmap(-1, WRITE_PROBE_BYTES)
-    try:
-        mv = memoryview(buf)
-        for i in range(0, WRITE_PROBE_BYTES, 1 << 20):  # not zeros: no dedup or compression
-            mv[i : i + 16] = os.urandom(16)
-        speeds: dict[str, float] = {}
-        for mode in ("direct", "buffered", "direct", "buffered"):
-            path = os.path.join(directory, f".ckptstore-probe-{uuid.uuid4().hex}")
-            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC
-            try:
-                fd = os.open(path, flags | (_O_DIRECT if mode == "direct" else 0), 0o600)
-            except OSError:
-                return "buffered"  # O_DIRECT refused (tmpfs)
-            try:
-                t0 = time.perf_counter()
-                done = 0
-                while done < WRITE_PROBE_BYTES:
-                    n = os.pwrite(fd, mv[done : done + (16 << 20)], done)
-                    if n <= 0 or n % ALIGN:
-                        return "buffered"
-                    done += n
-                os.fsync(fd)
-                bps = WRITE_PROBE_BYTES / (time.perf_counter() - t0)
-                speeds[mode] = max(speeds.get(mode, 0.0), bps)
-            except OSError:
-                return "buffered"
-            finally:
-                os.close(fd)
-                with contextlib.suppress(OSError):
-                    os.unlink(path)
-        mv.release()
-    finally:
-        buf.close()
-    mode = "direct" if speeds["direct"] > speeds["buffered"] * _MARGIN else "buffered"
-    log.debug(
-        "write probe in %s: O_DIRECT %.2f GB/s, buffered %.2f GB/s: %s",
-        directory,
-        speeds["direct"] / 1e9,
-        speeds["buffered"] / 1e9,
-        mode,
-    )
-    return mode
+
+def decisions() -> list[dict[str, object]]:
+    """What was measured and chosen so far in this process (for benchmarks and debugging)."""
+    with _lock:
+        return list(_history)

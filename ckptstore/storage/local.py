@@ -106,16 +106,21 @@ class LocalStorage(Storage):
         # Payloads bypass the page cache (O_DIRECT where the filesystem allows it): they
         # are written once, fsynced, and not read back soon. See directio.py.
         direct = self.direct_io and self.io != "buffered"
-        choose = None
-        if direct and self.io == "auto":
-            # Probed (once per device) only when a file fills a whole buffer: small saves
-            # never pay for it.
-            where = self._p(rel.rpartition("/")[0])
+        if not (direct and self.io == "auto"):
+            return DirectWriter(self._p(rel), direct=direct)  # type: ignore[return-value]
+        # Chosen when a file fills a whole buffer (small files never ask), from the speeds
+        # earlier large saves to this device reached in each mode (iomode.py).
+        where = self._p(rel.rpartition("/")[0])
 
-            def choose() -> bool:
-                return iomode.write_mode(where) == "direct"
+        def choose() -> bool:
+            return iomode.write_mode(where) == "direct"
 
-        return DirectWriter(self._p(rel), direct=direct, choose=choose)  # type: ignore[return-value]
+        def report(was_direct: bool, nbytes: int, seconds: float) -> None:
+            mode = "direct" if was_direct else "buffered"
+            iomode.record_write(where, mode, nbytes, seconds)
+
+        w = DirectWriter(self._p(rel), direct=True, choose=choose, report=report)
+        return w  # type: ignore[return-value]
 
     def _finish_write(self, f: IO[bytes], rel: str) -> None:
         if isinstance(f, DirectWriter):
