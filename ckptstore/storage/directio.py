@@ -297,8 +297,8 @@ class DirectWriter:
     def _set_direct(self, on: bool) -> bool:
         if on and self._choose is not None:
             self._set_direct_choice()
-            if not self._can_direct:
-                return False
+        if on and not self._can_direct:  # buffered was chosen: never switch it on later
+            return False
         return set_direct(self.fd, on)
 
     def _flush_buffer(self) -> None:
@@ -417,74 +417,40 @@ def set_direct(fd: int, on: bool) -> bool:
 #: two a plain double buffer keeps, so a disk that serves several requests at once (through
 #: readahead or a deeper O_DIRECT queue) is kept busy while the CPU works.
 READ_DEPTH = 3
-#: Slices of the first large file of a device read each way to choose the mode (3 x 32 MiB
-#: with O_DIRECT, then 3 buffered); smaller files are read buffered until a probe ran.
-PROBE_SLICES = 3
-
-
-def _timed_read(fd: int, dest: memoryview, offset: int) -> tuple[int, float, float]:
-    t0 = time.perf_counter()
-    n = read_into(fd, dest, offset)
-    return n, t0, time.perf_counter()
 
 
 def stream_pipelined(
-    buffered_fd: int,
-    direct_fd: int | None,
+    fd: int,
     consume: Callable[[int, memoryview], None] | None,
     *,
     crc: bool = True,
-    mode: str | None = None,
-    on_probe: Callable[[float, float], str] | None = None,
 ) -> tuple[int, int]:
     """Read a file front to back, :data:`READ_DEPTH` slices in flight; ``(bytes, crc32c)``.
 
     Each slice is read by an I/O thread into one of ``READ_DEPTH + 1`` page-aligned buffers
     of :data:`BUFFER` bytes, then checksummed (with ``crc``; else 0 is returned) and passed
     to ``consume(offset, view)`` in order on the calling thread (the view is valid only
-    during the call). ``mode`` picks the descriptor: ``"direct"`` (``direct_fd``, opened with
-    ``O_DIRECT``) or ``"buffered"``. With ``mode=None`` and a ``direct_fd``, the first
-    :data:`PROBE_SLICES` slices are read with ``O_DIRECT``, the next ones buffered, and
-    ``on_probe(direct bytes/s, buffered bytes/s)`` returns the mode for the rest.
+    during the call). ``fd`` may be opened with ``O_DIRECT`` or not.
     """
     nbuf = READ_DEPTH + 1
     bufs = [mmap.mmap(-1, BUFFER) for _ in range(nbuf)]
     views = [memoryview(b) for b in bufs]
-    probing = mode is None and direct_fd is not None and on_probe is not None
-    chosen = mode or "buffered"
-    spans: dict[str, list[tuple[int, float, float]]] = {"direct": [], "buffered": []}
-    kinds: dict[int, str] = {}
     futs: dict[int, Call] = {}
     done = False  # a short read was seen: no more submissions
-
-    def mode_of(i: int) -> str:
-        if probing:
-            return "direct" if i < PROBE_SLICES else "buffered"
-        return chosen
-
-    def submit(i: int) -> None:
-        kind = mode_of(i)
-        fd = direct_fd if kind == "direct" and direct_fd is not None else buffered_fd
-        kinds[i] = kind
-        futs[i] = Call(_timed_read, fd, views[i % nbuf], i * BUFFER)
-
     try:
         for i in range(READ_DEPTH):
-            submit(i)
+            futs[i] = Call(read_into, fd, views[i % nbuf], i * BUFFER)
         total_crc = 0
         offset = 0
         i = 0
         while i in futs:
-            n, t0, t1 = futs.pop(i).result()
+            n = futs.pop(i).result()
             if n < BUFFER:
                 done = True
             elif not done and i + READ_DEPTH not in futs:
-                submit(i + READ_DEPTH)  # into the buffer of slice i - 1, consumed already
-            if probing:
-                spans[kinds[i]].append((n, t0, t1))
-                if i == 2 * PROBE_SLICES - 1 and on_probe is not None:
-                    chosen = on_probe(_rate(spans["direct"]), _rate(spans["buffered"]))
-                    probing = False
+                # into the buffer of slice i - 1, consumed already
+                j = i + READ_DEPTH
+                futs[j] = Call(read_into, fd, views[j % nbuf], j * BUFFER)
             if n == 0:
                 break
             chunk = views[i % nbuf][:n]
@@ -497,7 +463,7 @@ def stream_pipelined(
                 chunk.release()
             offset += n
             i += 1
-            if done and n < BUFFER:
+            if done:
                 break
         return offset, total_crc
     finally:
@@ -511,12 +477,3 @@ def stream_pipelined(
             # error into a BufferError; the mapping is then freed with the view.
             with contextlib.suppress(BufferError):
                 b.close()
-
-
-def _rate(spans: list[tuple[int, float, float]]) -> float:
-    """Bytes per second of reads that overlapped in time: bytes over their union span."""
-    if not spans:
-        return 0.0
-    nbytes = sum(n for n, _, _ in spans)
-    wall = max(t1 for _, _, t1 in spans) - min(t0 for _, t0, _ in spans)
-    return nbytes / wall if wall > 0 else 0.0

@@ -199,28 +199,25 @@ class LocalStorage(Storage):
                 return _stream_small(fd, st.st_size, consume)
             with contextlib.suppress(OSError):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead
-            mode = None if self.io == "auto" else self.io
-            if not self.direct_io:
-                mode = "buffered"
-            if mode is None:
+            mode = "buffered" if not self.direct_io else self.io
+            if mode == "auto":
                 mode = iomode.read_mode(st.st_dev)
-            dfd2 = None
-            if mode != "buffered":
+            t0 = time.perf_counter()
+            got = None
+            if mode == "direct":
                 dfd2 = self._open_direct_twin(head, name, st)
-                if dfd2 is None:
-                    mode = "buffered"  # O_DIRECT refused (tmpfs)
-            try:
-                return stream_pipelined(
-                    fd,
-                    dfd2,
-                    consume,
-                    crc=crc,
-                    mode=mode,
-                    on_probe=lambda d, b: iomode.record_read_probe(st.st_dev, d, b),
-                )
-            finally:
                 if dfd2 is not None:
-                    os.close(dfd2)
+                    try:
+                        got = stream_pipelined(dfd2, consume, crc=crc)
+                    finally:
+                        os.close(dfd2)
+                else:
+                    mode = "buffered"  # O_DIRECT refused (tmpfs)
+            if got is None:
+                got = stream_pipelined(fd, consume, crc=crc)
+            if self.io == "auto" and self.direct_io:
+                iomode.record_read(st.st_dev, mode, got[0], time.perf_counter() - t0)
+            return got
         finally:
             os.close(fd)
 
