@@ -128,8 +128,8 @@ class Reader:
         tensors where dtype, shape and layout match: no intermediate copy, each block checked
         before its bytes are copied (``None``), or even without block CRCs (``True``). If a
         payload fails, those tensors hold partial data (``restore`` goes on to an older
-        checkpoint, which overwrites them, or raises). ``touched`` (id -> name) receives the
-        target tensors (by address) this step holds a value for: those it may write.
+        checkpoint, which overwrites them, or raises). ``touched`` (address -> name) receives the
+        tensors of the modules, optimizers and EMA in ``targets`` this step holds a value for.
         """
         explicit = rank is not None
         rank = self.coord.rank if rank is None else rank
@@ -169,8 +169,8 @@ class Reader:
                 strict=strict,
                 where=where,
             )
-            if touched is not None:  # every target this step holds a value for
-                touched.update(_names_of(into))
+            if touched is not None:
+                touched.update(_persistent_targets(targets, keys, vals))
             if in_place is False or manifest.dtensor:
                 into = {}
         sharded_leaves: dict[str, torch.Tensor] = {}
@@ -656,6 +656,23 @@ def _unwrap(node: Any) -> tuple[str | None, Any]:
         kind = node.get("kind")
         return (kind if isinstance(kind, str) else "stateful"), node.get("v")
     return None, node
+
+
+def _persistent_targets(
+    targets: Mapping[Any, Any], keys: list[Any], vals: list[Any]
+) -> dict[int, str]:
+    """The tensors of modules, optimizers and EMA in ``targets`` this step holds a value for.
+
+    Only those: their tensors are the objects' own memory, so what an in-place read writes
+    into them stays. Other Stateful objects hand out copies (``state_dict()``), and what is
+    written into a copy is gone with it.
+    """
+    nodes = dict(zip(keys, vals, strict=True))
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for k, target in targets.items():
+        if k in nodes and isinstance(target, torch.nn.Module | torch.optim.Optimizer | EMA):
+            collect_targets(_unwrap(nodes[k])[1], capture(target), out)
+    return _names_of(out)
 
 
 def _names_of(into: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[int, str]:
