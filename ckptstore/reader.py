@@ -3,8 +3,9 @@
 Restore is collective under torch.distributed: rank 0 lists the candidates (newest first),
 every rank reads and verifies the step (or rank 0 reads and broadcasts, for node-local
 disks), and a step that fails anywhere is skipped by all, so every rank ends on the same
-checkpoint or raises the same error. Nothing of a target is changed before its step has
-been read and checked, unless ``in_place=True`` asked for the zero-copy path.
+checkpoint or raises the same error. Payload bytes reach a target's tensors only once their
+checksum passed (per 4 MiB block); ``in_place=False`` keeps every target unchanged until
+the whole step has been checked (at the cost of a second copy of the state in memory).
 """
 
 from __future__ import annotations
@@ -116,8 +117,9 @@ class Reader:
         blobs: Mapping[str, bytearray] | None = None,
         targets: Mapping[Any, Any] | None = None,
         strict: bool = True,
-        in_place: bool = False,
+        in_place: bool | None = None,
         require: bool = False,
+        touched: dict[int, str] | None = None,
     ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
         """Decode the entries ``wanted`` (all if None) of ``step`` as ``rank`` sees them.
 
@@ -128,10 +130,12 @@ class Reader:
 
         With ``targets`` (the state being restored) the checkpoint is first checked against
         them from ``state.json`` alone (``StateMismatchError`` before any payload is read).
-        With ``in_place`` tensors are then read straight into the targets' own tensors where
-        dtype, shape and layout match: no intermediate copy, but if a payload fails its
-        checksum those tensors hold partial data (``restore`` goes on to an older checkpoint,
-        which overwrites them, or raises).
+        Unless ``in_place`` is False, tensors are then read straight into the targets' own
+        tensors where dtype, shape and layout match: no intermediate copy, each block checked
+        before its bytes are copied (``None``), or even without block CRCs (``True``). If a
+        payload fails, those tensors hold partial data (``restore`` goes on to an older
+        checkpoint, which overwrites them, or raises). ``touched`` (address -> name) receives the
+        tensors of the modules, optimizers and EMA in ``targets`` this step holds a value for.
         """
         explicit = rank is not None
         rank = self.coord.rank if rank is None else rank
@@ -178,7 +182,9 @@ class Reader:
                 strict=strict,
                 where=where,
             )
-            if not in_place or manifest.dtensor:
+            if touched is not None:
+                touched.update(_persistent_targets(targets, keys, vals))
+            if in_place is False or manifest.dtensor:
                 into = {}
         sharded_leaves: dict[str, torch.Tensor] = {}
         if manifest.dtensor:
@@ -220,7 +226,13 @@ class Reader:
                     part = partial.read_some(self.storage, step, n, entry, some, into.get(group))
                 elif blobs is None:
                     part = payload_codec.read_group(
-                        self.storage, step, n, entry, into.get(group), limit=limit
+                        self.storage,
+                        step,
+                        n,
+                        entry,
+                        into.get(group),
+                        limit=limit,
+                        checked=in_place is not True,
                     )
                 else:
                     part = payload_codec.decode_payload(
@@ -449,25 +461,33 @@ class Reader:
         *,
         strict: bool = True,
         broadcast: bool = False,
-        in_place: bool = False,
+        in_place: bool | None = None,
     ) -> int:
         """Load a checkpoint into ``state`` in place; collective under torch.distributed.
 
         Rank 0 picks the step (the newest that verifies, or exactly ``step``) and every rank
         loads that one: each reads the files itself (shared storage), or with
         ``broadcast=True`` rank 0 reads them and sends them to the others (node-local
-        disks). Every payload is checked against its checksum before anything in ``state``
-        changes; a checkpoint that fails on any rank is skipped by all (when ``step`` is
-        None), while one deleted as it was read (a running job's retention) is not taken for
-        corrupt: the newest is chosen again. Tensors go to CPU, then into each target's own
-        device.
+        disks). Every byte is checked against its checksum before it reaches ``state``; a
+        checkpoint that fails on any rank is skipped by all (when ``step`` is None), while
+        one deleted as it was read (a running job's retention) is not taken for corrupt: the
+        newest is chosen again. Tensors go to CPU, then into each target's own device.
 
-        ``in_place=True`` reads payloads straight into the tensors of the modules, optimizers
-        and EMA in ``state`` (when dtype, shape and layout match), skipping one copy of the
-        whole state: the fastest restore. The price: a payload that fails its checksum is
-        found after part of it was written, so on ``IntegrityError`` those tensors hold
-        partial data (a fallback to an older checkpoint overwrites them). Names, shapes and
-        dtypes are still checked before anything is read.
+        By default payloads stream straight into the tensors of the modules, optimizers and
+        EMA in ``state`` (where dtype, shape and layout match), each 4 MiB block checked
+        before its bytes are copied: no second copy of the state in memory. Names, shapes
+        and dtypes are checked before anything is read. The price: a block that fails is
+        found after the blocks before it were copied. The fallback to an older checkpoint
+        then overwrites every tensor the failed one wrote (if it holds no value for one of
+        them, ``IntegrityError`` says which); when no checkpoint verifies, the
+        ``NoCheckpointError`` leaves those tensors holding a mix of verified bytes of the
+        steps tried and their previous values (see the README, "What a failed restore
+        leaves").
+
+        ``in_place=False`` keeps every target unchanged until the whole step has been read
+        and checked (a full second copy of the state in memory); ``in_place=True`` also
+        streams straight into the targets from old checkpoints whose manifests have no block
+        CRCs (checked when each file's last byte is in).
 
         Returns:
             The restored step.
@@ -499,8 +519,10 @@ class Reader:
         skipped: list[str] = []
         queue, bad, relists = list(value), set(), 0
         refetched: set[int] = set()
+        dirty: dict[int, str] = {}  # target tensors a failed step may have written
         while queue:
             s = queue.pop(0)
+            touched: dict[int, str] = {}
             stored: dict[Any, Any] | None = None
             kinds: dict[Any, str | None] = {}
             mine: tuple[str, Any] = ("ok", None)
@@ -519,7 +541,13 @@ class Reader:
                     if not blobs:
                         raise IntegrityError(f"step {s}: rank 0 could not read it")
                 stored, kinds = self._decode(
-                    s, keys, blobs=blobs or None, targets=state, strict=strict, in_place=in_place
+                    s,
+                    keys,
+                    blobs=blobs or None,
+                    targets=state,
+                    strict=strict,
+                    in_place=in_place,
+                    touched=touched,
                 )
             except (IntegrityError, ManifestError) as e:
                 mine = ("skip", e)
@@ -565,6 +593,7 @@ class Reader:
                     queue = fresh
                     continue
             if soft:
+                dirty.update(touched)
                 bad.add(s)
                 # A save of this step (or of one after it, once training resumed before
                 # it) replaces it; it does not count as the newest (see save()).
@@ -576,7 +605,24 @@ class Reader:
             assert stored is not None
             self._known_good.add(s)
             self._known_bad.discard(s)
-            apply_state(state, stored, kinds, strict=strict, where=self.storage.describe(s))
+            try:
+                apply_state(state, stored, kinds, strict=strict, where=self.storage.describe(s))
+            except StateMismatchError as e:
+                if in_place is False or not touched:
+                    raise
+                raise StateMismatchError(
+                    f"{e}; but the tensors of the modules and optimizers in state were already "
+                    f"read in place from step {s} (they hold its values). Restore with "
+                    "in_place=False to keep every target unchanged when an entry refuses"
+                ) from e
+            left = sorted(name for i, name in dirty.items() if i not in touched)
+            if left and in_place is not False:
+                raise IntegrityError(
+                    f"{self.storage.describe(s)} was restored, but {len(left)} tensors of state "
+                    f"were partly written by a newer step that failed its checksum, and this "
+                    f"step holds no value for them: {', '.join(left[:5])}. Restore with "
+                    "in_place=False to keep every target unchanged until a step verifies"
+                )
             return int(s)
         raise NoCheckpointError(
             f"{self.root}: no checkpoint verifies (`ckptstore verify --all` shows why); "
@@ -589,7 +635,7 @@ class Reader:
         *,
         strict: bool = True,
         broadcast: bool = False,
-        in_place: bool = False,
+        in_place: bool | None = None,
     ) -> int:
         """Restore the newest good checkpoint if there is one (collective).
 
@@ -728,6 +774,32 @@ def _unwrap(node: Any) -> tuple[str | None, Any]:
         kind = node.get("kind")
         return (kind if isinstance(kind, str) else "stateful"), node.get("v")
     return None, node
+
+
+def _persistent_targets(
+    targets: Mapping[Any, Any], keys: list[Any], vals: list[Any]
+) -> dict[int, str]:
+    """The tensors of modules, optimizers and EMA in ``targets`` this step holds a value for.
+
+    Only those: their tensors are the objects' own memory, so what an in-place read writes
+    into them stays. Other Stateful objects hand out copies (``state_dict()``), and what is
+    written into a copy is gone with it.
+    """
+    nodes = dict(zip(keys, vals, strict=True))
+    out: dict[str, dict[str, torch.Tensor]] = {}
+    for k, target in targets.items():
+        if k in nodes and isinstance(target, torch.nn.Module | torch.optim.Optimizer | EMA):
+            collect_targets(_unwrap(nodes[k])[1], capture(target), out)
+    return _names_of(out)
+
+
+def _names_of(into: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[int, str]:
+    """``address -> "group/key"`` of every target tensor of a read.
+
+    By the address of its memory, not ``id``: a module's ``state_dict()`` makes new tensor
+    objects (detached views) at every call.
+    """
+    return {t.data_ptr(): f"{g}/{k}" for g, ts in into.items() for k, t in ts.items() if t.numel()}
 
 
 def _blob_manifest(blobs: Mapping[str, bytearray]) -> Manifest:

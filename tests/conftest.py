@@ -60,3 +60,12 @@ def mixed_store(
     root = tmp_path / "mixed"
     shutil.copytree(master, root)
     return root, digests
+
+
+@pytest.fixture(autouse=True)
+def _fresh_io_modes() -> None:
+    """Each test starts with no measured I/O modes: what one test's large saves and reads
+    measured (storage/iomode.py) must not decide how the next one writes."""
+    from ckptstore.storage import iomode
+
+    iomode.forget()

@@ -17,7 +17,8 @@ import pytest
 
 REPO = Path(__file__).resolve().parent.parent
 ONLY = (
-    "disk-odirect,disk-buffered,torch,ckpt-st,ckpt-async,copy-prealloc,verify,protocol,scale,ls10k"
+    "disk-odirect,disk-buffered,torch,ckpt-st,ckpt-async,copy-prealloc,verify,protocol,scale,ls10k,"
+    "ckpt-torch,restore-rss"
 )
 
 
@@ -91,6 +92,15 @@ def test_bench_smoke(tmp_path: Path) -> None:
             assert r["gb_s"] > 0
             assert math.isfinite(r["gb_s"])
     assert rows[("ckpt-st", "save")]["ratio_to_raw"] > 0
+
+    # restore-rss: each flavor's peak RSS, from a child process (at 4 MB the buffers and the
+    # interpreter's own allocations dominate: only the shape of the record is checked).
+    rss = doc["extra"]["restore_rss"]
+    assert set(rss) == {"ckpt-st", "ckpt-st-copy", "safetensors"}
+    for got in rss.values():
+        assert got["state_bytes"] > 3_000_000
+        assert got["peak"] >= got["rss_before"] > 0
+    assert ("ckpt-torch", "restore") in rows
 
     assert doc["extra"]["scale"]["count"] == 50
     assert rows[("scale", "save-big")]["n"] == rows[("scale", "save-empty")]["n"] == 10

@@ -238,3 +238,136 @@ def test_restore_falls_back_from_a_payload_with_a_compressed_member(
             report = mgr.verify(2, deep=deep)
             assert len(report.problems) == 1
             assert report.problems[0].startswith(where)
+
+
+# ---- the streaming decoder -------------------------------------------------------------------
+
+
+def stream(data: bytes, piece: int, into: dict[str, torch.Tensor] | None = None) -> Any:
+    dec = torchzip.StreamDecoder.from_buffer(data, "f.pt", into)
+    assert dec is not None
+    mv = memoryview(data)
+    for o in range(0, len(data), piece):
+        dec(o, mv[o : o + piece])
+    return dec
+
+
+@pytest.mark.parametrize("piece", [1, 29, 4096, 1 << 30])
+def test_stream_decoder_is_byte_exact_in_any_slicing(piece: int) -> None:
+    ts = {
+        "w": torch.randn(33, 7),
+        "i": torch.arange(100, dtype=torch.int64),
+        "h": torch.randn(9).to(torch.bfloat16),
+        "b": torch.tensor([True, False, True]),
+        "s": torch.tensor(2.5),
+        "e": torch.empty(0, 3),
+    }
+    target = torch.zeros(33, 7)
+    wrong = torch.zeros(33, 7, dtype=torch.float64)  # another dtype: never written into
+    dec = stream(saved(ts), piece, {"w": target, "i": wrong})
+    out = dec.result()
+    assert_same(out, ts)
+    assert out["w"] is target
+    assert dec.reused == 1
+    assert torch.equal(wrong, torch.zeros(33, 7, dtype=torch.float64))
+
+
+def test_stream_decoder_rebuilds_views_of_a_shared_storage() -> None:
+    base = torch.arange(20.0)
+    ts = {"x": base[2:7], "y": base.view(4, 5)[:, 1], "z": base}
+    out = stream(saved(ts), 64).result()
+    assert_same(out, {k: v.clone() for k, v in ts.items()})
+    assert out["x"].untyped_storage().data_ptr() == out["z"].untyped_storage().data_ptr()
+
+
+def test_stream_decoder_refuses_a_pickle_that_would_run_code(tmp_path: Path) -> None:
+    flag = tmp_path / "ran"
+    data = saved({"t": torch.ones(2), "evil": RunsCode(str(flag))})
+    with pytest.raises(UnsafeCheckpointError, match="weights_only"):
+        stream(data, 1 << 20)
+    assert not flag.exists()
+
+
+def _cd_entries(data: bytes) -> list[int]:
+    """Offsets of the central directory entries."""
+    out, at = [], data.find(b"PK\x01\x02")
+    while at >= 0:
+        out.append(at)
+        at = data.find(b"PK\x01\x02", at + 1)
+    return out
+
+
+def test_stream_decoder_refuses_hostile_directories() -> None:
+    data = bytearray(saved({"a": torch.ones(1000), "b": torch.zeros(1000)}))
+    eocd = data.rfind(b"PK\x05\x06")
+    # A directory said to be huge, or to lie outside the file: refused before it is read.
+    big = bytearray(data)
+    big[eocd + 12 : eocd + 16] = struct.pack("<I", 0xFFFFFF00)
+    with pytest.raises(IntegrityError, match="out of bounds"):
+        torchzip.StreamDecoder.from_buffer(big, "f.pt", None)
+    many = bytearray(data)
+    many[eocd + 10 : eocd + 12] = struct.pack("<H", 0xFFFE)  # more entries than fit
+    with pytest.raises(IntegrityError, match="out of bounds"):
+        torchzip.StreamDecoder.from_buffer(many, "f.pt", None)
+    # Two members pointing at the same bytes.
+    entries = _cd_entries(bytes(data))
+    twin = bytearray(data)
+    lho0 = twin[entries[0] + 42 : entries[0] + 46]
+    twin[entries[-1] + 42 : entries[-1] + 46] = lho0
+    with pytest.raises(IntegrityError, match="overlaps"):
+        torchzip.StreamDecoder.from_buffer(twin, "f.pt", None)
+    # No end record at all (truncated).
+    with pytest.raises(IntegrityError, match="no end of central directory"):
+        torchzip.StreamDecoder.from_buffer(data[: eocd - 1], "f.pt", None)
+
+
+def test_stream_decoder_refuses_a_storage_missing_from_the_archive() -> None:
+    data = bytearray(saved({"a": torch.ones(1000), "b": torch.zeros(1000)}))
+    # Rename member data/1 (in its local header and its directory entry) to data/9.
+    for at in (data.find(b"archive/data/1"), data.rfind(b"archive/data/1")):
+        data[at : at + 14] = b"archive/data/9"
+    with pytest.raises(IntegrityError, match=r"storages \['1'\] of data.pkl are not in it"):
+        stream(bytes(data), 1 << 20).result()
+
+
+def test_torch_format_restores_by_streaming_into_the_targets(tmp_path: Path) -> None:
+    # Multi-block payloads (4 MiB blocks): the streaming path, targets filled in place.
+    torch.manual_seed(0)
+    src = torch.nn.Linear(1536, 1536)  # 9 MiB of weight
+    with CheckpointManager(tmp_path / "s", format="torch") as mgr:
+        mgr.save(1, {"model": src})
+        entry = mgr.manifest(1).files["model.pt"]
+        assert entry.blocks is not None
+        assert len(entry.blocks) == 3
+        dst = torch.nn.Linear(1536, 1536)
+        ptr = dst.weight.data_ptr()
+        assert mgr.restore({"model": dst}) == 1
+    assert_same(dict(dst.state_dict()), dict(src.state_dict()))
+    assert dst.weight.data_ptr() == ptr
+
+
+def test_torch_format_corrupt_block_never_reaches_its_target(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    src = torch.nn.Linear(1536, 1536)  # 9 MiB of weight: blocks 0..2 of model.pt
+    root = tmp_path / "s"
+    with CheckpointManager(root, format="torch") as mgr:
+        mgr.save(1, {"model": src})
+    path = root / step_dir(1) / "model.pt"
+    data = bytearray(path.read_bytes())
+    _, start, size = member_data_offset(bytes(data), "data/0")
+    at = start + size - 100  # the weight's last bytes: the file's last block
+    assert at // (4 << 20) == 2
+    data[at] ^= 0x40
+    path.write_bytes(bytes(data))
+    dst = torch.nn.Linear(1536, 1536)
+    with torch.no_grad():
+        dst.weight.fill_(7)
+        dst.bias.fill_(7)
+    with CheckpointManager(root) as mgr, pytest.raises(IntegrityError) as ei:
+        mgr.restore({"model": dst}, step=1)
+    assert str(path) in str(ei.value)
+    assert "block 2 " in str(ei.value)
+    # The bytes of the bad block never reached the weight.
+    flat = dst.weight.detach().reshape(-1)
+    tail = (size - ((at // (4 << 20)) * (4 << 20) - start)) // 4
+    assert bool((flat[-tail:] == 7).all())

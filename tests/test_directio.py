@@ -113,7 +113,7 @@ def test_direct_writer_error_propagates_from_the_io_thread(
 def test_local_stream_reads_every_byte_in_order(
     tmp_path: Path, direct_io: bool, chunk: int, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.setattr("ckptstore.storage.local.BUFFER", chunk)
+    monkeypatch.setattr("ckptstore.storage.directio.BUFFER", chunk)
     data = os.urandom(5 * chunk + 123)
     (tmp_path / "f").write_bytes(data)
     st = LocalStorage(str(tmp_path), direct_io=direct_io)
@@ -462,3 +462,245 @@ def test_async_staging_places_tensors_for_zero_copy(tmp_path: Path) -> None:
     )
     assert model.bounced < 3 * ALIGN + len(head)  # headers and partial blocks only
     assert model.direct
+
+
+# ---- restore: block-checked streaming into the targets, either I/O mode -------------------------
+
+BLOCK = 4 << 20
+
+
+def _big_tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "a": torch.randn(9 << 20, generator=g),  # 36 MiB: more than one 32 MiB read slice
+        "b": torch.randn(1 << 20, generator=g),  # 4 MiB, after "a" in the file
+        "c": torch.randint(0, 100, (1000,), generator=g),
+    }
+
+
+class Buffers(nn.Module):
+    """A module of plain buffers: restored in place, like a model's parameters."""
+
+    def __init__(self, tensors: dict[str, torch.Tensor]) -> None:
+        super().__init__()
+        for k, v in tensors.items():
+            self.register_buffer(k, v)
+
+
+def _big_state(seed: int, fill: float | None = None) -> dict[str, nn.Module]:
+    ts = _big_tensors(seed)
+    if fill is not None:
+        ts = {k: torch.full_like(v, fill) for k, v in ts.items()}
+    return {"m": Buffers(ts)}
+
+
+def _of(state: dict[str, nn.Module]) -> dict[str, torch.Tensor]:
+    return dict(state["m"].state_dict())
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+@pytest.mark.parametrize("io_mode", ["direct", "buffered", "auto"])
+def test_restore_is_byte_exact_in_every_io_mode(tmp_path: Path, fmt: str, io_mode: str) -> None:
+    src = {"m": nn.Linear(1024, 1200)}  # 4.7 MiB of weight: a payload of two blocks
+    opts = {"io": io_mode}
+    with CheckpointManager(tmp_path / "s", format=fmt, storage_options=opts) as mgr:
+        assert isinstance(mgr.storage, LocalStorage)
+        assert mgr.storage.io == io_mode
+        mgr.save(1, src)
+        dst = {"m": nn.Linear(1024, 1200)}
+        ptr = dst["m"].weight.data_ptr()
+        assert mgr.restore(dst) == 1
+    for k, v in src["m"].state_dict().items():
+        assert torch.equal(dst["m"].state_dict()[k], v), k
+    assert dst["m"].weight.data_ptr() == ptr  # read into the model's own tensor
+
+
+def test_io_option_is_checked() -> None:
+    with pytest.raises(ValueError, match="io must be one of auto, direct, buffered"):
+        LocalStorage("/tmp/x", io="fast")
+    with pytest.raises(ValueError, match="takes only"):
+        CheckpointManager("/tmp/x", storage_options={"anon": True})
+
+
+def _corrupt(path: Path, offset: int) -> None:
+    with open(path, "r+b") as f:
+        f.seek(offset)
+        b = f.read(1)
+        f.seek(offset)
+        f.write(bytes([b[0] ^ 0x40]))
+
+
+@pytest.mark.parametrize("io_mode", ["direct", "buffered"])
+def test_a_corrupt_block_never_reaches_its_target(tmp_path: Path, io_mode: str) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root, storage_options={"io": io_mode}) as mgr:
+        mgr.save(1, _big_state(1))
+    path = root / "step-000000000001" / "m.safetensors"
+    data_start = 8 + int.from_bytes(path.read_bytes()[:8], "little")
+    bad_block = (data_start + (9 << 22) + 100) // BLOCK  # a byte of "b"
+    _corrupt(path, data_start + (9 << 22) + 100)
+    state = _big_state(0, fill=7)
+    target = _of(state)
+    mgr = CheckpointManager(root, storage_options={"io": io_mode})
+    with mgr, pytest.raises(IntegrityError) as ei:
+        mgr.restore(state, step=1)
+    msg = str(ei.value)
+    assert str(path) in msg
+    assert f"block {bad_block} " in msg
+    # "b" lies in the bad block: none of its bytes were copied. What the caller sees of "a"
+    # (README, "What a failed restore leaves"): the blocks read and verified before the bad
+    # one hold step 1, the rest its old values.
+    assert bool((target["b"] == 7).all())
+    assert bool((target["c"] == 7).all())
+    a = target["a"]
+    want = _big_tensors(1)["a"]
+    changed = (a != 7).nonzero()
+    if len(changed):
+        n = int(changed[-1]) + 1
+        assert torch.equal(a[:n], want[:n])
+        assert bool((a[n:] == 7).all())
+        assert (data_start + 4 * n) % BLOCK == 0 or n == a.numel()
+
+
+def test_the_fallback_step_overwrites_what_the_failed_one_wrote(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, _big_state(1))
+        mgr.save(2, _big_state(2))
+    path = root / "step-000000000002" / "m.safetensors"
+    _corrupt(path, path.stat().st_size - 10)  # the last block: the others were copied
+    state = _big_state(0, fill=0)
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore(state) == 1
+    for k, v in _big_tensors(1).items():
+        assert torch.equal(_of(state)[k], v), k
+
+
+def test_a_fallback_that_cannot_overwrite_a_tensor_says_so(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"m": Buffers({"a": torch.ones(3)})})
+        mgr.save(2, {"m": Buffers({"a": torch.ones(3), "big": torch.randn(9 << 20)})})
+    path = root / "step-000000000002" / "m.safetensors"
+    _corrupt(path, path.stat().st_size - 10)
+    target = {"m": Buffers({"a": torch.zeros(3), "big": torch.zeros(9 << 20)})}
+    with CheckpointManager(root) as mgr, pytest.raises(IntegrityError, match=r"m/big") as ei:
+        mgr.restore(target, strict=False)
+    assert "partly written by a newer step" in str(ei.value)
+    assert "in_place=False" in str(ei.value)
+
+
+def test_in_place_false_leaves_every_target_unchanged(tmp_path: Path) -> None:
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, _big_state(1))
+    path = root / "step-000000000001" / "m.safetensors"
+    _corrupt(path, path.stat().st_size - 10)
+    state = _big_state(0, fill=7)
+    with CheckpointManager(root) as mgr, pytest.raises(IntegrityError, match="block"):
+        mgr.restore(state, step=1, in_place=False)
+    assert all(bool((t == 7).all()) for t in _of(state).values())
+
+
+_RSS_CHILD = """
+import resource, sys, torch
+from ckptstore import CheckpointManager
+n = int(sys.argv[2])
+model = torch.nn.Module()
+for i in range(8):
+    model.register_buffer(f"t{i}", torch.full((n // 4 // 8,), float(i)))
+state = {"m": model}
+with CheckpointManager(sys.argv[1], storage_options={"io": sys.argv[3]}) as mgr:
+    mgr.save(1, state)
+    for t in model.buffers():
+        t.zero_()
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    mgr.restore(state, step=1)
+    after = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+assert all(bool((t == i).all()) for i, t in enumerate(model.buffers()))
+print((after - before) * 1024)
+"""
+
+
+@pytest.mark.timeout(120)
+def test_restore_holds_read_buffers_not_a_copy_of_the_state(tmp_path: Path) -> None:
+    # In a child process, so its peak RSS is this restore's: 384 MB of state restored in
+    # place may grow the peak by the read buffers (4 x 32 MiB) and some slack, never by a
+    # second copy of the state (in_place=False grows it by ~400 MB: the check can fail).
+    import subprocess
+    import sys
+
+    n = 384 << 20
+    proc = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, str(tmp_path / "s"), str(n), "auto"],
+        capture_output=True,
+        text=True,
+        timeout=110,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stderr
+    grew = int(proc.stdout.split()[-1])
+    assert grew < n // 2, f"peak RSS grew by {grew / 1e6:.0f} MB restoring {n / 1e6:.0f} MB"
+
+
+def test_read_mode_is_measured_on_the_files_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.storage import iomode
+
+    monkeypatch.setattr(directio, "BUFFER", 1 << 20)
+    monkeypatch.setattr(iomode, "MEASURED_BYTES", 1 << 20)
+    iomode.forget()
+    data = os.urandom((6 << 20) + 5)
+    (tmp_path / "f").write_bytes(data)
+    st = LocalStorage(str(tmp_path))
+    for _ in range(3):
+        seen = bytearray()
+        total, crc = st._stream("f", lambda o, v, seen=seen: seen.extend(v))
+        assert (total, crc, bytes(seen)) == (len(data), crc32c_of(data), data)
+    reads = [h for h in iomode.decisions() if h["op"] == "read"]
+    # Each mode once, then the faster of the two.
+    assert [h["mode"] for h in reads[:2]] == ["direct", "buffered"]
+    speeds = {h["mode"]: h["bytes_per_s"] for h in reads[:2]}
+    faster = float(speeds["direct"]) > 1.05 * float(speeds["buffered"])  # type: ignore[arg-type]
+    assert reads[2]["mode"] == ("direct" if faster else "buffered")
+    iomode.forget()
+
+
+def test_write_mode_follows_the_speeds_saves_reached(tmp_path: Path) -> None:
+    from ckptstore.storage import iomode
+
+    iomode.forget()
+    d = str(tmp_path)
+    # Each mode until it has a measurement, then the faster, the other every 8th file.
+    assert iomode.write_mode(d) == "direct"
+    iomode.record_write(d, "direct", 1 << 30, 1.0)
+    assert iomode.write_mode(d) == "buffered"
+    iomode.record_write(d, "buffered", 1 << 30, 4.0)
+    iomode.record_write(d, "buffered", 1 << 10, 1e-9)  # too small to count
+    picks = [iomode.write_mode(d) for _ in range(16)]
+    assert picks.count("buffered") == 2  # explored
+    assert picks.count("direct") == 14
+    # Conditions change: buffered becomes faster, and the next exploration shows it.
+    iomode.record_write(d, "buffered", 1 << 30, 0.1)
+    iomode.record_write(d, "buffered", 1 << 30, 0.1)
+    assert [iomode.write_mode(d) for _ in range(4)] == ["buffered"] * 4
+    iomode.forget()
+
+
+def test_a_large_auto_save_reports_its_speed(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.storage import iomode
+
+    iomode.forget()
+    monkeypatch.setattr(iomode, "MEASURED_BYTES", 1 << 20)
+    x = torch.randn(9 << 20)  # 36 MiB: fills a whole buffer, so its mode is chosen
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"x": x})
+        mgr.save(2, {"x": x})
+        assert torch.equal(mgr.load(2)["x"], x)
+    writes = [h for h in iomode.decisions() if h["op"] == "write"]
+    assert [h["mode"] for h in writes] == ["direct", "buffered"]
+    assert all(float(h["bytes_per_s"]) > 0 for h in writes)  # type: ignore[arg-type]
+    iomode.forget()

@@ -188,6 +188,24 @@ def test_a_refusal_no_check_foresaw_puts_back_what_was_loaded(tmp_path: Path) ->
         sched2 = torch.optim.lr_scheduler.StepLR(opt2, step_size=5)
         before = copy.deepcopy((module_bytes(model2), opt2.state_dict(), sched2.state_dict()))
         target = {"model": model2, "optimizer": opt2, "sched": sched2, "z": Refuser()}
+        # in_place=False: nothing is read into the targets before every entry has loaded
+        # (the default streams tensors into them first: see the test below).
         with pytest.raises(StateMismatchError, match=r"\['z'\]: Refuser.load_state_dict"):
-            mgr.restore(target)
+            mgr.restore(target, in_place=False)
     assert_same((module_bytes(model2), opt2.state_dict(), sched2.state_dict()), before)
+
+
+def test_a_refusal_after_an_in_place_read_says_what_changed(tmp_path: Path) -> None:
+    model, opt = _model_and_adam(0)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt, "z": Refuser()})
+        model2, opt2 = _model_and_adam(1)
+        target = {"model": model2, "optimizer": opt2, "z": Refuser()}
+        with pytest.raises(StateMismatchError) as ei:
+            mgr.restore(target)
+    msg = str(ei.value)
+    assert "Refuser.load_state_dict refused" in msg
+    assert "already read in place from step 1" in msg
+    assert "in_place=False" in msg
+    # What the message says: the model's tensors hold step 1.
+    assert_same(module_bytes(model2), module_bytes(model))

@@ -187,21 +187,48 @@ def read_group(
     into: Mapping[str, torch.Tensor] | None = None,
     *,
     limit: int | None = None,
+    checked: bool = True,
 ) -> dict[str, torch.Tensor]:
     """Read, checksum and decode one payload file.
 
-    An uncompressed safetensors file is decoded while it streams in, each tensor's bytes
-    going straight into the matching tensor of ``into`` (same dtype, shape, contiguous,
-    CPU) or a fresh one; the checksum is checked when the last byte is in. Other payloads
-    are read whole, checked, then decoded; a compressed one inflates at most to ``limit``
-    bytes (see :func:`max_payload_bytes`).
+    An uncompressed file is decoded while it streams in, each tensor's bytes going straight
+    into the matching tensor of ``into`` (same dtype, shape, contiguous, CPU) or a fresh one.
+    With ``checked`` (the default) a tensor of ``into`` receives only bytes whose checksum
+    passed: a file with per-block CRCs (``entry.blocks``) streams block by block, each one
+    checked before its bytes are copied; a file of one block is read whole and checked
+    first; an old file of several blocks without block CRCs is decoded into fresh tensors
+    (checked when its last byte is in). ``checked=False`` (``restore(in_place=True)``)
+    streams into ``into`` in every case. Compressed payloads inflate as they stream (see
+    :func:`_read_zstd`), the compressed bytes checked the same way before they inflate, at
+    most to ``limit`` bytes (see :func:`max_payload_bytes`).
+
+    Raises:
+        IntegrityError: the file is missing, corrupt or malformed (the message names the
+            file, and the block where there are block CRCs).
     """
     where = storage.describe(step, name)
-    if entry.codec == "safetensors" and entry.compression is None:
-        dec = st.StreamDecoder(entry.bytes, where, into)
-        storage.stream_file(step, name, entry, dec)
-        return dec.result()
+    if entry.compression is None and entry.codec in ("safetensors", "torch"):
+        if checked and entry.blocks is None:
+            if entry.bytes <= BLOCK:  # read and checked whole, then copied into the targets
+                data = storage.read_file(step, name, entry)
+                return _decode_buffer(data, entry, where, into)
+            into = None  # an old manifest: fresh tensors, trusted once the file checks out
+        if entry.codec == "safetensors":
+            dec: Any = st.StreamDecoder(entry.bytes, where, into)
+        else:
+            dec = torchzip.open_stream(storage, step, name, entry, into)
+            if dec is None:  # not laid out as torch.save writes: the whole-file path
+                data = storage.read_file(step, name, entry)
+                return decode_payload(data, entry, where, limit=limit)
+        try:
+            storage.stream_file(step, name, entry, dec)
+        except torchzip.NotStreamable:  # found out while streaming: read it whole
+            data = storage.read_file(step, name, entry)
+            return decode_payload(data, entry, where, limit=limit)
+        return dict(dec.result())
     if entry.compression == "zstd" and entry.codec in ("safetensors", "torch"):
+        if checked and entry.blocks is None and entry.bytes > BLOCK:
+            into = None  # an old manifest: checked only at its end, so fresh tensors
         return _read_zstd(storage, step, name, entry, into, limit)
     data = storage.read_file(step, name, entry)
     return decode_payload(data, entry, where, limit=limit)
@@ -289,3 +316,19 @@ def _read_zstd(  # noqa: PLR0917 - private, one call site
     finally:
         inflater.close()
     return target.result()
+
+
+def _decode_buffer(
+    data: bytearray, entry: FileEntry, where: str, into: Mapping[str, torch.Tensor] | None
+) -> dict[str, torch.Tensor]:
+    """Decode a whole, checked, uncompressed payload into ``into`` where it fits."""
+    dec: Any
+    if entry.codec == "safetensors":
+        dec = st.StreamDecoder(len(data), where, into)
+    else:
+        dec = torchzip.StreamDecoder.from_buffer(data, where, into)
+        if dec is None:
+            return torchzip.load_tensor_dict(data, where)
+    if data:
+        dec(0, memoryview(data))
+    return dict(dec.result())

@@ -3,22 +3,40 @@
 ``torch.load`` does not check the CRC-32 its zip stores per member, so a flipped byte loads
 silently; ckptstore checks its own CRC32C first, and ``verify`` also walks the zip central
 directory and member CRCs without unpickling anything (and without importing torch).
+
+Restores stream the archive (:class:`StreamDecoder`): ``torch.save`` stores every member
+uncompressed, so each tensor's storage is a byte range of the file. The central directory
+(at the end) is read and checked first, bounded; then the file streams front to back, block
+by block checked: ``data.pkl`` (written first) is unpickled by torch's ``weights_only``
+unpickler with storages on the ``meta`` device (no memory), which says which storage each
+tensor views, and every storage's bytes go straight from the read buffers into the target
+tensor, or a fresh one. An archive not laid out so is read whole and given to ``torch.load``.
 """
 
 from __future__ import annotations
 
 import io
+import math
 import pickle
+import struct
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, cast
 
 from ..errors import IntegrityError, UnsafeCheckpointError
+from ..integrity import BLOCK, check_blocks
 
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["check_stored", "check_zip", "load_tensor_dict", "write_torch"]
+__all__ = [
+    "StreamDecoder",
+    "check_stored",
+    "check_zip",
+    "load_tensor_dict",
+    "open_stream",
+    "write_torch",
+]
 
 
 def write_torch(sink: IO[bytes] | Any, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -97,13 +115,8 @@ def check_stored(zf: zipfile.ZipFile, where: str) -> None:
     """
     for info in zf.infolist():
         if info.compress_type != zipfile.ZIP_STORED:
-            method = _METHODS.get(info.compress_type, f"method {info.compress_type}")
-            raise IntegrityError(
-                f"{where}: zip member {info.filename!r} is compressed ({method}, "
-                f"{info.compress_size} bytes said to inflate to {info.file_size}); torch.save "
-                "stores every member uncompressed, so this is not a torch.save archive as "
-                "written, and it is refused without inflating anything. Load it with code you "
-                "trust and save it again with torch.save"
+            raise _compressed(
+                where, info.filename, info.compress_type, info.compress_size, info.file_size
             )
         if info.compress_size != info.file_size:
             raise IntegrityError(
@@ -111,6 +124,16 @@ def check_stored(zf: zipfile.ZipFile, where: str) -> None:
                 f"{info.compress_size} bytes but says it holds {info.file_size}; the archive "
                 "is corrupt"
             )
+
+
+def _compressed(where: str, name: str, method: int, csize: int, usize: int) -> IntegrityError:
+    what = _METHODS.get(method, f"method {method}")
+    return IntegrityError(
+        f"{where}: zip member {name!r} is compressed ({what}, {csize} bytes said to inflate "
+        f"to {usize}); torch.save stores every member uncompressed, so this is not a "
+        "torch.save archive as written, and it is refused without inflating anything. Load "
+        "it with code you trust and save it again with torch.save"
+    )
 
 
 #: Names of the zip compression methods (``zipfile`` constants).
@@ -195,3 +218,390 @@ class MemoryReader(io.RawIOBase):
         end = len(self._mv) if size is None or size < 0 else min(len(self._mv), self._pos + size)
         start, self._pos = self._pos, max(self._pos, end)
         return bytes(self._mv[start:end])
+
+
+# ---- streaming restore ------------------------------------------------------------------
+
+#: Bounds on hostile archives: the central directory and the small records (data.pkl,
+#: byteorder, version) are held in memory; a real one has a few hundred bytes per member.
+MAX_DIRECTORY_BYTES = 64 << 20
+MAX_RECORD_BYTES = 256 << 20
+#: How much of the end of the file is searched for the end-of-central-directory record
+#: (22 bytes, a comment of at most 64 KiB, a zip64 locator and record before it).
+_TAIL = (64 << 10) + 22 + 20 + 56
+_EOCD = 0x06054B50
+_EOCD64 = 0x06064B50
+_LOC64 = 0x07064B50
+_CDH = 0x02014B50
+_LFH = 0x04034B50
+
+
+class _Member:
+    __slots__ = ("data_start", "dest", "head", "lho", "name", "size")
+
+    def __init__(self, name: str, lho: int, size: int) -> None:
+        self.name = name
+        self.lho = lho
+        self.size = size
+        self.data_start = -1  # known once its local header streamed by
+        self.head = bytearray()
+        self.dest: memoryview | None = None
+
+
+class NotStreamable(Exception):
+    """The archive is valid but not laid out as ``torch.save`` writes it."""
+
+
+def _bad(where: str, what: str) -> IntegrityError:
+    return IntegrityError(f"{where}: not a readable torch zip archive: {what}")
+
+
+def parse_directory(size: int, read: Callable[[int, int], memoryview], where: str) -> list[_Member]:
+    """The members of a stored zip of ``size`` bytes, from its (checked) central directory.
+
+    Args:
+        size: the file's size.
+        read: ``read(offset, length)``: those bytes of the file, already checked.
+        where: names the file in messages.
+
+    Returns:
+        The members in file order, each with its local header offset and stored size.
+
+    Raises:
+        IntegrityError: no end record, a directory out of bounds or over
+            :data:`MAX_DIRECTORY_BYTES`, a compressed member, or members that overlap.
+        NotStreamable: a multi-disk archive, or anything else torch.save never writes.
+    """
+    tail_len = min(size, _TAIL)
+    tail = bytes(read(size - tail_len, tail_len))
+    at = tail.rfind(struct.pack("<I", _EOCD))
+    if at < 0 or at + 22 > len(tail):
+        raise _bad(where, "no end of central directory record (truncated?)")
+    _, disk, cd_disk, _, count, cd_size, cd_off, _ = struct.unpack("<IHHHHIIH", tail[at : at + 22])
+    if disk or cd_disk:
+        raise NotStreamable
+    if 0xFFFF in (count,) or 0xFFFFFFFF in (cd_size, cd_off):
+        loc = at - 20
+        if loc < 0 or struct.unpack("<I", tail[loc : loc + 4])[0] != _LOC64:
+            raise _bad(where, "zip64 end record locator missing")
+        (z64,) = struct.unpack("<Q", tail[loc + 8 : loc + 16])
+        rec_at = z64 - (size - tail_len)
+        if not 0 <= rec_at <= len(tail) - 56:
+            raise NotStreamable  # a zip64 record out of the tail: not torch.save's layout
+        sig, _, _, _, _, _, _, count, cd_size, cd_off = struct.unpack(
+            "<IQHHIIQQQQ", tail[rec_at : rec_at + 56]
+        )
+        if sig != _EOCD64:
+            raise _bad(where, "zip64 end record missing")
+    if cd_size > MAX_DIRECTORY_BYTES or cd_off + cd_size > size or count > cd_size // 46:
+        raise _bad(where, f"central directory of {cd_size} bytes at {cd_off} is out of bounds")
+    cd = bytes(read(cd_off, cd_size))
+    members: list[_Member] = []
+    pos = 0
+    for _ in range(count):
+        if pos + 46 > len(cd) or struct.unpack("<I", cd[pos : pos + 4])[0] != _CDH:
+            raise _bad(where, "central directory entry malformed")
+        (flags, method, _, _, _, csize, usize, nlen, xlen, clen, disk_no, _, _, lho) = (
+            struct.unpack("<HHHHIIIHHHHHII", cd[pos + 8 : pos + 46])
+        )
+        name_b = cd[pos + 46 : pos + 46 + nlen]
+        extra = cd[pos + 46 + nlen : pos + 46 + nlen + xlen]
+        pos += 46 + nlen + xlen + clen
+        if pos > len(cd):
+            raise _bad(where, "central directory entry runs past its end")
+        if method != 0:
+            raise _compressed(where, name_b.decode("utf-8", "replace"), method, csize, usize)
+        if flags & 1:
+            raise _bad(where, f"member {name_b!r} is encrypted")
+        # zip64 extra: the fields that are 0xFFFFFFFF in the entry, in this order.
+        want = [v == 0xFFFFFFFF for v in (usize, csize, lho)] + [disk_no == 0xFFFF]
+        if any(want):
+            vals = _zip64_extra(extra, sum(want[:3]), where)
+            it = iter(vals)
+            usize = next(it) if want[0] else usize
+            csize = next(it) if want[1] else csize
+            lho = next(it) if want[2] else lho
+        if csize != usize:
+            raise _bad(where, f"member {name_b!r} is stored in {csize} bytes but holds {usize}")
+        members.append(_Member(name_b.decode("utf-8", "replace"), lho, usize))
+    members.sort(key=lambda m: m.lho)
+    end = 0
+    for m in members:
+        # 30 header bytes at least, then the data: members may not overlap or pass the
+        # central directory (a hostile one could point two members at one range).
+        if m.lho < end or m.lho + 30 + m.size > cd_off:
+            raise _bad(where, f"member {m.name!r} overlaps another or the central directory")
+        end = m.lho + 30 + m.size
+    return members
+
+
+def _zip64_extra(extra: bytes, n: int, where: str) -> list[int]:
+    pos = 0
+    while pos + 4 <= len(extra):
+        hid, hlen = struct.unpack("<HH", extra[pos : pos + 4])
+        if hid == 1:
+            if hlen < 8 * n or pos + 4 + 8 * n > len(extra):
+                break
+            return list(struct.unpack(f"<{n}Q", extra[pos + 4 : pos + 4 + 8 * n]))
+        pos += 4 + hlen
+    raise _bad(where, "zip64 sizes missing from a member's extra field")
+
+
+class StreamDecoder:
+    """Decodes a stored ``torch.save`` zip from the slices of a checked stream.
+
+    Build it with :func:`open_stream` (a file of a store) or :meth:`from_buffer`; feed it
+    ``(offset, slice)`` in file order (``Storage.stream_file`` passes checked blocks only);
+    :meth:`result` gives the tensors. Each storage is copied once, from the slice into a
+    tensor of ``into`` (same dtype and shape, contiguous, CPU, the storage's only tensor) or
+    a fresh one.
+    """
+
+    def __init__(
+        self, members: list[_Member], where: str, into: Mapping[str, torch.Tensor] | None
+    ) -> None:
+        self.where = where
+        self.into = dict(into or {})
+        self.members = members
+        self._i = 0
+        self._pickle: _Member | None = None
+        self._prefix = ""
+        for m in members:
+            if m.name.endswith("data.pkl") and m.name.count("/") == 1:
+                if self._pickle is not None:
+                    raise _bad(where, "two data.pkl members")
+                self._pickle = m
+                self._prefix = m.name[: -len("data.pkl")]
+        if self._pickle is None:
+            raise IntegrityError(f"{where}: zip archive has no data.pkl; not a torch.save file")
+        self._by_name = {m.name: m for m in members}
+        if len(self._by_name) != len(members):
+            raise _bad(where, "two members with one name")
+        self._storages: dict[str, tuple[Any, int]] = {}  # key -> (uint8 tensor, nbytes)
+        self._result: dict[str, torch.Tensor] | None = None
+        self._views: list[tuple[str, str, Any]] = []  # name, key, meta tensor
+        self._filled: set[str] = set()  # storages whose member was found
+        self.reused = 0
+
+    @classmethod
+    def from_buffer(
+        cls,
+        data: bytes | bytearray | memoryview,
+        where: str,
+        into: Mapping[str, torch.Tensor] | None,
+    ) -> StreamDecoder | None:
+        """A decoder of a whole (checked) archive in memory; None: use ``torch.load``."""
+        mv = memoryview(data).cast("B")
+        try:
+            members = parse_directory(len(mv), lambda o, n: mv[o : o + n], where)
+            return cls(members, where, into)
+        except NotStreamable:
+            return None
+
+    def __call__(self, offset: int, chunk: memoryview) -> None:
+        """Consume the bytes ``chunk`` found at ``offset`` of the file."""
+        end = offset + len(chunk)
+        pos = offset
+        while self._i < len(self.members) and pos < end:
+            m = self.members[self._i]
+            if m.data_start < 0:  # its local header
+                pos = max(pos, m.lho + len(m.head))
+                if pos >= end:
+                    return
+                need = 30 if len(m.head) < 30 else 30 + _lfh_lengths(m.head)
+                take = min(end, m.lho + need) - pos
+                m.head += chunk[pos - offset : pos - offset + take]
+                pos += take
+                if len(m.head) >= 30:
+                    if struct.unpack("<I", m.head[:4])[0] != _LFH:
+                        raise _bad(self.where, f"no local header for member {m.name!r}")
+                    if len(m.head) == 30 + _lfh_lengths(m.head):
+                        self._start(m)
+                continue
+            stop = m.data_start + m.size
+            a, b = max(pos, m.data_start), min(end, stop)
+            if a < b and m.dest is not None:
+                m.dest[a - m.data_start : b - m.data_start] = chunk[a - offset : b - offset]
+            pos = max(pos, b)
+            if b == stop or m.size == 0:
+                self._finish(m)
+                self._i += 1
+
+    def _start(self, m: _Member) -> None:
+        nlen = struct.unpack("<H", m.head[26:28])[0]
+        if m.head[30 : 30 + nlen].decode("utf-8", "replace") != m.name:
+            raise _bad(self.where, f"local header of {m.name!r} names another member")
+        m.data_start = m.lho + len(m.head)
+        nxt = self._i + 1
+        limit = self.members[nxt].lho if nxt < len(self.members) else math.inf
+        if m.data_start + m.size > limit:
+            raise _bad(self.where, f"member {m.name!r} overlaps the next one")
+        m.head = bytearray()
+        m.dest = self._dest(m)
+
+    def _dest(self, m: _Member) -> memoryview | None:
+        rel = m.name[len(self._prefix) :] if m.name.startswith(self._prefix) else None
+        if rel is not None and rel.startswith("data/") and m is not self._pickle:
+            if self._result is None:
+                raise NotStreamable  # a storage before data.pkl: not torch.save's order
+            got = self._storages.get(rel[5:])
+            if got is None:
+                return None  # a storage no tensor uses
+            buf, nbytes = got
+            self._filled.add(rel[5:])
+            if nbytes != m.size:
+                raise _bad(
+                    self.where, f"storage {rel!r} holds {m.size} bytes, data.pkl says {nbytes}"
+                )
+            return _bytes_of(buf)
+        if m.size > MAX_RECORD_BYTES:
+            raise _bad(self.where, f"record {m.name!r} of {m.size} bytes is too large")
+        return memoryview(bytearray(m.size))
+
+    def _finish(self, m: _Member) -> None:
+        rel = m.name[len(self._prefix) :]
+        if m is self._pickle:
+            assert m.dest is not None
+            self._unpickle(m.dest)
+        elif rel == "byteorder" and m.dest is not None and bytes(m.dest) != b"little":
+            raise NotStreamable  # big-endian storages: torch.load swaps them
+        m.dest = None
+
+    def _unpickle(self, data: memoryview) -> None:
+        import torch
+        from torch import _weights_only_unpickler as wo
+
+        metas: dict[int, str] = {}
+        sizes: dict[str, tuple[Any, int]] = {}
+
+        def persistent_load(pid: Any) -> Any:
+            if not isinstance(pid, tuple) or len(pid) != 5 or pid[0] not in ("storage", b"storage"):
+                raise _bad(self.where, f"unexpected persistent id in data.pkl: {pid!r}")
+            _, stype, key, _, numel = pid
+            dtype = torch.uint8 if stype is torch.UntypedStorage else getattr(stype, "dtype", None)
+            if not isinstance(dtype, torch.dtype) or not isinstance(numel, int) or numel < 0:
+                raise _bad(self.where, f"unexpected storage in data.pkl: {pid!r}")
+            nbytes = numel * dtype.itemsize
+            key = str(key)
+            if key in sizes and sizes[key][1] != nbytes:
+                raise _bad(self.where, f"storage {key!r} has two sizes in data.pkl")
+            sizes[key] = (dtype, nbytes)
+            meta = torch.UntypedStorage(nbytes, device="meta")  # type: ignore[no-untyped-call]
+            metas[meta._cdata] = key
+            return torch.storage.TypedStorage(  # type: ignore[no-untyped-call]
+                wrap_storage=meta, dtype=dtype, _internal=True
+            )
+
+        try:
+            up = wo.Unpickler(io.BytesIO(bytes(data)), encoding="utf-8")
+            up.persistent_load = persistent_load  # type: ignore[method-assign]
+            obj = up.load()  # type: ignore[no-untyped-call]
+        except IntegrityError:
+            raise
+        except pickle.UnpicklingError as e:
+            raise UnsafeCheckpointError(
+                f"{self.where}: refused to load: the pickle inside asks for more than tensors "
+                f"and plain data ({e}). ckptstore never falls back to weights_only=False"
+            ) from None
+        except Exception as e:  # anything else the unpickler raises: corrupt
+            raise IntegrityError(f"{self.where}: data.pkl unreadable: {e}") from None
+        if not isinstance(obj, dict) or not all(
+            isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
+        ):
+            raise IntegrityError(f"{self.where}: payload is not a flat dict of tensors")
+        users: dict[str, int] = {}
+        for t in obj.values():
+            key = metas.get(t.untyped_storage()._cdata)
+            if key is None:
+                raise _bad(self.where, "a tensor of data.pkl has no storage in the archive")
+            users[key] = users.get(key, 0) + 1
+        result: dict[str, torch.Tensor] = {}
+        for name, t in obj.items():
+            key = metas[t.untyped_storage()._cdata]
+            dtype, nbytes = sizes[key]
+            whole = (
+                users[key] == 1
+                and t.storage_offset() == 0
+                and t.is_contiguous()
+                and t.numel() * t.element_size() == nbytes
+                and t.dtype == dtype
+            )
+            if whole:
+                target = self.into.get(name)
+                if (
+                    target is not None
+                    and target.dtype == t.dtype
+                    and target.shape == t.shape
+                    and target.device.type == "cpu"
+                    and target.is_contiguous()
+                ):
+                    self.reused += 1
+                    dest = target
+                else:
+                    dest = torch.empty(t.shape, dtype=t.dtype)
+                self._storages[key] = (dest, nbytes)
+                result[name] = dest
+            else:  # a view or a shared storage: the storage once, the tensors view it
+                if key not in self._storages:
+                    self._storages[key] = (torch.empty(nbytes, dtype=torch.uint8), nbytes)
+                self._views.append((name, key, t))
+        self._result = result
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The decoded tensors (call once the stream was checked to its end)."""
+        import torch
+
+        if self._result is None or self._i < len(self.members):
+            raise _bad(self.where, "the stream ended before the archive did")
+        missing = set(self._storages) - self._filled
+        if missing:
+            raise _bad(self.where, f"storages {sorted(missing)[:5]} of data.pkl are not in it")
+        out = dict(self._result)
+        for name, key, meta in self._views:
+            buf = self._storages[key][0]
+            typed = buf.view(meta.dtype)
+            try:
+                out[name] = torch.as_strided(
+                    typed, meta.shape, meta.stride(), meta.storage_offset()
+                )
+            except RuntimeError as e:
+                raise _bad(self.where, f"tensor {name!r} does not fit its storage ({e})") from None
+        return out
+
+
+def _lfh_lengths(head: bytearray) -> int:
+    nlen, xlen = struct.unpack("<HH", head[26:30])
+    return int(nlen + xlen)
+
+
+def _bytes_of(t: Any) -> memoryview:
+    from .safetensors import tensor_bytes
+
+    return tensor_bytes(t)
+
+
+def open_stream(
+    storage: Any, step: int, name: str, entry: Any, into: Mapping[str, torch.Tensor] | None
+) -> StreamDecoder | None:
+    """A decoder for a ``.pt`` payload of a store, its central directory read and checked.
+
+    The directory's blocks are read (a few, at the end of the file) and checked against
+    ``entry.blocks`` before anything in them is used. Returns ``None`` for an archive not
+    laid out as ``torch.save`` writes it, or a file without block CRCs: read it whole.
+    """
+    if entry.blocks is None:
+        return None
+    where = storage.describe(step, name)
+    with storage.range_reader(step, {name: entry}) as rr:
+
+        def read(offset: int, length: int) -> memoryview:
+            lo = offset - offset % BLOCK
+            hi = min(entry.bytes, -(-(offset + length) // BLOCK) * BLOCK)
+            buf = rr.read(name, lo, hi - lo)
+            check_blocks(entry, lo, buf, where)
+            return memoryview(buf)[offset - lo : offset - lo + length]
+
+        try:
+            return StreamDecoder(parse_directory(entry.bytes, read, where), where, into)
+        except NotStreamable:
+            return None

@@ -38,10 +38,14 @@ def open_storage(
     if not sep:
         protocol, rest = "", url
     if protocol in _LOCAL_PROTOCOLS:
-        if storage_options:
-            msg = "storage_options are for fsspec URLs; a local path takes none"
+        extra = set(storage_options or {}) - {"io"}
+        if extra:
+            msg = (
+                "storage_options are for fsspec URLs; a local path takes only "
+                f"{{'io': 'auto' | 'direct' | 'buffered'}}, not {sorted(extra)}"
+            )
             raise ValueError(msg)
-        return LocalStorage(rest)
+        return LocalStorage(rest, io=(storage_options or {}).get("io", "auto"))
     import fsspec
 
     from .remote import FsspecStorage

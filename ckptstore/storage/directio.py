@@ -21,12 +21,13 @@ import fcntl
 import mmap
 import os
 import threading
+import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..integrity import BlockCRC
+from ..integrity import BlockCRC, crc32c_of
 
-__all__ = ["ALIGN", "DirectWriter", "open_direct_read", "read_into"]
+__all__ = ["ALIGN", "DirectWriter", "open_direct_read", "read_into", "stream_pipelined"]
 
 ALIGN = 4096
 #: Size of each of the two bounce buffers; large writes keep the device queue full.
@@ -122,7 +123,15 @@ class DirectWriter:
     fsync. ``crc``, ``blocks`` and ``nbytes`` describe what was written.
     """
 
-    def __init__(self, path: str, *, direct: bool = True, buffer_size: int = BUFFER) -> None:
+    def __init__(
+        self,
+        path: str,
+        *,
+        direct: bool = True,
+        buffer_size: int = BUFFER,
+        choose: Callable[[], bool] | None = None,
+        report: Callable[[bool, int, float], None] | None = None,
+    ) -> None:
         flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_CLOEXEC", 0)
         # O_DIRECT is switched on (fcntl) only once a whole buffer is ready: small files
         # are cheaper through the page cache (an O_DIRECT write that extends a file costs
@@ -131,6 +140,14 @@ class DirectWriter:
         self.fd = os.open(path, flags, 0o644)
         self.direct = False  # whether O_DIRECT was used for any write
         self._can_direct = bool(direct and _O_DIRECT)
+        # Asked once, when the first whole buffer is ready, whether O_DIRECT is worth it on
+        # this device (iomode.write_mode): a file that never fills a buffer never asks.
+        self._choose = choose
+        # Told (O_DIRECT?, bytes, seconds from open to fsync) when a file whose mode was
+        # chosen is durable: the measurement the next choice is made from.
+        self._report = report
+        self._chosen = False
+        self._t_open = time.perf_counter()
         self.path = path
         self._sum = BlockCRC()
         self.nbytes = 0
@@ -187,6 +204,8 @@ class DirectWriter:
         """
         mv = memoryview(data).cast("B")
         n = len(mv)
+        if n >= _SEGMENT_MIN and self._buffered(n):
+            return self._write_through(mv)
         start = self._offset + self._pos  # the file offset of mv[0]
         if n < _SEGMENT_MIN or not self._can_direct or (address - start) % ALIGN:
             return self.write(mv)
@@ -212,6 +231,37 @@ class DirectWriter:
             done += k
         if done < n:
             self.write(mv[done:])
+        return n
+
+    def _buffered(self, n: int) -> bool:
+        """Whether this file is written through the page cache (decided for ``n`` bytes)."""
+        if self._choose is not None and n >= self._size:
+            self._set_direct_choice()
+        return not self._can_direct
+
+    def _set_direct_choice(self) -> None:
+        choose, self._choose = self._choose, None
+        if choose is not None:
+            self._chosen = True
+            if not choose():
+                self._can_direct = False
+
+    def _write_through(self, mv: memoryview) -> int:
+        """Buffered writes straight from the caller's memory (no bounce copy), in slices.
+
+        Any offset and length will do through the page cache; one slice is written by the
+        I/O thread while the next is checksummed.
+        """
+        if self._pos:
+            self._flush_buffer()  # the bytes before it, at their offset
+        n = len(mv)
+        for i in range(0, n, self._size):
+            view = mv[i : i + self._size]
+            self._sum.update(view)
+            self._wait()
+            self._pending = Call(self._pwrite_all, view, self._offset)
+            self._offset += len(view)
+        self.nbytes += n
         return n
 
     def flush(self) -> None:
@@ -245,6 +295,10 @@ class DirectWriter:
             offset += n
 
     def _set_direct(self, on: bool) -> bool:
+        if on and self._choose is not None:
+            self._set_direct_choice()
+        if on and not self._can_direct:  # buffered was chosen: never switch it on later
+            return False
         return set_direct(self.fd, on)
 
     def _flush_buffer(self) -> None:
@@ -278,6 +332,8 @@ class DirectWriter:
                 self._offset += self._pos
                 self._pos = 0
             os.fsync(self.fd)
+            if self._chosen and self._report is not None:
+                self._report(self._can_direct, self.nbytes, time.perf_counter() - self._t_open)
         finally:
             self._close()
 
@@ -355,3 +411,69 @@ def set_direct(fd: int, on: bool) -> bool:
             raise
         return False  # tmpfs and some network filesystems refuse O_DIRECT
     return True
+
+
+#: Reads in flight while the slice before them is checked and consumed: one more than the
+#: two a plain double buffer keeps, so a disk that serves several requests at once (through
+#: readahead or a deeper O_DIRECT queue) is kept busy while the CPU works.
+READ_DEPTH = 3
+
+
+def stream_pipelined(
+    fd: int,
+    consume: Callable[[int, memoryview], None] | None,
+    *,
+    crc: bool = True,
+) -> tuple[int, int]:
+    """Read a file front to back, :data:`READ_DEPTH` slices in flight; ``(bytes, crc32c)``.
+
+    Each slice is read by an I/O thread into one of ``READ_DEPTH + 1`` page-aligned buffers
+    of :data:`BUFFER` bytes, then checksummed (with ``crc``; else 0 is returned) and passed
+    to ``consume(offset, view)`` in order on the calling thread (the view is valid only
+    during the call). ``fd`` may be opened with ``O_DIRECT`` or not.
+    """
+    nbuf = READ_DEPTH + 1
+    bufs = [mmap.mmap(-1, BUFFER) for _ in range(nbuf)]
+    views = [memoryview(b) for b in bufs]
+    futs: dict[int, Call] = {}
+    done = False  # a short read was seen: no more submissions
+    try:
+        for i in range(READ_DEPTH):
+            futs[i] = Call(read_into, fd, views[i % nbuf], i * BUFFER)
+        total_crc = 0
+        offset = 0
+        i = 0
+        while i in futs:
+            n = futs.pop(i).result()
+            if n < BUFFER:
+                done = True
+            elif not done and i + READ_DEPTH not in futs:
+                # into the buffer of slice i - 1, consumed already
+                j = i + READ_DEPTH
+                futs[j] = Call(read_into, fd, views[j % nbuf], j * BUFFER)
+            if n == 0:
+                break
+            chunk = views[i % nbuf][:n]
+            try:
+                if crc:
+                    total_crc = crc32c_of(chunk, total_crc)
+                if consume is not None:
+                    consume(offset, chunk)
+            finally:
+                chunk.release()
+            offset += n
+            i += 1
+            if done:
+                break
+        return offset, total_crc
+    finally:
+        for f in futs.values():  # never free a buffer an I/O thread is still reading into
+            with contextlib.suppress(Exception):
+                f.result()
+        for v in views:
+            v.release()
+        for b in bufs:
+            # A view a failed consumer still holds (in its traceback) would turn the real
+            # error into a BufferError; the mapping is then freed with the view.
+            with contextlib.suppress(BufferError):
+                b.close()

@@ -7,7 +7,6 @@ import ctypes
 import errno
 import fcntl
 import json
-import mmap
 import os
 import shutil
 import stat
@@ -22,8 +21,10 @@ from ..errors import CommitError, ManifestError, StoreLockedError
 from ..integrity import crc32c_of, format_crc
 from ..layout import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, index_tmp_name, step_dirname
 from ..manifest import Manifest
+from . import iomode
 from .base import Consumer, Storage
-from .directio import BUFFER, Call, DirectWriter, open_direct_read, read_into, set_direct
+from .directio import DirectWriter, open_direct_read, read_into, stream_pipelined
+from .iomode import IO_MODES
 
 __all__ = ["LocalStorage"]
 
@@ -35,10 +36,26 @@ class LocalStorage(Storage):
     lockable: ClassVar[bool] = True
     cheap_listing: ClassVar[bool] = True
 
-    def __init__(self, root: str, *, direct_io: bool = True) -> None:
+    def __init__(self, root: str, *, direct_io: bool = True, io: str = "auto") -> None:
+        """A store at ``root``.
+
+        Args:
+            root: the store's directory (created at the first save).
+            direct_io: ``False`` never uses ``O_DIRECT`` (as ``io="buffered"``).
+            io: how payloads are read and written: ``"auto"`` (each device's faster mode,
+                measured once per process: see ``storage/iomode.py``), ``"direct"``
+                (``O_DIRECT`` where the filesystem allows it) or ``"buffered"``.
+
+        Raises:
+            ValueError: an unknown ``io``.
+        """
         super().__init__(os.path.abspath(os.path.expanduser(root)))
-        #: Use O_DIRECT for payload files where the filesystem allows it.
+        if io not in IO_MODES:
+            msg = f"io must be one of {', '.join(IO_MODES)}, got {io!r}"
+            raise ValueError(msg)
+        #: Use O_DIRECT for payload files where the filesystem allows it (and io allows).
         self.direct_io = direct_io
+        self.io = io
 
     def _p(self, rel: str) -> str:
         # Plain concatenation: os.path.join costs more than the lstat it feeds, and a
@@ -88,7 +105,22 @@ class LocalStorage(Storage):
     def _open_write(self, rel: str) -> IO[bytes]:
         # Payloads bypass the page cache (O_DIRECT where the filesystem allows it): they
         # are written once, fsynced, and not read back soon. See directio.py.
-        return DirectWriter(self._p(rel), direct=self.direct_io)  # type: ignore[return-value]
+        direct = self.direct_io and self.io != "buffered"
+        if not (direct and self.io == "auto"):
+            return DirectWriter(self._p(rel), direct=direct)  # type: ignore[return-value]
+        # Chosen when a file fills a whole buffer (small files never ask), from the speeds
+        # earlier large saves to this device reached in each mode (iomode.py).
+        where = self._p(rel.rpartition("/")[0])
+
+        def choose() -> bool:
+            return iomode.write_mode(where) == "direct"
+
+        def report(was_direct: bool, nbytes: int, seconds: float) -> None:
+            mode = "direct" if was_direct else "buffered"
+            iomode.record_write(where, mode, nbytes, seconds)
+
+        w = DirectWriter(self._p(rel), direct=True, choose=choose, report=report)
+        return w  # type: ignore[return-value]
 
     def _finish_write(self, f: IO[bytes], rel: str) -> None:
         if isinstance(f, DirectWriter):
@@ -148,9 +180,10 @@ class LocalStorage(Storage):
         return open(fd, "rb", buffering=0)
 
     def _stream(self, rel: str, consume: Consumer | None, *, crc: bool = True) -> tuple[int, int]:
-        # Large files: O_DIRECT reads into two aligned buffers, one filled by an I/O thread
-        # while the other is checksummed and consumed, so the disk never waits for the CPU.
-        # Small files (state.json, small payloads): one buffered read.
+        # Large files: several reads in flight on I/O threads into aligned buffers while the
+        # slice before them is checksummed and consumed, so the disk never waits for the
+        # CPU; O_DIRECT or buffered (with sequential readahead), whichever the device was
+        # measured to read faster (iomode.py). Small files (state.json): one buffered read.
         head, _, name = rel.rpartition("/")
         dfd = os.open(self._p(head), os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if head else 0))
         try:
@@ -164,11 +197,46 @@ class LocalStorage(Storage):
                 raise OSError(msg)
             if st.st_size < SMALL_FILE:
                 return _stream_small(fd, st.st_size, consume)
-            if self.direct_io:
-                set_direct(fd, True)  # refused (tmpfs): buffered reads, same code
-            return _stream_large(fd, consume, crc=crc)
+            with contextlib.suppress(OSError):
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead
+            mode = "buffered" if not self.direct_io else self.io
+            if mode == "auto":
+                mode = iomode.read_mode(st.st_dev)
+            t0 = time.perf_counter()
+            got = None
+            if mode == "direct":
+                dfd2 = self._open_direct_twin(head, name, st)
+                if dfd2 is not None:
+                    try:
+                        got = stream_pipelined(dfd2, consume, crc=crc)
+                    finally:
+                        os.close(dfd2)
+                else:
+                    mode = "buffered"  # O_DIRECT refused (tmpfs)
+            if got is None:
+                got = stream_pipelined(fd, consume, crc=crc)
+            if self.io == "auto" and self.direct_io:
+                iomode.record_read(st.st_dev, mode, got[0], time.perf_counter() - t0)
+            return got
         finally:
             os.close(fd)
+
+    def _open_direct_twin(self, head: str, name: str, st: os.stat_result) -> int | None:
+        """A second descriptor of the same file with ``O_DIRECT``; None where refused.
+
+        A separate open (O_DIRECT is a flag of the open file, shared by dup'd descriptors),
+        by the same no-symlink path, checked to be the same inode.
+        """
+        dfd = os.open(self._p(head), os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if head else 0))
+        try:
+            fd, direct = open_direct_read(name, dir_fd=dfd, direct=True)
+        finally:
+            os.close(dfd)
+        st2 = os.fstat(fd)
+        if not direct or (st2.st_dev, st2.st_ino) != (st.st_dev, st.st_ino):
+            os.close(fd)
+            return None
+        return fd
 
     def _remove(self, rel: str) -> None:
         dfd = _open_dir(self._p, rel)  # never through a symlinked directory
@@ -501,42 +569,3 @@ def _stream_small(fd: int, size: int, consume: Consumer | None) -> tuple[int, in
     if consume is not None and n:
         consume(0, chunk)
     return n, crc
-
-
-def _stream_large(fd: int, consume: Consumer | None, *, crc: bool = True) -> tuple[int, int]:
-    bufs = [mmap.mmap(-1, BUFFER), mmap.mmap(-1, BUFFER)]
-    views = [memoryview(b) for b in bufs]
-    fut: Call | None = Call(read_into, fd, views[0], 0)
-    try:
-        total_crc = 0
-        offset = 0
-        cur = 0
-        while fut is not None:
-            n = fut.result()
-            fut = None
-            if n == 0:
-                break
-            if n == BUFFER:
-                fut = Call(read_into, fd, views[cur ^ 1], offset + n)
-            chunk = views[cur][:n]
-            try:
-                if crc:
-                    total_crc = crc32c_of(chunk, total_crc)
-                if consume is not None:
-                    consume(offset, chunk)
-            finally:
-                chunk.release()
-            offset += n
-            cur ^= 1
-        return offset, total_crc
-    finally:
-        if fut is not None:  # never free a buffer the I/O thread is still reading into
-            with contextlib.suppress(Exception):
-                fut.result()
-        for v in views:
-            v.release()
-        for b in bufs:
-            # A view a failed consumer still holds (in its traceback) would turn the real
-            # error into a BufferError; the mapping is then freed with the view.
-            with contextlib.suppress(BufferError):
-                b.close()
