@@ -118,8 +118,8 @@ def kill_inside_save(step: int) -> None:
 
     real = sharding.write_shards
 
-    def dying(pending: Any, rank: int, plan: Any, flat: Any) -> Any:
-        table = real(pending, rank, plan, flat)
+    def dying(pending: Any, rank: int, plan: Any, flat: Any, **kw: Any) -> Any:
+        table = real(pending, rank, plan, flat, **kw)
         if pending.step == step:
             names = sorted({c.file for _, _, c in table["chunks"]})
             print(
