@@ -18,6 +18,7 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
+from .codec import payload as payload_codec
 from .codec import safetensors as st
 from .errors import IntegrityError
 from .integrity import BLOCK, check_blocks
@@ -32,8 +33,6 @@ __all__ = ["PIECE", "can_read_some", "read_some", "tensor_refs"]
 
 #: Most bytes one ranged read brings in (a whole number of blocks).
 PIECE = 16 * BLOCK
-#: How deep :func:`tensor_refs` walks (the tree codec nests at most 200 levels).
-_MAX_DEPTH = 205
 
 
 def tensor_refs(tree: Any) -> dict[str, set[str]]:
@@ -43,22 +42,10 @@ def tensor_refs(tree: Any) -> dict[str, set[str]]:
     nodes are skipped here; decoding them fails later with the real error.
     """
     out: dict[str, set[str]] = {}
-    todo: list[tuple[Any, int]] = [(tree, 0)]
-    while todo:
-        node, depth = todo.pop()
-        if depth > _MAX_DEPTH:
-            continue
-        if isinstance(node, list):
-            todo.extend((x, depth + 1) for x in node)
-            continue
-        if not isinstance(node, dict):
-            continue
+    for node in payload_codec.payload_nodes(tree, ("tensor", "ndarray", "view")):
         group, key = node.get("file"), node.get("key")
-        if node.get("t") in ("tensor", "ndarray", "view") and isinstance(group, str):
-            if isinstance(key, str):
-                out.setdefault(group, set()).add(key)
-            continue
-        todo.extend((v, depth + 1) for v in node.values() if isinstance(v, list | dict))
+        if isinstance(group, str) and isinstance(key, str):
+            out.setdefault(group, set()).add(key)
     return out
 
 
@@ -163,13 +150,7 @@ def read_some(  # noqa: PLR0917 - as payload.read_group
         for a, b, key in spans:
             dtype, shape, _, _ = header.entries[key]
             t = (into or {}).get(key)
-            if not (
-                t is not None
-                and t.dtype == dtype
-                and list(t.shape) == shape
-                and t.device.type == "cpu"
-                and t.is_contiguous()
-            ):
+            if t is None or not st.fits(t, dtype, shape):
                 t = torch.empty(shape, dtype=dtype)
             out[key] = t
             if b > a:

@@ -92,15 +92,11 @@ _TENSOR_ALLOWANCE = 4096
 _MAX_TREE_DEPTH = 205
 
 
-def stored_tensors(tree: Any) -> dict[str, dict[str, tuple[int, int]]]:
-    """The tensors a state tree keeps in payload files: ``{group: {key: (bytes, ndim)}}``.
+def payload_nodes(tree: Any, kinds: tuple[str, ...]) -> Iterator[dict[str, Any]]:
+    """The nodes of a state tree whose ``"t"`` is one of ``kinds``, not descending into them.
 
-    Read from the JSON tree alone, before any payload is: it bounds how far a compressed
-    payload may inflate. Malformed nodes are skipped here; decoding them fails later with
-    the real error. ``"view"`` nodes add nothing: they reference an entry stored by a
-    ``"tensor"`` (or ``"ndarray"``) node. Needs no torch (``verify`` runs without it).
+    Bounded: nodes nested deeper than the tree codec ever writes are not visited.
     """
-    out: dict[str, dict[str, tuple[int, int]]] = {}
     todo: list[tuple[Any, int]] = [(tree, 0)]
     while todo:
         node, depth = todo.pop()
@@ -111,19 +107,32 @@ def stored_tensors(tree: Any) -> dict[str, dict[str, tuple[int, int]]]:
             continue
         if not isinstance(node, dict):
             continue
-        if node.get("t") in ("tensor", "ndarray"):
-            try:
-                group, key = node["file"], node["key"]
-                shape = [int(d) for d in node["shape"]]
-                itemsize = ITEMSIZE[node["dtype"]]
-            except (KeyError, TypeError, ValueError):
-                continue
-            if isinstance(group, str) and isinstance(key, str):
-                size = (max(0, math.prod(shape)) * itemsize, len(shape))
-                entries = out.setdefault(group, {})
-                entries[key] = max(entries.get(key, (0, 0)), size)
+        if node.get("t") in kinds:
+            yield node
             continue
         todo.extend((v, depth + 1) for v in node.values() if isinstance(v, list | dict))
+
+
+def stored_tensors(tree: Any) -> dict[str, dict[str, tuple[int, int]]]:
+    """The tensors a state tree keeps in payload files: ``{group: {key: (bytes, ndim)}}``.
+
+    Read from the JSON tree alone, before any payload is: it bounds how far a compressed
+    payload may inflate. Malformed nodes are skipped here; decoding them fails later with
+    the real error. ``"view"`` nodes add nothing: they reference an entry stored by a
+    ``"tensor"`` (or ``"ndarray"``) node. Needs no torch (``verify`` runs without it).
+    """
+    out: dict[str, dict[str, tuple[int, int]]] = {}
+    for node in payload_nodes(tree, ("tensor", "ndarray")):
+        try:
+            group, key = node["file"], node["key"]
+            shape = [int(d) for d in node["shape"]]
+            itemsize = ITEMSIZE[node["dtype"]]
+        except (KeyError, TypeError, ValueError):
+            continue
+        if isinstance(group, str) and isinstance(key, str):
+            size = (max(0, math.prod(shape)) * itemsize, len(shape))
+            entries = out.setdefault(group, {})
+            entries[key] = max(entries.get(key, (0, 0)), size)
     return out
 
 

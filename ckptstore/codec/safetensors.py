@@ -73,6 +73,13 @@ class _Sink(Protocol):
     def write(self, data: Any, /) -> int: ...
 
 
+def fits(t: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
+    """Whether bytes of a ``dtype`` tensor of ``shape`` can be read straight into ``t``."""
+    return (
+        t.dtype == dtype and list(t.shape) == shape and t.device.type == "cpu" and t.is_contiguous()
+    )
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without copying (valid while ``t`` lives)."""
     if not t.is_contiguous() or t.device.type != "cpu":
@@ -390,16 +397,10 @@ class StreamDecoder:
         ranges = []
         for name, (dtype, shape, start, end) in header.entries.items():
             t = self.into.get(name)
-            if not (
-                t is not None
-                and t.dtype == dtype
-                and list(t.shape) == shape
-                and t.device.type == "cpu"
-                and t.is_contiguous()
-            ):
-                t = torch.empty(shape, dtype=dtype)
-            else:
+            if t is not None and fits(t, dtype, shape):
                 self.reused += 1
+            else:
+                t = torch.empty(shape, dtype=dtype)
             self.tensors[name] = t
             if end > start:
                 ranges.append((header.data_start + start, header.data_start + end, tensor_bytes(t)))
