@@ -5,15 +5,26 @@ over TCP on loopback and runs one scenario function from ``tests/multirank/scena
 worker writes its outcome (result or exception, with ``BarrierTimeout`` attributes) as JSON.
 The parent kills every rank when the deadline passes, so a hang fails the test instead of
 stalling CI.
+
+Ranks are forked by ``zygote.py``, a server that imported torch and ckptstore once (a fresh
+interpreter spends 2-5 s of CPU on those imports, most of the suite's time on two cores); each
+rank is still its own process with its own gloo group, pid and exit status. When the test's
+environment differs from the server's (a test that sets a variable), or with
+``CKPTSTORE_TEST_FORK=0``, ranks are started as fresh interpreters as before.
 """
 
 from __future__ import annotations
 
+import atexit
+import contextlib
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -38,6 +49,128 @@ class RankResult:
     output: str = ""
 
 
+class _ForkServer:
+    """The launcher's end of ``zygote.py``: fork requests out, pids and exit statuses in."""
+
+    # Variables pytest changes between tests; the ranks do not read them.
+    VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+
+    def __init__(self, env: dict[str, str]) -> None:
+        self.env = env
+        self._log = tempfile.NamedTemporaryFile(  # noqa: SIM115
+            prefix="ckptstore-zygote-", suffix=".log", delete=False
+        )
+        self.proc = subprocess.Popen(
+            [sys.executable, str(HERE / "zygote.py")],
+            env=env,
+            cwd=str(REPO),
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            stderr=self._log,
+        )
+        self._cond = threading.Condition()
+        self._pids: dict[int, int] = {}
+        self._status: dict[int, int] = {}
+        self._next = 0
+        self.dead = False
+        threading.Thread(target=self._read, daemon=True, name="zygote-replies").start()
+        atexit.register(self.close)
+
+    def fits(self, env: dict[str, str]) -> bool:
+        def strip(e: dict[str, str]) -> dict[str, str]:
+            return {k: v for k, v in e.items() if k not in self.VOLATILE}
+
+        return not self.dead and strip(env) == strip(self.env)
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            msg = json.loads(line)
+            with self._cond:
+                if "id" in msg:
+                    self._pids[msg["id"]] = msg["pid"]
+                else:
+                    self._status[msg["pid"]] = msg["status"]
+                self._cond.notify_all()
+        with self._cond:
+            self.dead = True
+            self._cond.notify_all()
+
+    def spawn(self, argv: list[str], log: Path) -> int | None:
+        """Fork one rank; its pid, or None when the server is gone (start it fresh instead)."""
+        with self._cond:
+            if self.dead:
+                return None
+            self._next += 1
+            rid = self._next
+        req = {"id": rid, "argv": argv, "log": str(log), "cwd": os.getcwd()}
+        assert self.proc.stdin is not None
+        try:
+            self.proc.stdin.write(json.dumps(req).encode() + b"\n")
+            self.proc.stdin.flush()
+        except OSError:
+            self.dead = True
+            return None
+        with self._cond:
+            # The first request waits for the server's imports.
+            self._cond.wait_for(lambda: rid in self._pids or self.dead, timeout=300)
+            return self._pids.pop(rid, None)
+
+    def wait(self, pid: int, timeout: float | None) -> int | None:
+        with self._cond:
+            self._cond.wait_for(lambda: pid in self._status or self.dead, timeout=timeout)
+            return self._status.get(pid)
+
+    def close(self) -> None:
+        if self.proc.stdin is not None and not self.proc.stdin.closed:
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+
+
+class _Forked:
+    """The part of :class:`subprocess.Popen` the launcher uses, for a forked rank."""
+
+    def __init__(self, server: _ForkServer, pid: int) -> None:
+        self.server = server
+        self.pid = pid
+        self.returncode: int | None = None
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = self.server.wait(self.pid, timeout)
+        if code is None:
+            if self.server.dead:
+                raise AssertionError(f"the fork server died; rank pid {self.pid} is lost")
+            raise subprocess.TimeoutExpired(f"rank pid {self.pid}", timeout or 0.0)
+        self.returncode = code
+        return code
+
+    def poll(self) -> int | None:
+        code = self.server.wait(self.pid, 0)
+        if code is not None:
+            self.returncode = code
+        return code
+
+    def kill(self) -> None:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(self.pid, signal.SIGKILL)
+
+
+_server: _ForkServer | None = None
+
+
+def _fork_server(env: dict[str, str]) -> _ForkServer | None:
+    """The server for ``env``, started on first use; None where ranks must start fresh."""
+    global _server
+    if os.environ.get("CKPTSTORE_TEST_FORK", "1") == "0" or not hasattr(os, "fork"):
+        return None
+    if _server is None or _server.dead:
+        _server = _ForkServer(env)
+    return _server if _server.fits(env) else None
+
+
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
@@ -55,9 +188,10 @@ def launch(
     """Run ``scenario`` on ``world_size`` ranks; return one result per rank (by rank)."""
     port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
-    procs = []
+    procs: list[tuple[subprocess.Popen[bytes] | _Forked, Any]] = []
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    server = _fork_server(env)
     for rank in range(world_size):
         out = workdir / f"rank{rank}.json"
         if out.exists():
@@ -73,7 +207,13 @@ def launch(
             str(workdir),
             json.dumps(args or {}),
         ]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log))
+        pid = server.spawn(cmd[1:], workdir / f"rank{rank}.log") if server else None
+        if pid is not None:
+            procs.append((_Forked(server, pid), log))  # type: ignore[arg-type]
+        else:
+            procs.append(
+                (subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log)
+            )
     deadline = time.monotonic() + timeout
     hung = False
     for p, _ in procs:

@@ -1,0 +1,103 @@
+"""Fork server for the multi-rank tests: pays for ``import torch`` once, forks every rank.
+
+A rank used to be a fresh ``python worker.py`` that spent 2-5 s of CPU importing torch,
+torch.distributed and ckptstore before it did anything; on the two cores CI has, the suite's
+~150 rank processes spent most of their time there. This process imports all of that once
+(without running a tensor op, starting a thread or joining a process group) and forks a
+child per rank. Each child is still a real, separate process: it joins its own gloo group over
+TCP, writes its own files, can be killed by pid, and its exit status is what ``waitpid`` says.
+
+Protocol (one JSON object a line): the launcher writes ``{"id", "argv", "log", "cwd"}`` on
+stdin; the server answers ``{"id", "pid"}`` when the child is forked and
+``{"pid", "status"}`` (``os.waitstatus_to_exitcode``) when it ends. EOF on stdin ends the
+server (children it has forked keep running until they finish or are killed).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import random
+import select
+import sys
+import traceback
+
+# The heavy imports every rank needs, done once here. No tensor is created, no thread
+# started: a fork of this process is as clean as a fresh interpreter that imported them.
+import numpy as np
+import torch
+import torch.distributed
+import torch.distributed.checkpoint
+import torch.distributed.fsdp
+import torch.distributed.tensor  # noqa: F401
+
+import ckptstore
+import ckptstore.manager  # noqa: F401
+from tests.multirank import dtensor_scenarios, export_scenarios, scenarios, worker  # noqa: F401
+
+
+def _child(argv: list[str], log: str, cwd: str, fds: tuple[int, ...]) -> None:
+    """Become one rank: stdio onto its log, fresh RNG seeds, then the worker's main()."""
+    code = 1
+    try:
+        for fd in fds:
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        out = os.open(log, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.chdir(cwd)
+        # A fresh interpreter seeds these from the OS: so must a fork, or every rank of every
+        # launch would draw the same "random" numbers.
+        random.seed()
+        np.random.seed()
+        sys.argv = argv
+        worker.main()  # ends with os._exit(0)
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else 1
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def main() -> None:
+    """Serve fork requests until stdin closes."""
+    requests = sys.stdin.fileno()
+    replies = os.dup(sys.stdout.fileno())
+    os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not reach the pipe
+    buf = b""
+    children: set[int] = set()
+    while True:
+        ready, _, _ = select.select([requests], [], [], 0.02)
+        eof = False
+        if ready:
+            data = os.read(requests, 1 << 16)
+            eof = not data
+            buf += data
+        while b"\n" in buf:
+            line, buf = buf.split(b"\n", 1)
+            req = json.loads(line)
+            pid = os.fork()
+            if pid == 0:
+                _child(req["argv"], req["log"], req["cwd"], (requests, replies))
+            children.add(pid)
+            os.write(replies, json.dumps({"id": req["id"], "pid": pid}).encode() + b"\n")
+        for pid in list(children):
+            done, status = os.waitpid(pid, os.WNOHANG)
+            if done:
+                children.discard(pid)
+                code = os.waitstatus_to_exitcode(status)
+                os.write(replies, json.dumps({"pid": pid, "status": code}).encode() + b"\n")
+        if eof:
+            return
+
+
+if __name__ == "__main__":
+    main()
