@@ -238,7 +238,11 @@ def read_group(
     if entry.compression == "zstd" and entry.codec in ("safetensors", "torch"):
         if checked and entry.blocks is None and entry.bytes > BLOCK:
             into = None  # an old manifest: checked only at its end, so fresh tensors
-        return _read_zstd(storage, step, name, entry, into, limit)
+        try:
+            return _read_zstd(storage, step, name, entry, into, limit)
+        except torchzip.NotStreamable:  # not laid out as torch.save writes: read it whole
+            data = storage.read_file(step, name, entry)
+            return decode_payload(data, entry, where, limit=limit)
     data = storage.read_file(step, name, entry)
     return decode_payload(data, entry, where, limit=limit)
 
@@ -248,7 +252,9 @@ class _ZstdTarget:
 
     A safetensors file streams into its tensors (``into``'s own where they match) through
     :class:`~ckptstore.codec.safetensors.StreamDecoder`, made once the header has declared
-    the file's size; a ``torch.save`` zip, whose directory is at its end, is collected.
+    the file's size; a ``torch.save`` zip, whose directory is at its end, through
+    :class:`~ckptstore.codec.torchzip.SequentialDecoder`, which follows its members front
+    to back and checks the directory last. Neither holds the file.
     """
 
     def __init__(
@@ -259,12 +265,18 @@ class _ZstdTarget:
         self.into = into
         self.inflater: zstd.Inflater | None = None
         self.decoder: st.StreamDecoder | None = None
+        self.zip: torchzip.SequentialDecoder | None = None
+        if entry.codec == "torch":
+            self.zip = torchzip.SequentialDecoder(where, into)
         self.buf = bytearray()
 
     def __call__(self, piece: memoryview) -> None:
         assert self.inflater is not None
+        if self.zip is not None:
+            self.zip(self.inflater.out, piece)
+            return
         size = self.inflater.declared_size
-        if self.entry.codec == "safetensors" and size is not None:
+        if size is not None:
             if self.decoder is None:
                 self.decoder = st.StreamDecoder(size, self.where, self.into)
             self.decoder(self.inflater.out, piece)
@@ -273,8 +285,8 @@ class _ZstdTarget:
 
     def result(self) -> dict[str, torch.Tensor]:
         assert self.inflater is not None
-        if self.entry.codec == "torch":
-            return torchzip.load_tensor_dict(self.buf, self.where)
+        if self.zip is not None:
+            return self.zip.result()
         size = self.inflater.declared_size
         if self.decoder is None or size is None:
             return st.read_tensors(self.buf, self.where)  # raises what is wrong with it
