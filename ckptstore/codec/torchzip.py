@@ -18,6 +18,7 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import re
 import struct
 import zipfile
 import zlib
@@ -238,9 +239,10 @@ _LFH = 0x04034B50
 
 
 class _Member:
-    __slots__ = ("data_start", "dest", "head", "lho", "name", "size")
+    __slots__ = ("crc", "data_start", "dest", "head", "lho", "name", "size")
 
-    def __init__(self, name: str, lho: int, size: int) -> None:
+    def __init__(self, name: str, lho: int, size: int, crc: int = 0) -> None:
+        self.crc = crc  # the CRC-32 the central directory gives
         self.name = name
         self.lho = lho
         self.size = size
@@ -302,7 +304,7 @@ def parse_directory(size: int, read: Callable[[int, int], memoryview], where: st
     for _ in range(count):
         if pos + 46 > len(cd) or struct.unpack("<I", cd[pos : pos + 4])[0] != _CDH:
             raise _bad(where, "central directory entry malformed")
-        (flags, method, _, _, _, csize, usize, nlen, xlen, clen, disk_no, _, _, lho) = (
+        (flags, method, _, _, crc, csize, usize, nlen, xlen, clen, disk_no, _, _, lho) = (
             struct.unpack("<HHHHIIIHHHHHII", cd[pos + 8 : pos + 46])
         )
         name_b = cd[pos + 46 : pos + 46 + nlen]
@@ -324,7 +326,7 @@ def parse_directory(size: int, read: Callable[[int, int], memoryview], where: st
             lho = next(it) if want[2] else lho
         if csize != usize:
             raise _bad(where, f"member {name_b!r} is stored in {csize} bytes but holds {usize}")
-        members.append(_Member(name_b.decode("utf-8", "replace"), lho, usize))
+        members.append(_Member(name_b.decode("utf-8", "replace"), lho, usize, crc))
     members.sort(key=lambda m: m.lho)
     end = 0
     for m in members:
@@ -890,3 +892,226 @@ def _has_zip64(extra: bytes) -> bool:
             return True
         pos += 4 + hlen
     return False
+
+
+class ZipStreamChecker:
+    """Checks a stored zip front to back as it streams by, holding a few KiB, not the file.
+
+    What :func:`check_zip` with ``deep`` checks of a whole archive, for the content of a
+    compressed payload (``verify``): every member stored, not encrypted, its CRC-32
+    right, and the central directory at the end (bounded by :data:`MAX_DIRECTORY_BYTES`)
+    listing exactly the members that streamed by, with their sizes and CRCs. A member
+    whose size its local header leaves to a data descriptor (``torch.save`` writes them
+    so) ends at the first descriptor that gives the bytes before it and their CRC-32; the
+    CRC runs along the data, so looking costs no second pass. Needs no torch.
+    """
+
+    def __init__(self, where: str) -> None:
+        """Check the archive named ``where`` in messages."""
+        self.where = where
+        #: (name, local header offset, size, CRC-32) of the members seen, in file order.
+        self.members: list[tuple[str, int, int, int]] = []
+        self._pos = 0
+        self._state = "head"
+        self._buf = bytearray()  # a header or the directory
+        self._name = ""
+        self._lho = 0
+        self._sized = True
+        self._zip64 = False
+        self._size = 0  # of the current member: known, or its bytes so far
+        self._done = 0  # bytes of a member of known size seen
+        self._want_crc = 0
+        self._crc = 0
+        self._carry = bytearray()  # unsized member: its last bytes, a descriptor may start there
+        self._recent = bytearray()
+        self._tail_base = -1
+        #: The most bytes held at once.
+        self.peak = 0
+
+    def __call__(self, offset: int, chunk: memoryview) -> None:
+        """Check the next ``chunk`` of the archive, found at ``offset`` (in order)."""
+        if offset != self._pos:
+            raise ValueError(f"bytes at {offset} fed after {self._pos}: feed in order")
+        mv = memoryview(chunk).cast("B")
+        while len(mv):
+            state = self._state
+            if state == "dir":
+                self._buf += mv
+                if len(self._buf) > MAX_DIRECTORY_BYTES + 2 * _TAIL:
+                    raise _bad(self.where, "central directory over its bound")
+                n = len(mv)
+            elif state == "head":
+                n = self._header(mv)
+            elif state == "data":
+                n = min(self._size - self._done, len(mv))
+                self._crc = zlib.crc32(mv[:n], self._crc)
+                self._done += n
+                if self._done == self._size:
+                    self._state = "desc" if not self._sized else "head"
+                    if self._sized:
+                        self._end_member(self._want_crc, self._size, self._size)
+            elif state == "desc":
+                n = self._descriptor(mv)
+            else:
+                n = self._scan(mv)
+            if state != "dir":
+                _keep_tail(self._recent, mv[:n])
+            self._pos += n
+            mv = mv[n:]
+        self.peak = max(self.peak, len(self._buf) + len(self._recent) + len(self._carry))
+
+    def _header(self, mv: memoryview) -> int:
+        buf = self._buf
+        need = 30 if len(buf) < 30 else 30 + _lfh_lengths(buf)
+        take = min(need - len(buf), len(mv))
+        buf += mv[:take]
+        if len(buf) >= 4:
+            sig = struct.unpack("<I", buf[:4])[0]
+            if sig in (_CDH, _EOCD):  # __call__ keeps these bytes in _recent too
+                self._buf = bytearray(self._recent) + mv[:take]
+                self._tail_base = self._pos + take - len(self._buf)
+                self._state = "dir"
+                return take
+            if sig != _LFH:
+                raise _bad(self.where, f"no local header at byte {self._pos + take - len(buf)}")
+        if len(buf) < 30 or len(buf) < 30 + _lfh_lengths(buf):
+            return take
+        (flags, method, _, _, crc, csize, usize, nlen, xlen) = struct.unpack(
+            "<HHHHIIIHH", buf[6:30]
+        )
+        name = bytes(buf[30 : 30 + nlen]).decode("utf-8", "replace")
+        extra = bytes(buf[30 + nlen : 30 + nlen + xlen])
+        if method != 0:
+            raise _compressed(self.where, name, method, csize, usize)
+        if flags & 1:
+            raise _bad(self.where, f"member {name!r} is encrypted")
+        if len(self.members) >= _MAX_MEMBERS:
+            raise _bad(self.where, f"more than {_MAX_MEMBERS} members")
+        self._name, self._lho = name, self._pos + take - len(buf)
+        self._zip64 = _has_zip64(extra)
+        self._sized = not flags & 8
+        self._crc = 0
+        self._done = 0
+        buf.clear()
+        if self._sized:
+            if self._zip64:
+                usize, csize = _zip64_extra(extra, 2, self.where)
+            if csize != usize:
+                raise _bad(self.where, f"member {name!r} is stored in {csize} bytes, holds {usize}")
+            self._size, self._want_crc = usize, crc
+            self._state = "data"
+            if not usize:
+                self._state = "head"
+                self._end_member(crc, 0, 0)
+        else:
+            self._size = 0
+            self._carry.clear()
+            self._state = "scan"
+        return take
+
+    def _dlen(self) -> int:
+        return 24 if self._zip64 else 16
+
+    def _desc(self, d: bytes | bytearray | memoryview) -> tuple[int, int, int, int]:
+        sig, crc = struct.unpack("<II", d[:8])
+        csize, usize = struct.unpack("<QQ" if self._zip64 else "<II", d[8 : self._dlen()])
+        return sig, crc, csize, usize
+
+    def _descriptor(self, mv: memoryview) -> int:
+        take = min(self._dlen() - len(self._buf), len(mv))
+        self._buf += mv[:take]
+        if len(self._buf) == self._dlen():
+            sig, crc, csize, usize = self._desc(self._buf)
+            self._buf.clear()
+            if sig != _DD:
+                raise _bad(self.where, f"member {self._name!r} has no data descriptor")
+            self._end_member(crc, csize, usize)
+            self._state = "head"
+        return take
+
+    def _scan(self, mv: memoryview) -> int:
+        """Member data of unknown size: its end is the first descriptor that matches it.
+
+        ``_carry`` holds the last bytes of the member not yet known to be data (a
+        descriptor may start in them); ``_size`` and ``_crc`` cover the bytes before. The
+        carried bytes are looked at again with the next ones (a few bytes copied).
+        """
+        if not self._carry:
+            return self._scan_buf(mv)
+        held = len(self._carry)
+        head = bytes(self._carry) + bytes(mv[: self._dlen()])
+        self._carry.clear()
+        return self._scan_buf(memoryview(head)) - held
+
+    def _scan_buf(self, buf: memoryview) -> int:
+        """Scan ``buf`` (the next bytes of the member); returns how many were used."""
+        dlen = self._dlen()
+        start = 0  # buf[:start] is data, counted in _size and _crc
+        p = _find(buf, 0)
+        while p >= 0 and p + dlen <= len(buf):
+            _, crc, csize, usize = self._desc(buf[p : p + dlen])
+            if csize == usize == self._size + p - start:  # cheap: the CRC only then
+                self._crc = zlib.crc32(buf[start:p], self._crc)
+                self._size += p - start
+                start = p
+                if crc == self._crc:
+                    self._end_member(crc, csize, usize)
+                    self._state = "head"
+                    return p + dlen
+            p = _find(buf, p + 1)
+        keep = max(start, len(buf) - (dlen - 1))
+        self._crc = zlib.crc32(buf[start:keep], self._crc)
+        self._size += keep - start
+        self._carry += buf[keep:]
+        return len(buf)
+
+    def _end_member(self, crc: int, csize: int, usize: int) -> None:
+        if csize != usize or usize != self._size:
+            raise _bad(self.where, f"member {self._name!r}: its sizes disagree")
+        if crc != self._crc:
+            raise IntegrityError(f"{self.where}: zip member {self._name!r} fails its CRC-32 check")
+        self.members.append((self._name, self._lho, self._size, crc))
+
+    def finish(self) -> int:
+        """Check the central directory against the members; returns their number.
+
+        Raises:
+            IntegrityError: the archive is truncated, or its directory disagrees.
+        """
+        if self._state != "dir":
+            raise _bad(self.where, "the stream ended before the archive did")
+        base, tail, size = self._tail_base, self._buf, self._pos
+
+        def read(offset: int, length: int) -> memoryview:
+            if offset < base or offset + length > size:
+                raise _bad(self.where, "the central directory is not where the members end")
+            return memoryview(tail)[offset - base : offset - base + length]
+
+        listed = parse_directory(size, read, self.where)
+        if not any(n.endswith("/data.pkl") or n == "data.pkl" for n, *_ in self.members):
+            raise IntegrityError(
+                f"{self.where}: zip archive has no data.pkl; not a torch.save file"
+            )
+        got = [(m.name, m.lho, m.size, m.crc) for m in listed]
+        if got != self.members:
+            raise _bad(self.where, "the central directory disagrees with the local headers")
+        return len(self.members)
+
+
+_DD_RE = re.compile(re.escape(struct.pack("<I", _DD)))
+
+
+def _find(mv: memoryview, start: int) -> int:
+    """Where the next data descriptor signature in ``mv`` starts (-1: none); no copy."""
+    m = _DD_RE.search(mv, start)
+    return -1 if m is None else m.start()
+
+
+def _keep_tail(recent: bytearray, b: memoryview) -> None:
+    """Keep the last bytes before a zip's directory: its end record is searched there."""
+    if len(b) >= _TAIL:
+        recent[:] = b[-_TAIL:]
+    else:
+        recent += b
+        if len(recent) > 2 * _TAIL:
+            del recent[:-_TAIL]
