@@ -486,3 +486,40 @@ def test_torch_format_corrupt_block_never_reaches_its_target(tmp_path: Path) -> 
     flat = dst.weight.detach().reshape(-1)
     tail = (size - ((at // (4 << 20)) * (4 << 20) - start)) // 4
     assert bool((flat[-tail:] == 7).all())
+
+
+def checked(data: bytes, piece: int) -> int:
+    """Members of ``data`` per :class:`ZipStreamChecker`, fed in slices of ``piece``."""
+    c = torchzip.ZipStreamChecker("f.pt")
+    mv = memoryview(data)
+    for o in range(0, len(data), piece):
+        c(o, mv[o : o + piece])
+    assert c.peak < 3 * (64 << 10) + 4096, c.peak  # never the 200 KB storage
+    return c.finish()
+
+
+@pytest.mark.parametrize("piece", [3, 15, 16, 17, 4096, 1 << 30])
+def test_zip_stream_checker_agrees_with_check_zip_in_any_slicing(piece: int) -> None:
+    data = saved({"a": torch.arange(1000.0), "b": torch.zeros(3, dtype=torch.int8),
+                  "c": torch.randn(50_000)})  # fmt: skip
+    assert checked(data, piece) == torchzip.check_zip(data, "f.pt", deep=True)
+
+
+def test_zip_stream_checker_finds_what_a_deep_check_finds() -> None:
+    data = saved({"a": torch.arange(1000.0), "c": torch.randn(50_000)})
+    _, start, size = member_data_offset(data, "data/1")
+    flipped = bytearray(data)
+    flipped[start + size // 2] ^= 0x04  # a storage byte: its CRC-32 fails
+    with pytest.raises(IntegrityError, match=r"zip member '.*data/1' fails its CRC-32 check"):
+        checked(bytes(flipped), 4096)
+    with pytest.raises(IntegrityError, match="ended before the archive did"):
+        checked(data[: len(data) // 2], 4096)  # truncated in a storage
+    with pytest.raises(IntegrityError, match="no end of central directory"):
+        checked(data[: len(data) - 30], 4096)  # truncated in its directory
+    other = bytearray(data)
+    at = other.rfind(b"archive/version")
+    other[at : at + 15] = b"archive/versioX"  # the directory names another member
+    with pytest.raises(IntegrityError, match="disagrees with the local headers"):
+        checked(bytes(other), 4096)
+    with pytest.raises(IntegrityError, match="is compressed"):
+        checked(deflated(data), 4096)

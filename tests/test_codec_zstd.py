@@ -500,3 +500,52 @@ def test_a_corrupt_compressed_block_is_refused_before_it_inflates(tmp_path: Path
         f"{root}/{step_dir(1)}/model.safetensors.zst: block 1 (bytes {4 << 20}.."
     )
     assert sum(fed) <= 4 << 20  # only block 0 reached the decompressor
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_verify_and_broadcast_copies_stream_compressed_payloads(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.codec import payload
+    from ckptstore.manifest import FileEntry
+
+    monkeypatch.setattr(zstd, "FRAME", 1 << 20)
+    monkeypatch.setattr(zstd, "THREADS", 2)
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(5 << 20, generator=g)  # 20 MiB, barely compressible: several blocks
+    root = tmp_path / "z"
+    with CheckpointManager(root, format=fmt, compression="zstd") as mgr:
+        mgr.save(1, {"model": {"w": w}})
+    name = "model" + {"safetensors": ".safetensors", "torch": ".pt"}[fmt] + ".zst"
+    path = root / step_dir(1) / name
+    data = bytearray(path.read_bytes())
+    assert len(data) > 16 << 20
+    # verify: each block checked, inflated and its content checked as it streams by; the
+    # whole-file path held the compressed file and the inflated one (~40 MiB).
+    with CheckpointManager(root) as mgr:
+        report, peak = peak_bytes(lambda: mgr.verify(1))
+    assert report.ok, report.problems
+    assert report.bytes_checked >= len(data)
+    assert peak < 12 << 20, f"verify allocated {peak} bytes"
+    # A broadcast copy (the whole compressed file, checked, in memory) inflates into the
+    # target as it streams, not into a second, inflated copy.
+    entry = FileEntry(bytes=len(data), crc32c=0, codec=fmt, compression="zstd")
+    target = torch.zeros_like(w)
+    got, peak = peak_bytes(lambda: payload.decode_bytes(data, entry, name, {"w": target}))
+    assert isinstance(got, dict), got
+    assert got["w"] is target
+    assert torch.equal(target, w)
+    assert peak < 12 << 20, f"decode_bytes allocated {peak} bytes"
+    # Content that is wrong under a right checksum (forged): found by the streamed check.
+    content = zstd.decompress(data, name)
+    if fmt == "torch":
+        content[len(content) // 2] ^= 0x10  # inside the storage: its zip CRC-32 fails
+        expect = "fails its CRC-32 check"
+    else:
+        content = content[:-100]  # shorter than its header declares
+        expect = "safetensors header declares"
+    _forge(root / step_dir(1), name, compressed(bytes(content)))
+    with CheckpointManager(root) as mgr:
+        report = mgr.verify(1)
+    assert not report.ok
+    assert any(expect in p for p in report.problems), report.problems

@@ -923,6 +923,7 @@ class ZipStreamChecker:
         self._want_crc = 0
         self._crc = 0
         self._carry = bytearray()  # unsized member: its last bytes, a descriptor may start there
+        self._mismatch = ""  # the first member whose descriptor's sizes fit but not its CRC
         self._recent = bytearray()
         self._tail_base = -1
         #: The most bytes held at once.
@@ -1032,16 +1033,36 @@ class ZipStreamChecker:
     def _scan(self, mv: memoryview) -> int:
         """Member data of unknown size: its end is the first descriptor that matches it.
 
-        ``_carry`` holds the last bytes of the member not yet known to be data (a
-        descriptor may start in them); ``_size`` and ``_crc`` cover the bytes before. The
-        carried bytes are looked at again with the next ones (a few bytes copied).
+        ``_carry`` holds the last bytes of the member not yet known to be data (fewer than
+        a descriptor: one may start in them); ``_size`` and ``_crc`` cover the bytes
+        before. The carried bytes are looked at again with the next few.
         """
-        if not self._carry:
+        carry = self._carry
+        if not carry:
             return self._scan_buf(mv)
-        held = len(self._carry)
-        head = bytes(self._carry) + bytes(mv[: self._dlen()])
-        self._carry.clear()
-        return self._scan_buf(memoryview(head)) - held
+        held, dlen = len(carry), self._dlen()
+        if len(mv) < dlen:  # a tiny piece: carried bytes and piece scanned as one
+            head = bytes(carry) + bytes(mv)
+            carry.clear()
+            return self._scan_buf(memoryview(head)) - held
+        # Every descriptor that starts in the carried bytes ends in the next dlen - 1.
+        head = bytes(carry) + bytes(mv[: dlen - 1])
+        q = _find(memoryview(head), 0)
+        while 0 <= q < held:
+            _, crc, csize, usize = self._desc(head[q : q + dlen])
+            if csize == usize == self._size + q and crc == zlib.crc32(head[:q], self._crc):
+                self._size, self._crc = self._size + q, crc
+                carry.clear()
+                self._end_member(crc, csize, usize)
+                self._state = "head"
+                return q + dlen - held
+            if csize == usize == self._size + q:
+                self._mismatch = self._mismatch or self._name
+            q = _find(memoryview(head), q + 1)
+        self._crc = zlib.crc32(carry, self._crc)
+        self._size += held
+        carry.clear()
+        return self._scan_buf(mv)
 
     def _scan_buf(self, buf: memoryview) -> int:
         """Scan ``buf`` (the next bytes of the member); returns how many were used."""
@@ -1058,6 +1079,7 @@ class ZipStreamChecker:
                     self._end_member(crc, csize, usize)
                     self._state = "head"
                     return p + dlen
+                self._mismatch = self._mismatch or self._name  # its data, or a look-alike
             p = _find(buf, p + 1)
         keep = max(start, len(buf) - (dlen - 1))
         self._crc = zlib.crc32(buf[start:keep], self._crc)
@@ -1079,6 +1101,10 @@ class ZipStreamChecker:
             IntegrityError: the archive is truncated, or its directory disagrees.
         """
         if self._state != "dir":
+            if self._mismatch:  # a descriptor of the right size was passed over: its CRC
+                raise IntegrityError(
+                    f"{self.where}: zip member {self._mismatch!r} fails its CRC-32 check"
+                )
             raise _bad(self.where, "the stream ended before the archive did")
         base, tail, size = self._tail_base, self._buf, self._pos
 
