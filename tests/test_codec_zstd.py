@@ -549,3 +549,20 @@ def test_verify_and_broadcast_copies_stream_compressed_payloads(
         report = mgr.verify(1)
     assert not report.ok
     assert any(expect in p for p in report.problems), report.problems
+
+
+def test_verify_refuses_a_multi_block_bomb_while_it_streams(tmp_path: Path) -> None:
+    root = tmp_path / "z"
+    with CheckpointManager(root, format="torch", compression="zstd") as mgr:
+        mgr.save(1, {"model": {"w": torch.arange(1000.0)}})
+    name = "model.pt.zst"
+    content = zstd.decompress((root / step_dir(1) / name).read_bytes(), name)
+    # The archive, a skippable frame of 5 MiB (several blocks: the streamed check), then a
+    # frame of 1 GiB of zeros in ~32 KB: far past what 4 KB of tensors can take.
+    skip = (0x184D2A50).to_bytes(4, "little") + (5 << 20).to_bytes(4, "little") + bytes(5 << 20)
+    _forge(root / step_dir(1), name, compressed(bytes(content)) + skip + zeros_frame())
+    with CheckpointManager(root) as mgr:
+        report, peak = peak_bytes(lambda: mgr.verify(1))
+    assert not report.ok
+    assert any("inflates past" in p for p in report.problems), report.problems
+    assert peak < 24 << 20, f"verify allocated {peak} bytes"
