@@ -234,9 +234,9 @@ class Reader:
                         limit=limit,
                         checked=in_place is not True,
                     )
-                else:
-                    part = payload_codec.decode_payload(
-                        fetch(n), entry, f"{where}/{n}", limit=limit
+                else:  # a broadcast copy, checked whole: a compressed one streams
+                    part = payload_codec.decode_bytes(
+                        fetch(n), entry, f"{where}/{n}", into.get(group), limit=limit
                     )
                 merged.update(part)
             cache[group] = merged

@@ -152,10 +152,18 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
             report.add(f"{where}: {size} bytes, manifest says {entry.bytes}; truncated or replaced")
             return
         if deep and entry.compression is not None and entry.codec in _PAYLOADS:
-            # Read once: checksummed, then inflated as far as it may be and checked.
+            limit = limits.of(name, entry)
+            if limit is not None and entry.blocks is not None:
+                # Streamed once: each block checked, then inflated (as far as it may) and
+                # its content checked as it goes by; a few frames held, not the file.
+                try:
+                    payload.check_compressed(storage, step, name, entry, limit)
+                finally:
+                    report.bytes_checked += entry.bytes
+                return
+            # One block, or an old manifest: read once, checksummed, then inflated.
             data = storage.read_file(step, name, entry)
             report.bytes_checked += len(data)
-            limit = limits.of(name, entry)
             if limit is not None:  # else its state file is reported broken
                 _check_compressed(data, entry, where, limit)
             return

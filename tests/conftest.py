@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -9,6 +10,11 @@ from typing import Any
 import pytest
 
 from ckptstore import CheckpointManager
+
+# The I/O modes measured by one test (or one developer's earlier runs) must not decide the
+# modes of another through the cross-process cache (storage/iocache.py): off for the
+# suite and the processes it starts; the cache's own tests point it at a file of theirs.
+os.environ["CKPTSTORE_IO_CACHE"] = "off"
 
 #: Every payload format x compression the manager writes.
 CODECS = [

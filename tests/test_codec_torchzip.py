@@ -330,6 +330,121 @@ def test_stream_decoder_refuses_a_storage_missing_from_the_archive() -> None:
         stream(bytes(data), 1 << 20).result()
 
 
+def sequential(data: bytes, piece: int, into: dict[str, torch.Tensor] | None = None) -> Any:
+    """A :class:`SequentialDecoder` fed ``data`` front to back in slices of ``piece``."""
+    dec = torchzip.SequentialDecoder("f.pt", into)
+    mv = memoryview(data)
+    for o in range(0, len(data), piece):
+        dec(o, mv[o : o + piece])
+    return dec
+
+
+@pytest.mark.parametrize("piece", [7, 29, 4096, 1 << 30])
+def test_sequential_decoder_is_byte_exact_in_any_slicing(piece: int) -> None:
+    ts = {
+        "w": torch.randn(33, 7),
+        "i": torch.arange(100, dtype=torch.int64),
+        "h": torch.randn(9).to(torch.bfloat16),
+        "b": torch.tensor([True, False, True]),
+        "e": torch.empty(0, 3),
+        "big": torch.randn(50_000),
+    }
+    target = torch.zeros(50_000)
+    wrong = torch.zeros(33, 7, dtype=torch.float64)  # another dtype: never written into
+    dec = sequential(saved(ts), piece, {"big": target, "w": wrong})
+    out = dec.result()
+    assert_same(out, ts)
+    assert out["big"] is target
+    assert dec.reused == 1
+    assert torch.equal(wrong, torch.zeros(33, 7, dtype=torch.float64))
+    # Held: the small records, the directory and the window before it, never the 200 KB
+    # storage (the tensor took its bytes).
+    assert dec.peak < 3 * (64 << 10) + 4096, dec.peak
+
+
+def test_sequential_decoder_rebuilds_views_and_refuses_code(tmp_path: Path) -> None:
+    base = torch.arange(20.0)
+    ts = {"x": base[2:7], "z": base}
+    out = sequential(saved(ts), 64).result()
+    assert_same(out, {k: v.clone() for k, v in ts.items()})
+    flag = tmp_path / "ran"
+    with pytest.raises(UnsafeCheckpointError, match="weights_only"):
+        sequential(saved({"t": torch.ones(2), "evil": RunsCode(str(flag))}), 100)
+    assert not flag.exists()
+
+
+def test_sequential_decoder_checks_the_directory_against_what_streamed() -> None:
+    data = saved({"a": torch.ones(1000), "b": torch.zeros(1000)})
+    # Truncated anywhere: never a result.
+    for cut in (10, len(data) // 2, data.rfind(b"PK\x01\x02") + 10, len(data) - 1):
+        with pytest.raises(IntegrityError):
+            sequential(data[:cut], 1 << 20).result()
+    # The directory names a member that did not stream by (renamed there only).
+    other = bytearray(data)
+    at = other.rfind(b"archive/version")
+    other[at : at + 15] = b"archive/versioX"
+    with pytest.raises(IntegrityError, match="directory disagrees with the local headers"):
+        sequential(bytes(other), 4096).result()
+    # A descriptor that gives a storage another size than data.pkl does.
+    _, start, size = member_data_offset(data, "data/1")
+    bad = bytearray(data)
+    bad[start + size + 8 : start + size + 16] = struct.pack("<II", size + 4, size + 4)
+    with pytest.raises(IntegrityError, match="its descriptor says"):
+        sequential(bytes(bad), 4096)
+    # A storage before data.pkl, or a first member that is not data.pkl: not torch.save's
+    # layout, for the whole-file path.
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as zf:
+        zf.writestr("archive/data/0", b"\0" * 8)
+        zf.writestr("archive/data.pkl", b"")
+    with pytest.raises(torchzip.NotStreamable):
+        sequential(buf.getvalue(), 4096)
+
+
+def test_sequential_decoder_bounds_a_record_without_a_descriptor(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    data = bytearray(saved({"a": torch.ones(10)}))
+    _, start, size = member_data_offset(bytes(data), "data.pkl")
+    data[start + size : start + size + 4] = b"XXXX"  # data.pkl's descriptor defaced
+    monkeypatch.setattr(torchzip, "_MAX_SCANNED", 1024)
+    with pytest.raises(torchzip.NotStreamable):
+        sequential(bytes(data) + bytes(4096), 64)
+    # A look-alike descriptor (its own offset twice, a wrong CRC) inside a record.
+    fake = bytearray(saved({"a": torch.ones(10)}))
+    fake[start + size + 4 : start + size + 8] = b"\0\0\0\0"
+    with pytest.raises(torchzip.NotStreamable):
+        sequential(bytes(fake), 64)
+
+
+def test_torch_zstd_payload_not_laid_out_as_torch_save_is_read_whole(tmp_path: Path) -> None:
+    state = {"model": {"w": torch.arange(1000.0)}}
+    root = tmp_path / "s"
+    with CheckpointManager(root, format="torch", compression="zstd") as mgr:
+        mgr.save(1, state)
+    # The same tensors in an archive whose storage comes before data.pkl: zipfile keeps
+    # the order it is given.
+    with zipfile.ZipFile(io.BytesIO(saved(state["model"]))) as src:
+        infos = sorted(src.infolist(), key=lambda i: not i.filename.endswith("data/0"))
+        out = io.BytesIO()
+        with zipfile.ZipFile(out, "w") as dst:
+            for info in infos:
+                dst.writestr(info, src.read(info))
+    replace_payload(root / step_dir(1), "model.pt.zst", _zst(out.getvalue()))
+    with CheckpointManager(root) as mgr:
+        assert_same(mgr.load(1), state)
+
+
+def _zst(data: bytes) -> bytes:
+    from ckptstore.codec import zstd
+
+    buf = io.BytesIO()
+    sink = zstd.ZstdSink(buf)
+    sink.write(data)
+    sink.close()
+    return buf.getvalue()
+
+
 def test_torch_format_restores_by_streaming_into_the_targets(tmp_path: Path) -> None:
     # Multi-block payloads (4 MiB blocks): the streaming path, targets filled in place.
     torch.manual_seed(0)
@@ -371,3 +486,40 @@ def test_torch_format_corrupt_block_never_reaches_its_target(tmp_path: Path) -> 
     flat = dst.weight.detach().reshape(-1)
     tail = (size - ((at // (4 << 20)) * (4 << 20) - start)) // 4
     assert bool((flat[-tail:] == 7).all())
+
+
+def checked(data: bytes, piece: int) -> int:
+    """Members of ``data`` per :class:`ZipStreamChecker`, fed in slices of ``piece``."""
+    c = torchzip.ZipStreamChecker("f.pt")
+    mv = memoryview(data)
+    for o in range(0, len(data), piece):
+        c(o, mv[o : o + piece])
+    assert c.peak < 3 * (64 << 10) + 4096, c.peak  # never the 200 KB storage
+    return c.finish()
+
+
+@pytest.mark.parametrize("piece", [3, 15, 16, 17, 4096, 1 << 30])
+def test_zip_stream_checker_agrees_with_check_zip_in_any_slicing(piece: int) -> None:
+    data = saved({"a": torch.arange(1000.0), "b": torch.zeros(3, dtype=torch.int8),
+                  "c": torch.randn(50_000)})  # fmt: skip
+    assert checked(data, piece) == torchzip.check_zip(data, "f.pt", deep=True)
+
+
+def test_zip_stream_checker_finds_what_a_deep_check_finds() -> None:
+    data = saved({"a": torch.arange(1000.0), "c": torch.randn(50_000)})
+    _, start, size = member_data_offset(data, "data/1")
+    flipped = bytearray(data)
+    flipped[start + size // 2] ^= 0x04  # a storage byte: its CRC-32 fails
+    with pytest.raises(IntegrityError, match=r"zip member '.*data/1' fails its CRC-32 check"):
+        checked(bytes(flipped), 4096)
+    with pytest.raises(IntegrityError, match="ended before the archive did"):
+        checked(data[: len(data) // 2], 4096)  # truncated in a storage
+    with pytest.raises(IntegrityError, match="no end of central directory"):
+        checked(data[: len(data) - 30], 4096)  # truncated in its directory
+    other = bytearray(data)
+    at = other.rfind(b"archive/version")
+    other[at : at + 15] = b"archive/versioX"  # the directory names another member
+    with pytest.raises(IntegrityError, match="disagrees with the local headers"):
+        checked(bytes(other), 4096)
+    with pytest.raises(IntegrityError, match="is compressed"):
+        checked(deflated(data), 4096)

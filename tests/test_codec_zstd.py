@@ -389,8 +389,8 @@ def test_restore_streams_compressed_payloads_through_a_bounded_buffer(
     monkeypatch.setattr(zstd, "FRAME", 1 << 20)
     monkeypatch.setattr(zstd, "THREADS", 2)  # a window of 3 frames in flight
     g = torch.Generator().manual_seed(3)
-    # 40 MiB, barely compressible (safetensors: the buffers are measured); torch: 12 MiB.
-    w = torch.randn((10 if fmt == "safetensors" else 3) << 20, generator=g)
+    # 40 MiB, barely compressible: the buffers are measured.
+    w = torch.randn(10 << 20, generator=g)
     state = {"model": {"w": w, "b": torch.arange(7)}, "step": 3}
     root = tmp_path / "z"
     with CheckpointManager(root, format=fmt, compression="zstd") as mgr:
@@ -416,12 +416,18 @@ def test_restore_streams_compressed_payloads_through_a_bounded_buffer(
     # The input being parsed (up to two frames) and the window of frames in flight (each
     # compressed and inflated), one more while a frame is handed over: 1 MiB frames.
     assert max(peaks) <= (2 + 2 * (3 + 1)) * (1 << 20) + (64 << 10), peaks
-    if fmt == "safetensors":
-        # Streamed into the tensors: the buffers read and inflated, not the 40 MiB file.
-        assert peak < 30 << 20, f"load allocated {peak} bytes"
-        with CheckpointManager(root) as mgr:
-            mgr.restore(target, in_place=True)
-        assert torch.equal(target["model"]["w"], w)
+    # Streamed into the tensors, in both formats (a torch.save zip member by member): the
+    # buffers read and inflated, not the 40 MiB file.
+    assert peak < 30 << 20, f"load allocated {peak} bytes"
+    with CheckpointManager(root) as mgr:
+        mgr.restore(target, in_place=True)
+    assert torch.equal(target["model"]["w"], w)
+    target["model"]["w"].zero_()
+    with CheckpointManager(root) as mgr:  # the default, checked restore streams too
+        got, peak = peak_bytes(lambda: mgr.restore(target))
+    assert got == 3, got
+    assert peak < 30 << 20, f"restore allocated {peak} bytes"
+    assert torch.equal(target["model"]["w"], w)
 
 
 def test_corrupt_frame_is_found_and_named(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -494,3 +500,69 @@ def test_a_corrupt_compressed_block_is_refused_before_it_inflates(tmp_path: Path
         f"{root}/{step_dir(1)}/model.safetensors.zst: block 1 (bytes {4 << 20}.."
     )
     assert sum(fed) <= 4 << 20  # only block 0 reached the decompressor
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_verify_and_broadcast_copies_stream_compressed_payloads(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.codec import payload
+    from ckptstore.manifest import FileEntry
+
+    monkeypatch.setattr(zstd, "FRAME", 1 << 20)
+    monkeypatch.setattr(zstd, "THREADS", 2)
+    g = torch.Generator().manual_seed(11)
+    w = torch.randn(5 << 20, generator=g)  # 20 MiB, barely compressible: several blocks
+    root = tmp_path / "z"
+    with CheckpointManager(root, format=fmt, compression="zstd") as mgr:
+        mgr.save(1, {"model": {"w": w}})
+    name = "model" + {"safetensors": ".safetensors", "torch": ".pt"}[fmt] + ".zst"
+    path = root / step_dir(1) / name
+    data = bytearray(path.read_bytes())
+    assert len(data) > 16 << 20
+    # verify: each block checked, inflated and its content checked as it streams by; the
+    # whole-file path held the compressed file and the inflated one (~40 MiB).
+    with CheckpointManager(root) as mgr:
+        report, peak = peak_bytes(lambda: mgr.verify(1))
+    assert report.ok, report.problems
+    assert report.bytes_checked >= len(data)
+    assert peak < 12 << 20, f"verify allocated {peak} bytes"
+    # A broadcast copy (the whole compressed file, checked, in memory) inflates into the
+    # target as it streams, not into a second, inflated copy.
+    entry = FileEntry(bytes=len(data), crc32c=0, codec=fmt, compression="zstd")
+    target = torch.zeros_like(w)
+    got, peak = peak_bytes(lambda: payload.decode_bytes(data, entry, name, {"w": target}))
+    assert isinstance(got, dict), got
+    assert got["w"] is target
+    assert torch.equal(target, w)
+    assert peak < 12 << 20, f"decode_bytes allocated {peak} bytes"
+    # Content that is wrong under a right checksum (forged): found by the streamed check.
+    content = zstd.decompress(data, name)
+    if fmt == "torch":
+        content[len(content) // 2] ^= 0x10  # inside the storage: its zip CRC-32 fails
+        expect = "fails its CRC-32 check"
+    else:
+        content = content[:-100]  # shorter than its header declares
+        expect = "safetensors header declares"
+    _forge(root / step_dir(1), name, compressed(bytes(content)))
+    with CheckpointManager(root) as mgr:
+        report = mgr.verify(1)
+    assert not report.ok
+    assert any(expect in p for p in report.problems), report.problems
+
+
+def test_verify_refuses_a_multi_block_bomb_while_it_streams(tmp_path: Path) -> None:
+    root = tmp_path / "z"
+    with CheckpointManager(root, format="torch", compression="zstd") as mgr:
+        mgr.save(1, {"model": {"w": torch.arange(1000.0)}})
+    name = "model.pt.zst"
+    content = zstd.decompress((root / step_dir(1) / name).read_bytes(), name)
+    # The archive, a skippable frame of 5 MiB (several blocks: the streamed check), then a
+    # frame of 1 GiB of zeros in ~32 KB: far past what 4 KB of tensors can take.
+    skip = (0x184D2A50).to_bytes(4, "little") + (5 << 20).to_bytes(4, "little") + bytes(5 << 20)
+    _forge(root / step_dir(1), name, compressed(bytes(content)) + skip + zeros_frame())
+    with CheckpointManager(root) as mgr:
+        report, peak = peak_bytes(lambda: mgr.verify(1))
+    assert not report.ok
+    assert any("inflates past" in p for p in report.problems), report.problems
+    assert peak < 24 << 20, f"verify allocated {peak} bytes"

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import math
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import IntegrityError
@@ -238,7 +238,11 @@ def read_group(
     if entry.compression == "zstd" and entry.codec in ("safetensors", "torch"):
         if checked and entry.blocks is None and entry.bytes > BLOCK:
             into = None  # an old manifest: checked only at its end, so fresh tensors
-        return _read_zstd(storage, step, name, entry, into, limit)
+        try:
+            return _read_zstd(storage, step, name, entry, into, limit)
+        except torchzip.NotStreamable:  # not laid out as torch.save writes: read it whole
+            data = storage.read_file(step, name, entry)
+            return decode_payload(data, entry, where, limit=limit)
     data = storage.read_file(step, name, entry)
     return decode_payload(data, entry, where, limit=limit)
 
@@ -248,7 +252,9 @@ class _ZstdTarget:
 
     A safetensors file streams into its tensors (``into``'s own where they match) through
     :class:`~ckptstore.codec.safetensors.StreamDecoder`, made once the header has declared
-    the file's size; a ``torch.save`` zip, whose directory is at its end, is collected.
+    the file's size; a ``torch.save`` zip, whose directory is at its end, through
+    :class:`~ckptstore.codec.torchzip.SequentialDecoder`, which follows its members front
+    to back and checks the directory last. Neither holds the file.
     """
 
     def __init__(
@@ -259,12 +265,18 @@ class _ZstdTarget:
         self.into = into
         self.inflater: zstd.Inflater | None = None
         self.decoder: st.StreamDecoder | None = None
+        self.zip: torchzip.SequentialDecoder | None = None
+        if entry.codec == "torch":
+            self.zip = torchzip.SequentialDecoder(where, into)
         self.buf = bytearray()
 
     def __call__(self, piece: memoryview) -> None:
         assert self.inflater is not None
+        if self.zip is not None:
+            self.zip(self.inflater.out, piece)
+            return
         size = self.inflater.declared_size
-        if self.entry.codec == "safetensors" and size is not None:
+        if size is not None:
             if self.decoder is None:
                 self.decoder = st.StreamDecoder(size, self.where, self.into)
             self.decoder(self.inflater.out, piece)
@@ -273,8 +285,8 @@ class _ZstdTarget:
 
     def result(self) -> dict[str, torch.Tensor]:
         assert self.inflater is not None
-        if self.entry.codec == "torch":
-            return torchzip.load_tensor_dict(self.buf, self.where)
+        if self.zip is not None:
+            return self.zip.result()
         size = self.inflater.declared_size
         if self.decoder is None or size is None:
             return st.read_tensors(self.buf, self.where)  # raises what is wrong with it
@@ -303,28 +315,142 @@ def _read_zstd(  # noqa: PLR0917 - private, one call site
     until this returns, nothing it wrote may be trusted (tensors of ``into`` may hold partial
     data on error, as with ``in_place``).
     """
-    where = storage.describe(step, name)
-    target = _ZstdTarget(entry, where, into)
-    declared = None
-    if entry.codec == "safetensors":
 
-        def declared(out: bytearray) -> int | None:
-            return st.declared_size(out, where)
-
-    inflater = zstd.Inflater(
-        target, where, limit=limit, why="its tensors in the state file can take", declared=declared
-    )
-    target.inflater = inflater
-    try:
+    def feed(inflater: zstd.Inflater) -> None:
         if entry.blocks is None and entry.bytes <= BLOCK:
             inflater.feed(storage.read_file(step, name, entry))
         else:
             # With block CRCs, stream_file hands on only bytes whose block passed.
             storage.stream_file(step, name, entry, lambda _offset, chunk: inflater.feed(chunk))
+
+    return _inflate(storage.describe(step, name), entry, into, limit, feed)
+
+
+def _inflate(
+    where: str,
+    entry: FileEntry,
+    into: Mapping[str, torch.Tensor] | None,
+    limit: int | None,
+    feed: Callable[[zstd.Inflater], None],
+) -> dict[str, torch.Tensor]:
+    """Inflate what ``feed`` pushes into an inflater, decoding it as it streams."""
+    target = _ZstdTarget(entry, where, into)
+    inflater = zstd.Inflater(target, where, limit=limit, why=_WHY, declared=_declared(entry, where))
+    target.inflater = inflater
+    try:
+        feed(inflater)
         inflater.finish()
     finally:
         inflater.close()
     return target.result()
+
+
+_WHY = "its tensors in the state file can take"
+
+
+def _declared(entry: FileEntry, where: str) -> Callable[[bytearray], int | None] | None:
+    """What bounds a safetensors file as it inflates: the size its own header declares."""
+    if entry.codec != "safetensors":
+        return None
+
+    def declared(out: bytearray) -> int | None:
+        return st.declared_size(out, where)
+
+    return declared
+
+
+def decode_bytes(
+    data: bytearray,
+    entry: FileEntry,
+    where: str,
+    into: Mapping[str, torch.Tensor] | None = None,
+    *,
+    limit: int | None = None,
+) -> dict[str, torch.Tensor]:
+    """Decode a payload file held in memory (checked already: a broadcast copy).
+
+    A compressed one inflates as it streams, a few frames at a time, into the tensors of
+    ``into`` where they match (see :func:`read_group`), never into a second, inflated copy
+    of the file; one not laid out as its format writes it is inflated whole instead.
+    """
+    if entry.compression == "zstd" and entry.codec in ("safetensors", "torch"):
+        try:
+            return _inflate(where, entry, into, limit, lambda inflater: inflater.feed(data))
+        except torchzip.NotStreamable:
+            pass
+    return decode_payload(data, entry, where, limit=limit)
+
+
+class _SafetensorsCheck:
+    """Checks the header of an inflating safetensors file, holding only the header."""
+
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.inflater: zstd.Inflater | None = None
+        self.head: bytearray | None = bytearray()
+
+    def __call__(self, piece: memoryview) -> None:
+        if self.head is None:
+            return
+        assert self.inflater is not None
+        self.head += piece[: max(0, 8 + st.MAX_HEADER_BYTES - len(self.head))]
+        size = self.inflater.declared_size
+        need = 8 + int.from_bytes(self.head[:8], "little") if len(self.head) >= 8 else 8
+        if size is not None and len(self.head) >= need:
+            st.parse_header(self.head, size, self.where)
+            self.head = None
+
+    def finish(self) -> None:
+        assert self.inflater is not None
+        size = self.inflater.declared_size
+        if self.head is not None or size is None:
+            try:  # says what is wrong with what came
+                st.parse_header(self.head or b"", self.inflater.out, self.where)
+            except IntegrityError:
+                raise
+            except ValueError:
+                pass
+            raise IntegrityError(f"{self.where}: safetensors header incomplete or corrupt")
+        if self.inflater.out != size:
+            raise IntegrityError(
+                f"{self.where}: zstd stream inflates to {self.inflater.out} bytes, its "
+                f"safetensors header declares {size}; the file is truncated or corrupt"
+            )
+
+
+def check_compressed(storage: Any, step: int, name: str, entry: FileEntry, limit: int) -> None:
+    """Stream a compressed payload of a store and check what is inside (``verify``).
+
+    The compressed bytes are checked block by block (``entry.blocks``; required) before
+    they inflate, at most to ``limit`` bytes; the content is checked as it streams by: a
+    safetensors header, or every member of a ``torch.save`` zip and its directory
+    (:class:`~ckptstore.codec.torchzip.ZipStreamChecker`). Held at once: a few frames.
+
+    Raises:
+        IntegrityError: a block, the stream or the content is corrupt.
+    """
+    where = storage.describe(step, name)
+    inflater: zstd.Inflater
+    if entry.codec == "torch":
+        zc = torchzip.ZipStreamChecker(where)
+
+        def consume(piece: memoryview) -> None:
+            zc(inflater.out, piece)
+
+        inflater = zstd.Inflater(consume, where, limit=limit, why=_WHY)
+    else:
+        sc = _SafetensorsCheck(where)
+        inflater = zstd.Inflater(sc, where, limit=limit, why=_WHY, declared=_declared(entry, where))
+        sc.inflater = inflater
+    try:
+        storage.stream_file(step, name, entry, lambda _offset, chunk: inflater.feed(chunk))
+        inflater.finish()
+    finally:
+        inflater.close()
+    if entry.codec == "torch":
+        zc.finish()
+    else:
+        sc.finish()
 
 
 def _decode_buffer(

@@ -18,8 +18,10 @@ from __future__ import annotations
 import io
 import math
 import pickle
+import re
 import struct
 import zipfile
+import zlib
 from collections.abc import Callable, Mapping
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -237,9 +239,10 @@ _LFH = 0x04034B50
 
 
 class _Member:
-    __slots__ = ("data_start", "dest", "head", "lho", "name", "size")
+    __slots__ = ("crc", "data_start", "dest", "head", "lho", "name", "size")
 
-    def __init__(self, name: str, lho: int, size: int) -> None:
+    def __init__(self, name: str, lho: int, size: int, crc: int = 0) -> None:
+        self.crc = crc  # the CRC-32 the central directory gives
         self.name = name
         self.lho = lho
         self.size = size
@@ -301,7 +304,7 @@ def parse_directory(size: int, read: Callable[[int, int], memoryview], where: st
     for _ in range(count):
         if pos + 46 > len(cd) or struct.unpack("<I", cd[pos : pos + 4])[0] != _CDH:
             raise _bad(where, "central directory entry malformed")
-        (flags, method, _, _, _, csize, usize, nlen, xlen, clen, disk_no, _, _, lho) = (
+        (flags, method, _, _, crc, csize, usize, nlen, xlen, clen, disk_no, _, _, lho) = (
             struct.unpack("<HHHHIIIHHHHHII", cd[pos + 8 : pos + 46])
         )
         name_b = cd[pos + 46 : pos + 46 + nlen]
@@ -323,7 +326,7 @@ def parse_directory(size: int, read: Callable[[int, int], memoryview], where: st
             lho = next(it) if want[2] else lho
         if csize != usize:
             raise _bad(where, f"member {name_b!r} is stored in {csize} bytes but holds {usize}")
-        members.append(_Member(name_b.decode("utf-8", "replace"), lho, usize))
+        members.append(_Member(name_b.decode("utf-8", "replace"), lho, usize, crc))
     members.sort(key=lambda m: m.lho)
     end = 0
     for m in members:
@@ -605,3 +608,536 @@ def open_stream(
             return StreamDecoder(parse_directory(entry.bytes, read, where), where, into)
         except NotStreamable:
             return None
+
+
+# ---- streaming a compressed archive: no central directory first -------------------------
+
+_DD = 0x08074B50
+#: Most bytes of a record whose size its local header leaves to the data descriptor and
+#: data.pkl does not give (data.pkl itself, byteorder, version, ...): searched for its end.
+_MAX_SCANNED = MAX_RECORD_BYTES
+#: Most members followed front to back (a central directory of its bound holds no more).
+_MAX_MEMBERS = MAX_DIRECTORY_BYTES // 46
+
+
+class SequentialDecoder(StreamDecoder):
+    """Decodes a stored ``torch.save`` zip front to back, from its content alone.
+
+    For an archive whose central directory cannot be read first (the content of a zstd
+    stream, inflating in order). ``torch.save`` writes each member's sizes only after its
+    data, in a data descriptor; so a storage's size comes from ``data.pkl`` (written
+    first, and unpickled as soon as it is in) and goes straight into its tensor, while a
+    small record (``data.pkl``, ``byteorder``, ...) is held until its descriptor is found
+    (bounded by :data:`MAX_RECORD_BYTES`; the descriptor must give the bytes before it and
+    their CRC-32). The central directory at the end (bounded by
+    :data:`MAX_DIRECTORY_BYTES`) must then list exactly the members followed, or the
+    archive is refused. Held at once: one record, the directory, and the last 64 KiB.
+
+    Raises (from ``__call__`` and :meth:`result`):
+        IntegrityError: the archive is malformed or its directory disagrees.
+        NotStreamable: valid, perhaps, but not laid out as ``torch.save`` writes it: read
+            the file whole.
+    """
+
+    def __init__(self, where: str, into: Mapping[str, torch.Tensor] | None) -> None:
+        # Members are found as they stream by: none is known yet.
+        self.where = where
+        self.into = dict(into or {})
+        self.members = []
+        self._i = 0
+        self._pickle = None
+        self._prefix = ""
+        self._by_name = {}
+        self._storages = {}
+        self._result = None
+        self._views = []
+        self._filled = set()
+        self.reused = 0
+        self._pos = 0  # content bytes consumed
+        self._state = "head"
+        self._cur: _Member | None = None
+        self._buf = bytearray()  # a header, a record, a descriptor or the directory
+        self._left = 0  # data bytes of the current member still to come
+        self._sized = True  # the current member's size is in its local header
+        self._zip64 = False
+        self._scan_from = 0
+        self._recent = bytearray()  # the last _TAIL bytes before the directory
+        self._tail_base = -1  # content offset of _buf[0] once in the directory
+        #: The most bytes held at once (records, directory, the recent window).
+        self.peak = 0
+
+    def __call__(self, offset: int, chunk: memoryview) -> None:
+        """Consume the next ``chunk`` of the content, found at ``offset`` (in order)."""
+        if offset != self._pos:
+            raise ValueError(f"bytes at {offset} fed after {self._pos}: feed in order")
+        mv = memoryview(chunk).cast("B")
+        at = offset
+        while len(mv):
+            used = self._step(at, mv)
+            at += used
+            mv = mv[used:]
+        self._pos = at
+        self.peak = max(self.peak, len(self._buf) + len(self._recent))
+
+    def _remember(self, b: memoryview) -> None:
+        """Keep the last bytes before the directory: its end record is searched there."""
+        if len(b) >= _TAIL:
+            self._recent[:] = b[-_TAIL:]
+        else:
+            self._recent += b
+            if len(self._recent) > 2 * _TAIL:
+                del self._recent[:-_TAIL]
+
+    def _step(self, at: int, mv: memoryview) -> int:
+        """Consume a prefix of ``mv`` (at content offset ``at``); returns its length."""
+        state = self._state
+        if state == "dir":
+            self._buf += mv
+            if len(self._buf) > MAX_DIRECTORY_BYTES + 2 * _TAIL:
+                raise _bad(self.where, "central directory over its bound")
+            return len(mv)
+        if state == "head":
+            return self._header(at, mv)
+        if state == "data":
+            m = self._cur
+            assert m is not None
+            n = min(self._left, len(mv))
+            if m.dest is not None:
+                done = m.size - self._left
+                m.dest[done : done + n] = mv[:n]
+            self._left -= n
+            self._remember(mv[:n])
+            if not self._left:
+                self._data_done(m)
+            return n
+        n = self._descriptor(mv) if state == "desc" else self._scan(mv)
+        self._remember(mv[:n])
+        return n
+
+    def _header(self, at: int, mv: memoryview) -> int:
+        buf = self._buf
+        need = 30 if len(buf) < 30 else 30 + _lfh_lengths(buf)
+        take = min(need - len(buf), len(mv))
+        buf += mv[:take]
+        self._remember(mv[:take])
+        if len(buf) >= 4:
+            sig = struct.unpack("<I", buf[:4])[0]
+            if sig in (_CDH, _EOCD):  # the directory: held from here on, after the window
+                self._buf = bytearray(self._recent)
+                self._tail_base = at + take - len(self._recent)
+                self._recent = bytearray()
+                self._state = "dir"
+                return take
+            if sig != _LFH:
+                raise _bad(self.where, f"no local header at byte {at + take - len(buf)}")
+        if len(buf) < 30 or len(buf) < 30 + _lfh_lengths(buf):
+            return take
+        self._open_member(at + take - len(buf), bytes(buf))
+        buf.clear()
+        return take
+
+    def _open_member(self, lho: int, head: bytes) -> None:
+        (flags, method, _, _, _, csize, usize, nlen, xlen) = struct.unpack("<HHHHIIIHH", head[6:30])
+        name = head[30 : 30 + nlen].decode("utf-8", "replace")
+        extra = head[30 + nlen : 30 + nlen + xlen]
+        if method != 0:
+            raise _compressed(self.where, name, method, csize, usize)
+        if flags & 1:
+            raise _bad(self.where, f"member {name!r} is encrypted")
+        if name in self._by_name:
+            raise _bad(self.where, "two members with one name")
+        if len(self.members) >= _MAX_MEMBERS:
+            raise _bad(self.where, f"more than {_MAX_MEMBERS} members")
+        m = _Member(name, lho, 0)
+        m.data_start = lho + len(head)
+        self._zip64 = _has_zip64(extra)
+        if not self.members:  # torch.save writes data.pkl first
+            if not (name.endswith("data.pkl") and name.count("/") == 1):
+                raise NotStreamable
+            self._pickle = m
+            self._prefix = name[: -len("data.pkl")]
+        self.members.append(m)
+        self._by_name[name] = m
+        self._cur = m
+        self._sized = not flags & 8
+        if self._sized:
+            if self._zip64:
+                usize, csize = _zip64_extra(extra, 2, self.where)
+            if csize != usize:
+                raise _bad(
+                    self.where, f"member {name!r} is stored in {csize} bytes but holds {usize}"
+                )
+            self._begin_data(m, usize)
+            return
+        rel = name[len(self._prefix) :] if name.startswith(self._prefix) else ""
+        if rel.startswith("data/") and m is not self._pickle:
+            if self._result is None:
+                raise NotStreamable  # a storage before data.pkl: not torch.save's order
+            got = self._storages.get(rel[5:])
+            if got is None:
+                raise NotStreamable  # a storage no tensor uses: its size is nowhere
+            self._begin_data(m, got[1])
+            return
+        self._state = "scan"
+        self._scan_from = 0
+
+    def _begin_data(self, m: _Member, size: int) -> None:
+        m.size = size
+        m.dest = self._dest(m)
+        self._left = size
+        self._state = "data"
+        if not size:
+            self._data_done(m)
+
+    def _data_done(self, m: _Member) -> None:
+        if self._sized:
+            self._member_done(m)
+        else:
+            self._state = "desc"
+
+    def _member_done(self, m: _Member) -> None:
+        self._finish(m)
+        self._i = len(self.members)
+        self._cur = None
+        self._state = "head"
+
+    def _desc_len(self) -> int:
+        return 24 if self._zip64 else 16
+
+    def _desc_sizes(self, d: bytes | bytearray | memoryview) -> tuple[int, int, int, int]:
+        sig, crc = struct.unpack("<II", d[:8])
+        fmt = "<QQ" if self._zip64 else "<II"
+        csize, usize = struct.unpack(fmt, d[8 : self._desc_len()])
+        return sig, crc, csize, usize
+
+    def _descriptor(self, mv: memoryview) -> int:
+        m = self._cur
+        assert m is not None
+        take = min(self._desc_len() - len(self._buf), len(mv))
+        self._buf += mv[:take]
+        if len(self._buf) == self._desc_len():
+            sig, _, csize, usize = self._desc_sizes(self._buf)
+            if sig != _DD:
+                raise NotStreamable  # a descriptor without its signature
+            if csize != m.size or usize != m.size:
+                raise _bad(self.where, f"member {m.name!r}: its descriptor says {usize} bytes")
+            self._buf.clear()
+            self._member_done(m)
+        return take
+
+    def _scan(self, mv: memoryview) -> int:
+        """A record of unknown size: held until a descriptor gives its size and CRC-32.
+
+        Taken in slices that double with the record (from 64 KiB), so that a file of many
+        small records costs no more than its bytes, and bounded by :data:`_MAX_SCANNED`.
+        """
+        m = self._cur
+        assert m is not None
+        buf = self._buf
+        old = len(buf)
+        take = min(len(mv), max(64 << 10, old))
+        buf += mv[:take]
+        dlen = self._desc_len()
+        sig = struct.pack("<I", _DD)
+        while True:
+            p = buf.find(sig, self._scan_from)
+            if p < 0:
+                self._scan_from = max(0, len(buf) - 3)
+                break
+            if p + dlen > len(buf):
+                self._scan_from = p
+                break
+            _, crc, csize, usize = self._desc_sizes(buf[p : p + dlen])
+            if csize == usize == p:
+                if zlib.crc32(buf[:p]) != crc:
+                    raise NotStreamable  # a record that holds a look-alike descriptor
+                m.size = p
+                m.dest = memoryview(bytearray(buf[:p]))
+                buf.clear()
+                self._member_done(m)
+                return p + dlen - old
+            self._scan_from = p + 1
+        if len(buf) > _MAX_SCANNED + dlen:
+            raise NotStreamable  # a record too large to hold: read the file whole
+        return take
+
+    def result(self) -> dict[str, torch.Tensor]:
+        """The decoded tensors, once the whole content was fed and checked.
+
+        Raises:
+            IntegrityError: the stream ended inside the archive, or its central directory
+                disagrees with the members that streamed by.
+        """
+        if self._state != "dir":
+            raise _bad(self.where, "the stream ended before the archive did")
+        base, tail, size = self._tail_base, self._buf, self._pos
+
+        def read(offset: int, length: int) -> memoryview:
+            if offset < base or offset + length > size:
+                raise _bad(self.where, "the central directory is not where the members end")
+            return memoryview(tail)[offset - base : offset - base + length]
+
+        listed = [(m.name, m.lho, m.size) for m in parse_directory(size, read, self.where)]
+        seen = [(m.name, m.lho, m.size) for m in self.members]
+        if listed != seen:
+            raise _bad(self.where, "the central directory disagrees with the local headers")
+        return super().result()
+
+
+def _has_zip64(extra: bytes) -> bool:
+    pos = 0
+    while pos + 4 <= len(extra):
+        hid, hlen = struct.unpack("<HH", extra[pos : pos + 4])
+        if hid == 1:
+            return True
+        pos += 4 + hlen
+    return False
+
+
+class ZipStreamChecker:
+    """Checks a stored zip front to back as it streams by, holding a few KiB, not the file.
+
+    What :func:`check_zip` with ``deep`` checks of a whole archive, for the content of a
+    compressed payload (``verify``): every member stored, not encrypted, its CRC-32
+    right, and the central directory at the end (bounded by :data:`MAX_DIRECTORY_BYTES`)
+    listing exactly the members that streamed by, with their sizes and CRCs. A member
+    whose size its local header leaves to a data descriptor (``torch.save`` writes them
+    so) ends at the first descriptor that gives the bytes before it and their CRC-32; the
+    CRC runs along the data, so looking costs no second pass. Needs no torch.
+    """
+
+    def __init__(self, where: str) -> None:
+        """Check the archive named ``where`` in messages."""
+        self.where = where
+        #: (name, local header offset, size, CRC-32) of the members seen, in file order.
+        self.members: list[tuple[str, int, int, int]] = []
+        self._pos = 0
+        self._state = "head"
+        self._buf = bytearray()  # a header or the directory
+        self._name = ""
+        self._lho = 0
+        self._sized = True
+        self._zip64 = False
+        self._size = 0  # of the current member: known, or its bytes so far
+        self._done = 0  # bytes of a member of known size seen
+        self._want_crc = 0
+        self._crc = 0
+        self._carry = bytearray()  # unsized member: its last bytes, a descriptor may start there
+        self._mismatch = ""  # the first member whose descriptor's sizes fit but not its CRC
+        self._recent = bytearray()
+        self._tail_base = -1
+        #: The most bytes held at once.
+        self.peak = 0
+
+    def __call__(self, offset: int, chunk: memoryview) -> None:
+        """Check the next ``chunk`` of the archive, found at ``offset`` (in order)."""
+        if offset != self._pos:
+            raise ValueError(f"bytes at {offset} fed after {self._pos}: feed in order")
+        mv = memoryview(chunk).cast("B")
+        while len(mv):
+            state = self._state
+            if state == "dir":
+                self._buf += mv
+                if len(self._buf) > MAX_DIRECTORY_BYTES + 2 * _TAIL:
+                    raise _bad(self.where, "central directory over its bound")
+                n = len(mv)
+            elif state == "head":
+                n = self._header(mv)
+            elif state == "data":
+                n = min(self._size - self._done, len(mv))
+                self._crc = zlib.crc32(mv[:n], self._crc)
+                self._done += n
+                if self._done == self._size:
+                    self._state = "desc" if not self._sized else "head"
+                    if self._sized:
+                        self._end_member(self._want_crc, self._size, self._size)
+            elif state == "desc":
+                n = self._descriptor(mv)
+            else:
+                n = self._scan(mv)
+            if state != "dir":
+                _keep_tail(self._recent, mv[:n])
+            self._pos += n
+            mv = mv[n:]
+        self.peak = max(self.peak, len(self._buf) + len(self._recent) + len(self._carry))
+
+    def _header(self, mv: memoryview) -> int:
+        buf = self._buf
+        need = 30 if len(buf) < 30 else 30 + _lfh_lengths(buf)
+        take = min(need - len(buf), len(mv))
+        buf += mv[:take]
+        if len(buf) >= 4:
+            sig = struct.unpack("<I", buf[:4])[0]
+            if sig in (_CDH, _EOCD):  # __call__ keeps these bytes in _recent too
+                self._buf = bytearray(self._recent) + mv[:take]
+                self._tail_base = self._pos + take - len(self._buf)
+                self._state = "dir"
+                return take
+            if sig != _LFH:
+                raise _bad(self.where, f"no local header at byte {self._pos + take - len(buf)}")
+        if len(buf) < 30 or len(buf) < 30 + _lfh_lengths(buf):
+            return take
+        (flags, method, _, _, crc, csize, usize, nlen, xlen) = struct.unpack(
+            "<HHHHIIIHH", buf[6:30]
+        )
+        name = bytes(buf[30 : 30 + nlen]).decode("utf-8", "replace")
+        extra = bytes(buf[30 + nlen : 30 + nlen + xlen])
+        if method != 0:
+            raise _compressed(self.where, name, method, csize, usize)
+        if flags & 1:
+            raise _bad(self.where, f"member {name!r} is encrypted")
+        if len(self.members) >= _MAX_MEMBERS:
+            raise _bad(self.where, f"more than {_MAX_MEMBERS} members")
+        self._name, self._lho = name, self._pos + take - len(buf)
+        self._zip64 = _has_zip64(extra)
+        self._sized = not flags & 8
+        self._crc = 0
+        self._done = 0
+        buf.clear()
+        if self._sized:
+            if self._zip64:
+                usize, csize = _zip64_extra(extra, 2, self.where)
+            if csize != usize:
+                raise _bad(self.where, f"member {name!r} is stored in {csize} bytes, holds {usize}")
+            self._size, self._want_crc = usize, crc
+            self._state = "data"
+            if not usize:
+                self._state = "head"
+                self._end_member(crc, 0, 0)
+        else:
+            self._size = 0
+            self._carry.clear()
+            self._state = "scan"
+        return take
+
+    def _dlen(self) -> int:
+        return 24 if self._zip64 else 16
+
+    def _desc(self, d: bytes | bytearray | memoryview) -> tuple[int, int, int, int]:
+        sig, crc = struct.unpack("<II", d[:8])
+        csize, usize = struct.unpack("<QQ" if self._zip64 else "<II", d[8 : self._dlen()])
+        return sig, crc, csize, usize
+
+    def _descriptor(self, mv: memoryview) -> int:
+        take = min(self._dlen() - len(self._buf), len(mv))
+        self._buf += mv[:take]
+        if len(self._buf) == self._dlen():
+            sig, crc, csize, usize = self._desc(self._buf)
+            self._buf.clear()
+            if sig != _DD:
+                raise _bad(self.where, f"member {self._name!r} has no data descriptor")
+            self._end_member(crc, csize, usize)
+            self._state = "head"
+        return take
+
+    def _scan(self, mv: memoryview) -> int:
+        """Member data of unknown size: its end is the first descriptor that matches it.
+
+        ``_carry`` holds the last bytes of the member not yet known to be data (fewer than
+        a descriptor: one may start in them); ``_size`` and ``_crc`` cover the bytes
+        before. The carried bytes are looked at again with the next few.
+        """
+        carry = self._carry
+        if not carry:
+            return self._scan_buf(mv)
+        held, dlen = len(carry), self._dlen()
+        if len(mv) < dlen:  # a tiny piece: carried bytes and piece scanned as one
+            head = bytes(carry) + bytes(mv)
+            carry.clear()
+            return self._scan_buf(memoryview(head)) - held
+        # Every descriptor that starts in the carried bytes ends in the next dlen - 1.
+        head = bytes(carry) + bytes(mv[: dlen - 1])
+        q = _find(memoryview(head), 0)
+        while 0 <= q < held:
+            _, crc, csize, usize = self._desc(head[q : q + dlen])
+            if csize == usize == self._size + q and crc == zlib.crc32(head[:q], self._crc):
+                self._size, self._crc = self._size + q, crc
+                carry.clear()
+                self._end_member(crc, csize, usize)
+                self._state = "head"
+                return q + dlen - held
+            if csize == usize == self._size + q:
+                self._mismatch = self._mismatch or self._name
+            q = _find(memoryview(head), q + 1)
+        self._crc = zlib.crc32(carry, self._crc)
+        self._size += held
+        carry.clear()
+        return self._scan_buf(mv)
+
+    def _scan_buf(self, buf: memoryview) -> int:
+        """Scan ``buf`` (the next bytes of the member); returns how many were used."""
+        dlen = self._dlen()
+        start = 0  # buf[:start] is data, counted in _size and _crc
+        p = _find(buf, 0)
+        while p >= 0 and p + dlen <= len(buf):
+            _, crc, csize, usize = self._desc(buf[p : p + dlen])
+            if csize == usize == self._size + p - start:  # cheap: the CRC only then
+                self._crc = zlib.crc32(buf[start:p], self._crc)
+                self._size += p - start
+                start = p
+                if crc == self._crc:
+                    self._end_member(crc, csize, usize)
+                    self._state = "head"
+                    return p + dlen
+                self._mismatch = self._mismatch or self._name  # its data, or a look-alike
+            p = _find(buf, p + 1)
+        keep = max(start, len(buf) - (dlen - 1))
+        self._crc = zlib.crc32(buf[start:keep], self._crc)
+        self._size += keep - start
+        self._carry += buf[keep:]
+        return len(buf)
+
+    def _end_member(self, crc: int, csize: int, usize: int) -> None:
+        if csize != usize or usize != self._size:
+            raise _bad(self.where, f"member {self._name!r}: its sizes disagree")
+        if crc != self._crc:
+            raise IntegrityError(f"{self.where}: zip member {self._name!r} fails its CRC-32 check")
+        self.members.append((self._name, self._lho, self._size, crc))
+
+    def finish(self) -> int:
+        """Check the central directory against the members; returns their number.
+
+        Raises:
+            IntegrityError: the archive is truncated, or its directory disagrees.
+        """
+        if self._state != "dir":
+            if self._mismatch:  # a descriptor of the right size was passed over: its CRC
+                raise IntegrityError(
+                    f"{self.where}: zip member {self._mismatch!r} fails its CRC-32 check"
+                )
+            raise _bad(self.where, "the stream ended before the archive did")
+        base, tail, size = self._tail_base, self._buf, self._pos
+
+        def read(offset: int, length: int) -> memoryview:
+            if offset < base or offset + length > size:
+                raise _bad(self.where, "the central directory is not where the members end")
+            return memoryview(tail)[offset - base : offset - base + length]
+
+        listed = parse_directory(size, read, self.where)
+        if not any(n.endswith("/data.pkl") or n == "data.pkl" for n, *_ in self.members):
+            raise IntegrityError(
+                f"{self.where}: zip archive has no data.pkl; not a torch.save file"
+            )
+        got = [(m.name, m.lho, m.size, m.crc) for m in listed]
+        if got != self.members:
+            raise _bad(self.where, "the central directory disagrees with the local headers")
+        return len(self.members)
+
+
+_DD_RE = re.compile(re.escape(struct.pack("<I", _DD)))
+
+
+def _find(mv: memoryview, start: int) -> int:
+    """Where the next data descriptor signature in ``mv`` starts (-1: none); no copy."""
+    m = _DD_RE.search(mv, start)
+    return -1 if m is None else m.start()
+
+
+def _keep_tail(recent: bytearray, b: memoryview) -> None:
+    """Keep the last bytes before a zip's directory: its end record is searched there."""
+    if len(b) >= _TAIL:
+        recent[:] = b[-_TAIL:]
+    else:
+        recent += b
+        if len(recent) > 2 * _TAIL:
+            del recent[:-_TAIL]

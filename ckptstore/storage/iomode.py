@@ -14,6 +14,10 @@ slices of a file) chose buffered reads, which then ran the 3 GB state at half O_
 speed; a 64 MB write+fsync probe kept buffered writes level with O_DIRECT while 3 GB saves
 ran buffered at a fifth of its speed.
 
+The speeds measured are kept across processes (:mod:`~ckptstore.storage.iocache`): a new
+process starts on a known device with the mode found faster there, not with a try of the
+slower one, and its explorations keep the cached verdict current.
+
 ``LocalStorage(io="direct" | "buffered")`` (or ``storage_options={"io": ...}`` for a local
 path) forces a mode; ``"auto"`` (the default) measures.
 """
@@ -25,6 +29,7 @@ import os
 import threading
 
 from .._log import logger as log
+from . import iocache
 
 __all__ = [
     "IO_MODES",
@@ -47,7 +52,7 @@ _MARGIN = 1.05
 
 def read_mode(dev: int) -> str:
     """The read mode for the next large file on device ``dev`` (see :func:`write_mode`)."""
-    return _next(_rstats, _rcount, dev)
+    return _next(_rstats, _rcount, "read", dev)
 
 
 def record_read(dev: int, mode: str, nbytes: int, seconds: float) -> None:
@@ -55,7 +60,20 @@ def record_read(dev: int, mode: str, nbytes: int, seconds: float) -> None:
     _record(_rstats, "read", dev, mode, nbytes, seconds)
 
 
-def _next(table: dict[int, dict[str, float]], counts: dict[int, int], dev: int) -> str:
+def _seed(table: dict[int, dict[str, float]], op: str, dev: int) -> None:
+    """On first use of ``dev`` in this process, start from what earlier ones measured."""
+    if dev in table:
+        return
+    cached = iocache.load(dev, op)
+    with _lock:
+        if dev not in table:
+            table[dev] = cached
+            if cached:
+                log.debug("%s on device %#x: cached speeds %s", op, dev, cached)
+
+
+def _next(table: dict[int, dict[str, float]], counts: dict[int, int], op: str, dev: int) -> str:
+    _seed(table, op, dev)
     with _lock:
         stats = table.setdefault(dev, {})
         n = counts[dev] = counts.get(dev, 0) + 1
@@ -73,12 +91,15 @@ def _record(  # noqa: PLR0917 - private, two call sites
     if nbytes < MEASURED_BYTES or seconds <= 0:
         return
     bps = nbytes / seconds
+    _seed(table, op, dev)
     with _lock:
         stats = table.setdefault(dev, {})
         old = stats.get(mode)
         stats[mode] = bps if old is None else (old + bps) / 2
         _history.append({"op": op, "dev": dev, "mode": mode, "bytes_per_s": bps})
         del _history[:-1000]
+        snapshot = dict(stats)
+    iocache.store(dev, op, snapshot)
     log.debug("%s on device %#x: %s %.2f GB/s", op, dev, mode, bps / 1e9)
 
 
@@ -90,6 +111,7 @@ def forget() -> None:
         _wstats.clear()
         _wcount.clear()
         _history.clear()
+    iocache.forget()
 
 
 #: Files at least this large report their speed (smaller ones say little of the disk).
@@ -112,7 +134,7 @@ def write_mode(directory: str) -> str:
     is tried once first, then the faster one is used, and every :data:`EXPLORE_EVERY`-th
     file the other is tried again. No extra I/O: the files being saved are the measurement.
     """
-    return _next(_wstats, _wcount, os.stat(directory).st_dev)
+    return _next(_wstats, _wcount, "write", os.stat(directory).st_dev)
 
 
 def record_write(directory: str, mode: str, nbytes: int, seconds: float) -> None:

@@ -281,12 +281,20 @@ def broadcast_restore(ctx: Ctx) -> dict[str, Any]:
     mgr.save(1, {"model": model, "step": 1})
     fresh: dict[str, Any] = {"model": make_model(seed=6), "step": 0}
     step = mgr.restore(fresh, broadcast=True)
+    # The same launch, compressed torch-format payloads: the broadcast copies inflate into
+    # the model's tensors as they stream (payload.decode_bytes).
+    zroot = ctx.workdir / f"znode{ctx.rank}"
+    zmgr = CheckpointManager(zroot, barrier_timeout=30, format="torch", compression="zstd")
+    zmgr.save(2, {"model": model, "step": 2})
+    zfresh: dict[str, Any] = {"model": make_model(seed=8), "step": 0}
+    zstep = zmgr.restore(zfresh, broadcast=True)
     return {
         "step": step,
         "digest": digest(fresh["model"]),
         "saved": digest(model),
         "value": fresh["step"],
         "local_files": sorted(os.listdir(root)) if root.exists() else [],
+        "zstd": [zstep, digest(zfresh["model"]), zfresh["step"]],
     }
 
 

@@ -165,6 +165,7 @@ def test_broadcast_restore_from_node_local_disk(tmp_path):
         assert v["step"] == 1
         assert v["digest"] == v["saved"]
         assert v["value"] == 1
+        assert v["zstd"] == [2, v["saved"], 2]  # torch format, zstd: byte-exact too
     assert vals[1]["local_files"] == []  # rank 1 never had the files
 
 

@@ -1,0 +1,209 @@
+"""The I/O modes measured per device, kept across processes (a small JSON file).
+
+:mod:`~ckptstore.storage.iomode` measures buffered and ``O_DIRECT`` transfers on the files
+being read and saved; without a memory across processes, every new process would try the
+slower mode once on its first large file (a restore of a 256 MB shard at half speed, at
+every resume). So the speeds it measured are kept here, per device, and a new process
+starts from them: the faster mode first, the other re-tried every
+:data:`~ckptstore.storage.iomode.EXPLORE_EVERY`-th file as before, whose result updates the
+file (conditions change; a cached verdict is re-validated, never trusted for good).
+
+Where: ``$CKPTSTORE_IO_CACHE`` (a file; empty or ``off`` disables the cache), else
+``$XDG_CACHE_HOME/ckptstore/io-modes.json``, else ``~/.cache/ckptstore/io-modes.json``.
+Devices are keyed by ``major:minor`` of ``st_dev`` with the filesystem type and source
+from ``/proc/self/mountinfo``: a device number given to another disk after a reboot does
+not inherit the old disk's verdict.
+
+The file is a hint, never trusted: read with bounds (at most :data:`MAX_BYTES`, a regular
+file, a fixed schema, finite positive speeds), ignored with a warning when it is not
+what this module writes, and replaced atomically (a temporary file, fsync, rename) so a
+reader never sees half of it. Any error reading or writing it costs only the cache.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import math
+import os
+import stat
+import threading
+import time
+from typing import Any
+
+from .._log import logger as log
+
+__all__ = ["MAX_BYTES", "cache_path", "device_key", "forget", "load", "store"]
+
+#: Most bytes of a cache file read; a larger one is ignored (a real one is a few KB).
+MAX_BYTES = 256 << 10
+#: Most devices kept (the least recently measured are dropped).
+MAX_DEVICES = 64
+#: Speeds outside (0, this] bytes/s are not measurements.
+_MAX_SPEED = 1e13
+_VERSION = 1
+_OPS = ("read", "write")
+_MODES = ("direct", "buffered")
+
+_lock = threading.Lock()
+_keys: dict[int, str] = {}
+_warned: set[str] = set()
+
+
+def cache_path() -> str | None:
+    """The cache file's path, or None when the cache is off."""
+    env = os.environ.get("CKPTSTORE_IO_CACHE")
+    if env is not None:
+        return None if env.strip() in ("", "off") else env
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.join(os.path.expanduser("~"), ".cache")
+    return os.path.join(base, "ckptstore", "io-modes.json")
+
+
+def device_key(dev: int) -> str:
+    """``major:minor:fstype:source`` of device ``dev`` (``major:minor`` where unknown)."""
+    with _lock:
+        key = _keys.get(dev)
+    if key is not None:
+        return key
+    majmin = f"{os.major(dev)}:{os.minor(dev)}"
+    key = majmin
+    try:
+        with open("/proc/self/mountinfo", encoding="utf-8", errors="replace") as f:
+            for line in f.read(4 << 20).splitlines():
+                fields = line.split()
+                if len(fields) > 2 and fields[2] == majmin and " - " in line:
+                    after = line.split(" - ", 1)[1].split()
+                    key = ":".join([majmin, *after[:2]])
+                    break
+    except OSError:
+        pass
+    with _lock:
+        _keys[dev] = key
+    return key
+
+
+def _warn(path: str, why: str) -> None:
+    if why not in _warned:  # once per process and reason, not at every large file
+        _warned.add(why)
+        log.warning("ignoring the I/O mode cache %s: %s; the modes are measured anew", path, why)
+
+
+def _read(path: str) -> dict[str, Any] | None:
+    """The cache document, or None (absent: silently; anything wrong: with a warning)."""
+    try:
+        # Non-blocking: a FIFO planted at the path must not hang the restore.
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        _warn(path, f"cannot open it ({e})")
+        return None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            _warn(path, "not a regular file")
+            return None
+        if st.st_size > MAX_BYTES:
+            _warn(path, f"{st.st_size} bytes, more than the {MAX_BYTES} it may hold")
+            return None
+        raw = os.read(fd, MAX_BYTES + 1)
+    except OSError as e:
+        _warn(path, f"cannot read it ({e})")
+        return None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_BYTES:
+        _warn(path, f"more than the {MAX_BYTES} bytes it may hold")
+        return None
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (ValueError, RecursionError) as e:  # RecursionError: hostile nesting
+        _warn(path, f"not JSON ({type(e).__name__})")
+        return None
+    why = _invalid(doc)
+    if why:
+        _warn(path, why)
+        return None
+    return doc  # type: ignore[no-any-return]
+
+
+def _invalid(doc: Any) -> str:
+    """What is wrong with a cache document ("" when nothing is)."""
+    if not isinstance(doc, dict) or doc.get("version") != _VERSION:
+        return f"not a version {_VERSION} cache"
+    devices = doc.get("devices")
+    if not isinstance(devices, dict) or len(devices) > MAX_DEVICES:
+        return f"'devices' is not a table of at most {MAX_DEVICES} devices"
+    for key, entry in devices.items():
+        if not isinstance(key, str) or len(key) > 512 or not isinstance(entry, dict):
+            return "a device entry is malformed"
+        if not isinstance(entry.get("t", 0), int | float):
+            return f"device {key[:64]!r}: 't' is not a time"
+        for op in _OPS:
+            speeds = entry.get(op, {})
+            if not isinstance(speeds, dict) or not set(speeds) <= set(_MODES):
+                return f"device {key[:64]!r}: {op!r} is not a table of modes"
+            for mode, bps in speeds.items():
+                ok = isinstance(bps, int | float) and not isinstance(bps, bool)
+                if not ok or not math.isfinite(bps) or not 0 < bps <= _MAX_SPEED:
+                    return f"device {key[:64]!r}: {op} {mode} speed {bps!r} is not a speed"
+    return ""
+
+
+def load(dev: int, op: str) -> dict[str, float]:
+    """The speeds (bytes/s per mode) cached for ``op`` ("read" or "write") on ``dev``.
+
+    Empty when the cache is off, absent, has nothing for the device, or is not valid
+    (then with a warning, once per process).
+    """
+    path = cache_path()
+    if path is None:
+        return {}
+    doc = _read(path)
+    if doc is None:
+        return {}
+    entry = doc["devices"].get(device_key(dev), {})
+    return {m: float(v) for m, v in entry.get(op, {}).items()}
+
+
+def store(dev: int, op: str, speeds: dict[str, float]) -> None:
+    """Record ``speeds`` for ``op`` on ``dev`` in the cache file, replacing it atomically.
+
+    Merged with what the file holds (other processes' devices and operations); a file
+    that is not valid is replaced. Errors are logged and otherwise ignored.
+    """
+    path = cache_path()
+    if path is None:
+        return
+    key = device_key(dev)
+    tmp = f"{path}.{os.getpid()}.{threading.get_ident()}.tmp"
+    try:
+        with _lock:  # one writer per process at a time; across processes the last wins
+            doc = _read(path) or {"version": _VERSION, "devices": {}}
+            devices: dict[str, Any] = doc["devices"]
+            entry = devices.setdefault(key, {})
+            entry[op] = {m: float(v) for m, v in speeds.items() if m in _MODES}
+            entry["t"] = time.time()
+            for old in sorted(devices, key=lambda k: devices[k].get("t", 0))[:-MAX_DEVICES]:
+                del devices[old]
+            os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            try:
+                os.write(fd, json.dumps(doc, indent=1, sort_keys=True).encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            # The rename makes it whole or absent to a reader; the directory is not
+            # fsynced: losing the last update in a crash costs one measurement.
+            os.replace(tmp, path)
+    except OSError as e:
+        log.debug("could not write the I/O mode cache %s: %s", path, e)
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+
+
+def forget() -> None:
+    """Forget the device keys and warnings of this process (tests)."""
+    with _lock:
+        _keys.clear()
+        _warned.clear()

@@ -1,0 +1,183 @@
+"""ckptstore.storage.iocache: the measured I/O modes outlive the process, as a hint only."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import subprocess
+import sys
+import textwrap
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from ckptstore.storage import directio, iocache, iomode
+from ckptstore.storage.local import LocalStorage
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+@pytest.fixture
+def cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Path]:
+    """A cache file of this test's own (the suite runs with the cache off)."""
+    path = tmp_path / "cache" / "io-modes.json"
+    monkeypatch.setenv("CKPTSTORE_IO_CACHE", str(path))
+    iomode.forget()
+    yield path
+    iomode.forget()
+
+
+def _cached(path: Path, dev: int, op: str, direct: float, buffered: float) -> None:
+    doc = {
+        "version": 1,
+        "devices": {
+            iocache.device_key(dev): {op: {"direct": direct, "buffered": buffered}, "t": 1.0}
+        },
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(doc))
+
+
+def test_device_key_names_the_filesystem(tmp_path: Path) -> None:
+    dev = os.stat(tmp_path).st_dev
+    key = iocache.device_key(dev)
+    assert key.startswith(f"{os.major(dev)}:{os.minor(dev)}")
+    if Path("/proc/self/mountinfo").exists():
+        assert key.count(":") >= 3, key  # major:minor:fstype:source
+
+
+def test_measurements_are_written_and_a_new_process_starts_from_them(
+    tmp_path: Path, cache: Path
+) -> None:
+    dev = os.stat(tmp_path).st_dev
+    # This process measures both modes: the file holds both speeds for the device.
+    assert iomode.read_mode(dev) == "direct"
+    iomode.record_read(dev, "direct", 1 << 30, 4.0)
+    assert iomode.read_mode(dev) == "buffered"
+    iomode.record_read(dev, "buffered", 1 << 30, 1.0)
+    doc = json.loads(cache.read_text())
+    entry = doc["devices"][iocache.device_key(dev)]
+    assert entry["read"] == {"direct": (1 << 30) / 4.0, "buffered": float(1 << 30)}
+    assert not list(cache.parent.glob("*.tmp"))  # replaced by a rename, nothing left over
+    # A new process (a real one) starts with buffered, the faster, not with a try of
+    # direct; the 8th large file re-validates direct.
+    code = textwrap.dedent(f"""
+        from ckptstore.storage import iomode
+        print(",".join(iomode.read_mode({dev}) for _ in range(8)))
+        print(iomode.write_mode({str(tmp_path)!r}))
+    """)
+    env = {**os.environ, "CKPTSTORE_IO_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    reads, write = out.stdout.split()
+    assert reads.split(",") == ["buffered"] * 7 + ["direct"]
+    assert write == "direct"  # nothing cached for writes: tried as before
+
+
+def test_explorations_keep_the_cached_verdict_current(tmp_path: Path, cache: Path) -> None:
+    dev = os.stat(tmp_path).st_dev
+    _cached(cache, dev, "write", direct=1e9, buffered=4e9)
+    picks = [iomode.write_mode(str(tmp_path)) for _ in range(8)]
+    assert picks == ["buffered"] * 7 + ["direct"]
+    # The exploration finds direct much faster now: the next process starts with it.
+    for _ in range(3):
+        iomode.record_write(str(tmp_path), "direct", 1 << 30, 0.05)
+    assert (
+        json.loads(cache.read_text())["devices"][iocache.device_key(dev)]["write"]["direct"] > 4e9
+    )
+    iomode.forget()
+    assert iomode.write_mode(str(tmp_path)) == "direct"
+
+
+HOSTILE = {
+    "not-json": b"\x00\xffnot json",
+    "deep": b"[" * 200_000,
+    "too-large": b" " * (iocache.MAX_BYTES + 1) + b"{}",
+    "wrong-version": json.dumps({"version": 99, "devices": {}}).encode(),
+    "negative": json.dumps({"version": 1, "devices": {"k": {"read": {"direct": -1.0}}}}).encode(),
+    "nan": b'{"version": 1, "devices": {"k": {"read": {"buffered": NaN}}}}',
+    "unknown-mode": json.dumps({"version": 1, "devices": {"k": {"read": {"mmap": 1e9}}}}).encode(),
+    "many-devices": json.dumps(
+        {"version": 1, "devices": {str(i): {} for i in range(iocache.MAX_DEVICES + 1)}}
+    ).encode(),
+}
+
+
+@pytest.mark.parametrize("kind", [*HOSTILE, "fifo", "directory"])
+def test_a_corrupt_or_hostile_cache_is_ignored_with_a_warning(
+    tmp_path: Path, cache: Path, kind: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    dev = os.stat(tmp_path).st_dev
+    cache.parent.mkdir(parents=True)
+    if kind == "fifo":
+        os.mkfifo(cache)  # opened without blocking: a reader never hangs on it
+    elif kind == "directory":
+        cache.mkdir()
+    else:
+        cache.write_bytes(HOSTILE[kind])
+    with caplog.at_level(logging.WARNING, logger="ckptstore"):
+        assert iomode.read_mode(dev) == "direct"  # as with no cache: each mode tried
+        # The measurement replaces a bad regular file with a good one.
+        iomode.record_read(dev, "direct", 1 << 30, 1.0)
+        assert iomode.read_mode(dev) == "buffered"
+    warned = [r.getMessage() for r in caplog.records if "I/O mode cache" in r.getMessage()]
+    assert len(warned) == 1, warned  # once, not at every file
+    assert warned[0].startswith(f"ignoring the I/O mode cache {cache}: ")
+    if kind in HOSTILE:
+        doc = json.loads(cache.read_text())
+        assert doc["devices"][iocache.device_key(dev)]["read"] == {"direct": float(1 << 30)}
+
+
+def test_the_cache_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("CKPTSTORE_IO_CACHE", "off")
+    assert iocache.cache_path() is None
+    monkeypatch.delenv("CKPTSTORE_IO_CACHE")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    assert iocache.cache_path() == str(tmp_path / "ckptstore" / "io-modes.json")
+    monkeypatch.setenv("CKPTSTORE_IO_CACHE", "off")
+    iomode.forget()
+    iomode.record_read(os.stat(tmp_path).st_dev, "direct", 1 << 30, 1.0)
+    assert not (tmp_path / "ckptstore").exists()
+    iomode.forget()
+
+
+@pytest.mark.parametrize("forced", ["direct", "buffered"])
+def test_a_forced_mode_wins_over_the_cache(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch, forced: str
+) -> None:
+    monkeypatch.setattr(directio, "BUFFER", 1 << 20)
+    monkeypatch.setattr(iomode, "MEASURED_BYTES", 1 << 20)
+    data = os.urandom(3 << 20)
+    (tmp_path / "f").write_bytes(data)
+    dev = os.stat(tmp_path).st_dev
+    other = "buffered" if forced == "direct" else "direct"
+    speeds = {forced: 1e8, other: 1e10}  # the cache says the other mode is 100x faster
+    _cached(cache, dev, "read", **speeds)
+    before = cache.read_bytes()
+    twins: list[str] = []
+    real = LocalStorage._open_direct_twin
+
+    def spy(self: LocalStorage, head: str, name: str, st: os.stat_result) -> int | None:
+        twins.append(name)  # the O_DIRECT descriptor: opened only for a direct read
+        return real(self, head, name, st)
+
+    monkeypatch.setattr(LocalStorage, "_open_direct_twin", spy)
+    seen = bytearray()
+    LocalStorage(str(tmp_path), io=forced)._stream("f", lambda o, v: seen.extend(v))
+    assert bytes(seen) == data
+    assert twins == (["f"] if forced == "direct" else [])
+    assert cache.read_bytes() == before  # a forced read is not a measurement
+    assert iomode.decisions() == []
+    # "auto" follows the cache instead.
+    LocalStorage(str(tmp_path))._stream("f", lambda o, v: None)
+    assert iomode.decisions()[0]["mode"] == other
+    assert twins == ["f"]  # one O_DIRECT read in all: the forced one or the cached one
