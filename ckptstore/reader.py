@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import partial, sharding, tiers
+from . import nodes, partial, sharding, tiers
 from ._log import logger as log
 from .chunks import INDEX_FILE, ChunkIndex, TensorEntry
 from .codec import payload as payload_codec
@@ -61,6 +61,10 @@ class Reader:
     allow_pickle: bool
     _known_good: set[int]
     _known_bad: set[int]
+    #: Node-local roots (see ``nodes``): whether the ranks' stores differ, and whether this
+    #: rank is the lowest of those sharing its store (the one that writes it).
+    _split: bool
+    _node_leader: bool
 
     if TYPE_CHECKING:
         # Provided by CheckpointManager.
@@ -109,6 +113,22 @@ class Reader:
         return sname, groups
 
     def _decode(
+        self, step: int, wanted: Iterable[Any] | None, **kw: Any
+    ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
+        """:meth:`_decode_files`, with missing files of a node's partial copy named.
+
+        A file missing from a node's copy of a step (see ``nodes``) is an ``IntegrityError``
+        naming the ranks whose files live elsewhere.
+        """
+        try:
+            return self._decode_files(step, wanted, **kw)
+        except (FileNotFoundError, IntegrityError) as e:
+            err = nodes.missing_error(self.storage, step, None, e)
+            if err is e:
+                raise
+            raise err from e
+
+    def _decode_files(
         self,
         step: int,
         wanted: Iterable[Any] | None,
@@ -426,7 +446,9 @@ class Reader:
 
         Collective: rank 0 fetches first (on a shared filesystem that serves every rank),
         then every other rank fetches what its own (node-local) root still lacks, unless
-        rank 0 alone reads (``broadcast``). Every rank raises rank 0's error alike.
+        rank 0 alone reads (``broadcast``). Every rank raises rank 0's error alike. On
+        node-local roots the lowest rank of each node fetches into its store (replacing a
+        copy that failed, or that holds only some ranks' files), the others wait for it.
         """
         assert self.replica_storage is not None
         outcome: tuple[str, Any] = ("ok", None)
@@ -438,7 +460,19 @@ class Reader:
         status, value = self.coord.broadcast(outcome, "restore:fetch", step)
         if status == "error":
             raise value if isinstance(value, BaseException) else IntegrityError(str(value))
-        if not self.coord.is_leader and not broadcast:
+        if self._split:
+            mine: tuple[str, Any] = ("ok", None)
+            if self._node_leader and not self.coord.is_leader and not broadcast:
+                try:
+                    tiers.ensure_local(self.storage, self.replica_storage, step, replace=replace)
+                except BaseException as e:
+                    mine = ("error", e)
+            every = self.coord.all_gather(mine, "restore:fetched", step)
+            failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
+            if failed:
+                r, err = failed[0]
+                raise err if isinstance(err, BaseException) else IntegrityError(f"rank {r}: {err}")
+        elif not self.coord.is_leader and not broadcast:
             tiers.ensure_local(self.storage, self.replica_storage, step)
 
     def _candidates(self, step: int | None) -> list[int]:
