@@ -11,6 +11,7 @@ the whole step has been checked (at the cost of a second copy of the state in me
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
@@ -475,6 +476,19 @@ class Reader:
         elif not self.coord.is_leader and not broadcast:
             tiers.ensure_local(self.storage, self.replica_storage, step)
 
+    def _written_by_rank0(self, step: int) -> bool:
+        """Collective: whether ``step`` is a replicated save (rank 0's node alone holds it).
+
+        On node-local roots such a step is read by rank 0 and broadcast to the others.
+        """
+        plain: tuple[str, Any] = ("ok", False)
+        if self.coord.is_leader:
+            # Unreadable: every rank reads its own copy, and the verdicts say why.
+            with contextlib.suppress(OSError, CkptStoreError):
+                plain = ("ok", not self.storage.read_manifest(step).sharded)
+        _, value = self.coord.broadcast(plain, "restore:kind", step)
+        return bool(value)
+
     def _candidates(self, step: int | None) -> list[int]:
         steps = self._restore_steps()
         if step is not None:
@@ -564,7 +578,11 @@ class Reader:
             try:
                 if self.replica_storage is not None:
                     self._bring_local(s, replace=s in refetched, broadcast=broadcast)
-                if broadcast:
+                if self._split and not broadcast and self._written_by_rank0(s):
+                    send = True  # node-local roots: only rank 0's node holds this step
+                else:
+                    send = broadcast
+                if send:
                     if self.coord.is_leader:
                         try:
                             blobs = self._read_blobs(s)

@@ -95,7 +95,10 @@ def nodes_recover(ctx: Ctx) -> dict[str, Any]:
 
 
 def nodes_resume(ctx: Ctx) -> dict[str, Any]:
-    """Resume a fresh FSDP2 model and optimizer on these roots (local, else the replica)."""
+    """Resume a fresh FSDP2 model and optimizer on these roots (local, else the replica).
+
+    With ``plain_step``, then restore that step (the plain save of :func:`nodes_save`).
+    """
     model = make_net(seed=99)
     shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -109,5 +112,10 @@ def nodes_resume(ctx: Ctx) -> dict[str, Any]:
         "local_steps": mgr.steps(),
         "split": mgr._split,
     }
+    if ctx.args.get("plain_step"):
+        # A replicated save is on rank 0's node alone: rank 0 reads it, sends it.
+        plain: dict[str, Any] = {"w": torch.zeros(4), "step": 0}
+        out["plain_restored"] = mgr.restore(plain, step=ctx.args["plain_step"])
+        out["plain"] = [plain["w"].tolist(), plain["step"]]
     mgr.close()
     return out

@@ -130,6 +130,9 @@ def test_node_local_without_replica_reads_only_what_the_node_holds(tmp_path: Pat
 
     # The same two ranks on their own roots: each reads its shard and the plain part locally.
     (tmp_path / "node1" / "step-000000000003").rename(tmp_path / "bad")
-    got = values(launch("node_scenarios:nodes_resume", 2, tmp_path, timeout=120, args=NODES))
+    args = {**NODES, "plain_step": 1}
+    got = values(launch("node_scenarios:nodes_resume", 2, tmp_path, timeout=120, args=args))
     assert [v["next"] for v in got] == [3, 3]  # step 3 is gone from node 1: both take 2
-    assert got[0]["digests"] == saved[0]["digests2"]
+    assert got[0]["digests"] == got[1]["digests"] == saved[0]["digests2"]
+    # The plain step 1 is on node 0 alone; rank 1 gets it from rank 0 (broadcast).
+    assert [v["plain"] for v in got] == [[[0.0, 1.0, 2.0, 3.0], 1]] * 2
