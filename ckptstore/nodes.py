@@ -17,7 +17,9 @@ from the replica, or passes over it), never with a silent partial result.
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import uuid
 from collections.abc import Collection, Mapping
 
@@ -59,19 +61,27 @@ def peers(storage: Storage, coord: Coordinator) -> list[int]:
     """
     if not coord.enabled:
         return [0]
-    if not storage.atomic_rename:
+    if not storage.atomic_rename:  # an object store (a local path is the only other kind)
         return list(range(coord.world_size))
     name = f"{_PROBE}{uuid.uuid4().hex}"
-    storage._mkdir(name)  # a directory: made with the root where that is still missing
+    # A directory, made with the root where that is still missing, and nothing fsynced: the
+    # probe is gone before the constructor returns (and a root made here with it too; the
+    # first save makes it durably), so the other ranks never wait on this rank's disk.
+    made_root = not os.path.lexists(storage.root)
+    probe = os.path.join(storage.root, name)
+    os.makedirs(probe)
     try:
         names = coord.all_gather(name, "init:probe")
         mine = [r for r, n in enumerate(names) if n == name or storage._exists(n)]
         views = coord.all_gather(mine, "init:peers")
     finally:
         try:
-            storage._rmtree(name)
+            os.rmdir(probe)
+            if made_root:
+                with contextlib.suppress(OSError):  # not empty: another rank's probe, say
+                    os.rmdir(storage.root)
         except OSError as e:
-            log.warning("could not remove the probe %s from %s: %s", name, storage.root, e)
+            log.warning("could not remove the probe %s: %s", probe, e)
     for r, view in enumerate(views):
         for other in view:
             if views[other] != view:

@@ -37,7 +37,7 @@ import time
 from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
-from . import upload_parts
+from . import nodes, upload_parts
 from ._log import logger as log
 from .errors import (
     CkptStoreError,
@@ -570,6 +570,13 @@ class Replicator:
             raise ReplicaError(f"cannot upload {self.local.describe(step)}: {e}") from e
         if self.rank is not None and upload_parts.is_per_rank(manifest):
             return self._upload_part(step, manifest, self.rank)
+        present = nodes.local_ranks(self.local, step)
+        if present is not None:
+            raise ReplicaError(
+                f"{self.local.describe(step)} holds only rank(s) {present}'s files (node-local "
+                "roots): it is uploaded by the job's own uploaders, each rank its part "
+                "(CheckpointManager(..., replica=...)), not by one process"
+            )
         if self.rank not in (None, 0):
             return False  # a step rank 0 wrote alone: rank 0 uploads it
         t0 = time.perf_counter()
