@@ -121,7 +121,13 @@ class CheckpointManager(Reader):
             take the newest step that verifies in either tier (a replica step is fetched
             into ``root`` first); ``wait``/``close`` wait for the uploads.
         replica_keep: the replica's retention, as ``keep`` (default: the same as ``keep``).
-        replica_options: fsspec storage options for ``replica``.
+        replica_options: fsspec storage options for ``replica``. Under torch.distributed
+            every rank uploads its own files of sharded steps; the replica's manifest is put
+            by the uploader that finds every rank's part there (``upload_parts``).
+
+    Under torch.distributed each rank may pass its own local ``root`` (a disk per node):
+    the constructor finds which ranks share a store (a probe, see ``nodes.peers``), and
+    sharded saves then commit a copy per node.
 
     A root that is a checkpoint directory (``.../step-000000000100``) or a regular file is
     refused whatever ``create`` says, naming the store it probably meant; a local directory
@@ -277,8 +283,12 @@ class CheckpointManager(Reader):
         outcome, so all return or all raise the same error. Sharded: every rank writes its
         own files into the shared tmp directory; rank 0 gathers their file tables (or
         errors), writes the manifest and commits; a failure anywhere aborts the whole
-        checkpoint. With ``async_save`` the call returns after one memory copy (sharded
-        saves always complete before returning).
+        checkpoint. On node-local roots (each node its own ``root``, found by the
+        constructor) every rank writes into its own store's tmp directory and every node
+        commits a copy holding its ranks' files, rank 0's plain files and the full manifest
+        (see ``nodes``); a replicated save is committed on rank 0's node only. With
+        ``async_save`` the call returns after one memory copy (sharded saves always complete
+        before returning).
 
         Args:
             step: the training step (an int >= 0); each step is saved at most once.
