@@ -39,7 +39,7 @@ from .storage import Pending, Storage
 
 __all__ = ["clean", "files_of", "is_per_rank", "upload_part"]
 
-_DONE_RE = re.compile(r"upload\.rank([0-9]{5})\.done")
+_DONE_RE = re.compile(r"upload\.rank([0-9]{5,})\.([0-9a-f]{32})\.done")
 _TMP_STEP_RE = re.compile(r"\.(?:tmp|trash)-step-([0-9]+)-")
 
 
@@ -66,9 +66,13 @@ def pending_dirname(replica: Storage, step: int, manifest: Manifest) -> str:
     return f".tmp-step-{step:012d}-{_tag(manifest)}"
 
 
-def done_name(rank: int) -> str:
-    """The name of ``rank``'s done object in a step's pending area."""
-    return f"upload.rank{rank:05d}.done"
+def done_name(rank: int, manifest: Manifest) -> str:
+    """The name of ``rank``'s done object for ``manifest`` in a step's pending area.
+
+    The manifest's tag is in the name, so one listing tells an uploader which ranks are
+    done with this very save (an earlier save of the same step number left others).
+    """
+    return f"upload.rank{rank:05d}.{_tag(manifest)}.done"
 
 
 def upload_part(
@@ -99,7 +103,7 @@ def upload_part(
     pending = Pending(replica, step, dirname)
     mine = files_of(manifest, rank)
     if replica.atomic_rename:  # a filesystem writes no file twice: a retry starts afresh
-        for name in [*mine, done_name(rank)]:
+        for name in [*mine, done_name(rank, manifest)]:
             with contextlib.suppress(FileNotFoundError):
                 replica._remove(f"{dirname}/{name}")
     copy(local, replica, step, manifest, only=mine, into=pending)
@@ -108,19 +112,32 @@ def upload_part(
         "manifest": _tag(manifest),
         "files": {n: [e.bytes, e.crc32c] for n, e in sorted(mine.items())},
     }
-    replica._put_small(f"{dirname}/{done_name(rank)}", json.dumps(done).encode() + b"\n")
+    replica._put_small(f"{dirname}/{done_name(rank, manifest)}", json.dumps(done).encode() + b"\n")
     return _commit_if_complete(replica, step, manifest, pending)
 
 
-def _done_ranks(replica: Storage, dirname: str, manifest: Manifest) -> set[int]:
-    """The ranks whose done object for this very manifest is in ``dirname``."""
+def _listed_done(replica: Storage, dirname: str, manifest: Manifest) -> dict[int, str]:
+    """Rank -> name of its done object for this very manifest, from one listing."""
     tag = _tag(manifest)
-    out = set()
+    out = {}
     for name in replica._list(dirname):
         m = _DONE_RE.fullmatch(name)
-        if m is None:
-            continue
-        r = int(m.group(1))
+        if m is not None and m.group(2) == tag:
+            out[int(m.group(1))] = name
+    return out
+
+
+def _done_ranks(
+    replica: Storage, dirname: str, names: dict[int, str], manifest: Manifest
+) -> set[int]:
+    """Those ranks of ``names`` whose done object says what the manifest says they wrote.
+
+    Read only by an uploader that listed every rank's done object (the one that commits),
+    so each step costs O(ranks) reads once, not once per rank.
+    """
+    tag = _tag(manifest)
+    out = set()
+    for r, name in names.items():
         try:
             with replica._open_read(f"{dirname}/{name}") as f:
                 data: Any = json.loads(f.read(1 << 20))
@@ -136,7 +153,10 @@ def _done_ranks(replica: Storage, dirname: str, manifest: Manifest) -> set[int]:
 
 def _commit_if_complete(replica: Storage, step: int, manifest: Manifest, pending: Pending) -> bool:
     need = set(ranks_with_files(manifest))
-    have = _done_ranks(replica, pending.dirname, manifest)
+    listed = _listed_done(replica, pending.dirname, manifest)
+    have = set(listed)
+    if need <= have:
+        have = _done_ranks(replica, pending.dirname, {r: listed[r] for r in need}, manifest)
     if not need <= have:
         log.info(
             "step %d: uploaded this rank's files; waiting for rank(s) %s",

@@ -66,12 +66,13 @@ def test_manifest_is_put_by_the_uploader_that_completes_the_step(
     tmp_path: Path, replica: Storage
 ) -> None:
     local = open_storage(tmp_path / "local")
-    sharded_step(local, 2)
+    manifest = sharded_step(local, 2)
     up0, up1 = uploaders(local, replica)
     assert up1.upload_step(2)
     assert replica.list_steps() == []  # rank 0's files are not there: nothing visible
     names = replica._list(step_dirname(2))
-    assert sorted(names) == ["blob.rank00001.json", "state.rank00001.json", "upload.rank00001.done"]
+    done = upload_parts.done_name(1, manifest)
+    assert sorted(names) == ["blob.rank00001.json", "state.rank00001.json", done]
     assert not up1.is_safe(2)
     assert up0.upload_step(2)
     assert replica.list_steps() == [2]
@@ -88,11 +89,19 @@ def test_stale_or_lying_done_objects_never_complete_a_step(
     tmp_path: Path, replica: Storage
 ) -> None:
     local = open_storage(tmp_path / "local")
-    sharded_step(local, 3)
+    manifest = sharded_step(local, 3)
     up0, up1 = uploaders(local, replica)
-    # A done object of rank 1 from another save of step 3 (another manifest): not counted.
+    # Rank 1's done object of another save of step 3 (another manifest), and one of this
+    # save that lists other files than the manifest says rank 1 wrote: neither counts.
     stale = {"rank": 1, "manifest": "0" * 32, "files": {}}
-    replica._put_small(f"{step_dirname(3)}/upload.rank00001.done", json.dumps(stale).encode())
+    replica._put_small(
+        f"{step_dirname(3)}/upload.rank00001.{'0' * 32}.done", json.dumps(stale).encode()
+    )
+    tag = upload_parts.done_name(1, manifest).split(".")[2]
+    lying = {"rank": 1, "manifest": tag, "files": {"state.rank00001.json": [1, 2]}}
+    replica._put_small(
+        f"{step_dirname(3)}/{upload_parts.done_name(1, manifest)}", json.dumps(lying).encode()
+    )
     up0.upload_step(3)
     assert replica.list_steps() == []
     # Rank 1 uploads; then its blob vanishes from the replica: the step must not be committed.
@@ -109,8 +118,7 @@ def test_stale_or_lying_done_objects_never_complete_a_step(
 
 def test_clean_keeps_pending_steps_that_may_still_finish(tmp_path: Path, replica: Storage) -> None:
     local = open_storage(tmp_path / "local")
-    for s in (1, 2, 3):
-        sharded_step(local, s)
+    manifests = {s: sharded_step(local, s) for s in (1, 2, 3)}
     up0, up1 = uploaders(local, replica)
     up1.upload_step(1)  # rank 0 never uploads step 1
     up1.upload_step(2)
@@ -119,7 +127,8 @@ def test_clean_keeps_pending_steps_that_may_still_finish(tmp_path: Path, replica
     assert replica.list_steps() == [2]
     removed = upload_parts.clean(replica)
     assert removed == [step_dirname(1)]  # older than the newest committed step
-    assert "upload.rank00001.done" in replica._list(step_dirname(3))  # kept
+    done3 = upload_parts.done_name(1, manifests[3])
+    assert done3 in replica._list(step_dirname(3))  # kept
     # Rank 0 starts again: recover queues step 3 (and 1), and step 3 completes.
     again = Replicator(local, replica, rank=0, retention=False, read_back=False)
     assert again.recover(clean=False) == [3, 1]

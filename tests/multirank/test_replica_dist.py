@@ -43,7 +43,10 @@ def test_sharded_save_replicated_and_restored_on_new_nodes(tmp_path: Path) -> No
         assert sorted(m.files) == saved[0]["files"]
         assert "model.rank00001.safetensors" in m.files
         # Rank 1's done object lists the files it uploaded; the plain step 1 has none.
-        with replica._open_read("step-000000000002/upload.rank00001.done") as f:
+        (name,) = [
+            n for n in replica._list("step-000000000002") if n.startswith("upload.rank00001.")
+        ]
+        with replica._open_read(f"step-000000000002/{name}") as f:
             done = json.loads(f.read())
         assert (done["rank"], sorted(done["files"])) == (1, saved[1]["parts"]["2"])
         assert not any(n.startswith("upload.") for n in replica._list("step-000000000001"))

@@ -74,10 +74,15 @@ def test_node_local_sharded_save_replicated_restored_on_new_nodes(tmp_path: Path
         # Rank 1's uploader died in step 3: no manifest, so no step 3 on the replica.
         assert replica.list_steps() == [1, 2]
         pending3 = sorted(replica._list("step-000000000003"))
-        assert "upload.rank00000.done" in pending3
+        dones = [n for n in pending3 if n.startswith("upload.")]
+        assert len(dones) == 1  # rank 0's alone
+        assert dones[0].startswith("upload.rank00000.")
         assert "manifest.json" not in pending3
         assert SHARDS[1] not in pending3
-        done = json.loads(replica._open_read("step-000000000002/upload.rank00001.done").read())
+        (name,) = [
+            n for n in replica._list("step-000000000002") if n.startswith("upload.rank00001.")
+        ]
+        done = json.loads(replica._open_read(f"step-000000000002/{name}").read())
         assert done["rank"] == 1
         assert list(done["files"]) == [SHARDS[1]]
 
