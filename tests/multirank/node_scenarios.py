@@ -85,25 +85,33 @@ def nodes_save(ctx: Ctx) -> dict[str, Any]:
 
 
 def nodes_recover(ctx: Ctx) -> dict[str, Any]:
-    """New managers on the same roots: each rank's uploader finishes what is missing."""
+    """New managers on the same roots: each rank's uploader finishes what is missing.
+
+    Meanwhile the ranks resume from their own roots (as :func:`nodes_resume`).
+    """
     mgr = _mgr(ctx)
+    out = _resume(ctx, mgr)
     mgr.wait()
     dist.barrier()
-    parts = {str(k): v for k, v in (mgr.replica.parts if mgr.replica else {}).items()}
+    out["parts"] = {str(k): v for k, v in (mgr.replica.parts if mgr.replica else {}).items()}
     mgr.close()
-    return {"parts": parts}
+    return out
 
 
 def nodes_resume(ctx: Ctx) -> dict[str, Any]:
-    """Resume a fresh FSDP2 model and optimizer on these roots (local, else the replica).
+    """Resume a fresh FSDP2 model and optimizer on these roots (local, else the replica)."""
+    mgr = _mgr(ctx)
+    out = _resume(ctx, mgr)
+    mgr.close()
+    return out
 
-    With ``plain_step``, then restore that step (the plain save of :func:`nodes_save`).
-    """
+
+def _resume(ctx: Ctx, mgr: CheckpointManager) -> dict[str, Any]:
+    """Resume into a fresh FSDP2 model; with ``plain_step``, then restore that step too."""
     model = make_net(seed=99)
     shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state: dict[str, Any] = {"model": model, "optimizer": opt, "rng": RNGState(), "step": 0}
-    mgr = _mgr(ctx)
     nxt = mgr.resume(state)
     out = {
         "next": nxt,
@@ -117,5 +125,4 @@ def nodes_resume(ctx: Ctx) -> dict[str, Any]:
         plain: dict[str, Any] = {"w": torch.zeros(4), "step": 0}
         out["plain_restored"] = mgr.restore(plain, step=ctx.args["plain_step"])
         out["plain"] = [plain["w"].tolist(), plain["step"]]
-    mgr.close()
     return out

@@ -2,15 +2,17 @@
 
 Sharded (FSDP2) saves commit a copy per node holding that node's ranks' files; each rank
 uploads its own files to one S3 prefix (moto's server) and the manifest is put once every
-rank's are there. A third "node" with an empty disk restores from the replica, and 2 ranks
-on new empty roots resume from it; an uploader that dies mid-upload leaves no visible step
-until the rank's next manager finishes it. Without a replica, a node's copy verifies for
-what it holds, and a read needing the other node's files fails, naming the rank.
+rank's are there. An uploader that dies mid-upload leaves no visible step until the rank's
+next manager finishes it. Without a replica, a node's copy verifies for what it holds, and a
+read needing the other node's files fails, naming the rank. A third "node" with an empty
+disk restores from the replica, and 2 ranks on new empty roots resume from it. One test,
+three launches: each launch costs seconds of process start on a 2-core host.
 """
 
 from __future__ import annotations
 
 import json
+import shutil
 from pathlib import Path
 from typing import Any
 
@@ -41,8 +43,8 @@ def _plain_restore(mgr: CheckpointManager) -> tuple[int, dict[str, str]]:
     return step, digests(model, opt)
 
 
-@pytest.mark.timeout(240)
-def test_node_local_sharded_save_replicated_restored_on_new_nodes(tmp_path: Path) -> None:
+@pytest.mark.timeout(300)
+def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(tmp_path: Path) -> None:
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
     from s3server import s3_server
@@ -86,9 +88,38 @@ def test_node_local_sharded_save_replicated_restored_on_new_nodes(tmp_path: Path
         assert done["rank"] == 1
         assert list(done["files"]) == [SHARDS[1]]
 
-        # The ranks start again on the same roots: rank 1's uploader finishes step 3.
-        back = values(launch("node_scenarios:nodes_recover", 2, tmp_path, timeout=120, args=args))
+        # Without a replica, one process on node 0's disk: what the node holds verifies; a
+        # read that needs rank 1's shard fails naming it (never a partial result); the
+        # newest step this node holds whole (the plain step 1) still loads.
+        with CheckpointManager(tmp_path / "node0") as mgr:
+            report = mgr.verify(3)
+            assert report.ok
+            assert report.elsewhere == [1]
+            assert report.to_dict()["elsewhere"] == [1]
+            only0 = r"holds only rank\(s\) \[0\]'s files.*rank\(s\) \[1\]"
+            with pytest.raises(IntegrityError, match=only0):
+                mgr.load(3)
+            with pytest.raises(IntegrityError, match=r"rank\(s\) \[1\]"):
+                mgr.restore({"model": make_net(), "step": 0}, step=3, strict=False)
+            raw = mgr.load()
+            assert raw["step"] == 1
+            assert torch.equal(raw["w"], torch.arange(4.0))
+        # A corrupt shard of the node's own rank is a problem, not "elsewhere".
+        shutil.copytree(tmp_path / "node1", tmp_path / "copy1")
+        (tmp_path / "copy1" / "step-000000000003" / SHARDS[1]).write_bytes(b"x")
+        with CheckpointManager(tmp_path / "copy1") as mgr:
+            report = mgr.verify(3)
+            assert report.elsewhere == [0]
+            assert any(SHARDS[1] in p for p in report.problems)
+
+        # The ranks start again on the same roots: rank 1's uploader finishes step 3, while
+        # both resume from their own disks (rank 1 gets the plain step 1 from rank 0).
+        again = {**args, "plain_step": 1}
+        back = values(launch("node_scenarios:nodes_recover", 2, tmp_path, timeout=150, args=again))
         assert back[1]["parts"] == {"3": [SHARDS[1]]}
+        for v in back:
+            assert (v["next"], v["step"], v["digests"]) == (4, 3, saved[0]["digests3"])
+            assert v["plain"] == [[0.0, 1.0, 2.0, 3.0], 1]
         assert replica.list_steps() == [1, 2, 3]
         assert verify_checkpoint(replica, 3).ok
 
@@ -98,46 +129,8 @@ def test_node_local_sharded_save_replicated_restored_on_new_nodes(tmp_path: Path
 
         # Two ranks on new, empty node-local roots resume from the replica.
         fresh = {**args, "roots": ["new0", "new1"]}
-        got = values(launch("node_scenarios:nodes_resume", 2, tmp_path, timeout=120, args=fresh))
+        got = values(launch("node_scenarios:nodes_resume", 2, tmp_path, timeout=150, args=fresh))
         for v in got:
             assert (v["next"], v["step"], v["split"]) == (4, 3, True)
             assert v["digests"] == saved[0]["digests3"]
             assert v["local_steps"] == [3]
-
-
-@pytest.mark.timeout(180)
-def test_node_local_without_replica_reads_only_what_the_node_holds(tmp_path: Path) -> None:
-    saved = values(launch("node_scenarios:nodes_save", 2, tmp_path, timeout=120, args=NODES))
-    assert saved[0]["parts"] == saved[1]["parts"] == {}
-    node0 = tmp_path / "node0"
-    mgr = CheckpointManager(node0)
-    report = mgr.verify(3)
-    assert report.ok
-    assert report.elsewhere == [1]
-    assert report.to_dict()["elsewhere"] == [1]
-    # A read that needs rank 1's shard fails, naming it; nothing silent, nothing partial.
-    only0 = r"holds only rank\(s\) \[0\]'s files.*rank\(s\) \[1\]"
-    with pytest.raises(IntegrityError, match=only0):
-        mgr.load(3)
-    with pytest.raises(IntegrityError, match=r"rank\(s\) \[1\]"):
-        mgr.restore({"model": make_net(), "step": 0}, step=3, strict=False)
-    # The newest checkpoint that this node holds whole still loads (the plain step 1).
-    raw = mgr.load()
-    assert raw["step"] == 1
-    assert torch.equal(raw["w"], torch.arange(4.0))
-    mgr.close()
-    node1 = CheckpointManager(tmp_path / "node1")
-    assert node1.verify(3).elsewhere == [0]
-    # Rank 0's shard is missing from node 1 as well: a corrupt shard of its own is reported.
-    (tmp_path / "node1" / "step-000000000003" / SHARDS[1]).write_bytes(b"x")
-    assert not node1.verify(3).ok
-    node1.close()
-
-    # The same two ranks on their own roots: each reads its shard and the plain part locally.
-    (tmp_path / "node1" / "step-000000000003").rename(tmp_path / "bad")
-    args = {**NODES, "plain_step": 1}
-    got = values(launch("node_scenarios:nodes_resume", 2, tmp_path, timeout=120, args=args))
-    assert [v["next"] for v in got] == [3, 3]  # step 3 is gone from node 1: both take 2
-    assert got[0]["digests"] == got[1]["digests"] == saved[0]["digests2"]
-    # The plain step 1 is on node 0 alone; rank 1 gets it from rank 0 (broadcast).
-    assert [v["plain"] for v in got] == [[[0.0, 1.0, 2.0, 3.0], 1]] * 2
