@@ -4,13 +4,14 @@ Under torch.distributed every rank's uploader uploads the files its rank wrote (
 the files of no rank: the plain state, the chunk index) into the step's pending area on the
 replica (``step-N/`` on an object store, a ``.tmp-step-N-<tag>/`` named for the manifest on a
 filesystem), each checked as :func:`~ckptstore.replica.copy_files` checks it. Then it puts a
-small "done" object there, ``upload.rankRRRRR.done``, with the manifest's tag and the table
-of the files it uploaded, and lists the done objects: the uploader that finds one for every
-rank with files in the manifest (and each file of the step at its size) puts the manifest,
-last, in one request. Several may find them all at once; they put the same bytes, which is
-harmless. No collective runs on an uploader's thread, and a rank that dies during its upload
-leaves no manifest: the step is not visible on the replica. The done objects stay in the
-step's directory (no manifest lists them; they say who uploaded what).
+small "done" object there, ``upload.rankRRRRR.<tag>.done`` (the manifest's tag in its name,
+the table of the files it uploaded inside), and lists the done objects: the uploader whose
+listing shows one for every rank with files in the manifest reads them (each must list
+what the manifest says that rank wrote), checks each file of the step at its size, and puts
+the manifest, last, in one request. Several may find them all at once; they put the same
+bytes, which is harmless. No collective runs on an uploader's thread, and a rank that dies
+during its upload leaves no manifest: the step is not visible on the replica. The done
+objects stay in the step's directory (no manifest lists them; they say who uploaded what).
 
 Cleanup when several uploaders share one prefix (:func:`clean`): a pending step is removed
 only when it is older than the newest step committed on the replica (nothing will complete
