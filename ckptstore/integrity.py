@@ -285,6 +285,8 @@ class VerifyReport:
         problems: one line per problem found; empty when all is well.
         files: number of files checked.
         bytes_checked: bytes read to check checksums.
+        elsewhere: ranks whose files this copy of the step does not hold (a node's copy on
+            node-local roots): they are not checked here, they live on other nodes.
     """
 
     target: str
@@ -293,6 +295,7 @@ class VerifyReport:
     problems: list[str] = dataclasses.field(default_factory=list)
     files: int = 0
     bytes_checked: int = 0
+    elsewhere: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def ok(self) -> bool:
@@ -313,6 +316,7 @@ class VerifyReport:
             "problems": list(self.problems),
             "files": self.files,
             "bytes_checked": self.bytes_checked,
+            "elsewhere": list(self.elsewhere),
         }
 
     def __bool__(self) -> bool:

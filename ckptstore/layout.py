@@ -11,6 +11,7 @@ import uuid
 
 __all__ = [
     "INDEX_NAME",
+    "LOCAL_RANKS_NAME",
     "LOCK_NAME",
     "MANIFEST_NAME",
     "PIN_NAME",
@@ -33,6 +34,8 @@ STATE_NAME = "state.json"
 PIN_NAME = "pinned"
 #: Marker in a local step: its upload to the replica committed and verified.
 REPLICATED_NAME = "replicated"
+#: Marker in a local step on node-local roots: the ranks whose files this node holds.
+LOCAL_RANKS_NAME = "local-ranks"
 #: The replica a local store uploads to (its URL), for ``ckptstore ls``.
 REPLICA_NAME = ".ckptstore.replica"
 LOCK_NAME = ".ckptstore.lock"

@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import sharding, tiers
+from . import nodes, sharding, tiers
 from .chunks import INDEX_FILE
 from .codec import payload as payload_codec
 from .codec import safetensors as safetensors_codec
@@ -121,7 +121,13 @@ class CheckpointManager(Reader):
             take the newest step that verifies in either tier (a replica step is fetched
             into ``root`` first); ``wait``/``close`` wait for the uploads.
         replica_keep: the replica's retention, as ``keep`` (default: the same as ``keep``).
-        replica_options: fsspec storage options for ``replica``.
+        replica_options: fsspec storage options for ``replica``. Under torch.distributed
+            every rank uploads its own files of sharded steps; the replica's manifest is put
+            by the uploader that finds every rank's part there (``upload_parts``).
+
+    Under torch.distributed each rank may pass its own local ``root`` (a disk per node):
+    the constructor finds which ranks share a store (a probe, see ``nodes.peers``), and
+    sharded saves then commit a copy per node.
 
     A root that is a checkpoint directory (``.../step-000000000100``) or a regular file is
     refused whatever ``create`` says, naming the store it probably meant; a local directory
@@ -180,7 +186,13 @@ class CheckpointManager(Reader):
         self._bg_coord: Coordinator | None = None
         # (DTensor layout, this rank's part of the global save plan, its metadata).
         self._save_plan: tuple[Any, Any, Any] | None = None
-        self._lock = self.storage.writer_lock() if self.coord.is_leader else None
+        #: The ranks whose local store is this rank's (all of them on a shared filesystem;
+        #: one node's on node-local disks): the lowest of them writes that store.
+        self._peers = nodes.peers(self.storage, self.coord)
+        self._node_leader = self.coord.rank == min(self._peers)
+        #: Node-local roots: the ranks of a sharded save commit a copy per store.
+        self._split = len(self._peers) < self.coord.world_size
+        self._lock = self.storage.writer_lock() if self._node_leader else None
         self._closed = False
         self._writer: BackgroundWriter | None = None
         self._staging = StagingPool()
@@ -205,7 +217,12 @@ class CheckpointManager(Reader):
         if replica is not None:
             keep_there = self.policy if replica_keep is ... else as_policy(replica_keep)
             self.replica_storage, self.replica = tiers.open_replica(
-                self.storage, replica, replica_options, keep_there, self.coord.is_leader
+                self.storage,
+                replica,
+                replica_options,
+                keep_there,
+                rank=self.coord.rank if self.coord.enabled else None,
+                barrier=functools.partial(self.coord.barrier, "init:replica"),
             )
             if self.replica is not None:
                 self.replica.on_safe = self._replica_safe
@@ -266,8 +283,12 @@ class CheckpointManager(Reader):
         outcome, so all return or all raise the same error. Sharded: every rank writes its
         own files into the shared tmp directory; rank 0 gathers their file tables (or
         errors), writes the manifest and commits; a failure anywhere aborts the whole
-        checkpoint. With ``async_save`` the call returns after one memory copy (sharded
-        saves always complete before returning).
+        checkpoint. On node-local roots (each node its own ``root``, found by the
+        constructor) every rank writes into its own store's tmp directory and every node
+        commits a copy holding its ranks' files, rank 0's plain files and the full manifest
+        (see ``nodes``); a replicated save is committed on rank 0's node only. With
+        ``async_save`` the call returns after one memory copy (sharded saves always complete
+        before returning).
 
         Args:
             step: the training step (an int >= 0); each step is saved at most once.
@@ -423,7 +444,7 @@ class CheckpointManager(Reader):
             return
         if self._lock is not None:
             self._lock.acquire()
-        self._claimed = self.coord.is_leader
+        self._claimed = self._node_leader
 
     def _take_lock(self) -> None:
         """Become the writer before a save; a lock just taken also clears crashed saves."""
@@ -864,7 +885,7 @@ class CheckpointManager(Reader):
                 self._write_files(pending, job)
                 mine = ("ok", {"files": {n: e for n, e in pending.files.items() if e.rank == rank}})
         except BarrierTimeout:
-            if self.coord.is_leader:
+            if self._node_leader:
                 self.storage.abort(pending)
             raise
         except BaseException as e:
@@ -873,18 +894,32 @@ class CheckpointManager(Reader):
         return self._finish_sharded(pending, mine, step, meta, dtensor, self.coord)
 
     def _open_everywhere(self, step: int, replace: bool) -> Pending:
-        """Phase 0 of a sharded save: rank 0 opens the tmp directory every rank writes into."""
+        """Phase 0 of a sharded save: rank 0 opens the tmp directory every rank writes into.
+
+        On node-local roots the lowest rank of each node opens one in its own store (a
+        node's copy is replaced when rank 0 replaces its own, or when it holds the step).
+        """
         where = self.storage.describe(step)
         opened: tuple[str, Any] = ("ok", None)
         pending: Pending | None = None
-        if self.coord.is_leader:
+        if self._node_leader:
             try:
+                if self._split and not self.coord.is_leader:
+                    self._take_lock()
+                    replace = step in self.storage.list_steps()
                 pending = self.storage.begin(step, replace=replace)
                 opened = ("ok", pending.dirname)
             except BaseException as e:
                 err = _commit_error(e, where, self._previous(step)) if _plain_oserror(e) else e
                 opened = ("error", err)
-        status, value = self.coord.broadcast(opened, "save:begin", step)
+        if not self._split:
+            status, value = self.coord.broadcast(opened, "save:begin", step)
+        else:
+            every = self.coord.all_gather(opened, "save:begin", step)
+            failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
+            if failed and pending is not None:
+                self.storage.abort(pending)
+            status, value = ("error", failed[0][1]) if failed else every[min(self._peers)]
         if status == "error":
             raise value if isinstance(value, BaseException) else CommitError(str(value))
         return pending if pending is not None else Pending(self.storage, step, value)
@@ -903,7 +938,7 @@ class CheckpointManager(Reader):
         try:
             tables = coord.gather(mine, "save:gather", step)
         except BarrierTimeout:
-            if coord.is_leader:
+            if self._node_leader:
                 self.storage.abort(pending)
             raise
         outcome: tuple[str, Any] = ("ok", b"")
@@ -923,14 +958,62 @@ class CheckpointManager(Reader):
                         pending.write_bytes(INDEX_FILE, index.to_bytes(), codec="json")
                         files[INDEX_FILE] = pending.files[INDEX_FILE]
                     manifest = self._make_manifest(step, files, meta, sharded=True, dtensor=dtensor)
-                    self.storage.commit(pending, manifest)
-                    self._committed(manifest)
-                    outcome = ("ok", self._outgoing(manifest))
+                    if self._split:  # every node commits its copy: _commit_split
+                        outcome = ("ok", (manifest.to_bytes(), nodes.plain_blobs(pending, files)))
+                    else:
+                        self.storage.commit(pending, manifest)
+                        self._committed(manifest)
+                        outcome = ("ok", self._outgoing(manifest))
                 except BaseException as e:
                     self.storage.abort(pending)
                     err = _commit_error(e, where, self._previous(step)) if _plain_oserror(e) else e
                     outcome = ("error", err)
+        if self._split:
+            return self._commit_split(pending, outcome, step, coord)
         return self._announce(outcome, step, coord)
+
+    def _commit_split(
+        self, pending: Pending, prepared: tuple[str, Any], step: int, coord: Coordinator
+    ) -> Manifest:
+        """Phase 3 on node-local roots: every node commits its copy of the step.
+
+        Rank 0 sends the manifest and its files of no rank (the plain state, the chunk
+        index) to every rank; the lowest rank of each node writes those into its tmp
+        directory, marks which ranks' files it holds, and commits. Every rank learns
+        whether every node committed; a node that failed is named (the others keep their
+        copies: their step is committed, and the failed node's ranks' files are missing
+        from the replica, so no manifest is ever put there).
+        """
+        where = self.storage.describe(step)
+        status, value = coord.broadcast(prepared, "save:prepared", step)
+        if status == "error":
+            if self._node_leader and not coord.is_leader:
+                self.storage.abort(pending)
+            raise value if isinstance(value, BaseException) else CommitError(str(value))
+        body, blobs = value
+        manifest = Manifest.from_bytes(body)
+        mine: tuple[str, Any] = ("ok", None)
+        if self._node_leader:
+            try:
+                if not coord.is_leader:
+                    nodes.write_plain(pending, manifest.files, blobs)
+                nodes.write_marker(pending, self._peers, coord.world_size)
+                self.storage.commit(pending, manifest)
+                self._committed(manifest)
+            except BaseException as e:
+                self.storage.abort(pending)
+                mine = ("error", _commit_error(e, where, None) if _plain_oserror(e) else e)
+        verdicts = coord.all_gather(mine, "save:commit", step)
+        failed = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
+        if failed:
+            detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
+            raise CommitError(
+                f"sharded save of {where} committed on some nodes only: the local store of "
+                f"rank(s) {', '.join(str(r) for r, _ in failed)} failed ({detail}); restore "
+                "passes over this step on those nodes"
+            )
+        self._after_commit(step)
+        return manifest
 
     def _encode_sync(
         self,
@@ -1084,7 +1167,7 @@ class CheckpointManager(Reader):
         """
         if self.replica is not None:
             self.replica.submit(step)
-        if not self.coord.is_leader:
+        if not self._node_leader:
             return
         try:
             self.prune()

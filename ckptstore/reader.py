@@ -11,13 +11,14 @@ the whole step has been checked (at the cost of a second copy of the state in me
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import json
 from collections.abc import Iterable, Mapping, MutableMapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import partial, sharding, tiers
+from . import nodes, partial, sharding, tiers
 from ._log import logger as log
 from .chunks import INDEX_FILE, ChunkIndex, TensorEntry
 from .codec import payload as payload_codec
@@ -61,6 +62,10 @@ class Reader:
     allow_pickle: bool
     _known_good: set[int]
     _known_bad: set[int]
+    #: Node-local roots (see ``nodes``): whether the ranks' stores differ, and whether this
+    #: rank is the lowest of those sharing its store (the one that writes it).
+    _split: bool
+    _node_leader: bool
 
     if TYPE_CHECKING:
         # Provided by CheckpointManager.
@@ -109,6 +114,22 @@ class Reader:
         return sname, groups
 
     def _decode(
+        self, step: int, wanted: Iterable[Any] | None, **kw: Any
+    ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
+        """:meth:`_decode_files`, with missing files of a node's partial copy named.
+
+        A file missing from a node's copy of a step (see ``nodes``) is an ``IntegrityError``
+        naming the ranks whose files live elsewhere.
+        """
+        try:
+            return self._decode_files(step, wanted, **kw)
+        except (FileNotFoundError, IntegrityError) as e:
+            err = nodes.missing_error(self.storage, step, None, e)
+            if err is e:
+                raise
+            raise err from e
+
+    def _decode_files(
         self,
         step: int,
         wanted: Iterable[Any] | None,
@@ -426,7 +447,9 @@ class Reader:
 
         Collective: rank 0 fetches first (on a shared filesystem that serves every rank),
         then every other rank fetches what its own (node-local) root still lacks, unless
-        rank 0 alone reads (``broadcast``). Every rank raises rank 0's error alike.
+        rank 0 alone reads (``broadcast``). Every rank raises rank 0's error alike. On
+        node-local roots the lowest rank of each node fetches into its store (replacing a
+        copy that failed, or that holds only some ranks' files), the others wait for it.
         """
         assert self.replica_storage is not None
         outcome: tuple[str, Any] = ("ok", None)
@@ -438,8 +461,33 @@ class Reader:
         status, value = self.coord.broadcast(outcome, "restore:fetch", step)
         if status == "error":
             raise value if isinstance(value, BaseException) else IntegrityError(str(value))
-        if not self.coord.is_leader and not broadcast:
+        if self._split:
+            mine: tuple[str, Any] = ("ok", None)
+            if self._node_leader and not self.coord.is_leader and not broadcast:
+                try:
+                    tiers.ensure_local(self.storage, self.replica_storage, step, replace=replace)
+                except BaseException as e:
+                    mine = ("error", e)
+            every = self.coord.all_gather(mine, "restore:fetched", step)
+            failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
+            if failed:
+                r, err = failed[0]
+                raise err if isinstance(err, BaseException) else IntegrityError(f"rank {r}: {err}")
+        elif not self.coord.is_leader and not broadcast:
             tiers.ensure_local(self.storage, self.replica_storage, step)
+
+    def _written_by_rank0(self, step: int) -> bool:
+        """Collective: whether ``step`` is a replicated save (rank 0's node alone holds it).
+
+        On node-local roots such a step is read by rank 0 and broadcast to the others.
+        """
+        plain: tuple[str, Any] = ("ok", False)
+        if self.coord.is_leader:
+            # Unreadable: every rank reads its own copy, and the verdicts say why.
+            with contextlib.suppress(OSError, CkptStoreError):
+                plain = ("ok", not self.storage.read_manifest(step).sharded)
+        _, value = self.coord.broadcast(plain, "restore:kind", step)
+        return bool(value)
 
     def _candidates(self, step: int | None) -> list[int]:
         steps = self._restore_steps()
@@ -530,7 +578,11 @@ class Reader:
             try:
                 if self.replica_storage is not None:
                     self._bring_local(s, replace=s in refetched, broadcast=broadcast)
-                if broadcast:
+                if self._split and not broadcast and self._written_by_rank0(s):
+                    send = True  # node-local roots: only rank 0's node holds this step
+                else:
+                    send = broadcast
+                if send:
                     if self.coord.is_leader:
                         try:
                             blobs = self._read_blobs(s)

@@ -29,13 +29,15 @@ from __future__ import annotations
 import concurrent.futures
 import contextlib
 import dataclasses
+import functools
 import json
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
 from typing import Any
 
+from . import nodes, upload_parts
 from ._log import logger as log
 from .errors import (
     CkptStoreError,
@@ -47,7 +49,7 @@ from .errors import (
 from .layout import REPLICA_NAME, REPLICATED_NAME, step_dirname
 from .manifest import FileEntry, Manifest
 from .retention import CheckpointInfo, RetentionPolicy, plan_deletions
-from .storage import Storage
+from .storage import Pending, Storage
 
 __all__ = [
     "ReplicaError",
@@ -95,6 +97,8 @@ def copy_files(
     threads: int = DEFAULT_THREADS,
     read_back: bool = False,
     gate: Callable[[], None] | None = None,
+    only: Collection[str] | None = None,
+    into: Pending | None = None,
 ) -> None:
     """Copy committed ``step`` from ``src`` to ``dst`` with ``dst``'s commit protocol.
 
@@ -103,12 +107,16 @@ def copy_files(
     into a pending step of ``dst`` that checksums what it writes, and with ``read_back``
     read again from ``dst`` once published. The manifest is committed only after all that.
 
+    ``only`` copies those files of ``manifest`` alone, and ``into`` writes them into a pending
+    step the caller opened and commits (one rank's part of a per-rank upload): then nothing
+    is committed, nor aborted on failure.
+
     Raises:
         IntegrityError: a file does not match ``manifest`` (in ``src``, or read back).
         StepExistsError: ``step`` is committed in ``dst`` (and ``replace`` is not set).
         OSError: reading or writing failed; nothing of the step is visible in ``dst``.
     """
-    pending = dst.begin(step, replace=replace)
+    pending = dst.begin(step, replace=replace) if into is None else into
     try:
 
         def one(name: str, entry: FileEntry) -> None:
@@ -148,7 +156,8 @@ def copy_files(
                         f"{entry.crc32c:08x}; the copy is corrupt"
                     )
 
-        items = sorted(manifest.files.items(), key=lambda kv: -kv[1].bytes)
+        chosen = (kv for kv in manifest.files.items() if only is None or kv[0] in only)
+        items = sorted(chosen, key=lambda kv: -kv[1].bytes)
         if threads <= 1 or len(items) <= 1:
             for name, entry in items:
                 one(name, entry)
@@ -161,9 +170,11 @@ def copy_files(
             first = next((e for e in errors if e is not None), None)
             if first is not None:
                 raise first
-        dst.commit(pending, manifest)
+        if into is None:
+            dst.commit(pending, manifest)
     except BaseException:
-        dst.abort(pending)
+        if into is None:
+            dst.abort(pending)
         raise
 
 
@@ -255,6 +266,10 @@ class Replicator:
         retention: apply ``policy`` to the replica (only one uploader of a replica should).
         url: the replica's URL, recorded in the local root once it holds a step (for
             ``ckptstore ls``); default: the replica store's root.
+        rank: under torch.distributed, this process's rank: sharded steps of several ranks
+            are uploaded rank by rank (this uploader sends its rank's files, see
+            :mod:`ckptstore.upload_parts`), other steps by rank 0 alone. ``None``: this
+            uploader sends whole steps (one process, or the sidecar).
 
     Call :meth:`recover` once before :meth:`submit`: it cleans what a crash left on the
     replica and queues the local steps it lacks. Steps are uploaded newest first.
@@ -271,6 +286,7 @@ class Replicator:
         on_safe: Callable[[int], None] | None = None,
         retention: bool = True,
         url: str | None = None,
+        rank: int | None = None,
     ) -> None:
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             msg = f"replica threads must be an int >= 1, got {threads!r}"
@@ -282,6 +298,9 @@ class Replicator:
         self.read_back = read_back
         self.on_safe = on_safe
         self.retention = retention
+        self.rank = rank
+        #: Steps whose part this uploader sent rank by rank -> the names of its files.
+        self.parts: dict[int, list[str]] = {}
         self._url = url or replica.root
         self._url_recorded = False
         #: Steps known to be committed and verified on the replica (once; retention there
@@ -363,8 +382,15 @@ class Replicator:
         """Those of ``doomed`` (local retention's plan) that may go now.
 
         A step goes when it is safe on the replica, or a newer step is (which is logged:
-        this step never reached the replica). The others are held until one is.
+        this step never reached the replica). The others are held until one is. Safe means
+        the step's manifest is on the replica: with per-rank uploads another rank's uploader
+        may have put it, so the replica is listed again before a step is held.
         """
+        doomed = list(doomed)
+        with self._cond:
+            unsure = any(s not in self.safe for s in doomed)
+        if unsure and self.rank is not None:
+            self.refresh()
         with self._cond:
             newest_safe = max(self.safe, default=None)
             out = []
@@ -384,17 +410,37 @@ class Replicator:
                     log.info("retention keeps local step %d until it is safe on the replica", s)
             return out
 
+    def refresh(self) -> None:
+        """Take the steps committed on the replica as safe (another uploader may put them).
+
+        An unreachable replica changes nothing.
+        """
+        try:
+            remote = set(self.replica.list_steps())
+        except Exception as e:  # botocore's errors are no OSError
+            log.debug("could not list the replica %s: %s", self.replica.root, e)
+            return
+        with self._cond:
+            new = remote - self.safe
+            self.safe |= remote
+        for s in sorted(new):
+            if self.local._exists(step_dirname(s)):
+                mark_replicated(self.local, s)
+
     # ---- work --------------------------------------------------------------------------
 
-    def recover(self, local_steps: Iterable[int] | None = None) -> list[int]:
-        """Clean what a crash left on the replica and queue what it lacks; returns the queue.
+    def clean(self) -> None:
+        """Clean what a crash left on the replica (see :meth:`recover`).
 
-        Incomplete multipart uploads under the replica's root are aborted and manifest-less
-        steps removed; local steps that are neither on the replica nor marked as once
-        uploaded (the replica's retention deleted those) are queued, newest first.
+        With per-rank uploads (``rank`` set) only pending steps older than the newest
+        committed one are removed (:func:`ckptstore.upload_parts.clean`); call it on one
+        rank while no uploader of the job runs (the manager: rank 0, in its constructor).
         """
         aborted = self.replica.abort_incomplete_uploads()
-        removed = self.replica.gc(include_tmp=True)
+        if self.rank is None:
+            removed = self.replica.gc(include_tmp=True)
+        else:
+            removed = upload_parts.clean(self.replica)
         if aborted or removed:
             log.warning(
                 "replica %s: aborted %d incomplete upload(s), removed %s left by an "
@@ -403,6 +449,17 @@ class Replicator:
                 aborted,
                 ", ".join(removed) or "nothing",
             )
+
+    def recover(self, local_steps: Iterable[int] | None = None, *, clean: bool = True) -> list[int]:
+        """Clean what a crash left on the replica and queue what it lacks; returns the queue.
+
+        With ``clean``, incomplete multipart uploads under the replica's root are aborted and
+        manifest-less steps removed (:meth:`clean`); local steps that are neither on the
+        replica nor marked as once uploaded (the replica's retention deleted those) are
+        queued, newest first.
+        """
+        if clean:
+            self.clean()
         remote = set(self.replica.list_steps())
         steps = list(self.local.list_steps() if local_steps is None else local_steps)
         marked = replicated_steps(self.local, steps)
@@ -511,6 +568,17 @@ class Replicator:
                 log.info("step %d was deleted locally before its upload", step)
                 return False
             raise ReplicaError(f"cannot upload {self.local.describe(step)}: {e}") from e
+        if self.rank is not None and upload_parts.is_per_rank(manifest):
+            return self._upload_part(step, manifest, self.rank)
+        present = nodes.local_ranks(self.local, step)
+        if present is not None:
+            raise ReplicaError(
+                f"{self.local.describe(step)} holds only rank(s) {present}'s files (node-local "
+                "roots): it is uploaded by the job's own uploaders, each rank its part "
+                "(CheckpointManager(..., replica=...)), not by one process"
+            )
+        if self.rank not in (None, 0):
+            return False  # a step rank 0 wrote alone: rank 0 uploads it
         t0 = time.perf_counter()
         try:
             copy_files(
@@ -542,6 +610,37 @@ class Replicator:
             nbytes / max(dt, 1e-9) / 1e6,
         )
         self._safe(step, manifest)
+        return True
+
+    def _upload_part(self, step: int, manifest: Manifest, rank: int) -> bool:
+        """Upload this rank's files of a sharded step; the manifest once every rank's are in."""
+        copy = functools.partial(
+            copy_files, threads=self.threads, read_back=self.read_back, gate=self._gate
+        )
+        mine = upload_parts.files_of(manifest, rank)
+        t0 = time.perf_counter()
+        try:
+            committed = upload_parts.upload_part(
+                self.local, self.replica, step, manifest, rank=rank, copy=copy
+            )
+        except (FileNotFoundError, IntegrityError):
+            if step not in self.local.list_steps():
+                log.info("step %d was deleted locally during its upload", step)
+                return False
+            raise
+        nbytes = sum(e.bytes for e in mine.values())
+        self.uploaded_bytes += nbytes
+        self.parts[step] = sorted(mine)
+        log.info(
+            "uploaded rank %d's part of step %d to %s: %d bytes in %.2fs",
+            rank,
+            step,
+            self.replica.root,
+            nbytes,
+            time.perf_counter() - t0,
+        )
+        if committed:
+            self._safe(step, manifest)
         return True
 
     def _safe(self, step: int, manifest: Manifest | None = None) -> None:

@@ -8,7 +8,7 @@ ordinary read path (checksums included) restores it.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from ._log import logger as log
@@ -25,12 +25,17 @@ def open_replica(
     url: str,
     options: Mapping[str, Any] | None,
     policy: RetentionPolicy,
-    uploader: bool,
-) -> tuple[Storage, Replicator | None]:
-    """Open the replica store at ``url``; with ``uploader``, its recovered uploader too.
+    *,
+    rank: int | None = None,
+    barrier: Callable[[], None] | None = None,
+) -> tuple[Storage, Replicator]:
+    """Open the replica store at ``url`` and its recovered uploader.
 
     The uploader first cleans what a crashed upload left on the replica and queues the local
-    steps the replica lacks (:meth:`Replicator.recover`).
+    steps the replica lacks (:meth:`Replicator.recover`). Under torch.distributed (``rank``
+    given) every rank has an uploader (each uploads its own files of sharded steps): rank 0
+    alone cleans, while every rank is in the manager's constructor (so no uploader of this
+    job runs), then ``barrier`` (collective) before any rank queues its uploads.
 
     Raises:
         ValueError: ``url`` is not a string, or is the local store itself.
@@ -44,14 +49,19 @@ def open_replica(
         msg = f"replica must be another store than the local root, got {url!r} for both"
         raise ValueError(msg)
     replica.check_root(create=True)
-    if not uploader:
-        return replica, None
-    up = Replicator(local, replica, policy=policy, url=url)
+    up = Replicator(local, replica, policy=policy, url=url, rank=rank, retention=rank in (None, 0))
     try:
-        up.recover()
+        if rank == 0:
+            up.clean()
+    except (OSError, CkptStoreError) as e:
+        log.error("could not clean the replica %s: %s", url, e)
+    if rank is not None and barrier is not None:
+        barrier()
+    try:
+        up.recover(clean=rank is None)
     except (OSError, CkptStoreError) as e:
         # The replica being unreachable must not stop training (nor, under torch.distributed,
-        # leave rank 0 out of the next collective): the local tier works, the error is
+        # leave a rank out of the next collective): the local tier works, the error is
         # raised by wait()/close(), and the next manager recovers.
         log.error("could not recover the replica %s: %s; saving locally only for now", url, e)
         up.failed(e)

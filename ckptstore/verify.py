@@ -23,6 +23,7 @@ import zipfile
 from collections.abc import Mapping
 from typing import Any
 
+from . import nodes
 from ._progress import Progress
 from .chunks import INDEX_FILE, ChunkIndex
 from .codec import payload, torchzip
@@ -119,10 +120,15 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
     for name in wanted:
         if name not in manifest.files:
             report.add(f"{storage.describe(step)}: manifest lists no {name}")
+    # A node's copy on node-local roots: the other nodes' ranks' files are checked there.
+    report.elsewhere = nodes.elsewhere(manifest, nodes.local_ranks(storage, step))
+    away = set(report.elsewhere)
     limits = _Limits(storage, manifest)
     index = _check_index(storage, manifest, report) if manifest.dtensor else None
     blocks = _blocks_by_file(index) if deep and index is not None else {}
     for name, entry in sorted(manifest.files.items()):
+        if entry.rank in away:
+            continue
         _check_entry(storage, manifest, name, entry, report, deep, limits, blocks)
     # The index and state.json are read before the file loop too: say each problem once.
     report.problems[:] = list(dict.fromkeys(report.problems))

@@ -61,6 +61,9 @@ def print_reports(reports: list[VerifyReport]) -> None:
             print(f"{name}: FAILED")
             for p in r.problems:
                 print(f"    {one_line(p)}")
+        if r.elsewhere:
+            ranks = ", ".join(str(x) for x in r.elsewhere)
+            print(f"    this node's copy: the files of rank(s) {ranks} live on other nodes")
     if len(reports) > 1:
         bad = sum(not r.ok for r in reports)
         print(f"{len(reports)} checkpoints verified, {bad} failed")

@@ -607,8 +607,14 @@ def replica_save(ctx: Ctx) -> dict[str, Any]:
     mgr.save(1, {"model": make_model(seed=7), "step": 1})
     state = _shard_state(ctx.rank)
     m = mgr.save(2, state, sharded=True).manifest
-    mgr.close()  # waits for the uploads (rank 0's)
-    return {"uploader": uploader, "files": sorted(m.files), "model": digest(state["model"])}
+    mgr.close()  # waits for the uploads (every rank's own files of the sharded step)
+    parts = {str(k): v for k, v in (mgr.replica.parts if mgr.replica else {}).items()}
+    return {
+        "uploader": uploader,
+        "files": sorted(m.files),
+        "model": digest(state["model"]),
+        "parts": parts,
+    }
 
 
 def replica_restore(ctx: Ctx) -> dict[str, Any]:

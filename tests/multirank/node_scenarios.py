@@ -1,0 +1,128 @@
+"""Scenarios for node-local roots: each rank its own ``local_root`` (a directory per "node").
+
+Run by ``tests/multirank/worker.py`` as ``node_scenarios:<name>``. ``args``: ``roots`` (one
+directory name per rank, under the workdir: the same name on every rank is a shared
+filesystem), and optionally ``url``/``options`` of a replica on moto's S3 server.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptstore import CheckpointManager, RNGState
+from tests.multirank.dtensor_scenarios import digests, make_net, shard, train
+from tests.multirank.scenarios import Ctx, outcome
+
+
+def _root(ctx: Ctx) -> Path:
+    return ctx.workdir / ctx.args["roots"][ctx.rank]
+
+
+def _mgr(ctx: Ctx) -> CheckpointManager:
+    kw: dict[str, Any] = {}
+    if ctx.args.get("url"):
+        kw = {"replica": ctx.args["url"], "replica_options": ctx.args["options"]}
+    return CheckpointManager(_root(ctx), keep=None, barrier_timeout=30, **kw)
+
+
+def _fsdp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    model = make_net()
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 2)
+    return model, opt
+
+
+def _step_files(root: Path, step: int) -> list[str]:
+    d = root / f"step-{step:012d}"
+    return sorted(os.listdir(d)) if d.is_dir() else []
+
+
+def nodes_save(ctx: Ctx) -> dict[str, Any]:
+    """A plain save (step 1) and FSDP2 saves (2, 3) on node-local roots.
+
+    With a replica and ``"abandon"``: rank 1's uploader is paused before step 3 and stopped
+    in the middle of that upload, once rank 0's part is on the replica.
+    """
+    model, opt = _fsdp()
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "rng": RNGState(), "step": 2}
+    mgr = _mgr(ctx)
+    out: dict[str, Any] = {"split": mgr._split, "peers": mgr._peers}
+    mgr.save(1, {"w": torch.arange(4.0), "step": 1})
+    mgr.save(2, state)
+    out["digests2"] = digests(model, opt)
+    if mgr.replica is not None:
+        mgr.wait()
+        dist.barrier()  # every rank's part of step 2 is in
+    train(model, opt, 1, seed=5)
+    state["step"] = 3
+    abandon = ctx.args.get("abandon") and mgr.replica is not None
+    if abandon and ctx.rank == 1:
+        assert mgr.replica is not None
+        mgr.replica.pause()  # the upload of step 3 stops at its first bytes
+    mgr.save(3, state)
+    out["digests3"] = digests(model, opt)
+    if abandon:
+        assert mgr.replica is not None
+        if ctx.rank == 0:
+            mgr.wait()  # rank 0's part of step 3 is on the replica
+        dist.barrier()
+        if ctx.rank == 1:
+            mgr.replica.close(wait=False)  # the uploader dies mid-upload
+    out["close"] = outcome(mgr.close)
+    out["local_steps"] = mgr.steps()
+    out["files3"] = _step_files(_root(ctx), 3)
+    out["files1"] = _step_files(_root(ctx), 1)
+    rep = mgr.verify(3)
+    out["verify3"] = {"ok": rep.ok, "problems": rep.problems, "elsewhere": rep.elsewhere}
+    out["parts"] = {str(k): v for k, v in (mgr.replica.parts if mgr.replica else {}).items()}
+    return out
+
+
+def nodes_recover(ctx: Ctx) -> dict[str, Any]:
+    """New managers on the same roots: each rank's uploader finishes what is missing.
+
+    Meanwhile the ranks resume from their own roots (as :func:`nodes_resume`).
+    """
+    mgr = _mgr(ctx)
+    out = _resume(ctx, mgr)
+    mgr.wait()
+    dist.barrier()
+    out["parts"] = {str(k): v for k, v in (mgr.replica.parts if mgr.replica else {}).items()}
+    mgr.close()
+    return out
+
+
+def nodes_resume(ctx: Ctx) -> dict[str, Any]:
+    """Resume a fresh FSDP2 model and optimizer on these roots (local, else the replica)."""
+    mgr = _mgr(ctx)
+    out = _resume(ctx, mgr)
+    mgr.close()
+    return out
+
+
+def _resume(ctx: Ctx, mgr: CheckpointManager) -> dict[str, Any]:
+    """Resume into a fresh FSDP2 model; with ``plain_step``, then restore that step too."""
+    model = make_net(seed=99)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "rng": RNGState(), "step": 0}
+    nxt = mgr.resume(state)
+    out = {
+        "next": nxt,
+        "step": state["step"],
+        "digests": digests(model, opt),
+        "local_steps": mgr.steps(),
+        "split": mgr._split,
+    }
+    if ctx.args.get("plain_step"):
+        # A replicated save is on rank 0's node alone: rank 0 reads it, sends it.
+        plain: dict[str, Any] = {"w": torch.zeros(4), "step": 0}
+        out["plain_restored"] = mgr.restore(plain, step=ctx.args["plain_step"])
+        out["plain"] = [plain["w"].tolist(), plain["step"]]
+    return out

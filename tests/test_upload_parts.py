@@ -1,0 +1,138 @@
+"""Per-rank uploads (``ckptstore.upload_parts``) in one process, on moto's S3 server.
+
+Each "rank" is a :class:`Replicator` with its ``rank`` set, uploading from a local store that
+holds a sharded step of 2 ranks (written with the local commit protocol): the manifest is put
+only by the uploader that finds every rank's done object, a stale or lying done object never
+completes a step, and cleaning a shared prefix keeps the pending steps that may still finish.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+from s3server import S3Endpoint, s3_server
+
+from ckptstore import upload_parts
+from ckptstore.errors import IntegrityError
+from ckptstore.layout import step_dirname
+from ckptstore.manifest import Manifest
+from ckptstore.replica import Replicator
+from ckptstore.storage import Storage, open_storage, wait_for_deletions
+from ckptstore.verify import verify_checkpoint
+
+pytestmark = pytest.mark.timeout(60)
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Endpoint]:
+    with s3_server() as ep:
+        yield ep
+        wait_for_deletions()
+
+
+@pytest.fixture
+def replica(s3: S3Endpoint) -> Storage:
+    url = s3.url(s3.unique_prefix("parts"))
+    st = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    st.check_root(create=True)
+    return st
+
+
+def sharded_step(local: Storage, step: int, salt: str = "") -> Manifest:
+    """Commit a sharded step of 2 ranks into ``local``: each rank's state and rank 1's blob."""
+    pending = local.begin(step)
+    for rank in (0, 1):
+        body = json.dumps({"rank": rank, "step": step, "salt": salt}).encode()
+        pending.write_bytes(f"state.rank{rank:05d}.json", body, codec="json", rank=rank)
+    blob = json.dumps(list(range(2000))).encode()
+    pending.write_bytes("blob.rank00001.json", blob, codec="json", rank=1)
+    manifest = Manifest(step=step, files=dict(pending.files), world_size=2, sharded=True)
+    local.commit(pending, manifest)
+    return manifest
+
+
+def uploaders(local: Storage, replica: Storage) -> list[Replicator]:
+    return [Replicator(local, replica, rank=r, retention=False, read_back=False) for r in (0, 1)]
+
+
+def test_manifest_is_put_by_the_uploader_that_completes_the_step(
+    tmp_path: Path, replica: Storage
+) -> None:
+    local = open_storage(tmp_path / "local")
+    manifest = sharded_step(local, 2)
+    up0, up1 = uploaders(local, replica)
+    assert up1.upload_step(2)
+    assert replica.list_steps() == []  # rank 0's files are not there: nothing visible
+    names = replica._list(step_dirname(2))
+    done = upload_parts.done_name(1, manifest)
+    assert sorted(names) == ["blob.rank00001.json", "state.rank00001.json", done]
+    assert not up1.is_safe(2)
+    assert up0.upload_step(2)
+    assert replica.list_steps() == [2]
+    assert up0.is_safe(2)
+    assert verify_checkpoint(replica, 2).ok
+    assert up0.parts == {2: ["state.rank00000.json"]}
+    assert up1.parts == {2: ["blob.rank00001.json", "state.rank00001.json"]}
+    # Rank 1's retention asks: the replica is listed again, the whole step is safe there.
+    assert up1.deletable([2]) == [2]
+    assert up1.is_safe(2)
+
+
+def test_stale_or_lying_done_objects_never_complete_a_step(
+    tmp_path: Path, replica: Storage
+) -> None:
+    local = open_storage(tmp_path / "local")
+    manifest = sharded_step(local, 3)
+    up0, up1 = uploaders(local, replica)
+    # Rank 1's done object of another save of step 3 (another manifest), and one of this
+    # save that lists other files than the manifest says rank 1 wrote: neither counts.
+    stale = {"rank": 1, "manifest": "0" * 32, "files": {}}
+    replica._put_small(
+        f"{step_dirname(3)}/upload.rank00001.{'0' * 32}.done", json.dumps(stale).encode()
+    )
+    tag = upload_parts.done_name(1, manifest).split(".")[2]
+    lying = {"rank": 1, "manifest": tag, "files": {"state.rank00001.json": [1, 2]}}
+    replica._put_small(
+        f"{step_dirname(3)}/{upload_parts.done_name(1, manifest)}", json.dumps(lying).encode()
+    )
+    up0.upload_step(3)
+    assert replica.list_steps() == []
+    # Rank 1 uploads; then its blob vanishes from the replica: the step must not be committed.
+    up1.upload_step(3)
+    assert replica.list_steps() == [3]
+    replica.delete(3, background=False)
+    up0b, up1b = uploaders(local, replica)
+    up1b.upload_step(3)
+    replica._remove(f"{step_dirname(3)}/blob.rank00001.json")
+    with pytest.raises(IntegrityError, match=r"blob\.rank00001\.json: marked uploaded"):
+        up0b.upload_step(3)
+    assert replica.list_steps() == []
+
+
+def test_clean_keeps_pending_steps_that_may_still_finish(tmp_path: Path, replica: Storage) -> None:
+    local = open_storage(tmp_path / "local")
+    manifests = {s: sharded_step(local, s) for s in (1, 2, 3)}
+    up0, up1 = uploaders(local, replica)
+    up1.upload_step(1)  # rank 0 never uploads step 1
+    up1.upload_step(2)
+    up0.upload_step(2)  # committed
+    up1.upload_step(3)  # rank 0's uploader died before step 3
+    assert replica.list_steps() == [2]
+    removed = upload_parts.clean(replica)
+    assert removed == [step_dirname(1)]  # older than the newest committed step
+    done3 = upload_parts.done_name(1, manifests[3])
+    assert done3 in replica._list(step_dirname(3))  # kept
+    # Rank 0 starts again: recover queues step 3 (and 1), and step 3 completes.
+    again = Replicator(local, replica, rank=0, retention=False, read_back=False)
+    assert again.recover(clean=False) == [3, 1]
+    again.wait(timeout=30)
+    again.close()
+    assert replica.list_steps() == [2, 3]
+    assert verify_checkpoint(replica, 3).ok
