@@ -1,4 +1,4 @@
-"""ckptstore.codec.torchzip: ``.pt`` payloads are plain torch.save zips, read without code."""
+"""ckptstore.codec.torchzip, zipstream: ``.pt`` payloads are plain torch.save zips, read safely."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import torch
 from _helpers import assert_same, deflated, fresh_like, make_state, replace_payload, step_dir
 
 from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError
-from ckptstore.codec import torchzip
+from ckptstore.codec import torchzip, zipstream
 
 
 def saved(obj: Any) -> bytes:
@@ -244,7 +244,7 @@ def test_restore_falls_back_from_a_payload_with_a_compressed_member(
 
 
 def stream(data: bytes, piece: int, into: dict[str, torch.Tensor] | None = None) -> Any:
-    dec = torchzip.StreamDecoder.from_buffer(data, "f.pt", into)
+    dec = zipstream.StreamDecoder.from_buffer(data, "f.pt", into)
     assert dec is not None
     mv = memoryview(data)
     for o in range(0, len(data), piece):
@@ -304,21 +304,21 @@ def test_stream_decoder_refuses_hostile_directories() -> None:
     big = bytearray(data)
     big[eocd + 12 : eocd + 16] = struct.pack("<I", 0xFFFFFF00)
     with pytest.raises(IntegrityError, match="out of bounds"):
-        torchzip.StreamDecoder.from_buffer(big, "f.pt", None)
+        zipstream.StreamDecoder.from_buffer(big, "f.pt", None)
     many = bytearray(data)
     many[eocd + 10 : eocd + 12] = struct.pack("<H", 0xFFFE)  # more entries than fit
     with pytest.raises(IntegrityError, match="out of bounds"):
-        torchzip.StreamDecoder.from_buffer(many, "f.pt", None)
+        zipstream.StreamDecoder.from_buffer(many, "f.pt", None)
     # Two members pointing at the same bytes.
     entries = _cd_entries(bytes(data))
     twin = bytearray(data)
     lho0 = twin[entries[0] + 42 : entries[0] + 46]
     twin[entries[-1] + 42 : entries[-1] + 46] = lho0
     with pytest.raises(IntegrityError, match="overlaps"):
-        torchzip.StreamDecoder.from_buffer(twin, "f.pt", None)
+        zipstream.StreamDecoder.from_buffer(twin, "f.pt", None)
     # No end record at all (truncated).
     with pytest.raises(IntegrityError, match="no end of central directory"):
-        torchzip.StreamDecoder.from_buffer(data[: eocd - 1], "f.pt", None)
+        zipstream.StreamDecoder.from_buffer(data[: eocd - 1], "f.pt", None)
 
 
 def test_stream_decoder_refuses_a_storage_missing_from_the_archive() -> None:
@@ -332,7 +332,7 @@ def test_stream_decoder_refuses_a_storage_missing_from_the_archive() -> None:
 
 def sequential(data: bytes, piece: int, into: dict[str, torch.Tensor] | None = None) -> Any:
     """A :class:`SequentialDecoder` fed ``data`` front to back in slices of ``piece``."""
-    dec = torchzip.SequentialDecoder("f.pt", into)
+    dec = zipstream.SequentialDecoder("f.pt", into)
     mv = memoryview(data)
     for o in range(0, len(data), piece):
         dec(o, mv[o : o + piece])
@@ -397,7 +397,7 @@ def test_sequential_decoder_checks_the_directory_against_what_streamed() -> None
     with zipfile.ZipFile(buf, "w") as zf:
         zf.writestr("archive/data/0", b"\0" * 8)
         zf.writestr("archive/data.pkl", b"")
-    with pytest.raises(torchzip.NotStreamable):
+    with pytest.raises(zipstream.NotStreamable):
         sequential(buf.getvalue(), 4096)
 
 
@@ -407,13 +407,13 @@ def test_sequential_decoder_bounds_a_record_without_a_descriptor(
     data = bytearray(saved({"a": torch.ones(10)}))
     _, start, size = member_data_offset(bytes(data), "data.pkl")
     data[start + size : start + size + 4] = b"XXXX"  # data.pkl's descriptor defaced
-    monkeypatch.setattr(torchzip, "_MAX_SCANNED", 1024)
-    with pytest.raises(torchzip.NotStreamable):
+    monkeypatch.setattr(zipstream, "_MAX_SCANNED", 1024)
+    with pytest.raises(zipstream.NotStreamable):
         sequential(bytes(data) + bytes(4096), 64)
     # A look-alike descriptor (its own offset twice, a wrong CRC) inside a record.
     fake = bytearray(saved({"a": torch.ones(10)}))
     fake[start + size + 4 : start + size + 8] = b"\0\0\0\0"
-    with pytest.raises(torchzip.NotStreamable):
+    with pytest.raises(zipstream.NotStreamable):
         sequential(bytes(fake), 64)
 
 
@@ -490,7 +490,7 @@ def test_torch_format_corrupt_block_never_reaches_its_target(tmp_path: Path) -> 
 
 def checked(data: bytes, piece: int) -> int:
     """Members of ``data`` per :class:`ZipStreamChecker`, fed in slices of ``piece``."""
-    c = torchzip.ZipStreamChecker("f.pt")
+    c = zipstream.ZipStreamChecker("f.pt")
     mv = memoryview(data)
     for o in range(0, len(data), piece):
         c(o, mv[o : o + piece])

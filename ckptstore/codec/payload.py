@@ -15,7 +15,7 @@ from ..errors import IntegrityError
 from ..integrity import BLOCK
 from ..manifest import FileEntry
 from . import safetensors as st
-from . import torchzip, zstd
+from . import torchzip, zipstream, zstd
 from .dtypes import ITEMSIZE
 
 if TYPE_CHECKING:
@@ -225,13 +225,13 @@ def read_group(
         if entry.codec == "safetensors":
             dec: Any = st.StreamDecoder(entry.bytes, where, into)
         else:
-            dec = torchzip.open_stream(storage, step, name, entry, into)
+            dec = zipstream.open_stream(storage, step, name, entry, into)
             if dec is None:  # not laid out as torch.save writes: the whole-file path
                 data = storage.read_file(step, name, entry)
                 return decode_payload(data, entry, where, limit=limit)
         try:
             storage.stream_file(step, name, entry, dec)
-        except torchzip.NotStreamable:  # found out while streaming: read it whole
+        except zipstream.NotStreamable:  # found out while streaming: read it whole
             data = storage.read_file(step, name, entry)
             return decode_payload(data, entry, where, limit=limit)
         return dict(dec.result())
@@ -240,7 +240,7 @@ def read_group(
             into = None  # an old manifest: checked only at its end, so fresh tensors
         try:
             return _read_zstd(storage, step, name, entry, into, limit)
-        except torchzip.NotStreamable:  # not laid out as torch.save writes: read it whole
+        except zipstream.NotStreamable:  # not laid out as torch.save writes: read it whole
             data = storage.read_file(step, name, entry)
             return decode_payload(data, entry, where, limit=limit)
     data = storage.read_file(step, name, entry)
@@ -253,7 +253,7 @@ class _ZstdTarget:
     A safetensors file streams into its tensors (``into``'s own where they match) through
     :class:`~ckptstore.codec.safetensors.StreamDecoder`, made once the header has declared
     the file's size; a ``torch.save`` zip, whose directory is at its end, through
-    :class:`~ckptstore.codec.torchzip.SequentialDecoder`, which follows its members front
+    :class:`~ckptstore.codec.zipstream.SequentialDecoder`, which follows its members front
     to back and checks the directory last. Neither holds the file.
     """
 
@@ -265,9 +265,9 @@ class _ZstdTarget:
         self.into = into
         self.inflater: zstd.Inflater | None = None
         self.decoder: st.StreamDecoder | None = None
-        self.zip: torchzip.SequentialDecoder | None = None
+        self.zip: zipstream.SequentialDecoder | None = None
         if entry.codec == "torch":
-            self.zip = torchzip.SequentialDecoder(where, into)
+            self.zip = zipstream.SequentialDecoder(where, into)
         self.buf = bytearray()
 
     def __call__(self, piece: memoryview) -> None:
@@ -376,7 +376,7 @@ def decode_bytes(
     if entry.compression == "zstd" and entry.codec in ("safetensors", "torch"):
         try:
             return _inflate(where, entry, into, limit, lambda inflater: inflater.feed(data))
-        except torchzip.NotStreamable:
+        except zipstream.NotStreamable:
             pass
     return decode_payload(data, entry, where, limit=limit)
 
@@ -424,7 +424,7 @@ def check_compressed(storage: Any, step: int, name: str, entry: FileEntry, limit
     The compressed bytes are checked block by block (``entry.blocks``; required) before
     they inflate, at most to ``limit`` bytes; the content is checked as it streams by: a
     safetensors header, or every member of a ``torch.save`` zip and its directory
-    (:class:`~ckptstore.codec.torchzip.ZipStreamChecker`). Held at once: a few frames.
+    (:class:`~ckptstore.codec.zipstream.ZipStreamChecker`). Held at once: a few frames.
 
     Raises:
         IntegrityError: a block, the stream or the content is corrupt.
@@ -432,7 +432,7 @@ def check_compressed(storage: Any, step: int, name: str, entry: FileEntry, limit
     where = storage.describe(step, name)
     inflater: zstd.Inflater
     if entry.codec == "torch":
-        zc = torchzip.ZipStreamChecker(where)
+        zc = zipstream.ZipStreamChecker(where)
 
         def consume(piece: memoryview) -> None:
             zc(inflater.out, piece)
@@ -461,7 +461,7 @@ def _decode_buffer(
     if entry.codec == "safetensors":
         dec = st.StreamDecoder(len(data), where, into)
     else:
-        dec = torchzip.StreamDecoder.from_buffer(data, where, into)
+        dec = zipstream.StreamDecoder.from_buffer(data, where, into)
         if dec is None:
             return torchzip.load_tensor_dict(data, where)
     if data:
