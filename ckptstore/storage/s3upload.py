@@ -128,6 +128,10 @@ def upload_fs(fs: Any) -> Any:
             options.pop("loop", None)
             options.pop("asynchronous", None)
             options["skip_instance_cache"] = True
+            if getattr(fs, "session", None) is not None and "session" not in options:
+                # botocore's loaded service models come with the session: a client of
+                # our own then costs milliseconds, not a second of CPU.
+                options["session"] = fs.session
             clone = type(fs)(**options, loop=upload_loop(), asynchronous=False)
             _clones[key] = clone
     return clone
@@ -163,6 +167,11 @@ class S3Upload:
     Args:
         fs: the store's s3fs filesystem (its options are used; see :func:`upload_fs`).
         path: ``bucket/key`` of the object.
+        part: bytes of one part (default: the store's ``default_block_size`` option where
+            given, else :data:`PART`).
+        single_put: objects below this many bytes go as one PUT (default: that option,
+            else :data:`SINGLE_PUT`); rounded up to whole parts.
+        in_flight: parts of this object sent at once.
     """
 
     def __init__(
@@ -170,10 +179,17 @@ class S3Upload:
         fs: Any,
         path: str,
         *,
-        part: int = PART,
-        single_put: int = SINGLE_PUT,
+        part: int | None = None,
+        single_put: int | None = None,
         in_flight: int = IN_FLIGHT,
     ) -> None:
+        if part is None or single_put is None:
+            # The store's own ``default_block_size`` option, where given, is its part size,
+            # and objects below one part go as one PUT (as s3fs's writer does with it).
+            block = getattr(fs, "storage_options", {}).get("default_block_size")
+            if isinstance(block, int) and block >= 5 << 20:
+                part, single_put = part or block, single_put or block
+            part, single_put = part or PART, single_put or SINGLE_PUT
         self._fs = upload_fs(fs)
         self._loop = upload_loop()
         self.bucket, self.key, _ = fs.split_path(path)
@@ -339,7 +355,7 @@ class S3Upload:
             Key=self.key,
             Body=body,
             ContentMD5=base64.b64encode(md5).decode(),
-            **self._checksum(ChecksumCRC32C=_b64crc(self._sum.crc)),
+            **self._checksum(ChecksumAlgorithm="CRC32C", ChecksumCRC32C=_b64crc(self._sum.crc)),
         )
         self._check_etag(out, md5.hex(), "the object")
 
@@ -363,7 +379,7 @@ class S3Upload:
             PartNumber=self._number,
             Body=body,
             ContentMD5=base64.b64encode(md5).decode(),
-            **self._checksum(ChecksumCRC32C=b64),
+            **self._checksum(ChecksumAlgorithm="CRC32C", ChecksumCRC32C=b64),
         )
         self._sent.append((self._number, md5, fut))
         self._done_crc.append(b64)
