@@ -67,6 +67,9 @@ SINGLE_PUT = 100 << 20
 IN_FLIGHT = 4
 #: S3's limit on the parts of one upload.
 MAX_PARTS = 10_000
+#: Bytes copied into a buffer per step: a copy holds the GIL, the training thread may be
+#: waiting for it (and this thread, at nice 19, may be off the CPU meanwhile).
+_COPY_SLICE = 1 << 20
 #: Server-side encryptions whose ETags are not the MD5 of the bytes.
 _OPAQUE_ETAG = ("aws:kms", "aws:kms:dsse")
 _MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
@@ -250,7 +253,7 @@ class S3Upload:
         done = 0
         while done < n:
             room = (self.single_put if self._upload_id is None else self.part) - len(self._cur)
-            k = min(n - done, room)
+            k = min(n - done, room, _COPY_SLICE)
             start = len(self._cur)
             self._cur += mv[done : done + k]
             self._sum.update(memoryview(self._cur)[start:])
