@@ -231,3 +231,18 @@ def test_a_store_refusing_checksum_arguments_is_asked_without_them(
     assert refused == ["put_object"]  # asked once, then remembered
     assert w.verified  # Content-MD5 and the ETag still checked it
     assert s3.client.cat_file(key) == s3.client.cat_file(key + "2") == data
+
+
+def test_parts_grow_so_any_object_fits_the_part_limit(
+    s3: S3Endpoint, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.storage import s3upload
+
+    monkeypatch.setattr(s3upload, "GROW_EVERY", 2)
+    data = os.urandom(31 * MiB)
+    s3.requests.clear()
+    upload(S3Upload(s3.client, key, part=5 * MiB, single_put=5 * MiB), data, 3 * MiB)
+    parts = [r for r in s3.requests() if r.method == "PUT"]
+    assert len(parts) == 5  # 5 + 5 MiB, then 10 + 10, then the last 1 MiB (6 at 5 MiB)
+    assert s3.client.cat_file(key) == data
+    assert s3.client.info(key)["ETag"].strip('"').endswith("-5")

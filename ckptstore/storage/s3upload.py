@@ -56,11 +56,21 @@ from typing import Any
 from ..errors import IntegrityError
 from ..integrity import BlockCRC, crc32c_combine, crc32c_of
 
-__all__ = ["IN_FLIGHT", "PART", "SINGLE_PUT", "S3Upload", "is_s3", "upload_fs", "upload_loop"]
+__all__ = [
+    "GROW_EVERY",
+    "IN_FLIGHT",
+    "PART",
+    "SINGLE_PUT",
+    "S3Upload",
+    "is_s3",
+    "upload_fs",
+    "upload_loop",
+]
 
-#: Bytes of one multipart part (S3: at least 5 MiB but the last; at most 10,000 parts, so
-#: objects up to 160 GiB; larger ones get larger parts).
+#: Bytes of one multipart part (S3: at least 5 MiB but the last; at most 10,000 parts). The
+#: part size doubles every :data:`GROW_EVERY` parts, so 10,000 parts hold any object.
 PART = 16 << 20
+GROW_EVERY = 1000
 #: Objects smaller than this are sent as one PUT.
 SINGLE_PUT = 100 << 20
 #: Parts of one object sent at once.
@@ -104,9 +114,12 @@ _clones_lock = threading.Lock()
 
 
 def _forget_after_fork() -> None:
-    # A forked child has neither the loop's thread nor the clones' connections.
+    # A forked child has neither the loop's thread nor the clones' connections, and the
+    # lock may have been held by another thread at the fork.
+    global _clones_lock
     upload_loop.cache_clear()
     _clones.clear()
+    _clones_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -372,6 +385,8 @@ class S3Upload:
         self._number += 1
         if self._number > MAX_PARTS:
             raise OSError(f"{self.path}: more than {MAX_PARTS} parts of {self.part} bytes")
+        if self._number % GROW_EVERY == 0:
+            self.part *= 2  # the parts after this one (each part's size is its body's)
         md5 = _md5(body)
         b64 = _b64crc(crc)
         fut = self._submit(
