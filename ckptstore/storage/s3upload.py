@@ -12,7 +12,8 @@ and waits for it inside ``write``). What it does with the bytes written to it:
   and parts of :data:`PART` bytes are sent as they fill, up to :data:`IN_FLIGHT` of them at
   once per object (``write`` waits only when that many are unanswered); ``close`` sends the
   last one and completes the upload. Memory held per object: at most
-  ``max(SINGLE_PUT, (IN_FLIGHT + 1) * PART)`` bytes.
+  ``max(SINGLE_PUT, (IN_FLIGHT + 1) * PART)`` bytes (the part size doubles every
+  :data:`GROW_EVERY` parts, past 16 GB).
 - **The server checks every byte.** Each request carries the MD5 of its body
   (``Content-MD5``) and its CRC32C (``x-amz-checksum-crc32c``; a multipart upload is
   created as a ``FULL_OBJECT`` CRC32C one and completed with the whole object's CRC32C,
@@ -31,13 +32,16 @@ and waits for it inside ``write``). What it does with the bytes written to it:
   still hold).
 - **A failure leaves nothing.** :meth:`S3Upload.abort` (and a failing ``close``) cancels the
   parts in flight and aborts the multipart upload; a process killed meanwhile leaves an
-  incomplete upload that ``abort_incomplete_uploads`` finds under the store's root.
+  incomplete upload that ``abort_incomplete_uploads`` finds under the store's root. (A
+  single PUT whose ETag does not match was stored: it is a payload of a pending step, which
+  the commit protocol's abort removes, and no manifest ever names it.)
 
 The requests run on an event loop of their own (:func:`upload_loop`), on a thread at the
 lowest CPU priority, through an s3fs instance bound to that loop: the HTTP and signing work
 of uploads never competes at normal priority with the training thread (fsspec's own loop
 thread, which serves reads, keeps its priority). MD5 and CRC32C are computed on whole parts
-(hashlib and crc32c release the GIL for large buffers), a few Python calls per MiB.
+(hashlib and crc32c release the GIL for large buffers); bytes are copied into the buffers
+1 MiB at a time (a copy holds the GIL): a few Python calls per MiB.
 """
 
 from __future__ import annotations
