@@ -17,11 +17,12 @@ A step that is safe on the replica gets a ``replicated`` marker in its local dir
 Reading back costs a download of every byte uploaded. On S3 it is not needed: the writer
 (:mod:`ckptstore.storage.s3upload`) sends each request with the MD5 of its body, computed on
 the very buffers whose CRC32C is compared with the local manifest, and compares the ETag the
-server answers (the MD5 of what it received) with it; S3 refuses a request whose bytes do
-not match its ``Content-MD5``. (S3's CRC32C, ``ChecksumAlgorithm="CRC32C"``, is computed by
-botocore only with ``awscrt`` installed, and moto checks neither header: the ETag is the
-check that moto honours too.) Stores that do not check (every other fsspec filesystem) are
-read back; ``read_back=True`` reads back everything.
+server answers (the MD5 of what it received) with it; each request also carries its
+CRC32C, computed here (botocore computes a CRC32C only with ``awscrt`` installed), and a
+multipart object the manifest's whole-file CRC32C. S3 refuses a request whose bytes do not
+match either; moto checks neither header, the ETag comparison is the check it honours.
+Stores that do not check (every other fsspec filesystem) are read back; ``read_back=True``
+reads back everything.
 
 :func:`fetch_step` is the other direction: a replica step copied into the local store with
 the local commit protocol (restore from either tier reads it from there).
