@@ -169,6 +169,12 @@ def test_a_failing_part_aborts_the_multipart_upload(
     assert not s3.client.exists(key)
 
 
+def replica_store(s3: S3Endpoint) -> FsspecStorage:
+    """A fresh prefix on the module's own client (a client costs a second to make)."""
+    prefix = s3.unique_prefix()
+    return FsspecStorage(s3.client, f"{s3.bucket}/{prefix}", s3.url(prefix))
+
+
 def payload_gets(s3: S3Endpoint) -> list[str]:
     return [r.path for r in s3.requests() if r.method == "GET" and r.path.endswith(".safetensors")]
 
@@ -179,9 +185,7 @@ def test_replica_upload_is_checked_without_reading_back(tmp_path: Path, s3: S3En
         plain.save(1, make_state(1))
     local = open_storage(root)
     for read_back, gets in ((None, False), (True, True)):
-        url = s3.url(s3.unique_prefix())
-        replica = open_storage(url, s3.storage_options)
-        assert isinstance(replica, FsspecStorage)
+        replica = replica_store(s3)
         s3.requests.clear()
         assert Replicator(local, replica, read_back=read_back, retention=False).upload_step(1)
         assert bool(payload_gets(s3)) is gets  # the default reads nothing back
@@ -196,14 +200,14 @@ def test_replica_upload_changed_on_the_way_leaves_nothing(
     root = tmp_path / "a"
     with CheckpointManager(root) as plain:
         plain.save(1, make_state(1))
-    url = s3.url(s3.unique_prefix())
+    replica = replica_store(s3)
     Corrupting("put_object").install(monkeypatch)
-    up = Replicator(open_storage(root), open_storage(url, s3.storage_options), retention=False)
+    up = Replicator(open_storage(root), replica, retention=False)
     up.recover()
     with pytest.raises(ReplicaError, match="changed on the way"):
         up.wait()
     up.close(wait=False)
-    assert s3.client.find(url.removeprefix("s3://")) == []  # nothing of the step is there
+    assert s3.client.find(replica.path) == []  # nothing of the step is there
     assert not (root / step_dir(1) / "replicated").exists()
 
 
