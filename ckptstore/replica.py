@@ -4,21 +4,25 @@ The local store commits at disk speed; a :class:`Replicator` then copies each co
 to the replica (any fsspec URL) with the object-store commit protocol of
 :class:`~ckptstore.storage.base.Storage`: the payloads first, several at once, each streamed
 from the local file with its CRC32C checked against the local manifest on the way out and
-read back from the replica once published; the manifest last, in one request, and only when
-every file is there and verified. A process killed at any moment therefore leaves the
-replica holding only complete, verifying steps (a step without its manifest is garbage),
-and the next :class:`Replicator` on the same roots aborts the crashed multipart uploads,
-removes the partial steps and uploads what is missing, newest first.
+checked by the replica on receipt (S3) or read back from it once published; the manifest
+last, in one request, and only when every file is there and verified. A process killed at
+any moment therefore leaves the replica holding only complete, verifying steps (a step
+without its manifest is garbage), and the next :class:`Replicator` on the same roots aborts
+the crashed multipart uploads, removes the partial steps and uploads what is missing, newest
+first.
 
 A step that is safe on the replica gets a ``replicated`` marker in its local directory (for
 ``ckptstore ls``, and so a step the replica's retention deleted is not uploaded again).
 
-Reading back costs a download of every byte uploaded. S3 can check a CRC32C itself
-(``ChecksumAlgorithm="CRC32C"``), but botocore computes it only with ``awscrt`` installed
-(``MissingDependencyException`` otherwise: checked against botocore in this venv), s3fs
-2026.9 does not pass per-part checksums to ``CompleteMultipartUpload``, and a composite
-checksum of parts is not the manifest's whole-file CRC32C: the read-back is the check that
-holds for every store.
+Reading back costs a download of every byte uploaded. On S3 it is not needed: the writer
+(:mod:`ckptstore.storage.s3upload`) sends each request with the MD5 of its body, computed on
+the very buffers whose CRC32C is compared with the local manifest, and compares the ETag the
+server answers (the MD5 of what it received) with it; each request also carries its
+CRC32C, computed here (botocore computes a CRC32C only with ``awscrt`` installed), and a
+multipart object the manifest's whole-file CRC32C. S3 refuses a request whose bytes do not
+match either; moto checks neither header, the ETag comparison is the check it honours.
+Stores that do not check (every other fsspec filesystem) are read back; ``read_back=True``
+reads back everything.
 
 :func:`fetch_step` is the other direction: a replica step copied into the local store with
 the local commit protocol (restore from either tier reads it from there).
@@ -95,7 +99,7 @@ def copy_files(
     *,
     replace: bool = False,
     threads: int = DEFAULT_THREADS,
-    read_back: bool = False,
+    read_back: bool | None = False,
     gate: Callable[[], None] | None = None,
     only: Collection[str] | None = None,
     into: Pending | None = None,
@@ -104,8 +108,11 @@ def copy_files(
 
     Every file is streamed from ``src`` with its size and CRC32C checked against
     ``manifest`` (a bad source byte aborts the copy, nothing of it becomes visible), written
-    into a pending step of ``dst`` that checksums what it writes, and with ``read_back``
-    read again from ``dst`` once published. The manifest is committed only after all that.
+    into a pending step of ``dst`` that checksums what it writes, and read again from
+    ``dst`` once published: always with ``read_back=True``; with ``None``, only where the
+    store did not check the bytes it received itself (S3: every request carries the MD5 of
+    the checksummed bytes, see :mod:`ckptstore.storage.s3upload`); never with ``False``.
+    The manifest is committed only after all that.
 
     ``only`` copies those files of ``manifest`` alone, and ``into`` writes them into a pending
     step the caller opened and commits (one rank's part of a per-rank upload): then nothing
@@ -138,6 +145,9 @@ def copy_files(
                     src.stream_file(step, name, entry, consume)
                 except _WriteFailed as e:
                     raise e.error from None
+            # The store compared what it received with the MD5 of the bytes whose CRC32C is
+            # compared with the manifest just below: checked end to end, no read-back needed.
+            checked_by_store = bool(getattr(w, "verified", False))
             got = pending.files[name]
             if (got.bytes, got.crc32c) != (entry.bytes, entry.crc32c):
                 raise IntegrityError(
@@ -145,7 +155,7 @@ def copy_files(
                     f"{got.crc32c:08x} were written, the manifest says {entry.bytes} bytes, "
                     f"crc32c {entry.crc32c:08x}"
                 )
-            if read_back:
+            if read_back or (read_back is None and not checked_by_store):
                 if gate is not None:
                     gate()
                 size, crc = dst._stream(f"{pending.dirname}/{name}", None)
@@ -261,7 +271,9 @@ class Replicator:
         replica: the replica store.
         policy: the replica's retention, applied after each upload (``None``: keep all).
         threads: files uploaded at once.
-        read_back: check every uploaded file by reading it back (see the module docstring).
+        read_back: check every uploaded file by reading it back (True), only those the store
+            did not check on receipt (None: on S3 the server checks each request's MD5), or
+            none (False); see the module docstring.
         on_safe: called with each step once it is safe on the replica (from the thread).
         retention: apply ``policy`` to the replica (only one uploader of a replica should).
         url: the replica's URL, recorded in the local root once it holds a step (for
@@ -282,7 +294,7 @@ class Replicator:
         *,
         policy: RetentionPolicy | None = None,
         threads: int = DEFAULT_THREADS,
-        read_back: bool = True,
+        read_back: bool | None = None,
         on_safe: Callable[[int], None] | None = None,
         retention: bool = True,
         url: str | None = None,

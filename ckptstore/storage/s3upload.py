@@ -1,0 +1,461 @@
+"""Uploads to S3 whose bytes the server checks: one PUT, or concurrent multipart parts.
+
+:class:`S3Upload` is the writer :class:`~ckptstore.storage.remote.FsspecStorage` hands out
+for a new object on s3fs (instead of s3fs's buffered file, which sends one part at a time
+and waits for it inside ``write``). What it does with the bytes written to it:
+
+- **Small objects, one PUT.** The bytes are held until the object reaches
+  :data:`SINGLE_PUT`; an object closed before that goes as one ``PutObject`` (what
+  ``s3fs.put`` does below twice its 50 MiB chunk: moto spends about 1.5x the CPU on a
+  multipart upload of the same bytes, and a single request is atomic).
+- **Large objects, parts in flight.** Past :data:`SINGLE_PUT` a multipart upload is created
+  and parts of :data:`PART` bytes are sent as they fill, up to :data:`IN_FLIGHT` of them at
+  once per object (``write`` waits only when that many are unanswered); ``close`` sends the
+  last one and completes the upload. Memory held per object: at most
+  ``max(SINGLE_PUT, (IN_FLIGHT + 1) * PART)`` bytes (the part size doubles every
+  :data:`GROW_EVERY` parts, past 16 GB).
+- **The server checks every byte.** Each request carries the MD5 of its body
+  (``Content-MD5``) and its CRC32C (``x-amz-checksum-crc32c``; a multipart upload is
+  created as a ``FULL_OBJECT`` CRC32C one and completed with the whole object's CRC32C,
+  which is the manifest's): S3 answers ``BadDigest`` and stores nothing when the bytes it
+  received differ from either. The ETag it answers is compared with the MD5 too (S3 and
+  moto: the ETag of an unencrypted or SSE-S3 object or part is the MD5 of its bytes; with
+  SSE-KMS or SSE-C it is not, and the server's checks are what hold), and the ETag of the
+  completed upload with the MD5 of the parts' MD5s and their count, so the object is exactly
+  the parts sent, in order: moto checks neither header, the ETag comparison is the check it
+  honours. The bytes hashed are those in this writer's buffers, whose CRC32C
+  (:attr:`S3Upload.crc`) is computed on the same buffers and compared with the manifest by
+  the caller; the parts' own CRC32Cs, combined, must equal it. A file uploaded through this
+  writer is thus verified end to end without reading it back (:attr:`S3Upload.verified`).
+  Sending our CRC32C also spares botocore its default CRC32 of every body. A store that
+  refuses the checksum arguments is asked again without them (Content-MD5 and the ETag
+  still hold).
+- **A failure leaves nothing.** :meth:`S3Upload.abort` (and a failing ``close``) cancels the
+  parts in flight and aborts the multipart upload; a process killed meanwhile leaves an
+  incomplete upload that ``abort_incomplete_uploads`` finds under the store's root. (A
+  single PUT whose ETag does not match was stored: it is a payload of a pending step, which
+  the commit protocol's abort removes, and no manifest ever names it.)
+
+The requests run on an event loop of their own (:func:`upload_loop`), on a thread at the
+lowest CPU priority, through an s3fs instance bound to that loop: the HTTP and signing work
+of uploads never competes at normal priority with the training thread (fsspec's own loop
+thread, which serves reads, keeps its priority). MD5 and CRC32C are computed on whole parts
+(hashlib and crc32c release the GIL for large buffers); bytes are copied into the buffers
+1 MiB at a time (a copy holds the GIL): a few Python calls per MiB.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import concurrent.futures
+import contextlib
+import functools
+import hashlib
+import os
+import re
+import threading
+from typing import Any
+
+from ..errors import IntegrityError
+from ..integrity import BlockCRC, crc32c_combine, crc32c_of
+
+__all__ = [
+    "GROW_EVERY",
+    "IN_FLIGHT",
+    "PART",
+    "SINGLE_PUT",
+    "S3Upload",
+    "is_s3",
+    "upload_fs",
+    "upload_loop",
+]
+
+#: Bytes of one multipart part (S3: at least 5 MiB but the last; at most 10,000 parts). The
+#: part size doubles every :data:`GROW_EVERY` parts, so 10,000 parts hold any object.
+PART = 16 << 20
+GROW_EVERY = 1000
+#: Objects smaller than this are sent as one PUT.
+SINGLE_PUT = 100 << 20
+#: Parts of one object sent at once.
+IN_FLIGHT = 4
+#: S3's limit on the parts of one upload.
+MAX_PARTS = 10_000
+#: Bytes copied into a buffer per step: a copy holds the GIL, the training thread may be
+#: waiting for it (and this thread, at nice 19, may be off the CPU meanwhile).
+_COPY_SLICE = 1 << 20
+#: Server-side encryptions whose ETags are not the MD5 of the bytes.
+_OPAQUE_ETAG = ("aws:kms", "aws:kms:dsse")
+_MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
+_MULTIPART_ETAG = re.compile(r"^[0-9a-f]{32}-[0-9]+$")
+
+
+def _lowest_priority() -> None:
+    """The calling thread at nice 19 (Linux: per thread); elsewhere nothing."""
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+@functools.cache
+def upload_loop() -> asyncio.AbstractEventLoop:
+    """The event loop uploads run on: one daemon thread per process, at nice 19."""
+    loop = asyncio.new_event_loop()
+    ready = threading.Event()
+
+    def run() -> None:
+        _lowest_priority()
+        asyncio.set_event_loop(loop)
+        loop.call_soon(ready.set)
+        loop.run_forever()
+
+    threading.Thread(target=run, name="ckptstore-upload-loop", daemon=True).start()
+    ready.wait()
+    return loop
+
+
+_clones: dict[tuple[int, str], Any] = {}
+_clones_lock = threading.Lock()
+
+
+def _forget_after_fork() -> None:
+    # A forked child has neither the loop's thread nor the clones' connections, and the
+    # lock may have been held by another thread at the fork.
+    global _clones_lock
+    upload_loop.cache_clear()
+    _clones.clear()
+    _clones_lock = threading.Lock()
+
+
+os.register_at_fork(after_in_child=_forget_after_fork)
+
+
+def is_s3(fs: Any) -> bool:
+    """Whether ``fs`` is an s3fs filesystem used synchronously (this writer's case)."""
+    try:
+        import s3fs
+    except ImportError:
+        return False
+    return isinstance(fs, s3fs.S3FileSystem) and not getattr(fs, "asynchronous", False)
+
+
+def upload_fs(fs: Any) -> Any:
+    """An s3fs instance with ``fs``'s options bound to :func:`upload_loop` (made once)."""
+    key = (os.getpid(), str(getattr(fs, "_fs_token", id(fs))))
+    with _clones_lock:
+        clone = _clones.get(key)
+        if clone is None:
+            options = dict(getattr(fs, "storage_options", {}))
+            options.pop("loop", None)
+            options.pop("asynchronous", None)
+            options["skip_instance_cache"] = True
+            if getattr(fs, "session", None) is not None and "session" not in options:
+                # botocore's loaded service models come with the session: a client of
+                # our own then costs milliseconds, not a second of CPU.
+                options["session"] = fs.session
+            clone = type(fs)(**options, loop=upload_loop(), asynchronous=False)
+            _clones[key] = clone
+    return clone
+
+
+#: s3fs clones that refused S3's checksum arguments (see S3Upload._request).
+_takes_checksums: dict[Any, bool] = {}
+
+
+def _refused_checksum(e: OSError) -> bool:
+    text = str(e).lower()
+    return "checksum" in text or "notimplemented" in text or "not implemented" in text
+
+
+def _b64crc(crc: int) -> str:
+    return base64.b64encode(crc.to_bytes(4, "big")).decode()
+
+
+def _md5(data: Any) -> bytes:
+    return hashlib.md5(data, usedforsecurity=False).digest()
+
+
+def _etag(out: Any) -> str:
+    return str(out.get("ETag", "")).strip('"').lower()
+
+
+class S3Upload:
+    """A new S3 object being written: ``close`` publishes it, ``abort`` throws it away.
+
+    Also a checksumming writer (``crc``, ``nbytes``, ``blocks``), computed on the buffers
+    that are sent. Not thread-safe: one writer per thread, as a file.
+
+    Args:
+        fs: the store's s3fs filesystem (its options are used; see :func:`upload_fs`).
+        path: ``bucket/key`` of the object.
+        part: bytes of one part (default: the store's ``default_block_size`` option where
+            given, else :data:`PART`).
+        single_put: objects below this many bytes go as one PUT (default: that option,
+            else :data:`SINGLE_PUT`); rounded up to whole parts.
+        in_flight: parts of this object sent at once.
+    """
+
+    def __init__(
+        self,
+        fs: Any,
+        path: str,
+        *,
+        part: int | None = None,
+        single_put: int | None = None,
+        in_flight: int = IN_FLIGHT,
+    ) -> None:
+        if part is None or single_put is None:
+            # The store's own ``default_block_size`` option, where given, is its part size,
+            # and objects below one part go as one PUT (as s3fs's writer does with it).
+            block = getattr(fs, "storage_options", {}).get("default_block_size")
+            if isinstance(block, int) and block >= 5 << 20:
+                part, single_put = part or block, single_put or block
+            part, single_put = part or PART, single_put or SINGLE_PUT
+        self._fs = upload_fs(fs)
+        self._loop = upload_loop()
+        self.bucket, self.key, _ = fs.split_path(path)
+        self.path = path
+        self.part = part
+        self.single_put = -(-max(single_put, part) // part) * part  # whole parts
+        self.in_flight = max(1, in_flight)
+        self._sum = BlockCRC()
+        #: The object so far (before the multipart upload starts), then the part filling.
+        self._cur = bytearray()
+        self._upload_id: str | None = None
+        self._sent: list[tuple[int, bytes, concurrent.futures.Future[Any]]] = []
+        self._done: list[tuple[int, bytes, str, str]] = []  # (number, md5, etag, crc32c)
+        self._number = 0
+        self._sent_crc = 0  # CRC32C of the parts sent so far, in order
+        self._sent_bytes = 0
+        self._done_crc: list[str] = []  # each part's CRC32C as sent, by part number - 1
+        self._closed = False
+        #: The server checked every byte it received (set by a successful ``close``).
+        self.verified = False
+
+    # ---- the checksumming-writer interface -------------------------------------------
+
+    @property
+    def crc(self) -> int:
+        """CRC32C of what was written."""
+        return self._sum.crc
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes written."""
+        return self._sum.nbytes
+
+    @property
+    def blocks(self) -> tuple[int, ...] | None:
+        """Per-block CRC32Cs of what was written (``None`` for one block or less)."""
+        return self._sum.block_crcs()
+
+    def writable(self) -> bool:
+        """Always true."""
+        return True
+
+    def flush(self) -> None:
+        """Nothing: parts go when they are full, the rest on ``close``."""
+
+    # ---- writing ---------------------------------------------------------------------
+
+    def write(self, data: Any) -> int:
+        """Buffer ``data`` (checksummed in the buffer); send the parts it fills.
+
+        The bytes are copied once, into the buffer that is sent, and checksummed there: the
+        CRC32C the caller compares with the manifest is that of the bytes sent.
+        """
+        if self._closed:
+            raise ValueError(f"write to a closed upload of {self.path}")
+        mv = memoryview(data).cast("B")
+        n = len(mv)
+        done = 0
+        while done < n:
+            room = (self.single_put if self._upload_id is None else self.part) - len(self._cur)
+            k = min(n - done, room, _COPY_SLICE)
+            start = len(self._cur)
+            self._cur += mv[done : done + k]
+            self._sum.update(memoryview(self._cur)[start:])
+            done += k
+            if k < room:
+                continue
+            if self._upload_id is None:
+                self._go_multipart()
+            else:
+                full, self._cur = self._cur, bytearray()
+                self._send(full, crc32c_of(full))
+        return n
+
+    def _go_multipart(self) -> None:
+        """The object outgrew one PUT: start a multipart upload, send what is held as parts."""
+        out = self._request(
+            "create_multipart_upload",
+            Bucket=self.bucket,
+            Key=self.key,
+            **self._checksum(ChecksumAlgorithm="CRC32C", ChecksumType="FULL_OBJECT"),
+        )
+        self._upload_id = str(out["UploadId"])
+        held, self._cur = self._cur, bytearray()
+        mv = memoryview(held)
+        try:
+            for i in range(0, len(held), self.part):
+                body = bytes(mv[i : i + self.part])  # copies: checked below by their CRCs
+                self._send(body, crc32c_of(body))
+        finally:
+            mv.release()
+        self._check_sent()
+
+    def close(self) -> None:
+        """Send what is left and publish the object (all parts checked); idempotent."""
+        if self._closed:
+            return
+        try:
+            if self._upload_id is None:
+                self._put_whole()
+            else:
+                if self._cur or not self._number:
+                    self._send(self._cur, crc32c_of(self._cur))
+                self._cur = bytearray()
+                self._complete()
+        except BaseException:
+            self.abort()
+            raise
+        self._closed = True
+        self.verified = True
+
+    def abort(self) -> None:
+        """Drop what was written: parts in flight cancelled, the multipart upload aborted."""
+        self._closed = True
+        self._cur = bytearray()
+        for _, _, fut in self._sent:
+            fut.cancel()
+        for _, _, fut in self._sent:
+            with contextlib.suppress(BaseException):
+                fut.result(timeout=60)
+        self._sent.clear()
+        upload_id, self._upload_id = self._upload_id, None
+        if upload_id is not None:
+            with contextlib.suppress(Exception):  # recover() aborts what is left
+                self._call(
+                    "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
+                )
+
+    # ---- requests ----------------------------------------------------------------------
+
+    def _submit(self, method: str, **kw: Any) -> concurrent.futures.Future[Any]:
+        return asyncio.run_coroutine_threadsafe(self._fs._call_s3(method, **kw), self._loop)
+
+    def _call(self, method: str, **kw: Any) -> Any:
+        return self._submit(method, **kw).result()
+
+    def _checksum(self, **kw: Any) -> dict[str, Any]:
+        """``kw`` where the store takes S3's checksum arguments, else nothing."""
+        return kw if _takes_checksums.get(self._fs, True) else {}
+
+    def _request(self, method: str, **kw: Any) -> Any:
+        """One request that starts an object; without checksum arguments where refused.
+
+        S3 checks a ``ChecksumCRC32C`` itself; a store that does not know the arguments
+        (older S3-compatible servers) refuses them, and is asked again without them (it is
+        remembered). Content-MD5, which every S3 store checks, is kept.
+        """
+        try:
+            return self._call(method, **kw)
+        except OSError as e:
+            plain = {k: v for k, v in kw.items() if not k.startswith("Checksum")}
+            if plain == kw or not _refused_checksum(e):
+                raise
+            _takes_checksums[self._fs] = False
+            return self._call(method, **plain)
+
+    def _put_whole(self) -> None:
+        body, self._cur = self._cur, bytearray()
+        md5 = _md5(body)  # the checksummed buffer itself is the body: no copy in between
+        out = self._request(
+            "put_object",
+            Bucket=self.bucket,
+            Key=self.key,
+            Body=body,
+            ContentMD5=base64.b64encode(md5).decode(),
+            **self._checksum(ChecksumAlgorithm="CRC32C", ChecksumCRC32C=_b64crc(self._sum.crc)),
+        )
+        self._check_etag(out, md5.hex(), "the object")
+
+    def _send(self, body: bytes | bytearray, crc: int) -> None:
+        """Send ``body`` (whose CRC32C is ``crc``) as the next part.
+
+        Waits first while :attr:`in_flight` parts are unanswered.
+        """
+        while len(self._sent) >= self.in_flight:
+            self._reap()
+        self._number += 1
+        if self._number > MAX_PARTS:
+            raise OSError(f"{self.path}: more than {MAX_PARTS} parts of {self.part} bytes")
+        if self._number % GROW_EVERY == 0:
+            self.part *= 2  # the parts after this one (each part's size is its body's)
+        md5 = _md5(body)
+        b64 = _b64crc(crc)
+        fut = self._submit(
+            "upload_part",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self._upload_id,
+            PartNumber=self._number,
+            Body=body,
+            ContentMD5=base64.b64encode(md5).decode(),
+            **self._checksum(ChecksumAlgorithm="CRC32C", ChecksumCRC32C=b64),
+        )
+        self._sent.append((self._number, md5, fut))
+        self._done_crc.append(b64)
+        self._sent_crc = crc32c_combine(self._sent_crc, crc, len(body))
+        self._sent_bytes += len(body)
+
+    def _check_sent(self) -> None:
+        """The parts sent are, in order, the bytes checksummed (none lost, none copied wrong)."""
+        if (self._sent_bytes, self._sent_crc) != (self._sum.nbytes, self._sum.crc):
+            raise IntegrityError(
+                f"s3://{self.path}: the parts sent ({self._sent_bytes} bytes, crc32c "
+                f"{self._sent_crc:08x}) are not the bytes written ({self._sum.nbytes} bytes, "
+                f"crc32c {self._sum.crc:08x}); the upload is aborted"
+            )
+
+    def _reap(self) -> None:
+        number, md5, fut = self._sent.pop(0)
+        out = fut.result()
+        self._check_etag(out, md5.hex(), f"part {number}")
+        self._done.append((number, md5, _etag(out), self._done_crc[number - 1]))
+
+    def _complete(self) -> None:
+        while self._sent:
+            self._reap()
+        self._check_sent()
+        crcs = self._checksum(ChecksumCRC32C=True)
+        parts = [
+            {"PartNumber": n, "ETag": f'"{etag}"', **({"ChecksumCRC32C": c} if crcs else {})}
+            for n, _, etag, c in self._done
+        ]
+        out = self._call(
+            "complete_multipart_upload",
+            Bucket=self.bucket,
+            Key=self.key,
+            UploadId=self._upload_id,
+            MultipartUpload={"Parts": parts},
+            **self._checksum(ChecksumCRC32C=_b64crc(self._sum.crc), ChecksumType="FULL_OBJECT"),
+        )
+        self._upload_id = None  # completed: nothing left to abort
+        # A multipart object's ETag is the MD5 of its parts' MD5s, then "-" and their count.
+        want = f"{_md5(b''.join(md5 for _, md5, _, _ in self._done)).hex()}-{len(self._done)}"
+        self._check_etag(out, want, "the completed upload", pattern=_MULTIPART_ETAG)
+
+    def _check_etag(
+        self, out: Any, want: str, what: str, *, pattern: re.Pattern[str] = _MD5_HEX
+    ) -> None:
+        """Compare the server's ETag with the MD5 we sent, where it is one."""
+        if out.get("ServerSideEncryption") in _OPAQUE_ETAG or out.get("SSECustomerAlgorithm"):
+            return  # the ETag is no MD5; Content-MD5 was the check (S3 refused a mismatch)
+        got = _etag(out)
+        if not pattern.match(got):
+            return  # a store whose ETags are something else; Content-MD5 was the check
+        if got != want:
+            raise IntegrityError(
+                f"s3://{self.path}: the server's ETag of {what} is {got!r}, the MD5 of the "
+                f"bytes sent is {want!r}: they were changed on the way; the upload is aborted"
+            )

@@ -1,0 +1,252 @@
+"""The S3 writer (``ckptstore.storage.s3upload.S3Upload``) against moto's S3 server on loopback.
+
+Every request goes over HTTP to the server (``tests/s3server.py``), whose request log shows
+what reached the wire. The one fault that cannot be caused from outside, bytes changed
+between the writer's hashing and the server, is made by wrapping the writer's own request
+submission (as ``tests/faults.py`` wraps the storage primitives).
+"""
+
+from __future__ import annotations
+
+import base64
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+pytest.importorskip("s3fs")
+pytest.importorskip("moto.server")
+
+import crc32c
+from _helpers import make_state, step_dir
+from s3server import S3Endpoint, s3_server
+
+from ckptstore import CheckpointManager, IntegrityError
+from ckptstore.replica import ReplicaError, Replicator
+from ckptstore.storage import open_storage, wait_for_deletions
+from ckptstore.storage.remote import FsspecStorage
+from ckptstore.storage.s3upload import S3Upload
+
+pytestmark = pytest.mark.timeout(60)
+
+MiB = 1 << 20
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[S3Endpoint]:
+    with s3_server() as ep:
+        yield ep
+        wait_for_deletions()
+
+
+@pytest.fixture
+def key(s3: S3Endpoint) -> str:
+    return f"{s3.bucket}/{s3.unique_prefix()}/obj"
+
+
+def write_all(w: S3Upload, data: bytes, chunk: int) -> None:
+    for i in range(0, len(data), chunk):
+        w.write(memoryview(data)[i : i + chunk])
+
+
+def upload(w: S3Upload, data: bytes, chunk: int) -> None:
+    """Write ``data`` and publish it; on failure abort, as ``Pending.open`` does."""
+    try:
+        write_all(w, data, chunk)
+        w.close()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def b64crc(data: bytes) -> str:
+    return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
+
+
+def uploads_of(s3: S3Endpoint, path: str) -> list[str]:
+    bucket, _, k = path.partition("/")
+    out = s3.client.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=k)
+    return [u["UploadId"] for u in out.get("Uploads", [])]
+
+
+def test_small_object_is_one_put_checked_by_its_crc_and_md5(s3: S3Endpoint, key: str) -> None:
+    data = os.urandom(3 * MiB + 5)
+    s3.requests.clear()
+    w = S3Upload(s3.client, key)
+    write_all(w, data, 1 * MiB + 3)
+    assert w.nbytes == len(data)
+    assert w.crc == crc32c.crc32c(data)
+    assert not w.verified
+    w.close()
+    assert w.verified
+    reqs = [(r.method, sorted(r.query)) for r in s3.requests()]
+    assert reqs == [("PUT", [])]  # one PutObject, no multipart
+    assert s3.client.cat_file(key) == data
+    bucket, _, k = key.partition("/")
+    head = s3.client.call_s3("head_object", Bucket=bucket, Key=k, ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32C"] == b64crc(data)  # the object's CRC32C went with it
+
+
+def test_large_object_goes_in_parts_with_its_full_object_crc(s3: S3Endpoint, key: str) -> None:
+    data = os.urandom(13 * MiB + 7)
+    s3.requests.clear()
+    w = S3Upload(s3.client, key, part=5 * MiB, single_put=5 * MiB, in_flight=2)
+    write_all(w, data, 3 * MiB + 1)  # writes straddle the parts
+    w.close()
+    assert w.verified
+    reqs = [(r.method, "uploads" in r.query, r.query.get("partNumber")) for r in s3.requests()]
+    assert reqs[0] == ("POST", True, None)
+    assert sorted(p for m, _, p in reqs if m == "PUT") == ["1", "2", "3"]
+    assert reqs[-1][0] == "POST"
+    assert len(reqs) == 5  # completed once
+    assert s3.client.cat_file(key) == data
+    bucket, _, k = key.partition("/")
+    head = s3.client.call_s3("head_object", Bucket=bucket, Key=k, ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32C"] == b64crc(data)  # the manifest's whole-file CRC32C
+    assert head["ETag"].strip('"').endswith("-3")
+
+
+def test_object_outgrowing_one_put_is_sent_as_parts(s3: S3Endpoint, key: str) -> None:
+    data = os.urandom(11 * MiB)
+    w = S3Upload(s3.client, key, part=5 * MiB, single_put=10 * MiB)
+    write_all(w, data, 4 * MiB)  # held for one PUT until 10 MiB, then parts
+    w.close()
+    assert s3.client.cat_file(key) == data
+    assert s3.client.info(key)["ETag"].strip('"').endswith("-3")
+
+
+class Corrupting:
+    """Flips a byte of the body of the ``nth`` request of ``method`` after it was hashed."""
+
+    def __init__(self, method: str, nth: int = 1) -> None:
+        self.method = method
+        self.nth = nth
+        self.seen = 0
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        submit = S3Upload._submit
+
+        def wrapped(w: S3Upload, method: str, **kw: Any) -> Any:
+            if method == self.method:
+                self.seen += 1
+                if self.seen == self.nth:
+                    body = bytearray(kw["Body"])
+                    body[len(body) // 2] ^= 0x10
+                    kw["Body"] = body
+            return submit(w, method, **kw)
+
+        monkeypatch.setattr(S3Upload, "_submit", wrapped)
+
+
+def test_a_part_changed_on_the_way_is_caught_and_the_upload_aborted(
+    s3: S3Endpoint, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    Corrupting("upload_part", nth=2).install(monkeypatch)
+    w = S3Upload(s3.client, key, part=5 * MiB, single_put=5 * MiB)
+    with pytest.raises(IntegrityError, match=r"part 2.*changed on the way"):
+        upload(w, os.urandom(12 * MiB), 2 * MiB)
+    assert uploads_of(s3, key) == []  # aborted, nothing billed
+    assert not s3.client.exists(key)
+
+
+def test_a_failing_part_aborts_the_multipart_upload(
+    s3: S3Endpoint, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    submit = S3Upload._submit
+
+    def refuse_third(w: S3Upload, method: str, **kw: Any) -> Any:
+        if method == "upload_part" and kw["PartNumber"] == 3:
+            kw["PartNumber"] = 10_001  # past S3's limit: the server refuses it (400)
+        return submit(w, method, **kw)
+
+    monkeypatch.setattr(S3Upload, "_submit", refuse_third)
+    w = S3Upload(s3.client, key, part=5 * MiB, single_put=5 * MiB)
+    with pytest.raises(OSError, match=r"(?i)part.?number"):
+        upload(w, os.urandom(16 * MiB), 4 * MiB)
+    assert uploads_of(s3, key) == []
+    assert not s3.client.exists(key)
+
+
+def replica_store(s3: S3Endpoint) -> FsspecStorage:
+    """A fresh prefix on the module's own client (a client costs a second to make)."""
+    prefix = s3.unique_prefix()
+    return FsspecStorage(s3.client, f"{s3.bucket}/{prefix}", s3.url(prefix))
+
+
+def payload_gets(s3: S3Endpoint) -> list[str]:
+    return [r.path for r in s3.requests() if r.method == "GET" and r.path.endswith(".safetensors")]
+
+
+def test_replica_upload_is_checked_without_reading_back(tmp_path: Path, s3: S3Endpoint) -> None:
+    root = tmp_path / "a"
+    with CheckpointManager(root) as plain:
+        plain.save(1, make_state(1))
+    local = open_storage(root)
+    for read_back, gets in ((None, False), (True, True)):
+        replica = replica_store(s3)
+        s3.requests.clear()
+        assert Replicator(local, replica, read_back=read_back, retention=False).upload_step(1)
+        assert bool(payload_gets(s3)) is gets  # the default reads nothing back
+        assert replica.list_steps() == [1]
+        for name, entry in local.read_manifest(1).files.items():
+            assert replica.checksum_file(1, name) == (entry.bytes, entry.crc32c)
+
+
+def test_replica_upload_changed_on_the_way_leaves_nothing(
+    tmp_path: Path, s3: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root = tmp_path / "a"
+    with CheckpointManager(root) as plain:
+        plain.save(1, make_state(1))
+    replica = replica_store(s3)
+    Corrupting("put_object").install(monkeypatch)
+    up = Replicator(open_storage(root), replica, retention=False)
+    up.recover()
+    with pytest.raises(ReplicaError, match="changed on the way"):
+        up.wait()
+    up.close(wait=False)
+    assert s3.client.find(replica.path) == []  # nothing of the step is there
+    assert not (root / step_dir(1) / "replicated").exists()
+
+
+def test_a_store_refusing_checksum_arguments_is_asked_without_them(
+    s3: S3Endpoint, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.storage import s3upload
+
+    monkeypatch.setattr(s3upload, "_takes_checksums", {})
+    call = S3Upload._call
+    refused: list[str] = []
+
+    def old_store(w: S3Upload, method: str, **kw: Any) -> Any:
+        if any(k.startswith("Checksum") for k in kw):  # what an older S3 clone answers
+            refused.append(method)
+            raise OSError(f"InvalidArgument: x-amz-checksum-crc32c is not supported ({method})")
+        return call(w, method, **kw)
+
+    monkeypatch.setattr(S3Upload, "_call", old_store)
+    data = os.urandom(2 * MiB)
+    w = S3Upload(s3.client, key)
+    upload(w, data, MiB)
+    w2 = S3Upload(s3.client, key + "2")
+    upload(w2, data, MiB)
+    assert refused == ["put_object"]  # asked once, then remembered
+    assert w.verified  # Content-MD5 and the ETag still checked it
+    assert s3.client.cat_file(key) == s3.client.cat_file(key + "2") == data
+
+
+def test_parts_grow_so_any_object_fits_the_part_limit(
+    s3: S3Endpoint, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.storage import s3upload
+
+    monkeypatch.setattr(s3upload, "GROW_EVERY", 2)
+    data = os.urandom(31 * MiB)
+    s3.requests.clear()
+    upload(S3Upload(s3.client, key, part=5 * MiB, single_put=5 * MiB), data, 3 * MiB)
+    parts = [r for r in s3.requests() if r.method == "PUT"]
+    assert len(parts) == 5  # 5 + 5 MiB, then 10 + 10, then the last 1 MiB (6 at 5 MiB)
+    assert s3.client.cat_file(key) == data
+    assert s3.client.info(key)["ETag"].strip('"').endswith("-5")
