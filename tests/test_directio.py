@@ -688,6 +688,57 @@ def test_write_mode_follows_the_speeds_saves_reached(tmp_path: Path) -> None:
     iomode.forget()
 
 
+def test_files_written_side_by_side_neither_try_nor_measure(tmp_path: Path) -> None:
+    """Concurrent part files get the settled mode: none tries the untried one (it would hold
+    up the whole save), and their speeds, confounded by each other, are not recorded."""
+    from ckptstore.storage import iomode
+
+    iomode.forget()
+    d = str(tmp_path)
+    with iomode.side_by_side():
+        assert [iomode.write_mode(d) for _ in range(4)] == ["direct"] * 4  # nothing known
+        iomode.record_write(d, "direct", 1 << 30, 100.0)  # confounded: not kept
+    assert iomode.decisions() == []
+    # Alone, the exploration goes on where it stood: direct first, then buffered.
+    assert iomode.write_mode(d) == "direct"
+    iomode.record_write(d, "direct", 1 << 30, 1.0)
+    with iomode.side_by_side():  # buffered is still untried: not inside a group
+        assert iomode.write_mode(d) == "direct"
+    assert iomode.write_mode(d) == "buffered"
+    iomode.record_write(d, "buffered", 1 << 30, 0.25)  # buffered measured 4x faster
+    with iomode.side_by_side():
+        assert {iomode.write_mode(d) for _ in range(16)} == {"buffered"}  # never explores
+    iomode.forget()
+
+
+def test_a_sharded_save_writes_its_parts_side_by_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_shards opens its part files inside side_by_side: every one of them is written
+    in the settled mode (direct), none in the untried buffered mode."""
+    from ckptstore import sharding
+    from ckptstore.storage import iomode, open_storage
+
+    iomode.forget()
+    iomode.record_write(str(tmp_path), "direct", 1 << 30, 1.0)  # buffered is untried
+    monkeypatch.setattr(sharding, "PART_BYTES", 33 << 20)  # files fill a buffer: they choose
+    seen: list[tuple[str, int]] = []
+    real = iomode.write_mode
+    monkeypatch.setattr(
+        iomode, "write_mode", lambda d: seen.append((real(d), iomode._side_by_side)) or seen[-1][0]
+    )
+    storage = open_storage(tmp_path / "store")
+    storage.check_root()
+    pending = storage.begin(1)
+    boxes = {f"w{i}@0": (f"w{i}", (0,), torch.zeros(33 << 18)) for i in range(2)}  # 2 x 33 MB
+    sharding.write_shards(pending, 0, boxes, {})
+    assert len(pending.files) == 2
+    assert seen
+    assert all(mode == "direct" and side > 0 for mode, side in seen)
+    storage.abort(pending)
+    iomode.forget()
+
+
 def test_a_large_auto_save_reports_its_speed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
