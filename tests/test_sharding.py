@@ -284,3 +284,25 @@ def test_layout_key_sees_every_input_of_the_plan(mesh: object) -> None:
     assert key(torch.zeros(4, 6), m=DeviceMesh("cpu", [0], mesh_dim_names=("dp",))) == key(
         torch.zeros(4, 6), m=named
     )
+
+
+def test_a_sharded_save_reports_where_its_time_went(mesh: object, tmp_path: Path) -> None:
+    """last_save_phases / last_save_cpu: every phase of a DTensor save, adding up to no more
+    than the save's own time."""
+    import time
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ckptstore import CheckpointManager
+
+    w = DTensor.from_local(torch.randn(64, 32), mesh, [Shard(0)])  # type: ignore[arg-type]
+    with CheckpointManager(tmp_path / "store") as mgr:
+        assert mgr.last_save_phases == {}
+        t0 = time.perf_counter()
+        mgr.save(1, {"model": {"w": w}, "step": 1})
+        took = time.perf_counter() - t0
+        phases, cpu = mgr.last_save_phases, mgr.last_save_cpu
+        assert {"encode", "plan", "x:plan", "write", "index", "commit"} <= set(phases)
+        assert set(cpu) == set(phases)
+        assert all(v >= 0 for v in (*phases.values(), *cpu.values()))
+        assert sum(phases.values()) <= took
