@@ -46,6 +46,7 @@ from .integrity import VerifyReport
 from .layout import state_file
 from .manifest import DTENSOR_FORMAT_VERSION, FORMAT_VERSION, FileEntry, Manifest, utc_now
 from .modules import EMA, RNGState
+from .phases import PhaseClock
 from .reader import STATE_FORMAT, Reader
 from .replica import Replicator
 from .retention import (
@@ -184,8 +185,14 @@ class CheckpointManager(Reader):
         self.coord = Coordinator(self.barrier_timeout, enabled=bool(distributed))
         # The background writer's own group, for the commit of async DTensor saves.
         self._bg_coord: Coordinator | None = None
-        # (DTensor layout, this rank's part of the global save plan, its metadata).
-        self._save_plan: tuple[Any, Any, Any] | None = None
+        # (DTensor layout key, this rank's part of the global save plan, its metadata, the
+        # box specs of that part, the DTensors' layouts): reused while the key is equal.
+        self._save_plan: tuple[Any, Any, Any, Any, Any] | None = None
+        #: Seconds per phase of the last synchronous save on this rank (see ``phases``).
+        self.last_save_phases: dict[str, float] = {}
+        #: CPU seconds of this process per phase of that save.
+        self.last_save_cpu: dict[str, float] = {}
+        self._clock: PhaseClock | None = None
         #: The ranks whose local store is this rank's (all of them on a shared filesystem;
         #: one node's on node-local disks): the lowest of them writes that store.
         self._peers = nodes.peers(self.storage, self.coord)
@@ -341,17 +348,20 @@ class CheckpointManager(Reader):
     ) -> SaveHandle:
         """:meth:`save` once its arguments are checked and no save is in flight."""
         t0 = time.perf_counter()
-        self.coord.barrier("save:enter", step)
-        # An async failure is raised on every rank, not only where it happened; DTensor
-        # leaves on any rank make the save sharded on all of them; and rank 0, which holds
-        # the store's listing, says whether the save may go ahead at all (the same error on
-        # every rank, before anything is written).
+        clock = self._clock = PhaseClock()
+        # The first exchange of a save (its barrier names the ranks that never called save,
+        # at 'save:enter'): an async failure is raised on every rank, not only where it
+        # happened; DTensor leaves on any rank make the save sharded on all of them; and
+        # rank 0, which holds the store's listing, says whether the save may go ahead at
+        # all (the same error on every rank, before anything is written).
         refusal: BaseException | None = None
         replace = False
         if self.coord.is_leader:
             refusal, replace = self._admit(step, metrics_d, allow_older)
         mine = (self._take_bg_error(), sharding.has_dtensors(state), refusal)
-        gathered = self.coord.all_gather(mine, "save:previous", step)
+        clock.mark("admit")
+        gathered = self.coord.all_gather(mine, "save:enter", step)
+        clock.mark("x:enter")
         prev = next((e for e, _, _ in gathered if e is not None), None)
         if prev is not None:
             raise prev if isinstance(prev, CkptStoreError) else CommitError(str(prev))
@@ -365,6 +375,7 @@ class CheckpointManager(Reader):
             for key, value in state.items()
             if isinstance(value, RNGState) and self.coord.enabled and (dtensor or not sharded)
         }
+        clock.mark("x:rng")
         if sharded or dtensor:
             done = self._save_sharded(step, state, metrics_d, metadata_d, rng, dtensor, replace)
             if isinstance(done, SaveHandle):
@@ -430,6 +441,12 @@ class CheckpointManager(Reader):
 
     def _done(self, step: int, manifest: Manifest, t0: float) -> SaveHandle:
         self.last_blocked_s = time.perf_counter() - t0
+        if self._clock is not None:
+            self._clock.mark("done")
+            self.last_save_phases = dict(self._clock.phases)
+            self.last_save_cpu = dict(self._clock.cpu)
+            log.debug("step %d save phases: %s", step, self._clock.describe())
+            self._clock = None
         if self.coord.is_leader:
             self._log_summary(step, manifest, self.last_blocked_s, self.last_blocked_s)
         return SaveHandle(step, result=manifest)
@@ -843,9 +860,13 @@ class CheckpointManager(Reader):
     ) -> Manifest:
         """Broadcast rank 0's commit outcome; every rank returns the manifest or raises it."""
         status, value = (coord or self.coord).broadcast(outcome, "save:commit", step)
+        if coord is None or coord is self.coord:
+            self._mark("x:commit")
         if status == "error":
             raise value if isinstance(value, BaseException) else CommitError(str(value))
         self._after_commit(step)
+        if coord is None or coord is self.coord:
+            self._mark("after_commit")
         return value if isinstance(value, Manifest) else Manifest.from_bytes(value)
 
     def _save_sharded(  # noqa: PLR0917 - private, one call site
@@ -867,17 +888,22 @@ class CheckpointManager(Reader):
         the writes and the commit (with its collectives, on a group of their own) go on in
         the background.
         """
-        pending = self._open_everywhere(step, replace)
         rank = self.coord.rank
         meta = {"metrics": metrics, "metadata": metadata}
         mine: tuple[str, Any]
+        if dtensor:
+            # Rank 0 opens the tmp directory before planning, and says so in the plan
+            # exchange: one collective less than an exchange of its own.
+            pending, mine = self._plan_dtensor(state, step, rng, replace)
+        else:
+            pending = self._open_everywhere(step, replace)
         try:
             if dtensor:
-                mine = self._plan_dtensor(state, step, rng)
                 if mine[0] == "ok" and self.async_save:
                     return self._submit_sharded(pending, mine[1], step, meta)
                 if mine[0] == "ok":
                     mine = self._write_dtensor(pending, mine[1])
+                    self._mark("write")
             else:
                 job = {"groups": {}, "tree": b"", "rank": rank}
                 tree, groups = self._encode_sync(state)
@@ -899,29 +925,44 @@ class CheckpointManager(Reader):
         On node-local roots the lowest rank of each node opens one in its own store (a
         node's copy is replaced when rank 0 replaces its own, or when it holds the step).
         """
-        where = self.storage.describe(step)
-        opened: tuple[str, Any] = ("ok", None)
-        pending: Pending | None = None
-        if self._node_leader:
-            try:
-                if self._split and not self.coord.is_leader:
-                    self._take_lock()
-                    replace = step in self.storage.list_steps()
-                pending = self.storage.begin(step, replace=replace)
-                opened = ("ok", pending.dirname)
-            except BaseException as e:
-                err = _commit_error(e, where, self._previous(step)) if _plain_oserror(e) else e
-                opened = ("error", err)
-        if not self._split:
-            status, value = self.coord.broadcast(opened, "save:begin", step)
-        else:
-            every = self.coord.all_gather(opened, "save:begin", step)
-            failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
-            if failed and pending is not None:
+        opened, pending = self._open_here(step, replace)
+        self._mark("begin")
+        every = self.coord.all_gather(opened, "save:begin", step)
+        self._mark("x:begin")
+        return self._opened(pending, every, step)
+
+    def _open_here(self, step: int, replace: bool) -> tuple[tuple[str, Any], Pending | None]:
+        """The lowest rank of this store opens the tmp directory of ``step``.
+
+        Returns what to tell the others (``("ok", dirname)``, ``("error", e)``; ``("ok",
+        None)`` on the other ranks) and the pending checkpoint where this rank opened it.
+        """
+        if not self._node_leader:
+            return ("ok", None), None
+        try:
+            if self._split and not self.coord.is_leader:
+                self._take_lock()
+                replace = step in self.storage.list_steps()
+            pending = self.storage.begin(step, replace=replace)
+        except BaseException as e:
+            where = self.storage.describe(step)
+            err = _commit_error(e, where, self._previous(step)) if _plain_oserror(e) else e
+            return ("error", err), None
+        return ("ok", pending.dirname), pending
+
+    def _opened(self, pending: Pending | None, every: list[tuple[str, Any]], step: int) -> Pending:
+        """The pending checkpoint on this rank, once every rank said how opening went.
+
+        ``every`` holds each rank's :meth:`_open_here` answer: a failure anywhere (on
+        node-local roots, in any node's store) aborts this rank's directory and is raised.
+        """
+        failed = [v for st, v in every if st == "error"]
+        if failed:
+            if pending is not None:
                 self.storage.abort(pending)
-            status, value = ("error", failed[0][1]) if failed else every[min(self._peers)]
-        if status == "error":
+            value = failed[0]
             raise value if isinstance(value, BaseException) else CommitError(str(value))
+        value = every[min(self._peers)][1]
         return pending if pending is not None else Pending(self.storage, step, value)
 
     def _finish_sharded(  # noqa: PLR0917 - private
@@ -935,8 +976,11 @@ class CheckpointManager(Reader):
     ) -> Manifest:
         """Phase 2: rank 0 gathers every rank's files and commits only if all succeeded."""
         where = self.storage.describe(step)
+        md = mine[1].pop("md", None) if dtensor and mine[0] == "ok" else None
         try:
             tables = coord.gather(mine, "save:gather", step)
+            if coord is self.coord:
+                self._mark("x:gather")
         except BarrierTimeout:
             if self._node_leader:
                 self.storage.abort(pending)
@@ -954,14 +998,18 @@ class CheckpointManager(Reader):
                     files.update(table["files"])
                 try:
                     if dtensor:
-                        index = sharding.build_index(tables[0][1]["md"], [t for _, t in tables])
-                        pending.write_bytes(INDEX_FILE, index.to_bytes(), codec="json")
+                        index = sharding.index_bytes(md, [t["packed"] for _, t in tables])
+                        pending.write_bytes(INDEX_FILE, index, codec="json")
                         files[INDEX_FILE] = pending.files[INDEX_FILE]
                     manifest = self._make_manifest(step, files, meta, sharded=True, dtensor=dtensor)
+                    if coord is self.coord:
+                        self._mark("index")
                     if self._split:  # every node commits its copy: _commit_split
                         outcome = ("ok", (manifest.to_bytes(), nodes.plain_blobs(pending, files)))
                     else:
                         self.storage.commit(pending, manifest)
+                        if coord is self.coord:
+                            self._mark("commit")
                         self._committed(manifest)
                         outcome = ("ok", self._outgoing(manifest))
                 except BaseException as e:
@@ -1029,25 +1077,35 @@ class CheckpointManager(Reader):
             self.async_save = was
 
     def _plan_dtensor(
-        self, state: Mapping[Any, Any], step: int, rng: Mapping[Any, Any]
-    ) -> tuple[str, Any]:
-        """Encode the state and agree on who writes which DTensor box (collective).
+        self, state: Mapping[Any, Any], step: int, rng: Mapping[Any, Any], replace: bool
+    ) -> tuple[Pending, tuple[str, Any]]:
+        """Open the tmp directory, encode the state, agree on who writes which DTensor box.
 
-        Every rank encodes the state (the same tree, so the same DTensor names) and makes a
-        local plan; the plans are exchanged, and every rank computes the same deduplicated
-        global plan from them. A rank that fails before the exchange still takes part in
-        it, so no rank waits for it. With ``async_save`` the boxes and rank 0's plain
-        tensors are copied into staging buffers here: the one copy the caller waits for.
+        Collective. Rank 0 opens the tmp directory every rank writes into; every rank
+        encodes the state (the same tree, so the same DTensor names) and makes a local
+        plan; the plans (and rank 0's directory) are exchanged, and every rank computes the
+        same deduplicated global plan from them. A rank that fails before the exchange
+        still takes part in it, so no rank waits for it. With ``async_save`` the boxes and
+        rank 0's plain tensors are copied into staging buffers here: the one copy the
+        caller waits for.
 
         Returns:
-            ``("ok", job)``, ``("error", e)`` where this rank failed, ``("aborted", None)``
-            where another rank did (and says why).
+            The pending checkpoint, and ``("ok", job)``, ``("error", e)`` where this rank
+            failed, ``("aborted", None)`` where another rank did (and says why).
+
+        Raises:
+            BarrierTimeout: a rank did not join the exchange (rank 0's directory is gone).
+            Exception: rank 0 could not open the directory (raised on every rank).
         """
         rank = self.coord.rank
         collector = sharding.DTensorCollector()
         planned: tuple[str, Any]
         tree: bytes = b""
         groups: dict[str, dict[str, torch.Tensor]] = {}
+        opened, pending = self._open_here(step, replace)
+        self._mark("begin")
+        key: Any = None
+        local: Any = None
         try:
             if self.compression is not None:
                 msg = (
@@ -1056,6 +1114,7 @@ class CheckpointManager(Reader):
                 )
                 raise UnsafeCheckpointError(msg)
             tree, groups = self._encode_sync(state, rng, collector)
+            self._mark("encode")
             key = sharding.layout_key(collector.flat)
             # The same layout as the last save on every rank: its global plan still holds,
             # and the exchange carries one flag instead of every rank's plan.
@@ -1065,23 +1124,62 @@ class CheckpointManager(Reader):
         except BaseException as e:
             log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)
             planned = ("error", e)
-        plans = self.coord.all_gather(planned, "save:plan", step)
+        self._mark("plan")
+        try:
+            plans = self.coord.all_gather((*planned, opened), "save:plan", step)
+        except BarrierTimeout:
+            if pending is not None:
+                self.storage.abort(pending)
+            raise
+        self._mark("x:plan")
+        pending = self._opened(pending, [p[2] for p in plans], step)
         if planned[0] != "ok":
-            return planned
-        if any(s != "ok" for s, _ in plans):
-            return ("aborted", None)
-        if any(p is None for _, p in plans) and any(p is not None for _, p in plans):
+            return pending, planned
+        if any(s != "ok" for s, _, _ in plans):
+            return pending, ("aborted", None)
+        try:
+            others = [p for _, p, _ in plans]
+            job = self._agree(collector, others, step, key=key, local=local, parts=(tree, groups))
+        except BarrierTimeout:
+            if self._node_leader:
+                self.storage.abort(pending)
+            raise
+        except BaseException as e:
+            log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)
+            return pending, ("error", e)
+        return pending, ("ok", job)
+
+    def _agree(
+        self,
+        collector: sharding.DTensorCollector,
+        plans: list[Any],
+        step: int,
+        *,
+        key: Any,
+        local: Any,
+        parts: tuple[bytes, dict[str, dict[str, torch.Tensor]]],
+    ) -> dict[str, Any]:
+        """The global plan from every rank's local plan (or the cached one): this rank's job.
+
+        ``plans`` holds ``None`` for a rank whose layout key equals its cached plan's.
+        """
+        rank = self.coord.rank
+        tree, groups = parts
+        if any(p is None for p in plans) and any(p is not None for p in plans):
             # Some ranks kept their layout, others did not: plan again, all of them.
             local = local or sharding.save_plans(collector.flat, self.coord.is_leader)
-            plans = self.coord.all_gather(("ok", local), "save:plan", step)
-        if all(p is None for _, p in plans):
+            plans = [p for _, p in self.coord.all_gather(("ok", local), "save:plan", step)]
+        if all(p is None for p in plans):
             assert self._save_plan is not None
-            _, mine, md = self._save_plan
+            _, mine, md, specs, layout = self._save_plan
         else:
-            final, md = sharding.global_plan([p for _, p in plans])
+            final, md = sharding.global_plan(plans)
             mine = final[rank]
-            self._save_plan = (key, mine, md)
-        boxes = sharding.local_boxes(mine, collector.flat)
+            specs = sharding.box_specs(mine)
+            layout = sharding.layouts(collector.flat)  # what the layout key also holds
+            self._save_plan = (key, mine, md, specs, layout)
+        self._mark("global_plan")
+        boxes = sharding.local_boxes(mine, collector.flat, specs)
         if self.async_save:
             self._staging.begin()
             offsets = sharding.box_file_offsets({k: t for k, (_, _, t) in boxes.items()})
@@ -1092,14 +1190,9 @@ class CheckpointManager(Reader):
             if self.coord.is_leader:
                 groups = {g: self._stage_group(g, t) for g, t in groups.items()}
             self._staging.end()
-        job = {
-            "boxes": boxes,
-            "layout": sharding.layouts(collector.flat),
-            "md": md,
-            "tree": tree,
-            "groups": groups,
-        }
-        return ("ok", job)
+        job = {"boxes": boxes, "layout": layout, "md": md, "tree": tree, "groups": groups}
+        self._mark("boxes")
+        return job
 
     def _write_dtensor(self, pending: Pending, job: Mapping[str, Any]) -> tuple[str, Any]:
         """Phase 1 of a DTensor save: this rank's boxes, and rank 0 the rest of the state."""
@@ -1113,13 +1206,14 @@ class CheckpointManager(Reader):
                 {"groups": job["groups"], "tree": job["tree"], "rank": None},
             )
         table = sharding.write_shards(pending, rank, job["boxes"], job["layout"], also=plain)
-        table["files"] = {
+        files = {
             n: e
             for n, e in pending.files.items()
             if e.rank == rank or (self.coord.is_leader and e.rank is None)
         }
-        table["md"] = job["md"] if self.coord.is_leader else None
-        return ("ok", table)
+        # Rank 0 keeps the global metadata (it is not sent: _finish_sharded takes it out).
+        md = job["md"] if self.coord.is_leader else None
+        return ("ok", {"files": files, "packed": sharding.pack_table(table), "md": md})
 
     def _submit_sharded(
         self, pending: Pending, job: Mapping[str, Any], step: int, meta: Mapping[str, Any]
@@ -1173,6 +1267,11 @@ class CheckpointManager(Reader):
             self.prune()
         except (CkptStoreError, OSError, ValueError) as e:
             log.warning("retention after step %d failed: %s", step, e)
+
+    def _mark(self, phase: str) -> None:
+        """End ``phase`` of the synchronous save in progress (see :mod:`ckptstore.phases`)."""
+        if self._clock is not None:
+            self._clock.mark(phase)
 
     def _log_summary(self, step: int, manifest: Manifest, seconds: float, blocked: float) -> None:
         nbytes = manifest.total_bytes

@@ -556,7 +556,7 @@ class Reader:
         if self.coord.is_leader:
             try:
                 # A failed async save (only rank 0 writes) is raised on every rank, carried
-                # by this first exchange, as save carries it by "save:previous".
+                # by this first exchange, as save carries it by "save:enter".
                 self._raise_bg_error()
                 listing = ("ok", self._candidates(step))
             except BaseException as e:

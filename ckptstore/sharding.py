@@ -22,7 +22,9 @@ change the training run it checkpoints), so the conversion is done without it.
 
 from __future__ import annotations
 
-import dataclasses
+import contextlib
+import itertools
+import json
 import math
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -31,18 +33,30 @@ import torch
 from torch import nn
 
 from ._log import logger as log
-from .chunks import BLOCK, Chunk, ChunkIndex, TensorEntry, block_crcs, dtype_name, read_box
+from .chunks import (
+    BLOCK,
+    INDEX_FORMAT,
+    Chunk,
+    ChunkIndex,
+    TensorEntry,
+    block_crcs,
+    dtype_name,
+    read_box,
+)
 from .chunks import shard_file as shard_file_name
 from .codec import safetensors as safetensors_codec
 from .codec.tree import format_path
 from .errors import StateMismatchError, UnsafeCheckpointError
 from .modules import EMA, de_parallel, module_state
+from .storage import iomode
 from .storage.directio import run_all
 
 __all__ = [
     "DTensorCollector",
+    "box_specs",
     "build_index",
     "has_dtensors",
+    "index_bytes",
     "indexed_optimizer_state",
     "is_dtensor",
     "layout_key",
@@ -50,6 +64,7 @@ __all__ = [
     "local_boxes",
     "named_optimizer_state",
     "owner_of",
+    "pack_table",
     "read_into",
     "restore_targets",
     "save_plans",
@@ -61,17 +76,24 @@ __all__ = [
 _SCAN_LIMIT = 100_000
 
 
+_DTENSOR: list[type | None] = []  # the DTensor class, once looked up
+
+
 def _dtensor_type() -> type | None:
+    if _DTENSOR:
+        return _DTENSOR[0]
     try:
         from torch.distributed.tensor import DTensor
     except ImportError:  # pragma: no cover - torch built without distributed
+        _DTENSOR.append(None)
         return None
+    _DTENSOR.append(DTensor)
     return DTensor
 
 
 def is_dtensor(v: object) -> bool:
     """Whether ``v`` is a ``torch.distributed.tensor.DTensor``."""
-    cls = _dtensor_type()
+    cls = _DTENSOR[0] if _DTENSOR else _dtensor_type()
     return cls is not None and isinstance(v, cls)
 
 
@@ -262,13 +284,18 @@ def save_plans(flat: Mapping[str, Any], is_leader: bool) -> Any:
     a few shapes. Only the name differs between the items of DTensors of one layout.
     """
     from torch.distributed.checkpoint.default_planner import create_default_local_save_plan
-    from torch.distributed.checkpoint.planner import SavePlan
+    from torch.distributed.checkpoint.metadata import MetadataIndex
+    from torch.distributed.checkpoint.planner import SavePlan, WriteItem
 
     memo: dict[tuple[Any, ...], list[Any]] = {}
     items: list[Any] = []
-    for fqn, t in flat.items():
-        with torch.no_grad():  # to_local() without an autograd function (see layout_key)
-            local = t.to_local() if is_dtensor(t) else None
+    # Under no_grad, to_local() returns the local tensor instead of running an autograd
+    # function (~0.1 ms a DTensor that requires grad); one no_grad block for all of them.
+    # DCP's own planning runs outside it: the properties it records (requires_grad) are
+    # those of a to_local() with grad enabled.
+    with torch.no_grad():
+        locals_ = [t.to_local() if is_dtensor(t) else None for t in flat.values()]
+    for (fqn, t), local in zip(flat.items(), locals_, strict=True):
         if local is None or type(local) is not torch.Tensor:
             # Not a plain DTensor (a nested subclass plans itself): DCP as it is.
             items += create_default_local_save_plan({fqn: t}, is_leader).items
@@ -287,33 +314,74 @@ def save_plans(flat: Mapping[str, Any], is_leader: bool) -> Any:
         template = memo.get(key)
         if template is None:
             template = memo[key] = create_default_local_save_plan({fqn: t}, is_leader).items
+        # The template's items with this DTensor's name (WriteItem and MetadataIndex are
+        # built directly: dataclasses.replace costs ~10 us an item).
         items += [
-            dataclasses.replace(it, index=dataclasses.replace(it.index, fqn=fqn)) for it in template
+            WriteItem(
+                index=MetadataIndex(fqn, it.index.offset, it.index.index),
+                type=it.type,
+                bytes_io_data=it.bytes_io_data,
+                tensor_data=it.tensor_data,
+            )
+            for it in template
         ]
     return SavePlan(items)
+
+
+_NEVER_EQUAL = itertools.count()
+
+
+def _mesh_key(mesh: Any) -> tuple[Any, ...]:
+    """What a save plan depends on of a device mesh: its ranks, their order, this rank's place.
+
+    Not ``id(mesh)``: a mesh built after another was freed may get its address, and a
+    different order of the same ranks gives every rank other offsets with equal shapes.
+    """
+    return (
+        mesh.device_type,
+        tuple(mesh.mesh.shape),
+        tuple(mesh.mesh.reshape(-1).tolist()),
+        tuple(mesh.mesh_dim_names or ()),
+        tuple(mesh.get_coordinate() or ()),
+    )
 
 
 def layout_key(flat: Mapping[str, Any]) -> tuple[Any, ...]:
     """What this rank's save plan depends on: names, shapes, dtypes, meshes, placements.
 
     Equal keys on a rank give the same local plan, without the ~0.3 ms per DTensor that
-    computing it costs.
+    computing it costs: every input of :func:`save_plans` for a plain DTensor is in it
+    (name, global shape, dtype, ``requires_grad``, placements, the mesh's ranks in order and
+    this rank's coordinate, the local shape, layout and pinning), so a cached plan is used
+    only where computing it again would give the same items. A DTensor subclass that is
+    not plain keys on its identity, so its plan is never reused.
     """
-    # Under no_grad, to_local() returns the local tensor instead of running an autograd
-    # function (~0.1 ms a DTensor that requires grad).
-    with torch.no_grad():
-        return tuple(
-            (
-                name,
-                tuple(t.shape),
-                t.dtype,
-                t.requires_grad,
-                tuple(t.placements),
-                id(t.device_mesh),
-                tuple(t.to_local().shape),
+    meshes: dict[int, tuple[Any, ...]] = {}
+    out: list[tuple[Any, ...]] = []
+    with torch.no_grad():  # to_local() without an autograd function (see save_plans)
+        for name, t in flat.items():
+            mesh = t.device_mesh
+            mk = meshes.get(id(mesh))
+            if mk is None:
+                mk = meshes[id(mesh)] = _mesh_key(mesh)
+            local = t.to_local()
+            if type(local) is not torch.Tensor:
+                out.append((name, next(_NEVER_EQUAL)))  # not plain: no key matches it again
+                continue
+            out.append(
+                (
+                    name,
+                    tuple(t.shape),
+                    t.dtype,
+                    t.requires_grad,
+                    tuple(t.placements),
+                    mk,
+                    tuple(local.shape),
+                    local.layout,
+                    local.is_pinned(),
+                )
             )
-            for name, t in flat.items()
-        )
+    return tuple(out)
 
 
 def global_plan(all_plans: list[Any]) -> tuple[list[Any], Any]:
@@ -329,28 +397,43 @@ def _chunk_key(name: str, offsets: Iterable[int]) -> str:
     return f"{name}@{','.join(str(int(o)) for o in offsets)}"
 
 
-def local_boxes(plan: Any, flat: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...], Any]]:
+def box_specs(plan: Any) -> list[tuple[str, str, tuple[int, ...], Any]]:
+    """``(name, key in the shard file, offsets, DCP index)`` of every item of a local plan.
+
+    Computed once per plan: a manager keeps them with its cached plan.
+    """
+    out = []
+    for item in plan.items:
+        offsets = tuple(int(o) for o in item.index.offset)
+        out.append((item.index.fqn, _chunk_key(item.index.fqn, offsets), offsets, item.index))
+    return out
+
+
+def local_boxes(
+    plan: Any,
+    flat: Mapping[str, Any],
+    specs: list[tuple[str, str, tuple[int, ...], Any]] | None = None,
+) -> dict[str, tuple[str, tuple[int, ...], Any]]:
     """The boxes this rank writes: ``{key in its shard file: (name, offsets, local tensor)}``.
 
     The tensors are the DTensors' local shards, where they live (a device, a view): a
     synchronous save copies them to CPU as it writes, an async save stages them.
+    ``specs`` are :func:`box_specs` of ``plan``, where the caller kept them.
     """
     from torch.distributed.checkpoint.utils import find_state_dict_object
 
     out: dict[str, tuple[str, tuple[int, ...], Any]] = {}
     sd = dict(flat)
-    for item in plan.items:
-        t = sd[item.index.fqn]
-        with torch.no_grad():  # to_local() without an autograd function (see layout_key)
+    with torch.no_grad():  # to_local() without an autograd function (see save_plans)
+        for name, key, offsets, index in specs if specs is not None else box_specs(plan):
+            t = sd[name]
             local = t.to_local() if is_dtensor(t) else None
-        if local is not None and type(local) is torch.Tensor:
+            if local is None or type(local) is not torch.Tensor:
+                # Not a plain DTensor: DCP finds the chunk its plan item names.
+                local = find_state_dict_object(sd, index)
             # A plain DTensor holds one chunk on a rank, the one its own plan item names
             # (``find_state_dict_object`` would compute the layout again to find it).
-            local = local.detach()
-        else:
-            local = find_state_dict_object(sd, item.index).detach()
-        offsets = tuple(int(o) for o in item.index.offset)
-        out[_chunk_key(item.index.fqn, offsets)] = (item.index.fqn, offsets, local)
+            out[key] = (name, offsets, local.detach())
     return out
 
 
@@ -491,7 +574,10 @@ def write_shards(
                 crcs[k] = block_crcs(safetensors_codec.tensor_bytes(t)) if t.numel() else []
 
         calls += [write, checksum]
-    errors = run_all(calls, max_workers=len(calls))
+    # Files written side by side: none of them tries the other write mode (iomode).
+    alone = len(calls) <= 2
+    with contextlib.nullcontext() if alone else iomode.side_by_side():
+        errors = run_all(calls, max_workers=len(calls))
     first = next((e for e in errors if e is not None), None)
     if first is not None:
         raise first
@@ -511,6 +597,61 @@ def write_shards(
         for key, (name, offsets, _) in boxes.items()
     ]
     return {"chunks": chunks, "layout": layout}
+
+
+def pack_table(table: Mapping[str, Any]) -> bytes:
+    """What a rank sends rank 0 of :func:`write_shards`' table: its chunks and layouts as JSON.
+
+    One ``bytes`` object instead of hundreds of tuples and dataclasses: the coordinator
+    pickles it at once, and checks it for exceptions to replace without walking it (that
+    walk of a 600-chunk table cost more than the pickle).
+    """
+    doc = {
+        "chunks": [[n, list(o), c.to_json()] for n, o, c in table["chunks"]],
+        "layout": {n: [list(x) for x in lay] for n, lay in table["layout"].items()},
+    }
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def index_bytes(md: Any, packed: Iterable[bytes]) -> bytes:
+    """The chunk index file from the global metadata and every rank's :func:`pack_table`.
+
+    The same bytes as ``build_index(md, tables).to_bytes()``, without building a
+    :class:`~ckptstore.chunks.Chunk` per chunk only to turn it back into JSON.
+
+    Raises:
+        RuntimeError: a chunk of the global plan that no rank reported (the save must not
+            commit).
+    """
+    found: dict[tuple[str, tuple[int, ...]], Any] = {}
+    layout: dict[str, Any] = {}
+    for blob in packed:
+        doc = json.loads(blob)
+        for name, offsets, chunk in doc["chunks"]:
+            found[(name, tuple(offsets))] = chunk
+        for name, lay in doc["layout"].items():
+            layout.setdefault(name, lay)
+    tensors: dict[str, Any] = {}
+    for name in sorted(md.state_dict_metadata):
+        tmd = md.state_dict_metadata[name]
+        chunks = []
+        for c in tmd.chunks:
+            chunk = found.get((name, tuple(int(o) for o in c.offsets)))
+            if chunk is None:  # a plan item no rank reported: refuse to commit
+                msg = f"no rank wrote the chunk of {name!r} at {list(c.offsets)}"
+                raise RuntimeError(msg)
+            chunks.append(chunk)
+        row: dict[str, Any] = {
+            "dtype": dtype_name(tmd.properties.dtype),
+            "shape": [int(s) for s in tmd.size],
+            "chunks": chunks,
+        }
+        mesh, dims, placements = layout.get(name, ((), (), ()))
+        if mesh:  # as TensorEntry.to_json writes it
+            row.update(mesh=list(mesh), mesh_dims=list(dims), placements=list(placements))
+        tensors[name] = row
+    doc = {"ckptstore_chunks": INDEX_FORMAT, "block": BLOCK, "tensors": tensors}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
 def build_index(md: Any, tables: Iterable[Mapping[str, Any]]) -> ChunkIndex:

@@ -5,6 +5,8 @@ from __future__ import annotations
 import errno
 import io
 import os
+import threading
+import time
 from pathlib import Path
 
 import pytest
@@ -688,6 +690,57 @@ def test_write_mode_follows_the_speeds_saves_reached(tmp_path: Path) -> None:
     iomode.forget()
 
 
+def test_files_written_side_by_side_neither_try_nor_measure(tmp_path: Path) -> None:
+    """Concurrent part files get the settled mode: none tries the untried one (it would hold
+    up the whole save), and their speeds, confounded by each other, are not recorded."""
+    from ckptstore.storage import iomode
+
+    iomode.forget()
+    d = str(tmp_path)
+    with iomode.side_by_side():
+        assert [iomode.write_mode(d) for _ in range(4)] == ["direct"] * 4  # nothing known
+        iomode.record_write(d, "direct", 1 << 30, 100.0)  # confounded: not kept
+    assert iomode.decisions() == []
+    # Alone, the exploration goes on where it stood: direct first, then buffered.
+    assert iomode.write_mode(d) == "direct"
+    iomode.record_write(d, "direct", 1 << 30, 1.0)
+    with iomode.side_by_side():  # buffered is still untried: not inside a group
+        assert iomode.write_mode(d) == "direct"
+    assert iomode.write_mode(d) == "buffered"
+    iomode.record_write(d, "buffered", 1 << 30, 0.25)  # buffered measured 4x faster
+    with iomode.side_by_side():
+        assert {iomode.write_mode(d) for _ in range(16)} == {"buffered"}  # never explores
+    iomode.forget()
+
+
+def test_a_sharded_save_writes_its_parts_side_by_side(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """write_shards opens its part files inside side_by_side: every one of them is written
+    in the settled mode (direct), none in the untried buffered mode."""
+    from ckptstore import sharding
+    from ckptstore.storage import iomode, open_storage
+
+    iomode.forget()
+    iomode.record_write(str(tmp_path), "direct", 1 << 30, 1.0)  # buffered is untried
+    monkeypatch.setattr(sharding, "PART_BYTES", 33 << 20)  # files fill a buffer: they choose
+    seen: list[tuple[str, int]] = []
+    real = iomode.write_mode
+    monkeypatch.setattr(
+        iomode, "write_mode", lambda d: seen.append((real(d), iomode._side_by_side)) or seen[-1][0]
+    )
+    storage = open_storage(tmp_path / "store")
+    storage.check_root()
+    pending = storage.begin(1)
+    boxes = {f"w{i}@0": (f"w{i}", (0,), torch.zeros(33 << 18)) for i in range(2)}  # 2 x 33 MB
+    sharding.write_shards(pending, 0, boxes, {})
+    assert len(pending.files) == 2
+    assert seen
+    assert all(mode == "direct" and side > 0 for mode, side in seen)
+    storage.abort(pending)
+    iomode.forget()
+
+
 def test_a_large_auto_save_reports_its_speed(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -704,3 +757,74 @@ def test_a_large_auto_save_reports_its_speed(
     assert [h["mode"] for h in writes] == ["direct", "buffered"]
     assert all(float(h["bytes_per_s"]) > 0 for h in writes)  # type: ignore[arg-type]
     iomode.forget()
+
+
+def test_io_threads_are_reused_at_the_callers_priority() -> None:
+    """A finished Call's thread takes the next task of a caller of the same niceness; a
+    caller that lowered its priority (an async save's writer) gets threads at its own."""
+
+    def who() -> tuple[int, int]:
+        return threading.get_ident(), os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    first = directio.Call(who).result()
+    assert directio.Call(who).result() == first  # the same, idle thread
+    assert first[1] == os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+    got: list[tuple[int, int]] = []
+
+    def lowered() -> None:
+        directio.lower_priority(first[1] + 5)
+        got.append(directio.Call(who).result())
+        got.append(directio.Call(who).result())
+
+    t = threading.Thread(target=lowered)
+    t.start()
+    t.join(30)
+    assert got[0][1] == first[1] + 5  # never a thread of the caller's higher priority
+    assert got[0][0] != first[0]
+    assert got[1] == got[0]
+    assert directio.Call(who).result() == first  # the first one still serves its own
+
+
+def test_bounce_buffers_are_kept_for_the_next_writer(tmp_path: Path) -> None:
+    """A writer's mapped buffer goes to the next writer (no page faults again), and the bytes
+    each one writes are its own."""
+    a = os.urandom(3 * ALIGN + 12345)
+    b = os.urandom(777)  # shorter: nothing of a's bytes left in the buffer may follow it
+    w1 = directio.DirectWriter(str(tmp_path / "a"))
+    w1.write(a)
+    used = {id(x) for x in w1._bufs}
+    w1.finish()
+    w2 = directio.DirectWriter(str(tmp_path / "b"))
+    w2.write(b)
+    assert {id(x) for x in w2._bufs} & used  # reused, not mapped again
+    w2.finish()
+    assert (tmp_path / "a").read_bytes() == a
+    assert (tmp_path / "b").read_bytes() == b
+    assert len(directio._pool) <= directio._POOL_MAX
+
+
+def test_io_threads_work_in_a_forked_child(tmp_path: Path) -> None:
+    """Idle threads do not survive fork: a child must start its own, not wait on theirs."""
+    directio.Call(lambda: None).result()  # leave an idle thread (and a kept buffer) behind
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            w = directio.DirectWriter(str(tmp_path / "child"))
+            w.write(b"x" * (directio.BUFFER + 1))
+            w.finish()
+            code = 0 if directio.Call(lambda: 7).result() == 7 else 2
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            break
+        time.sleep(0.05)
+    else:  # pragma: no cover - the failure this test is for
+        os.kill(pid, 9)
+        os.waitpid(pid, 0)
+        pytest.fail("the forked child hung on an I/O thread of its parent")
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert (tmp_path / "child").stat().st_size == directio.BUFFER + 1

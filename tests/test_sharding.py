@@ -8,6 +8,7 @@ group where DTensors are needed.
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -18,7 +19,7 @@ import torch.distributed as dist
 from safetensors.torch import load_file
 
 from ckptstore import sharding
-from ckptstore.chunks import BLOCK, block_crcs
+from ckptstore.chunks import BLOCK, ChunkIndex, block_crcs
 from ckptstore.codec import safetensors as st
 from ckptstore.integrity import crc32c_of
 from ckptstore.storage import open_storage
@@ -220,3 +221,88 @@ def test_split_padded_shards_save_verify_load_and_restore(
         assert mgr.restore(target) == 4
         for k, v in state["model"].items():
             assert torch.equal(target["model"][k].to_local(), v.to_local()), k  # type: ignore[attr-defined]
+
+
+def test_index_from_packed_tables_is_byte_identical_and_refuses_a_missing_chunk(
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What rank 0 writes from the ranks' packed tables is the index build_index makes."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    monkeypatch.setattr(sharding, "PART_BYTES", 32 << 10)
+    flat: dict[str, object] = {
+        "model/w": torch.nn.Parameter(
+            DTensor.from_local(torch.randn(64, 300), mesh, [Shard(0)])  # type: ignore[arg-type]
+        ),
+        "model/b": DTensor.from_local(torch.randn(300), mesh, [Replicate()]),  # type: ignore[arg-type]
+        "state/model.w/exp_avg": DTensor.from_local(
+            torch.randn(64, 300).bfloat16(),
+            mesh,  # type: ignore[arg-type]
+            [Shard(1)],
+        ),
+    }
+    plans, md = sharding.global_plan([sharding.save_plans(flat, True)])
+    boxes = sharding.local_boxes(plans[0], flat)
+    storage = open_storage(tmp_path / "store")
+    storage.check_root()
+    pending = storage.begin(1)
+    table = sharding.write_shards(pending, 0, boxes, sharding.layouts(flat))
+    assert len({c.file for _, _, c in table["chunks"]}) > 1  # split over part files
+    packed = sharding.pack_table(table)
+    assert isinstance(packed, bytes)
+    got = sharding.index_bytes(md, [packed])
+    assert got == sharding.build_index(md, [table]).to_bytes()
+    index = ChunkIndex.from_bytes(got, pending.files, "test")
+    assert index.tensors["state/model.w/exp_avg"].placements == ("S(1)",)
+    # A chunk of the global plan that no rank reported: rank 0 must not commit.
+    doc = json.loads(packed)
+    doc["chunks"] = [c for c in doc["chunks"] if c[0] != "model/b"]
+    with pytest.raises(RuntimeError, match="no rank wrote the chunk of 'model/b'"):
+        sharding.index_bytes(md, [json.dumps(doc).encode()])
+    storage.abort(pending)
+
+
+def test_layout_key_sees_every_input_of_the_plan(mesh: object) -> None:
+    """A cached plan is reused only for an equal key: any change of what the plan depends on
+    (shape, dtype, placement, grad, the mesh's ranks) gives another key, while a new object
+    of the same layout (the next step's tensors) gives the same one."""
+    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    def key(t: torch.Tensor, m: object = mesh, placement: object = None) -> tuple[object, ...]:
+        d = DTensor.from_local(t, m, [placement or Shard(0)])  # type: ignore[arg-type]
+        return sharding.layout_key({"w": d})
+
+    base = key(torch.zeros(4, 6))
+    assert key(torch.ones(4, 6)) == base  # other values, other objects: the same plan
+    assert key(torch.zeros(4, 7)) != base
+    assert key(torch.zeros(4, 6, dtype=torch.float64)) != base
+    assert key(torch.zeros(4, 6).requires_grad_()) != base
+    assert key(torch.zeros(4, 6), placement=Replicate()) != base
+    named = DeviceMesh("cpu", [0], mesh_dim_names=("dp",))
+    assert key(torch.zeros(4, 6), m=named) != base  # not the mesh object's id: its ranks
+    assert key(torch.zeros(4, 6), m=DeviceMesh("cpu", [0], mesh_dim_names=("dp",))) == key(
+        torch.zeros(4, 6), m=named
+    )
+
+
+def test_a_sharded_save_reports_where_its_time_went(mesh: object, tmp_path: Path) -> None:
+    """last_save_phases / last_save_cpu: every phase of a DTensor save, adding up to no more
+    than the save's own time."""
+    import time
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ckptstore import CheckpointManager
+
+    w = DTensor.from_local(torch.randn(64, 32), mesh, [Shard(0)])  # type: ignore[arg-type]
+    with CheckpointManager(tmp_path / "store") as mgr:
+        assert mgr.last_save_phases == {}
+        t0 = time.perf_counter()
+        mgr.save(1, {"model": {"w": w}, "step": 1})
+        took = time.perf_counter() - t0
+        phases, cpu = mgr.last_save_phases, mgr.last_save_cpu
+        assert {"encode", "plan", "x:plan", "write", "index", "commit"} <= set(phases)
+        assert set(cpu) == set(phases)
+        assert all(v >= 0 for v in (*phases.values(), *cpu.values()))
+        assert sum(phases.values()) <= took

@@ -10,10 +10,15 @@ Three contenders, side by side, interleaved round-robin inside each job:
   ``FileSystemWriter(sync_files=True)`` (plus an fsync of ``.metadata`` and the directory);
   restore with ``get_state_dict``, ``dcp.load`` in place and ``set_state_dict``, into the
   same fresh targets.
+- ``ckpt-again`` (save only): the second save of one manager (the first, untimed, planned
+  the layout): what a training job sees from its second checkpoint on. ``ckpt`` is the
+  first save of a fresh manager, planning included; both are reported.
 - ``raw``: every rank writes its own local bytes of the state (the same byte count as its
-  shards) with O_DIRECT from one aligned buffer, then fsync; restore reads the same bytes
-  with O_DIRECT, split over the restoring ranks as evenly as the files allow (1 process
-  reads everything, each of 3 ranks a third).
+  shards) with O_DIRECT from one aligned buffer, split over as many files as ckptstore
+  writes (``sharding.split_parts``: up to 4 a rank), written concurrently, each fsynced,
+  then the directory; restore reads the same bytes with O_DIRECT, split over the
+  restoring ranks as evenly as the files allow (1 process reads everything, each of 3
+  ranks a third).
 
 A job is a set of fresh processes (``python tools/bench_sharded.py JOBDIR`` with RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment; no torchrun). Timings start after
@@ -24,7 +29,8 @@ dropping the page cache are untimed. Every process runs one intra-op thread
 fsynced and evicted with ``posix_fadvise(DONTNEED)`` (checked with ``mincore``), as the
 rest of the bench does. After every restore, float64 sums of the model parameters and of
 both AdamW moments are compared with those of the saved state (the restore really loaded
-every byte, or the bench fails).
+every byte, or the bench fails). Each ckptstore save's phases (``last_save_phases``: wall
+and CPU seconds per phase on each rank) are printed under the table, medians per rank.
 """
 
 from __future__ import annotations
@@ -53,16 +59,22 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import bench  # tools/bench.py: the model, disk helpers, O_DIRECT constants
 
 CONTENDERS = ("raw", "dcp", "ckpt")
+#: Save-only rows, timed in the ``ckpt`` turn of each round (see ``save_job``).
+SAVE_ONLY = ("ckpt-again",)
 SAVE_WORLD = 2
 RESTORE_WORLDS = (1, 3)
 OPS = ("save-2", "restore-2to1", "restore-2to3")
 DESCRIPTIONS = {
-    "raw": "each rank O_DIRECT-writes its local state bytes from one aligned buffer + fsync; "
-    "restore O_DIRECT-reads the same bytes split over the restoring ranks",
+    "raw": "each rank O_DIRECT-writes its local state bytes from one aligned buffer into as "
+    "many files as ckptstore writes (concurrently) + fsync each + fsync dir; restore "
+    "O_DIRECT-reads the same bytes split over the restoring ranks",
     "dcp": "get_state_dict + dcp.save(FileSystemWriter(sync_files=True)) + fsync of "
     ".metadata and directory; restore get_state_dict + dcp.load in place + set_state_dict",
-    "ckpt": "CheckpointManager.save on every rank (FSDP2 DTensor state); restore "
-    "CheckpointManager.restore (1 process: no process group, plain model)",
+    "ckpt": "CheckpointManager.save on every rank (FSDP2 DTensor state), first save of a "
+    "fresh manager; restore CheckpointManager.restore (1 process: no process group, plain "
+    "model)",
+    "ckpt-again": "the second CheckpointManager.save of one manager (same layout: the save "
+    "plan is reused), the first one untimed",
 }
 
 
@@ -212,6 +224,21 @@ class Raw:
             dst[pos:].random_()
         del dst
 
+    def write_parts(self, d: Path, rank: int, nbytes: int) -> None:
+        """``nbytes`` into as many files as ckptstore's shard parts, written concurrently."""
+        from concurrent.futures import ThreadPoolExecutor
+
+        from ckptstore import sharding
+
+        n = max(1, min(sharding.MAX_PARTS, nbytes // sharding.PART_BYTES))
+        sizes = [nbytes // n + (i < nbytes % n) for i in range(n)]
+        paths = [d / f"raw.rank{rank}.{i}.bin" for i in range(n)]
+        if n == 1:
+            self.write(paths[0], sizes[0])
+            return
+        with ThreadPoolExecutor(n) as pool:
+            list(pool.map(self.write, paths, sizes))
+
     def write(self, path: Path, nbytes: int) -> None:
         nbytes = -(-nbytes // bench.ALIGN) * bench.ALIGN
         mv = memoryview(self.buf)
@@ -253,7 +280,7 @@ class Raw:
 
 def raw_spans(d: Path, rank: int, world: int) -> list[tuple[Path, int, int]]:
     """This rank's share of the concatenated raw files, cut on 4 KiB boundaries."""
-    files = sorted(d.glob("raw.rank*.bin"))
+    files = sorted(d.glob("raw.rank*.bin"))  # each rank's parts, in one order everywhere
     sizes = [f.stat().st_size for f in files]
     total = sum(sizes)
     blocks = total // bench.ALIGN
@@ -289,7 +316,17 @@ def save_op(
         def ckpt() -> None:
             mgr.save(1, {"model": model, "optimizer": opt})
 
-        return ckpt, mgr.close
+        def again() -> None:
+            mgr.save(2, {"model": model, "optimizer": opt})
+
+        def done() -> None:
+            if rank == 0:  # untimed: the store holds one checkpoint, as the others do
+                mgr.delete(1)
+            mgr.close()
+
+        ckpt.again = again  # type: ignore[attr-defined]
+        ckpt.manager = mgr  # type: ignore[attr-defined]
+        return ckpt, done
     if c == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -306,7 +343,7 @@ def save_op(
     assert raw is not None
 
     def raw_save() -> None:
-        raw.write(d / f"raw.rank{rank}.bin", nbytes)
+        raw.write_parts(d, rank, nbytes)
         barrier()
         if rank == 0:
             bench.fsync_dir(d)
@@ -357,6 +394,15 @@ def restore_op(
     return raw_load, nothing
 
 
+def record_phases(out: dict[str, Any], c: str, op: Any) -> None:
+    """Keep the phases of the save ``op`` just made (ckptstore's only), wall and CPU."""
+    mgr = getattr(op, "manager", None)
+    if mgr is None:
+        return
+    phases = {k: [v, mgr.last_save_cpu.get(k, 0.0)] for k, v in mgr.last_save_phases.items()}
+    out.setdefault("phases", {}).setdefault(c, []).append(phases)
+
+
 def save_job(job: dict[str, Any]) -> dict[str, Any]:
     rank = rank_of()
     t0 = time.perf_counter()
@@ -378,6 +424,13 @@ def save_job(job: dict[str, Any]) -> dict[str, Any]:
             barrier()
             op, done = save_op(c, d, model, opt, raw=raw, nbytes=my_bytes)
             seconds = timed(op)
+            record_phases(out, c, op)
+            if c == "ckpt":  # the same manager again: its second save (see SAVE_ONLY)
+                again = timed(op.again)  # type: ignore[attr-defined]
+                record_phases(out, "ckpt-again", op)
+                out["times"].setdefault("ckpt-again", []).append(again)
+                if rank == 0:
+                    bench.log(f"  sharded ckpt-again save-2     {again:8.3f} s")
             done()
             out["times"].setdefault(c, []).append(seconds)
             if rank == 0:
@@ -553,6 +606,16 @@ def run(
     shutil.rmtree(base, ignore_errors=True)
     load.append(os.getloadavg()[0])
     state_bytes = sum(r["local_bytes"] for r in saved)
+    phases: dict[str, list[dict[str, list[float]]]] = {}
+    for r in saved:  # by rank: the median of each phase over the saves, wall and CPU
+        for c, runs in r.get("phases", {}).items():
+            names = list(dict.fromkeys(k for run in runs for k in run))
+            zero = [0.0, 0.0]
+            med = {
+                k: [statistics.median(x.get(k, zero)[i] for x in runs) for i in (0, 1)]
+                for k in names
+            }
+            phases.setdefault(c, []).append(med)
     rows = []
     med = {k: statistics.median(v) for k, v in times.items()}
     for (c, op), ts in times.items():
@@ -582,6 +645,7 @@ def run(
         "loadavg_1min_seen": load,
         "threads_per_process": 1,
         "rows": rows,
+        "phases": phases,
         "targets": targets(rows),
         "descriptions": {c: DESCRIPTIONS[c] for c in contenders},
     }
@@ -594,13 +658,16 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return next((r for r in rows if r["contender"] == c and r["op"] == op), None)
 
     out = []
-    for name, need, op, theirs in (
-        ("sharded save >= 0.8x raw O_DIRECT write", 0.8, "save-2", "raw"),
-        ("sharded save >= 1.5x DCP", 1.5, "save-2", "dcp"),
-        ("resharded restore 2->1 >= 1.5x DCP", 1.5, "restore-2to1", "dcp"),
-        ("resharded restore 2->3 >= 1.5x DCP", 1.5, "restore-2to3", "dcp"),
+    for name, need, op, mine, theirs in (
+        ("sharded save >= 0.8x raw O_DIRECT write", 0.8, "save-2", "ckpt", "raw"),
+        ("sharded save >= 1.5x DCP", 1.5, "save-2", "ckpt", "dcp"),
+        ("resharded restore 2->1 >= 1.5x DCP", 1.5, "restore-2to1", "ckpt", "dcp"),
+        ("resharded restore 2->3 >= 1.5x DCP", 1.5, "restore-2to3", "ckpt", "dcp"),
+        ("repeated sharded save >= 0.8x raw (2nd save)", 0.8, "save-2", "ckpt-again", "raw"),
     ):
-        ours, them = get("ckpt", op), get(theirs, op)
+        ours, them = get(mine, op), get(theirs, op)
+        if ours is None:
+            continue
         value = them["median_s"] / ours["median_s"] if ours and them else None
         best = them["min_s"] / ours["min_s"] if ours and them else None
         out.append(
@@ -610,7 +677,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "value_min": best,
                 "threshold": f">= {need}",
                 "pass": None if value is None else value >= need,
-                "detail": f"ckpt {op} vs {theirs} {op} (speed ratio)",
+                "detail": f"{mine} {op} vs {theirs} {op} (speed ratio)",
             }
         )
     return out
@@ -624,15 +691,15 @@ def print_report(res: dict[str, Any]) -> None:
         "on 1 process (no process group) and on 3 ranks; GB/s = state bytes / s"
     )
     head = (
-        f"{'contender':<10} {'op':<13} {'median s':>9} {'GB/s':>6} {'x raw':>6} {'x dcp':>6} "
+        f"{'contender':<11} {'op':<13} {'median s':>9} {'GB/s':>6} {'x raw':>6} {'x dcp':>6} "
         f"{'n':>3} {'max/min':>7}"
     )
     print(head)
     print("-" * len(head))
-    order = {c: i for i, c in enumerate(CONTENDERS)}
+    order = {c: i for i, c in enumerate(CONTENDERS + SAVE_ONLY)}
     for r in sorted(res["rows"], key=lambda r: (OPS.index(r["op"]), order[r["contender"]])):
         print(
-            f"{r['contender']:<10} {r['op']:<13} {r['median_s']:>9.3f} {r['gb_s']:>6.2f} "
+            f"{r['contender']:<11} {r['op']:<13} {r['median_s']:>9.3f} {r['gb_s']:>6.2f} "
             f"{bench.fmt(r['vs_raw'], '.2f'):>6} {bench.fmt(r['vs_dcp'], '.2f'):>6} "
             f"{r['n']:>3} {r['spread']:>7.2f}"
         )
@@ -648,6 +715,11 @@ def print_report(res: dict[str, Any]) -> None:
             f"warning: load average reached {max(res['loadavg_1min_seen']):.1f} on {cpus} CPUs: "
             "other work shared the CPUs and the disk, so medians are noisy (see max/min)"
         )
+    for c, ranks in res.get("phases", {}).items():
+        print(f"{c} save phases, median ms per rank (wall/cpu; x: = waiting in an exchange):")
+        for rank, ph in enumerate(ranks):
+            shown = [f"{k} {w * 1e3:.0f}/{u * 1e3:.0f}" for k, (w, u) in ph.items() if w >= 0.001]
+            print(f"  rank {rank}: " + ", ".join(shown))
     print("sharded targets:")
     for t in res["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
