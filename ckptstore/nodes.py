@@ -17,19 +17,21 @@ from the replica, or passes over it), never with a silent partial result.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
 import uuid
 from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
 
 from ._log import logger as log
-from .dist import Coordinator
 from .errors import IntegrityError
 from .integrity import crc32c_of
 from .layout import LOCAL_RANKS_NAME, step_dirname
 from .manifest import FileEntry, Manifest
 from .storage import Pending, Storage
+
+if TYPE_CHECKING:  # torch-free at import: the CLI's reading commands load this module
+    from .dist import Coordinator
 
 __all__ = [
     "elsewhere",
@@ -65,9 +67,10 @@ def peers(storage: Storage, coord: Coordinator) -> list[int]:
         return list(range(coord.world_size))
     name = f"{_PROBE}{uuid.uuid4().hex}"
     # A directory, made with the root where that is still missing, and nothing fsynced: the
-    # probe is gone before the constructor returns (and a root made here with it too; the
-    # first save makes it durably), so the other ranks never wait on this rank's disk.
-    made_root = not os.path.lexists(storage.root)
+    # probe is gone before the constructor returns (the first save makes the root durable),
+    # so the other ranks never wait on this rank's disk. A root made here stays: removing it
+    # once empty raced with a peer that, past the exchange, was already taking the store's
+    # lock in it (its open failed with ENOENT).
     probe = os.path.join(storage.root, name)
     os.makedirs(probe)
     try:
@@ -77,9 +80,6 @@ def peers(storage: Storage, coord: Coordinator) -> list[int]:
     finally:
         try:
             os.rmdir(probe)
-            if made_root:
-                with contextlib.suppress(OSError):  # not empty: another rank's probe, say
-                    os.rmdir(storage.root)
         except OSError as e:
             log.warning("could not remove the probe %s: %s", probe, e)
     for r, view in enumerate(views):
