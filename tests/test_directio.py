@@ -678,11 +678,16 @@ def test_write_mode_follows_the_speeds_saves_reached(tmp_path: Path) -> None:
     assert iomode.write_mode(d) == "direct"
     iomode.record_write(d, "direct", 1 << 30, 1.0)
     assert iomode.write_mode(d) == "buffered"
-    iomode.record_write(d, "buffered", 1 << 30, 4.0)
+    iomode.record_write(d, "buffered", 1 << 30, 1.5)
     iomode.record_write(d, "buffered", 1 << 10, 1e-9)  # too small to count
     picks = [iomode.write_mode(d) for _ in range(16)]
     assert picks.count("buffered") == 2  # explored
     assert picks.count("direct") == 14
+    # Far behind (under half the speed): tried again only every 64th file.
+    iomode.record_write(d, "buffered", 1 << 30, 4.0)
+    iomode.record_write(d, "buffered", 1 << 30, 4.0)
+    picks = [iomode.write_mode(d) for _ in range(128)]
+    assert picks.count("buffered") == 2
     # Conditions change: buffered becomes faster, and the next exploration shows it.
     iomode.record_write(d, "buffered", 1 << 30, 0.1)
     iomode.record_write(d, "buffered", 1 << 30, 0.1)
