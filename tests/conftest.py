@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -75,3 +75,20 @@ def _fresh_io_modes() -> None:
     from ckptstore.storage import iomode
 
     iomode.forget()
+
+
+@pytest.fixture(scope="module")
+def s3() -> Iterator[Any]:
+    """One moto S3 server on loopback for the module (it starts in well under a second).
+
+    Skips where s3fs or moto's server is not installed.
+    """
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from s3server import s3_server
+
+    from ckptstore.storage import wait_for_deletions
+
+    with s3_server() as ep:
+        yield ep
+        wait_for_deletions()  # background deletions must not outlive the server

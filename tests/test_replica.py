@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import logging
 import shutil
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ pytest.importorskip("moto.server")
 
 import torch
 from _helpers import assert_same, fresh_like, make_state, step_dir
-from s3server import S3Endpoint, s3_server
+from s3server import S3Endpoint
 
 from ckptstore import CheckpointManager
 from ckptstore.layout import REPLICATED_NAME
@@ -28,13 +27,6 @@ from ckptstore.replica import ReplicaError, Replicator
 from ckptstore.storage import open_storage, wait_for_deletions
 
 pytestmark = pytest.mark.timeout(90)
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Endpoint]:
-    with s3_server() as ep:
-        yield ep
-        wait_for_deletions()
 
 
 @pytest.fixture

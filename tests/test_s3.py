@@ -36,7 +36,7 @@ from _helpers import (
     make_state,
     step_dir,
 )
-from s3server import S3Endpoint, s3_server
+from s3server import S3Endpoint
 
 from ckptstore import (
     CheckpointManager,
@@ -52,14 +52,6 @@ from ckptstore.storage.remote import FsspecStorage
 
 # Tests collected from test_storage.py carry no timeout of their own.
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Endpoint]:
-    """One server for the module (it starts in well under a second)."""
-    with s3_server() as ep:
-        yield ep
-        wait_for_deletions()  # background deletions must not outlive the server
 
 
 @pytest.fixture

@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import base64
 import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -21,24 +20,17 @@ pytest.importorskip("moto.server")
 
 import crc32c
 from _helpers import make_state, step_dir
-from s3server import S3Endpoint, s3_server
+from s3server import S3Endpoint
 
 from ckptstore import CheckpointManager, IntegrityError
 from ckptstore.replica import ReplicaError, Replicator
-from ckptstore.storage import open_storage, wait_for_deletions
+from ckptstore.storage import open_storage
 from ckptstore.storage.remote import FsspecStorage
 from ckptstore.storage.s3upload import S3Upload
 
 pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Endpoint]:
-    with s3_server() as ep:
-        yield ep
-        wait_for_deletions()
 
 
 @pytest.fixture

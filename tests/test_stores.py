@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import json
 import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -130,16 +129,6 @@ def test_list_stores_of_a_plain_store_is_not_nested(tmp_path: Path) -> None:
 
 
 # ---- object stores: errors without tracebacks ------------------------------------------------
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[object]:
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    from s3server import s3_server
-
-    with s3_server() as ep:
-        yield ep
 
 
 #: Fail fast against an endpoint that does not answer: one attempt, a short timeout.

@@ -9,7 +9,6 @@ completes a step, and cleaning a shared prefix keeps the pending steps that may 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -17,24 +16,17 @@ import pytest
 pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
-from s3server import S3Endpoint, s3_server
+from s3server import S3Endpoint
 
 from ckptstore import upload_parts
 from ckptstore.errors import IntegrityError
 from ckptstore.layout import step_dirname
 from ckptstore.manifest import Manifest
 from ckptstore.replica import Replicator
-from ckptstore.storage import Storage, open_storage, wait_for_deletions
+from ckptstore.storage import Storage, open_storage
 from ckptstore.verify import verify_checkpoint
 
 pytestmark = pytest.mark.timeout(60)
-
-
-@pytest.fixture(scope="module")
-def s3() -> Iterator[S3Endpoint]:
-    with s3_server() as ep:
-        yield ep
-        wait_for_deletions()
 
 
 @pytest.fixture
