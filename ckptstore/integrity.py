@@ -215,7 +215,23 @@ def check_blocks(entry: FileEntry, offset: int, data: Any, where: str) -> int:
     return checked
 
 
-class CRCWriter:
+class BlockSums:
+    """``crc`` and ``blocks`` of a writer that folds what it writes into ``self._sum``."""
+
+    _sum: BlockCRC
+
+    @property
+    def crc(self) -> int:
+        """CRC32C of what was written."""
+        return self._sum.crc
+
+    @property
+    def blocks(self) -> tuple[int, ...] | None:
+        """Per-block CRC32Cs of what was written (``None`` for one block or less)."""
+        return self._sum.block_crcs()
+
+
+class CRCWriter(BlockSums):
     """A write-only file object that checksums and counts every byte passing through.
 
     ``torch.save`` and our own encoders write into it, so the checksum is computed on the
@@ -227,19 +243,9 @@ class CRCWriter:
         self._sum = BlockCRC()
 
     @property
-    def crc(self) -> int:
-        """CRC32C of what was written."""
-        return self._sum.crc
-
-    @property
     def nbytes(self) -> int:
         """Bytes written."""
         return self._sum.nbytes
-
-    @property
-    def blocks(self) -> tuple[int, ...] | None:
-        """Per-block CRC32Cs of what was written (``None`` for one block or less)."""
-        return self._sum.block_crcs()
 
     def write(self, data: Any) -> int:
         """Write ``data`` and fold it into the checksum."""

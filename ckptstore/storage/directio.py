@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..integrity import BlockCRC, crc32c_of
+from ..integrity import BlockCRC, BlockSums, crc32c_of
 
 __all__ = ["ALIGN", "DirectWriter", "open_direct_read", "read_into", "stream_pipelined"]
 
@@ -187,7 +187,7 @@ def run_all(calls: Sequence[Callable[[], Any]], max_workers: int = 3) -> list[Ba
 _SEGMENT_MIN = 256 << 10
 
 
-class DirectWriter:
+class DirectWriter(BlockSums):
     """A write-only, checksumming file object for one new file (``O_EXCL``).
 
     Call :meth:`finish` to write the tail, fsync and close; :meth:`abort` closes without
@@ -233,16 +233,6 @@ class DirectWriter:
         self._offset = 0  # file offset of the current buffer
         self._pending: Call | None = None
         self._closed = False
-
-    @property
-    def crc(self) -> int:
-        """CRC32C of the bytes sent to the file so far (buffered ones are not yet in)."""
-        return self._sum.crc
-
-    @property
-    def blocks(self) -> tuple[int, ...] | None:
-        """Per-block CRC32Cs of the file (complete after :meth:`finish`)."""
-        return self._sum.block_crcs()
 
     # -- file-object protocol (what torch.save and our encoders use) --
 

@@ -58,7 +58,7 @@ import threading
 from typing import Any
 
 from ..errors import IntegrityError
-from ..integrity import BlockCRC, crc32c_combine, crc32c_of
+from ..integrity import BlockCRC, BlockSums, crc32c_combine, crc32c_of
 
 __all__ = [
     "GROW_EVERY",
@@ -178,7 +178,7 @@ def _etag(out: Any) -> str:
     return str(out.get("ETag", "")).strip('"').lower()
 
 
-class S3Upload:
+class S3Upload(BlockSums):
     """A new S3 object being written: ``close`` publishes it, ``abort`` throws it away.
 
     Also a checksumming writer (``crc``, ``nbytes``, ``blocks``), computed on the buffers
@@ -234,19 +234,9 @@ class S3Upload:
     # ---- the checksumming-writer interface -------------------------------------------
 
     @property
-    def crc(self) -> int:
-        """CRC32C of what was written."""
-        return self._sum.crc
-
-    @property
     def nbytes(self) -> int:
         """Bytes written."""
         return self._sum.nbytes
-
-    @property
-    def blocks(self) -> tuple[int, ...] | None:
-        """Per-block CRC32Cs of what was written (``None`` for one block or less)."""
-        return self._sum.block_crcs()
 
     def writable(self) -> bool:
         """Always true."""
