@@ -693,18 +693,27 @@ class SequentialDecoder(StreamDecoder):
         """
         if self._state != "dir":
             raise _bad(self.where, "the stream ended before the archive did")
-        base, tail, size = self._tail_base, self._buf, self._pos
-
-        def read(offset: int, length: int) -> memoryview:
-            if offset < base or offset + length > size:
-                raise _bad(self.where, "the central directory is not where the members end")
-            return memoryview(tail)[offset - base : offset - base + length]
-
-        listed = [(m.name, m.lho, m.size) for m in parse_directory(size, read, self.where)]
+        held = _held_directory(self.where, self._tail_base, self._buf, self._pos)
+        listed = [(m.name, m.lho, m.size) for m in held]
         seen = [(m.name, m.lho, m.size) for m in self.members]
         if listed != seen:
             raise _bad(self.where, "the central directory disagrees with the local headers")
         return super().result()
+
+
+def _held_directory(where: str, base: int, tail: bytearray, size: int) -> list[_Member]:
+    """The central directory of a ``size``-byte archive, parsed from its held tail.
+
+    ``tail`` holds the archive's bytes from ``base`` on (a stream decoder's last bytes);
+    a directory that points outside them is refused.
+    """
+
+    def read(offset: int, length: int) -> memoryview:
+        if offset < base or offset + length > size:
+            raise _bad(where, "the central directory is not where the members end")
+        return memoryview(tail)[offset - base : offset - base + length]
+
+    return parse_directory(size, read, where)
 
 
 def _has_zip64(extra: bytes) -> bool:
@@ -929,14 +938,7 @@ class ZipStreamChecker:
                     f"{self.where}: zip member {self._mismatch!r} fails its CRC-32 check"
                 )
             raise _bad(self.where, "the stream ended before the archive did")
-        base, tail, size = self._tail_base, self._buf, self._pos
-
-        def read(offset: int, length: int) -> memoryview:
-            if offset < base or offset + length > size:
-                raise _bad(self.where, "the central directory is not where the members end")
-            return memoryview(tail)[offset - base : offset - base + length]
-
-        listed = parse_directory(size, read, self.where)
+        listed = _held_directory(self.where, self._tail_base, self._buf, self._pos)
         if not any(n.endswith("/data.pkl") or n == "data.pkl" for n, *_ in self.members):
             raise IntegrityError(
                 f"{self.where}: zip archive has no data.pkl; not a torch.save file"
