@@ -258,11 +258,16 @@ class _ZstdTarget:
     """
 
     def __init__(
-        self, entry: FileEntry, where: str, into: Mapping[str, torch.Tensor] | None
+        self,
+        entry: FileEntry,
+        where: str,
+        into: Mapping[str, torch.Tensor] | None,
+        declared: _Declared | None = None,
     ) -> None:
         self.entry = entry
         self.where = where
         self.into = into
+        self.declared = declared
         self.inflater: zstd.Inflater | None = None
         self.decoder: st.StreamDecoder | None = None
         self.zip: zipstream.SequentialDecoder | None = None
@@ -278,7 +283,8 @@ class _ZstdTarget:
         size = self.inflater.declared_size
         if size is not None:
             if self.decoder is None:
-                self.decoder = st.StreamDecoder(size, self.where, self.into)
+                header = self.declared.header if self.declared is not None else None
+                self.decoder = st.StreamDecoder(size, self.where, self.into, header=header)
             self.decoder(self.inflater.out, piece)
         else:
             self.buf += piece
@@ -334,8 +340,9 @@ def _inflate(
     feed: Callable[[zstd.Inflater], None],
 ) -> dict[str, torch.Tensor]:
     """Inflate what ``feed`` pushes into an inflater, decoding it as it streams."""
-    target = _ZstdTarget(entry, where, into)
-    inflater = zstd.Inflater(target, where, limit=limit, why=_WHY, declared=_declared(entry, where))
+    declared = _declared(entry, where)
+    target = _ZstdTarget(entry, where, into, declared)
+    inflater = zstd.Inflater(target, where, limit=limit, why=_WHY, declared=declared)
     target.inflater = inflater
     try:
         feed(inflater)
@@ -348,15 +355,28 @@ def _inflate(
 _WHY = "its tensors in the state file can take"
 
 
-def _declared(entry: FileEntry, where: str) -> Callable[[bytearray], int | None] | None:
-    """What bounds a safetensors file as it inflates: the size its own header declares."""
-    if entry.codec != "safetensors":
-        return None
+class _Declared:
+    """What bounds a safetensors file as it inflates: the size its own header declares.
 
-    def declared(out: bytearray) -> int | None:
-        return st.declared_size(out, where)
+    Called with the content so far (see :class:`~ckptstore.codec.zstd.Inflater`); keeps the
+    validated header, so that the stream decoder does not parse it again.
+    """
 
-    return declared
+    def __init__(self, where: str) -> None:
+        self.where = where
+        self.header: st.Header | None = None
+
+    def __call__(self, out: bytearray) -> int | None:
+        got = st.declared_header(out, self.where)
+        if got is None:
+            return None
+        size, self.header = got
+        return size
+
+
+def _declared(entry: FileEntry, where: str) -> _Declared | None:
+    """The bound of a safetensors file as it inflates (None for other codecs)."""
+    return _Declared(where) if entry.codec == "safetensors" else None
 
 
 def decode_bytes(

@@ -239,7 +239,11 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int, where: st
     if len(head) < 8 + n:
         msg = "parse_header needs the whole header"
         raise ValueError(msg)
-    doc = _header_json(head, n, where)
+    return _check_header(_header_json(head, n, where), n, file_size, where)
+
+
+def _check_header(doc: dict[str, Any], n: int, file_size: int, where: str) -> Header:
+    """Validate the parsed JSON ``doc`` of an ``n``-byte header of a ``file_size``-byte file."""
     meta = doc.pop("__metadata__", None) or {}
     if not isinstance(meta, dict) or not all(isinstance(v, str) for v in meta.values()):
         raise _reject(where, "__metadata__ must map strings to strings")
@@ -310,6 +314,17 @@ def declared_size(head: bytes | bytearray | memoryview, where: str) -> int | Non
     Raises:
         IntegrityError: the header is invalid (too long, not JSON, bad entries).
     """
+    got = declared_header(head, where)
+    return None if got is None else got[0]
+
+
+def declared_header(head: bytes | bytearray | memoryview, where: str) -> tuple[int, Header] | None:
+    """As :func:`declared_size`, with the validated header: ``(file size, header)``.
+
+    The JSON is parsed once (a header of a few thousand tensors takes tens of
+    milliseconds), so a stream decoder can take the header as it is
+    (``StreamDecoder(..., header=)``) instead of parsing it again.
+    """
     if len(head) < 8:
         return None
     n = int.from_bytes(head[:8], "little")
@@ -326,8 +341,7 @@ def declared_size(head: bytes | bytearray | memoryview, where: str) -> int | Non
             if isinstance(last, int) and _nonneg(last):
                 end = max(end, last)
     size = 8 + n + end
-    parse_header(head, size, where)  # every entry checked against that size
-    return size
+    return size, _check_header(doc, n, size, where)  # every entry checked against that size
 
 
 def _nonneg(v: object) -> bool:
@@ -374,10 +388,17 @@ class StreamDecoder:
     from the read buffers into its destination: a tensor the caller passed in ``into`` (the
     model's own parameter, when dtype, shape and layout match) or a fresh one. Nothing may
     be trusted until the stream's checksum has been checked (``Storage.stream_file``).
+    ``header``, where the caller validated it already (:func:`declared_header`), is taken
+    as it is: the header bytes that stream by are then skipped.
     """
 
     def __init__(
-        self, file_size: int, where: str, into: Mapping[str, torch.Tensor] | None = None
+        self,
+        file_size: int,
+        where: str,
+        into: Mapping[str, torch.Tensor] | None = None,
+        *,
+        header: Header | None = None,
     ) -> None:
         self.file_size = file_size
         self.where = where
@@ -388,11 +409,14 @@ class StreamDecoder:
         self._ranges: list[tuple[int, int, memoryview]] = []  # file start, end, dest bytes
         self._i = 0
         self.reused = 0
+        if header is not None:  # validated already, for a file of ``file_size`` bytes
+            self._setup(header)
 
-    def _setup(self) -> None:
+    def _setup(self, header: Header | None = None) -> None:
         import torch
 
-        header = parse_header(self._head, self.file_size, self.where)
+        if header is None:
+            header = parse_header(self._head, self.file_size, self.where)
         self.header = header
         ranges = []
         for name, (dtype, shape, start, end) in header.entries.items():

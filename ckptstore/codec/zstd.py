@@ -178,21 +178,45 @@ def _bomb(where: str, cap: int, what: str) -> IntegrityError:
     )
 
 
-def _decode_frame(frame: bytes, size: int, where: str, at: int) -> bytes:
-    """Decode one whole frame that declares ``size`` bytes of content (on a worker)."""
+def _decode_frame(frame: memoryview, out: memoryview, where: str, at: int) -> memoryview:
+    """Decode one whole frame into ``out``, exactly its declared size (on a worker).
+
+    Into a buffer the caller reuses frame after frame (no fresh pages to fault in); the
+    frame's checksum is checked at its end, before this returns, so the caller hands on
+    only content that passed it.
+    """
     dctx = getattr(_local, "d", None)
     if dctx is None:  # a ZstdDecompressor is not thread-safe: one per worker thread
         dctx = _local.d = zstandard.ZstdDecompressor()
+    size = len(out)
     try:
-        out = dctx.decompress(frame, max_output_size=size)
+        reader = dctx.stream_reader(frame, read_across_frames=False)
+        got = 0
+        while got < size:
+            n = reader.readinto(out[got:])
+            if not n:
+                break
+            got += n
+        # To the frame's end: its checksum is checked there, and no content may follow.
+        extra = len(reader.read(1))
     except zstandard.ZstdError as e:
         raise IntegrityError(f"{where}: zstd stream is corrupt ({e}; frame at byte {at})") from None
-    if len(out) != size:
+    if got != size or extra:
         raise IntegrityError(
-            f"{where}: zstd stream is corrupt (the frame at byte {at} holds {len(out)} bytes, "
-            f"its header says {size})"
+            f"{where}: zstd stream is corrupt (the frame at byte {at} holds "
+            f"{got + extra}{'+' if extra else ''} bytes, its header says {size})"
         )
-    return bytes(out)
+    return out
+
+
+class _Slot:
+    """A frame's buffers, reused: its compressed bytes and its content."""
+
+    __slots__ = ("content", "packed")
+
+    def __init__(self) -> None:
+        self.packed = bytearray()
+        self.content = bytearray()
 
 
 class Inflater:
@@ -240,9 +264,10 @@ class Inflater:
         #: The size the content declared (None until ``declared`` answered).
         self.declared_size: int | None = None
         self._window = window if window is not None else THREADS + 1
-        self._jobs: collections.deque[tuple[concurrent.futures.Future[bytes], int]] = (
+        self._jobs: collections.deque[tuple[concurrent.futures.Future[memoryview], int, _Slot]] = (
             collections.deque()
         )
+        self._free: list[_Slot] = []  # buffers of frames handed on, for the next ones
         self._promised = 0  # content delivered plus that of the frames in flight
         self._in_flight = 0  # bytes held by the frames in flight (compressed + content)
         #: Content bytes handed to ``consume`` (or withheld while the size is unknown).
@@ -251,7 +276,7 @@ class Inflater:
         self.fed = 0
         #: The most bytes held at once: unparsed input, frames in flight, withheld head.
         self.peak = 0
-        self._pend = bytearray()
+        self._pend: bytearray | memoryview = bytearray()
         self._base = 0  # stream offset of _pend[0]
         self._pos = 0  # next unparsed byte of _pend
         self._mode = "start"
@@ -269,7 +294,9 @@ class Inflater:
 
     def _held(self) -> None:
         head = len(self._head) if self._head is not None else 0
-        self.peak = max(self.peak, len(self._pend) + self._in_flight + head)
+        # A borrowed view of the piece being fed is the caller's memory, not held here.
+        pend = len(self._pend) if isinstance(self._pend, bytearray) else 0
+        self.peak = max(self.peak, pend + self._in_flight + head)
 
     def _truncated(self) -> IntegrityError:
         return IntegrityError(f"{self.where}: zstd stream is truncated (its last frame never ends)")
@@ -311,23 +338,50 @@ class Inflater:
 
     def _drain(self, keep: int) -> None:
         while len(self._jobs) > keep:
-            fut, held = self._jobs.popleft()
+            fut, held, slot = self._jobs.popleft()
             piece = fut.result()
             self._in_flight -= held
-            self._deliver(piece)
+            try:
+                self._deliver(piece)
+            finally:
+                piece.release()
+            self._free.append(slot)
 
     # ---- parsing ---------------------------------------------------------------------
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """Take the next compressed bytes; decode and hand on whatever they complete."""
+        """Take the next compressed bytes; decode and hand on whatever they complete.
+
+        The piece is parsed where it lies: each whole frame in it is copied once, into a
+        buffer its decoder thread reads, and only the bytes of a frame it leaves
+        unfinished are kept (copied) for the next piece.
+        """
         mv = memoryview(data).cast("B")
-        # A frame at a time, so that what waits unparsed stays near one frame however
-        # large the pieces fed are.
-        for i in range(0, len(mv), FRAME):
-            self._pend += mv[i : i + FRAME]
-            self.fed += len(mv[i : i + FRAME])
-            self._held()
-            self._run(final=False)
+        self.fed += len(mv)
+        i = 0
+        try:
+            while i < len(mv):
+                if not self._pend:  # nothing waits: parse the rest of the piece in place
+                    self._pend = mv[i:]
+                    i = len(mv)
+                    self._run(final=False)
+                    continue
+                # A frame begun in an earlier piece: completed a frame's worth at a time,
+                # so that what waits unparsed stays near one frame.
+                j = min(len(mv), i + FRAME)
+                assert isinstance(self._pend, bytearray)
+                self._pend += mv[i:j]
+                self._held()
+                self._run(final=False)
+                left = len(self._pend)
+                if left <= j - i:  # what waits lies in this piece: parse on from there
+                    self._pend = bytearray()
+                    j -= left
+                i = j
+        finally:
+            if not isinstance(self._pend, bytearray):  # never keep a view of the caller's
+                self._pend = bytearray(self._pend)
+                self._held()
 
     def finish(self) -> int:
         """End of the stream: decode the rest; returns the content's size.
@@ -349,9 +403,10 @@ class Inflater:
 
     def close(self) -> None:
         """Drop frames in flight (after an error)."""
-        for fut, _ in self._jobs:
+        for fut, _, _ in self._jobs:
             fut.cancel()
         self._jobs.clear()
+        self._free.clear()
 
     def _run(self, *, final: bool) -> None:
         try:
@@ -362,7 +417,10 @@ class Inflater:
             raise
         keep = self._fstart if self._mode in ("whole", "seq") else self._pos
         if keep:
-            del self._pend[:keep]
+            if isinstance(self._pend, bytearray):
+                del self._pend[:keep]
+            else:
+                self._pend = self._pend[keep:]
             self._base += keep
             self._pos -= keep
             self._q -= keep
@@ -468,10 +526,22 @@ class Inflater:
         end = self._q + (4 if self._has_ck else 0)
         if end > len(pend):
             return self._need(final)
-        frame = bytes(pend[self._fstart : end])
-        held = len(frame) + self._size
-        fut = _pool().submit(_decode_frame, frame, self._size, self.where, self._frame_at)
-        self._jobs.append((fut, held))
+        n = end - self._fstart
+        slot = self._free.pop() if self._free else _Slot()
+        if len(slot.packed) < n:  # replaced, never resized: a view of it may be alive
+            slot.packed = bytearray(n)
+        if len(slot.content) < self._size:
+            slot.content = bytearray(self._size)
+        slot.packed[:n] = pend[self._fstart : end]
+        held = n + self._size
+        fut = _pool().submit(
+            _decode_frame,
+            memoryview(slot.packed)[:n],
+            memoryview(slot.content)[: self._size],
+            self.where,
+            self._frame_at,
+        )
+        self._jobs.append((fut, held, slot))
         self._in_flight += held
         self._promised += self._size
         self._pos = self._fstart = end
