@@ -93,15 +93,6 @@ class _Limits:
         return stored_tensors(doc.get("root") if isinstance(doc, dict) else None)
 
 
-def _check_compressed(data: bytearray, entry: FileEntry, where: str, limit: int) -> None:
-    """Inflate a checksummed compressed payload (bounded) and check what is inside."""
-    raw = payload.decompressed(data, entry, where, limit)
-    if entry.codec == "safetensors":
-        st.parse_header(raw, len(raw), where)
-    else:
-        torchzip.check_zip(raw, where, deep=True)
-
-
 def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> VerifyReport:
     """Verify one committed checkpoint of ``storage``; problems are collected, not raised."""
     report = VerifyReport(target=storage.describe(step), step=step, deep=deep)
@@ -159,19 +150,19 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
             return
         if deep and entry.compression is not None and entry.codec in _PAYLOADS:
             limit = limits.of(name, entry)
-            if limit is not None and entry.blocks is not None:
-                # Streamed once: each block checked, then inflated (as far as it may) and
-                # its content checked as it goes by; a few frames held, not the file.
+            if limit is None:  # its state file is reported broken: the checksums only
                 try:
-                    payload.check_compressed(storage, step, name, entry, limit)
+                    storage.stream_file(step, name, entry)
                 finally:
                     report.bytes_checked += entry.bytes
                 return
-            # One block, or an old manifest: read once, checksummed, then inflated.
-            data = storage.read_file(step, name, entry)
-            report.bytes_checked += len(data)
-            if limit is not None:  # else its state file is reported broken
-                _check_compressed(data, entry, where, limit)
+            # Streamed once: each block checked (or, without block CRCs, the whole file's
+            # checksum at its end), inflated (as far as it may) and its content checked as
+            # it goes by; a few frames held, not the file nor its content.
+            try:
+                payload.check_compressed(storage, step, name, entry, limit)
+            finally:
+                report.bytes_checked += entry.bytes
             return
         if deep and name in blocks:
             # One read of the shard file: its CRC32C and every chunk block's at once.

@@ -566,3 +566,181 @@ def test_verify_refuses_a_multi_block_bomb_while_it_streams(tmp_path: Path) -> N
     assert not report.ok
     assert any("inflates past" in p for p in report.problems), report.problems
     assert peak < 24 << 20, f"verify allocated {peak} bytes"
+
+
+# ---- restores straight into the targets (issue 13) -------------------------------------------
+
+
+def _mixed_state(seed: int) -> dict[str, torch.Tensor]:
+    """Tensors of several dtypes and sizes: some span 64 KiB frames, some are empty."""
+    g = torch.Generator().manual_seed(seed)
+    return {
+        "f32": torch.randn(70_000, generator=g),  # 280 KB: five frames
+        "bf16": torch.randn(300, 129, generator=g).to(torch.bfloat16),
+        "f16": torch.randn(40_001, generator=g).to(torch.float16),
+        "f64": torch.randn(9_999, generator=g).double(),
+        "i64": torch.randint(-(2**62), 2**62, (20_000,), generator=g),
+        "i8": torch.randint(-128, 127, (100_003,), generator=g, dtype=torch.int8),
+        "u8": torch.randint(0, 255, (3, 5, 7), generator=g, dtype=torch.uint8),
+        "bool": torch.rand(65_537, generator=g) > 0.5,
+        "empty": torch.empty(0),
+        "empty2d": torch.empty(3, 0, dtype=torch.int32),
+        "scalar": torch.tensor(2.5, dtype=torch.float64),
+    }
+
+
+def _same_bytes(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.dtype != b.dtype or a.shape != b.shape:
+        return False
+    return bool(
+        a.numel() == 0
+        or torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8))
+    )
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_zstd_restore_is_byte_exact_into_the_targets(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(zstd, "FRAME", 64 << 10)  # tensors span frame boundaries
+    state = _mixed_state(5)
+    root = tmp_path / "z"
+    with CheckpointManager(root, format=fmt, compression="zstd") as mgr:
+        mgr.save(1, {"model": state})
+    ext = {"safetensors": ".safetensors", "torch": ".pt"}[fmt]
+    assert len(frames_of((root / step_dir(1) / f"model{ext}.zst").read_bytes())) > 10
+    # A module's buffers: restored into its own tensors (a plain dict's values are replaced).
+    target = torch.nn.Module()
+    for k, v in state.items():
+        target.register_buffer(k, torch.full_like(v, 7) if v.dtype != torch.bool else ~v)
+    same_objects = dict(target.named_buffers())
+    with CheckpointManager(root) as mgr:
+        assert mgr.restore({"model": target}) == 1
+    for k, v in state.items():
+        got = getattr(target, k)
+        assert got is same_objects[k], k
+        assert _same_bytes(got, v), k
+
+
+def _content_and_frames(fmt: str, state: dict[str, torch.Tensor]) -> tuple[bytes, bytes]:
+    from ckptstore.codec import payload
+
+    buf = io.BytesIO()
+    if fmt == "safetensors":
+        st.write_safetensors(buf, state)
+    else:
+        from ckptstore.codec import torchzip
+
+        torchzip.write_torch(buf, {k: payload._covering(v) for k, v in state.items()})
+    content = buf.getvalue()
+    return content, compressed(content)
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_a_frame_failing_its_checksum_never_reaches_the_target(
+    fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.codec import payload
+    from ckptstore.manifest import FileEntry
+
+    monkeypatch.setattr(zstd, "FRAME", 64 << 10)
+    w = torch.arange(200_000, dtype=torch.float32)  # 800 KB: 13 frames
+    content, data = _content_and_frames(fmt, {"w": w})
+    frames = frames_of(data)
+    bad = 4
+    at = sum(n for n, _ in frames[:bad])
+    # The fifth frame's content checksum (its last 4 bytes) no longer matches: the bytes on
+    # disk may carry a right CRC32C (forged, or bad before they were checksummed).
+    forged = bytearray(data)
+    forged[at + frames[bad][0] - 1] ^= 0xFF
+    entry = FileEntry(bytes=len(forged), crc32c=0, codec=fmt, compression="zstd")
+    target = torch.full_like(w, -1.0)
+    with pytest.raises(IntegrityError, match=f"zstd stream is corrupt .*frame at byte {at}"):
+        payload.decode_bytes(forged, entry, "m.zst", {"w": target}, limit=len(content) + 4096)
+    # Where the bad frame's content lies in the tensor: none of it was written.
+    start = content.find(w[:64].numpy().tobytes())  # the tensor's first bytes
+    assert start > 0
+    first_bad = (bad * (64 << 10) - start) // 4
+    assert 0 < first_bad < w.numel()
+    assert torch.equal(target[first_bad:], torch.full_like(w[first_bad:], -1.0))
+    assert torch.equal(
+        target[: first_bad - 16384], w[: first_bad - 16384]
+    )  # earlier frames went in
+
+
+@pytest.mark.parametrize("cut", [1, 4, 5000, 70_000])
+def test_a_truncated_stream_is_refused(cut: int, monkeypatch: pytest.MonkeyPatch) -> None:
+    from ckptstore.codec import payload
+    from ckptstore.manifest import FileEntry
+
+    monkeypatch.setattr(zstd, "FRAME", 64 << 10)
+    content, data = _content_and_frames("safetensors", {"w": torch.randn(50_000)})
+    short = bytearray(data[:-cut])
+    entry = FileEntry(bytes=len(short), crc32c=0, codec="safetensors", compression="zstd")
+    with pytest.raises(IntegrityError, match=r"truncated|safetensors header declares"):
+        payload.decode_bytes(short, entry, "m.zst", {}, limit=len(content) + 4096)
+
+
+def test_inflater_takes_pieces_of_any_size(monkeypatch: pytest.MonkeyPatch) -> None:
+    # Frames split anywhere across the pieces fed: parsed in place where a piece holds
+    # them whole, kept (copied) only where one runs into the next piece.
+    monkeypatch.setattr(zstd, "FRAME", 64 << 10)
+    raw = noise(384 << 10, seed=9)  # six frames
+    data = compressed(raw)
+    g = torch.Generator().manual_seed(1)
+    for trial in range(4):
+        out = bytearray()
+        inflater = zstd.Inflater(out.extend, "m.zst", limit=len(raw))
+        pos = 0
+        while pos < len(data):
+            n = int(torch.randint(1, [13, 300, 70_000, 400_000][trial], (1,), generator=g))
+            inflater.feed(memoryview(data)[pos : pos + n])
+            pos += n
+        assert inflater.finish() == len(raw)
+        assert out == raw, trial
+        assert inflater.peak <= 2 * (64 << 10) + 4 * 2 * (70 << 10), inflater.peak
+
+
+def _drop_block_crcs(step_path: Path, name: str) -> None:
+    """Rewrite the manifest as writers before block CRCs did (the whole-file CRC only)."""
+    from _helpers import forge_manifest
+
+    manifest = step_path / "manifest.json"
+
+    def edit(doc: dict[str, Any]) -> None:
+        doc["files"][name].pop("blocks", None)
+
+    manifest.write_bytes(forge_manifest(manifest.read_bytes(), edit))
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "torch"])
+def test_verify_streams_a_compressed_payload_without_block_crcs(
+    tmp_path: Path, fmt: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(zstd, "FRAME", 1 << 20)
+    monkeypatch.setattr(zstd, "THREADS", 2)
+    w = torch.randn(5 << 20, generator=torch.Generator().manual_seed(4))  # 20 MiB
+    root = tmp_path / "z"
+    with CheckpointManager(root, format=fmt, compression="zstd") as mgr:
+        mgr.save(1, {"model": {"w": w}})
+    name = "model" + {"safetensors": ".safetensors", "torch": ".pt"}[fmt] + ".zst"
+    step_path = root / step_dir(1)
+    _drop_block_crcs(step_path, name)
+    assert "blocks" not in json.loads((step_path / "manifest.json").read_bytes())["files"][name]
+    # Read whole before, then inflated whole: ~40 MiB held. Now a few frames.
+    with CheckpointManager(root) as mgr:
+        report, peak = peak_bytes(lambda: mgr.verify(1))
+    assert report.ok, report.problems
+    assert report.bytes_checked >= (step_path / name).stat().st_size
+    assert peak < 12 << 20, f"verify allocated {peak} bytes"
+    # A flipped byte: reported as the checksum mismatch it is, whatever it did to the stream.
+    data = bytearray((step_path / name).read_bytes())
+    data[len(data) // 2] ^= 0x20
+    (step_path / name).write_bytes(bytes(data))
+    with CheckpointManager(root) as mgr:
+        report = mgr.verify(1)
+    assert not report.ok
+    assert any("does not match the manifest's" in p and name in p for p in report.problems), (
+        report.problems
+    )
+    assert not any("zstd stream" in p for p in report.problems), report.problems

@@ -441,13 +441,17 @@ class _SafetensorsCheck:
 def check_compressed(storage: Any, step: int, name: str, entry: FileEntry, limit: int) -> None:
     """Stream a compressed payload of a store and check what is inside (``verify``).
 
-    The compressed bytes are checked block by block (``entry.blocks``; required) before
-    they inflate, at most to ``limit`` bytes; the content is checked as it streams by: a
-    safetensors header, or every member of a ``torch.save`` zip and its directory
-    (:class:`~ckptstore.codec.zipstream.ZipStreamChecker`). Held at once: a few frames.
+    The compressed bytes are checked before they inflate where the manifest has block CRCs
+    (``entry.blocks``), at most to ``limit`` bytes; the content is checked as it streams
+    by: a safetensors header, or every member of a ``torch.save`` zip and its directory
+    (:class:`~ckptstore.codec.zipstream.ZipStreamChecker`). Held at once: a few frames,
+    the read buffers and the header, never the file nor its content. A file without block
+    CRCs (one block, or an older manifest) streams the same way, its checksum checked at
+    its end: a mismatch is reported as such, before what the bad bytes did to the
+    inflater (which stops inflating at its first error, while the checksum reads on).
 
     Raises:
-        IntegrityError: a block, the stream or the content is corrupt.
+        IntegrityError: a block, the checksum, the stream or the content is corrupt.
     """
     where = storage.describe(step, name)
     inflater: zstd.Inflater
@@ -462,8 +466,22 @@ def check_compressed(storage: Any, step: int, name: str, entry: FileEntry, limit
         sc = _SafetensorsCheck(where)
         inflater = zstd.Inflater(sc, where, limit=limit, why=_WHY, declared=_declared(entry, where))
         sc.inflater = inflater
+    failed: list[IntegrityError] = []
+
+    def feed(_offset: int, chunk: memoryview) -> None:
+        if failed:
+            return
+        try:
+            inflater.feed(chunk)
+        except IntegrityError as e:
+            if entry.blocks is not None:  # checked bytes: the content is what is wrong
+                raise
+            failed.append(e)  # unchecked bytes: the checksum at the end says which
+
     try:
-        storage.stream_file(step, name, entry, lambda _offset, chunk: inflater.feed(chunk))
+        storage.stream_file(step, name, entry, feed)
+        if failed:
+            raise failed[0]
         inflater.finish()
     finally:
         inflater.close()
