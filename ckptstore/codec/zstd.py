@@ -7,6 +7,8 @@ The writer emits independent standard frames of :data:`FRAME` bytes of content e
 their content size and a checksum in every frame), compressed on several threads: any zstd
 reader reads the concatenation, and ckptstore's reader (:class:`Inflater`) decodes several
 frames at once and hands their bytes on in order, holding a few frames, never the file.
+Each frame is copied once out of the read buffer, decoded into a buffer that is reused
+frame after frame, its checksum checked, and only then handed on (copied into the tensors).
 Files of earlier versions are one frame without a content size: they are inflated block by
 block, in order, with the same bounds.
 """
@@ -232,9 +234,11 @@ class Inflater:
     ``declared`` says the content holds; a frame is refused before it is decoded when its
     declared size would pass them, and a frame's compressed length is bounded by its
     content size. Until ``declared`` has answered, the content is withheld from ``consume``
-    (it sees only bytes whose total size is known). At most the compressed bytes of one
-    frame, the piece being fed, and the window of frames in flight are held: :attr:`peak`
-    records the most bytes held at once.
+    (it sees only bytes whose total size is known). A piece fed is parsed where it lies
+    (the caller's memory); held here are the bytes of a frame it leaves unfinished, a
+    piece of up to :data:`FRAME` bytes that completes it, and the buffers of the frames in
+    flight (compressed and decoded, ``window + 1`` pairs, reused): :attr:`peak` records the
+    most bytes held at once.
 
     Args:
         consume: receives the content in order (the view is valid only during the call).
@@ -264,12 +268,12 @@ class Inflater:
         #: The size the content declared (None until ``declared`` answered).
         self.declared_size: int | None = None
         self._window = window if window is not None else THREADS + 1
-        self._jobs: collections.deque[tuple[concurrent.futures.Future[memoryview], int, _Slot]] = (
+        self._jobs: collections.deque[tuple[concurrent.futures.Future[memoryview], _Slot]] = (
             collections.deque()
         )
         self._free: list[_Slot] = []  # buffers of frames handed on, for the next ones
         self._promised = 0  # content delivered plus that of the frames in flight
-        self._in_flight = 0  # bytes held by the frames in flight (compressed + content)
+        self._slots = 0  # bytes of the frames' buffers (in flight or free for reuse)
         #: Content bytes handed to ``consume`` (or withheld while the size is unknown).
         self.out = 0
         #: Compressed bytes fed.
@@ -296,7 +300,7 @@ class Inflater:
         head = len(self._head) if self._head is not None else 0
         # A borrowed view of the piece being fed is the caller's memory, not held here.
         pend = len(self._pend) if isinstance(self._pend, bytearray) else 0
-        self.peak = max(self.peak, pend + self._in_flight + head)
+        self.peak = max(self.peak, pend + self._slots + head)
 
     def _truncated(self) -> IntegrityError:
         return IntegrityError(f"{self.where}: zstd stream is truncated (its last frame never ends)")
@@ -338,9 +342,8 @@ class Inflater:
 
     def _drain(self, keep: int) -> None:
         while len(self._jobs) > keep:
-            fut, held, slot = self._jobs.popleft()
+            fut, slot = self._jobs.popleft()
             piece = fut.result()
-            self._in_flight -= held
             try:
                 self._deliver(piece)
             finally:
@@ -403,7 +406,7 @@ class Inflater:
 
     def close(self) -> None:
         """Drop frames in flight (after an error)."""
-        for fut, _, _ in self._jobs:
+        for fut, _ in self._jobs:
             fut.cancel()
         self._jobs.clear()
         self._free.clear()
@@ -529,11 +532,12 @@ class Inflater:
         n = end - self._fstart
         slot = self._free.pop() if self._free else _Slot()
         if len(slot.packed) < n:  # replaced, never resized: a view of it may be alive
+            self._slots += n - len(slot.packed)
             slot.packed = bytearray(n)
         if len(slot.content) < self._size:
+            self._slots += self._size - len(slot.content)
             slot.content = bytearray(self._size)
         slot.packed[:n] = pend[self._fstart : end]
-        held = n + self._size
         fut = _pool().submit(
             _decode_frame,
             memoryview(slot.packed)[:n],
@@ -541,8 +545,7 @@ class Inflater:
             self.where,
             self._frame_at,
         )
-        self._jobs.append((fut, held, slot))
-        self._in_flight += held
+        self._jobs.append((fut, slot))
         self._promised += self._size
         self._pos = self._fstart = end
         self._mode = "start"
