@@ -413,12 +413,11 @@ class _SafetensorsCheck:
         if self.head is None:
             return
         assert self.inflater is not None
-        self.head += piece[: max(0, 8 + st.MAX_HEADER_BYTES - len(self.head))]
-        size = self.inflater.declared_size
-        need = 8 + int.from_bytes(self.head[:8], "little") if len(self.head) >= 8 else 8
-        if size is not None and len(self.head) >= need:
-            st.parse_header(self.head, size, self.where)
+        if self.inflater.declared_size is not None:
+            # Validated already, against that size, as it declared it (declared_header).
             self.head = None
+            return
+        self.head += piece[: max(0, 8 + st.MAX_HEADER_BYTES - len(self.head))]
 
     def finish(self) -> None:
         assert self.inflater is not None
