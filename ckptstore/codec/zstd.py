@@ -381,10 +381,12 @@ class Inflater:
                     self._pend = bytearray()
                     j -= left
                 i = j
-        finally:
-            if not isinstance(self._pend, bytearray):  # never keep a view of the caller's
-                self._pend = bytearray(self._pend)
-                self._held()
+        except BaseException:
+            self._pend = bytearray()  # the stream failed: nothing of it is kept
+            raise
+        if not isinstance(self._pend, bytearray):  # never keep a view of the caller's
+            self._pend = bytearray(self._pend)
+            self._held()
 
     def finish(self) -> int:
         """End of the stream: decode the rest; returns the content's size.
