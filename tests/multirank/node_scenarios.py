@@ -7,6 +7,7 @@ filesystem), and optionally ``url``/``options`` of a replica on moto's S3 server
 
 from __future__ import annotations
 
+import contextlib
 import os
 from pathlib import Path
 from typing import Any
@@ -126,3 +127,55 @@ def _resume(ctx: Ctx, mgr: CheckpointManager) -> dict[str, Any]:
         out["plain_restored"] = mgr.restore(plain, step=ctx.args["plain_step"])
         out["plain"] = [plain["w"].tolist(), plain["step"]]
     return out
+
+
+def nodes_fault(ctx: Ctx) -> dict[str, Any]:
+    """Node 1's store fails in the commit of node-local FSDP2 saves; nothing may stay anywhere.
+
+    Step 1 commits. Step 2: rank 1's copy of rank 0's ``state.json`` hits a full disk while
+    its node prepares. Step 3: rank 1's rename into place fails, after node 0 renamed. Step
+    4 commits again. After each: the steps of this node, the tmp directories left, what a
+    fresh model restores; with a replica, what it holds once the uploads are done.
+    """
+    from tests.faults import Injector, injected
+
+    model, opt = _fsdp()
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
+    mgr = _mgr(ctx)
+    mgr.save(1, state)
+    out: dict[str, Any] = {"digests1": digests(model, opt)}
+    faults = {2: Injector(1, "ENOSPC", target="state.json"), 3: Injector(1, "EIO", op="_rename")}
+    for step, inj in faults.items():
+        train(model, opt, 1, seed=step)
+        state["step"] = step
+        with contextlib.ExitStack() as stack:
+            if ctx.rank == 1:
+                stack.enter_context(injected(inj))
+            res = outcome(lambda s=step: mgr.save(s, state) and None)
+        res["fired"] = str(inj.fired) if inj.fired else None
+        res["steps"] = mgr.steps()
+        res["tmp"] = sorted(n for n in os.listdir(_root(ctx)) if n.startswith(".tmp-"))
+        out[str(step)] = res
+    dist.barrier()
+    out["restored"] = _restore_fresh(mgr)
+    state["step"] = 4
+    mgr.save(4, state)
+    out["digests4"] = digests(model, opt)
+    out["steps4"] = mgr.steps()
+    if mgr.replica is not None:
+        mgr.wait()
+        dist.barrier()
+        assert mgr.replica_storage is not None
+        out["replica_steps"] = mgr.replica_storage.list_steps()
+    mgr.close()
+    return out
+
+
+def _restore_fresh(mgr: CheckpointManager) -> list[Any]:
+    """Restore the newest step into a fresh FSDP2 model: ``[step, digests]``."""
+    model = make_net(seed=99)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
+    step = mgr.restore(state)
+    return [step, state["step"], digests(model, opt)]

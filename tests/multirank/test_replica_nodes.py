@@ -134,3 +134,46 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(tmp_path:
             assert (v["next"], v["step"], v["split"]) == (4, 3, True)
             assert v["digests"] == saved[0]["digests3"]
             assert v["local_steps"] == [3]
+
+
+@pytest.mark.timeout(200)
+def test_a_node_failing_its_commit_leaves_the_step_on_no_node(tmp_path: Path) -> None:
+    """Two-phase commit of node-local copies: a full disk while node 1 prepares aborts
+    every node's copy; node 1's rename failing makes node 0 take its renamed copy back.
+    Either way the previous step stays the newest everywhere, restores on both ranks, and
+    never reaches the replica (the uploader only learns of a step once every node has it).
+    """
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from s3server import s3_server
+
+    with s3_server() as ep:
+        url = ep.url(ep.unique_prefix("fault"))
+        args = {**NODES, "url": url, "options": ep.storage_options}
+        got = values(launch("node_scenarios:nodes_fault", 2, tmp_path, timeout=150, args=args))
+    for rank, v in enumerate(got):
+        two, three = v["2"], v["3"]
+        assert not two["ok"]
+        assert two["error_type"] == "CommitError"
+        assert "aborted on every node" in two["message"]
+        assert "rank(s) 1 " in two["message"]
+        assert "disk is full" in two["message"]
+        assert "step 1 is still the newest" in two["message"]
+        assert not three["ok"]
+        assert three["error_type"] == "CommitError"
+        assert "rolled back on every node" in three["message"]
+        assert "rank(s) 1 " in three["message"]
+        for res in (two, three):
+            assert res["steps"] == [1]  # on this rank's node
+            assert res["tmp"] == []
+        if rank == 1:
+            assert "state.json" in two["fired"]
+            assert "_rename" in three["fired"]
+            assert ".tmp-step-000000000003" in three["fired"]
+        else:
+            assert two["fired"] is None
+            assert three["fired"] is None
+        assert v["restored"] == [1, 1, got[0]["digests1"]]
+        assert v["steps4"] == [1, 4]
+        assert v["digests4"] == got[0]["digests4"]
+        assert v["replica_steps"] == [1, 4]
