@@ -179,3 +179,26 @@ def _restore_fresh(mgr: CheckpointManager) -> list[Any]:
     state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
     step = mgr.restore(state)
     return [step, state["step"], digests(model, opt)]
+
+
+def nodes_shared(ctx: Ctx) -> dict[str, Any]:
+    """Several ranks per node: an FSDP2 save, what each node holds, verify, a restore.
+
+    ``roots`` names a directory per rank; ranks giving the same name share that "node".
+    """
+    model, opt = _fsdp()
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
+    mgr = _mgr(ctx)
+    out: dict[str, Any] = {"split": mgr._split, "peers": mgr._peers}
+    mgr.save(1, state)
+    out["digests"] = digests(model, opt)
+    dist.barrier()  # every node committed before any lists its files
+    out["files"] = _step_files(_root(ctx), 1)
+    rep = mgr.verify(1)
+    out["verify"] = {"ok": rep.ok, "problems": rep.problems, "elsewhere": rep.elsewhere}
+    out["restored"] = _restore_fresh(mgr)
+    if mgr.replica is not None:
+        mgr.wait()
+        out["parts"] = {str(k): v for k, v in mgr.replica.parts.items()}
+    mgr.close()
+    return out

@@ -177,3 +177,46 @@ def test_a_node_failing_its_commit_leaves_the_step_on_no_node(tmp_path: Path) ->
         assert v["steps4"] == [1, 4]
         assert v["digests4"] == got[0]["digests4"]
         assert v["replica_steps"] == [1, 4]
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_per_node_on_two_nodes(tmp_path: Path) -> None:
+    """4 ranks, 2 node-local roots (ranks 0,1 share A; 2,3 share B), one FSDP2 save: each
+    node holds its two ranks' shards, verify names the other node's ranks, each rank
+    restores bit-exactly from its node, and a third empty "node" restores from the replica.
+    """
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from s3server import s3_server
+
+    shards = [f"_shards.rank{r:05d}.safetensors" for r in range(4)]
+    with s3_server() as ep:
+        url = ep.url(ep.unique_prefix("four"))
+        args = {"roots": ["nodeA", "nodeA", "nodeB", "nodeB"], "url": url}
+        args["options"] = ep.storage_options
+        got = values(launch("node_scenarios:nodes_shared", 4, tmp_path, timeout=200, args=args))
+        want = got[0]["digests"]
+        for rank, v in enumerate(got):
+            node = [0, 1] if rank < 2 else [2, 3]
+            other = [2, 3] if rank < 2 else [0, 1]
+            assert (v["split"], v["peers"]) == (True, node)
+            assert v["digests"] == want
+            for r in node:
+                assert shards[r] in v["files"]
+            for r in other:
+                assert shards[r] not in v["files"]
+            assert {"model.safetensors", "state.json", "manifest.json", "local-ranks"} <= set(
+                v["files"]
+            )
+            assert v["verify"] == {"ok": True, "problems": [], "elsewhere": other}
+            assert v["restored"] == [1, 1, want]
+            # Each rank uploaded its own shard (rank 0 also the files of no rank).
+            part = v["parts"]["1"]
+            assert [n for n in part if n.startswith("_shards.")] == [shards[rank]]
+            assert ("state.json" in part) == (rank == 0)
+        marker = json.loads((tmp_path / "nodeB" / "step-000000000001" / "local-ranks").read_text())
+        assert marker == {"ranks": [2, 3], "world_size": 4}
+
+        opts = {**ep.storage_options, "skip_instance_cache": True}
+        with CheckpointManager(tmp_path / "nodeC", replica=url, replica_options=opts) as mgr:
+            assert _plain_restore(mgr) == (1, want)
