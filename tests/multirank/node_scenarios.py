@@ -24,10 +24,9 @@ def _root(ctx: Ctx) -> Path:
     return ctx.workdir / ctx.args["roots"][ctx.rank]
 
 
-def _mgr(ctx: Ctx) -> CheckpointManager:
-    kw: dict[str, Any] = {}
+def _mgr(ctx: Ctx, **kw: Any) -> CheckpointManager:
     if ctx.args.get("url"):
-        kw = {"replica": ctx.args["url"], "replica_options": ctx.args["options"]}
+        kw.update(replica=ctx.args["url"], replica_options=ctx.args["options"])
     return CheckpointManager(_root(ctx), keep=None, barrier_timeout=30, **kw)
 
 
@@ -200,5 +199,52 @@ def nodes_shared(ctx: Ctx) -> dict[str, Any]:
     if mgr.replica is not None:
         mgr.wait()
         out["parts"] = {str(k): v for k, v in mgr.replica.parts.items()}
+    mgr.close()
+    return out
+
+
+def nodes_async(ctx: Ctx) -> dict[str, Any]:
+    """Async FSDP2 saves on node-local roots: two that commit, one whose node 1 runs out of
+    disk while preparing its copy (in the background), one after it."""
+    from tests.faults import Injector, injected
+
+    model, opt = _fsdp()
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
+    mgr = _mgr(ctx, async_save=True)
+    out: dict[str, Any] = {}
+    mgr.save(1, state).wait()
+    train(model, opt, 1, seed=2)
+    state["step"] = 2
+    handle = mgr.save(2, state)
+    out["digests2"] = digests(model, opt)
+    train(model, opt, 1, seed=3)  # while step 2 is written: the staged copy is saved
+    handle.wait()
+    out["steps2"] = mgr.steps()
+    out["files2"] = _step_files(_root(ctx), 2)
+    inj = Injector(1, "ENOSPC", target="state.json")
+    with contextlib.ExitStack() as stack:
+        if ctx.rank == 1:
+            stack.enter_context(injected(inj))
+        state["step"] = 3
+        handle = mgr.save(3, state)
+        out["failed3"] = outcome(lambda: handle.wait() and None)
+    out["steps3"] = mgr.steps()
+    out["tmp3"] = sorted(n for n in os.listdir(_root(ctx)) if n.startswith(".tmp-"))
+    state["step"] = 4
+    mgr.save(4, state).wait()
+    out["digests4"] = digests(model, opt)
+    mgr.wait()
+    out["steps4"] = mgr.steps()
+    dist.barrier()
+    out["restored"] = _restore_fresh(mgr)
+    restore2 = make_net(seed=7)
+    shard(restore2)
+    opt2 = torch.optim.AdamW(restore2.parameters(), lr=1e-2)
+    mgr.restore({"model": restore2, "optimizer": opt2, "step": 0}, step=2)
+    out["restored2"] = digests(restore2, opt2)
+    if mgr.replica is not None:
+        assert mgr.replica_storage is not None
+        dist.barrier()
+        out["replica_steps"] = mgr.replica_storage.list_steps()
     mgr.close()
     return out

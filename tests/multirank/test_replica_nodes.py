@@ -220,3 +220,36 @@ def test_two_ranks_per_node_on_two_nodes(tmp_path: Path) -> None:
         opts = {**ep.storage_options, "skip_instance_cache": True}
         with CheckpointManager(tmp_path / "nodeC", replica=url, replica_options=opts) as mgr:
             assert _plain_restore(mgr) == (1, want)
+
+
+@pytest.mark.timeout(200)
+def test_async_fsdp_saves_on_node_local_roots(tmp_path: Path) -> None:
+    """``async_save=True`` with DTensor state on 2 node-local roots: the background commit
+    makes each node's copy (the staged state, not what training changed since), a full
+    disk on node 1 fails the save on both ranks with nothing visible, the next one commits,
+    and every committed step restores and reaches the replica.
+    """
+    pytest.importorskip("s3fs")
+    pytest.importorskip("moto.server")
+    from s3server import s3_server
+
+    with s3_server() as ep:
+        url = ep.url(ep.unique_prefix("async"))
+        args = {**NODES, "url": url, "options": ep.storage_options}
+        got = values(launch("node_scenarios:nodes_async", 2, tmp_path, timeout=150, args=args))
+    for rank, v in enumerate(got):
+        assert v["steps2"] == [1, 2]
+        assert SHARDS[rank] in v["files2"]
+        assert SHARDS[1 - rank] not in v["files2"]
+        assert "local-ranks" in v["files2"]
+        failed = v["failed3"]
+        assert not failed["ok"]
+        assert "aborted on every node" in failed["message"]
+        assert "rank(s) 1 " in failed["message"]
+        assert "disk is full" in failed["message"]
+        assert v["steps3"] == [1, 2]
+        assert v["tmp3"] == []
+        assert v["steps4"] == [1, 2, 4]
+        assert v["restored"] == [4, 4, got[0]["digests4"]]
+        assert v["restored2"] == got[0]["digests2"]
+        assert v["replica_steps"] == [1, 2, 4]
