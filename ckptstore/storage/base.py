@@ -375,6 +375,10 @@ class Storage(abc.ABC):
         """Swap two directories atomically; ``NotImplementedError`` where impossible."""
         raise NotImplementedError
 
+    def _link(self, src: str, dst: str) -> None:
+        """Give the committed file ``src`` a second name ``dst`` (a copy where no links)."""
+        self._copy(src, dst)
+
     def _copy(self, src: str, dst: str) -> None:
         """Copy one file durably (object stores: server-side where they can)."""
         with self._open_read(src) as f:

@@ -12,6 +12,7 @@ three launches: each launch costs seconds of process start on a 2-core host.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
 from typing import Any
@@ -23,6 +24,7 @@ from ckptstore import CheckpointManager
 from ckptstore.errors import IntegrityError
 from ckptstore.storage import open_storage
 from ckptstore.verify import verify_checkpoint
+from tests.faults import Injector, injected
 from tests.multirank.dtensor_scenarios import digests, make_net
 from tests.multirank.launch import describe, launch
 
@@ -44,7 +46,9 @@ def _plain_restore(mgr: CheckpointManager) -> tuple[int, dict[str, str]]:
 
 
 @pytest.mark.timeout(300)
-def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(tmp_path: Path) -> None:
+def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
     from s3server import s3_server
@@ -122,6 +126,28 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(tmp_path:
             assert v["plain"] == [[0.0, 1.0, 2.0, 3.0], 1]
         assert replica.list_steps() == [1, 2, 3]
         assert verify_checkpoint(replica, 3).ok
+
+        # Node 0's partial copy read whole by one process: only rank 1's shard comes from
+        # the replica (every read of the replica is counted), checked, linked in beside
+        # node 0's own files; the step is then complete on this disk.
+        shutil.copytree(tmp_path / "node0", tmp_path / "fill0")
+        filled = tmp_path / "fill0" / "step-000000000003"
+        inode = (filled / SHARDS[0]).stat().st_ino
+        counted = Injector(op="_stream", target=replica.root)
+        caplog.set_level(logging.INFO, logger="ckptstore")
+        with CheckpointManager(tmp_path / "fill0", replica=url, replica_options=opts) as mgr:
+            with injected(counted):
+                assert _plain_restore(mgr) == (3, saved[0]["digests3"])
+            streamed = [op.target.rsplit("/", 1)[1] for op in counted.ops]
+            assert streamed == [SHARDS[1]]
+            entry = mgr.manifest(3).files[SHARDS[1]]
+            assert f"({1} file(s), {entry.bytes} bytes)" in caplog.text
+            assert "fetched rank(s) [1]'s files" in caplog.text
+            report = mgr.verify(3)
+            assert (report.ok, report.elsewhere) == (True, [])
+        assert not (filled / "local-ranks").exists()
+        assert (filled / SHARDS[0]).stat().st_ino == inode  # kept (linked), not fetched
+        assert (filled / SHARDS[1]).stat().st_size == entry.bytes
 
         # A third node with an empty disk: one process, a plain model, the full tensors.
         with CheckpointManager(tmp_path / "node2", replica=url, replica_options=opts) as mgr:
