@@ -21,6 +21,7 @@ import pytest
 import torch
 
 from ckptstore import CheckpointManager
+from ckptstore.cli import main
 from ckptstore.errors import IntegrityError
 from ckptstore.storage import open_storage
 from ckptstore.verify import verify_checkpoint
@@ -206,7 +207,9 @@ def test_a_node_failing_its_commit_leaves_the_step_on_no_node(tmp_path: Path) ->
 
 
 @pytest.mark.timeout(240)
-def test_two_ranks_per_node_on_two_nodes(tmp_path: Path) -> None:
+def test_two_ranks_per_node_on_two_nodes(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
     """4 ranks, 2 node-local roots (ranks 0,1 share A; 2,3 share B), one FSDP2 save: each
     node holds its two ranks' shards, verify names the other node's ranks, each rank
     restores bit-exactly from its node, and a third empty "node" restores from the replica.
@@ -246,6 +249,27 @@ def test_two_ranks_per_node_on_two_nodes(tmp_path: Path) -> None:
         opts = {**ep.storage_options, "skip_instance_cache": True}
         with CheckpointManager(tmp_path / "nodeC", replica=url, replica_options=opts) as mgr:
             assert _plain_restore(mgr) == (1, want)
+
+    # `ckptstore ls` flags a node's partial copy; nodeC's (fetched whole) is not partial.
+    for node, here in (("nodeA", "ranks 0-1 of 4"), ("nodeB", "ranks 2-3 of 4")):
+        assert main(["ls", str(tmp_path / node)]) == 0
+        out = capsys.readouterr().out
+        header, row = out.splitlines()[:2]
+        assert header.split()[-3:] == ["pinned", "here", "tiers"]
+        # Every node records its replica (not only the one whose uploader put the manifest).
+        assert "local" in row.split()[-1]
+        assert row.split()[0] == "1"
+        assert here in row
+        assert "1 step holds only some ranks' files here (node-local roots" in out
+        assert main(["ls", "--json", str(tmp_path / node)]) == 0
+        (entry,) = json.loads(capsys.readouterr().out)
+        assert entry["local_ranks"] == ([0, 1] if node == "nodeA" else [2, 3])
+    assert main(["ls", str(tmp_path / "nodeC")]) == 0
+    out = capsys.readouterr().out
+    assert "here" not in out.splitlines()[0]
+    assert "ranks" not in out
+    assert main(["ls", "--json", str(tmp_path / "nodeC")]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["local_ranks"] is None
 
 
 @pytest.mark.timeout(200)
