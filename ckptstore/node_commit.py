@@ -91,16 +91,18 @@ def commit_everywhere(
             storage.prepare(pending, manifest)
         except BaseException as e:
             log.error("rank %d could not prepare its node's copy of %s: %s", coord.rank, where, e)
+            storage.abort(pending)
             mine = ("error", say(e))
+    prepared = leader and mine[0] == "ok"
     try:
         verdicts = coord.all_gather(mine, "save:ready", step)
     except BarrierTimeout:
-        if leader:
+        if prepared:
             storage.abort(pending)
         raise
     failed = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
     if failed:
-        if leader:
+        if prepared:
             storage.abort(pending)
         raise CommitError(
             f"sharded save of {where} aborted on every node: the local store of "

@@ -32,14 +32,16 @@ def run(args: argparse.Namespace) -> int:
     """Remove; print each name removed, and on an object store what was kept and why."""
     opts = storage_options(args, args.root)
     removed = gc_store(args.root, opts, pending=args.pending)
-    kept: list[str] = []
+    # Object stores (no writer lock): what was kept for the uploaders that may finish it.
+    kept: list[str] | None = None
     if not args.pending:
         storage = open_store(args.root, opts)
         if not storage.atomic_rename:
             kept = upload_parts.held(storage)
     if as_json(args):
-        print_json({"removed": removed, "kept": kept})
+        print_json({"removed": removed} if kept is None else {"removed": removed, "kept": kept})
         return 0
+    kept = kept or []
     if not removed and not kept:
         print("nothing to remove")
     for name in removed:
