@@ -15,7 +15,7 @@ import json
 import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
@@ -28,6 +28,9 @@ from ckptstore.verify import verify_checkpoint
 from tests.faults import Injector, injected
 from tests.multirank.dtensor_scenarios import digests, make_net
 from tests.multirank.launch import describe, launch
+
+if TYPE_CHECKING:
+    from s3server import S3Endpoint
 
 NODES = {"roots": ["node0", "node1"]}
 SHARDS = ["_shards.rank00000.safetensors", "_shards.rank00001.safetensors"]
@@ -137,10 +140,18 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
         counted = Injector(op="_stream", target=replica.root)
         caplog.set_level(logging.INFO, logger="ckptstore")
         with CheckpointManager(tmp_path / "fill0", replica=url, replica_options=opts) as mgr:
+            ep.requests.clear()
             with injected(counted):
                 assert _plain_restore(mgr) == (3, saved[0]["digests3"])
             streamed = [op.target.rsplit("/", 1)[1] for op in counted.ops]
             assert streamed == [SHARDS[1]]
+            # The server's side: the objects of step 3 it served (GET), the manifest aside.
+            served = {
+                r.path.rsplit("/", 1)[1]
+                for r in ep.requests()
+                if r.method == "GET" and "/step-000000000003/" in r.path
+            }
+            assert served - {"manifest.json"} == {SHARDS[1]}
             entry = mgr.manifest(3).files[SHARDS[1]]
             assert f"({1} file(s), {entry.bytes} bytes)" in caplog.text
             assert "fetched rank(s) [1]'s files" in caplog.text
@@ -164,20 +175,17 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
 
 
 @pytest.mark.timeout(200)
-def test_a_node_failing_its_commit_leaves_the_step_on_no_node(tmp_path: Path) -> None:
+def test_a_node_failing_its_commit_leaves_the_step_on_no_node(
+    tmp_path: Path, s3: S3Endpoint
+) -> None:
     """Two-phase commit of node-local copies: a full disk while node 1 prepares aborts
     every node's copy; node 1's rename failing makes node 0 take its renamed copy back.
     Either way the previous step stays the newest everywhere, restores on both ranks, and
     never reaches the replica (the uploader only learns of a step once every node has it).
     """
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    from s3server import s3_server
-
-    with s3_server() as ep:
-        url = ep.url(ep.unique_prefix("fault"))
-        args = {**NODES, "url": url, "options": ep.storage_options}
-        got = values(launch("node_scenarios:nodes_fault", 2, tmp_path, timeout=150, args=args))
+    url = s3.url(s3.unique_prefix("fault"))
+    args = {**NODES, "url": url, "options": s3.storage_options}
+    got = values(launch("node_scenarios:nodes_fault", 2, tmp_path, timeout=150, args=args))
     for rank, v in enumerate(got):
         two, three = v["2"], v["3"]
         assert not two["ok"]
@@ -208,47 +216,42 @@ def test_a_node_failing_its_commit_leaves_the_step_on_no_node(tmp_path: Path) ->
 
 @pytest.mark.timeout(240)
 def test_two_ranks_per_node_on_two_nodes(
-    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    tmp_path: Path, s3: S3Endpoint, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """4 ranks, 2 node-local roots (ranks 0,1 share A; 2,3 share B), one FSDP2 save: each
     node holds its two ranks' shards, verify names the other node's ranks, each rank
     restores bit-exactly from its node, and a third empty "node" restores from the replica.
     """
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    from s3server import s3_server
-
     shards = [f"_shards.rank{r:05d}.safetensors" for r in range(4)]
-    with s3_server() as ep:
-        url = ep.url(ep.unique_prefix("four"))
-        args = {"roots": ["nodeA", "nodeA", "nodeB", "nodeB"], "url": url}
-        args["options"] = ep.storage_options
-        got = values(launch("node_scenarios:nodes_shared", 4, tmp_path, timeout=200, args=args))
-        want = got[0]["digests"]
-        for rank, v in enumerate(got):
-            node = [0, 1] if rank < 2 else [2, 3]
-            other = [2, 3] if rank < 2 else [0, 1]
-            assert (v["split"], v["peers"]) == (True, node)
-            assert v["digests"] == want
-            for r in node:
-                assert shards[r] in v["files"]
-            for r in other:
-                assert shards[r] not in v["files"]
-            assert {"model.safetensors", "state.json", "manifest.json", "local-ranks"} <= set(
-                v["files"]
-            )
-            assert v["verify"] == {"ok": True, "problems": [], "elsewhere": other}
-            assert v["restored"] == [1, 1, want]
-            # Each rank uploaded its own shard (rank 0 also the files of no rank).
-            part = v["parts"]["1"]
-            assert [n for n in part if n.startswith("_shards.")] == [shards[rank]]
-            assert ("state.json" in part) == (rank == 0)
-        marker = json.loads((tmp_path / "nodeB" / "step-000000000001" / "local-ranks").read_text())
-        assert marker == {"ranks": [2, 3], "world_size": 4}
+    url = s3.url(s3.unique_prefix("four"))
+    args = {"roots": ["nodeA", "nodeA", "nodeB", "nodeB"], "url": url}
+    args["options"] = s3.storage_options
+    got = values(launch("node_scenarios:nodes_shared", 4, tmp_path, timeout=200, args=args))
+    want = got[0]["digests"]
+    for rank, v in enumerate(got):
+        node = [0, 1] if rank < 2 else [2, 3]
+        other = [2, 3] if rank < 2 else [0, 1]
+        assert (v["split"], v["peers"]) == (True, node)
+        assert v["digests"] == want
+        for r in node:
+            assert shards[r] in v["files"]
+        for r in other:
+            assert shards[r] not in v["files"]
+        assert {"model.safetensors", "state.json", "manifest.json", "local-ranks"} <= set(
+            v["files"]
+        )
+        assert v["verify"] == {"ok": True, "problems": [], "elsewhere": other}
+        assert v["restored"] == [1, 1, want]
+        # Each rank uploaded its own shard (rank 0 also the files of no rank).
+        part = v["parts"]["1"]
+        assert [n for n in part if n.startswith("_shards.")] == [shards[rank]]
+        assert ("state.json" in part) == (rank == 0)
+    marker = json.loads((tmp_path / "nodeB" / "step-000000000001" / "local-ranks").read_text())
+    assert marker == {"ranks": [2, 3], "world_size": 4}
 
-        opts = {**ep.storage_options, "skip_instance_cache": True}
-        with CheckpointManager(tmp_path / "nodeC", replica=url, replica_options=opts) as mgr:
-            assert _plain_restore(mgr) == (1, want)
+    opts = {**s3.storage_options, "skip_instance_cache": True}
+    with CheckpointManager(tmp_path / "nodeC", replica=url, replica_options=opts) as mgr:
+        assert _plain_restore(mgr) == (1, want)
 
     # `ckptstore ls` flags a node's partial copy; nodeC's (fetched whole) is not partial.
     for node, here in (("nodeA", "ranks 0-1 of 4"), ("nodeB", "ranks 2-3 of 4")):
@@ -273,20 +276,15 @@ def test_two_ranks_per_node_on_two_nodes(
 
 
 @pytest.mark.timeout(200)
-def test_async_fsdp_saves_on_node_local_roots(tmp_path: Path) -> None:
+def test_async_fsdp_saves_on_node_local_roots(tmp_path: Path, s3: S3Endpoint) -> None:
     """``async_save=True`` with DTensor state on 2 node-local roots: the background commit
     makes each node's copy (the staged state, not what training changed since), a full
     disk on node 1 fails the save on both ranks with nothing visible, the next one commits,
     and every committed step restores and reaches the replica.
     """
-    pytest.importorskip("s3fs")
-    pytest.importorskip("moto.server")
-    from s3server import s3_server
-
-    with s3_server() as ep:
-        url = ep.url(ep.unique_prefix("async"))
-        args = {**NODES, "url": url, "options": ep.storage_options}
-        got = values(launch("node_scenarios:nodes_async", 2, tmp_path, timeout=150, args=args))
+    url = s3.url(s3.unique_prefix("async"))
+    args = {**NODES, "url": url, "options": s3.storage_options}
+    got = values(launch("node_scenarios:nodes_async", 2, tmp_path, timeout=150, args=args))
     for rank, v in enumerate(got):
         assert v["steps2"] == [1, 2]
         assert SHARDS[rank] in v["files2"]
