@@ -8,6 +8,7 @@ filesystem), and optionally ``url``/``options`` of a replica on moto's S3 server
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -248,3 +249,11 @@ def nodes_async(ctx: Ctx) -> dict[str, Any]:
         out["replica_steps"] = mgr.replica_storage.list_steps()
     mgr.close()
     return out
+
+
+def nodes_commits(ctx: Ctx) -> dict[str, Any]:
+    """:func:`nodes_fault`, then :func:`nodes_async` on other roots and another replica
+    prefix (``async_roots``, ``async_url``): one launch for both."""
+    sync = nodes_fault(ctx)
+    args = {**ctx.args, "roots": ctx.args["async_roots"], "url": ctx.args["async_url"]}
+    return {"sync": sync, "async": nodes_async(dataclasses.replace(ctx, args=args))}

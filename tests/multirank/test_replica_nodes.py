@@ -174,7 +174,7 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
             assert v["local_steps"] == [3]
 
 
-@pytest.mark.timeout(200)
+@pytest.mark.timeout(240)
 def test_a_node_failing_its_commit_leaves_the_step_on_no_node(
     tmp_path: Path, s3: S3Endpoint
 ) -> None:
@@ -182,10 +182,18 @@ def test_a_node_failing_its_commit_leaves_the_step_on_no_node(
     every node's copy; node 1's rename failing makes node 0 take its renamed copy back.
     Either way the previous step stays the newest everywhere, restores on both ranks, and
     never reaches the replica (the uploader only learns of a step once every node has it).
+
+    The same launch then runs ``async_save=True`` with DTensor state on 2 other roots: the
+    background commit makes each node's copy (the staged state, not what training changed
+    since), a full disk on node 1 in the background prepare fails the save on both ranks
+    with nothing visible, the next one commits, and every committed step restores and
+    reaches the replica.
     """
     url = s3.url(s3.unique_prefix("fault"))
     args = {**NODES, "url": url, "options": s3.storage_options}
-    got = values(launch("node_scenarios:nodes_fault", 2, tmp_path, timeout=150, args=args))
+    args.update(async_roots=["async0", "async1"], async_url=s3.url(s3.unique_prefix("async")))
+    both = values(launch("node_scenarios:nodes_commits", 2, tmp_path, timeout=200, args=args))
+    got = [b["sync"] for b in both]
     for rank, v in enumerate(got):
         two, three = v["2"], v["3"]
         assert not two["ok"]
@@ -212,6 +220,24 @@ def test_a_node_failing_its_commit_leaves_the_step_on_no_node(
         assert v["steps4"] == [1, 4]
         assert v["digests4"] == got[0]["digests4"]
         assert v["replica_steps"] == [1, 4]
+
+    got = [b["async"] for b in both]
+    for rank, v in enumerate(got):
+        assert v["steps2"] == [1, 2]
+        assert SHARDS[rank] in v["files2"]
+        assert SHARDS[1 - rank] not in v["files2"]
+        assert "local-ranks" in v["files2"]
+        failed = v["failed3"]
+        assert not failed["ok"]
+        assert "aborted on every node" in failed["message"]
+        assert "rank(s) 1 " in failed["message"]
+        assert "disk is full" in failed["message"]
+        assert v["steps3"] == [1, 2]
+        assert v["tmp3"] == []
+        assert v["steps4"] == [1, 2, 4]
+        assert v["restored"] == [4, 4, got[0]["digests4"]]
+        assert v["restored2"] == got[0]["digests2"]
+        assert v["replica_steps"] == [1, 2, 4]
 
 
 @pytest.mark.timeout(240)
@@ -273,31 +299,3 @@ def test_two_ranks_per_node_on_two_nodes(
     assert "ranks" not in out
     assert main(["ls", "--json", str(tmp_path / "nodeC")]) == 0
     assert json.loads(capsys.readouterr().out)[0]["local_ranks"] is None
-
-
-@pytest.mark.timeout(200)
-def test_async_fsdp_saves_on_node_local_roots(tmp_path: Path, s3: S3Endpoint) -> None:
-    """``async_save=True`` with DTensor state on 2 node-local roots: the background commit
-    makes each node's copy (the staged state, not what training changed since), a full
-    disk on node 1 fails the save on both ranks with nothing visible, the next one commits,
-    and every committed step restores and reaches the replica.
-    """
-    url = s3.url(s3.unique_prefix("async"))
-    args = {**NODES, "url": url, "options": s3.storage_options}
-    got = values(launch("node_scenarios:nodes_async", 2, tmp_path, timeout=150, args=args))
-    for rank, v in enumerate(got):
-        assert v["steps2"] == [1, 2]
-        assert SHARDS[rank] in v["files2"]
-        assert SHARDS[1 - rank] not in v["files2"]
-        assert "local-ranks" in v["files2"]
-        failed = v["failed3"]
-        assert not failed["ok"]
-        assert "aborted on every node" in failed["message"]
-        assert "rank(s) 1 " in failed["message"]
-        assert "disk is full" in failed["message"]
-        assert v["steps3"] == [1, 2]
-        assert v["tmp3"] == []
-        assert v["steps4"] == [1, 2, 4]
-        assert v["restored"] == [4, 4, got[0]["digests4"]]
-        assert v["restored2"] == got[0]["digests2"]
-        assert v["replica_steps"] == [1, 2, 4]
