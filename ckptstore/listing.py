@@ -121,9 +121,10 @@ def _listing(storage: Storage) -> StoreListing:
             if isinstance(m, CkptStoreError):
                 infos.append(StepInfo(step, pinned, error=_one_line(str(m))))
             else:
-                # Only a sharded step of several ranks can be a node's partial copy: one
-                # lookup for those, none for the others.
-                ranks = local_ranks(storage, step) if m.sharded and m.world_size > 1 else None
+                # Only a sharded step of several ranks on a local disk (an object store is
+                # shared by every rank) can be a node's partial copy: one lookup for those.
+                split = storage.atomic_rename and m.sharded and m.world_size > 1
+                ranks = local_ranks(storage, step) if split else None
                 infos.append(StepInfo(step, pinned, manifest=m, local_ranks=ranks))
     return StoreListing(storage.root, infos, garbage)
 

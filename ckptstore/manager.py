@@ -1042,6 +1042,7 @@ class CheckpointManager(Reader):
             raise value if isinstance(value, BaseException) else CommitError(str(value))
         body, blobs = value
         manifest = Manifest.from_bytes(body)
+        previous = self._previous(step)
         node_commit.commit_everywhere(
             self.storage,
             pending,
@@ -1050,8 +1051,8 @@ class CheckpointManager(Reader):
             coord,
             leader=self._node_leader,
             peers=self._peers,
-            previous=self._previous(step),
-            explain=lambda e: _commit_error(e, where, None) if _plain_oserror(e) else e,
+            previous=previous,
+            explain=lambda e: _commit_error(e, where, previous) if _plain_oserror(e) else e,
         )
         if self._node_leader:
             self._committed(manifest)
