@@ -3,7 +3,8 @@
 What ``ckptstore ls`` prints, for Python: :func:`list_store` lists one store,
 :func:`list_stores` a store or the stores inside a directory (Lightning's ``dirpath``, one
 store per ``*.ckpt`` name). Only manifests are read (a local store answers from its listing
-cache), and nothing imports torch.
+cache), and nothing imports torch. A node's partial copy of a step (node-local roots: the
+``local-ranks`` marker) is listed with the ranks whose files it holds.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ from typing import Any
 from ._fmt import created_json, metric_json
 from .errors import CkptStoreError
 from .manifest import Manifest
+from .nodes import local_ranks
 from .replica import read_replica_url, replicated_steps
 from .storage import Storage, open_storage
 from .stores import find_stores, open_store, reaching
@@ -36,6 +38,14 @@ class StepInfo:
     #: With a replica: whether the local step's upload is done (None without a replica,
     #: or for a step that is only on the replica).
     uploaded: bool | None = None
+    #: A node's partial copy (node-local roots): the ranks whose files this store holds;
+    #: None where it holds every rank's files.
+    local_ranks: list[int] | None = None
+
+    @property
+    def partial(self) -> bool:
+        """Whether this store holds only some ranks' files of the step (node-local roots)."""
+        return self.local_ranks is not None
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form (``ckptstore ls --json``)."""
@@ -54,6 +64,7 @@ class StepInfo:
             "error": self.error,
             "tiers": list(self.tiers) if self.tiers is not None else None,
             "uploaded": self.uploaded,
+            "local_ranks": self.local_ranks,
         }
 
 
@@ -110,7 +121,11 @@ def _listing(storage: Storage) -> StoreListing:
             if isinstance(m, CkptStoreError):
                 infos.append(StepInfo(step, pinned, error=_one_line(str(m))))
             else:
-                infos.append(StepInfo(step, pinned, manifest=m))
+                # Only a sharded step of several ranks on a local disk (an object store is
+                # shared by every rank) can be a node's partial copy: one lookup for those.
+                split = storage.atomic_rename and m.sharded and m.world_size > 1
+                ranks = local_ranks(storage, step) if split else None
+                infos.append(StepInfo(step, pinned, manifest=m, local_ranks=ranks))
     return StoreListing(storage.root, infos, garbage)
 
 

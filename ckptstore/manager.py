@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from . import nodes, sharding, tiers
+from . import node_commit, nodes, sharding, tiers
 from .chunks import INDEX_FILE
 from .codec import payload as payload_codec
 from .codec import safetensors as safetensors_codec
@@ -1023,14 +1023,16 @@ class CheckpointManager(Reader):
     def _commit_split(
         self, pending: Pending, prepared: tuple[str, Any], step: int, coord: Coordinator
     ) -> Manifest:
-        """Phase 3 on node-local roots: every node commits its copy of the step.
+        """Phase 3 on node-local roots: every node commits its copy of the step, or none.
 
         Rank 0 sends the manifest and its files of no rank (the plain state, the chunk
-        index) to every rank; the lowest rank of each node writes those into its tmp
-        directory, marks which ranks' files it holds, and commits. Every rank learns
-        whether every node committed; a node that failed is named (the others keep their
-        copies: their step is committed, and the failed node's ranks' files are missing
-        from the replica, so no manifest is ever put there).
+        index) to every rank. Then two rounds (:mod:`ckptstore.node_commit`): every node
+        leader prepares its copy (those files, the ``local-ranks`` marker, the manifest,
+        fsynced, still a ``.tmp-`` directory), and only once every node reports prepared
+        do they publish it (the rename). A node failing to prepare aborts every node's copy
+        (the previous step stays the newest everywhere); a node failing its rename makes
+        the nodes that renamed take their copy back. Either way every rank raises an error
+        naming the rank(s) whose store failed.
         """
         where = self.storage.describe(step)
         status, value = coord.broadcast(prepared, "save:prepared", step)
@@ -1040,27 +1042,21 @@ class CheckpointManager(Reader):
             raise value if isinstance(value, BaseException) else CommitError(str(value))
         body, blobs = value
         manifest = Manifest.from_bytes(body)
-        mine: tuple[str, Any] = ("ok", None)
+        previous = self._previous(step)
+        node_commit.commit_everywhere(
+            self.storage,
+            pending,
+            manifest,
+            blobs,
+            coord,
+            leader=self._node_leader,
+            peers=self._peers,
+            previous=previous,
+            explain=lambda e: _commit_error(e, where, previous) if _plain_oserror(e) else e,
+        )
         if self._node_leader:
-            try:
-                if not coord.is_leader:
-                    nodes.write_plain(pending, manifest.files, blobs)
-                nodes.write_marker(pending, self._peers, coord.world_size)
-                self.storage.commit(pending, manifest)
-                self._committed(manifest)
-            except BaseException as e:
-                self.storage.abort(pending)
-                mine = ("error", _commit_error(e, where, None) if _plain_oserror(e) else e)
-        verdicts = coord.all_gather(mine, "save:commit", step)
-        failed = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
-        if failed:
-            detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-            raise CommitError(
-                f"sharded save of {where} committed on some nodes only: the local store of "
-                f"rank(s) {', '.join(str(r) for r, _ in failed)} failed ({detail}); restore "
-                "passes over this step on those nodes"
-            )
-        self._after_commit(step)
+            self._committed(manifest)
+        self._after_commit(step)  # only now the uploader learns of the step
         return manifest
 
     def _encode_sync(

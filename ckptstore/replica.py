@@ -246,6 +246,8 @@ def write_replica_url(local: Storage, url: str) -> None:
                     return
             local._remove(REPLICA_NAME)
         local._put_small(REPLICA_NAME, body)
+    except FileExistsError:
+        pass  # another rank of this node recorded it at the same moment (the same bytes)
     except OSError as e:
         log.warning("could not record the replica URL in %s: %s", local.root, e)
 
@@ -643,6 +645,9 @@ class Replicator:
         nbytes = sum(e.bytes for e in mine.values())
         self.uploaded_bytes += nbytes
         self.parts[step] = sorted(mine)
+        # A node whose ranks never put a manifest (another node's uploader did) still
+        # records where its steps go.
+        self._record_url()
         log.info(
             "uploaded rank %d's part of step %d to %s: %d bytes in %.2fs",
             rank,
@@ -655,10 +660,14 @@ class Replicator:
             self._safe(step, manifest)
         return True
 
-    def _safe(self, step: int, manifest: Manifest | None = None) -> None:
+    def _record_url(self) -> None:
+        """Record the replica's URL in the local root once (``ckptstore ls`` shows tiers)."""
         if not self._url_recorded:
             write_replica_url(self.local, self._url)
             self._url_recorded = True
+
+    def _safe(self, step: int, manifest: Manifest | None = None) -> None:
+        self._record_url()
         mark_replicated(self.local, step)
         with self._cond:
             self.safe.add(step)

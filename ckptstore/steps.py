@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from . import upload_parts
 from .errors import CkptStoreError, CommitError, ManifestError, StoreLockedError
 from .layout import parse_old_dirname
 from .retention import CheckpointInfo, KeepBest, RetentionPolicy, Union, as_policy, plan_deletions
@@ -311,9 +312,20 @@ def pin_steps(
 
 
 def gc_store(
-    root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
+    root: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    pending: bool = False,
 ) -> list[str]:
     """Remove stale ``.tmp-``/``.trash-`` entries and manifest-less step directories.
+
+    An object store has no writer lock: a job may be uploading to it (a replica), its
+    pending steps (manifest-less, per-rank parts) still to be completed. There only the
+    pending entries older than the newest committed step are removed, the rule the
+    uploaders themselves follow (:func:`ckptstore.upload_parts.clean`);
+    :func:`ckptstore.upload_parts.held` names the others. ``pending=True`` removes those
+    too (for a prefix no job uploads to any more). A local store is gc'd under its writer
+    lock, which a job's manager holds: every stale entry goes.
 
     Returns:
         The names removed.
@@ -326,6 +338,10 @@ def gc_store(
     with reaching(storage.root):
         if not storage.list_garbage() and not _has_old(storage):
             return []  # nothing to remove: take no lock, create nothing
+        if not storage.atomic_rename and not pending:
+            removed = upload_parts.clean(storage)
+            wait_for_deletions()
+            return removed
         with _writer(storage, "removed"):
             removed = storage.gc(include_tmp=True)
             wait_for_deletions()

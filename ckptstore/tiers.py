@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from . import node_fill
 from ._log import logger as log
 from .errors import CkptStoreError, IntegrityError, NoCheckpointError
 from .replica import Replicator, fetch_step
@@ -95,7 +96,9 @@ def on_replica(replica: Storage | None, step: int) -> bool:
 def ensure_local(local: Storage, replica: Storage, step: int, *, replace: bool = False) -> bool:
     """Bring the replica's ``step`` into the local store unless it is there already.
 
-    With ``replace`` the local copy (which failed its checks) is replaced by the replica's.
+    With ``replace`` the local copy (which failed its checks) is replaced by the replica's;
+    a node's partial copy (node-local roots) is completed with the files it lacks
+    (:func:`ckptstore.node_fill.fill`) instead of fetched whole.
 
     Returns:
         Whether it was fetched.
@@ -105,10 +108,14 @@ def ensure_local(local: Storage, replica: Storage, step: int, *, replace: bool =
             does not verify (nothing local changed).
         OSError: the local disk refused it.
     """
-    if not replace and step in local.list_steps():
+    here = step in local.list_steps()
+    if not replace and here:
         return False
     try:
-        fetch_step(replica, local, step, replace=replace and step in local.list_steps())
+        # A node's partial copy (node-local roots) takes only the files it lacks.
+        if here and node_fill.fill(local, replica, step) is not None:
+            return True
+        fetch_step(replica, local, step, replace=here)
     except NoCheckpointError as e:  # deleted there meanwhile: this step is not to be had
         raise IntegrityError(f"step {step} is in neither tier any more: {e}") from e
     return True

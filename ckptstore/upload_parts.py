@@ -38,7 +38,7 @@ from .manifest import FileEntry, Manifest
 from .nodes import ranks_with_files
 from .storage import Pending, Storage
 
-__all__ = ["clean", "files_of", "is_per_rank", "upload_part"]
+__all__ = ["clean", "files_of", "held", "is_per_rank", "upload_part"]
 
 _DONE_RE = re.compile(r"upload\.rank([0-9]{5,})\.([0-9a-f]{32})\.done")
 _TMP_STEP_RE = re.compile(r"\.(?:tmp|trash)-step-([0-9]+)-")
@@ -191,21 +191,41 @@ def clean(replica: Storage) -> list[str]:
 
     The rule when several uploaders share a prefix (see the module docstring): a pending
     step at or above the newest committed step may still be finished by the ranks'
-    uploaders, so it stays.
+    uploaders, so it stays (:func:`held` names those).
     """
-    steps, garbage = replica.scan()
-    newest = steps[-1] if steps else None
+    older, _ = _pending(replica)
     removed = []
-    for name in garbage:
-        s = parse_step_dirname(name)
-        if s is None and is_garbage_name(name):
-            m = _TMP_STEP_RE.match(name)
-            s = int(m.group(1)) if m else None
-        if s is None or newest is None or s >= newest:
-            continue
+    for name in older:
         try:
             replica._rmtree(name)
         except FileNotFoundError:
             continue
         removed.append(name)
     return removed
+
+
+def held(replica: Storage) -> list[str]:
+    """The pending entries :func:`clean` keeps: at or above the newest committed step.
+
+    An uploader may still be writing them (or finish them after a restart); with no step
+    committed yet, every pending entry is one of those.
+    """
+    return _pending(replica)[1]
+
+
+def _pending(replica: Storage) -> tuple[list[str], list[str]]:
+    """The garbage names of ``replica``: (older than the newest committed step, the rest)."""
+    steps, garbage = replica.scan()
+    newest = steps[-1] if steps else None
+    older: list[str] = []
+    rest: list[str] = []
+    for name in garbage:
+        s = parse_step_dirname(name)
+        if s is None and is_garbage_name(name):
+            m = _TMP_STEP_RE.match(name)
+            s = int(m.group(1)) if m else None
+        if s is None or newest is None or s >= newest:
+            rest.append(name)
+        else:
+            older.append(name)
+    return older, rest

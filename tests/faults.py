@@ -15,6 +15,10 @@ makes the k-th one write half of what it was given and return that count, as ``w
 does when a disk fills up or a signal arrives: the code above must write the rest or fail,
 and never commit a truncated file.
 
+``op``/``target`` narrow what is counted: only operations of that name (``"_rename"``) and
+whose target contains that text (a file name), so a test can fail "the first write of
+``state.json``" on one rank without counting everything else that rank does.
+
 Queries (``_list``, ``_exists``, ``_is_regular_file``, ``_size``) are not injected.
 """
 
@@ -77,10 +81,19 @@ class Op:
 class Injector:
     """Counts operations; fails the ``fail_at``-th one with ``kind``."""
 
-    def __init__(self, fail_at: int | None = None, kind: str = "EIO") -> None:
+    def __init__(
+        self,
+        fail_at: int | None = None,
+        kind: str = "EIO",
+        *,
+        op: str | None = None,
+        target: str | None = None,
+    ) -> None:
         if kind not in KINDS:
             raise ValueError(f"unknown fault kind {kind!r}")
         self.fail_at = fail_at
+        self.op = op
+        self.target = target
         self.kind = kind
         self.writes_only = kind == "short"
         self.ops: list[Op] = []
@@ -94,6 +107,10 @@ class Injector:
     def hit(self, name: str, target: str, *, write: bool = False) -> bool:
         """Count one operation; raise if it is the chosen one. True: make this write short."""
         if self.writes_only and not write:
+            return False
+        if (self.op is not None and name != self.op) or (
+            self.target is not None and self.target not in target
+        ):
             return False
         with self._lock:
             op = Op(len(self.ops) + 1, name, target, threading.current_thread().name)

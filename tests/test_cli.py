@@ -983,3 +983,12 @@ def test_export_hf_usage_errors(store: Path, tmp_path: Path, argv: list[str], ca
     assert out == ""
     assert "usage: ckptstore export" in err
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_ls_ranks_text_collapses_runs() -> None:
+    from ckptstore.cli.ls import ranks_text
+
+    assert ranks_text([1, 0], 4) == "ranks 0-1 of 4"
+    assert ranks_text([0, 2, 3, 5], 8) == "ranks 0,2-3,5 of 8"
+    assert ranks_text([3], 4) == "ranks 3 of 4"
+    assert ranks_text([], 2) == "ranks none of 2"

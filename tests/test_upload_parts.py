@@ -128,3 +128,46 @@ def test_clean_keeps_pending_steps_that_may_still_finish(tmp_path: Path, replica
     again.close()
     assert replica.list_steps() == [2, 3]
     assert verify_checkpoint(replica, 3).ok
+
+
+def test_cli_gc_keeps_pending_steps_an_upload_may_finish(
+    tmp_path: Path, s3: S3Endpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """``ckptstore gc URL`` on a replica a job uploads to, rank by rank: it removes only the
+    pending step older than the newest committed one (as the uploaders' own cleanup), keeps
+    the newer one, which the job's uploader then completes; ``--pending`` removes what it
+    names."""
+    from ckptstore.cli import main
+
+    url = s3.url(s3.unique_prefix("gc"))
+    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    replica.check_root(create=True)
+    local = open_storage(tmp_path / "local")
+    manifests = {s: sharded_step(local, s) for s in (1, 2, 3, 4)}
+    up0, up1 = uploaders(local, replica)
+    up1.upload_step(1)  # rank 0 never uploads step 1
+    up1.upload_step(2)
+    up0.upload_step(2)  # committed
+    up1.upload_step(3)  # rank 0's part of step 3 is still to come
+    assert replica.list_steps() == [2]
+
+    assert main(["gc", url, *s3.cli_options]) == 0
+    out = capsys.readouterr().out.splitlines()
+    assert out[0] == f"removed {step_dirname(1)}"
+    assert out[1].startswith(f"kept {step_dirname(3)}: pending at or above the newest")
+    assert len(out) == 2
+    assert replica._list(step_dirname(1)) == []
+    done3 = upload_parts.done_name(1, manifests[3])
+    assert done3 in replica._list(step_dirname(3))
+    # The job goes on: rank 0's uploader completes step 3 with rank 1's kept part.
+    assert up0.upload_step(3)
+    assert replica.list_steps() == [2, 3]
+    assert verify_checkpoint(replica, 3).ok
+
+    up1.upload_step(4)
+    assert main(["gc", "--json", url, *s3.cli_options]) == 0
+    assert json.loads(capsys.readouterr().out) == {"removed": [], "kept": [step_dirname(4)]}
+    assert main(["gc", "--pending", url, *s3.cli_options]) == 0
+    assert capsys.readouterr().out == f"removed {step_dirname(4)}\n"
+    assert replica._list(step_dirname(4)) == []
+    assert replica.list_steps() == [2, 3]

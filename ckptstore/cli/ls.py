@@ -56,18 +56,44 @@ def _tiers_text(s: StepInfo) -> str:
     return "local+replica" if s.uploaded else "local (uploading)"
 
 
+def ranks_text(ranks: list[int], world: int) -> str:
+    """``ranks 0-1 of 4``: the ranks of a node's partial copy, runs collapsed."""
+    runs: list[str] = []
+    start = prev = None
+    for r in [*sorted(ranks), None]:
+        if r is not None and prev is not None and r == prev + 1:
+            prev = r
+            continue
+        if start is not None:
+            runs.append(str(start) if start == prev else f"{start}-{prev}")
+        start = prev = r
+    return f"ranks {','.join(runs) or 'none'} of {world}"
+
+
 def print_listing(res: StoreListing) -> None:
-    """The steps of one store as an aligned table, then its stale entries."""
+    """The steps of one store as an aligned table, then its stale entries.
+
+    A ``here`` column appears when some step is a node's partial copy (node-local roots).
+    """
     if not res.steps:
         print(f"{res.root}: no checkpoints")
     else:
         tiers = res.replica is not None
+        partial = [s for s in res.steps if s.partial and s.manifest is not None]
         rows = [
             ["step", "created (UTC)", "size", "files", "world", "sharding", "metrics", "pinned"]
+            + (["here"] if partial else [])
             + (["tiers"] if tiers else [])
         ]
         for s in res.steps:
             where = [_tiers_text(s)] if tiers else []
+            if partial:
+                here = "all ranks"
+                if s.manifest is None:
+                    here = "-"
+                elif s.local_ranks is not None:
+                    here = ranks_text(s.local_ranks, s.manifest.world_size)
+                where.insert(0, here)
             if s.manifest is None and s.error is None:  # only on the replica
                 rows.append([str(s.step), "-", "-", "-", "-", "-", "", "", *where])
                 continue
@@ -93,6 +119,12 @@ def print_listing(res: StoreListing) -> None:
         print(table(rows, right=(0, 2, 3, 4)))
         total = sum(s.manifest.total_bytes for s in res.steps if s.manifest)
         print(f"{plural(len(res.steps), 'checkpoint')}, {human_bytes(total)}")
+        if partial:
+            verb = "holds" if len(partial) == 1 else "hold"
+            print(
+                f"{plural(len(partial), 'step')} {verb} only some ranks' files here (node-local "
+                "roots: the other ranks' files are on the other nodes' disks, or the replica)"
+            )
         if tiers:
             print(f"replica: {res.replica}")
     if res.garbage:

@@ -375,6 +375,10 @@ class Storage(abc.ABC):
         """Swap two directories atomically; ``NotImplementedError`` where impossible."""
         raise NotImplementedError
 
+    def _link(self, src: str, dst: str) -> None:
+        """Give the committed file ``src`` a second name ``dst`` (a copy where no links)."""
+        self._copy(src, dst)
+
     def _copy(self, src: str, dst: str) -> None:
         """Copy one file durably (object stores: server-side where they can)."""
         with self._open_read(src) as f:
@@ -766,17 +770,46 @@ class Storage(abc.ABC):
         last; on a POSIX filesystem the directory is then fsynced, renamed into place and
         the root fsynced, so after a crash the step is either fully there or absent.
         """
-        final = step_dirname(pending.step)
         body = manifest.to_bytes()
         if not self.atomic_rename and pending.replace:
             self._replace_by_copy(pending, body)
             return
-        self._put_small(f"{pending.dirname}/{MANIFEST_NAME}", body)
         if not self.atomic_rename:
+            self._put_small(f"{pending.dirname}/{MANIFEST_NAME}", body)
             return  # the manifest put was the commit
+        self.prepare(pending, manifest)
+        self.publish(pending)
+
+    def prepare(self, pending: Pending, manifest: Manifest) -> None:
+        """The first half of :meth:`commit` on a store with rename: nothing becomes visible.
+
+        The manifest is written into the tmp directory and the directory fsynced, so what
+        :meth:`publish` renames into place is durable. Between the two the step is still
+        invisible (a ``.tmp-`` directory: :meth:`abort` or ``gc`` removes it). Node-local
+        roots use the split so that no node publishes before every node has prepared.
+
+        Raises:
+            ValueError: the store has no atomic rename (its manifest put is the commit).
+            OSError: writing the manifest or the fsync failed.
+        """
+        if not self.atomic_rename:
+            raise ValueError(f"{self.root}: a store without rename cannot prepare a commit")
+        self._put_small(f"{pending.dirname}/{MANIFEST_NAME}", manifest.to_bytes())
         # fsync the tmp directory so its entries (payloads, manifest) survive power loss
         # before the rename publishes them.
         self._fsync_dir(pending.dirname)
+
+    def publish(self, pending: Pending) -> None:
+        """The second half of :meth:`commit`: rename the prepared ``pending`` into place.
+
+        On failure nothing of it is visible (a rename whose root fsync failed is taken back)
+        and ``pending`` is left for :meth:`abort`.
+
+        Raises:
+            StepExistsError: the step was committed concurrently.
+            OSError: the rename or the root's fsync failed.
+        """
+        final = step_dirname(pending.step)
         if self._exists(final):
             if self._exists(f"{final}/{MANIFEST_NAME}"):
                 if not pending.replace:

@@ -258,6 +258,16 @@ class LocalStorage(Storage):
         # under the writer lock.
         os.rename(self._p(src), self._p(dst))
 
+    def _link(self, src: str, dst: str) -> None:
+        # A hard link: committed files are never written again, so two names for one
+        # inode are two names for the same bytes. A filesystem without links copies.
+        try:
+            os.link(self._p(src), self._p(dst))
+        except OSError as e:
+            if e.errno not in (errno.EXDEV, errno.EPERM, errno.EMLINK, errno.ENOTSUP):
+                raise
+            self._copy(src, dst)
+
     def _exchange(self, a: str, b: str) -> None:
         # renameat2(RENAME_EXCHANGE): both names stay taken throughout, so replacing a
         # committed step has no moment without a step-N (ext4, xfs, btrfs, tmpfs; not NFS).

@@ -7,6 +7,8 @@ filesystem), and optionally ``url``/``options`` of a replica on moto's S3 server
 
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 import os
 from pathlib import Path
 from typing import Any
@@ -23,10 +25,9 @@ def _root(ctx: Ctx) -> Path:
     return ctx.workdir / ctx.args["roots"][ctx.rank]
 
 
-def _mgr(ctx: Ctx) -> CheckpointManager:
-    kw: dict[str, Any] = {}
+def _mgr(ctx: Ctx, **kw: Any) -> CheckpointManager:
     if ctx.args.get("url"):
-        kw = {"replica": ctx.args["url"], "replica_options": ctx.args["options"]}
+        kw.update(replica=ctx.args["url"], replica_options=ctx.args["options"])
     return CheckpointManager(_root(ctx), keep=None, barrier_timeout=30, **kw)
 
 
@@ -126,3 +127,133 @@ def _resume(ctx: Ctx, mgr: CheckpointManager) -> dict[str, Any]:
         out["plain_restored"] = mgr.restore(plain, step=ctx.args["plain_step"])
         out["plain"] = [plain["w"].tolist(), plain["step"]]
     return out
+
+
+def nodes_fault(ctx: Ctx) -> dict[str, Any]:
+    """Node 1's store fails in the commit of node-local FSDP2 saves; nothing may stay anywhere.
+
+    Step 1 commits. Step 2: rank 1's copy of rank 0's ``state.json`` hits a full disk while
+    its node prepares. Step 3: rank 1's rename into place fails, after node 0 renamed. Step
+    4 commits again. After each: the steps of this node, the tmp directories left, what a
+    fresh model restores; with a replica, what it holds once the uploads are done.
+    """
+    from tests.faults import Injector, injected
+
+    model, opt = _fsdp()
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
+    mgr = _mgr(ctx)
+    mgr.save(1, state)
+    out: dict[str, Any] = {"digests1": digests(model, opt)}
+    faults = {2: Injector(1, "ENOSPC", target="state.json"), 3: Injector(1, "EIO", op="_rename")}
+    for step, inj in faults.items():
+        train(model, opt, 1, seed=step)
+        state["step"] = step
+        with contextlib.ExitStack() as stack:
+            if ctx.rank == 1:
+                stack.enter_context(injected(inj))
+            res = outcome(lambda s=step: mgr.save(s, state) and None)
+        res["fired"] = str(inj.fired) if inj.fired else None
+        res["steps"] = mgr.steps()
+        res["tmp"] = sorted(n for n in os.listdir(_root(ctx)) if n.startswith(".tmp-"))
+        out[str(step)] = res
+    dist.barrier()
+    out["restored"] = _restore_fresh(mgr)
+    state["step"] = 4
+    mgr.save(4, state)
+    out["digests4"] = digests(model, opt)
+    out["steps4"] = mgr.steps()
+    if mgr.replica is not None:
+        mgr.wait()
+        dist.barrier()
+        assert mgr.replica_storage is not None
+        out["replica_steps"] = mgr.replica_storage.list_steps()
+    mgr.close()
+    return out
+
+
+def _restore_fresh(mgr: CheckpointManager) -> list[Any]:
+    """Restore the newest step into a fresh FSDP2 model: ``[step, digests]``."""
+    model = make_net(seed=99)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
+    step = mgr.restore(state)
+    return [step, state["step"], digests(model, opt)]
+
+
+def nodes_shared(ctx: Ctx) -> dict[str, Any]:
+    """Several ranks per node: an FSDP2 save, what each node holds, verify, a restore.
+
+    ``roots`` names a directory per rank; ranks giving the same name share that "node".
+    """
+    model, opt = _fsdp()
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
+    mgr = _mgr(ctx)
+    out: dict[str, Any] = {"split": mgr._split, "peers": mgr._peers}
+    mgr.save(1, state)
+    out["digests"] = digests(model, opt)
+    dist.barrier()  # every node committed before any lists its files
+    out["files"] = _step_files(_root(ctx), 1)
+    rep = mgr.verify(1)
+    out["verify"] = {"ok": rep.ok, "problems": rep.problems, "elsewhere": rep.elsewhere}
+    out["restored"] = _restore_fresh(mgr)
+    if mgr.replica is not None:
+        mgr.wait()
+        out["parts"] = {str(k): v for k, v in mgr.replica.parts.items()}
+    mgr.close()
+    return out
+
+
+def nodes_async(ctx: Ctx) -> dict[str, Any]:
+    """Async FSDP2 saves on node-local roots: two that commit, one whose node 1 runs out of
+    disk while preparing its copy (in the background), one after it."""
+    from tests.faults import Injector, injected
+
+    model, opt = _fsdp()
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
+    mgr = _mgr(ctx, async_save=True)
+    out: dict[str, Any] = {}
+    mgr.save(1, state).wait()
+    train(model, opt, 1, seed=2)
+    state["step"] = 2
+    handle = mgr.save(2, state)
+    out["digests2"] = digests(model, opt)
+    train(model, opt, 1, seed=3)  # while step 2 is written: the staged copy is saved
+    handle.wait()
+    out["steps2"] = mgr.steps()
+    out["files2"] = _step_files(_root(ctx), 2)
+    inj = Injector(1, "ENOSPC", target="state.json")
+    with contextlib.ExitStack() as stack:
+        if ctx.rank == 1:
+            stack.enter_context(injected(inj))
+        state["step"] = 3
+        handle = mgr.save(3, state)
+        out["failed3"] = outcome(lambda: handle.wait() and None)
+    out["steps3"] = mgr.steps()
+    out["tmp3"] = sorted(n for n in os.listdir(_root(ctx)) if n.startswith(".tmp-"))
+    state["step"] = 4
+    mgr.save(4, state).wait()
+    out["digests4"] = digests(model, opt)
+    mgr.wait()
+    out["steps4"] = mgr.steps()
+    dist.barrier()
+    out["restored"] = _restore_fresh(mgr)
+    restore2 = make_net(seed=7)
+    shard(restore2)
+    opt2 = torch.optim.AdamW(restore2.parameters(), lr=1e-2)
+    mgr.restore({"model": restore2, "optimizer": opt2, "step": 0}, step=2)
+    out["restored2"] = digests(restore2, opt2)
+    if mgr.replica is not None:
+        assert mgr.replica_storage is not None
+        dist.barrier()
+        out["replica_steps"] = mgr.replica_storage.list_steps()
+    mgr.close()
+    return out
+
+
+def nodes_commits(ctx: Ctx) -> dict[str, Any]:
+    """:func:`nodes_fault`, then :func:`nodes_async` on other roots and another replica
+    prefix (``async_roots``, ``async_url``): one launch for both."""
+    sync = nodes_fault(ctx)
+    args = {**ctx.args, "roots": ctx.args["async_roots"], "url": ctx.args["async_url"]}
+    return {"sync": sync, "async": nodes_async(dataclasses.replace(ctx, args=args))}

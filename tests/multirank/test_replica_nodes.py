@@ -12,19 +12,25 @@ three launches: each launch costs seconds of process start on a 2-core host.
 from __future__ import annotations
 
 import json
+import logging
 import shutil
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
 
 from ckptstore import CheckpointManager
+from ckptstore.cli import main
 from ckptstore.errors import IntegrityError
 from ckptstore.storage import open_storage
 from ckptstore.verify import verify_checkpoint
+from tests.faults import Injector, injected
 from tests.multirank.dtensor_scenarios import digests, make_net
 from tests.multirank.launch import describe, launch
+
+if TYPE_CHECKING:
+    from s3server import S3Endpoint
 
 NODES = {"roots": ["node0", "node1"]}
 SHARDS = ["_shards.rank00000.safetensors", "_shards.rank00001.safetensors"]
@@ -44,7 +50,9 @@ def _plain_restore(mgr: CheckpointManager) -> tuple[int, dict[str, str]]:
 
 
 @pytest.mark.timeout(300)
-def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(tmp_path: Path) -> None:
+def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
     pytest.importorskip("s3fs")
     pytest.importorskip("moto.server")
     from s3server import s3_server
@@ -123,6 +131,36 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(tmp_path:
         assert replica.list_steps() == [1, 2, 3]
         assert verify_checkpoint(replica, 3).ok
 
+        # Node 0's partial copy read whole by one process: only rank 1's shard comes from
+        # the replica (every read of the replica is counted), checked, linked in beside
+        # node 0's own files; the step is then complete on this disk.
+        shutil.copytree(tmp_path / "node0", tmp_path / "fill0")
+        filled = tmp_path / "fill0" / "step-000000000003"
+        inode = (filled / SHARDS[0]).stat().st_ino
+        counted = Injector(op="_stream", target=replica.root)
+        caplog.set_level(logging.INFO, logger="ckptstore")
+        with CheckpointManager(tmp_path / "fill0", replica=url, replica_options=opts) as mgr:
+            ep.requests.clear()
+            with injected(counted):
+                assert _plain_restore(mgr) == (3, saved[0]["digests3"])
+            streamed = [op.target.rsplit("/", 1)[1] for op in counted.ops]
+            assert streamed == [SHARDS[1]]
+            # The server's side: the objects of step 3 it served (GET), the manifest aside.
+            served = {
+                r.path.rsplit("/", 1)[1]
+                for r in ep.requests()
+                if r.method == "GET" and "/step-000000000003/" in r.path
+            }
+            assert served - {"manifest.json"} == {SHARDS[1]}
+            entry = mgr.manifest(3).files[SHARDS[1]]
+            assert f"({1} file(s), {entry.bytes} bytes)" in caplog.text
+            assert "fetched rank(s) [1]'s files" in caplog.text
+            report = mgr.verify(3)
+            assert (report.ok, report.elsewhere) == (True, [])
+        assert not (filled / "local-ranks").exists()
+        assert (filled / SHARDS[0]).stat().st_ino == inode  # kept (linked), not fetched
+        assert (filled / SHARDS[1]).stat().st_size == entry.bytes
+
         # A third node with an empty disk: one process, a plain model, the full tensors.
         with CheckpointManager(tmp_path / "node2", replica=url, replica_options=opts) as mgr:
             assert _plain_restore(mgr) == (3, saved[0]["digests3"])
@@ -134,3 +172,131 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(tmp_path:
             assert (v["next"], v["step"], v["split"]) == (4, 3, True)
             assert v["digests"] == saved[0]["digests3"]
             assert v["local_steps"] == [3]
+
+
+@pytest.mark.timeout(240)
+def test_a_node_failing_its_commit_leaves_the_step_on_no_node(
+    tmp_path: Path, s3: S3Endpoint
+) -> None:
+    """Two-phase commit of node-local copies: a full disk while node 1 prepares aborts
+    every node's copy; node 1's rename failing makes node 0 take its renamed copy back.
+    Either way the previous step stays the newest everywhere, restores on both ranks, and
+    never reaches the replica (the uploader only learns of a step once every node has it).
+
+    The same launch then runs ``async_save=True`` with DTensor state on 2 other roots: the
+    background commit makes each node's copy (the staged state, not what training changed
+    since), a full disk on node 1 in the background prepare fails the save on both ranks
+    with nothing visible, the next one commits, and every committed step restores and
+    reaches the replica.
+    """
+    url = s3.url(s3.unique_prefix("fault"))
+    args = {**NODES, "url": url, "options": s3.storage_options}
+    args.update(async_roots=["async0", "async1"], async_url=s3.url(s3.unique_prefix("async")))
+    both = values(launch("node_scenarios:nodes_commits", 2, tmp_path, timeout=200, args=args))
+    got = [b["sync"] for b in both]
+    for rank, v in enumerate(got):
+        two, three = v["2"], v["3"]
+        assert not two["ok"]
+        assert two["error_type"] == "CommitError"
+        assert "aborted on every node" in two["message"]
+        assert "rank(s) 1 " in two["message"]
+        assert "disk is full" in two["message"]
+        assert "step 1 is still the newest" in two["message"]
+        assert not three["ok"]
+        assert three["error_type"] == "CommitError"
+        assert "rolled back on every node" in three["message"]
+        assert "rank(s) 1 " in three["message"]
+        for res in (two, three):
+            assert res["steps"] == [1]  # on this rank's node
+            assert res["tmp"] == []
+        if rank == 1:
+            assert "state.json" in two["fired"]
+            assert "_rename" in three["fired"]
+            assert ".tmp-step-000000000003" in three["fired"]
+        else:
+            assert two["fired"] is None
+            assert three["fired"] is None
+        assert v["restored"] == [1, 1, got[0]["digests1"]]
+        assert v["steps4"] == [1, 4]
+        assert v["digests4"] == got[0]["digests4"]
+        assert v["replica_steps"] == [1, 4]
+
+    got = [b["async"] for b in both]
+    for rank, v in enumerate(got):
+        assert v["steps2"] == [1, 2]
+        assert SHARDS[rank] in v["files2"]
+        assert SHARDS[1 - rank] not in v["files2"]
+        assert "local-ranks" in v["files2"]
+        failed = v["failed3"]
+        assert not failed["ok"]
+        assert "aborted on every node" in failed["message"]
+        assert "rank(s) 1 " in failed["message"]
+        assert "disk is full" in failed["message"]
+        assert v["steps3"] == [1, 2]
+        assert v["tmp3"] == []
+        assert v["steps4"] == [1, 2, 4]
+        assert v["restored"] == [4, 4, got[0]["digests4"]]
+        assert v["restored2"] == got[0]["digests2"]
+        assert v["replica_steps"] == [1, 2, 4]
+
+
+@pytest.mark.timeout(240)
+def test_two_ranks_per_node_on_two_nodes(
+    tmp_path: Path, s3: S3Endpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """4 ranks, 2 node-local roots (ranks 0,1 share A; 2,3 share B), one FSDP2 save: each
+    node holds its two ranks' shards, verify names the other node's ranks, each rank
+    restores bit-exactly from its node, and a third empty "node" restores from the replica.
+    """
+    shards = [f"_shards.rank{r:05d}.safetensors" for r in range(4)]
+    url = s3.url(s3.unique_prefix("four"))
+    args = {"roots": ["nodeA", "nodeA", "nodeB", "nodeB"], "url": url}
+    args["options"] = s3.storage_options
+    got = values(launch("node_scenarios:nodes_shared", 4, tmp_path, timeout=200, args=args))
+    want = got[0]["digests"]
+    for rank, v in enumerate(got):
+        node = [0, 1] if rank < 2 else [2, 3]
+        other = [2, 3] if rank < 2 else [0, 1]
+        assert (v["split"], v["peers"]) == (True, node)
+        assert v["digests"] == want
+        for r in node:
+            assert shards[r] in v["files"]
+        for r in other:
+            assert shards[r] not in v["files"]
+        assert {"model.safetensors", "state.json", "manifest.json", "local-ranks"} <= set(
+            v["files"]
+        )
+        assert v["verify"] == {"ok": True, "problems": [], "elsewhere": other}
+        assert v["restored"] == [1, 1, want]
+        # Each rank uploaded its own shard (rank 0 also the files of no rank).
+        part = v["parts"]["1"]
+        assert [n for n in part if n.startswith("_shards.")] == [shards[rank]]
+        assert ("state.json" in part) == (rank == 0)
+    marker = json.loads((tmp_path / "nodeB" / "step-000000000001" / "local-ranks").read_text())
+    assert marker == {"ranks": [2, 3], "world_size": 4}
+
+    opts = {**s3.storage_options, "skip_instance_cache": True}
+    with CheckpointManager(tmp_path / "nodeC", replica=url, replica_options=opts) as mgr:
+        assert _plain_restore(mgr) == (1, want)
+
+    # `ckptstore ls` flags a node's partial copy; nodeC's (fetched whole) is not partial.
+    for node, here in (("nodeA", "ranks 0-1 of 4"), ("nodeB", "ranks 2-3 of 4")):
+        assert main(["ls", str(tmp_path / node)]) == 0
+        out = capsys.readouterr().out
+        header, row = out.splitlines()[:2]
+        assert header.split()[-3:] == ["pinned", "here", "tiers"]
+        # Every node records its replica (not only the one whose uploader put the manifest);
+        # a node learns that the step is complete there only from a later listing of it.
+        assert row.endswith(("local+replica", "local (uploading)"))
+        assert row.split()[0] == "1"
+        assert here in row
+        assert "1 step holds only some ranks' files here (node-local roots" in out
+        assert main(["ls", "--json", str(tmp_path / node)]) == 0
+        (entry,) = json.loads(capsys.readouterr().out)
+        assert entry["local_ranks"] == ([0, 1] if node == "nodeA" else [2, 3])
+    assert main(["ls", str(tmp_path / "nodeC")]) == 0
+    out = capsys.readouterr().out
+    assert "here" not in out.splitlines()[0]
+    assert "ranks" not in out
+    assert main(["ls", "--json", str(tmp_path / "nodeC")]) == 0
+    assert json.loads(capsys.readouterr().out)[0]["local_ranks"] is None
