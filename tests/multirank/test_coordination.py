@@ -12,10 +12,11 @@ from pathlib import Path
 import pytest
 
 from tests.multirank.launch import describe, launch
+from tests.timing import healthy
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 4.0  # barrier_timeout of the scenarios where a rank is missing
-SLACK = 6.0
+SLACK = healthy(2.5)
 #: barrier_timeout where every rank is there and must fail fast: an error that arrives only
 #: after it (a rank that waited it out) fails "< PROMPT"; the margin absorbs a loaded host.
 LONG = 30.0

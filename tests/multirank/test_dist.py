@@ -10,10 +10,11 @@ import torch
 from ckptstore import CheckpointManager
 from ckptstore.errors import StateMismatchError
 from tests.multirank.launch import describe, launch
+from tests.timing import healthy
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 3.0  # barrier_timeout of the failure scenarios
-SLACK = 8.0  # "within barrier_timeout plus a few seconds"
+SLACK = healthy(2.5)  # "within barrier_timeout plus a few seconds" (of a busy host)
 
 
 def values(results):
@@ -99,7 +100,7 @@ def test_rank_exits_in_the_middle_of_the_commit(tmp_path):
     assert v["error_type"] == "BarrierTimeout", describe(res)
     assert v["missing_ranks"] == [1]
     assert v["phase"] == "save:write"
-    assert v["seconds"] < 2.0 + TIMEOUT + SLACK
+    assert v["seconds"] < TIMEOUT + SLACK
     assert_previous_is_newest(tmp_path / "store", 1)
 
 

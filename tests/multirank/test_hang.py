@@ -7,9 +7,10 @@ from pathlib import Path
 import pytest
 
 from tests.multirank.launch import describe, launch
+from tests.timing import healthy
 
 TIMEOUT = 3.0
-SLACK = 5.0
+SLACK = healthy(2.5)
 
 
 @pytest.mark.timeout(120)
