@@ -249,6 +249,24 @@ def launch(
     return results
 
 
+def values(results: list[RankResult]) -> list[Any]:
+    """What each rank's scenario returned (by rank); fails, with every rank's log, unless all
+    of them returned."""
+    assert all(r.ok for r in results), describe(results)
+    return [r.value for r in results]
+
+
+def timeouts_naming(results: list[RankResult], missing: int) -> list[Any]:
+    """What the survivors of rank ``missing`` returned (by rank): each a ``BarrierTimeout``
+    outcome (``scenarios.outcome``) that names that rank alone; fails otherwise."""
+    survivors = [r for r in results if r.rank != missing]
+    for r in survivors:
+        assert r.ok, describe(results)
+        assert r.value["error_type"] == "BarrierTimeout", describe(results)
+        assert r.value["missing_ranks"] == [missing], describe(results)
+    return [r.value for r in survivors]
+
+
 def describe(results: list[RankResult]) -> str:
     """Everything about a run, for assertion messages."""
     return "\n".join(

@@ -56,31 +56,39 @@ def digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
-def train_steps(model: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int) -> None:
+def train_steps(
+    model: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int, batch: tuple[int, int] = (4, 8)
+) -> None:
+    """``n`` optimizer steps on random inputs of shape ``batch`` drawn from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
-        x = torch.randn(4, 8, generator=g)
+        x = torch.randn(*batch, generator=g)
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
 
 
+def failure(e: BaseException) -> dict[str, Any]:
+    """An exception as JSON: its type and message, and ``BarrierTimeout``'s attributes."""
+    return {
+        "ok": False,
+        "error_type": type(e).__name__,
+        "message": str(e),
+        "missing_ranks": list(getattr(e, "missing_ranks", []) or []),
+        "phase": getattr(e, "phase", None),
+        "step": getattr(e, "step", None),
+    }
+
+
 def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    """``fn()``'s value or its exception (:func:`failure`), and how long it took."""
     t0 = time.monotonic()
     try:
         value = fn()
         return {"ok": True, "value": value, "seconds": time.monotonic() - t0}
     except Exception as e:
-        return {
-            "ok": False,
-            "error_type": type(e).__name__,
-            "message": str(e),
-            "missing_ranks": list(getattr(e, "missing_ranks", []) or []),
-            "phase": getattr(e, "phase", None),
-            "step": getattr(e, "step", None),
-            "seconds": time.monotonic() - t0,
-        }
+        return {**failure(e), "seconds": time.monotonic() - t0}
 
 
 def step1_then_manager(ctx: Ctx, model: nn.Module, **kw: Any) -> CheckpointManager:
@@ -502,8 +510,8 @@ def rng_save(ctx: Ctx) -> dict[str, Any]:
     return {"draws": _draws()}
 
 
-def rng_sharded(ctx: Ctx) -> dict[str, Any]:
-    """A sharded save keeps each rank's stream in its own file: each gets its own back."""
+def ckptstore_warnings() -> list[str]:
+    """A list that receives the message of every warning (or worse) ckptstore logs from now."""
     import logging
 
     seen: list[str] = []
@@ -514,6 +522,12 @@ def rng_sharded(ctx: Ctx) -> dict[str, Any]:
                 seen.append(record.getMessage())
 
     logging.getLogger("ckptstore").addHandler(Keep())
+    return seen
+
+
+def rng_sharded(ctx: Ctx) -> dict[str, Any]:
+    """A sharded save keeps each rank's stream in its own file: each gets its own back."""
+    seen = ckptstore_warnings()
     _seed_all(100 + ctx.rank)
     with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
         mgr.save(1, {"rng": RNGState()}, sharded=True)
@@ -525,16 +539,7 @@ def rng_sharded(ctx: Ctx) -> dict[str, Any]:
 
 def rng_restore(ctx: Ctx) -> dict[str, Any]:
     """Restore on more ranks than saved: plain, then with derive_missing (twice)."""
-    import logging
-
-    seen: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.WARNING:
-                seen.append(record.getMessage())
-
-    logging.getLogger("ckptstore").addHandler(Keep())
+    seen = ckptstore_warnings()
     out: dict[str, Any] = {}
     with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
         for name, derive in (("plain", False), ("derived", True), ("again", True)):

@@ -76,14 +76,7 @@ def main() -> None:
         data = {"ok": True, "value": value}
     except BaseException as e:
         traceback.print_exc()
-        data = {
-            "ok": False,
-            "error_type": type(e).__name__,
-            "message": str(e),
-            "missing_ranks": list(getattr(e, "missing_ranks", []) or []),
-            "phase": getattr(e, "phase", None),
-            "step": getattr(e, "step", None),
-        }
+        data = scenarios.failure(e)
     data["elapsed"] = time.monotonic() - t0
     tmp = out.with_suffix(".tmp")
     tmp.write_text(json.dumps(data))
