@@ -20,7 +20,7 @@ from torch import nn
 
 from ckptstore import CheckpointManager, RNGState
 from ckptstore.sharding import is_dtensor, named_optimizer_state
-from tests.multirank.scenarios import Ctx, outcome, train_steps
+from tests.multirank.scenarios import Ctx, outcome, step1_then_manager, train_steps
 
 
 class Net(nn.Module):
@@ -253,8 +253,7 @@ def fsdp_die_in_save(ctx: Ctx) -> dict[str, Any]:
     state = {"model": model, "optimizer": opt}
     victim = ctx.args["victim"]
     phase = ctx.args["phase"]
-    mgr = _mgr(ctx)
-    mgr.save(1, state)
+    mgr = step1_then_manager(ctx, state)
     if ctx.rank == victim:
         import ckptstore.sharding as sh
 

@@ -91,15 +91,16 @@ def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
         return {**failure(e), "seconds": time.monotonic() - t0}
 
 
-def step1_then_manager(ctx: Ctx, model: nn.Module, **kw: Any) -> CheckpointManager:
-    """Step 1 saved by every rank with :data:`HEALTHY` waits, then the manager under test.
+def step1_then_manager(ctx: Ctx, state: dict[str, Any], **kw: Any) -> CheckpointManager:
+    """``state`` saved as step 1 by every rank with :data:`HEALTHY` waits, then the manager
+    under test (``kw``: its other arguments).
 
     The returned manager's ``barrier_timeout`` is the scenario's short ``timeout``: the wait
     that must run out when a rank is missing. The healthy save before it must not fail only
     because a busy host made one rank slower than that.
     """
     with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as setup:
-        setup.save(1, {"model": model})
+        setup.save(1, state)
     # Constructing the manager waits for every rank, with the short timeout: start together.
     dist.barrier()
     return CheckpointManager(ctx.root, barrier_timeout=float(ctx.args["timeout"]), **kw)
@@ -153,7 +154,7 @@ def replicated(ctx: Ctx) -> dict[str, Any]:
 
 def save_on_rank0_only(ctx: Ctx) -> dict[str, Any]:
     model = make_model()
-    mgr = step1_then_manager(ctx, model)
+    mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == 0:
         return outcome(lambda: mgr.save(2, {"model": model}))  # the `if rank == 0` bug
     wait_for_outcomes(ctx, [0])  # alive, but never at the wait
@@ -185,7 +186,7 @@ def guardrails(ctx: Ctx) -> dict[str, Any]:
 
 def rank_exits_before_save(ctx: Ctx) -> dict[str, Any]:
     model = make_model()
-    mgr = step1_then_manager(ctx, model)
+    mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == 1:
         os._exit(3)
     return outcome(lambda: mgr.save(2, {"model": model}))
@@ -198,7 +199,7 @@ def rank_exits_mid_commit(ctx: Ctx) -> dict[str, Any]:
         pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
         os.replace(pid_file.with_suffix(".tmp"), pid_file)
     model = make_model()
-    mgr = step1_then_manager(ctx, model)
+    mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == 0:
         # Rank 0 starts writing step 2, then waits until the other rank is dead: it dies while
         # step 2 is being written, however slow the host.
@@ -478,7 +479,7 @@ def exporter_then_rank_dies(ctx: Ctx) -> dict[str, Any]:
     if ctx.rank == 0:
         with CheckpointManager(ctx.workdir / "export", distributed=False) as exporter:
             exporter.save(1, {"model": model})
-    mgr = step1_then_manager(ctx, model)
+    mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == 1:
         os._exit(3)
     return outcome(lambda: mgr.save(2, {"model": model}))
@@ -613,7 +614,7 @@ def rank_freezes_mid_exchange(ctx: Ctx) -> dict[str, Any]:
     from ckptstore.dist import Coordinator
 
     model = make_model()
-    mgr = step1_then_manager(ctx, model)
+    mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == ctx.world - 1:
         real = Coordinator.barrier
         me = os.getpid()

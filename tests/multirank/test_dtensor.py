@@ -21,10 +21,11 @@ from ckptstore.chunks import INDEX_FILE
 from ckptstore.errors import IntegrityError, StateMismatchError
 from tests.multirank.dtensor_scenarios import digests, make_net
 from tests.multirank.launch import describe, launch, timeouts_naming, values
+from tests.timing import healthy
 
 pytestmark = pytest.mark.timeout(240)
 TIMEOUT = 6.0  # barrier_timeout of the failure scenarios (ranks read and write for real)
-SLACK = 10.0
+SLACK = healthy(2.5)
 
 
 @pytest.fixture(scope="module")
