@@ -35,6 +35,37 @@ def step_dir(step: int) -> str:
     return f"step-{step:012d}"
 
 
+def step_path(root: Path, step: int) -> Path:
+    """The directory of a committed step in the local store at ``root``."""
+    return root / step_dir(step)
+
+
+def run_cli(capsys: Any, *argv: object) -> tuple[int, str, str]:
+    """Run ``ckptstore`` with ``argv`` (made strings) in this process: exit code, stdout, stderr.
+
+    ``capsys`` is pytest's fixture of the calling test.
+    """
+    from ckptstore.cli import main
+
+    rc = main([str(a) for a in argv])
+    out, err = capsys.readouterr()
+    return rc, out, err
+
+
+def _touch(path: str) -> None:
+    Path(path).write_text("code ran")
+
+
+class RunsCode:
+    """Unpickling this creates a file: the proof that a pickle was (or was not) executed."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[Any, ...]:
+        return (_touch, (self.path,))
+
+
 class TinyNet(nn.Module):
     """Two linear layers, a buffer and dropout: parameters, buffers and RNG use."""
 

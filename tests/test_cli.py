@@ -10,29 +10,20 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import run_cli, step_path
 from safetensors.torch import load_file
 from torch import nn
 
 from ckptstore import CheckpointManager
-from ckptstore.cli import human_bytes, main, parse_storage_options
+from ckptstore.cli import human_bytes, parse_storage_options
 from ckptstore.storage import wait_for_deletions
 
 REPO = Path(__file__).resolve().parents[1]
 
 
-def run(capsys: pytest.CaptureFixture[str], *argv: str) -> tuple[int, str, str]:
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
 def make_model(seed: int = 0) -> nn.Linear:
     torch.manual_seed(seed)
     return nn.Linear(4, 3)
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:012d}"
 
 
 def flip_last_byte(path: Path) -> None:
@@ -62,7 +53,7 @@ def store(tmp_path: Path) -> Path:
 
 
 def test_ls_table_orders_steps_numerically(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = run(capsys, "ls", store)
+    rc, out, err = run_cli(capsys, "ls", store)
     assert rc == 0, err
     lines = out.splitlines()
     assert lines[0].split() == [
@@ -92,7 +83,7 @@ def test_ls_table_orders_steps_numerically(store: Path, capsys: pytest.CaptureFi
 
 
 def test_ls_json(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run(capsys, "ls", store, "--json")
+    rc, out, _ = run_cli(capsys, "ls", store, "--json")
     assert rc == 0
     data = json.loads(out)
     assert [d["step"] for d in data] == [9, 10, 100]
@@ -109,14 +100,14 @@ def test_ls_json(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert first["sharding"] == "replicated"
     assert first["metrics"] == {"val_loss": pytest.approx(1 / 9)}
     payloads = [
-        f for f in step_dir(store, 9).iterdir() if f.name not in {"manifest.json", "pinned"}
+        f for f in step_path(store, 9).iterdir() if f.name not in {"manifest.json", "pinned"}
     ]
     sizes = sum(f.stat().st_size for f in payloads)
     assert first["bytes"] == sizes
     assert first["created"].endswith("Z")
     assert len(first["created"]) == 20
     # --json is also accepted before the command
-    rc2, out2, _ = run(capsys, "--json", "ls", store)
+    rc2, out2, _ = run_cli(capsys, "--json", "ls", store)
     assert rc2 == 0
     assert json.loads(out2) == data
 
@@ -124,29 +115,29 @@ def test_ls_json(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
 def test_ls_empty_and_missing(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    rc, out, _ = run(capsys, "ls", empty)
+    rc, out, _ = run_cli(capsys, "ls", empty)
     assert rc == 0
     assert "no checkpoints" in out
-    rc, out, _ = run(capsys, "ls", empty, "--json")
+    rc, out, _ = run_cli(capsys, "ls", empty, "--json")
     assert rc == 0
     assert json.loads(out) == []
-    rc, out, err = run(capsys, "ls", tmp_path / "nope")
+    rc, out, err = run_cli(capsys, "ls", tmp_path / "nope")
     assert rc == 1
     assert out == ""
     assert err == f"ckptstore: error: {tmp_path / 'nope'}: no such directory\n"
 
 
 def test_ls_lists_a_broken_manifest(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    manifest = step_dir(store, 10) / "manifest.json"
+    manifest = step_path(store, 10) / "manifest.json"
     manifest.write_text(manifest.read_text().replace('"world_size": 1', '"world_size": 2'))
-    rc, out, err = run(capsys, "ls", store)
+    rc, out, err = run_cli(capsys, "ls", store)
     assert rc == 1
     row = next(ln for ln in out.splitlines() if ln.split()[0] == "10")
     assert "BROKEN:" in row
     assert "self-checksum mismatch" in row
     assert [ln.split()[0] for ln in out.splitlines()[1:4]] == ["9", "10", "100"]
     assert "Traceback" not in err
-    data = json.loads(run(capsys, "ls", store, "--json")[1])
+    data = json.loads(run_cli(capsys, "ls", store, "--json")[1])
     assert data[1]["error"]
     assert data[1]["bytes"] is None
     assert data[0]["error"] is None
@@ -156,7 +147,7 @@ def test_ls_lists_a_broken_manifest(store: Path, capsys: pytest.CaptureFixture[s
 
 
 def test_verify_newest_ok(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = run(capsys, "verify", store)
+    rc, out, err = run_cli(capsys, "verify", store)
     assert rc == 0
     assert out.startswith("step 100: OK (3 files, ")
     assert "checked" in out
@@ -164,8 +155,8 @@ def test_verify_newest_ok(store: Path, capsys: pytest.CaptureFixture[str]) -> No
 
 
 def test_verify_detects_flipped_byte(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    flip_last_byte(step_dir(store, 100) / "model.safetensors")
-    rc, out, _ = run(capsys, "verify", store)
+    flip_last_byte(step_path(store, 100) / "model.safetensors")
+    rc, out, _ = run_cli(capsys, "verify", store)
     assert rc == 1
     lines = out.splitlines()
     assert lines[0] == "step 100: FAILED"
@@ -174,10 +165,10 @@ def test_verify_detects_flipped_byte(store: Path, capsys: pytest.CaptureFixture[
     assert "crc32c" in lines[1]
     assert "corrupt" in lines[1]
     # --quick checks sizes and headers only, so a flipped data byte goes unnoticed
-    rc, out, _ = run(capsys, "verify", store, "--quick")
+    rc, out, _ = run_cli(capsys, "verify", store, "--quick")
     assert rc == 0
     assert "quick" in out
-    rc, out, _ = run(capsys, "verify", store, "--json")
+    rc, out, _ = run_cli(capsys, "verify", store, "--json")
     assert rc == 1
     (report,) = json.loads(out)
     assert report["ok"] is False
@@ -186,38 +177,38 @@ def test_verify_detects_flipped_byte(store: Path, capsys: pytest.CaptureFixture[
 
 
 def test_verify_all_and_step(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = run(capsys, "verify", store, "--all")
+    rc, out, err = run_cli(capsys, "verify", store, "--all")
     assert rc == 0, out
     assert [ln.split(":")[0] for ln in out.splitlines()[:3]] == ["step 9", "step 10", "step 100"]
     assert out.splitlines()[-1] == "3 checkpoints verified, 0 failed"
     assert err == ""
-    (step_dir(store, 10) / "optimizer.safetensors").write_bytes(b"short")
-    rc, out, _ = run(capsys, "verify", store, "--all")
+    (step_path(store, 10) / "optimizer.safetensors").write_bytes(b"short")
+    rc, out, _ = run_cli(capsys, "verify", store, "--all")
     assert rc == 1
     assert "step 9: OK" in out
     assert "step 10: FAILED" in out
     assert "step 100: OK" in out
     assert "truncated or replaced" in out
-    assert run(capsys, "verify", store, "--step", "9")[0] == 0
-    rc, out, _ = run(capsys, "verify", store, "--step", "10", "--json")
+    assert run_cli(capsys, "verify", store, "--step", "9")[0] == 0
+    rc, out, _ = run_cli(capsys, "verify", store, "--step", "10", "--json")
     assert rc == 1
     assert json.loads(out)[0]["step"] == 10
     # a step directory given directly
-    rc, out, _ = run(capsys, "verify", step_dir(store, 9))
+    rc, out, _ = run_cli(capsys, "verify", step_path(store, 9))
     assert rc == 0
     assert out.startswith("step 9: OK")
 
 
 def test_progress_bar_only_on_a_terminal(store: Path, capsys, monkeypatch) -> None:
     monkeypatch.setattr(sys.stderr, "isatty", lambda: True)
-    rc, out, err = run(capsys, "verify", store, "--all", "--quick")
+    rc, out, err = run_cli(capsys, "verify", store, "--all", "--quick")
     assert rc == 0
     assert "verify" in err  # tqdm's bar, on stderr
     assert out.splitlines()[0].startswith("step 9: OK")  # stdout stays clean
 
 
 def test_verify_missing_step_and_empty(tmp_path: Path, store: Path, capsys) -> None:
-    rc, out, err = run(capsys, "verify", store, "--step", "5")
+    rc, out, err = run_cli(capsys, "verify", store, "--step", "5")
     assert rc == 1
     assert out == ""
     assert err.startswith("ckptstore: error: ")
@@ -226,7 +217,7 @@ def test_verify_missing_step_and_empty(tmp_path: Path, store: Path, capsys) -> N
     assert "Traceback" not in err
     empty = tmp_path / "empty"
     empty.mkdir()
-    rc, _, err = run(capsys, "verify", empty, "--all")
+    rc, _, err = run_cli(capsys, "verify", empty, "--all")
     assert rc == 1
     assert "no committed checkpoint" in err
 
@@ -234,22 +225,22 @@ def test_verify_missing_step_and_empty(tmp_path: Path, store: Path, capsys) -> N
 def test_verify_lone_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     pt = tmp_path / "plain.pt"
     torch.save({"model": make_model().state_dict(), "epoch": 3}, pt)
-    rc, out, _ = run(capsys, "verify", pt)
+    rc, out, _ = run_cli(capsys, "verify", pt)
     assert rc == 0
     assert out == f"{pt}: OK (1 file, {human_bytes(pt.stat().st_size)} checked)\n"
     truncated = tmp_path / "truncated.pt"
     truncated.write_bytes(pt.read_bytes()[:-100])
-    rc, out, _ = run(capsys, "verify", truncated)
+    rc, out, _ = run_cli(capsys, "verify", truncated)
     assert rc == 1
     assert out.splitlines()[0] == f"{truncated}: FAILED"
     assert "central directory" in out
     legacy = tmp_path / "legacy.pt"
     torch.save({"w": torch.zeros(2)}, legacy, _use_new_zipfile_serialization=False)
-    rc, out, _ = run(capsys, "verify", legacy)
+    rc, out, _ = run_cli(capsys, "verify", legacy)
     assert rc == 1
     assert "legacy (non-zip) torch.save format" in out
     # --step makes no sense for a file
-    rc, _, err = run(capsys, "verify", pt, "--step", "1")
+    rc, _, err = run_cli(capsys, "verify", pt, "--step", "1")
     assert rc == 2
     assert "apply to stores only" in err
 
@@ -258,13 +249,13 @@ def test_verify_lone_files(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_prune_dry_run_deletes_nothing(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run(capsys, "prune", store, "--keep-last", "1", "--dry-run")
+    rc, out, _ = run_cli(capsys, "prune", store, "--keep-last", "1", "--dry-run")
     assert rc == 0
     assert "would delete 1 step: 10" in out  # 9 is pinned, 100 is newest
     assert "would keep 2 steps: 9, 100" in out
     wait_for_deletions()
-    assert step_dir(store, 10).is_dir()
-    rc, out, _ = run(capsys, "prune", store, "--keep-last", "1", "--dry-run", "--json")
+    assert step_path(store, 10).is_dir()
+    rc, out, _ = run_cli(capsys, "prune", store, "--keep-last", "1", "--dry-run", "--json")
     assert json.loads(out) == {
         "root": str(store),
         "dry_run": True,
@@ -280,34 +271,34 @@ def test_prune_deletes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
         for s in range(1, 7):
             mgr.save(s, {"model": model}, metrics={"loss": [5, 1, 4, 3, 6, 7][s - 1]})
     argv = ["--keep-last", "2", "--keep-best", "1", "--metric", "loss", "--keep-every", "4"]
-    rc, out, _ = run(capsys, "prune", root, *argv, "--json")
+    rc, out, _ = run_cli(capsys, "prune", root, *argv, "--json")
     assert rc == 0
     res = json.loads(out)
     assert res["deleted"] == [1, 3]
     assert res["kept"] == [2, 4, 5, 6]  # best (2) | every 4 (4) | last two (5, 6)
     wait_for_deletions()
     assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
-        step_dir(root, s).name for s in (2, 4, 5, 6)
+        step_path(root, s).name for s in (2, 4, 5, 6)
     ]
     assert not any(p.name.startswith(".trash-") for p in root.iterdir())
-    rc, out, _ = run(capsys, "prune", root, "--keep-last", "1")
+    rc, out, _ = run_cli(capsys, "prune", root, "--keep-last", "1")
     assert rc == 0
     assert "deleted 3 steps: 2, 4, 5" in out
     assert "kept 1 step: 6" in out
     wait_for_deletions()
-    assert not step_dir(root, 2).exists()
-    assert step_dir(root, 6).is_dir()
+    assert not step_path(root, 2).exists()
+    assert step_path(root, 6).is_dir()
 
 
 def test_prune_refused_while_locked(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with CheckpointManager(store, keep=None) as writer:
         writer.save(101, {"x": torch.zeros(1)})  # takes and holds the writer lock
-        rc, out, err = run(capsys, "prune", store, "--keep-last", "1")
+        rc, out, err = run_cli(capsys, "prune", store, "--keep-last", "1")
     assert rc == 1
     assert out == ""
     assert err.startswith("ckptstore: error: ")
     assert "locked by another writer" in err
-    assert step_dir(store, 10).is_dir()
+    assert step_path(store, 10).is_dir()
 
 
 @pytest.mark.parametrize(
@@ -321,7 +312,7 @@ def test_prune_refused_while_locked(store: Path, capsys: pytest.CaptureFixture[s
     ],
 )
 def test_prune_usage_errors(store: Path, argv: list[str], capsys) -> None:
-    rc, out, err = run(capsys, *[a.format(root=store) for a in argv])
+    rc, out, err = run_cli(capsys, *[a.format(root=store) for a in argv])
     assert rc == 2
     assert out == ""
     assert "usage: ckptstore prune" in err
@@ -332,18 +323,18 @@ def test_gc_removes_stale_tmp(store: Path, capsys: pytest.CaptureFixture[str]) -
     stale = store / (".tmp-step-000000000005-" + "ab" * 16)
     stale.mkdir()
     (stale / "model.safetensors").write_bytes(b"partial")
-    rc, out, _ = run(capsys, "ls", store)
+    rc, out, _ = run_cli(capsys, "ls", store)
     assert "1 stale entry (interrupted saves or deletions)" in out
     assert stale.name in out
-    rc, out, _ = run(capsys, "gc", store)
+    rc, out, _ = run_cli(capsys, "gc", store)
     assert rc == 0
     assert out == f"removed {stale.name}\n"
     assert not stale.exists()
-    assert step_dir(store, 9).is_dir()
-    rc, out, _ = run(capsys, "gc", store, "--json")
+    assert step_path(store, 9).is_dir()
+    rc, out, _ = run_cli(capsys, "gc", store, "--json")
     assert rc == 0
     assert json.loads(out) == {"removed": []}
-    rc, out, _ = run(capsys, "gc", store)
+    rc, out, _ = run_cli(capsys, "gc", store)
     assert out == "nothing to remove\n"
 
 
@@ -351,7 +342,7 @@ def test_gc_removes_stale_tmp(store: Path, capsys: pytest.CaptureFixture[str]) -
 
 
 def test_inspect_text(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run(capsys, "inspect", store, "--step", "10")
+    rc, out, _ = run_cli(capsys, "inspect", store, "--step", "10")
     assert rc == 0
     lines = out.splitlines()
     assert lines[0].startswith("step      10")
@@ -369,8 +360,8 @@ def test_inspect_text(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
 
 def test_inspect_json_reads_only_state_json(store: Path, capsys) -> None:
     # Payloads are never read: inspect works with them gone.
-    (step_dir(store, 100) / "model.safetensors").unlink()
-    rc, out, _ = run(capsys, "inspect", store, "--json")
+    (step_path(store, 100) / "model.safetensors").unlink()
+    rc, out, _ = run_cli(capsys, "inspect", store, "--json")
     assert rc == 0
     info = json.loads(out)
     assert info["step"] == 100
@@ -392,8 +383,8 @@ def test_inspect_json_reads_only_state_json(store: Path, capsys) -> None:
 
 
 def test_inspect_checks_state_json(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    flip_last_byte(step_dir(store, 100) / "state.json")
-    rc, out, err = run(capsys, "inspect", store)
+    flip_last_byte(step_path(store, 100) / "state.json")
+    rc, out, err = run_cli(capsys, "inspect", store)
     assert rc == 1
     assert out == ""
     assert "state.json" in err
@@ -407,7 +398,7 @@ def test_inspect_shared_tensors(tmp_path: Path, capsys: pytest.CaptureFixture[st
         mgr.save(
             0, {"data": {"a": w, "b": w, "row": w[1], "half": torch.ones(2, dtype=torch.half)}}
         )
-    info = json.loads(run(capsys, "inspect", tmp_path, "--json")[1])
+    info = json.loads(run_cli(capsys, "inspect", tmp_path, "--json")[1])
     tensors = {t["name"]: t for t in info["entries"][0]["tensors"]}
     assert tensors["b"]["note"] == "shares a"
     assert tensors["row"]["note"].startswith("view of")
@@ -425,7 +416,7 @@ def test_import_ddp_prefixed_then_restore(tmp_path: Path, capsys) -> None:
     pt = tmp_path / "old.pt"
     torch.save({"model": ddp_sd, "epoch": 7, "lr": 0.1}, pt)
     root = tmp_path / "store"
-    rc, out, err = run(capsys, "import", pt, root, "--step", "70")
+    rc, out, err = run_cli(capsys, "import", pt, root, "--step", "70")
     assert rc == 0, err
     assert "stripped 'module.' from the keys of 'model'" in out
     assert f"imported {pt} as step 70 (model, epoch, lr;" in out
@@ -438,7 +429,7 @@ def test_import_ddp_prefixed_then_restore(tmp_path: Path, capsys) -> None:
     assert state["epoch"] == 7
     for k, v in src.state_dict().items():
         assert torch.equal(target.state_dict()[k], v)
-    assert run(capsys, "verify", root)[0] == 0
+    assert run_cli(capsys, "verify", root)[0] == 0
 
 
 def test_import_bare_state_dict(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -447,7 +438,7 @@ def test_import_bare_state_dict(tmp_path: Path, capsys: pytest.CaptureFixture[st
     torch.save({f"_orig_mod.{k}": v for k, v in src.state_dict().items()}, pt)
     root = tmp_path / "store"
     argv = ["--step", "1", "--format", "torch", "--compression", "zstd", "--json"]
-    rc, out, _ = run(capsys, "import", pt, root, *argv)
+    rc, out, _ = run_cli(capsys, "import", pt, root, *argv)
     assert rc == 0
     res = json.loads(out)
     assert res["keys"] == ["model"]
@@ -459,7 +450,7 @@ def test_import_bare_state_dict(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert set(loaded) == {"weight", "bias"}
     assert torch.equal(loaded["weight"], src.weight.detach())
     # the step exists now: steps are write-once
-    rc, _, err = run(capsys, "import", pt, root, "--step", "1")
+    rc, _, err = run_cli(capsys, "import", pt, root, "--step", "1")
     assert rc == 1
     assert "already committed" in err
 
@@ -475,7 +466,7 @@ def test_import_refuses_code_and_bad_files(tmp_path: Path, capsys) -> None:
     root = tmp_path / "store"
     evil = tmp_path / "evil.pt"
     torch.save({"model": make_model().state_dict(), "extra": NotPlainData()}, evil)
-    rc, out, err = run(capsys, "import", evil, root, "--step", "1")
+    rc, out, err = run_cli(capsys, "import", evil, root, "--step", "1")
     assert rc == 1
     assert out == ""
     assert err.startswith("ckptstore: error: ")
@@ -489,29 +480,29 @@ def test_import_refuses_code_and_bad_files(tmp_path: Path, capsys) -> None:
     torch.save({"model": make_model().state_dict()}, good)
     cut = tmp_path / "cut.pt"
     cut.write_bytes(good.read_bytes()[:-64])
-    rc, _, err = run(capsys, "import", cut, root, "--step", "1")
+    rc, _, err = run_cli(capsys, "import", cut, root, "--step", "1")
     assert rc == 1
     assert "central directory" in err
     assert err.count("\n") == 1
 
     lst = tmp_path / "list.pt"
     torch.save([torch.zeros(2)], lst)
-    rc, _, err = run(capsys, "import", lst, root, "--step", "1")
+    rc, _, err = run_cli(capsys, "import", lst, root, "--step", "1")
     assert rc == 1
     assert "not a dict" in err
 
-    rc, _, err = run(capsys, "import", tmp_path / "missing.pt", root, "--step", "1")
+    rc, _, err = run_cli(capsys, "import", tmp_path / "missing.pt", root, "--step", "1")
     assert rc == 1
     assert err == f"ckptstore: error: {tmp_path / 'missing.pt'}: no such file\n"
 
-    rc, _, err = run(capsys, "import", good, root)  # --step is required
+    rc, _, err = run_cli(capsys, "import", good, root)  # --step is required
     assert rc == 2
     assert "--step" in err
 
 
 def test_export_safetensors(store: Path, tmp_path: Path, capsys) -> None:
     out_file = tmp_path / "model.safetensors"
-    rc, out, err = run(capsys, "export", store, "--step", "10", out_file)
+    rc, out, err = run_cli(capsys, "export", store, "--step", "10", out_file)
     assert rc == 0, err
     assert "exported step 10 (entry 'model', 2 tensors)" in out
     tensors = load_file(str(out_file))
@@ -524,19 +515,19 @@ def test_export_safetensors(store: Path, tmp_path: Path, capsys) -> None:
 
     # refuses to overwrite without --force, and leaves the file alone
     before = out_file.read_bytes()
-    rc, out, err = run(capsys, "export", store, "--step", "100", out_file)
+    rc, out, err = run_cli(capsys, "export", store, "--step", "100", out_file)
     assert rc == 1
     assert out == ""
     assert err == f"ckptstore: error: {out_file}: already exists; pass --force to overwrite it\n"
     assert out_file.read_bytes() == before
-    rc, _, _ = run(capsys, "export", store, "--step", "100", out_file, "--force")
+    rc, _, _ = run_cli(capsys, "export", store, "--step", "100", out_file, "--force")
     assert rc == 0
 
     other = tmp_path / "x.safetensors"
-    rc, _, err = run(capsys, "export", store, "--step", "100", other, "--key", "nope")
+    rc, _, err = run_cli(capsys, "export", store, "--step", "100", other, "--key", "nope")
     assert rc == 1
     assert "no entry 'nope'" in err
-    rc, _, err = run(capsys, "export", store, "--step", "100", other, "--key", "optimizer")
+    rc, _, err = run_cli(capsys, "export", store, "--step", "100", other, "--key", "optimizer")
     assert rc == 1
     assert "not a tensor" in err
     assert not other.exists()
@@ -554,7 +545,7 @@ def test_export_tied_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str])
     with CheckpointManager(tmp_path / "s", keep=None) as mgr:
         mgr.save(1, {"net": model})  # no "model" entry: the one module entry is chosen
     out_file = tmp_path / "tied.safetensors"
-    rc, out, err = run(capsys, "export", tmp_path / "s", "--step", "1", out_file)
+    rc, out, err = run_cli(capsys, "export", tmp_path / "s", "--step", "1", out_file)
     assert rc == 0, err
     assert "entry 'net'" in out
     tensors = load_file(str(out_file))
@@ -564,7 +555,7 @@ def test_export_tied_weights(tmp_path: Path, capsys: pytest.CaptureFixture[str])
 
 def test_export_pt(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     out_file = tmp_path / "full.pt"
-    rc, out, _ = run(capsys, "export", store, "--step", "100", out_file, "--json")
+    rc, out, _ = run_cli(capsys, "export", store, "--step", "100", out_file, "--json")
     assert rc == 0
     res = json.loads(out)
     assert res["format"] == "torch"
@@ -579,7 +570,7 @@ def test_export_pt(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[st
         data["optimizer"]["state"][0]["momentum_buffer"],
         stored["optimizer"]["state"][0]["momentum_buffer"],
     )
-    assert run(capsys, "verify", out_file)[0] == 0
+    assert run_cli(capsys, "verify", out_file)[0] == 0
 
 
 # ---- usage errors, helpers, entry points --------------------------------------------------
@@ -601,7 +592,7 @@ def test_export_pt(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[st
     ],
 )
 def test_usage_errors_exit_2(store: Path, argv: list[str], capsys) -> None:
-    rc, out, err = run(capsys, *[a.format(root=store) for a in argv])
+    rc, out, err = run_cli(capsys, *[a.format(root=store) for a in argv])
     assert rc == 2
     assert out == ""
     assert "usage: ckptstore" in err
@@ -609,11 +600,11 @@ def test_usage_errors_exit_2(store: Path, argv: list[str], capsys) -> None:
 
 
 def test_help_and_version(capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, _ = run(capsys, "--help")
+    rc, out, _ = run_cli(capsys, "--help")
     assert rc == 0
     assert "verify" in out
     assert "export" in out
-    rc, out, _ = run(capsys, "--version")
+    rc, out, _ = run_cli(capsys, "--version")
     assert rc == 0
     assert out.startswith("ckptstore ")
 
@@ -641,10 +632,10 @@ def test_memory_url_store(capsys: pytest.CaptureFixture[str]) -> None:
     url = "memory://ckptstore-cli-test"
     with CheckpointManager(url, keep=None) as mgr:
         mgr.save(3, {"model": make_model()})
-    rc, out, _ = run(capsys, "ls", url)
+    rc, out, _ = run_cli(capsys, "ls", url)
     assert rc == 0
     assert out.splitlines()[1].split()[0] == "3"
-    assert run(capsys, "verify", url)[0] == 0
+    assert run_cli(capsys, "verify", url)[0] == 0
 
 
 def test_python_dash_m_entry_point(store: Path) -> None:
@@ -698,7 +689,7 @@ def test_diff_text_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFix
             m.weight[0, 0] += 0.5
         mgr.save(2, {"model": m, "step": 2, "new": torch.zeros(3), "same": (1, 2)})
 
-    code, out, _ = run(capsys, "diff", str(root), "1", "2")
+    code, out, _ = run_cli(capsys, "diff", str(root), "1", "2")
     assert code == 1  # like diff(1): they differ
     lines = out.splitlines()
     assert lines[0] == f"diff step 1 -> step 2 ({root})"
@@ -710,7 +701,7 @@ def test_diff_text_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFix
     assert any(line.split()[:2] == ["~", "step"] and "1 -> 2" in line for line in lines)
     assert lines[-1] == "2 same, 2 changed, 1 added, 1 removed"  # model/bias, same
 
-    code, out, _ = run(capsys, "--json", "diff", str(root), "1", "2")
+    code, out, _ = run_cli(capsys, "--json", "diff", str(root), "1", "2")
     assert code == 1
     doc = json.loads(out)
     assert (doc["a"], doc["b"], doc["same"]) == (1, 2, 2)
@@ -720,11 +711,11 @@ def test_diff_text_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFix
     assert by_path["new"]["change"] == "added"
     assert by_path["old"]["change"] == "removed"
 
-    code, out, _ = run(capsys, "diff", str(root), "2", "2")
+    code, out, _ = run_cli(capsys, "diff", str(root), "2", "2")
     assert code == 0
     assert out.splitlines()[-1].endswith("0 changed, 0 added, 0 removed")
 
-    code, _, err = run(capsys, "diff", str(root), "1", "7")
+    code, _, err = run_cli(capsys, "diff", str(root), "1", "7")
     assert code == 1
     assert "no committed checkpoint" in err
     assert "Traceback" not in err
@@ -733,7 +724,7 @@ def test_diff_text_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFix
 def test_completion_script_completes_commands_and_options(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    code, out, _ = run(capsys, "completion", "bash")
+    code, out, _ = run_cli(capsys, "completion", "bash")
     assert code == 0
     assert "complete -o filenames -F _ckptstore ckptstore" in out
     script = tmp_path / "comp.sh"
@@ -781,7 +772,7 @@ def sha(t: torch.Tensor) -> str:
 
 def test_ls_shows_sharding_and_world_size(mixed_store, capsys) -> None:
     root, _ = mixed_store
-    rc, out, err = run(capsys, "ls", root)
+    rc, out, err = run_cli(capsys, "ls", root)
     assert rc == 0, err
     rows = {ln.split()[0]: ln.split() for ln in out.splitlines()[1:5]}
     assert {k: v[6:8] for k, v in rows.items()} == {
@@ -790,7 +781,7 @@ def test_ls_shows_sharding_and_world_size(mixed_store, capsys) -> None:
         "5": ["2", "replicated"],
         "6": ["2", "sharded"],
     }
-    data = {d["step"]: d for d in json.loads(run(capsys, "ls", root, "--json")[1])}
+    data = {d["step"]: d for d in json.loads(run_cli(capsys, "ls", root, "--json")[1])}
     assert (data[3]["sharding"], data[3]["world_size"], data[3]["sharded"]) == ("dtensor", 2, True)
     assert (data[4]["sharding"], data[4]["world_size"]) == ("dtensor", 1)
     assert (data[6]["sharding"], data[6]["world_size"]) == ("sharded", 2)
@@ -798,7 +789,7 @@ def test_ls_shows_sharding_and_world_size(mixed_store, capsys) -> None:
 
 def test_inspect_dtensor_text_and_json(mixed_store, capsys) -> None:
     root, _ = mixed_store
-    rc, out, err = run(capsys, "inspect", root, "--step", "3")
+    rc, out, err = run_cli(capsys, "inspect", root, "--step", "3")
     assert rc == 0, err
     assert "world size 2, dtensor" in out
     section = out[out.index("\nsharded tensors") :].splitlines()
@@ -816,7 +807,7 @@ def test_inspect_dtensor_text_and_json(mixed_store, capsys) -> None:
         ln.split()[:2] == ["inp.weight", "float32"] and "sharded" in ln for ln in out.splitlines()
     )
 
-    info = json.loads(run(capsys, "inspect", root, "--step", "4", "--json")[1])
+    info = json.loads(run_cli(capsys, "inspect", root, "--step", "4", "--json")[1])
     assert (info["world_size"], info["sharding"], info["format_version"]) == (1, "dtensor", 2)
     by_name = {t["name"]: t for t in info["sharded_tensors"]}
     assert by_name["table/emb"] == {
@@ -834,26 +825,26 @@ def test_inspect_dtensor_text_and_json(mixed_store, capsys) -> None:
     assert notes["inp.weight"] == "sharded"
     assert notes["scale"] == ""
 
-    info = json.loads(run(capsys, "inspect", root, "--step", "5", "--json")[1])
+    info = json.loads(run_cli(capsys, "inspect", root, "--step", "5", "--json")[1])
     assert (info["sharding"], info["sharded_tensors"]) == ("replicated", [])
-    rc, out, err = run(capsys, "inspect", root, "--step", "6")
+    rc, out, err = run_cli(capsys, "inspect", root, "--step", "6")
     assert rc == 0, err
     assert "state (rank 0's part of per-rank state)" in out
 
 
 def test_verify_dtensor_steps(mixed_store, capsys) -> None:
     root, _ = mixed_store
-    rc, out, err = run(capsys, "verify", root, "--all")
+    rc, out, err = run_cli(capsys, "verify", root, "--all")
     assert rc == 0, out + err
     assert "4 checkpoints verified, 0 failed" in out
-    index = json.loads((step_dir(root, 3) / "dtensors.json").read_text())
+    index = json.loads((step_path(root, 3) / "dtensors.json").read_text())
     chunk = index["tensors"]["table/emb"]["chunks"][1]
     assert chunk["file"] == "_shards.rank00001.safetensors"
-    shard = step_dir(root, 3) / chunk["file"]
+    shard = step_path(root, 3) / chunk["file"]
     raw = bytearray(shard.read_bytes())
     raw[chunk["start"] + chunk["bytes"] - 100] ^= 0x10  # in the chunk's last block
     shard.write_bytes(bytes(raw))
-    rc, out, _ = run(capsys, "verify", root, "--step", "3")
+    rc, out, _ = run_cli(capsys, "verify", root, "--step", "3")
     assert rc == 1
     assert "block 1 of the chunk of tensor 'table/emb' at offsets [1280, 0]" in out
     assert "_shards.rank00001.safetensors" in out
@@ -866,9 +857,9 @@ def test_diff_dtensor_steps_across_world_sizes(mixed_store, capsys, monkeypatch)
         raise AssertionError("diff must not load whole checkpoints")
 
     monkeypatch.setattr(CheckpointManager, "load", no_whole_load)
-    rc, out, err = run(capsys, "diff", root, "3", "3")
+    rc, out, err = run_cli(capsys, "diff", root, "3", "3")
     assert rc == 0, err
-    rc, out, err = run(capsys, "--json", "diff", root, "3", "4")  # 2 ranks vs 1 rank
+    rc, out, err = run_cli(capsys, "--json", "diff", root, "3", "4")  # 2 ranks vs 1 rank
     doc = json.loads(out)
     # Same model, optimizer and table; only the unseeded NumPy/Python generators differ.
     changed = {d["path"] for d in doc["differences"]}
@@ -880,7 +871,7 @@ def test_diff_dtensor_steps_across_world_sizes(mixed_store, capsys, monkeypatch)
 def test_diff_dtensor_and_replicated_steps(mixed_store, capsys) -> None:
     root, _ = mixed_store
     for a, b in (("3", "5"), ("5", "3")):
-        rc, out, err = run(capsys, "diff", root, a, b)
+        rc, out, err = run_cli(capsys, "diff", root, a, b)
         assert rc == 0, out + err
         lines = out.splitlines()
         assert lines[1] == (
@@ -888,7 +879,7 @@ def test_diff_dtensor_and_replicated_steps(mixed_store, capsys) -> None:
             "(a DTensor save); matched by position in the parameter groups"
         )
         assert lines[-1].endswith(" same, 0 changed, 0 added, 0 removed")
-    doc = json.loads(run(capsys, "--json", "diff", root, "5", "4")[1])
+    doc = json.loads(run_cli(capsys, "--json", "diff", root, "5", "4")[1])
     paths = {d["path"] for d in doc["differences"]}
     assert not {p for p in paths if p.startswith(("model/", "optimizer/", "table/"))}
 
@@ -897,21 +888,21 @@ def test_export_consolidates_dtensor_steps(mixed_store, tmp_path, capsys) -> Non
     root, digests = mixed_store
     for step, ranks in (("3", "2 ranks"), ("4", "1 rank")):
         out_file = tmp_path / f"model{step}.safetensors"
-        rc, out, err = run(capsys, "export", root, "--step", step, out_file)
+        rc, out, err = run_cli(capsys, "export", root, "--step", step, out_file)
         assert rc == 0, err
         assert f"(entry 'model', 7 tensors; consolidated from the DTensor shards of {ranks})" in out
         tensors = load_file(str(out_file))
         assert {f"model/{k}": sha(v) for k, v in tensors.items()} == {
             k: v for k, v in digests.items() if k.startswith("model/")
         }
-    rc, out, err = run(capsys, "export", root, "--step", "5", tmp_path / "rep.safetensors")
+    rc, out, err = run_cli(capsys, "export", root, "--step", "5", tmp_path / "rep.safetensors")
     assert rc == 0, err
     assert "consolidated" not in out
     rep = load_file(str(tmp_path / "rep.safetensors"))
     assert rep.keys() == tensors.keys()
     assert all(torch.equal(rep[k], tensors[k]) for k in rep)
 
-    rc, out, err = run(capsys, "export", root, "--step", "3", tmp_path / "all.pt", "--json")
+    rc, out, err = run_cli(capsys, "export", root, "--step", "3", tmp_path / "all.pt", "--json")
     assert rc == 0, err
     res = json.loads(out)
     assert res["consolidated_from"] == 2
@@ -928,7 +919,7 @@ def test_export_refuses_per_rank_state(mixed_store, tmp_path, capsys) -> None:
         [tmp_path / "x.safetensors"],
         ["--hf", tmp_path / "hf"],
     ):
-        rc, out, err = run(capsys, "export", root, "--step", "6", *argv)
+        rc, out, err = run_cli(capsys, "export", root, "--step", "6", *argv)
         assert rc == 1
         assert out == ""
         assert "per-rank state saved with sharded=True by 2 ranks" in err
@@ -939,20 +930,20 @@ def test_export_refuses_per_rank_state(mixed_store, tmp_path, capsys) -> None:
 def test_export_hf_cli(mixed_store, tmp_path, capsys) -> None:
     root, digests = mixed_store
     out_dir = tmp_path / "hf"
-    rc, out, err = run(capsys, "export", root, "--step", "3", "--hf", out_dir, "--key", "table")
+    rc, out, err = run_cli(capsys, "export", root, "--step", "3", "--hf", out_dir, "--key", "table")
     assert rc == 0, err
     assert "consolidated from the DTensor shards of 2 ranks" in out
     assert sorted(p.name for p in out_dir.iterdir()) == ["model.safetensors"]
     assert sha(load_file(str(out_dir / "model.safetensors"))["emb"]) == digests["table/emb"]
 
-    rc, out, err = run(
+    rc, out, err = run_cli(
         capsys, "export", root, "--step", "3", "--hf", tmp_path / "hf2", "--max-shard-size", "100B"
     )
     assert rc == 0, err
     index = json.loads((tmp_path / "hf2" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == {k.removeprefix("model/") for k in digests if "model/" in k}
     doc = json.loads(
-        run(capsys, "--json", "export", root, "--step", "4", tmp_path / "hf3", "--hf")[1]
+        run_cli(capsys, "--json", "export", root, "--step", "4", tmp_path / "hf3", "--hf")[1]
     )
     assert (doc["files"], doc["sharding"], doc["world_size"]) == (
         ["model.safetensors"],
@@ -961,7 +952,7 @@ def test_export_hf_cli(mixed_store, tmp_path, capsys) -> None:
     )
 
     # an existing, non-empty directory is never touched
-    rc, out, err = run(capsys, "export", root, "--step", "3", "--hf", out_dir)
+    rc, out, err = run_cli(capsys, "export", root, "--step", "3", "--hf", out_dir)
     assert rc == 1
     assert f"{out_dir}: exists and is not empty" in err
 
@@ -976,7 +967,7 @@ def test_export_hf_cli(mixed_store, tmp_path, capsys) -> None:
     ],
 )
 def test_export_hf_usage_errors(store: Path, tmp_path: Path, argv: list[str], capsys) -> None:
-    rc, out, err = run(
+    rc, out, err = run_cli(
         capsys, "export", store, "--step", "10", *[a.format(tmp=tmp_path) for a in argv]
     )
     assert rc == 2, err

@@ -13,21 +13,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from _helpers import run_cli, step_path
 from torch import nn
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ckptstore import EMA, CheckpointManager, RNGState, export_step, import_file, verify_path
-from ckptstore.cli import main
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:012d}"
 
 
 def flip(path: Path, offset: int = -1) -> None:
@@ -51,24 +41,24 @@ def store(tmp_path: Path) -> Path:
 def test_verify_a_file_of_a_step_checks_it_against_the_manifest(
     store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    f = step_dir(store, 7) / "model.safetensors"
-    rc, out, err = run(capsys, "verify", f)
+    f = step_path(store, 7) / "model.safetensors"
+    rc, out, err = run_cli(capsys, "verify", f)
     assert (rc, err) == (0, "")
     assert out.startswith(f"{f}: OK (1 file, ")
     flip(f)  # a data byte: the header is still fine, so only the CRC32C can tell
-    rc, out, _ = run(capsys, "verify", f)
+    rc, out, _ = run_cli(capsys, "verify", f)
     assert rc == 1
     lines = out.splitlines()
     assert lines[0] == f"{f}: FAILED"
     assert "crc32c" in lines[1]
     assert "does not match the manifest's" in lines[1]
-    rc, out, _ = run(capsys, "verify", f, "--json")
+    rc, out, _ = run_cli(capsys, "verify", f, "--json")
     (report,) = json.loads(out)
     assert (report["ok"], report["target"]) == (False, str(f))
     # --quick checks the size against the manifest
     with open(f, "ab") as fh:
         fh.write(b"\0")
-    rc, out, _ = run(capsys, "verify", f, "--quick")
+    rc, out, _ = run_cli(capsys, "verify", f, "--quick")
     assert rc == 1
     assert "manifest says" in out
     # a lone copy of the file is checked on its own (no manifest beside it): header only
@@ -81,15 +71,15 @@ def test_verify_a_file_of_a_step_checks_it_against_the_manifest(
 def test_verify_manifest_and_unlisted_files_of_a_step(
     store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    d = step_dir(store, 7)
-    assert run(capsys, "verify", d / "manifest.json")[0] == 0
-    assert run(capsys, "verify", d / "state.json")[0] == 0
+    d = step_path(store, 7)
+    assert run_cli(capsys, "verify", d / "manifest.json")[0] == 0
+    assert run_cli(capsys, "verify", d / "state.json")[0] == 0
     (d / "notes.txt").write_text("mine")
-    rc, out, _ = run(capsys, "verify", d / "notes.txt")
+    rc, out, _ = run_cli(capsys, "verify", d / "notes.txt")
     assert rc == 1
     assert "not a file of the checkpoint (its manifest does not list it)" in out
     flip(d / "state.json", 5)
-    rc, out, _ = run(capsys, "verify", d / "state.json")
+    rc, out, _ = run_cli(capsys, "verify", d / "state.json")
     assert rc == 1
     assert "crc32c" in out
 
@@ -103,7 +93,7 @@ def test_random_bytes_are_not_a_known_format(
 ) -> None:
     f = tmp_path / name
     f.write_bytes(np.random.default_rng(0).bytes(4096))
-    rc, out, _ = run(capsys, "verify", f)
+    rc, out, _ = run_cli(capsys, "verify", f)
     assert rc == 1
     assert out.splitlines() == [
         f"{f}: FAILED",
@@ -111,7 +101,7 @@ def test_random_bytes_are_not_a_known_format(
         "nor a safetensors file)",
     ]
     root = tmp_path / "store"
-    rc, out, err = run(capsys, "import", f, root, "--step", "1")
+    rc, out, err = run_cli(capsys, "import", f, root, "--step", "1")
     assert (rc, out) == (1, "")
     assert err.startswith(f"ckptstore: error: {f}: not a checkpoint format ckptstore knows; ")
     assert "pickle" not in err
@@ -126,7 +116,7 @@ def test_import_a_safetensors_file(tmp_path: Path, capsys: pytest.CaptureFixture
     f = tmp_path / "weights.safetensors"
     save_file(sd, f)
     root = tmp_path / "store"
-    rc, out, err = run(capsys, "import", f, root, "--step", "3")
+    rc, out, err = run_cli(capsys, "import", f, root, "--step", "3")
     assert (rc, err) == (0, "")
     assert "note: a safetensors file" in out
     assert "stripped 'module.'" in out
@@ -176,11 +166,11 @@ def test_export_then_import_round_trips_the_readme_state(
         saved = mgr.load(499)
 
     out = tmp_path / "state.pt"
-    rc, text, err = run(capsys, "export", src, "--step", "499", out)
+    rc, text, err = run_cli(capsys, "export", src, "--step", "499", out)
     assert (rc, err) == (0, "")
     assert "the whole state" in text
     dst = tmp_path / "imported"
-    rc, text, err = run(capsys, "import", out, dst, "--step", "499")
+    rc, text, err = run_cli(capsys, "import", out, dst, "--step", "499")
     assert (rc, err) == (0, ""), err
     assert text.splitlines()[-1].startswith(f"imported {out} as step 499 (")
 
@@ -250,7 +240,7 @@ def test_json_errors_are_json_on_stdout(
 ) -> None:
     argv, code, kind, says = case
     args = [a.format(root=store, missing=tmp_path / "missing") for a in argv]
-    rc, out, err = run(capsys, *args, "--json")
+    rc, out, err = run_cli(capsys, *args, "--json")
     assert rc == code
     doc = json.loads(out)
     assert set(doc) == {"error", "message"}
@@ -260,7 +250,7 @@ def test_json_errors_are_json_on_stdout(
     assert "Traceback" not in err
     assert says in err  # the line on stderr is still there
     # without --json, stdout stays empty
-    rc, out, _ = run(capsys, *args)
+    rc, out, _ = run_cli(capsys, *args)
     assert (rc, out) == (code, "")
 
 
@@ -272,7 +262,7 @@ def test_no_traceback_for_an_unreadable_store(
     root = tmp_path / "locked"
     root.mkdir(mode=0)
     try:
-        rc, out, err = run(capsys, "ls", root)
+        rc, out, err = run_cli(capsys, "ls", root)
     finally:
         root.chmod(0o755)
     assert (rc, out) == (1, "")

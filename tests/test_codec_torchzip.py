@@ -11,7 +11,15 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import assert_same, deflated, fresh_like, make_state, replace_payload, step_dir
+from _helpers import (
+    RunsCode,
+    assert_same,
+    deflated,
+    fresh_like,
+    make_state,
+    replace_payload,
+    step_dir,
+)
 
 from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError
 from ckptstore.codec import torchzip, zipstream
@@ -32,20 +40,6 @@ def member_data_offset(data: bytes, suffix: str) -> tuple[str, int, int]:
         "<HH", data[info.header_offset + 26 : info.header_offset + 30]
     )
     return info.filename, info.header_offset + 30 + name_len + extra_len, info.file_size
-
-
-def _touch(path: str) -> None:
-    Path(path).write_text("code ran")
-
-
-class RunsCode:
-    """Unpickling this creates a file: the proof that a pickle was (or was not) executed."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_touch, (self.path,))
 
 
 def test_write_and_load_roundtrip() -> None:

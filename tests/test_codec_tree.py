@@ -21,6 +21,7 @@ import numpy as np
 import pytest
 import safetensors.torch
 import torch
+from _helpers import RunsCode
 
 from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError
 from ckptstore.codec import payload
@@ -77,20 +78,6 @@ def assert_identical(got: Any, want: Any, path: str = "state") -> None:
             assert_identical(g, w, f"{path}[{i}]")
     else:
         assert got == want, path
-
-
-def _touch(path: str) -> None:
-    Path(path).write_text("code ran")
-
-
-class RunsCode:
-    """Unpickling this creates a file: the proof that a pickle was (or was not) executed."""
-
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def __reduce__(self) -> tuple[Any, ...]:
-        return (_touch, (self.path,))
 
 
 @dataclasses.dataclass

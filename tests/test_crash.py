@@ -32,6 +32,7 @@ from _helpers import REPO, LineReader, subprocess_env
 
 from ckptstore import CheckpointManager
 from ckptstore.storage import wait_for_deletions
+from tests.timing import healthy
 
 WRITER = REPO / "tools" / "crash_writer.py"
 CONFIGS = [("safetensors", False), ("torch", False), ("safetensors", True), ("torch", True)]
@@ -72,12 +73,13 @@ class Server:
         assert self.proc.stdin is not None
         self.proc.stdin.write(json.dumps(opts) + "\n")
         self.proc.stdin.flush()
-        self.child = int(self.out.until("pid ", timeout=30).split()[1])
+        self.child = int(self.out.until("pid ", timeout=healthy(30)).split()[1])
         return self.child
 
     def finish(self, timeout: float = 30) -> tuple[str, list[str]]:
-        """Wait for the writer to end: ``("signal 9" | "code 0" | ..., its output)``."""
-        line = self.out.until("exit ", timeout=timeout)
+        """Wait for the writer to end: ``("signal 9" | "code 0" | ..., its output)``; ``timeout``
+        is an idle host's figure, scaled (tests/timing.py)."""
+        line = self.out.until("exit ", timeout=healthy(timeout))
         self.child = None
         return " ".join(line.split()[2:]), self.out.lines[self._mark : -1]
 
@@ -133,7 +135,7 @@ def check_store(root: Path, fmt: str) -> list[int]:
     return steps
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(healthy(60))  # a whole sweep: minutes on a busy host
 @pytest.mark.parametrize(("fmt", "async_save"), CONFIGS, ids=IDS)
 def test_random_kills(server: Server, tmp_path: Path, fmt: str, async_save: bool) -> None:
     rng = random.Random(f"{fmt}-{async_save}")
@@ -142,7 +144,7 @@ def test_random_kills(server: Server, tmp_path: Path, fmt: str, async_save: bool
     kills = 0
     for _ in range(KILLS):
         pid = server.start(root=str(root), format=fmt, async_save=async_save, keep=2)
-        server.out.until("start ", timeout=30)
+        server.out.until("start ", timeout=healthy(30))
         time.sleep(rng.uniform(0.0, 0.25))
         os.kill(pid, signal.SIGKILL)
         status, lines = server.finish()
@@ -182,7 +184,7 @@ def trace_of(server: Server, root: Path, fmt: str, async_save: bool) -> list[str
     return calls
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(healthy(60))  # a whole sweep: minutes on a busy host
 @pytest.mark.parametrize(("fmt", "async_save"), CONFIGS, ids=IDS)
 def test_kill_at_every_protocol_point(
     server: Server, tmp_path: Path, fmt: str, async_save: bool

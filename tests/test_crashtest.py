@@ -20,6 +20,7 @@ import pytest
 from _helpers import REPO, subprocess_env
 
 from ckptstore import CheckpointManager
+from tests.timing import FACTOR, healthy
 
 TOOL = REPO / "tools" / "crashtest.py"
 
@@ -28,7 +29,8 @@ def start(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen[str],
     out = tmp_path / f"{name}.json"
     proc = subprocess.Popen(
         [sys.executable, str(TOOL), *args, "--json", str(out)],
-        env=subprocess_env(),
+        # The campaign's slack for a survivor's exit is scaled like the tests' waits.
+        env={**subprocess_env(), "CKPTSTORE_TEST_SLOWDOWN": str(FACTOR)},
         stdout=subprocess.PIPE,
         stderr=subprocess.STDOUT,
         text=True,
@@ -48,7 +50,7 @@ def finish(proc: subprocess.Popen[str], out: Path, timeout: float) -> dict[str, 
     return dict(json.loads(out.read_text()))
 
 
-@pytest.mark.timeout(300)
+@pytest.mark.timeout(healthy(150))  # campaigns: minutes on a busy host
 def test_short_campaigns(tmp_path: Path) -> None:
     # The local and S3 ones at once (the S3 one mostly waits for its server).
     local = start(
@@ -64,7 +66,7 @@ def test_short_campaigns(tmp_path: Path) -> None:
             *("--store", "s3", "--trials", "10", "--dist-trials", "0", "--upload-trials", "0"),
         )
     try:
-        doc = finish(*local, timeout=150)
+        doc = finish(*local, timeout=healthy(75))
         assert doc["violations"] == []
         (stats,) = doc["stores"]
         assert stats["store"] == "local"
@@ -73,10 +75,10 @@ def test_short_campaigns(tmp_path: Path) -> None:
         assert stats["saves_returned"] > 30  # the kills came while saves were going on
         dist = doc["dist"]
         assert dist["trials"] == dist["kills"] == dist["survivor_timeouts"] == 2
-        assert dist["max_exit_after_kill"] < 3.0 + 5.0
+        assert dist["max_exit_after_kill"] < 3.0 + healthy(5.0)
         if s3 is None:  # pragma: no cover
             pytest.skip("moto or s3fs missing: no S3 campaign")
-        doc = finish(*s3, timeout=150)
+        doc = finish(*s3, timeout=healthy(75))
         (stats,) = doc["stores"]
         assert stats["store"] == "s3"
         assert stats["kills"] == stats["trials"] == 10
@@ -99,6 +101,8 @@ def test_short_upload_campaign(tmp_path: Path) -> None:
         *("--store", "local", "--trials", "0", "--dist-trials", "0", "--upload-trials", "16"),
     )
     try:
+        # Not scaled: under 4 busy loops it did not finish in 500 s either (2026-11-23);
+        # what it waits on there is not known yet.
         doc = finish(*up, timeout=250)
         assert doc["violations"] == []
         ups = doc["uploads"]

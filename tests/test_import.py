@@ -18,19 +18,12 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _helpers import deflated
+from _helpers import deflated, run_cli
 from torch import nn
 
 from ckptstore import CheckpointManager
-from ckptstore.cli import main
 
 SIDE_EFFECTS: list[str] = []
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: Any) -> tuple[int, str, str]:
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def assert_same(a: Any, b: Any, where: str = "") -> None:
@@ -128,12 +121,12 @@ def test_lightning_ckpt_imports_as_written(tmp_path: Path, capsys) -> None:
     path = tmp_path / "epoch=1-step=2.ckpt"
     torch.save(src, path)
     root = tmp_path / "store"
-    rc, out, err = run(capsys, "import", path, root, "--step", "2", "--json")
+    rc, out, err = run_cli(capsys, "import", path, root, "--step", "2", "--json")
     assert rc == 0, err
     res = json.loads(out)
     assert res["kind"] == "lightning"
     assert "a Lightning checkpoint (Lightning 2.6.6, epoch 1, global step 2)" in res["notes"][0]
-    assert run(capsys, "verify", root, "--step", "2")[0] == 0
+    assert run_cli(capsys, "verify", root, "--step", "2")[0] == 0
     with CheckpointManager(root) as mgr:
         assert mgr.manifest(2).metadata["lightning"] == {"global_step": 2, "epoch": 1}
         stored = mgr.load(2)
@@ -153,7 +146,7 @@ def test_lightning_unsafe_hparams_refused_or_skipped(tmp_path: Path, capsys) -> 
     torch.save(src, path)
     root = tmp_path / "store"
 
-    rc, out, err = run(capsys, "import", path, root, "--step", "2")
+    rc, out, err = run_cli(capsys, "import", path, root, "--step", "2")
     assert rc == 1
     assert out == ""
     assert f"GLOBAL {__name__}.HParams" in err
@@ -162,12 +155,12 @@ def test_lightning_unsafe_hparams_refused_or_skipped(tmp_path: Path, capsys) -> 
     assert err.count("\n") == 1
     assert not root.exists() or not any(root.glob("step-*"))
 
-    rc, out, err = run(capsys, "import", path, root, "--step", "2", "--skip-unsafe")
+    rc, out, err = run_cli(capsys, "import", path, root, "--step", "2", "--skip-unsafe")
     assert rc == 0, err
     assert "note: dropped entry ['hyper_parameters']['cfg']: it needs code to load" in out
     assert f"never loaded {__name__}.HParams" in out
     assert SIDE_EFFECTS == []  # the class's code never ran
-    assert run(capsys, "verify", root)[0] == 0
+    assert run_cli(capsys, "verify", root)[0] == 0
     with CheckpointManager(root) as mgr:
         stored = mgr.load(2)
     assert stored["hyper_parameters"] == {"lr": 0.1, "keep": [1, 2]}
@@ -182,7 +175,7 @@ def test_skip_unsafe_never_loads_blocked_code(tmp_path: Path, capsys) -> None:
 
     path = tmp_path / "evil.pt"
     torch.save({"model": nn.Linear(2, 2).state_dict(), "x": Evil()}, path)
-    rc, _, err = run(capsys, "import", path, tmp_path / "store", "--step", "1", "--skip-unsafe")
+    rc, _, err = run_cli(capsys, "import", path, tmp_path / "store", "--step", "1", "--skip-unsafe")
     assert rc == 1
     assert "GLOBAL posix.system from a module that is never loaded" in err
     assert "--skip-unsafe cannot drop it" in err
@@ -203,10 +196,10 @@ def test_torch_save_ddp_dict_imports_exactly(tmp_path: Path, capsys) -> None:
     path = tmp_path / "ddp.pt"
     torch.save(src, path)
     root = tmp_path / "store"
-    rc, out, err = run(capsys, "import", path, root, "--step", "70")
+    rc, out, err = run_cli(capsys, "import", path, root, "--step", "70")
     assert rc == 0, err
     assert "stripped 'module.' from the keys of 'model'" in out
-    assert run(capsys, "verify", root)[0] == 0
+    assert run_cli(capsys, "verify", root)[0] == 0
     fresh, fresh_opt, fresh_sched = trained(seed=9)
     state = {"model": fresh, "optimizer": fresh_opt, "scheduler": fresh_sched, "step": 0}
     with CheckpointManager(root) as mgr:
@@ -221,10 +214,10 @@ def test_import_places_an_older_step_than_the_newest(tmp_path: Path, capsys) -> 
     path = tmp_path / "m.pt"
     torch.save({"model": model.state_dict()}, path)
     root = tmp_path / "store"
-    assert run(capsys, "import", path, root, "--step", "90")[0] == 0
+    assert run_cli(capsys, "import", path, root, "--step", "90")[0] == 0
     # Saving step 50 from training would be refused (resume() forgotten); an import names
     # its step on purpose.
-    rc, _, err = run(capsys, "import", path, root, "--step", "50")
+    rc, _, err = run_cli(capsys, "import", path, root, "--step", "50")
     assert rc == 0, err
     with CheckpointManager(root) as mgr:
         assert mgr.steps() == [50, 90]
@@ -246,7 +239,7 @@ def test_torch_save_with_a_compressed_member_is_refused_uninflated(
 
     monkeypatch.setattr(zipfile, "_get_decompressor", no_inflating)
     root = tmp_path / "store"
-    rc, out, err = run(capsys, "import", path, root, "--step", "3")
+    rc, out, err = run_cli(capsys, "import", path, root, "--step", "3")
     assert rc == 1, out
     assert f"{path}: zip member 'model/data.pkl' is compressed (deflate" in err
     assert "refused without inflating anything" in err
@@ -287,12 +280,12 @@ def test_dcp_directory_imports_exactly(tmp_path: Path, capsys) -> None:
     ckpt = tmp_path / "dcp"
     save_dcp(src, ckpt)
     root = tmp_path / "store"
-    rc, out, err = run(capsys, "import", ckpt, root, "--step", "7")
+    rc, out, err = run_cli(capsys, "import", ckpt, root, "--step", "7")
     assert rc == 0, err
     assert "note: a torch.distributed.checkpoint directory" in out
     assert "stripped 'module.' from the keys of 'model'" in out
     assert "['optimizer']['state']: keys made ints again" in out
-    assert run(capsys, "verify", root, "--step", "7")[0] == 0
+    assert run_cli(capsys, "verify", root, "--step", "7")[0] == 0
 
     with CheckpointManager(root) as mgr:
         stored = mgr.load(7)
@@ -322,7 +315,7 @@ def test_dcp_corrupt_or_hostile_is_refused(tmp_path: Path, capsys) -> None:
     blob = bytearray(data.read_bytes())
     blob[len(blob) // 2] ^= 0xFF
     data.write_bytes(bytes(blob))
-    rc, _, err = run(capsys, "import", bad, root, "--step", "1")
+    rc, _, err = run_cli(capsys, "import", bad, root, "--step", "1")
     assert rc == 1
     assert "CRC-32 mismatch" in err or "not a valid torch.save item" in err
 
@@ -330,7 +323,7 @@ def test_dcp_corrupt_or_hostile_is_refused(tmp_path: Path, capsys) -> None:
     save_dcp(src, cut)
     (data,) = cut.glob("*.distcp")
     data.write_bytes(data.read_bytes()[:-100])
-    rc, _, err = run(capsys, "import", cut, root, "--step", "1")
+    rc, _, err = run_cli(capsys, "import", cut, root, "--step", "1")
     assert rc == 1
     assert "beyond the file" in err
 
@@ -341,12 +334,12 @@ def test_dcp_corrupt_or_hostile_is_refused(tmp_path: Path, capsys) -> None:
     hostile = tmp_path / "hostile"
     save_dcp(src, hostile)
     (hostile / ".metadata").write_bytes(pickle.dumps(Boom()))
-    rc, _, err = run(capsys, "import", hostile, root, "--step", "1")
+    rc, _, err = run_cli(capsys, "import", hostile, root, "--step", "1")
     assert rc == 1
     assert "GLOBAL posix.system is not part of DCP metadata" in err or "os.system" in err
     assert not (Path.cwd() / "pwned").exists()
 
-    rc, _, err = run(capsys, "import", tmp_path, root, "--step", "1")
+    rc, _, err = run_cli(capsys, "import", tmp_path, root, "--step", "1")
     assert rc == 1
     assert "not a torch.distributed.checkpoint checkpoint" in err
     assert not root.exists() or not any(root.glob("step-*"))
@@ -358,12 +351,12 @@ def test_dcp_unsafe_item_refused_or_skipped(tmp_path: Path, capsys) -> None:
     ckpt = tmp_path / "dcp"
     save_dcp(src, ckpt)
     root = tmp_path / "store"
-    rc, _, err = run(capsys, "import", ckpt, root, "--step", "1")
+    rc, _, err = run_cli(capsys, "import", ckpt, root, "--step", "1")
     assert rc == 1
     assert "'extra.obj'" in err
     assert "--skip-unsafe" in err
 
-    rc, out, err = run(capsys, "import", ckpt, root, "--step", "1", "--skip-unsafe")
+    rc, out, err = run_cli(capsys, "import", ckpt, root, "--step", "1", "--skip-unsafe")
     assert rc == 0, err
     assert "dropped entry ['extra']['obj']" in out
     with CheckpointManager(root) as mgr:

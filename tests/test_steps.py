@@ -13,6 +13,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import run_cli, step_path
 from torch import nn
 
 from ckptstore import (
@@ -26,21 +27,10 @@ from ckptstore import (
     pin_steps,
     prune_store,
 )
-from ckptstore.cli import main
 from ckptstore.storage import wait_for_deletions
 
 #: The listing cache of a local store (see storage/local.py).
 INDEX = ".ckptstore.index"
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
-
-
-def step_dir(root: Path, step: int) -> Path:
-    return root / f"step-{step:012d}"
 
 
 def entries(root: Path) -> list[str]:
@@ -57,7 +47,7 @@ def steps_on_disk(root: Path) -> list[int]:
 
 
 def corrupt(root: Path, step: int) -> None:
-    f = step_dir(root, step) / "model.safetensors"
+    f = step_path(root, step) / "model.safetensors"
     data = bytearray(f.read_bytes())
     data[-1] ^= 0xFF
     f.write_bytes(bytes(data))
@@ -79,12 +69,12 @@ def store(tmp_path: Path) -> Path:
 
 
 def test_rm_deletes_steps_whole(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = run(capsys, "rm", store, "--step", "2", "--step", "1")
+    rc, out, err = run_cli(capsys, "rm", store, "--step", "2", "--step", "1")
     assert (rc, err) == (0, "")
     assert out == "deleted 2 steps: 1, 2\n2 steps left: 3, 4\n"
     assert steps_on_disk(store) == [3, 4]
     assert not any(p.name.startswith(".trash-") for p in store.iterdir())  # freed before exit
-    rc, out, _ = run(capsys, "rm", store, "--step", "3", "--json")
+    rc, out, _ = run_cli(capsys, "rm", store, "--step", "3", "--json")
     assert rc == 0
     assert json.loads(out) == {"root": str(store), "deleted": [3], "kept": [4]}
     with CheckpointManager(store) as mgr:
@@ -96,14 +86,14 @@ def test_rm_refuses_unknown_steps_and_deletes_nothing(
     store: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     before = entries(store)
-    rc, out, err = run(capsys, "rm", store, "--step", "2", "--step", "7")
+    rc, out, err = run_cli(capsys, "rm", store, "--step", "2", "--step", "7")
     assert rc == 1
     assert out == ""
     assert err.startswith("ckptstore: error: ")
     assert "step-000000000007: no committed checkpoint (have 1..4 (4 steps))" in err
     assert err.count("\n") == 1
     assert entries(store) == before
-    rc, out, _ = run(capsys, "rm", store, "--step", "7", "--json")
+    rc, out, _ = run_cli(capsys, "rm", store, "--step", "7", "--json")
     assert rc == 1
     doc = json.loads(out)
     assert doc["error"] == "NoCheckpointError"
@@ -118,7 +108,7 @@ def test_rm_refuses_the_only_good_step_unless_forced(
     before = entries(store)
     # 3 is the newest step that verifies; 1 would still be there, so deleting 3 is fine...
     # ...but deleting 3 and 1 leaves only corrupt steps: refused, nothing deleted.
-    rc, out, err = run(capsys, "rm", store, "--step", "3", "--step", "1")
+    rc, out, err = run_cli(capsys, "rm", store, "--step", "3", "--step", "1")
     assert rc == 1
     assert out == ""
     assert "step 3 is the only checkpoint that verifies (no other step verifies)" in err
@@ -130,7 +120,7 @@ def test_rm_refuses_the_only_good_step_unless_forced(
     # Corrupt steps go without a word.
     assert delete_steps(store, [2, 4]).deleted == [2, 4]
     assert steps_on_disk(store) == [1, 3]
-    assert run(capsys, "rm", store, "--step", "1", "--step", "3", "--force")[0] == 0
+    assert run_cli(capsys, "rm", store, "--step", "1", "--step", "3", "--force")[0] == 0
     assert steps_on_disk(store) == []
 
 
@@ -138,29 +128,29 @@ def test_rm_the_last_step_needs_force(tmp_path: Path, capsys: pytest.CaptureFixt
     root = tmp_path / "one"
     with CheckpointManager(root) as mgr:
         mgr.save(5, {"x": torch.zeros(2)})
-    rc, _, err = run(capsys, "rm", root, "--step", "5")
+    rc, _, err = run_cli(capsys, "rm", root, "--step", "5")
     assert rc == 1
     assert "step 5 is the only checkpoint that verifies (no other step)" in err
     assert steps_on_disk(root) == [5]
-    rc, out, _ = run(capsys, "rm", root, "--step", "5", "--force")
+    rc, out, _ = run_cli(capsys, "rm", root, "--step", "5", "--force")
     assert (rc, out) == (0, "deleted 1 step: 5\n0 steps left\n")
     assert steps_on_disk(root) == []
 
 
 def test_rm_refuses_pinned_steps(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    assert run(capsys, "pin", store, "--step", "2")[0] == 0
-    rc, _, err = run(capsys, "rm", store, "--step", "1", "--step", "2")
+    assert run_cli(capsys, "pin", store, "--step", "2")[0] == 0
+    rc, _, err = run_cli(capsys, "rm", store, "--step", "1", "--step", "2")
     assert rc == 1
     assert "step 2 is pinned; nothing was deleted: unpin it first" in err
     assert steps_on_disk(store) == [1, 2, 3, 4]
-    assert run(capsys, "rm", store, "--step", "2", "--force")[0] == 0
+    assert run_cli(capsys, "rm", store, "--step", "2", "--force")[0] == 0
     assert steps_on_disk(store) == [1, 3, 4]
 
 
 def test_rm_while_a_job_writes_is_refused(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with CheckpointManager(store, keep=None) as writer:
         writer.save(5, {"x": torch.zeros(1)})  # holds the writer lock
-        rc, out, err = run(capsys, "rm", store, "--step", "1")
+        rc, out, err = run_cli(capsys, "rm", store, "--step", "1")
         with pytest.raises(StoreLockedError):
             delete_steps(store, [1])
     assert (rc, out) == (1, "")
@@ -171,11 +161,11 @@ def test_rm_while_a_job_writes_is_refused(store: Path, capsys: pytest.CaptureFix
 
 def test_rm_usage_errors(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     for argv in (["rm", store], ["rm", store, "--step", "x"], ["rm", store, "--step", "-1"]):
-        rc, out, err = run(capsys, *argv)
+        rc, out, err = run_cli(capsys, *argv)
         assert rc == 2
         assert out == ""
         assert "usage: ckptstore rm" in err
-    rc, out, _ = run(capsys, "rm", store, "--json")
+    rc, out, _ = run_cli(capsys, "rm", store, "--json")
     assert rc == 2
     assert json.loads(out)["error"] == "UsageError"
     with pytest.raises(ValueError, match="no step"):
@@ -187,34 +177,34 @@ def test_rm_usage_errors(store: Path, capsys: pytest.CaptureFixture[str]) -> Non
 
 
 def test_pin_and_unpin(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc, out, err = run(capsys, "pin", store, "--step", "1")
+    rc, out, err = run_cli(capsys, "pin", store, "--step", "1")
     assert (rc, out, err) == (0, "pinned step 1\n", "")
-    assert (step_dir(store, 1) / "pinned").is_file()
-    rc, out, _ = run(capsys, "pin", store, "--step", "1", "--step", "2", "--json")
+    assert (step_path(store, 1) / "pinned").is_file()
+    rc, out, _ = run_cli(capsys, "pin", store, "--step", "1", "--step", "2", "--json")
     assert rc == 0
     assert json.loads(out) == {"root": str(store), "pinned": True, "steps": [1, 2], "changed": [2]}
-    rc, out, _ = run(capsys, "ls", store, "--json")
+    rc, out, _ = run_cli(capsys, "ls", store, "--json")
     assert [d["pinned"] for d in json.loads(out)] == [True, True, False, False]
     # retention keeps pins
-    rc, out, _ = run(capsys, "prune", store, "--keep-last", "1", "--json")
+    rc, out, _ = run_cli(capsys, "prune", store, "--keep-last", "1", "--json")
     assert json.loads(out)["deleted"] == [3]
-    rc, out, _ = run(capsys, "unpin", store, "--step", "1")
+    rc, out, _ = run_cli(capsys, "unpin", store, "--step", "1")
     assert (rc, out) == (0, "unpinned step 1\n")
-    rc, out, _ = run(capsys, "unpin", store, "--step", "1")
+    rc, out, _ = run_cli(capsys, "unpin", store, "--step", "1")
     assert (rc, out) == (0, "step 1: already unpinned\n")
-    assert not (step_dir(store, 1) / "pinned").exists()
+    assert not (step_path(store, 1) / "pinned").exists()
     assert pin_steps(store, [2], pinned=False).changed == [2]
-    rc, out, _ = run(capsys, "prune", store, "--keep-last", "1")
+    rc, out, _ = run_cli(capsys, "prune", store, "--keep-last", "1")
     assert out.splitlines()[0] == "deleted 2 steps: 1, 2"
 
 
 def test_pin_refuses_unknown_steps(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     before = entries(store)
-    rc, out, err = run(capsys, "pin", store, "--step", "1", "--step", "9")
+    rc, out, err = run_cli(capsys, "pin", store, "--step", "1", "--step", "9")
     assert (rc, out) == (1, "")
     assert "step-000000000009: no committed checkpoint" in err
     assert entries(store) == before  # step 1 was not pinned either
-    rc, _, err = run(capsys, "pin", store)
+    rc, _, err = run_cli(capsys, "pin", store)
     assert rc == 2
     assert "--step" in err
 
@@ -227,7 +217,7 @@ def test_prune_with_a_metric_no_step_has_is_a_usage_error(
 ) -> None:
     before = entries(store)
     for extra in ([], ["--dry-run"]):
-        rc, out, err = run(
+        rc, out, err = run_cli(
             capsys, "prune", store, "--keep-best", "2", "--metric", "val_loss", *extra
         )
         assert rc == 2
@@ -235,7 +225,7 @@ def test_prune_with_a_metric_no_step_has_is_a_usage_error(
         assert "usage: ckptstore prune" in err
         assert "no checkpoint of the store records the metric 'val_loss'" in err
         assert "the metrics the store has: acc, loss" in err
-    rc, out, _ = run(capsys, "prune", store, "--keep-best", "1", "--metric", "nosuch", "--json")
+    rc, out, _ = run_cli(capsys, "prune", store, "--keep-best", "1", "--metric", "nosuch", "--json")
     assert rc == 2
     doc = json.loads(out)
     assert doc["error"] == "UsageError"
@@ -244,7 +234,9 @@ def test_prune_with_a_metric_no_step_has_is_a_usage_error(
     with pytest.raises(ValueError, match="the metrics the store has: acc, loss"):
         prune_store(store, [KeepLast(1), *_keep_best("nosuch")])
     # the right metric works, in a union with other policies too
-    rc, out, _ = run(capsys, "prune", store, "--keep-best", "1", "--metric", "acc", "--mode", "max")
+    rc, out, _ = run_cli(
+        capsys, "prune", store, "--keep-best", "1", "--metric", "acc", "--mode", "max"
+    )
     assert rc == 0
     assert out.splitlines()[0] == "deleted 3 steps: 1, 2, 3"
 
@@ -262,7 +254,7 @@ def test_prune_metric_check_needs_steps_with_metrics(
     with CheckpointManager(root) as mgr:
         mgr.save(1, {"x": torch.zeros(1)})
         mgr.save(2, {"x": torch.zeros(1)})
-    rc, _, err = run(capsys, "prune", root, "--keep-best", "1", "--metric", "loss")
+    rc, _, err = run_cli(capsys, "prune", root, "--keep-best", "1", "--metric", "loss")
     assert rc == 2
     assert "none (no checkpoint records a metric)" in err
     assert steps_on_disk(root) == [1, 2]
@@ -302,7 +294,7 @@ def test_commands_on_a_directory_that_is_not_a_store_create_nothing(
     root.mkdir()
     (root / "notes.txt").write_text("mine\n")
     (root / "data").mkdir()
-    rc, out, err = run(capsys, *[a.format(root=root) for a in argv])
+    rc, out, err = run_cli(capsys, *[a.format(root=root) for a in argv])
     assert rc == 1
     assert out == ""
     assert err == (
@@ -310,7 +302,7 @@ def test_commands_on_a_directory_that_is_not_a_store_create_nothing(
         "ckptstore files); check the path\n"
     )
     assert entries(root) == ["data", "notes.txt"]
-    rc, out, _ = run(capsys, *[a.format(root=root) for a in argv], "--json")
+    rc, out, _ = run_cli(capsys, *[a.format(root=root) for a in argv], "--json")
     assert json.loads(out) == {
         "error": "NoCheckpointError",
         "message": err.removeprefix("ckptstore: error: ").rstrip("\n"),
@@ -323,8 +315,12 @@ def test_gc_and_prune_on_an_empty_directory_create_nothing(
 ) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    assert run(capsys, "gc", empty) == (0, "nothing to remove\n", "")
-    assert run(capsys, "prune", empty, "--keep-last", "1") == (0, f"{empty}: no checkpoints\n", "")
+    assert run_cli(capsys, "gc", empty) == (0, "nothing to remove\n", "")
+    assert run_cli(capsys, "prune", empty, "--keep-last", "1") == (
+        0,
+        f"{empty}: no checkpoints\n",
+        "",
+    )
     assert os.listdir(empty) == []
     assert gc_store(empty) == []
     assert prune_store(empty, 1).deleted == []

@@ -12,16 +12,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from _helpers import run_cli
 
 from ckptstore import CheckpointManager, NoCheckpointError, list_store, list_stores
-from ckptstore.cli import main
 from ckptstore.stores import find_stores, open_store
-
-
-def run(capsys: pytest.CaptureFixture[str], *argv: object) -> tuple[int, str, str]:
-    rc = main([str(a) for a in argv])
-    out, err = capsys.readouterr()
-    return rc, out, err
 
 
 def make_store(root: Path, steps: tuple[int, ...] = (1,), **metrics: float) -> Path:
@@ -37,7 +31,7 @@ def make_store(root: Path, steps: tuple[int, ...] = (1,), **metrics: float) -> P
 def test_ls_etc_says_there_is_no_store(capsys: pytest.CaptureFixture[str]) -> None:
     if not os.path.isdir("/etc"):
         pytest.skip("no /etc")
-    rc, out, err = run(capsys, "ls", "/etc")
+    rc, out, err = run_cli(capsys, "ls", "/etc")
     assert (rc, out) == (1, "")
     assert err.startswith("ckptstore: error: /etc: no store there")
     assert err.count("\n") == 1
@@ -49,11 +43,11 @@ def test_a_file_and_a_step_directory_are_not_stores(
     root = make_store(tmp_path / "ckpt", (1, 2))
     f = tmp_path / "file.txt"
     f.write_text("x")
-    rc, _, err = run(capsys, "ls", f)
+    rc, _, err = run_cli(capsys, "ls", f)
     assert rc == 1
     assert f"{f}: not a directory" in err
     step = root / "step-000000000002"
-    rc, out, err = run(capsys, "ls", step)
+    rc, out, err = run_cli(capsys, "ls", step)
     assert (rc, out) == (1, "")
     assert err == (
         f"ckptstore: error: {step} is the checkpoint of step 2, not a store; the store is {root}\n"
@@ -94,7 +88,7 @@ def test_ls_lists_each_store_of_a_lightning_directory(
     lightning_dir: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     d = lightning_dir
-    rc, out, err = run(capsys, "ls", d)
+    rc, out, err = run_cli(capsys, "ls", d)
     assert (rc, err) == (0, "")
     blocks = out.split("\n\n")
     names = ["epoch=0-step=10.ckpt", "epoch=1-step=20.ckpt", "last.ckpt"]
@@ -102,7 +96,7 @@ def test_ls_lists_each_store_of_a_lightning_directory(
     assert [ln.split()[0] for ln in blocks[2].splitlines()[2:4]] == ["10", "20"]  # two versions
     assert blocks[0].splitlines()[1].split()[:2] == ["step", "created"]
     assert blocks[-1] == f"3 stores in {d}\n"
-    rc, out, _ = run(capsys, "ls", d, "--json")
+    rc, out, _ = run_cli(capsys, "ls", d, "--json")
     doc = json.loads(out)
     assert doc["root"] == str(d)
     assert [s["root"] for s in doc["stores"]] == [str(d / n) for n in names]
@@ -111,12 +105,12 @@ def test_ls_lists_each_store_of_a_lightning_directory(
     assert res.nested
     assert [len(s.steps) for s in res.stores] == [1, 1, 2]
     # a command for one store says which stores the directory holds
-    rc, _, err = run(capsys, "verify", d)
+    rc, _, err = run_cli(capsys, "verify", d)
     assert rc == 1
     assert f"{d}: no store there, but it holds 3 stores (epoch=0-step=10.ckpt, " in err
     assert not (d / ".ckptstore.lock").exists()
     # one of them, as any store
-    rc, out, _ = run(capsys, "ls", d / "last.ckpt")
+    rc, out, _ = run_cli(capsys, "ls", d / "last.ckpt")
     assert rc == 0
     assert out.splitlines()[-1] == "2 checkpoints, " + out.splitlines()[-1].split(", ")[1]
 
@@ -142,18 +136,18 @@ FAST = [
 def test_s3_missing_bucket_is_no_store(s3: object, capsys: pytest.CaptureFixture[str]) -> None:
     opts = s3.cli_options  # type: ignore[attr-defined]
     for argv in (["ls"], ["verify"], ["gc"], ["prune", "--keep-last", "1"]):
-        rc, out, err = run(capsys, argv[0], "s3://nosuchbucket/x", *argv[1:], *opts)
+        rc, out, err = run_cli(capsys, argv[0], "s3://nosuchbucket/x", *argv[1:], *opts)
         assert (rc, out) == (1, ""), err
         assert err == (
             "ckptstore: error: s3://nosuchbucket/x: no store there: the bucket 'nosuchbucket' "
             "does not exist; check the bucket name (and the endpoint_url and region storage "
             "options)\n"
         )
-    rc, out, _ = run(capsys, "ls", "s3://nosuchbucket/x", "--json", *opts)
+    rc, out, _ = run_cli(capsys, "ls", "s3://nosuchbucket/x", "--json", *opts)
     assert rc == 1
     assert json.loads(out)["error"] == "NoCheckpointError"
     # an existing bucket with an empty prefix is an empty store, as before
-    rc, out, _ = run(capsys, "ls", s3.url("nothing-here"), *opts)  # type: ignore[attr-defined]
+    rc, out, _ = run_cli(capsys, "ls", s3.url("nothing-here"), *opts)  # type: ignore[attr-defined]
     assert (rc, out) == (0, f"{s3.url('nothing-here')}: no checkpoints\n")  # type: ignore[attr-defined]
 
 
@@ -169,13 +163,13 @@ def test_s3_missing_credentials(
     url = s3.url("creds")  # type: ignore[attr-defined]
     endpoint = f"--storage-option=endpoint_url={s3.endpoint}"  # type: ignore[attr-defined]
     args = [endpoint, "--storage-option=skip_instance_cache=true", *FAST]
-    rc, out, err = run(capsys, "ls", url, *args)
+    rc, out, err = run_cli(capsys, "ls", url, *args)
     assert (rc, out) == (1, ""), err
     assert err.startswith(f"ckptstore: error: {url}: no credentials found (")
     assert "AWS_ACCESS_KEY_ID" in err
     assert err.count("\n") == 1
     assert "Traceback" not in err
-    rc, out, _ = run(capsys, "verify", url, "--json", *args)
+    rc, out, _ = run_cli(capsys, "verify", url, "--json", *args)
     assert rc == 1
     doc = json.loads(out)
     assert doc["error"] == "CkptStoreError"
@@ -202,7 +196,7 @@ def test_s3_wrong_credentials(
             "--storage-option=skip_instance_cache=true",
         ]
         for argv in (["ls"], ["verify", "--quick"], ["prune", "--keep-last", "1", "--dry-run"]):
-            rc, out, err = run(capsys, argv[0], url, *argv[1:], *opts)
+            rc, out, err = run_cli(capsys, argv[0], url, *argv[1:], *opts)
             assert (rc, out) == (1, ""), err
             assert err.startswith(f"ckptstore: error: {url}: access denied (")
             assert "check the credentials" in err
@@ -227,10 +221,10 @@ def test_s3_endpoint_that_does_not_answer(capsys: pytest.CaptureFixture[str]) ->
     ]
     url = "s3://ckptstore-test/run"
     for argv in (["ls"], ["verify"], ["inspect"], ["rm", "--step", "1"]):
-        rc, out, err = run(capsys, argv[0], url, *argv[1:], *opts)
+        rc, out, err = run_cli(capsys, argv[0], url, *argv[1:], *opts)
         assert (rc, out) == (1, ""), err
         assert err.startswith(f"ckptstore: error: {url}: cannot reach the storage endpoint (")
         assert "check the endpoint_url storage option" in err
         assert err.count("\n") == 1
-    rc, out, _ = run(capsys, "ls", url, "--json", *opts)
+    rc, out, _ = run_cli(capsys, "ls", url, "--json", *opts)
     assert json.loads(out)["message"].startswith(f"{url}: cannot reach the storage endpoint")

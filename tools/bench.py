@@ -415,6 +415,27 @@ def resident_bytes(path: Path) -> int | None:
         os.close(fd)
 
 
+def drop_cache(root: Path) -> float | None:
+    """fsync and evict every file under ``root`` (a directory or one file) from the page
+    cache; the fraction of its bytes still resident afterwards (None: unknown, or no bytes)."""
+    files = tree_files(root) if root.is_dir() else [root]
+    for f in files:
+        fd = os.open(f, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
+    total = resident = 0
+    for f in files:
+        r = resident_bytes(f)
+        if r is None:
+            return None
+        total += f.stat().st_size
+        resident += r
+    return resident / total if total else None
+
+
 def df_info(path: Path) -> dict[str, Any]:
     out: dict[str, Any] = {"path": str(path)}
     try:
@@ -500,25 +521,9 @@ class Ctx:
 
     def drop(self, root: Path) -> None:
         """fsync and evict every file under ``root`` from the page cache; check it worked."""
-        files = tree_files(root) if root.is_dir() else [root]
-        total = resident = 0
-        known = True
-        for f in files:
-            fd = os.open(f, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
-        for f in files:
-            total += f.stat().st_size
-            r = resident_bytes(f)
-            if r is None:
-                known = False
-            else:
-                resident += r
-        if known and total:
-            self.resident_after_drop.append(resident / total)
+        resident = drop_cache(root)
+        if resident is not None:
+            self.resident_after_drop.append(resident)
 
     def own_memory(self) -> None:
         """See :func:`own_memory`; the count moved is kept in ``extra``."""

@@ -41,7 +41,6 @@ import json
 import mmap
 import os
 import shutil
-import socket
 import statistics
 import subprocess
 import sys
@@ -57,6 +56,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import bench  # tools/bench.py: the model, disk helpers, O_DIRECT constants
+import demo  # tools/demo.py: a rank's environment, as torchrun sets it
 
 CONTENDERS = ("raw", "dcp", "ckpt")
 #: Save-only rows, timed in the ``ckpt`` turn of each round (see ``save_job``).
@@ -181,26 +181,6 @@ def timed(fn: Any) -> float:
     fn()
     barrier()
     return time.perf_counter() - t0
-
-
-def drop_cache(root: Path) -> float | None:
-    """fsync and evict every file under ``root``; the fraction still resident afterwards."""
-    files = bench.tree_files(root)
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-    total = resident = 0
-    for f in files:
-        r = bench.resident_bytes(f)
-        if r is None:
-            return None
-        total += f.stat().st_size
-        resident += r
-    return resident / total if total else 0.0
 
 
 # ---- raw O_DIRECT ------------------------------------------------------------------------------
@@ -460,7 +440,7 @@ def restore_job(job: dict[str, Any]) -> dict[str, Any]:
                 model, opt = build(job["param_bytes"], world, init=False)
             op, done = restore_op(c, dirs[c], model, opt, raw=raw, raw_bytes=out["raw_bytes"])
             if rank == 0:
-                out["resident"].append(drop_cache(dirs[c]))
+                out["resident"].append(bench.drop_cache(dirs[c]))
             barrier()
             seconds = timed(op)
             done()
@@ -511,9 +491,7 @@ def launch(jobdir: Path, job: dict[str, Any], timeout: float) -> list[dict[str, 
     jobdir.mkdir(parents=True, exist_ok=True)
     (jobdir / "job.json").write_text(json.dumps(job))
     world = job["world"]
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = demo.port()
     procs = []
     for rank in range(world):
         # One intra-op thread per process, as torchrun sets it, for every contender and
@@ -521,14 +499,7 @@ def launch(jobdir: Path, job: dict[str, Any], timeout: float) -> list[dict[str, 
         # made plain tensor copies ~10x slower in the 1-process restore.
         env = dict(os.environ, OMP_NUM_THREADS="1")
         if world > 1:
-            env.update(
-                RANK=str(rank),
-                WORLD_SIZE=str(world),
-                LOCAL_RANK=str(rank),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(port),
-                TORCH_CPP_LOG_LEVEL="FATAL",
-            )
+            env = demo.env_for(rank, world, port)  # torchrun's variables, OMP_NUM_THREADS=1
         else:
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
                 env.pop(k, None)

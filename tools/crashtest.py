@@ -69,9 +69,11 @@ CONFIGS = [
 ]
 #: Upper bound of the random delay before a kill, seconds, per store.
 KILL_WITHIN = {"local": 0.25, "s3": 1.5}
-#: barrier_timeout of the distributed jobs, and the slack allowed on top of it.
+#: barrier_timeout of the distributed jobs, and the slack allowed on top of it: an idle host's
+#: 5 s times CKPTSTORE_TEST_SLOWDOWN (1 unless set; the test suite sets it, see tests/timing.py),
+#: since on a busy host a survivor takes longer to report and exit once its wait ran out.
 DIST_TIMEOUT = 3.0
-DIST_SLACK = 5.0
+DIST_SLACK = 5.0 * float(os.environ.get("CKPTSTORE_TEST_SLOWDOWN", "1"))
 
 
 def emit(line: str) -> None:

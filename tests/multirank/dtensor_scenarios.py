@@ -20,7 +20,7 @@ from torch import nn
 
 from ckptstore import CheckpointManager, RNGState
 from ckptstore.sharding import is_dtensor, named_optimizer_state
-from tests.multirank.scenarios import Ctx, outcome
+from tests.multirank.scenarios import Ctx, outcome, step1_then_manager, train_steps
 
 
 class Net(nn.Module):
@@ -57,13 +57,7 @@ def shard(model: nn.Module, mesh_shape: list[int] | None = None) -> Any:
 
 
 def train(model: nn.Module, opt: torch.optim.Optimizer, steps: int, seed: int = 1) -> None:
-    g = torch.Generator().manual_seed(seed)
-    for _ in range(steps):
-        x = torch.randn(8, 6, generator=g)
-        loss = model(x).pow(2).mean()
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+    train_steps(model, opt, steps, seed, batch=(8, 6))  # Net's 6 inputs
 
 
 def _full(t: torch.Tensor) -> torch.Tensor:
@@ -259,8 +253,7 @@ def fsdp_die_in_save(ctx: Ctx) -> dict[str, Any]:
     state = {"model": model, "optimizer": opt}
     victim = ctx.args["victim"]
     phase = ctx.args["phase"]
-    mgr = _mgr(ctx)
-    mgr.save(1, state)
+    mgr = step1_then_manager(ctx, state)
     if ctx.rank == victim:
         import ckptstore.sharding as sh
 

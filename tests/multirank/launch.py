@@ -1,10 +1,12 @@
 """One launch helper for every multi-rank test: real processes, gloo on CPU, a hard timeout.
 
 Each rank is a fresh ``python tests/multirank/worker.py`` process that joins a gloo process group
-over TCP on loopback and runs one scenario function from ``tests/multirank/scenarios.py``. The
-worker writes its outcome (result or exception, with ``BarrierTimeout`` attributes) as JSON.
-The parent kills every rank when the deadline passes, so a hang fails the test instead of
-stalling CI.
+over TCP on loopback and runs one scenario function from ``tests/multirank/scenarios.py``.
+Rank 0 hosts the group's store on a port the kernel picks and publishes it in a file of the
+workdir (``worker.rendezvous``): no port is chosen here and bound later, where another test
+could take it in between. The worker writes its outcome (result or exception, with
+``BarrierTimeout`` attributes) as JSON. The parent kills every rank when the deadline passes,
+so a hang fails the test instead of stalling CI.
 
 Ranks are forked by ``zygote.py``, a server that imported torch and ckptstore once (a fresh
 interpreter spends 2-5 s of CPU on those imports, most of the suite's time on two cores); each
@@ -20,7 +22,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import tempfile
@@ -171,12 +172,6 @@ def _fork_server(env: dict[str, str]) -> _ForkServer | None:
     return _server if _server.fits(env) else None
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 def launch(
     scenario: str,
     world_size: int,
@@ -186,8 +181,10 @@ def launch(
     args: dict[str, Any] | None = None,
 ) -> list[RankResult]:
     """Run ``scenario`` on ``world_size`` ranks; return one result per rank (by rank)."""
-    port = free_port()
     workdir.mkdir(parents=True, exist_ok=True)
+    # Rank 0 binds port 0 and publishes the port here (worker.rendezvous): never a stale one.
+    port_file = workdir / "store.port"
+    port_file.unlink(missing_ok=True)
     procs: list[tuple[subprocess.Popen[bytes] | _Forked, Any]] = []
     env = dict(os.environ)
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
@@ -203,7 +200,7 @@ def launch(
             scenario,
             str(rank),
             str(world_size),
-            str(port),
+            str(port_file),
             str(workdir),
             json.dumps(args or {}),
         ]
@@ -250,6 +247,24 @@ def launch(
         msg = f"scenario {scenario!r} hung past {timeout}s and was killed\n{logs}"
         raise AssertionError(msg)
     return results
+
+
+def values(results: list[RankResult]) -> list[Any]:
+    """What each rank's scenario returned (by rank); fails, with every rank's log, unless all
+    of them returned."""
+    assert all(r.ok for r in results), describe(results)
+    return [r.value for r in results]
+
+
+def timeouts_naming(results: list[RankResult], missing: int) -> list[Any]:
+    """What the survivors of rank ``missing`` returned (by rank): each a ``BarrierTimeout``
+    outcome (``scenarios.outcome``) that names that rank alone; fails otherwise."""
+    survivors = [r for r in results if r.rank != missing]
+    for r in survivors:
+        assert r.ok, describe(results)
+        assert r.value["error_type"] == "BarrierTimeout", describe(results)
+        assert r.value["missing_ranks"] == [missing], describe(results)
+    return [r.value for r in survivors]
 
 
 def describe(results: list[RankResult]) -> str:

@@ -25,6 +25,10 @@ from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ckptstore import EMA, CheckpointManager, KeepBest, KeepLast, RNGState
 from ckptstore.storage.local import LocalStorage
+from tests.timing import healthy
+
+#: barrier_timeout of the waits in which every rank is healthy (a busy host only slows them).
+HEALTHY = healthy(15.0)
 
 
 @dataclass
@@ -52,31 +56,66 @@ def digest(module: nn.Module) -> str:
     return h.hexdigest()
 
 
-def train_steps(model: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int) -> None:
+def train_steps(
+    model: nn.Module, opt: torch.optim.Optimizer, n: int, seed: int, batch: tuple[int, int] = (4, 8)
+) -> None:
+    """``n`` optimizer steps on random inputs of shape ``batch`` drawn from ``seed``."""
     g = torch.Generator().manual_seed(seed)
     for _ in range(n):
-        x = torch.randn(4, 8, generator=g)
+        x = torch.randn(*batch, generator=g)
         loss = model(x).pow(2).mean()
         opt.zero_grad()
         loss.backward()
         opt.step()
 
 
+def failure(e: BaseException) -> dict[str, Any]:
+    """An exception as JSON: its type and message, and ``BarrierTimeout``'s attributes."""
+    return {
+        "ok": False,
+        "error_type": type(e).__name__,
+        "message": str(e),
+        "missing_ranks": list(getattr(e, "missing_ranks", []) or []),
+        "phase": getattr(e, "phase", None),
+        "step": getattr(e, "step", None),
+    }
+
+
 def outcome(fn: Callable[[], Any]) -> dict[str, Any]:
+    """``fn()``'s value or its exception (:func:`failure`), and how long it took."""
     t0 = time.monotonic()
     try:
         value = fn()
         return {"ok": True, "value": value, "seconds": time.monotonic() - t0}
     except Exception as e:
-        return {
-            "ok": False,
-            "error_type": type(e).__name__,
-            "message": str(e),
-            "missing_ranks": list(getattr(e, "missing_ranks", []) or []),
-            "phase": getattr(e, "phase", None),
-            "step": getattr(e, "step", None),
-            "seconds": time.monotonic() - t0,
-        }
+        return {**failure(e), "seconds": time.monotonic() - t0}
+
+
+def step1_then_manager(ctx: Ctx, state: dict[str, Any], **kw: Any) -> CheckpointManager:
+    """``state`` saved as step 1 by every rank with :data:`HEALTHY` waits, then the manager
+    under test (``kw``: its other arguments).
+
+    The returned manager's ``barrier_timeout`` is the scenario's short ``timeout``: the wait
+    that must run out when a rank is missing. The healthy save before it must not fail only
+    because a busy host made one rank slower than that.
+    """
+    with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as setup:
+        setup.save(1, state)
+    # Constructing the manager waits for every rank, with the short timeout: start together.
+    dist.barrier()
+    return CheckpointManager(ctx.root, barrier_timeout=float(ctx.args["timeout"]), **kw)
+
+
+def wait_for_outcomes(ctx: Ctx, ranks: list[int]) -> None:
+    """Block until ``ranks`` have written their outcome (``rank{r}.json``, by the worker).
+
+    For a rank that must stay alive, absent from the waits, until the survivors are done:
+    a fixed sleep is too short on a busy host and too long on an idle one.
+    """
+    deadline = time.monotonic() + healthy(30.0)
+    paths = [ctx.workdir / f"rank{r}.json" for r in ranks]
+    while not all(p.exists() for p in paths) and time.monotonic() < deadline:
+        time.sleep(0.05)
 
 
 def files_of(root: Path, step: int) -> list[str]:
@@ -114,13 +153,11 @@ def replicated(ctx: Ctx) -> dict[str, Any]:
 
 
 def save_on_rank0_only(ctx: Ctx) -> dict[str, Any]:
-    timeout = float(ctx.args["timeout"])
     model = make_model()
-    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout)
-    mgr.save(1, {"model": model})
+    mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == 0:
         return outcome(lambda: mgr.save(2, {"model": model}))  # the `if rank == 0` bug
-    time.sleep(timeout + 6)
+    wait_for_outcomes(ctx, [0])  # alive, but never at the wait
     return {"ok": True, "value": "idle"}
 
 
@@ -128,13 +165,13 @@ def guardrails(ctx: Ctx) -> dict[str, Any]:
     """Saves that rank 0 refuses (it holds the listing): every rank raises the same error."""
     model = make_model()
     out: dict[str, Any] = {}
-    with CheckpointManager(ctx.root, barrier_timeout=30.0) as mgr:
+    with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
         mgr.save(10, {"model": model}, metrics={"val_loss": 1.0})
         # Training restarted without resume(): older steps, replicated and per-rank.
         out["older"] = outcome(lambda: mgr.save(5, {"model": model}))
         out["older_sharded"] = outcome(lambda: mgr.save(6, {"model": model}, sharded=True))
     keep = [KeepBest(1, "val_loss"), KeepLast(1)]
-    with CheckpointManager(ctx.root, keep=keep, async_save=True, barrier_timeout=30.0) as mgr:
+    with CheckpointManager(ctx.root, keep=keep, async_save=True, barrier_timeout=HEALTHY) as mgr:
         # The metrics stored are rank 0's: rank 0's decide, whatever the other ranks pass.
         lacking = {"loss": 0.5} if ctx.rank == 0 else {"val_loss": 0.5}
         out["rank0_lacks_metric"] = outcome(lambda: mgr.save(11, {"model": model}, metrics=lacking))
@@ -148,39 +185,53 @@ def guardrails(ctx: Ctx) -> dict[str, Any]:
 
 
 def rank_exits_before_save(ctx: Ctx) -> dict[str, Any]:
-    timeout = float(ctx.args["timeout"])
     model = make_model()
-    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout)
-    mgr.save(1, {"model": model})
+    mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == 1:
         os._exit(3)
     return outcome(lambda: mgr.save(2, {"model": model}))
 
 
 def rank_exits_mid_commit(ctx: Ctx) -> dict[str, Any]:
-    timeout = float(ctx.args["timeout"])
+    writing = ctx.workdir / "rank0-writing"
+    pid_file = ctx.workdir / "rank1.pid"
+    if ctx.rank == 1:  # read by rank 0 after step 1, a collective
+        pid_file.with_suffix(".tmp").write_text(str(os.getpid()))
+        os.replace(pid_file.with_suffix(".tmp"), pid_file)
     model = make_model()
-    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout)
-    mgr.save(1, {"model": model})
+    mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == 0:
-        # Rank 0 writes slowly, so the other rank dies while step 2 is being written.
+        # Rank 0 starts writing step 2, then waits until the other rank is dead: it dies while
+        # step 2 is being written, however slow the host.
         from ckptstore.codec import payload
+        from ckptstore.dist import _alive
 
         real = payload.write_group
+        other = int(pid_file.read_text())
 
         def slow(*a: Any, **k: Any) -> None:
-            time.sleep(2.0)
+            writing.touch()
+            deadline = time.monotonic() + healthy(30.0)
+            while _alive(other) and time.monotonic() < deadline:
+                time.sleep(0.02)
             real(*a, **k)
 
         payload.write_group = slow  # type: ignore[assignment]
     else:
-        threading.Timer(0.7, lambda: os._exit(3)).start()
+
+        def die_once_rank0_writes() -> None:
+            deadline = time.monotonic() + healthy(30.0)
+            while not writing.exists() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            os._exit(3)
+
+        threading.Thread(target=die_once_rank0_writes, daemon=True).start()
     return outcome(lambda: mgr.save(2, {"model": model}))
 
 
 def rank0_raises_in_serialization(ctx: Ctx) -> dict[str, Any]:
     model = make_model()
-    mgr = CheckpointManager(ctx.root, barrier_timeout=20)
+    mgr = CheckpointManager(ctx.root, barrier_timeout=HEALTHY)
     mgr.save(1, {"model": model})
     state: dict[str, Any] = {"model": model, "extra": {"ok": 1}}
     if ctx.rank == 0:
@@ -203,7 +254,7 @@ def _shard_state(rank: int) -> dict[str, Any]:
 
 
 def sharded_roundtrip(ctx: Ctx) -> dict[str, Any]:
-    mgr = CheckpointManager(ctx.root, barrier_timeout=30)
+    mgr = CheckpointManager(ctx.root, barrier_timeout=HEALTHY)
     state = _shard_state(ctx.rank)
     m = mgr.save(1, state, sharded=True).manifest
     fresh = {"shard": torch.zeros(6), "model": make_model(seed=99), "meta": None}
@@ -220,13 +271,13 @@ def sharded_roundtrip(ctx: Ctx) -> dict[str, Any]:
 
 
 def sharded_restore_other_world(ctx: Ctx) -> dict[str, Any]:
-    mgr = CheckpointManager(ctx.root, barrier_timeout=30)
+    mgr = CheckpointManager(ctx.root, barrier_timeout=HEALTHY)
     fresh = {"shard": torch.zeros(6), "model": make_model(seed=99), "meta": None}
     return outcome(lambda: mgr.restore(fresh))
 
 
 def sharded_disk_full(ctx: Ctx) -> dict[str, Any]:
-    mgr = CheckpointManager(ctx.root, barrier_timeout=30)
+    mgr = CheckpointManager(ctx.root, barrier_timeout=HEALTHY)
     state = _shard_state(ctx.rank)
     mgr.save(1, state, sharded=True)
     if ctx.rank == 1:
@@ -257,7 +308,7 @@ def sharded_disk_full(ctx: Ctx) -> dict[str, Any]:
 
 def corrupt_newest(ctx: Ctx) -> dict[str, Any]:
     model = make_model()
-    mgr = CheckpointManager(ctx.root, barrier_timeout=30)
+    mgr = CheckpointManager(ctx.root, barrier_timeout=HEALTHY)
     mgr.save(1, {"model": model})
     with torch.no_grad():
         model[0].weight.add_(1.0)
@@ -277,14 +328,14 @@ def broadcast_restore(ctx: Ctx) -> dict[str, Any]:
     # Node-local disks: each rank has its own directory; only rank 0's holds checkpoints.
     root = ctx.workdir / f"node{ctx.rank}"
     model = make_model(seed=5)
-    mgr = CheckpointManager(root, barrier_timeout=30)
+    mgr = CheckpointManager(root, barrier_timeout=HEALTHY)
     mgr.save(1, {"model": model, "step": 1})
     fresh: dict[str, Any] = {"model": make_model(seed=6), "step": 0}
     step = mgr.restore(fresh, broadcast=True)
     # The same launch, compressed torch-format payloads: the broadcast copies inflate into
     # the model's tensors as they stream (payload.decode_bytes).
     zroot = ctx.workdir / f"znode{ctx.rank}"
-    zmgr = CheckpointManager(zroot, barrier_timeout=30, format="torch", compression="zstd")
+    zmgr = CheckpointManager(zroot, barrier_timeout=HEALTHY, format="torch", compression="zstd")
     zmgr.save(2, {"model": model, "step": 2})
     zfresh: dict[str, Any] = {"model": make_model(seed=8), "step": 0}
     zstep = zmgr.restore(zfresh, broadcast=True)
@@ -305,7 +356,7 @@ def ddp_ema(ctx: Ctx) -> dict[str, Any]:
     for i in range(3):
         train_steps(model, opt, 1, seed=i)
         ema.update_parameters(model.module)
-    mgr = CheckpointManager(ctx.root, barrier_timeout=30)
+    mgr = CheckpointManager(ctx.root, barrier_timeout=HEALTHY)
     mgr.save(1, {"model": model, "optimizer": opt})  # a checkpoint without EMA
     mgr.save(2, {"model": model, "optimizer": opt, "ema": EMA(ema, source=model)})
     ema_saved = digest(ema.module)
@@ -415,7 +466,8 @@ def unpicklable_error_in_state_dict(ctx: Ctx) -> dict[str, Any]:
 def manager_on_some_ranks(ctx: Ctx) -> dict[str, Any]:
     timeout = float(ctx.args["timeout"])
     if ctx.rank == ctx.world - 1:
-        time.sleep(timeout + 4)  # never constructs it: the bug under test
+        # Never constructs it (the bug under test), but stays alive until the others are done.
+        wait_for_outcomes(ctx, list(range(ctx.world - 1)))
         return {"ok": True, "value": "absent"}
     return outcome(lambda: CheckpointManager(ctx.root, barrier_timeout=timeout))
 
@@ -423,13 +475,11 @@ def manager_on_some_ranks(ctx: Ctx) -> dict[str, Any]:
 def exporter_then_rank_dies(ctx: Ctx) -> dict[str, Any]:
     """Rank 0 alone builds a manager with distributed=False first (an exporter, Lightning's
     CheckpointIO); then a rank dies in a save, and every survivor must name that rank."""
-    timeout = float(ctx.args["timeout"])
     model = make_model()
     if ctx.rank == 0:
         with CheckpointManager(ctx.workdir / "export", distributed=False) as exporter:
             exporter.save(1, {"model": model})
-    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout)
-    mgr.save(1, {"model": model})
+    mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == 1:
         os._exit(3)
     return outcome(lambda: mgr.save(2, {"model": model}))
@@ -456,13 +506,13 @@ def _seed_all(seed: int) -> None:
 def rng_save(ctx: Ctx) -> dict[str, Any]:
     """Save each rank's generators (world 1: a single-process checkpoint)."""
     _seed_all(100 + ctx.rank)
-    with CheckpointManager(ctx.root, barrier_timeout=30) as mgr:
+    with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
         mgr.save(1, {"rng": RNGState()})
     return {"draws": _draws()}
 
 
-def rng_sharded(ctx: Ctx) -> dict[str, Any]:
-    """A sharded save keeps each rank's stream in its own file: each gets its own back."""
+def ckptstore_warnings() -> list[str]:
+    """A list that receives the message of every warning (or worse) ckptstore logs from now."""
     import logging
 
     seen: list[str] = []
@@ -473,8 +523,14 @@ def rng_sharded(ctx: Ctx) -> dict[str, Any]:
                 seen.append(record.getMessage())
 
     logging.getLogger("ckptstore").addHandler(Keep())
+    return seen
+
+
+def rng_sharded(ctx: Ctx) -> dict[str, Any]:
+    """A sharded save keeps each rank's stream in its own file: each gets its own back."""
+    seen = ckptstore_warnings()
     _seed_all(100 + ctx.rank)
-    with CheckpointManager(ctx.root, barrier_timeout=30) as mgr:
+    with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
         mgr.save(1, {"rng": RNGState()}, sharded=True)
         saved = _draws()
         _seed_all(7)
@@ -484,18 +540,9 @@ def rng_sharded(ctx: Ctx) -> dict[str, Any]:
 
 def rng_restore(ctx: Ctx) -> dict[str, Any]:
     """Restore on more ranks than saved: plain, then with derive_missing (twice)."""
-    import logging
-
-    seen: list[str] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            if record.levelno >= logging.WARNING:
-                seen.append(record.getMessage())
-
-    logging.getLogger("ckptstore").addHandler(Keep())
+    seen = ckptstore_warnings()
     out: dict[str, Any] = {}
-    with CheckpointManager(ctx.root, barrier_timeout=30) as mgr:
+    with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
         for name, derive in (("plain", False), ("derived", True), ("again", True)):
             _seed_all(7)  # the same scrambled state on every rank before each restore
             seen.clear()
@@ -516,7 +563,7 @@ def train_run(ctx: Ctx) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=0.01)
     sched = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
     ema = AveragedModel(model.module, multi_avg_fn=get_ema_multi_avg_fn(0.9))
-    mgr = CheckpointManager(ctx.root, keep=2, barrier_timeout=30)
+    mgr = CheckpointManager(ctx.root, keep=2, barrier_timeout=HEALTHY)
     state: dict[str, Any] = {
         "model": model,
         "optimizer": opt,
@@ -566,10 +613,8 @@ def rank_freezes_mid_exchange(ctx: Ctx) -> dict[str, Any]:
 
     from ckptstore.dist import Coordinator
 
-    timeout = float(ctx.args["timeout"])
     model = make_model()
-    mgr = CheckpointManager(ctx.root, barrier_timeout=timeout)
-    mgr.save(1, {"model": model})
+    mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == ctx.world - 1:
         real = Coordinator.barrier
         me = os.getpid()
@@ -578,7 +623,7 @@ def rank_freezes_mid_exchange(ctx: Ctx) -> dict[str, Any]:
             real(self, phase, step)
             if phase == "save:write":
                 if os.fork() == 0:  # the undertaker: the frozen rank cannot end itself
-                    time.sleep(timeout + 6)  # the survivors are done by then
+                    wait_for_outcomes(ctx, list(range(ctx.world - 1)))  # the survivors'
                     os.kill(me, signal.SIGKILL)
                     os._exit(0)
                 os.kill(me, signal.SIGSTOP)
@@ -594,7 +639,7 @@ def _tiered(ctx: Ctx, root: Path) -> CheckpointManager:
     return CheckpointManager(
         root,
         keep=None,
-        barrier_timeout=30,
+        barrier_timeout=HEALTHY,
         replica=ctx.args["url"],
         replica_options=ctx.args["options"],
     )

@@ -11,20 +11,16 @@ from pathlib import Path
 
 import pytest
 
-from tests.multirank.launch import describe, launch
+from tests.multirank.launch import describe, launch, timeouts_naming, values
+from tests.timing import healthy
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 4.0  # barrier_timeout of the scenarios where a rank is missing
-SLACK = 6.0
+SLACK = healthy(2.5)
 #: barrier_timeout where every rank is there and must fail fast: an error that arrives only
 #: after it (a rank that waited it out) fails "< PROMPT"; the margin absorbs a loaded host.
 LONG = 30.0
 PROMPT = LONG / 2
-
-
-def values(results):
-    assert all(r.ok for r in results), describe(results)
-    return [r.value for r in results]
 
 
 @pytest.mark.parametrize("via", ["restore", "resume"])
@@ -71,11 +67,7 @@ def test_manager_built_on_some_ranks_names_the_missing_ones(tmp_path: Path):
 def test_rank0_only_manager_does_not_shift_whom_survivors_blame(tmp_path: Path):
     res = launch("exporter_then_rank_dies", 3, tmp_path, args={"timeout": TIMEOUT})
     assert res[1].returncode == 3
-    for r in (res[0], res[2]):
-        assert r.ok, describe(res)
-        v = r.value
-        assert v["error_type"] == "BarrierTimeout", describe(res)
-        assert v["missing_ranks"] == [1], describe(res)
+    for v in timeouts_naming(res, 1):
         assert v["seconds"] < TIMEOUT + SLACK
 
 

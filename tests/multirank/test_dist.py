@@ -9,16 +9,12 @@ import torch
 
 from ckptstore import CheckpointManager
 from ckptstore.errors import StateMismatchError
-from tests.multirank.launch import describe, launch
+from tests.multirank.launch import launch, timeouts_naming, values
+from tests.timing import healthy
 
 pytestmark = pytest.mark.timeout(120)
 TIMEOUT = 3.0  # barrier_timeout of the failure scenarios
-SLACK = 8.0  # "within barrier_timeout plus a few seconds"
-
-
-def values(results):
-    assert all(r.ok for r in results), describe(results)
-    return [r.value for r in results]
+SLACK = healthy(2.5)  # "within barrier_timeout plus a few seconds" (of a busy host)
 
 
 def assert_previous_is_newest(root: Path, step: int) -> None:
@@ -81,11 +77,7 @@ def test_refused_saves_raise_the_same_error_on_every_rank(tmp_path):
 def test_rank_exits_before_save(tmp_path):
     res = launch("rank_exits_before_save", 3, tmp_path, args={"timeout": TIMEOUT})
     assert res[1].returncode == 3
-    for r in (res[0], res[2]):
-        assert r.ok, describe(res)
-        v = r.value
-        assert v["error_type"] == "BarrierTimeout", describe(res)
-        assert v["missing_ranks"] == [1], describe(res)
+    for v in timeouts_naming(res, 1):
         assert v["phase"] == "save:enter"
         assert v["seconds"] < TIMEOUT + SLACK
     assert_previous_is_newest(tmp_path / "store", 1)
@@ -94,12 +86,9 @@ def test_rank_exits_before_save(tmp_path):
 def test_rank_exits_in_the_middle_of_the_commit(tmp_path):
     res = launch("rank_exits_mid_commit", 2, tmp_path, args={"timeout": TIMEOUT})
     assert res[1].returncode == 3
-    v = res[0].value
-    assert res[0].ok, describe(res)
-    assert v["error_type"] == "BarrierTimeout", describe(res)
-    assert v["missing_ranks"] == [1]
+    (v,) = timeouts_naming(res, 1)
     assert v["phase"] == "save:write"
-    assert v["seconds"] < 2.0 + TIMEOUT + SLACK
+    assert v["seconds"] < TIMEOUT + SLACK
     assert_previous_is_newest(tmp_path / "store", 1)
 
 

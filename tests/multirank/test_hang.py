@@ -6,10 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from tests.multirank.launch import describe, launch
+from tests.multirank.launch import describe, launch, timeouts_naming
+from tests.timing import healthy
 
 TIMEOUT = 3.0
-SLACK = 5.0
+SLACK = healthy(2.5)
 
 
 @pytest.mark.timeout(120)
@@ -20,10 +21,6 @@ def test_frozen_rank_is_named_by_every_survivor(tmp_path: Path, world: int) -> N
     )
     frozen = world - 1
     assert res[frozen].returncode == -9, describe(res)  # killed by its undertaker
-    for r in res[:frozen]:
-        assert r.ok, describe(res)
-        v = r.value
-        assert v["error_type"] == "BarrierTimeout", describe(res)
-        assert v["missing_ranks"] == [frozen], describe(res)
+    for v in timeouts_naming(res, frozen):
         assert f"rank(s) {frozen} did not arrive" in v["message"]
         assert v["seconds"] < TIMEOUT + SLACK, describe(res)

@@ -21,8 +21,7 @@ from s3server import s3_server
 
 from ckptstore import CheckpointManager
 from ckptstore.storage import open_storage
-from tests.multirank.launch import launch
-from tests.multirank.test_dist import values
+from tests.multirank.launch import launch, values
 
 
 @pytest.mark.timeout(180)

@@ -27,18 +27,13 @@ from ckptstore.storage import open_storage
 from ckptstore.verify import verify_checkpoint
 from tests.faults import Injector, injected
 from tests.multirank.dtensor_scenarios import digests, make_net
-from tests.multirank.launch import describe, launch
+from tests.multirank.launch import launch, values
 
 if TYPE_CHECKING:
     from s3server import S3Endpoint
 
 NODES = {"roots": ["node0", "node1"]}
 SHARDS = ["_shards.rank00000.safetensors", "_shards.rank00001.safetensors"]
-
-
-def values(results: list[Any]) -> list[Any]:
-    assert all(r.ok for r in results), describe(results)
-    return [r.value for r in results]
 
 
 def _plain_restore(mgr: CheckpointManager) -> tuple[int, dict[str, str]]:
