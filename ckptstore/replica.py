@@ -127,7 +127,10 @@ def copy_files(
     try:
 
         def one(name: str, entry: FileEntry) -> None:
-            _lower_priority()
+            # At the caller's priority: copy threads inherit their creator's niceness (per
+            # thread on Linux), so an upload's run at the uploader's nice 19 and a restore's
+            # fetch at the training thread's own. Lowering it here would leave the caller's
+            # thread at nice 19 for good where it copies a lone file itself.
             with pending.open(
                 name, codec=entry.codec, compression=entry.compression, rank=entry.rank
             ) as w:

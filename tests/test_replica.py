@@ -23,7 +23,7 @@ from s3server import S3Endpoint
 
 from ckptstore import CheckpointManager
 from ckptstore.layout import REPLICATED_NAME
-from ckptstore.replica import ReplicaError, Replicator
+from ckptstore.replica import ReplicaError, Replicator, fetch_step
 from ckptstore.storage import open_storage, wait_for_deletions
 
 pytestmark = pytest.mark.timeout(90)
@@ -352,3 +352,40 @@ def test_unreachable_replica_never_stops_local_saves(tmp_path: Path) -> None:
         mgr.close()
     assert CheckpointManager(tmp_path / "a").steps() == [1, 2]  # nothing local was lost
     assert not (tmp_path / "a" / step_dir(1) / REPLICATED_NAME).exists()
+
+
+@pytest.mark.parametrize("files", ["one", "several"])
+def test_a_restore_from_the_replica_keeps_the_callers_priority(
+    tmp_path: Path, s3: S3Endpoint, url: str, files: str
+) -> None:
+    """Fetching a step for a restore is on the training thread's path: its copy threads (or
+    the caller itself, for a step of one file) run at the caller's priority, never at the
+    uploader's nice 19, and the caller's own priority is unchanged afterwards."""
+    import os
+    import threading
+
+    def nice() -> int:
+        return os.getpriority(os.PRIO_PROCESS, threading.get_native_id())
+
+    state: dict[str, Any] = {"x": torch.arange(64.0)}
+    if files == "several":
+        state = make_state(1)
+    expect = snapshot(state) if files == "several" else {"x": state["x"].clone()}
+    with tiered(tmp_path / "a", s3, url) as mgr:
+        mgr.save(1, state)
+        mgr.wait()
+    shutil.rmtree(tmp_path / "a")
+    before = nice()
+    with tiered(tmp_path / "b", s3, url) as mgr:
+        fresh = fresh_like(state) if files == "several" else {"x": torch.zeros(64)}
+        assert mgr.restore(fresh) == 1
+        assert mgr.steps() == [1]  # fetched into the local store
+    assert nice() == before
+    # The same with one copy thread: the files are copied on the caller's own thread.
+    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    fetch_step(replica, open_storage(str(tmp_path / "c")), 1, threads=1)
+    assert nice() == before
+    if files == "several":
+        assert_same(snapshot(fresh), expect)
+    else:
+        assert torch.equal(fresh["x"], expect["x"])
