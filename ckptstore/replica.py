@@ -38,7 +38,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from . import nodes, upload_parts
@@ -54,6 +54,7 @@ from .layout import REPLICA_NAME, REPLICATED_NAME, step_dirname
 from .manifest import FileEntry, Manifest
 from .retention import CheckpointInfo, RetentionPolicy, plan_deletions
 from .storage import Pending, Storage
+from .uploadgate import UploadGate
 
 __all__ = [
     "ReplicaError",
@@ -100,7 +101,7 @@ def copy_files(
     replace: bool = False,
     threads: int = DEFAULT_THREADS,
     read_back: bool | None = False,
-    gate: Callable[[], None] | None = None,
+    gate: UploadGate | None = None,
     only: Collection[str] | None = None,
     into: Pending | None = None,
 ) -> None:
@@ -113,6 +114,9 @@ def copy_files(
     store did not check the bytes it received itself (S3: every request carries the MD5 of
     the checksummed bytes, see :mod:`ckptstore.storage.s3upload`); never with ``False``.
     The manifest is committed only after all that.
+
+    ``gate`` (the uploader's :class:`~ckptstore.uploadgate.UploadGate`) is waited at before
+    each slice read from ``src``, and by the bodies of S3 requests before each slice sent.
 
     ``only`` copies those files of ``manifest`` alone, and ``into`` writes them into a pending
     step the caller opened and commits (one rank's part of a per-rank upload): then nothing
@@ -131,10 +135,13 @@ def copy_files(
             with pending.open(
                 name, codec=entry.codec, compression=entry.compression, rank=entry.rank
             ) as w:
+                expect = getattr(w, "expect", None)
+                if expect is not None:  # an S3 upload: its size, and the gate of its requests
+                    expect(entry.bytes, gate=gate)
 
                 def consume(offset: int, chunk: memoryview) -> None:
                     if gate is not None:
-                        gate()
+                        gate.wait()
                     try:
                         w.write(chunk)
                     except OSError as e:
@@ -157,7 +164,7 @@ def copy_files(
                 )
             if read_back or (read_back is None and not checked_by_store):
                 if gate is not None:
-                    gate()
+                    gate.wait()
                 size, crc = dst._stream(f"{pending.dirname}/{name}", None)
                 if (size, crc) != (entry.bytes, entry.crc32c):
                     raise IntegrityError(
@@ -325,10 +332,9 @@ class Replicator:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._open = threading.Event()
-        self._open.set()
-        self._paused = False
-        self._holds = 0
+        #: Closed while a save runs or while paused: the copy threads wait there before
+        #: each slice they read, the S3 request bodies before each slice they send.
+        self.gate = UploadGate()
         self.uploaded_bytes = 0
         #: Local retention held back a step for the replica (see :meth:`deletable`).
         self.holding = False
@@ -341,39 +347,19 @@ class Replicator:
         For tests and for jobs that want the network to themselves for a while; nothing is
         lost, :meth:`resume` goes on where it stopped.
         """
-        with self._cond:
-            self._paused = True
-            self._set_gate()
+        self.gate.pause()
 
     def resume(self) -> None:
         """Let uploads go on after :meth:`pause`."""
-        with self._cond:
-            self._paused = False
-            self._set_gate()
+        self.gate.resume()
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Hold uploads while the block runs (a save: its writes go first). Nests."""
-        with self._cond:
-            self._holds += 1
-            self._set_gate()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._holds -= 1
-                self._set_gate()
+    def held(self) -> contextlib.AbstractContextManager[None]:
+        """Hold uploads while the block runs (a save: its writes go first). Nests.
 
-    def _set_gate(self) -> None:
-        if self._paused or self._holds:
-            self._open.clear()
-        else:
-            self._open.set()
-
-    def _gate(self) -> None:
-        while not self._open.wait(0.1):
-            if self._stop:
-                raise ReplicaError("the uploader was stopped while paused")
+        The requests in flight stop too, between two slices of their bodies (see
+        :mod:`ckptstore.uploadgate`): the save does not compete with them.
+        """
+        return self.gate.held()
 
     # ---- state -----------------------------------------------------------------------
 
@@ -600,7 +586,7 @@ class Replicator:
                 manifest,
                 threads=self.threads,
                 read_back=self.read_back,
-                gate=self._gate,
+                gate=self.gate,
             )
         except StepExistsError:
             self._safe(step)  # committed by another uploader meanwhile
@@ -627,7 +613,7 @@ class Replicator:
     def _upload_part(self, step: int, manifest: Manifest, rank: int) -> bool:
         """Upload this rank's files of a sharded step; the manifest once every rank's are in."""
         copy = functools.partial(
-            copy_files, threads=self.threads, read_back=self.read_back, gate=self._gate
+            copy_files, threads=self.threads, read_back=self.read_back, gate=self.gate
         )
         mine = upload_parts.files_of(manifest, rank)
         t0 = time.perf_counter()
@@ -747,6 +733,7 @@ class Replicator:
         finally:
             with self._cond:
                 self._stop = True
+                self.gate.stopped = True
                 if not wait:
                     self._pending.clear()
                 self._cond.notify_all()

@@ -124,7 +124,8 @@ class Corrupting:
             if method == self.method:
                 self.seen += 1
                 if self.seen == self.nth:
-                    body = bytearray(kw["Body"])
+                    sent = kw["Body"]  # a streamed body (s3upload._Body) reads as a file
+                    body = bytearray(sent.read() if hasattr(sent, "read") else sent)
                     body[len(body) // 2] ^= 0x10
                     kw["Body"] = body
             return submit(w, method, **kw)

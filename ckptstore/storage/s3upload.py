@@ -55,10 +55,12 @@ import hashlib
 import os
 import re
 import threading
+from collections.abc import AsyncIterator
 from typing import Any
 
 from ..errors import IntegrityError
 from ..integrity import BlockCRC, BlockSums, crc32c_combine, crc32c_of
+from ..uploadgate import UploadGate
 
 __all__ = [
     "GROW_EVERY",
@@ -84,6 +86,8 @@ MAX_PARTS = 10_000
 #: Bytes copied into a buffer per step: a copy holds the GIL, the training thread may be
 #: waiting for it (and this thread, at nice 19, may be off the CPU meanwhile).
 _COPY_SLICE = 1 << 20
+#: Bytes of a request body handed to the socket at once (a memoryview of the buffer).
+_SEND_SLICE = 1 << 20
 #: Server-side encryptions whose ETags are not the MD5 of the bytes.
 _OPAQUE_ETAG = ("aws:kms", "aws:kms:dsse")
 _MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
@@ -148,6 +152,7 @@ def upload_fs(fs: Any) -> Any:
             options.pop("loop", None)
             options.pop("asynchronous", None)
             options["skip_instance_cache"] = True
+            options["config_kwargs"] = _upload_config(options.get("config_kwargs"))
             if getattr(fs, "session", None) is not None and "session" not in options:
                 # botocore's loaded service models come with the session: a client of
                 # our own then costs milliseconds, not a second of CPU.
@@ -155,6 +160,78 @@ def upload_fs(fs: Any) -> Any:
             clone = type(fs)(**options, loop=upload_loop(), asynchronous=False)
             _clones[key] = clone
     return clone
+
+
+def _upload_config(given: Any) -> dict[str, Any]:
+    """The botocore config of the upload client: ``given`` with two settings of ours.
+
+    - ``s3.payload_signing_enabled=False``: the body is not hashed with SHA256 for the
+      signature (``UNSIGNED-PAYLOAD``; botocore already does so over https whenever a
+      Content-MD5 or checksum header is present, as every request of ours has). Over plain
+      http the signature then covers the body's Content-MD5 and CRC32C headers, not the
+      body itself: the bytes are checked by those (see the module docstring). It is also
+      what lets a body be streamed (:class:`_Body`) instead of read whole to be hashed.
+    - ``request_checksum_calculation="when_required"``: botocore adds no CRC32 of its own
+      to a body (each request carries our CRC32C, or where the store refuses those, our
+      Content-MD5).
+    """
+    config = dict(given) if isinstance(given, dict) else {}
+    s3 = dict(config.get("s3") or {})
+    s3.setdefault("payload_signing_enabled", False)
+    config["s3"] = s3
+    config.setdefault("request_checksum_calculation", "when_required")
+    return config
+
+
+class _Body:
+    """A request body sent straight from a buffer, slice by slice, through the gate.
+
+    aiohttp sends an async iterable body chunk by chunk: each slice (a memoryview of the
+    buffer, no copy) goes to the socket as it is, and only what the socket does not take at
+    once is copied into the transport's buffer (a ``bytearray`` body is first copied whole
+    by aiohttp, then joined with the headers, then copied again into the transport). Before
+    each slice the body waits at ``gate`` (:meth:`~ckptstore.uploadgate.UploadGate.admit`):
+    a save in its blocking section stops the requests in flight.
+
+    ``read``/``seek``/``tell``/``len`` are the file-like face botocore sees (it checks a
+    body's type, takes its length, and seeks to 0 before a retry); with payload signing off
+    (:func:`_upload_config`) it reads nothing.
+    """
+
+    def __init__(self, data: Any, gate: UploadGate | None) -> None:
+        self._mv = memoryview(data).cast("B")
+        self._gate = gate
+        self._pos = 0
+
+    def __len__(self) -> int:
+        return len(self._mv) - self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        """Bytes from the position on (a copy; botocore's fallback, not the send path)."""
+        end = len(self._mv) if n is None or n < 0 else min(len(self._mv), self._pos + n)
+        out = bytes(self._mv[self._pos : end])
+        self._pos = end
+        return out
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        """Move the position (``whence`` as :meth:`io.IOBase.seek`)."""
+        base = (0, self._pos, len(self._mv))[whence]
+        self._pos = max(0, min(len(self._mv), base + pos))
+        return self._pos
+
+    def tell(self) -> int:
+        """The position."""
+        return self._pos
+
+    def __aiter__(self) -> AsyncIterator[memoryview]:
+        return self._slices(self._pos)
+
+    async def _slices(self, start: int) -> AsyncIterator[memoryview]:
+        for i in range(start, len(self._mv), _SEND_SLICE):
+            piece = self._mv[i : i + _SEND_SLICE]
+            if self._gate is not None:
+                await self._gate.admit(len(piece))
+            yield piece
 
 
 #: s3fs clones that refused S3's checksum arguments (see S3Upload._request).
@@ -230,6 +307,10 @@ class S3Upload(BlockSums):
         self._closed = False
         #: The server checked every byte it received (set by a successful ``close``).
         self.verified = False
+        #: The uploader's gate: each request body waits there before each slice it sends.
+        self.gate: UploadGate | None = None
+        #: The running MD5 of ``_cur`` (after :meth:`expect`), else computed at the send.
+        self._md5: Any = None
 
     # ---- the checksumming-writer interface -------------------------------------------
 
@@ -247,6 +328,30 @@ class S3Upload(BlockSums):
 
     # ---- writing ---------------------------------------------------------------------
 
+    def expect(self, nbytes: int, *, gate: UploadGate | None = None) -> None:
+        """Say, before the first write, that ``nbytes`` will be written; set the gate.
+
+        The MD5 of each body is then computed as its bytes are written (a slice at a time,
+        while the next is read) rather than in one pass before its request, and an object
+        that will be sent in parts starts its multipart upload now (its first part goes as
+        soon as it is full, and no whole-object MD5 is computed for nothing). More or fewer
+        bytes than said are still uploaded correctly. ``gate``: see :class:`_Body`.
+        """
+        if self._sum.nbytes or self._upload_id is not None or self._closed:
+            raise ValueError(f"expect() after the first write to {self.path}")
+        self.gate = gate
+        self._md5 = hashlib.md5(usedforsecurity=False)
+        if nbytes >= self.single_put:
+            self._go_multipart()
+
+    def _take_md5(self) -> bytes | None:
+        """The running MD5 of ``_cur`` (then restarted for the next body); None if not kept."""
+        if self._md5 is None:
+            return None
+        digest: bytes = self._md5.digest()
+        self._md5 = hashlib.md5(usedforsecurity=False)
+        return digest
+
     def write(self, data: Any) -> int:
         """Buffer ``data`` (checksummed in the buffer); send the parts it fills.
 
@@ -263,7 +368,10 @@ class S3Upload(BlockSums):
             k = min(n - done, room, _COPY_SLICE)
             start = len(self._cur)
             self._cur += mv[done : done + k]
-            self._sum.update(memoryview(self._cur)[start:])
+            with memoryview(self._cur) as whole, whole[start:] as piece:
+                self._sum.update(piece)
+                if self._md5 is not None:
+                    self._md5.update(piece)
             done += k
             if k < room:
                 continue
@@ -271,7 +379,7 @@ class S3Upload(BlockSums):
                 self._go_multipart()
             else:
                 full, self._cur = self._cur, bytearray()
-                self._send(full, crc32c_of(full))
+                self._send(full, crc32c_of(full), self._take_md5())
         return n
 
     def _go_multipart(self) -> None:
@@ -292,6 +400,8 @@ class S3Upload(BlockSums):
         finally:
             mv.release()
         self._check_sent()
+        if self._md5 is not None:  # the held bytes' MD5 is no part's: start the next part's
+            self._md5 = hashlib.md5(usedforsecurity=False)
 
     def close(self) -> None:
         """Send what is left and publish the object (all parts checked); idempotent."""
@@ -302,7 +412,7 @@ class S3Upload(BlockSums):
                 self._put_whole()
             else:
                 if self._cur or not self._number:
-                    self._send(self._cur, crc32c_of(self._cur))
+                    self._send(self._cur, crc32c_of(self._cur), self._take_md5())
                 self._cur = bytearray()
                 self._complete()
         except BaseException:
@@ -358,19 +468,20 @@ class S3Upload(BlockSums):
 
     def _put_whole(self) -> None:
         body, self._cur = self._cur, bytearray()
-        md5 = _md5(body)  # the checksummed buffer itself is the body: no copy in between
+        # The checksummed buffer itself is the body: no copy in between.
+        md5 = self._take_md5() or _md5(body)
         out = self._request(
             "put_object",
             Bucket=self.bucket,
             Key=self.key,
-            Body=body,
+            Body=_Body(body, self.gate),
             ContentMD5=base64.b64encode(md5).decode(),
             **self._checksum(ChecksumAlgorithm="CRC32C", ChecksumCRC32C=_b64crc(self._sum.crc)),
         )
         self._check_etag(out, md5.hex(), "the object")
 
-    def _send(self, body: bytes | bytearray, crc: int) -> None:
-        """Send ``body`` (whose CRC32C is ``crc``) as the next part.
+    def _send(self, body: bytes | bytearray, crc: int, md5: bytes | None = None) -> None:
+        """Send ``body`` (whose CRC32C is ``crc``, MD5 ``md5`` where known) as the next part.
 
         Waits first while :attr:`in_flight` parts are unanswered.
         """
@@ -381,7 +492,7 @@ class S3Upload(BlockSums):
             raise OSError(f"{self.path}: more than {MAX_PARTS} parts of {self.part} bytes")
         if self._number % GROW_EVERY == 0:
             self.part *= 2  # the parts after this one (each part's size is its body's)
-        md5 = _md5(body)
+        md5 = md5 or _md5(body)
         b64 = _b64crc(crc)
         fut = self._submit(
             "upload_part",
@@ -389,7 +500,7 @@ class S3Upload(BlockSums):
             Key=self.key,
             UploadId=self._upload_id,
             PartNumber=self._number,
-            Body=body,
+            Body=_Body(body, self.gate),
             ContentMD5=base64.b64encode(md5).decode(),
             **self._checksum(ChecksumAlgorithm="CRC32C", ChecksumCRC32C=b64),
         )
