@@ -50,6 +50,7 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
+import contextvars
 import functools
 import hashlib
 import os
@@ -124,10 +125,12 @@ _clones_lock = threading.Lock()
 def _forget_after_fork() -> None:
     # A forked child has neither the loop's thread nor the clones' connections, and the
     # lock may have been held by another thread at the fork.
-    global _clones_lock
+    global _clones_lock, _probe_lock
     upload_loop.cache_clear()
     _clones.clear()
+    _store_checks.clear()
     _clones_lock = threading.Lock()
+    _probe_lock = threading.Lock()
 
 
 os.register_at_fork(after_in_child=_forget_after_fork)
@@ -158,8 +161,43 @@ def upload_fs(fs: Any) -> Any:
                 # our own then costs milliseconds, not a second of CPU.
                 options["session"] = fs.session
             clone = type(fs)(**options, loop=upload_loop(), asynchronous=False)
+            clone.connect()  # its botocore client, made now on the upload loop
+            for op in ("PutObject", "UploadPart"):
+                clone.s3.meta.events.register(f"before-call.s3.{op}", _ask_for_crc32c)
             _clones[key] = clone
     return clone
+
+
+#: What a store checks of the bytes it receives, found once per s3fs clone and bucket by
+#: :meth:`S3Upload._probe` (see the module docstring):
+#: it refuses a body whose ``x-amz-checksum-crc32c`` is not the body's (S3);
+VERIFIES = "verifies"
+#: it does not, but computes a body's CRC32C when asked and answers it (moto);
+COMPUTES = "computes"
+#: neither: each body carries its Content-MD5 and the ETag answered is compared with it.
+MD5 = "md5"
+_store_checks: dict[tuple[Any, str], str] = {}
+_probe_lock = threading.Lock()
+#: Set in the task of a request whose body's CRC32C the store is asked to compute.
+_asking_crc32c: contextvars.ContextVar[bool] = contextvars.ContextVar(
+    "ckptstore_asking_crc32c", default=False
+)
+
+
+def _ask_for_crc32c(params: Any, **_: Any) -> None:
+    """The botocore ``before-call`` hook of the upload clients: ask for the body's CRC32C.
+
+    The ``x-amz-sdk-checksum-algorithm`` header alone (no checksum value, which botocore
+    would compute itself from the body) asks a store that computes checksums (moto) to
+    compute the CRC32C of the bytes it received and answer it.
+    """
+    if _asking_crc32c.get():
+        params["headers"]["x-amz-sdk-checksum-algorithm"] = "CRC32C"
+
+
+async def _asking(coro: Any) -> Any:
+    _asking_crc32c.set(True)  # in this task's own context: this request only
+    return await coro
 
 
 def _upload_config(given: Any) -> dict[str, Any]:
@@ -243,6 +281,12 @@ def _refused_checksum(e: OSError) -> bool:
     return "checksum" in text or "notimplemented" in text or "not implemented" in text
 
 
+def _bad_digest(e: OSError) -> bool:
+    """Whether ``e`` is S3's answer to a body whose checksum is not the one sent."""
+    text = str(e).lower()
+    return "baddigest" in text or "did not match" in text
+
+
 def _b64crc(crc: int) -> str:
     return base64.b64encode(crc.to_bytes(4, "big")).decode()
 
@@ -298,8 +342,9 @@ class S3Upload(BlockSums):
         #: The object so far (before the multipart upload starts), then the part filling.
         self._cur = bytearray()
         self._upload_id: str | None = None
-        self._sent: list[tuple[int, bytes, concurrent.futures.Future[Any]]] = []
-        self._done: list[tuple[int, bytes, str, str]] = []  # (number, md5, etag, crc32c)
+        #: (number, md5 where kept, crc32c, reply)
+        self._sent: list[tuple[int, bytes | None, int, concurrent.futures.Future[Any]]] = []
+        self._done: list[tuple[int, bytes | None, str, str]] = []  # (number, md5, etag, crc)
         self._number = 0
         self._sent_crc = 0  # CRC32C of the parts sent so far, in order
         self._sent_bytes = 0
@@ -311,6 +356,10 @@ class S3Upload(BlockSums):
         self.gate: UploadGate | None = None
         #: The running MD5 of ``_cur`` (after :meth:`expect`), else computed at the send.
         self._md5: Any = None
+        #: What the store checks (:data:`VERIFIES`, :data:`COMPUTES`, :data:`MD5`).
+        self._checks: str | None = None
+        #: A request whose bytes the store was to check came back without the check.
+        self._unchecked: list[str] = []
 
     # ---- the checksumming-writer interface -------------------------------------------
 
@@ -340,7 +389,8 @@ class S3Upload(BlockSums):
         if self._sum.nbytes or self._upload_id is not None or self._closed:
             raise ValueError(f"expect() after the first write to {self.path}")
         self.gate = gate
-        self._md5 = hashlib.md5(usedforsecurity=False)
+        if self._store_checks() == MD5:
+            self._md5 = hashlib.md5(usedforsecurity=False)
         if nbytes >= self.single_put:
             self._go_multipart()
 
@@ -419,15 +469,17 @@ class S3Upload(BlockSums):
             self.abort()
             raise
         self._closed = True
-        self.verified = True
+        # A store that computes CRC32Cs but answered none for a request (a client s3fs
+        # re-made without our hook): the caller reads the object back.
+        self.verified = not self._unchecked
 
     def abort(self) -> None:
         """Drop what was written: parts in flight cancelled, the multipart upload aborted."""
         self._closed = True
         self._cur = bytearray()
-        for _, _, fut in self._sent:
+        for *_, fut in self._sent:
             fut.cancel()
-        for _, _, fut in self._sent:
+        for *_, fut in self._sent:
             with contextlib.suppress(BaseException):
                 fut.result(timeout=60)
         self._sent.clear()
@@ -440,17 +492,101 @@ class S3Upload(BlockSums):
 
     # ---- requests ----------------------------------------------------------------------
 
-    def _submit(self, method: str, **kw: Any) -> concurrent.futures.Future[Any]:
-        return asyncio.run_coroutine_threadsafe(self._fs._call_s3(method, **kw), self._loop)
+    def _submit(
+        self, method: str, *, ask_crc32c: bool = False, **kw: Any
+    ) -> concurrent.futures.Future[Any]:
+        coro = self._fs._call_s3(method, **kw)
+        if ask_crc32c:
+            coro = _asking(coro)
+        return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _call(self, method: str, **kw: Any) -> Any:
         return self._submit(method, **kw).result()
+
+    def _store_checks(self) -> str:
+        """What the store checks of a body (:meth:`_probe` once per client and bucket)."""
+        if self._checks is None:
+            key = (self._fs, self.bucket)
+            with _probe_lock:
+                if key not in _store_checks:
+                    _store_checks[key] = self._probe()
+                self._checks = _store_checks[key]
+        return self._checks
+
+    def _probe(self) -> str:
+        """Find out what the store checks, with a small object next to this one.
+
+        First a PUT whose ``x-amz-checksum-crc32c`` is wrong: S3 refuses it (BadDigest),
+        :data:`VERIFIES`. A store that takes it does not check that header: a PUT that asks
+        it to compute the CRC32C (the algorithm header alone) tells whether it answers the
+        right one, :data:`COMPUTES`; else :data:`MD5`. The object is deleted after.
+        """
+        if not _takes_checksums.get(self._fs, True):
+            return MD5
+        key = f"{self.key}.ckptstore-probe"
+        body = b"ckptstore: does this store check the bytes it receives?\n"
+        crc = _b64crc(crc32c_of(body))
+        wrong = _b64crc(crc32c_of(body) ^ 0xFFFFFFFF)
+        try:
+            try:
+                self._call(
+                    "put_object",
+                    Bucket=self.bucket,
+                    Key=key,
+                    Body=body,
+                    ChecksumAlgorithm="CRC32C",
+                    ChecksumCRC32C=wrong,
+                )
+            except OSError as e:
+                if _bad_digest(e):
+                    return VERIFIES
+                if _refused_checksum(e):
+                    _takes_checksums[self._fs] = False
+                    return MD5
+                raise
+            out = self._submit(
+                "put_object", ask_crc32c=True, Bucket=self.bucket, Key=key, Body=body
+            )
+            return COMPUTES if out.result().get("ChecksumCRC32C") == crc else MD5
+        finally:
+            with contextlib.suppress(Exception):
+                self._call("delete_object", Bucket=self.bucket, Key=key)
+
+    def _body_checks(
+        self, crc: int, md5: bytes | None, body: Any
+    ) -> tuple[bytes | None, dict[str, Any]]:
+        """The MD5 kept for a body (MD5 mode only) and the arguments that check it."""
+        checks = self._store_checks()
+        if checks == COMPUTES:
+            return None, {}
+        crc_args = {"ChecksumAlgorithm": "CRC32C", "ChecksumCRC32C": _b64crc(crc)}
+        if checks == VERIFIES:
+            return None, crc_args
+        md5 = md5 or _md5(body)
+        return md5, {"ContentMD5": base64.b64encode(md5).decode(), **self._checksum(**crc_args)}
+
+    def _check_reply(self, out: Any, crc: int, md5: bytes | None, what: str) -> None:
+        """Check what the store answered for a body of CRC32C ``crc`` (and MD5 ``md5``)."""
+        checks = self._store_checks()
+        if checks == MD5 and md5 is not None:
+            self._check_etag(out, md5.hex(), what)
+        elif checks == COMPUTES:
+            got = out.get("ChecksumCRC32C")
+            if got is None:
+                self._unchecked.append(what)
+            elif got != _b64crc(crc):
+                raise IntegrityError(
+                    f"s3://{self.path}: the server's CRC32C of {what} is {got!r}, that of the "
+                    f"bytes sent is {_b64crc(crc)!r}: they were changed on the way; the upload "
+                    "is aborted"
+                )
+        # VERIFIES: the store refused a body whose CRC32C was not the one sent.
 
     def _checksum(self, **kw: Any) -> dict[str, Any]:
         """``kw`` where the store takes S3's checksum arguments, else nothing."""
         return kw if _takes_checksums.get(self._fs, True) else {}
 
-    def _request(self, method: str, **kw: Any) -> Any:
+    def _request(self, method: str, *, ask_crc32c: bool = False, **kw: Any) -> Any:
         """One request that starts an object; without checksum arguments where refused.
 
         S3 checks a ``ChecksumCRC32C`` itself; a store that does not know the arguments
@@ -458,27 +594,27 @@ class S3Upload(BlockSums):
         remembered). Content-MD5, which every S3 store checks, is kept.
         """
         try:
-            return self._call(method, **kw)
+            return self._submit(method, ask_crc32c=ask_crc32c, **kw).result()
         except OSError as e:
             plain = {k: v for k, v in kw.items() if not k.startswith("Checksum")}
             if plain == kw or not _refused_checksum(e):
                 raise
             _takes_checksums[self._fs] = False
-            return self._call(method, **plain)
+            return self._submit(method, ask_crc32c=ask_crc32c, **plain).result()
 
     def _put_whole(self) -> None:
         body, self._cur = self._cur, bytearray()
         # The checksummed buffer itself is the body: no copy in between.
-        md5 = self._take_md5() or _md5(body)
+        md5, checks = self._body_checks(self._sum.crc, self._take_md5(), body)
         out = self._request(
             "put_object",
+            ask_crc32c=self._store_checks() == COMPUTES,
             Bucket=self.bucket,
             Key=self.key,
             Body=_Body(body, self.gate),
-            ContentMD5=base64.b64encode(md5).decode(),
-            **self._checksum(ChecksumAlgorithm="CRC32C", ChecksumCRC32C=_b64crc(self._sum.crc)),
+            **checks,
         )
-        self._check_etag(out, md5.hex(), "the object")
+        self._check_reply(out, self._sum.crc, md5, "the object")
 
     def _send(self, body: bytes | bytearray, crc: int, md5: bytes | None = None) -> None:
         """Send ``body`` (whose CRC32C is ``crc``, MD5 ``md5`` where known) as the next part.
@@ -492,20 +628,19 @@ class S3Upload(BlockSums):
             raise OSError(f"{self.path}: more than {MAX_PARTS} parts of {self.part} bytes")
         if self._number % GROW_EVERY == 0:
             self.part *= 2  # the parts after this one (each part's size is its body's)
-        md5 = md5 or _md5(body)
-        b64 = _b64crc(crc)
+        md5, checks = self._body_checks(crc, md5, body)
         fut = self._submit(
             "upload_part",
+            ask_crc32c=self._store_checks() == COMPUTES,
             Bucket=self.bucket,
             Key=self.key,
             UploadId=self._upload_id,
             PartNumber=self._number,
             Body=_Body(body, self.gate),
-            ContentMD5=base64.b64encode(md5).decode(),
-            **self._checksum(ChecksumAlgorithm="CRC32C", ChecksumCRC32C=b64),
+            **checks,
         )
-        self._sent.append((self._number, md5, fut))
-        self._done_crc.append(b64)
+        self._sent.append((self._number, md5, crc, fut))
+        self._done_crc.append(_b64crc(crc))
         self._sent_crc = crc32c_combine(self._sent_crc, crc, len(body))
         self._sent_bytes += len(body)
 
@@ -519,9 +654,9 @@ class S3Upload(BlockSums):
             )
 
     def _reap(self) -> None:
-        number, md5, fut = self._sent.pop(0)
+        number, md5, crc, fut = self._sent.pop(0)
         out = fut.result()
-        self._check_etag(out, md5.hex(), f"part {number}")
+        self._check_reply(out, crc, md5, f"part {number}")
         self._done.append((number, md5, _etag(out), self._done_crc[number - 1]))
 
     def _complete(self) -> None:
@@ -542,8 +677,14 @@ class S3Upload(BlockSums):
             **self._checksum(ChecksumCRC32C=_b64crc(self._sum.crc), ChecksumType="FULL_OBJECT"),
         )
         self._upload_id = None  # completed: nothing left to abort
-        # A multipart object's ETag is the MD5 of its parts' MD5s, then "-" and their count.
-        want = f"{_md5(b''.join(md5 for _, md5, _, _ in self._done)).hex()}-{len(self._done)}"
+        # A multipart object's ETag is the MD5 of its parts' MD5s, then "-" and their count:
+        # the object is exactly the parts sent (MD5 mode) or whose replies were checked.
+        md5s = [md5 for _, md5, _, _ in self._done]
+        if any(m is None for m in md5s):  # the MD5s the server answered for the parts
+            if not all(_MD5_HEX.match(etag) for _, _, etag, _ in self._done):
+                return  # ETags that are no MD5s (SSE-KMS): the store checked the whole CRC32C
+            md5s = [bytes.fromhex(etag) for _, _, etag, _ in self._done]
+        want = f"{_md5(b''.join(m for m in md5s if m is not None)).hex()}-{len(self._done)}"
         self._check_etag(out, want, "the completed upload", pattern=_MULTIPART_ETAG)
 
     def _check_etag(
