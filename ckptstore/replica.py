@@ -642,12 +642,16 @@ class Replicator:
         return True
 
     def _safe(self, step: int, manifest: Manifest | None = None) -> None:
+        with self._cond:
+            self.safe.add(step)
+        # The local marker, the replica's retention and the callback (local retention)
+        # write and delete: they wait while a save runs (a stopping uploader goes on).
+        with contextlib.suppress(ReplicaError):
+            self.gate.wait()
         if not self._url_recorded:
             write_replica_url(self.local, self._url)
             self._url_recorded = True
         mark_replicated(self.local, step)
-        with self._cond:
-            self.safe.add(step)
         if self.retention:
             try:
                 self.prune_replica(just=step, known={step: manifest} if manifest else None)
