@@ -15,14 +15,19 @@ A step that is safe on the replica gets a ``replicated`` marker in its local dir
 ``ckptstore ls``, and so a step the replica's retention deleted is not uploaded again).
 
 Reading back costs a download of every byte uploaded. On S3 it is not needed: the writer
-(:mod:`ckptstore.storage.s3upload`) sends each request with the MD5 of its body, computed on
-the very buffers whose CRC32C is compared with the local manifest, and compares the ETag the
-server answers (the MD5 of what it received) with it; each request also carries its
-CRC32C, computed here (botocore computes a CRC32C only with ``awscrt`` installed), and a
-multipart object the manifest's whole-file CRC32C. S3 refuses a request whose bytes do not
-match either; moto checks neither header, the ETag comparison is the check it honours.
-Stores that do not check (every other fsspec filesystem) are read back; ``read_back=True``
-reads back everything.
+(:mod:`ckptstore.storage.s3upload`) has the store check every request's body against the
+very buffers whose CRC32C is compared with the local manifest, the cheapest honest way the
+store allows (found once by a probe): S3 refuses a body whose CRC32C header is not its own
+(no MD5 needed); moto, which checks no header, computes the CRC32C of what it received when
+asked and answers it, which is compared; a store that does neither gets the body's MD5
+(Content-MD5) and its ETag is compared with it. A reply that lacks the check leaves the file
+unverified, and it is read back. Stores that do not check (every other fsspec filesystem)
+are read back; ``read_back=True`` reads back everything.
+
+A save closes the uploader's gate (:class:`~ckptstore.uploadgate.UploadGate`) for its
+blocking section: the copy threads stop before their next slice of a local file, the
+request bodies in flight before their next slice, and the bookkeeping after an upload
+(markers, retention) waits, so a save does not compete with the uploads of earlier steps.
 
 :func:`fetch_step` is the other direction: a replica step copied into the local store with
 the local commit protocol (restore from either tier reads it from there).

@@ -11,25 +11,50 @@ and waits for it inside ``write``). What it does with the bytes written to it:
 - **Large objects, parts in flight.** Past :data:`SINGLE_PUT` a multipart upload is created
   and parts of :data:`PART` bytes are sent as they fill, up to :data:`IN_FLIGHT` of them at
   once per object (``write`` waits only when that many are unanswered); ``close`` sends the
-  last one and completes the upload. Memory held per object: at most
+  last one and completes the upload (an object said to be that large by
+  :meth:`S3Upload.expect` starts its multipart upload at once). Memory held per object: at most
   ``max(SINGLE_PUT, (IN_FLIGHT + 1) * PART)`` bytes (the part size doubles every
   :data:`GROW_EVERY` parts, past 16 GB).
-- **The server checks every byte.** Each request carries the MD5 of its body
-  (``Content-MD5``) and its CRC32C (``x-amz-checksum-crc32c``; a multipart upload is
-  created as a ``FULL_OBJECT`` CRC32C one and completed with the whole object's CRC32C,
-  which is the manifest's): S3 answers ``BadDigest`` and stores nothing when the bytes it
-  received differ from either. The ETag it answers is compared with the MD5 too (S3 and
-  moto: the ETag of an unencrypted or SSE-S3 object or part is the MD5 of its bytes; with
-  SSE-KMS or SSE-C it is not, and the server's checks are what hold), and the ETag of the
-  completed upload with the MD5 of the parts' MD5s and their count, so the object is exactly
-  the parts sent, in order: moto checks neither header, the ETag comparison is the check it
-  honours. The bytes hashed are those in this writer's buffers, whose CRC32C
-  (:attr:`S3Upload.crc`) is computed on the same buffers and compared with the manifest by
-  the caller; the parts' own CRC32Cs, combined, must equal it. A file uploaded through this
-  writer is thus verified end to end without reading it back (:attr:`S3Upload.verified`).
-  Sending our CRC32C also spares botocore its default CRC32 of every body. A store that
-  refuses the checksum arguments is asked again without them (Content-MD5 and the ETag
-  still hold).
+- **Every byte is checked by the store, without reading back.** What a store checks is
+  found once per client and bucket (:meth:`S3Upload._probe`, two requests on a small object
+  next to the first one written, deleted after), and each body is checked the cheapest
+  honest way it allows:
+
+  - :data:`VERIFIES` (S3): a PUT whose ``x-amz-checksum-crc32c`` is wrong is refused
+    (``BadDigest``). Each request carries the CRC32C of its body; S3 refuses a body that is
+    not those bytes and stores nothing. A multipart upload is a ``FULL_OBJECT`` CRC32C one,
+    completed with the whole object's CRC32C (the manifest's), which S3 checks against the
+    parts. No MD5 is computed.
+  - :data:`COMPUTES` (moto, whose server checks neither Content-MD5 nor a sent checksum): a
+    request carrying only the ``x-amz-sdk-checksum-algorithm: CRC32C`` header makes the
+    server compute the CRC32C of the bytes it received and answer it; the answer is
+    compared with the CRC32C of our buffer (a mismatch aborts the upload). A reply without
+    it (a client re-made without our hook) leaves the object unverified: the caller reads
+    it back. No MD5 is computed by us.
+  - :data:`MD5` (neither; or a store that refuses the checksum arguments, which is then
+    asked without them): each request carries the MD5 of its body (``Content-MD5``, which
+    S3-compatible stores check), computed as the bytes are written (:meth:`S3Upload.expect`),
+    and the ETag answered (the MD5 of what the store received, for unencrypted and SSE-S3
+    objects; with SSE-KMS or SSE-C it is not, and Content-MD5 is what holds) is compared
+    with it.
+
+  In every mode the completed multipart object's ETag is compared with the MD5 of its
+  parts' MD5s (ours, or those the store answered for the parts it checked) and their count,
+  so the object is exactly the parts sent, in order; the parts' CRC32Cs, combined, must
+  equal the CRC32C of the bytes written. The bytes checked are those in this writer's
+  buffers, whose CRC32C (:attr:`S3Upload.crc`) the caller compares with the manifest: a file
+  uploaded through this writer is verified end to end without reading it back
+  (:attr:`S3Upload.verified`). ``s3fs.put`` checks less: botocore signs its body with
+  SHA256 over http (over https it does not) and adds a CRC32 that moto does not check.
+- **No hashing or copying that is not needed.** The upload client signs no payload
+  (``UNSIGNED-PAYLOAD``: the signature covers the Content-MD5 / CRC32C headers, which
+  check the body; botocore does the same over https) and adds no CRC32 of its own
+  (:func:`_upload_config`). A body is handed to aiohttp as an async iterable of memoryview
+  slices of the buffer (:class:`_Body`): each goes to the socket as it is, where aiohttp
+  copied a ``bytearray`` body whole twice and asyncio a third time.
+- **A save stops the requests in flight.** Each body slice waits at the uploader's gate
+  (:class:`~ckptstore.uploadgate.UploadGate`, set by :meth:`S3Upload.expect`): while a
+  save is in its blocking section no byte of an upload is sent.
 - **A failure leaves nothing.** :meth:`S3Upload.abort` (and a failing ``close``) cancels the
   parts in flight and aborts the multipart upload; a process killed meanwhile leaves an
   incomplete upload that ``abort_incomplete_uploads`` finds under the store's root. (A
@@ -39,9 +64,10 @@ and waits for it inside ``write``). What it does with the bytes written to it:
 The requests run on an event loop of their own (:func:`upload_loop`), on a thread at the
 lowest CPU priority, through an s3fs instance bound to that loop: the HTTP and signing work
 of uploads never competes at normal priority with the training thread (fsspec's own loop
-thread, which serves reads, keeps its priority). MD5 and CRC32C are computed on whole parts
-(hashlib and crc32c release the GIL for large buffers); bytes are copied into the buffers
-1 MiB at a time (a copy holds the GIL): a few Python calls per MiB.
+thread, which serves reads, keeps its priority). CRC32C (and MD5 where needed) are computed
+on each slice as it is copied into the buffer (hashlib and crc32c release the GIL for large
+buffers); bytes are copied into the buffers 1 MiB at a time (a copy holds the GIL): a few
+Python calls per MiB.
 """
 
 from __future__ import annotations
