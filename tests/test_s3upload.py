@@ -11,6 +11,7 @@ from __future__ import annotations
 import base64
 import concurrent.futures
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -384,4 +385,32 @@ def test_a_store_that_verifies_crc32c_gets_it_instead_of_md5(
     with pytest.raises(OSError, match="BadDigest"):
         upload(w2, os.urandom(12 * MiB), 2 * MiB)
     assert uploads_of(s3, key + "2") == []
+    assert not s3.client.exists(key + "2")
+
+
+def test_a_large_put_goes_as_it_is_written_and_a_short_one_leaves_nothing(
+    s3: S3Endpoint, key: str
+) -> None:
+    """Where the store answers the CRC32C it computes, an object said to be large starts its
+    PUT at once and its body follows the writes; fewer bytes than said abort it."""
+    from ckptstore.uploadgate import UploadGate
+
+    data = os.urandom(12 * MiB)
+    gate = UploadGate()
+    w = S3Upload(s3.client, key)
+    w.expect(len(data), gate=gate)
+    write_all(w, data[: 6 * MiB], MiB)
+    deadline = time.monotonic() + 30
+    while gate.sent < MiB and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert MiB <= gate.sent <= 6 * MiB  # on its way before the rest is written
+    write_all(w, data[6 * MiB :], MiB)
+    w.close()
+    assert w.verified  # by the CRC32C the server answered
+    assert s3.client.cat_file(key) == data
+    w2 = S3Upload(s3.client, key + "2")
+    w2.expect(len(data), gate=UploadGate())
+    write_all(w2, data[: 5 * MiB], MiB)
+    with pytest.raises(IntegrityError, match="5242880 bytes were written, 12582912 said"):
+        w2.close()
     assert not s3.client.exists(key + "2")

@@ -82,7 +82,7 @@ import hashlib
 import os
 import re
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..errors import IntegrityError
@@ -115,6 +115,11 @@ MAX_PARTS = 10_000
 _COPY_SLICE = 1 << 20
 #: Bytes of a request body handed to the socket at once (a memoryview of the buffer).
 _SEND_SLICE = 1 << 20
+#: Objects of at least this many bytes sent as one PUT start it as they are written, where the
+#: store computes the CRC32C itself (:data:`COMPUTES`: no checksum header is needed first).
+_STREAM_MIN = 8 << 20
+#: Seconds between two looks of a streamed body for more bytes written.
+_STREAM_POLL = 0.002
 #: Server-side encryptions whose ETags are not the MD5 of the bytes.
 _OPAQUE_ETAG = ("aws:kms", "aws:kms:dsse")
 _MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
@@ -262,10 +267,14 @@ class _Body:
     (:func:`_upload_config`) it reads nothing.
     """
 
-    def __init__(self, data: Any, gate: UploadGate | None) -> None:
+    def __init__(
+        self, data: Any, gate: UploadGate | None, ready: Callable[[], int] | None = None
+    ) -> None:
         self._mv = memoryview(data).cast("B")
         self._gate = gate
         self._pos = 0
+        #: For a body sent as it is written: how many of its bytes are there so far.
+        self._ready = ready
 
     def __len__(self) -> int:
         return len(self._mv) - self._pos
@@ -293,6 +302,8 @@ class _Body:
     async def _slices(self, start: int) -> AsyncIterator[memoryview]:
         for i in range(start, len(self._mv), _SEND_SLICE):
             piece = self._mv[i : i + _SEND_SLICE]
+            while self._ready is not None and self._ready() < i + len(piece):
+                await asyncio.sleep(_STREAM_POLL)  # the writer has not copied them in yet
             if self._gate is not None:
                 await self._gate.admit(len(piece))
             yield piece
@@ -386,6 +397,11 @@ class S3Upload(BlockSums):
         self._checks: str | None = None
         #: A request whose bytes the store was to check came back without the check.
         self._unchecked: list[str] = []
+        #: A PUT sent as its bytes are written (see :meth:`expect`): its buffer, of the size
+        #: said, the bytes written into it so far, and the request's reply.
+        self._streamed: bytearray | None = None
+        self._filled = 0
+        self._streaming: concurrent.futures.Future[Any] | None = None
 
     # ---- the checksumming-writer interface -------------------------------------------
 
@@ -415,10 +431,22 @@ class S3Upload(BlockSums):
         if self._sum.nbytes or self._upload_id is not None or self._closed:
             raise ValueError(f"expect() after the first write to {self.path}")
         self.gate = gate
-        if self._store_checks() == MD5:
+        checks = self._store_checks()
+        if checks == MD5:
             self._md5 = hashlib.md5(usedforsecurity=False)
         if nbytes >= self.single_put:
             self._go_multipart()
+        elif checks == COMPUTES and nbytes >= _STREAM_MIN:
+            # The store answers the CRC32C of what it received: the PUT needs no checksum
+            # first, so it starts now and its body goes as the bytes are written.
+            self._streamed = bytearray(nbytes)
+            self._streaming = self._submit(
+                "put_object",
+                ask_crc32c=True,
+                Bucket=self.bucket,
+                Key=self.key,
+                Body=_Body(self._streamed, gate, ready=lambda: self._filled),
+            )
 
     def _take_md5(self) -> bytes | None:
         """The running MD5 of ``_cur`` (then restarted for the next body); None if not kept."""
@@ -438,6 +466,8 @@ class S3Upload(BlockSums):
             raise ValueError(f"write to a closed upload of {self.path}")
         mv = memoryview(data).cast("B")
         n = len(mv)
+        if self._streamed is not None:
+            return self._write_streamed(mv)
         done = 0
         while done < n:
             room = (self.single_put if self._upload_id is None else self.part) - len(self._cur)
@@ -456,6 +486,24 @@ class S3Upload(BlockSums):
             else:
                 full, self._cur = self._cur, bytearray()
                 self._send(full, crc32c_of(full), self._take_md5())
+        return n
+
+    def _write_streamed(self, mv: memoryview) -> int:
+        """``write`` for a PUT sent as it is written: into its buffer, then counted ready."""
+        assert self._streamed is not None
+        n = len(mv)
+        if self._filled + n > len(self._streamed):
+            raise IntegrityError(
+                f"s3://{self.path}: more than the {len(self._streamed)} bytes said were "
+                "written; the upload is aborted"
+            )
+        for done in range(0, n, _COPY_SLICE):
+            k = min(n - done, _COPY_SLICE)
+            at = self._filled
+            self._streamed[at : at + k] = mv[done : done + k]
+            with memoryview(self._streamed) as whole, whole[at : at + k] as piece:
+                self._sum.update(piece)
+            self._filled = at + k  # the body may send them now
         return n
 
     def _go_multipart(self) -> None:
@@ -484,7 +532,9 @@ class S3Upload(BlockSums):
         if self._closed:
             return
         try:
-            if self._upload_id is None:
+            if self._streaming is not None:
+                self._finish_streamed()
+            elif self._upload_id is None:
                 self._put_whole()
             else:
                 if self._cur or not self._number:
@@ -503,6 +553,11 @@ class S3Upload(BlockSums):
         """Drop what was written: parts in flight cancelled, the multipart upload aborted."""
         self._closed = True
         self._cur = bytearray()
+        streaming, self._streaming = self._streaming, None
+        if streaming is not None:  # a PUT cut short: the store keeps nothing of it
+            streaming.cancel()
+            with contextlib.suppress(BaseException):
+                streaming.result(timeout=60)
         for *_, fut in self._sent:
             fut.cancel()
         for *_, fut in self._sent:
@@ -627,6 +682,20 @@ class S3Upload(BlockSums):
                 raise
             _takes_checksums[self._fs] = False
             return self._submit(method, ask_crc32c=ask_crc32c, **plain).result()
+
+    def _finish_streamed(self) -> None:
+        """Check the size said, wait for the streamed PUT's reply and check it."""
+        assert self._streamed is not None
+        assert self._streaming is not None
+        if self._filled != len(self._streamed):
+            raise IntegrityError(
+                f"s3://{self.path}: {self._filled} bytes were written, {len(self._streamed)} "
+                "said; the upload is aborted"
+            )
+        out = self._streaming.result()
+        self._streaming = None
+        self._streamed = None
+        self._check_reply(out, self._sum.crc, None, "the object")
 
     def _put_whole(self) -> None:
         body, self._cur = self._cur, bytearray()
