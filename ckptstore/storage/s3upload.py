@@ -7,7 +7,10 @@ and waits for it inside ``write``). What it does with the bytes written to it:
 - **Small objects, one PUT.** The bytes are held until the object reaches
   :data:`SINGLE_PUT`; an object closed before that goes as one ``PutObject`` (what
   ``s3fs.put`` does below twice its 50 MiB chunk: moto spends about 1.5x the CPU on a
-  multipart upload of the same bytes, and a single request is atomic).
+  multipart upload of the same bytes, and a single request is atomic). Where the store
+  computes the CRC32C itself (:data:`COMPUTES`, below), an object said by
+  :meth:`S3Upload.expect` to be at least 8 MiB starts its PUT at once and its body follows
+  the writes (reading the file and sending it overlap); fewer bytes than said abort it.
 - **Large objects, parts in flight.** Past :data:`SINGLE_PUT` a multipart upload is created
   and parts of :data:`PART` bytes are sent as they fill, up to :data:`IN_FLIGHT` of them at
   once per object (``write`` waits only when that many are unanswered); ``close`` sends the
