@@ -9,8 +9,9 @@ Three figures, each measured side by side in one run (moto's S3 server on loopba
    alternating between a local-only manager and one with ``replica=`` (whose uploads of the
    previous steps run meanwhile, and also during the local-only saves); medians and their
    ratio (goal: <= 1.1x); again with the S3 server's process niced (see 2). ``isolated``:
-   each local-only save with no upload running (the tiered manager's uploads waited for),
-   each tiered save right after another tiered save, whose upload is then in flight.
+   each timed save right after an untimed save of the same manager, the local-only one
+   with no upload running (the tiered manager's uploads waited for), the tiered one while
+   the upload of the step before is in flight.
 2. **training-step slowdown** while an upload runs: a CPU-bound step (matmuls) timed with no
    upload, then while the uploader sends a step; medians and their ratio (goal: < 1.05x);
    again with the S3 server's process at nice 19 (it stands in for a remote store, whose
@@ -87,12 +88,14 @@ def run(param_bytes: int, work: Path, repeats: int) -> dict[str, Any]:
             t_plain, t_tiered = [], []
             for r in range(1, repeats + 1):
                 if isolated:
-                    # The local-only save with nothing else running (the tiered manager's
-                    # uploads done), then the tiered save right after another tiered save,
-                    # whose upload is in flight: the strict comparison.
+                    # Each timed save right after an untimed one of the same manager: the
+                    # local-only one with no upload running (the tiered manager's are
+                    # waited for), the tiered one while the upload of the step before is
+                    # in flight.
                     tiered.wait()
+                    plain.save(2 * r - 1, state)
                     t0 = time.perf_counter()
-                    plain.save(r, state)
+                    plain.save(2 * r, state)
                     t_plain.append(time.perf_counter() - t0)
                     tiered.save(2 * r - 1, state)
                     t0 = time.perf_counter()
