@@ -561,6 +561,7 @@ class Replicator:
             IntegrityError: the local copy does not match its manifest (it stays local).
             OSError: the replica refused it; nothing of it is visible there.
         """
+        self.gate.wait()  # not even its first requests while a save runs
         if step in self.replica.list_steps():
             self._safe(step)
             return False
@@ -742,7 +743,7 @@ class Replicator:
         finally:
             with self._cond:
                 self._stop = True
-                self.gate.stopped = True
+                self.gate.stop()
                 if not wait:
                     self._pending.clear()
                 self._cond.notify_all()

@@ -29,8 +29,6 @@ __all__ = ["MAX_STALL", "UploadGate"]
 
 #: Seconds a request body waits at a closed gate before it sends its next slice anyway.
 MAX_STALL = 10.0
-#: Seconds between two looks at a closed gate (the event loop has no threading.Event).
-_POLL = 0.01
 
 
 class UploadGate:
@@ -53,6 +51,9 @@ class UploadGate:
         self.sent = 0
         #: Of those, bytes sent while the gate was closed (a stall past ``max_stall``).
         self.sent_while_held = 0
+        #: Futures of event loops waiting for the gate to open (woken, not polling: a
+        #: thread at nice 19 that wakes while a save runs may be preempted holding the GIL).
+        self._waiters: list[tuple[asyncio.AbstractEventLoop, asyncio.Future[None]]] = []
 
     # ---- closing and opening ------------------------------------------------------------
 
@@ -89,11 +90,24 @@ class UploadGate:
             self._holds -= 1
             self._update()
 
+    def stop(self) -> None:
+        """The uploader stops: waiters at the gate go on (copy threads raise)."""
+        with self._lock:
+            self.stopped = True
+            self._wake()
+
     def _update(self) -> None:
         if self._paused or self._holds:
             self._open.clear()
         else:
             self._open.set()
+            self._wake()
+
+    def _wake(self) -> None:
+        waiters, self._waiters = self._waiters, []
+        for loop, fut in waiters:
+            with contextlib.suppress(RuntimeError):  # a loop closed meanwhile
+                loop.call_soon_threadsafe(_resolve, fut)
 
     @property
     def is_open(self) -> bool:
@@ -108,7 +122,7 @@ class UploadGate:
         Raises:
             ReplicaError: the uploader was stopped meanwhile.
         """
-        while not self._open.wait(0.1):
+        while not self._open.wait(0.5):
             if self.stopped:
                 raise ReplicaError("the uploader was stopped while paused")
 
@@ -132,4 +146,23 @@ class UploadGate:
                     self.sent += nbytes
                     self.sent_while_held += nbytes
                     return
-            await asyncio.sleep(_POLL)
+            await self.opened(deadline - now)
+
+    async def opened(self, timeout: float) -> None:
+        """Wait on the event loop until the gate opens (or stops), at most ``timeout`` s.
+
+        Woken by the thread that opens the gate: no wake-up while it stays closed.
+        """
+        loop = asyncio.get_running_loop()
+        with self._lock:
+            if self._open.is_set() or self.stopped:
+                return
+            fut: asyncio.Future[None] = loop.create_future()
+            self._waiters.append((loop, fut))
+        with contextlib.suppress(asyncio.TimeoutError):
+            await asyncio.wait_for(fut, max(timeout, 0.0))
+
+
+def _resolve(fut: asyncio.Future[None]) -> None:
+    if not fut.done():
+        fut.set_result(None)

@@ -306,7 +306,11 @@ class _Body:
         for i in range(start, len(self._mv), _SEND_SLICE):
             piece = self._mv[i : i + _SEND_SLICE]
             while self._ready is not None and self._ready() < i + len(piece):
-                await asyncio.sleep(_STREAM_POLL)  # the writer has not copied them in yet
+                if self._gate is not None and not self._gate.is_open:
+                    # The writer waits at the gate too: no polling while a save runs.
+                    await self._gate.opened(self._gate.max_stall)
+                else:
+                    await asyncio.sleep(_STREAM_POLL)  # not copied in yet
             if self._gate is not None:
                 await self._gate.admit(len(piece))
             yield piece
