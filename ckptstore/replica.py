@@ -15,14 +15,19 @@ A step that is safe on the replica gets a ``replicated`` marker in its local dir
 ``ckptstore ls``, and so a step the replica's retention deleted is not uploaded again).
 
 Reading back costs a download of every byte uploaded. On S3 it is not needed: the writer
-(:mod:`ckptstore.storage.s3upload`) sends each request with the MD5 of its body, computed on
-the very buffers whose CRC32C is compared with the local manifest, and compares the ETag the
-server answers (the MD5 of what it received) with it; each request also carries its
-CRC32C, computed here (botocore computes a CRC32C only with ``awscrt`` installed), and a
-multipart object the manifest's whole-file CRC32C. S3 refuses a request whose bytes do not
-match either; moto checks neither header, the ETag comparison is the check it honours.
-Stores that do not check (every other fsspec filesystem) are read back; ``read_back=True``
-reads back everything.
+(:mod:`ckptstore.storage.s3upload`) has the store check every request's body against the
+very buffers whose CRC32C is compared with the local manifest, the cheapest honest way the
+store allows (found once by a probe): S3 refuses a body whose CRC32C header is not its own
+(no MD5 needed); moto, which checks no header, computes the CRC32C of what it received when
+asked and answers it, which is compared; a store that does neither gets the body's MD5
+(Content-MD5) and its ETag is compared with it. A reply that lacks the check leaves the file
+unverified, and it is read back. Stores that do not check (every other fsspec filesystem)
+are read back; ``read_back=True`` reads back everything.
+
+A save closes the uploader's gate (:class:`~ckptstore.uploadgate.UploadGate`) for its
+blocking section: the copy threads stop before their next slice of a local file, the
+request bodies in flight before their next slice, and the bookkeeping after an upload
+(markers, retention) waits, so a save does not compete with the uploads of earlier steps.
 
 :func:`fetch_step` is the other direction: a replica step copied into the local store with
 the local commit protocol (restore from either tier reads it from there).
@@ -38,7 +43,7 @@ import json
 import os
 import threading
 import time
-from collections.abc import Callable, Collection, Iterable, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
 from . import nodes, upload_parts
@@ -54,6 +59,7 @@ from .layout import REPLICA_NAME, REPLICATED_NAME, step_dirname
 from .manifest import FileEntry, Manifest
 from .retention import CheckpointInfo, RetentionPolicy, plan_deletions
 from .storage import Pending, Storage
+from .uploadgate import UploadGate
 
 __all__ = [
     "ReplicaError",
@@ -100,7 +106,7 @@ def copy_files(
     replace: bool = False,
     threads: int = DEFAULT_THREADS,
     read_back: bool | None = False,
-    gate: Callable[[], None] | None = None,
+    gate: UploadGate | None = None,
     only: Collection[str] | None = None,
     into: Pending | None = None,
 ) -> None:
@@ -113,6 +119,9 @@ def copy_files(
     store did not check the bytes it received itself (S3: every request carries the MD5 of
     the checksummed bytes, see :mod:`ckptstore.storage.s3upload`); never with ``False``.
     The manifest is committed only after all that.
+
+    ``gate`` (the uploader's :class:`~ckptstore.uploadgate.UploadGate`) is waited at before
+    each slice read from ``src``, and by the bodies of S3 requests before each slice sent.
 
     ``only`` copies those files of ``manifest`` alone, and ``into`` writes them into a pending
     step the caller opened and commits (one rank's part of a per-rank upload): then nothing
@@ -134,10 +143,13 @@ def copy_files(
             with pending.open(
                 name, codec=entry.codec, compression=entry.compression, rank=entry.rank
             ) as w:
+                expect = getattr(w, "expect", None)
+                if expect is not None:  # an S3 upload: its size, and the gate of its requests
+                    expect(entry.bytes, gate=gate)
 
                 def consume(offset: int, chunk: memoryview) -> None:
                     if gate is not None:
-                        gate()
+                        gate.wait()
                     try:
                         w.write(chunk)
                     except OSError as e:
@@ -160,7 +172,7 @@ def copy_files(
                 )
             if read_back or (read_back is None and not checked_by_store):
                 if gate is not None:
-                    gate()
+                    gate.wait()
                 size, crc = dst._stream(f"{pending.dirname}/{name}", None)
                 if (size, crc) != (entry.bytes, entry.crc32c):
                     raise IntegrityError(
@@ -330,10 +342,9 @@ class Replicator:
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
         self._stop = False
-        self._open = threading.Event()
-        self._open.set()
-        self._paused = False
-        self._holds = 0
+        #: Closed while a save runs or while paused: the copy threads wait there before
+        #: each slice they read, the S3 request bodies before each slice they send.
+        self.gate = UploadGate()
         self.uploaded_bytes = 0
         #: Local retention held back a step for the replica (see :meth:`deletable`).
         self.holding = False
@@ -346,39 +357,19 @@ class Replicator:
         For tests and for jobs that want the network to themselves for a while; nothing is
         lost, :meth:`resume` goes on where it stopped.
         """
-        with self._cond:
-            self._paused = True
-            self._set_gate()
+        self.gate.pause()
 
     def resume(self) -> None:
         """Let uploads go on after :meth:`pause`."""
-        with self._cond:
-            self._paused = False
-            self._set_gate()
+        self.gate.resume()
 
-    @contextlib.contextmanager
-    def held(self) -> Iterator[None]:
-        """Hold uploads while the block runs (a save: its writes go first). Nests."""
-        with self._cond:
-            self._holds += 1
-            self._set_gate()
-        try:
-            yield
-        finally:
-            with self._cond:
-                self._holds -= 1
-                self._set_gate()
+    def held(self) -> contextlib.AbstractContextManager[None]:
+        """Hold uploads while the block runs (a save: its writes go first). Nests.
 
-    def _set_gate(self) -> None:
-        if self._paused or self._holds:
-            self._open.clear()
-        else:
-            self._open.set()
-
-    def _gate(self) -> None:
-        while not self._open.wait(0.1):
-            if self._stop:
-                raise ReplicaError("the uploader was stopped while paused")
+        The requests in flight stop too, between two slices of their bodies (see
+        :mod:`ckptstore.uploadgate`): the save does not compete with them.
+        """
+        return self.gate.held()
 
     # ---- state -----------------------------------------------------------------------
 
@@ -575,6 +566,7 @@ class Replicator:
             IntegrityError: the local copy does not match its manifest (it stays local).
             OSError: the replica refused it; nothing of it is visible there.
         """
+        self.gate.wait()  # not even its first requests while a save runs
         if step in self.replica.list_steps():
             self._safe(step)
             return False
@@ -605,7 +597,7 @@ class Replicator:
                 manifest,
                 threads=self.threads,
                 read_back=self.read_back,
-                gate=self._gate,
+                gate=self.gate,
             )
         except StepExistsError:
             self._safe(step)  # committed by another uploader meanwhile
@@ -632,7 +624,7 @@ class Replicator:
     def _upload_part(self, step: int, manifest: Manifest, rank: int) -> bool:
         """Upload this rank's files of a sharded step; the manifest once every rank's are in."""
         copy = functools.partial(
-            copy_files, threads=self.threads, read_back=self.read_back, gate=self._gate
+            copy_files, threads=self.threads, read_back=self.read_back, gate=self.gate
         )
         mine = upload_parts.files_of(manifest, rank)
         t0 = time.perf_counter()
@@ -670,10 +662,14 @@ class Replicator:
             self._url_recorded = True
 
     def _safe(self, step: int, manifest: Manifest | None = None) -> None:
-        self._record_url()
-        mark_replicated(self.local, step)
         with self._cond:
             self.safe.add(step)
+        # The local marker, the replica's retention and the callback (local retention)
+        # write and delete: they wait while a save runs (a stopping uploader goes on).
+        with contextlib.suppress(ReplicaError):
+            self.gate.wait()
+        self._record_url()
+        mark_replicated(self.local, step)
         if self.retention:
             try:
                 self.prune_replica(just=step, known={step: manifest} if manifest else None)
@@ -759,6 +755,7 @@ class Replicator:
         finally:
             with self._cond:
                 self._stop = True
+                self.gate.stop()
                 if not wait:
                     self._pending.clear()
                 self._cond.notify_all()

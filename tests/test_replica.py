@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import time
 from pathlib import Path
 from typing import Any
 
@@ -389,3 +390,53 @@ def test_a_restore_from_the_replica_keeps_the_callers_priority(
         assert_same(snapshot(fresh), expect)
     else:
         assert torch.equal(fresh["x"], expect["x"])
+
+
+def test_a_save_stops_the_upload_in_flight(
+    tmp_path: Path, s3: S3Endpoint, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """While a save is in its blocking section, the upload of the step before sends nothing:
+    its request in flight waits between two slices of its body (``UploadGate``), then goes on
+    and completes, verified."""
+    big = {"w": torch.randn(6 << 20)}  # 24 MiB: one PUT of many 1 MiB slices
+    small = {"w": torch.randn(2 << 20)}  # a save long enough for slices to go if let
+    with tiered(tmp_path / "a", s3, url) as mgr:
+        assert mgr.replica is not None
+        gate = mgr.replica.gate
+        marks: list[tuple[str, int]] = []
+        hold, release = gate.hold, gate.release
+
+        def marked_hold() -> None:
+            hold()
+            marks.append(("hold", gate.sent))
+
+        def marked_release() -> None:
+            marks.append(("release", gate.sent))
+            release()
+
+        monkeypatch.setattr(gate, "hold", marked_hold)
+        monkeypatch.setattr(gate, "release", marked_release)
+        m1 = mgr.save(1, big).wait()
+        assert m1 is not None
+        marks.clear()
+        deadline = time.monotonic() + 60
+        while gate.sent < (1 << 20) and time.monotonic() < deadline:
+            time.sleep(0.001)  # until the body of the 24 MiB PUT is on its way
+        # A hold with the CPU idle (the uploader's threads at nice 19 would run): nothing goes.
+        with mgr.replica.held():
+            time.sleep(0.5)
+        m2 = mgr.save(2, small).wait()  # a save holds the uploads the same way
+        assert m2 is not None
+        assert [k for k, _ in marks] == ["hold", "release", "hold", "release"]
+        (_, idle_hold), (_, idle_release), (_, at_hold), (_, at_release) = marks
+        assert (1 << 20) <= idle_hold < m1.total_bytes  # a body of step 1 was in flight
+        assert idle_release == idle_hold  # and sent nothing while held
+        assert at_release == at_hold  # nor while the save ran
+        assert gate.sent_while_held == 0
+        mgr.wait()
+        assert gate.sent == m1.total_bytes + m2.total_bytes  # every byte once, then all of it
+    assert replica_steps(s3, url) == [1, 2]
+    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    for step, m in ((1, m1), (2, m2)):
+        for name, entry in m.files.items():
+            assert replica.checksum_file(step, name) == (entry.bytes, entry.crc32c)

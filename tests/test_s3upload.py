@@ -9,7 +9,9 @@ submission (as ``tests/faults.py`` wraps the storage primitives).
 from __future__ import annotations
 
 import base64
+import concurrent.futures
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -24,13 +26,14 @@ from s3server import S3Endpoint
 
 from ckptstore import CheckpointManager, IntegrityError
 from ckptstore.replica import ReplicaError, Replicator
-from ckptstore.storage import open_storage
+from ckptstore.storage import open_storage, s3upload
 from ckptstore.storage.remote import FsspecStorage
-from ckptstore.storage.s3upload import S3Upload
+from ckptstore.storage.s3upload import S3Upload, upload_fs
 
 pytestmark = pytest.mark.timeout(60)
 
 MiB = 1 << 20
+PROBE = ".ckptstore-probe"  # the key suffix of the store probe's object
 
 
 @pytest.fixture
@@ -57,6 +60,11 @@ def b64crc(data: bytes) -> str:
     return base64.b64encode(crc32c.crc32c(data).to_bytes(4, "big")).decode()
 
 
+def sent(s3: S3Endpoint) -> list[Any]:
+    """The requests the server received, less the store probe's (once per client and bucket)."""
+    return [r for r in s3.requests() if not r.path.endswith(PROBE)]
+
+
 def uploads_of(s3: S3Endpoint, path: str) -> list[str]:
     bucket, _, k = path.partition("/")
     out = s3.client.call_s3("list_multipart_uploads", Bucket=bucket, Prefix=k)
@@ -73,7 +81,7 @@ def test_small_object_is_one_put_checked_by_its_crc_and_md5(s3: S3Endpoint, key:
     assert not w.verified
     w.close()
     assert w.verified
-    reqs = [(r.method, sorted(r.query)) for r in s3.requests()]
+    reqs = [(r.method, sorted(r.query)) for r in sent(s3)]
     assert reqs == [("PUT", [])]  # one PutObject, no multipart
     assert s3.client.cat_file(key) == data
     bucket, _, k = key.partition("/")
@@ -88,7 +96,7 @@ def test_large_object_goes_in_parts_with_its_full_object_crc(s3: S3Endpoint, key
     write_all(w, data, 3 * MiB + 1)  # writes straddle the parts
     w.close()
     assert w.verified
-    reqs = [(r.method, "uploads" in r.query, r.query.get("partNumber")) for r in s3.requests()]
+    reqs = [(r.method, "uploads" in r.query, r.query.get("partNumber")) for r in sent(s3)]
     assert reqs[0] == ("POST", True, None)
     assert sorted(p for m, _, p in reqs if m == "PUT") == ["1", "2", "3"]
     assert reqs[-1][0] == "POST"
@@ -121,10 +129,11 @@ class Corrupting:
         submit = S3Upload._submit
 
         def wrapped(w: S3Upload, method: str, **kw: Any) -> Any:
-            if method == self.method:
+            if method == self.method and not kw["Key"].endswith(PROBE):
                 self.seen += 1
                 if self.seen == self.nth:
-                    body = bytearray(kw["Body"])
+                    sent = kw["Body"]  # a streamed body (s3upload._Body) reads as a file
+                    body = bytearray(sent.read() if hasattr(sent, "read") else sent)
                     body[len(body) // 2] ^= 0x10
                     kw["Body"] = body
             return submit(w, method, **kw)
@@ -209,6 +218,7 @@ def test_a_store_refusing_checksum_arguments_is_asked_without_them(
     from ckptstore.storage import s3upload
 
     monkeypatch.setattr(s3upload, "_takes_checksums", {})
+    monkeypatch.setattr(s3upload, "_store_checks", {})  # a store not probed yet
     call = S3Upload._call
     refused: list[str] = []
 
@@ -238,7 +248,169 @@ def test_parts_grow_so_any_object_fits_the_part_limit(
     data = os.urandom(31 * MiB)
     s3.requests.clear()
     upload(S3Upload(s3.client, key, part=5 * MiB, single_put=5 * MiB), data, 3 * MiB)
-    parts = [r for r in s3.requests() if r.method == "PUT"]
+    parts = [r for r in sent(s3) if r.method == "PUT"]
     assert len(parts) == 5  # 5 + 5 MiB, then 10 + 10, then the last 1 MiB (6 at 5 MiB)
     assert s3.client.cat_file(key) == data
     assert s3.client.info(key)["ETag"].strip('"').endswith("-5")
+
+
+# ---- what the store checks: probed once, then each body checked the cheapest honest way ----
+
+
+async def not_asking(coro: Any) -> Any:
+    """s3upload._asking, less the header: the store is never asked for a CRC32C."""
+    return await coro
+
+
+def test_the_store_is_probed_once_and_moto_answers_the_crc32c_it_computes(
+    s3: S3Endpoint, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(s3upload, "_store_checks", {})
+    s3.requests.clear()
+    data = os.urandom(2 * MiB)
+    w = S3Upload(s3.client, key)
+    upload(w, data, MiB)
+    w2 = S3Upload(s3.client, key + "2", part=5 * MiB, single_put=5 * MiB)
+    upload(w2, data * 3, MiB)  # in parts: each part's CRC32C answered by the server
+    probes = [r.method for r in s3.requests() if r.path.endswith(PROBE)]
+    assert probes == ["PUT", "PUT", "DELETE"]  # a wrong CRC32C taken, then one asked for
+    assert s3upload._store_checks == {(upload_fs(s3.client), s3.bucket): s3upload.COMPUTES}
+    assert w.verified  # checked by the CRC32Cs the server answered
+    assert w2.verified
+    assert not s3.client.exists(key + PROBE)
+    assert s3.client.cat_file(key) == data
+    assert s3.client.cat_file(key + "2") == data * 3
+
+
+def test_a_part_changed_on_the_way_is_caught_by_the_crc32c_the_server_answers(
+    s3: S3Endpoint, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(s3upload, "_store_checks", {})
+    Corrupting("upload_part", nth=2).install(monkeypatch)
+    w = S3Upload(s3.client, key, part=5 * MiB, single_put=5 * MiB)
+    with pytest.raises(IntegrityError, match=r"server's CRC32C of part 2.*changed on the way"):
+        upload(w, os.urandom(12 * MiB), 2 * MiB)
+    assert uploads_of(s3, key) == []
+    assert not s3.client.exists(key)
+
+
+def test_a_store_that_checks_nothing_is_checked_by_md5_and_etag(
+    s3: S3Endpoint, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store that neither refuses a wrong CRC32C nor computes one: Content-MD5 and ETag."""
+    monkeypatch.setattr(s3upload, "_store_checks", {})
+    monkeypatch.setattr(s3upload, "_asking", not_asking)  # moto then computes no CRC32C
+    data = os.urandom(3 * MiB)
+    w = S3Upload(s3.client, key)
+    upload(w, data, MiB)
+    assert s3upload._store_checks[(upload_fs(s3.client), s3.bucket)] == s3upload.MD5
+    assert w.verified
+    assert s3.client.cat_file(key) == data
+    Corrupting("upload_part", nth=2).install(monkeypatch)
+    w2 = S3Upload(s3.client, key + "2", part=5 * MiB, single_put=5 * MiB)
+    with pytest.raises(IntegrityError, match=r"ETag of part 2.*changed on the way"):
+        upload(w2, os.urandom(12 * MiB), 2 * MiB)
+    assert not s3.client.exists(key + "2")
+
+
+def test_a_reply_without_the_asked_crc32c_leaves_the_file_to_be_read_back(
+    tmp_path: Path, s3: S3Endpoint, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A store found to compute CRC32Cs that answers none (a client re-made without the
+    hook): nothing checked the bytes on receipt, so the uploader reads them back."""
+    root = tmp_path / "a"
+    with CheckpointManager(root) as plain:
+        plain.save(1, make_state(1))
+    monkeypatch.setattr(
+        s3upload, "_store_checks", {(upload_fs(s3.client), s3.bucket): s3upload.COMPUTES}
+    )
+    monkeypatch.setattr(s3upload, "_asking", not_asking)
+    replica = replica_store(s3)
+    s3.requests.clear()
+    assert Replicator(open_storage(root), replica, retention=False).upload_step(1)
+    assert payload_gets(s3)  # read back
+    for name, entry in open_storage(root).read_manifest(1).files.items():
+        assert replica.checksum_file(1, name) == (entry.bytes, entry.crc32c)
+
+
+class VerifyingStore:
+    """S3's own check, which moto lacks: a body whose x-amz-checksum-crc32c is not its CRC32C
+    is refused (BadDigest) and nothing stored. Installed where the requests are submitted."""
+
+    def __init__(self) -> None:
+        self.bodies: list[tuple[str, bool, bool]] = []  # (method, crc32c sent, md5 sent)
+
+    def install(self, monkeypatch: pytest.MonkeyPatch) -> None:
+        submit = S3Upload._submit
+
+        def checked(w: S3Upload, method: str, **kw: Any) -> Any:
+            if method in ("put_object", "upload_part"):
+                body = kw["Body"]
+                data = body.read() if hasattr(body, "read") else bytes(body)
+                if hasattr(body, "seek"):
+                    body.seek(0)
+                want = kw.get("ChecksumCRC32C")
+                if not kw["Key"].endswith(PROBE):
+                    self.bodies.append((method, want is not None, "ContentMD5" in kw))
+                if want is not None and want != b64crc(data):
+                    fut: concurrent.futures.Future[Any] = concurrent.futures.Future()
+                    fut.set_exception(
+                        OSError(
+                            "An error occurred (BadDigest): The CRC32C you specified did not "
+                            "match the calculated checksum."
+                        )
+                    )
+                    return fut
+            return submit(w, method, **kw)
+
+        monkeypatch.setattr(S3Upload, "_submit", checked)
+
+
+def test_a_store_that_verifies_crc32c_gets_it_instead_of_md5(
+    s3: S3Endpoint, key: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(s3upload, "_store_checks", {})
+    store = VerifyingStore()
+    store.install(monkeypatch)
+    data = os.urandom(12 * MiB)
+    w = S3Upload(s3.client, key, part=5 * MiB, single_put=5 * MiB)
+    upload(w, data, 2 * MiB)
+    assert s3upload._store_checks[(upload_fs(s3.client), s3.bucket)] == s3upload.VERIFIES
+    assert w.verified
+    assert s3.client.cat_file(key) == data
+    # Every body carried its CRC32C for the store to check, and no MD5 was computed.
+    assert store.bodies == [("upload_part", True, False)] * 3
+    Corrupting("upload_part", nth=2).install(monkeypatch)  # changed after its CRC32C
+    w2 = S3Upload(s3.client, key + "2", part=5 * MiB, single_put=5 * MiB)
+    with pytest.raises(OSError, match="BadDigest"):
+        upload(w2, os.urandom(12 * MiB), 2 * MiB)
+    assert uploads_of(s3, key + "2") == []
+    assert not s3.client.exists(key + "2")
+
+
+def test_a_large_put_goes_as_it_is_written_and_a_short_one_leaves_nothing(
+    s3: S3Endpoint, key: str
+) -> None:
+    """Where the store answers the CRC32C it computes, an object said to be large starts its
+    PUT at once and its body follows the writes; fewer bytes than said abort it."""
+    from ckptstore.uploadgate import UploadGate
+
+    data = os.urandom(12 * MiB)
+    gate = UploadGate()
+    w = S3Upload(s3.client, key)
+    w.expect(len(data), gate=gate)
+    write_all(w, data[: 6 * MiB], MiB)
+    deadline = time.monotonic() + 30
+    while gate.sent < MiB and time.monotonic() < deadline:
+        time.sleep(0.002)
+    assert MiB <= gate.sent <= 6 * MiB  # on its way before the rest is written
+    write_all(w, data[6 * MiB :], MiB)
+    w.close()
+    assert w.verified  # by the CRC32C the server answered
+    assert s3.client.cat_file(key) == data
+    w2 = S3Upload(s3.client, key + "2")
+    w2.expect(len(data), gate=UploadGate())
+    write_all(w2, data[: 5 * MiB], MiB)
+    with pytest.raises(IntegrityError, match="5242880 bytes were written, 12582912 said"):
+        w2.close()
+    assert not s3.client.exists(key + "2")

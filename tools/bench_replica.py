@@ -7,8 +7,11 @@ Three figures, each measured side by side in one run (moto's S3 server on loopba
 
 1. **save blocking time** with a replica vs without: ``save`` of the same state, durable,
    alternating between a local-only manager and one with ``replica=`` (whose uploads of the
-   previous steps run meanwhile); medians and their ratio (goal: <= 1.1x); again with the S3
-   server's process niced (see 2).
+   previous steps run meanwhile, and also during the local-only saves); medians and their
+   ratio (goal: <= 1.1x); again with the S3 server's process niced (see 2). ``isolated``:
+   each timed save right after an untimed save of the same manager, the local-only one
+   with no upload running (the tiered manager's uploads waited for), the tiered one while
+   the upload of the step before is in flight.
 2. **training-step slowdown** while an upload runs: a CPU-bound step (matmuls) timed with no
    upload, then while the uploader sends a step; medians and their ratio (goal: < 1.05x);
    again with the S3 server's process at nice 19 (it stands in for a remote store, whose
@@ -71,7 +74,7 @@ def run(param_bytes: int, work: Path, repeats: int) -> dict[str, Any]:
         opts = ep.storage_options
         # ---- 1. save blocking time ----
 
-        def saves(name: str) -> dict[str, Any]:
+        def saves(name: str, isolated: bool = False) -> dict[str, Any]:
             plain = CheckpointManager(os.path.join(d, f"plain-{name}"), keep=2)
             tiered = CheckpointManager(
                 os.path.join(d, f"tiered-{name}"),
@@ -84,13 +87,28 @@ def run(param_bytes: int, work: Path, repeats: int) -> dict[str, Any]:
             tiered.wait()
             t_plain, t_tiered = [], []
             for r in range(1, repeats + 1):
+                if isolated:
+                    # Each timed save right after an untimed one of the same manager: the
+                    # local-only one with no upload running (the tiered manager's are
+                    # waited for), the tiered one while the upload of the step before is
+                    # in flight.
+                    tiered.wait()
+                    plain.save(2 * r - 1, state)
+                    t0 = time.perf_counter()
+                    plain.save(2 * r, state)
+                    t_plain.append(time.perf_counter() - t0)
+                    tiered.save(2 * r - 1, state)
+                    t0 = time.perf_counter()
+                    tiered.save(2 * r, state)
+                    t_tiered.append(time.perf_counter() - t0)
+                    continue
                 order = [(plain, t_plain), (tiered, t_tiered)]
                 for m, sink in order if r % 2 else reversed(order):
                     t0 = time.perf_counter()
                     m.save(r, state)  # the uploads of the previous steps run meanwhile
                     sink.append(time.perf_counter() - t0)
             tiered.wait()
-            state_bytes = tiered.manifest(repeats).total_bytes
+            state_bytes = tiered.manifest(max(tiered.steps())).total_bytes
             plain.close()
             tiered.close()
             return {
@@ -101,6 +119,7 @@ def run(param_bytes: int, work: Path, repeats: int) -> dict[str, Any]:
             }
 
         out["save"] = saves("as-is")
+        out["save_isolated"] = saves("isolated", isolated=True)
         # ---- 2. training-step slowdown while an upload runs ----
         local = open_storage(os.path.join(d, "tiered-as-is"))
         step = local.list_steps()[-1]
@@ -246,7 +265,12 @@ def throughput(ep: Any, local: Any, step: int, root: str, repeats: int) -> dict[
 def print_report(res: dict[str, Any]) -> None:
     """The figures as a few lines."""
     u = res["upload"]
-    for label, s in (("", res["save"]), (" (S3 server niced)", res["save_server_niced"])):
+    rows = (
+        ("", res["save"]),
+        (" (local-only saves with no upload running)", res.get("save_isolated")),
+        (" (S3 server niced)", res["save_server_niced"]),
+    )
+    for label, s in rows:
         if s is None:
             continue
         print(
