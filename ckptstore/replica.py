@@ -109,6 +109,7 @@ def copy_files(
     gate: UploadGate | None = None,
     only: Collection[str] | None = None,
     into: Pending | None = None,
+    lowest: bool = False,
 ) -> None:
     """Copy committed ``step`` from ``src`` to ``dst`` with ``dst``'s commit protocol.
 
@@ -127,6 +128,10 @@ def copy_files(
     step the caller opened and commits (one rank's part of a per-rank upload): then nothing
     is committed, nor aborted on failure.
 
+    The files are copied at the caller's priority, or with ``lowest`` (an upload: it must
+    never take CPU from the training thread) on threads at the lowest priority, even a lone
+    file; the caller's own thread keeps its priority either way.
+
     Raises:
         IntegrityError: a file does not match ``manifest`` (in ``src``, or read back).
         StepExistsError: ``step`` is committed in ``dst`` (and ``replace`` is not set).
@@ -136,10 +141,6 @@ def copy_files(
     try:
 
         def one(name: str, entry: FileEntry) -> None:
-            # At the caller's priority: copy threads inherit their creator's niceness (per
-            # thread on Linux), so an upload's run at the uploader's nice 19 and a restore's
-            # fetch at the training thread's own. Lowering it here would leave the caller's
-            # thread at nice 19 for good where it copies a lone file itself.
             with pending.open(
                 name, codec=entry.codec, compression=entry.compression, rank=entry.rank
             ) as w:
@@ -183,12 +184,16 @@ def copy_files(
 
         chosen = (kv for kv in manifest.files.items() if only is None or kv[0] in only)
         items = sorted(chosen, key=lambda kv: -kv[1].bytes)
-        if threads <= 1 or len(items) <= 1:
-            for name, entry in items:
+        if not lowest and (threads <= 1 or len(items) <= 1):
+            for name, entry in items:  # on the caller's thread, at its priority
                 one(name, entry)
-        else:
+        elif items:
+            # Pool threads, never the caller's own: lowering a thread's priority is for good
+            # (per thread on Linux), and the caller's (a training thread) must keep its own.
             with concurrent.futures.ThreadPoolExecutor(
-                min(threads, len(items)), thread_name_prefix="ckptstore-copy"
+                max(1, min(threads, len(items))),
+                thread_name_prefix="ckptstore-copy",
+                initializer=_lower_priority if lowest else None,
             ) as pool:
                 futures = [pool.submit(one, n, e) for n, e in items]
                 errors = [f.exception() for f in futures]
@@ -598,6 +603,7 @@ class Replicator:
                 threads=self.threads,
                 read_back=self.read_back,
                 gate=self.gate,
+                lowest=True,
             )
         except StepExistsError:
             self._safe(step)  # committed by another uploader meanwhile
@@ -624,7 +630,7 @@ class Replicator:
     def _upload_part(self, step: int, manifest: Manifest, rank: int) -> bool:
         """Upload this rank's files of a sharded step; the manifest once every rank's are in."""
         copy = functools.partial(
-            copy_files, threads=self.threads, read_back=self.read_back, gate=self.gate
+            copy_files, threads=self.threads, read_back=self.read_back, gate=self.gate, lowest=True
         )
         mine = upload_parts.files_of(manifest, rank)
         t0 = time.perf_counter()

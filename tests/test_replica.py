@@ -386,6 +386,24 @@ def test_a_restore_from_the_replica_keeps_the_callers_priority(
     replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
     fetch_step(replica, open_storage(str(tmp_path / "c")), 1, threads=1)
     assert nice() == before
+    # An upload called from this thread reads its files on threads at nice 19, this one's
+    # priority unchanged; a lone file too (threads=1).
+    local = open_storage(str(tmp_path / "c"))
+    seen: list[int] = []
+    real = local.stream_file
+
+    def spied(*args: Any, **kwargs: Any) -> Any:
+        seen.append(nice())
+        return real(*args, **kwargs)
+
+    local.stream_file = spied  # type: ignore[method-assign]
+    for threads in (1, 4):
+        target = open_storage(s3.url(s3.unique_prefix()), s3.storage_options)
+        Replicator(local, target, retention=False, threads=threads).upload_step(1)
+        assert target.list_steps() == [1]
+    assert seen
+    assert set(seen) == {19}
+    assert nice() == before
     if files == "several":
         assert_same(snapshot(fresh), expect)
     else:
