@@ -141,6 +141,8 @@ def copy_files(
     try:
 
         def one(name: str, entry: FileEntry) -> None:
+            if gate is not None:  # no new file is opened, nor its first reads issued, in a save
+                gate.wait()
             with pending.open(
                 name, codec=entry.codec, compression=entry.compression, rank=entry.rank
             ) as w:
