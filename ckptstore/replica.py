@@ -150,9 +150,17 @@ def copy_files(
                 if expect is not None:  # an S3 upload: its size, and the gate of its requests
                     expect(entry.bytes, gate=gate)
 
-                def consume(offset: int, chunk: memoryview) -> None:
+                def pace() -> None:
+                    # A stopped uploader's ReplicaError (an OSError) must not read as a bad
+                    # source file: carried past stream_file like a failed write.
                     if gate is not None:
-                        gate.wait()
+                        try:
+                            gate.wait()
+                        except ReplicaError as e:
+                            raise _WriteFailed(e) from e
+
+                def consume(offset: int, chunk: memoryview) -> None:
+                    pace()
                     try:
                         w.write(chunk)
                     except OSError as e:
@@ -160,7 +168,7 @@ def copy_files(
                         raise _WriteFailed(e) from e
 
                 try:
-                    src.stream_file(step, name, entry, consume)
+                    src.stream_file(step, name, entry, consume, pace=pace)
                 except _WriteFailed as e:
                     raise e.error from None
             # The store compared what it received with the MD5 of the bytes whose CRC32C is

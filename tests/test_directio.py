@@ -833,3 +833,53 @@ def test_io_threads_work_in_a_forked_child(tmp_path: Path) -> None:
         pytest.fail("the forked child hung on an I/O thread of its parent")
     assert os.waitstatus_to_exitcode(status) == 0
     assert (tmp_path / "child").stat().st_size == directio.BUFFER + 1
+
+
+def test_pace_runs_on_the_caller_before_every_read(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``stream_pipelined(pace=...)``: each read is issued only after ``pace()`` returned, so a
+    pace that blocks (a background upload's gate during a save) holds back every later read;
+    the bytes come out whole once it lets go."""
+    monkeypatch.setattr(directio, "BUFFER", 1 << 16)
+    data = os.urandom(5 * (1 << 16) + 10)  # 6 slices, the last one short
+    path = tmp_path / "f"
+    path.write_bytes(data)
+    reads: list[int] = []
+    real = directio.read_into
+
+    def counted(fd: int, dest: memoryview, offset: int) -> int:
+        reads.append(offset)
+        return real(fd, dest, offset)
+
+    monkeypatch.setattr(directio, "read_into", counted)
+    paces: list[int] = []
+    go = threading.Event()
+
+    def pace() -> None:
+        paces.append(len(reads))
+        if len(paces) == 2:  # the second read waits until the test lets it go
+            assert go.wait(30)
+
+    out = bytearray()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        t = threading.Thread(
+            target=directio.stream_pipelined,
+            args=(fd, lambda off, mv: out.extend(mv)),
+            kwargs={"pace": pace},
+        )
+        t.start()
+        deadline = time.monotonic() + 30
+        while len(paces) < 2 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        time.sleep(0.2)  # an unpaced reader would have issued its other reads by now
+        assert len(paces) == 2
+        assert reads == [0]  # only the read issued before the blocked pace
+        go.set()
+        t.join(30)
+    finally:
+        os.close(fd)
+    assert bytes(out) == data
+    assert len(paces) == len(reads)  # one pace per read issued (some past the end: empty)
+    assert sorted(reads)[:6] == [i << 16 for i in range(6)]

@@ -621,13 +621,22 @@ class Storage(abc.ABC):
             self._remove(rel)
             self._fsync_dir(d)
 
-    def _stream(self, rel: str, consume: Consumer | None, *, crc: bool = True) -> tuple[int, int]:
+    def _stream(
+        self,
+        rel: str,
+        consume: Consumer | None,
+        *,
+        crc: bool = True,
+        pace: Callable[[], None] | None = None,
+    ) -> tuple[int, int]:
         """Read ``rel`` front to back in large slices; returns ``(bytes, crc32c)``.
 
         ``consume(offset, chunk)`` sees every slice in order (the view is only valid during
         the call). With ``crc=False`` the whole-file CRC is not computed (0 is returned):
-        the caller checks every block instead. Backends may override this with a faster path
-        (local: O_DIRECT).
+        the caller checks every block instead. ``pace()`` is called on the calling thread
+        before each read is issued (a background copy waits there while a save runs, so it
+        issues no read meanwhile). Backends may override this with a faster path (local:
+        O_DIRECT).
         """
         buf = bytearray(READ_CHUNK)
         mv = memoryview(buf)
@@ -635,6 +644,8 @@ class Storage(abc.ABC):
         total = 0
         with self._open_read(rel) as f:
             while True:
+                if pace is not None:
+                    pace()
                 n = f.readinto(mv)  # type: ignore[attr-defined]
                 if not n:
                     break
@@ -647,9 +658,18 @@ class Storage(abc.ABC):
         return total, total_crc
 
     def stream_file(
-        self, step: int, name: str, entry: FileEntry, consume: Consumer | None = None
+        self,
+        step: int,
+        name: str,
+        entry: FileEntry,
+        consume: Consumer | None = None,
+        *,
+        pace: Callable[[], None] | None = None,
     ) -> None:
         """Stream a file of a committed checkpoint, checking size and CRC32C against ``entry``.
+
+        ``pace()``, where given, is called on this thread before each read is issued (a
+        background upload passes its gate: no read of it competes with a save).
 
         The size is checked before reading (a file that lies about its size is refused
         unread). When ``entry`` has per-block CRCs (``FileEntry.blocks``), ``consume`` sees
@@ -676,9 +696,9 @@ class Storage(abc.ABC):
                 )
             gate = None if entry.blocks is None else BlockGate(entry, where, consume)
             if gate is None:
-                got, crc = self._stream(rel, consume)
+                got, crc = self._stream(rel, consume, pace=pace)
             else:  # every block is checked: no whole-file CRC pass on top
-                got, crc = self._stream(rel, gate, crc=False)
+                got, crc = self._stream(rel, gate, crc=False, pace=pace)
             if gate is not None:
                 gate.finish(got)
         except OSError as e:

@@ -513,6 +513,7 @@ def stream_pipelined(
     consume: Callable[[int, memoryview], None] | None,
     *,
     crc: bool = True,
+    pace: Callable[[], None] | None = None,
 ) -> tuple[int, int]:
     """Read a file front to back, :data:`READ_DEPTH` slices in flight; ``(bytes, crc32c)``.
 
@@ -520,6 +521,10 @@ def stream_pipelined(
     of :data:`BUFFER` bytes, then checksummed (with ``crc``; else 0 is returned) and passed
     to ``consume(offset, view)`` in order on the calling thread (the view is valid only
     during the call). ``fd`` may be opened with ``O_DIRECT`` or not.
+
+    ``pace()``, where given, is called on the calling thread before each read is issued
+    (never on an I/O thread): a background upload waits there while a save runs, so that
+    no new read of it competes with the save for the disk.
     """
     nbuf = READ_DEPTH + 1
     bufs = [mmap.mmap(-1, BUFFER) for _ in range(nbuf)]
@@ -528,6 +533,8 @@ def stream_pipelined(
     done = False  # a short read was seen: no more submissions
     try:
         for i in range(READ_DEPTH):
+            if pace is not None:
+                pace()
             futs[i] = Call(read_into, fd, views[i % nbuf], i * BUFFER)
         total_crc = 0
         offset = 0
@@ -539,6 +546,8 @@ def stream_pipelined(
             elif not done and i + READ_DEPTH not in futs:
                 # into the buffer of slice i - 1, consumed already
                 j = i + READ_DEPTH
+                if pace is not None:
+                    pace()
                 futs[j] = Call(read_into, fd, views[j % nbuf], j * BUFFER)
             if n == 0:
                 break

@@ -179,7 +179,14 @@ class LocalStorage(Storage):
             raise
         return open(fd, "rb", buffering=0)
 
-    def _stream(self, rel: str, consume: Consumer | None, *, crc: bool = True) -> tuple[int, int]:
+    def _stream(
+        self,
+        rel: str,
+        consume: Consumer | None,
+        *,
+        crc: bool = True,
+        pace: Callable[[], None] | None = None,
+    ) -> tuple[int, int]:
         # Large files: several reads in flight on I/O threads into aligned buffers while the
         # slice before them is checksummed and consumed, so the disk never waits for the
         # CPU; O_DIRECT or buffered (with sequential readahead), whichever the device was
@@ -196,6 +203,8 @@ class LocalStorage(Storage):
                 msg = f"{self._p(rel)} is not a regular file"
                 raise OSError(msg)
             if st.st_size < SMALL_FILE:
+                if pace is not None:
+                    pace()
                 return _stream_small(fd, st.st_size, consume)
             with contextlib.suppress(OSError):
                 os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_SEQUENTIAL)  # a larger readahead
@@ -208,13 +217,13 @@ class LocalStorage(Storage):
                 dfd2 = self._open_direct_twin(head, name, st)
                 if dfd2 is not None:
                     try:
-                        got = stream_pipelined(dfd2, consume, crc=crc)
+                        got = stream_pipelined(dfd2, consume, crc=crc, pace=pace)
                     finally:
                         os.close(dfd2)
                 else:
                     mode = "buffered"  # O_DIRECT refused (tmpfs)
             if got is None:
-                got = stream_pipelined(fd, consume, crc=crc)
+                got = stream_pipelined(fd, consume, crc=crc, pace=pace)
             if self.io == "auto" and self.direct_io:
                 iomode.record_read(st.st_dev, mode, got[0], time.perf_counter() - t0)
             return got

@@ -46,7 +46,7 @@ import io
 import posixpath
 import re
 import threading
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any, ClassVar
 
 from ..errors import IntegrityError
@@ -228,11 +228,17 @@ class FsspecStorage(Storage):
             return super().read_manifest(step)
 
     def stream_file(
-        self, step: int, name: str, entry: FileEntry, consume: Consumer | None = None
+        self,
+        step: int,
+        name: str,
+        entry: FileEntry,
+        consume: Consumer | None = None,
+        *,
+        pace: Callable[[], None] | None = None,
     ) -> None:
         """As :meth:`Storage.stream_file`, with one metadata request for the file."""
         with self._one_look():
-            super().stream_file(step, name, entry, consume)
+            super().stream_file(step, name, entry, consume, pace=pace)
 
     def file_size(self, step: int, name: str) -> int | None:
         """As :meth:`Storage.file_size`, with one metadata request for the file."""
@@ -247,11 +253,19 @@ class FsspecStorage(Storage):
         """Bytes ``[start, end)`` of object ``p``: one ranged GET."""
         return bytes(self.fs.cat_file(p, start=start, end=end))
 
-    def _stream(self, rel: str, consume: Consumer | None, *, crc: bool = True) -> tuple[int, int]:
+    def _stream(
+        self,
+        rel: str,
+        consume: Consumer | None,
+        *,
+        crc: bool = True,
+        pace: Callable[[], None] | None = None,
+    ) -> tuple[int, int]:
         """Read an object as ranged GETs, a few in flight, handed on in order.
 
-        The size comes from the metadata this read already fetched (``stream_file`` checked
-        it against the manifest). Ranges are :data:`RANGE` to :data:`MAX_RANGE` bytes, 2 to
+        ``pace()`` is called before each GET is issued, as in :meth:`Storage._stream`. The
+        size comes from the metadata this read already fetched (``stream_file`` checked it
+        against the manifest). Ranges are :data:`RANGE` to :data:`MAX_RANGE` bytes, 2 to
         :data:`WINDOW` of them in flight, at most :data:`IN_FLIGHT` bytes (plus one range).
         """
         p = self._p(rel)
@@ -272,6 +286,8 @@ class FsspecStorage(Storage):
                     if start is None:
                         break
                     end = min(size, start + step)
+                    if pace is not None:
+                        pace()
                     jobs.append((end - start, pool.submit(self._get, p, start, end)))
                 if not jobs:
                     break
