@@ -171,7 +171,7 @@ def test_step_deleted_while_read_goes_to_the_new_newest(
     real = LocalStorage._stream
     fired = []
 
-    def stream(self: LocalStorage, rel: str, consume: Any) -> Any:
+    def stream(self: LocalStorage, rel: str, consume: Any, **kw: Any) -> Any:
         if rel.startswith("step-000000000002/") and not fired:
             fired.append(rel)
             model = nn.Linear(4, 4)
@@ -180,7 +180,7 @@ def test_step_deleted_while_read_goes_to_the_new_newest(
                     p.fill_(3.0)
             writer.save(3, {"model": model, "step": 3})
             wait_for_deletions()
-        return real(self, rel, consume)
+        return real(self, rel, consume, **kw)
 
     monkeypatch.setattr(LocalStorage, "_stream", stream)
     reader = CheckpointManager(root)

@@ -145,7 +145,9 @@ def test_blocks_arriving_in_odd_pieces_are_gathered_then_checked(tmp_path: Path)
     pieces: list[tuple[int, int]] = []
     got = bytearray()
 
-    def odd_stream(rel: str, consume: Any, *, crc: bool = True) -> tuple[int, int]:
+    def odd_stream(
+        rel: str, consume: Any, *, crc: bool = True, pace: Any = None
+    ) -> tuple[int, int]:
         data = (root / rel).read_bytes()
         pos = 0
         for k, n in enumerate([1, 4097, BLOCK, 3 * BLOCK]):
