@@ -171,8 +171,9 @@ def copy_files(
                     src.stream_file(step, name, entry, consume, pace=pace)
                 except _WriteFailed as e:
                     raise e.error from None
-            # The store compared what it received with the MD5 of the bytes whose CRC32C is
-            # compared with the manifest just below: checked end to end, no read-back needed.
+            # The store checked what it received (its CRC32C, or the MD5 where it checks no
+            # CRC32C: see s3upload) against the very bytes whose CRC32C is compared with the
+            # manifest just below: checked end to end, no read-back needed.
             checked_by_store = bool(getattr(w, "verified", False))
             got = pending.files[name]
             if (got.bytes, got.crc32c) != (entry.bytes, entry.crc32c):
