@@ -669,6 +669,27 @@ def test_read_mode_is_measured_on_the_files_read(
     iomode.forget()
 
 
+def test_a_paced_read_is_not_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A paced read (a background upload, held at its gate and sending over the network) is
+    not a measure of the disk: it records no speed, so it never steers restores (nor, through
+    the cache, later processes) to the other mode; an unpaced read of the same file does."""
+    from ckptstore.storage import iomode
+
+    monkeypatch.setattr(directio, "BUFFER", 1 << 20)
+    monkeypatch.setattr(iomode, "MEASURED_BYTES", 1 << 20)
+    iomode.forget()
+    data = os.urandom((3 << 20) + 5)
+    (tmp_path / "f").write_bytes(data)
+    st = LocalStorage(str(tmp_path))
+    seen = bytearray()
+    total, crc = st._stream("f", lambda o, v: seen.extend(v), pace=lambda: time.sleep(0.05))
+    assert (total, crc, bytes(seen)) == (len(data), crc32c_of(data), data)
+    assert [h for h in iomode.decisions() if h["op"] == "read"] == []
+    st._stream("f", None)
+    assert len([h for h in iomode.decisions() if h["op"] == "read"]) == 1
+    iomode.forget()
+
+
 def test_write_mode_follows_the_speeds_saves_reached(tmp_path: Path) -> None:
     from ckptstore.storage import iomode
 

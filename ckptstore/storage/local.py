@@ -224,7 +224,10 @@ class LocalStorage(Storage):
                     mode = "buffered"  # O_DIRECT refused (tmpfs)
             if got is None:
                 got = stream_pipelined(fd, consume, crc=crc, pace=pace)
-            if self.io == "auto" and self.direct_io:
+            # A paced read (a background upload) waited at its gate and on the network: its
+            # time says nothing of the disk, and one such figure would steer every restore
+            # of this process (and, through the cache, of later ones) to the other mode.
+            if self.io == "auto" and self.direct_io and pace is None:
                 iomode.record_read(st.st_dev, mode, got[0], time.perf_counter() - t0)
             return got
         finally:
