@@ -58,7 +58,7 @@ from .errors import (
 from .layout import REPLICA_NAME, REPLICATED_NAME, step_dirname
 from .manifest import FileEntry, Manifest
 from .retention import CheckpointInfo, RetentionPolicy, plan_deletions
-from .storage import Pending, Storage
+from .storage import Pending, Storage, iomode
 from .uploadgate import UploadGate
 
 __all__ = [
@@ -195,22 +195,26 @@ def copy_files(
 
         chosen = (kv for kv in manifest.files.items() if only is None or kv[0] in only)
         items = sorted(chosen, key=lambda kv: -kv[1].bytes)
-        if not lowest and (threads <= 1 or len(items) <= 1):
-            for name, entry in items:  # on the caller's thread, at its priority
-                one(name, entry)
-        elif items:
-            # Pool threads, never the caller's own: lowering a thread's priority is for good
-            # (per thread on Linux), and the caller's (a training thread) must keep its own.
-            with concurrent.futures.ThreadPoolExecutor(
-                max(1, min(threads, len(items))),
-                thread_name_prefix="ckptstore-copy",
-                initializer=_lower_priority if lowest else None,
-            ) as pool:
-                futures = [pool.submit(one, n, e) for n, e in items]
-                errors = [f.exception() for f in futures]
-            first = next((e for e in errors if e is not None), None)
-            if first is not None:
-                raise first
+        # A copied file is written as fast as its source is read (the network, a gate): its
+        # speed says nothing of the local write modes, and the files are written side by
+        # side. So no trial and no measurement: the settled mode (iomode.side_by_side).
+        with iomode.side_by_side():
+            if not lowest and (threads <= 1 or len(items) <= 1):
+                for name, entry in items:  # on the caller's thread, at its priority
+                    one(name, entry)
+            elif items:
+                # Pool threads, never the caller's own: lowering a thread's priority is for good
+                # (per thread on Linux), and the caller's (a training thread) must keep its own.
+                with concurrent.futures.ThreadPoolExecutor(
+                    max(1, min(threads, len(items))),
+                    thread_name_prefix="ckptstore-copy",
+                    initializer=_lower_priority if lowest else None,
+                ) as pool:
+                    futures = [pool.submit(one, n, e) for n, e in items]
+                    errors = [f.exception() for f in futures]
+                first = next((e for e in errors if e is not None), None)
+                if first is not None:
+                    raise first
         if into is None:
             dst.commit(pending, manifest)
     except BaseException:

@@ -690,6 +690,27 @@ def test_a_paced_read_is_not_measured(tmp_path: Path, monkeypatch: pytest.Monkey
     iomode.forget()
 
 
+def test_a_copied_step_is_not_measured(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A step copied between stores (a fetch from the replica) is written as fast as its
+    source is read: it tries no write mode and records no write speed, so it never steers
+    the saves; the save that wrote the source did record one."""
+    from ckptstore.replica import fetch_step
+    from ckptstore.storage import iomode, open_storage
+
+    iomode.forget()
+    monkeypatch.setattr(iomode, "MEASURED_BYTES", 1 << 20)
+    x = torch.randn(9 << 20)  # 36 MiB: fills a whole buffer, so its mode is chosen
+    with CheckpointManager(tmp_path / "a") as mgr:
+        mgr.save(1, {"x": x})
+    assert [h for h in iomode.decisions() if h["op"] == "write"]
+    iomode.forget()
+    fetch_step(open_storage(str(tmp_path / "a")), open_storage(str(tmp_path / "b")), 1)
+    assert [h for h in iomode.decisions() if h["op"] == "write"] == []
+    with CheckpointManager(tmp_path / "b") as mgr:
+        assert torch.equal(mgr.load(1)["x"], x)
+    iomode.forget()
+
+
 def test_write_mode_follows_the_speeds_saves_reached(tmp_path: Path) -> None:
     from ckptstore.storage import iomode
 
