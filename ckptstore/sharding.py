@@ -613,6 +613,36 @@ def pack_table(table: Mapping[str, Any]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
+def _gather(
+    tables: Iterable[Mapping[str, Any]],
+) -> tuple[dict[tuple[str, tuple[int, ...]], Any], dict[str, Any]]:
+    """Every rank's written chunks by (tensor, offsets), and the first layout of each tensor."""
+    found: dict[tuple[str, tuple[int, ...]], Any] = {}
+    layout: dict[str, Any] = {}
+    for table in tables:
+        for name, offsets, chunk in table["chunks"]:
+            found[(name, tuple(offsets))] = chunk
+        for name, lay in table["layout"].items():
+            layout.setdefault(name, lay)
+    return found, layout
+
+
+def _planned(name: str, tmd: Any, found: Mapping[tuple[str, tuple[int, ...]], Any]) -> list[Any]:
+    """The chunks of tensor ``name`` in the global plan's order, each as a rank reported it.
+
+    Raises:
+        RuntimeError: a plan item no rank reported (the save must not commit).
+    """
+    chunks = []
+    for c in tmd.chunks:
+        chunk = found.get((name, tuple(int(o) for o in c.offsets)))
+        if chunk is None:
+            msg = f"no rank wrote the chunk of {name!r} at {list(c.offsets)}"
+            raise RuntimeError(msg)
+        chunks.append(chunk)
+    return chunks
+
+
 def index_bytes(md: Any, packed: Iterable[bytes]) -> bytes:
     """The chunk index file from the global metadata and every rank's :func:`pack_table`.
 
@@ -623,24 +653,11 @@ def index_bytes(md: Any, packed: Iterable[bytes]) -> bytes:
         RuntimeError: a chunk of the global plan that no rank reported (the save must not
             commit).
     """
-    found: dict[tuple[str, tuple[int, ...]], Any] = {}
-    layout: dict[str, Any] = {}
-    for blob in packed:
-        doc = json.loads(blob)
-        for name, offsets, chunk in doc["chunks"]:
-            found[(name, tuple(offsets))] = chunk
-        for name, lay in doc["layout"].items():
-            layout.setdefault(name, lay)
+    found, layout = _gather(json.loads(blob) for blob in packed)
     tensors: dict[str, Any] = {}
     for name in sorted(md.state_dict_metadata):
         tmd = md.state_dict_metadata[name]
-        chunks = []
-        for c in tmd.chunks:
-            chunk = found.get((name, tuple(int(o) for o in c.offsets)))
-            if chunk is None:  # a plan item no rank reported: refuse to commit
-                msg = f"no rank wrote the chunk of {name!r} at {list(c.offsets)}"
-                raise RuntimeError(msg)
-            chunks.append(chunk)
+        chunks = _planned(name, tmd, found)
         row: dict[str, Any] = {
             "dtype": dtype_name(tmd.properties.dtype),
             "shape": [int(s) for s in tmd.size],
@@ -656,22 +673,10 @@ def index_bytes(md: Any, packed: Iterable[bytes]) -> bytes:
 
 def build_index(md: Any, tables: Iterable[Mapping[str, Any]]) -> ChunkIndex:
     """The chunk index from the global metadata and every rank's written chunks."""
-    found: dict[tuple[str, tuple[int, ...]], Chunk] = {}
-    layout: dict[str, Any] = {}
-    for table in tables:
-        for name, offsets, chunk in table["chunks"]:
-            found[(name, tuple(offsets))] = chunk
-        for name, lay in table["layout"].items():
-            layout.setdefault(name, lay)
+    found, layout = _gather(tables)
     tensors: dict[str, TensorEntry] = {}
     for name, tmd in md.state_dict_metadata.items():
-        chunks = []
-        for c in tmd.chunks:
-            chunk = found.get((name, tuple(int(o) for o in c.offsets)))
-            if chunk is None:  # a plan item no rank reported: refuse to commit
-                msg = f"no rank wrote the chunk of {name!r} at {list(c.offsets)}"
-                raise RuntimeError(msg)
-            chunks.append(chunk)
+        chunks = _planned(name, tmd, found)
         mesh, dims, placements = layout.get(name, ((), (), ()))
         tensors[name] = TensorEntry(
             dtype=dtype_name(tmd.properties.dtype),
