@@ -25,8 +25,6 @@ from typing import Any
 
 import torch
 
-from . import node_commit, nodes, sharding, tiers
-from .chunks import INDEX_FILE
 from .codec import payload as payload_codec
 from .codec import safetensors as safetensors_codec
 from .codec.tree import TreeEncoder, tensor_key
@@ -45,10 +43,8 @@ from .errors import (
 from .integrity import VerifyReport
 from .layout import state_file
 from .manifest import DTENSOR_FORMAT_VERSION, FORMAT_VERSION, FileEntry, Manifest, utc_now
-from .modules import EMA, RNGState
-from .phases import PhaseClock
-from .reader import STATE_FORMAT, Reader
-from .replica import Replicator
+from .ops.verify import verify_checkpoint
+from .restore.reader import STATE_FORMAT, Reader
 from .retention import (
     CheckpointInfo,
     RetentionPlanner,
@@ -56,12 +52,18 @@ from .retention import (
     as_policy,
     keep_best_policies,
 )
-from .staging import BackgroundWriter, SaveHandle, StagingPool
-from .state import capture, kind_of
+from .save.phases import PhaseClock
+from .save.staging import BackgroundWriter, SaveHandle, StagingPool
+from .sharded import plan as sharding
+from .sharded.chunks import INDEX_FILE
+from .state.capture import capture, kind_of
+from .state.modules import EMA, RNGState
 from .storage import Pending, Storage, open_storage, wait_for_deletions
 from .storage.base import step_exists_message
 from .storage.directio import run_all
-from .verify import verify_checkpoint
+from .tiers import node_commit, nodes
+from .tiers import twotier as tiers
+from .tiers.replica import Replicator
 
 __all__ = ["CheckpointManager"]
 
@@ -1026,7 +1028,7 @@ class CheckpointManager(Reader):
         """Phase 3 on node-local roots: every node commits its copy of the step, or none.
 
         Rank 0 sends the manifest and its files of no rank (the plain state, the chunk
-        index) to every rank. Then two rounds (:mod:`ckptstore.node_commit`): every node
+        index) to every rank. Then two rounds (:mod:`ckptstore.tiers.node_commit`): every node
         leader prepares its copy (those files, the ``local-ranks`` marker, the manifest,
         fsynced, still a ``.tmp-`` directory), and only once every node reports prepared
         do they publish it (the rename). A node failing to prepare aborts every node's copy
@@ -1265,7 +1267,7 @@ class CheckpointManager(Reader):
             log.warning("retention after step %d failed: %s", step, e)
 
     def _mark(self, phase: str) -> None:
-        """End ``phase`` of the synchronous save in progress (see :mod:`ckptstore.phases`)."""
+        """End ``phase`` of the synchronous save in progress (see :mod:`ckptstore.save.phases`)."""
         if self._clock is not None:
             self._clock.mark(phase)
 

@@ -1,4 +1,4 @@
-"""Two tiers (``ckptstore.replica``, ``ckptstore.tiers``): a local store replicated to S3.
+"""Two tiers (``ckptstore.tiers.replica``, ``.tiers.twotier``): a local store replicated to S3.
 
 Every replica is a prefix on moto's S3 server on loopback (``tests/s3server.py``), reached
 over HTTP through s3fs: nothing is mocked. Uploads are held back by the uploader's own gate
@@ -24,8 +24,8 @@ from s3server import S3Endpoint
 
 from ckptstore import CheckpointManager
 from ckptstore.layout import REPLICATED_NAME
-from ckptstore.replica import ReplicaError, Replicator, fetch_step
 from ckptstore.storage import open_storage, wait_for_deletions
+from ckptstore.tiers.replica import ReplicaError, Replicator, fetch_step
 
 pytestmark = pytest.mark.timeout(90)
 

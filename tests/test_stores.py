@@ -1,5 +1,5 @@
-"""Tests of finding and opening existing stores (``ckptstore.stores``) and of listing them
-(``ckptstore.listing``): "no store there" for every wrong root, the stores of a Lightning
+"""Tests of finding and opening existing stores (``ckptstore.ops.stores``) and of listing them
+(``ckptstore.ops.listing``): "no store there" for every wrong root, the stores of a Lightning
 checkpoint directory, and one-line errors for an object store that cannot be reached (a real
 S3 endpoint: moto's server, stopped, with wrong credentials, without the bucket).
 """
@@ -15,7 +15,7 @@ import torch
 from _helpers import run_cli
 
 from ckptstore import CheckpointManager, NoCheckpointError, list_store, list_stores
-from ckptstore.stores import find_stores, open_store
+from ckptstore.ops.stores import find_stores, open_store
 
 
 def make_store(root: Path, steps: tuple[int, ...] = (1,), **metrics: float) -> Path:

@@ -20,7 +20,7 @@ with SIGKILL after a random delay, then checks the store from this process:
 Stores: a local directory, and S3 (moto's server on loopback, tests/s3server.py).
 
 **Uploads.** ``--upload-trials`` kills (SIGKILL) an uploader of the replica tier
-(``ckptstore.replica.Replicator``) at a random moment of uploading a local store of two
+(``ckptstore.tiers.replica.Replicator``) at a random moment of uploading a local store of two
 steps (6 MB payloads, multipart, and small ones) to a fresh S3 prefix. After each kill:
 every step visible on the replica verifies deeply and its manifest is the local one byte
 for byte, and every step the uploader reported safe is there; then a new uploader on the
@@ -112,8 +112,8 @@ def run_uploader(local: str, url: str, storage_options: dict[str, Any]) -> int:
     Prints ``safe N`` once step N is committed and verified on the replica: a crash from
     then on must not lose it there.
     """
-    from ckptstore.replica import Replicator
     from ckptstore.storage import open_storage
+    from ckptstore.tiers.replica import Replicator
 
     emit(f"pid {os.getpid()}")
     up = Replicator(
@@ -792,7 +792,7 @@ def _clone(template: str, dst: str) -> None:
 
 def _replica_problems(replica: Any, local: Any, stats: UploadStats | None) -> list[str]:
     """Every committed replica step verifies deeply and is the local step, byte for byte."""
-    from ckptstore.verify import verify_checkpoint
+    from ckptstore.ops.verify import verify_checkpoint
 
     bad = []
     for s in replica.list_steps():
@@ -810,8 +810,8 @@ def upload_trials(
     n: int, rng: random.Random, server: Server, base: str, verbose: bool
 ) -> UploadStats:
     """Kill an uploader at random moments; check the replica; let a new one finish."""
-    from ckptstore.replica import Replicator
     from ckptstore.storage import open_storage
+    from ckptstore.tiers.replica import Replicator
 
     stats = UploadStats()
     t0 = time.monotonic()

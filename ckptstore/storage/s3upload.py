@@ -56,7 +56,7 @@ and waits for it inside ``write``). What it does with the bytes written to it:
   slices of the buffer (:class:`_Body`): each goes to the socket as it is, where aiohttp
   copied a ``bytearray`` body whole twice and asyncio a third time.
 - **A save stops the requests in flight.** Each body slice waits at the uploader's gate
-  (:class:`~ckptstore.uploadgate.UploadGate`, set by :meth:`S3Upload.expect`): while a
+  (:class:`~ckptstore.tiers.uploadgate.UploadGate`, set by :meth:`S3Upload.expect`): while a
   save is in its blocking section no byte of an upload is sent.
 - **A failure leaves nothing.** :meth:`S3Upload.abort` (and a failing ``close``) cancels the
   parts in flight and aborts the multipart upload; a process killed meanwhile leaves an
@@ -90,7 +90,7 @@ from typing import Any
 
 from ..errors import IntegrityError
 from ..integrity import BlockCRC, BlockSums, crc32c_combine, crc32c_of
-from ..uploadgate import UploadGate
+from ..tiers.uploadgate import UploadGate
 
 __all__ = [
     "GROW_EVERY",
@@ -262,7 +262,7 @@ class _Body:
     buffer, no copy) goes to the socket as it is, and only what the socket does not take at
     once is copied into the transport's buffer (a ``bytearray`` body is first copied whole
     by aiohttp, then joined with the headers, then copied again into the transport). Before
-    each slice the body waits at ``gate`` (:meth:`~ckptstore.uploadgate.UploadGate.admit`):
+    each slice the body waits at ``gate`` (:meth:`~ckptstore.tiers.uploadgate.UploadGate.admit`):
     a save in its blocking section stops the requests in flight.
 
     ``read``/``seek``/``tell``/``len`` are the file-like face botocore sees (it checks a

@@ -18,8 +18,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._log import logger as log
-from .errors import StateMismatchError
+from .._log import logger as log
+from ..errors import StateMismatchError
 from .modules import EMA, RNGState, load_module_state, module_state
 
 __all__ = ["apply_state", "capture", "kind_of"]

@@ -1,6 +1,6 @@
 """The gate background uploads pass through: closed while a save runs, or while paused.
 
-A :class:`~ckptstore.replica.Replicator` owns one :class:`UploadGate`. Its copy threads call
+A :class:`~ckptstore.tiers.replica.Replicator` owns one :class:`UploadGate`. Its copy threads call
 :meth:`UploadGate.wait` before each slice of a local file they read, and the bodies of its
 S3 requests (:mod:`ckptstore.storage.s3upload`) call :meth:`UploadGate.admit` on the upload
 event loop before each slice of bytes they hand to the socket. A save closes the gate for
@@ -23,7 +23,7 @@ import threading
 import time
 from collections.abc import Iterator
 
-from .errors import ReplicaError
+from ..errors import ReplicaError
 
 __all__ = ["MAX_STALL", "UploadGate"]
 

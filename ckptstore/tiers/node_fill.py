@@ -1,11 +1,11 @@
 """Complete a node's partial copy of a step with the other ranks' files from the replica.
 
 A step committed on node-local roots holds, on each node, that node's ranks' files (see
-:mod:`ckptstore.nodes`). A read that needs another node's files (a restore on a different
+:mod:`ckptstore.tiers.nodes`). A read that needs another node's files (a restore on a different
 layout, one process reading everything) takes them from the replica. Fetching the whole
 step would move every byte again, the node's own files included; :func:`fill` fetches only
 the files of the ranks this copy lacks, each checked against the manifest as it streams in
-(:func:`ckptstore.replica.copy_files`), and makes a complete local copy with the local
+(:func:`ckptstore.tiers.replica.copy_files`), and makes a complete local copy with the local
 commit protocol: a new tmp directory holding hard links to the node's own files (checked
 first: a link to a corrupt file would keep it) and the fetched ones, committed in place of
 the partial copy (an atomic exchange). A crash at any point leaves the partial copy or the
@@ -16,13 +16,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from ._log import logger as log
-from .errors import IntegrityError
-from .layout import step_dirname
-from .manifest import FileEntry
+from .._log import logger as log
+from ..errors import IntegrityError
+from ..layout import step_dirname
+from ..manifest import FileEntry
+from ..storage import Storage
 from .nodes import local_ranks
 from .replica import DEFAULT_THREADS, copy_files, mark_replicated
-from .storage import Storage
 
 __all__ = ["Filled", "fill"]
 

@@ -2,7 +2,7 @@
 
 What ``ckptstore prune``, ``gc``, ``rm``, ``pin`` and ``unpin`` do, for Python. Each opens an
 existing store and creates nothing where there is none (no lock file in a directory that is
-not a store: see :mod:`ckptstore.stores`). Deletions are those of retention: under the
+not a store: see :mod:`ckptstore.ops.stores`). Deletions are those of retention: under the
 store's writer lock (a job writing the store makes them fail with ``StoreLockedError``), a
 checkpoint vanishes whole at once (renamed to ``.trash-``, the root fsynced, then removed;
 on object stores its manifest goes first), and the newest checkpoint that verifies is never
@@ -17,11 +17,11 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from . import upload_parts
-from .errors import CkptStoreError, CommitError, ManifestError, StoreLockedError
-from .layout import parse_old_dirname
-from .retention import CheckpointInfo, KeepBest, RetentionPolicy, Union, as_policy, plan_deletions
-from .storage import Storage, wait_for_deletions
+from ..errors import CkptStoreError, CommitError, ManifestError, StoreLockedError
+from ..layout import parse_old_dirname
+from ..retention import CheckpointInfo, KeepBest, RetentionPolicy, Union, as_policy, plan_deletions
+from ..storage import Storage, wait_for_deletions
+from ..tiers import upload_parts
 from .stores import committed_step, open_store, reaching
 from .verify import verify_checkpoint
 
@@ -322,8 +322,8 @@ def gc_store(
     An object store has no writer lock: a job may be uploading to it (a replica), its
     pending steps (manifest-less, per-rank parts) still to be completed. There only the
     pending entries older than the newest committed step are removed, the rule the
-    uploaders themselves follow (:func:`ckptstore.upload_parts.clean`);
-    :func:`ckptstore.upload_parts.held` names the others. ``pending=True`` removes those
+    uploaders themselves follow (:func:`ckptstore.tiers.upload_parts.clean`);
+    :func:`ckptstore.tiers.upload_parts.held` names the others. ``pending=True`` removes those
     too (for a prefix no job uploads to any more). A local store is gc'd under its writer
     lock, which a job's manager holds: every stale entry goes.
 

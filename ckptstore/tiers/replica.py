@@ -24,7 +24,7 @@ asked and answers it, which is compared; a store that does neither gets the body
 unverified, and it is read back. Stores that do not check (every other fsspec filesystem)
 are read back; ``read_back=True`` reads back everything.
 
-A save closes the uploader's gate (:class:`~ckptstore.uploadgate.UploadGate`) for its
+A save closes the uploader's gate (:class:`~ckptstore.tiers.uploadgate.UploadGate`) for its
 blocking section: the copy threads stop before their next slice of a local file, the
 request bodies in flight before their next slice, and the bookkeeping after an upload
 (markers, retention) waits, so a save does not compete with the uploads of earlier steps.
@@ -46,19 +46,19 @@ import time
 from collections.abc import Callable, Collection, Iterable, Mapping
 from typing import Any
 
-from . import nodes, upload_parts
-from ._log import logger as log
-from .errors import (
+from .._log import logger as log
+from ..errors import (
     CkptStoreError,
     IntegrityError,
     ManifestError,
     ReplicaError,
     StepExistsError,
 )
-from .layout import REPLICA_NAME, REPLICATED_NAME, step_dirname
-from .manifest import FileEntry, Manifest
-from .retention import CheckpointInfo, RetentionPolicy, plan_deletions
-from .storage import Pending, Storage, iomode
+from ..layout import REPLICA_NAME, REPLICATED_NAME, step_dirname
+from ..manifest import FileEntry, Manifest
+from ..retention import CheckpointInfo, RetentionPolicy, plan_deletions
+from ..storage import Pending, Storage, iomode
+from . import nodes, upload_parts
 from .uploadgate import UploadGate
 
 __all__ = [
@@ -121,7 +121,7 @@ def copy_files(
     the checksummed bytes, see :mod:`ckptstore.storage.s3upload`); never with ``False``.
     The manifest is committed only after all that.
 
-    ``gate`` (the uploader's :class:`~ckptstore.uploadgate.UploadGate`) is waited at before
+    ``gate`` (the uploader's :class:`~ckptstore.tiers.uploadgate.UploadGate`) is waited at before
     each slice read from ``src``, and by the bodies of S3 requests before each slice sent.
 
     ``only`` copies those files of ``manifest`` alone, and ``into`` writes them into a pending
@@ -317,7 +317,7 @@ class Replicator:
             ``ckptstore ls``); default: the replica store's root.
         rank: under torch.distributed, this process's rank: sharded steps of several ranks
             are uploaded rank by rank (this uploader sends its rank's files, see
-            :mod:`ckptstore.upload_parts`), other steps by rank 0 alone. ``None``: this
+            :mod:`ckptstore.tiers.upload_parts`), other steps by rank 0 alone. ``None``: this
             uploader sends whole steps (one process, or the sidecar).
 
     Call :meth:`recover` once before :meth:`submit`: it cleans what a crash left on the
@@ -387,7 +387,7 @@ class Replicator:
         """Hold uploads while the block runs (a save: its writes go first). Nests.
 
         The requests in flight stop too, between two slices of their bodies (see
-        :mod:`ckptstore.uploadgate`): the save does not compete with them.
+        :mod:`ckptstore.tiers.uploadgate`): the save does not compete with them.
         """
         return self.gate.held()
 
@@ -461,7 +461,7 @@ class Replicator:
         """Clean what a crash left on the replica (see :meth:`recover`).
 
         With per-rank uploads (``rank`` set) only pending steps older than the newest
-        committed one are removed (:func:`ckptstore.upload_parts.clean`); call it on one
+        committed one are removed (:func:`ckptstore.tiers.upload_parts.clean`); call it on one
         rank while no uploader of the job runs (the manager: rank 0, in its constructor).
         """
         aborted = self.replica.abort_incomplete_uploads()
@@ -823,7 +823,7 @@ def replicate(
         NoCheckpointError: ``local_root`` is not a store.
         ReplicaError: (without ``watch``) an upload failed.
     """
-    from .storage import open_storage
+    from ..storage import open_storage
 
     local = open_storage(local_root)
     local.check_root(create=False)

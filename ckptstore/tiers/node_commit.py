@@ -31,14 +31,14 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Mapping
 from typing import TYPE_CHECKING, Any
 
-from ._log import logger as log
-from .errors import BarrierTimeout, CommitError
-from .manifest import Manifest
+from .._log import logger as log
+from ..errors import BarrierTimeout, CommitError
+from ..manifest import Manifest
+from ..storage import Pending, Storage
 from .nodes import write_marker, write_plain
-from .storage import Pending, Storage
 
 if TYPE_CHECKING:  # torch-free at import
-    from .dist import Coordinator
+    from ..dist import Coordinator
 
 __all__ = ["commit_everywhere"]
 

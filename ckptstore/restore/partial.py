@@ -18,16 +18,16 @@ from __future__ import annotations
 from collections.abc import Collection, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
-from .codec import payload as payload_codec
-from .codec import safetensors as st
-from .errors import IntegrityError
-from .integrity import BLOCK, check_blocks
-from .manifest import FileEntry
+from ..codec import payload as payload_codec
+from ..codec import safetensors as st
+from ..errors import IntegrityError
+from ..integrity import BLOCK, check_blocks
+from ..manifest import FileEntry
 
 if TYPE_CHECKING:
     import torch
 
-    from .storage.base import Storage
+    from ..storage.base import Storage
 
 __all__ = ["PIECE", "can_read_some", "read_some", "tensor_refs"]
 

@@ -2,7 +2,7 @@
 
 What ``ckptstore export`` writes, for Python: :func:`export_step` (one file, written
 atomically) and :func:`export_hf_step` (a Hugging Face checkpoint directory, streamed one
-tensor at a time; see :func:`ckptstore.consolidate.export_hf`). DTensor checkpoints are
+tensor at a time; see :func:`ckptstore.sharded.consolidate.export_hf`). DTensor checkpoints are
 consolidated into full tensors on any world size.
 """
 
@@ -16,12 +16,12 @@ from typing import Any
 
 import torch
 
-from ._progress import Progress
-from .consolidate import DEFAULT_MAX_SHARD, HFExportResult, choose_entry, export_hf
-from .errors import CkptStoreError
+from .._progress import Progress
+from ..errors import CkptStoreError
+from ..manager import CheckpointManager
+from ..manifest import Manifest
+from ..sharded.consolidate import DEFAULT_MAX_SHARD, HFExportResult, choose_entry, export_hf
 from .inspect import EntryInfo, read_state_entries
-from .manager import CheckpointManager
-from .manifest import Manifest
 from .single import atomic_save, atomic_write
 from .stores import committed_step, open_store, reaching
 
@@ -203,7 +203,7 @@ def export_hf_step(
 ) -> HFExportResult:
     """Write one entry of ``step`` as a Hugging Face checkpoint directory (streaming, atomic).
 
-    See :func:`ckptstore.consolidate.export_hf`: ``model.safetensors``, or shards of at most
+    See :func:`ckptstore.sharded.consolidate.export_hf`: ``model.safetensors``, or shards of at most
     ``max_shard_size`` plus ``model.safetensors.index.json``; DTensor state consolidated on
     any world size, one tensor in memory at a time; ``out_dir`` appears whole or not at all.
 

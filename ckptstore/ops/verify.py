@@ -23,17 +23,17 @@ import zipfile
 from collections.abc import Mapping
 from typing import Any
 
-from . import nodes
-from ._progress import Progress
-from .chunks import INDEX_FILE, ChunkIndex
-from .codec import payload, torchzip
-from .codec import safetensors as st
-from .codec.payload import stored_tensors
-from .errors import CkptStoreError, IntegrityError, ManifestError, NoCheckpointError
-from .integrity import VerifyReport, crc32c_of, format_crc
-from .layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname, state_file
-from .manifest import FileEntry, Manifest
-from .storage.base import Storage
+from .._progress import Progress
+from ..codec import payload, torchzip
+from ..codec import safetensors as st
+from ..codec.payload import stored_tensors
+from ..errors import CkptStoreError, IntegrityError, ManifestError, NoCheckpointError
+from ..integrity import VerifyReport, crc32c_of, format_crc
+from ..layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname, state_file
+from ..manifest import FileEntry, Manifest
+from ..sharded.chunks import INDEX_FILE, ChunkIndex
+from ..storage.base import Storage
+from ..tiers import nodes
 
 __all__ = [
     "looks_like_safetensors",
@@ -481,7 +481,7 @@ def verify_path(
         parent = os.path.dirname(os.path.abspath(path))
         parsed = parse_step_dirname(os.path.basename(parent))
         if parsed is not None and os.path.isfile(os.path.join(parent, MANIFEST_NAME)):
-            from .storage import LocalStorage
+            from ..storage import LocalStorage
 
             store = LocalStorage(os.path.dirname(parent))
             return [verify_stored_file(store, parsed, os.path.basename(path), deep=deep)]

@@ -23,15 +23,15 @@ import uuid
 from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
-from ._log import logger as log
-from .errors import IntegrityError
-from .integrity import crc32c_of
-from .layout import LOCAL_RANKS_NAME, step_dirname
-from .manifest import FileEntry, Manifest
-from .storage import Pending, Storage
+from .._log import logger as log
+from ..errors import IntegrityError
+from ..integrity import crc32c_of
+from ..layout import LOCAL_RANKS_NAME, step_dirname
+from ..manifest import FileEntry, Manifest
+from ..storage import Pending, Storage
 
 if TYPE_CHECKING:  # torch-free at import: the CLI's reading commands load this module
-    from .dist import Coordinator
+    from ..dist import Coordinator
 
 __all__ = [
     "elsewhere",

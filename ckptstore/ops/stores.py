@@ -23,8 +23,8 @@ import posixpath
 from collections.abc import Iterator, Mapping
 from typing import Any
 
-from .errors import CkptStoreError, NoCheckpointError
-from .layout import (
+from ..errors import CkptStoreError, NoCheckpointError
+from ..layout import (
     INDEX_NAME,
     LOCK_NAME,
     MANIFEST_NAME,
@@ -32,7 +32,7 @@ from .layout import (
     parse_old_dirname,
     parse_step_dirname,
 )
-from .storage import LocalStorage, Storage, open_storage
+from ..storage import LocalStorage, Storage, open_storage
 
 __all__ = [
     "committed_step",

@@ -22,8 +22,8 @@ from typing import Any, Protocol, runtime_checkable
 import torch
 from torch import nn
 
-from ._log import logger as log
-from .errors import StateMismatchError
+from .._log import logger as log
+from ..errors import StateMismatchError
 
 try:
     import numpy as _numpy

@@ -18,13 +18,11 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from . import nodes, partial, sharding, tiers
-from ._log import logger as log
-from .chunks import INDEX_FILE, ChunkIndex, TensorEntry
-from .codec import payload as payload_codec
-from .codec.tree import TreeDecoder, stored_tensors
-from .dist import Coordinator
-from .errors import (
+from .._log import logger as log
+from ..codec import payload as payload_codec
+from ..codec.tree import TreeDecoder, stored_tensors
+from ..dist import Coordinator
+from ..errors import (
     BarrierTimeout,
     CkptStoreError,
     IntegrityError,
@@ -33,12 +31,17 @@ from .errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from .integrity import crc32c_of
-from .layout import state_file
-from .manifest import FileEntry, Manifest
-from .modules import EMA, rng_for_rank
-from .state import apply_state, capture, kind_of, precheck
-from .storage import Storage
+from ..integrity import crc32c_of
+from ..layout import state_file
+from ..manifest import FileEntry, Manifest
+from ..sharded import plan as sharding
+from ..sharded.chunks import INDEX_FILE, ChunkIndex, TensorEntry
+from ..state.capture import apply_state, capture, kind_of, precheck
+from ..state.modules import EMA, rng_for_rank
+from ..storage import Storage
+from ..tiers import nodes
+from ..tiers import twotier as tiers
+from . import partial
 
 __all__ = ["STATE_FORMAT", "Reader", "collect_targets"]
 

@@ -50,9 +50,9 @@ from typing import Any
 
 import torch
 
-from ._progress import Progress
-from .codec.torchzip import check_stored
-from .errors import CkptStoreError, IntegrityError
+from .._progress import Progress
+from ..codec.torchzip import check_stored
+from ..errors import CkptStoreError, IntegrityError
 from .verify import looks_like_safetensors, verify_file
 
 __all__ = ["DCP_METADATA", "ImportResult", "Source", "import_file", "prepare_import", "read_source"]
@@ -724,7 +724,7 @@ def import_file(
         StepExistsError: ``step`` is already committed.
         StoreLockedError: another process writes the store.
     """
-    from .manager import CheckpointManager  # the manager imports this module's neighbours
+    from ..manager import CheckpointManager  # the manager imports this module's neighbours
 
     source = os.fspath(source)
     report = progress or (lambda done, total, what: None)

@@ -3,7 +3,7 @@
 Under torch.distributed every rank's uploader uploads the files its rank wrote (rank 0 also
 the files of no rank: the plain state, the chunk index) into the step's pending area on the
 replica (``step-N/`` on an object store, a ``.tmp-step-N-<tag>/`` named for the manifest on a
-filesystem), each checked as :func:`~ckptstore.replica.copy_files` checks it. Then it puts a
+filesystem), each checked as :func:`~ckptstore.tiers.replica.copy_files` checks it. Then it puts a
 small "done" object there, ``upload.rankRRRRR.<tag>.done`` (the manifest's tag in its name,
 the table of the files it uploaded inside), and lists the done objects: the uploader whose
 listing shows one for every rank with files in the manifest reads them (each must list
@@ -31,12 +31,12 @@ import re
 from collections.abc import Callable
 from typing import Any
 
-from ._log import logger as log
-from .errors import IntegrityError, StepExistsError
-from .layout import is_garbage_name, parse_step_dirname, step_dirname
-from .manifest import FileEntry, Manifest
+from .._log import logger as log
+from ..errors import IntegrityError, StepExistsError
+from ..layout import is_garbage_name, parse_step_dirname, step_dirname
+from ..manifest import FileEntry, Manifest
+from ..storage import Pending, Storage
 from .nodes import ranks_with_files
-from .storage import Pending, Storage
 
 __all__ = ["clean", "files_of", "held", "is_per_rank", "upload_part"]
 
@@ -87,7 +87,7 @@ def upload_part(
 ) -> bool:
     """Upload ``rank``'s files of ``step``, mark them done, and commit if every rank's are.
 
-    ``copy`` is :func:`~ckptstore.replica.copy_files` with the uploader's settings bound.
+    ``copy`` is :func:`~ckptstore.tiers.replica.copy_files` with the uploader's settings bound.
 
     Returns:
         Whether the step is now committed on the replica (by this call or another's).

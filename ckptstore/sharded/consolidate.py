@@ -30,16 +30,16 @@ from typing import Any
 
 import torch
 
-from . import sharding
+from ..codec import payload as payload_codec
+from ..codec import safetensors as st
+from ..codec.tree import SUPPORTED_DTYPES, TreeDecoder
+from ..errors import CkptStoreError, IntegrityError, ManifestError
+from ..layout import state_file
+from ..manifest import Manifest
+from ..ops.single import fsync_path
+from ..storage.base import RangeReader, Storage
+from . import plan as sharding
 from .chunks import INDEX_FILE, ChunkIndex
-from .codec import payload as payload_codec
-from .codec import safetensors as st
-from .codec.tree import SUPPORTED_DTYPES, TreeDecoder
-from .errors import CkptStoreError, IntegrityError, ManifestError
-from .layout import state_file
-from .manifest import Manifest
-from .single import fsync_path
-from .storage.base import RangeReader, Storage
 
 __all__ = [
     "HF_INDEX",

@@ -15,7 +15,7 @@ from typing import Any
 
 import torch
 
-from .consolidate import StepTensors, TensorRef
+from ..sharded.consolidate import StepTensors, TensorRef
 from .stores import committed_step, open_store, reaching
 
 __all__ = ["DiffResult", "DiffRow", "diff_steps"]

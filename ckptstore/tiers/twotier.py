@@ -1,6 +1,6 @@
 """Two tiers as the manager sees them: opening the replica, and steps from either tier.
 
-The uploader itself is :mod:`ckptstore.replica`. Here: the replica store opened next to the
+The uploader itself is :mod:`ckptstore.tiers.replica`. Here: the replica store opened next to the
 local one (and its uploader, on the rank that uploads), the union of both tiers' steps that
 ``resume``/``restore`` choose from, and a replica step brought into the local store so the
 ordinary read path (checksums included) restores it.
@@ -11,12 +11,12 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+from .._log import logger as log
+from ..errors import CkptStoreError, IntegrityError, NoCheckpointError
+from ..retention import RetentionPolicy
+from ..storage import Storage, open_storage
 from . import node_fill
-from ._log import logger as log
-from .errors import CkptStoreError, IntegrityError, NoCheckpointError
 from .replica import Replicator, fetch_step
-from .retention import RetentionPolicy
-from .storage import Storage, open_storage
 
 __all__ = ["all_steps", "ensure_local", "open_replica"]
 
@@ -98,7 +98,7 @@ def ensure_local(local: Storage, replica: Storage, step: int, *, replace: bool =
 
     With ``replace`` the local copy (which failed its checks) is replaced by the replica's;
     a node's partial copy (node-local roots) is completed with the files it lacks
-    (:func:`ckptstore.node_fill.fill`) instead of fetched whole.
+    (:func:`ckptstore.tiers.node_fill.fill`) instead of fetched whole.
 
     Returns:
         Whether it was fetched.

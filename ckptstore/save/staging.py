@@ -17,11 +17,11 @@ from typing import Any
 
 import torch
 
-from .storage.directio import ALIGN, lower_priority
+from ..storage.directio import ALIGN, lower_priority
 
 __all__ = ["BackgroundWriter", "SaveHandle", "StagingPool"]
 
-from ._log import logger as log
+from .._log import logger as log
 
 
 class StagingPool:

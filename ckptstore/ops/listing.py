@@ -14,12 +14,12 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._fmt import created_json, metric_json
-from .errors import CkptStoreError
-from .manifest import Manifest
-from .nodes import local_ranks
-from .replica import read_replica_url, replicated_steps
-from .storage import Storage, open_storage
+from .._fmt import created_json, metric_json
+from ..errors import CkptStoreError
+from ..manifest import Manifest
+from ..storage import Storage, open_storage
+from ..tiers.nodes import local_ranks
+from ..tiers.replica import read_replica_url, replicated_steps
 from .stores import find_stores, open_store, reaching
 
 __all__ = ["Listings", "StepInfo", "StoreListing", "list_store", "list_stores"]
@@ -168,7 +168,7 @@ def list_store(
         The steps in ascending order, and the stale entries of interrupted saves.
 
     Raises:
-        NoCheckpointError: there is no store at ``root`` (see :func:`ckptstore.stores.open_store`).
+        NoCheckpointError: there is no store at ``root``.
         CkptStoreError: an object store cannot be reached (the message says what to check).
     """
     return _listing(open_store(root, storage_options))

@@ -12,7 +12,7 @@ ckptstore runs those planners itself instead of calling ``dcp.save``/``dcp.load`
 collectives would wait on a process group without naming the ranks that are missing, and
 ``dcp.load`` reads DCP's pickled ``.metadata``. Here every exchange goes through the manager's
 :class:`~ckptstore.dist.Coordinator` (bounded, names missing ranks), and the metadata is the
-typed JSON chunk index of :mod:`ckptstore.chunks`.
+typed JSON chunk index of :mod:`ckptstore.sharded.chunks`.
 
 Optimizer state is stored keyed by parameter name (``state/<fqn>/exp_avg``), converted here
 from and to ``Optimizer.state_dict()``: DCP's ``get_optimizer_state_dict`` would first run a
@@ -32,7 +32,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from ._log import logger as log
+from .._log import logger as log
+from ..codec import safetensors as safetensors_codec
+from ..codec.tree import format_path
+from ..errors import StateMismatchError, UnsafeCheckpointError
+from ..state.modules import EMA, de_parallel, module_state
+from ..storage import iomode
+from ..storage.directio import run_all
 from .chunks import (
     BLOCK,
     INDEX_FORMAT,
@@ -44,12 +50,6 @@ from .chunks import (
     read_box,
 )
 from .chunks import shard_file as shard_file_name
-from .codec import safetensors as safetensors_codec
-from .codec.tree import format_path
-from .errors import StateMismatchError, UnsafeCheckpointError
-from .modules import EMA, de_parallel, module_state
-from .storage import iomode
-from .storage.directio import run_all
 
 __all__ = [
     "DTensorCollector",
@@ -647,7 +647,7 @@ def index_bytes(md: Any, packed: Iterable[bytes]) -> bytes:
     """The chunk index file from the global metadata and every rank's :func:`pack_table`.
 
     The same bytes as ``build_index(md, tables).to_bytes()``, without building a
-    :class:`~ckptstore.chunks.Chunk` per chunk only to turn it back into JSON.
+    :class:`~ckptstore.sharded.chunks.Chunk` per chunk only to turn it back into JSON.
 
     Raises:
         RuntimeError: a chunk of the global plan that no rank reported (the save must not

@@ -24,10 +24,10 @@ import math
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from .codec.dtypes import ITEMSIZE
-from .errors import IntegrityError
-from .integrity import BLOCK, crc32c_of, format_crc, parse_crc
-from .manifest import FileEntry, validate_file_name
+from ..codec.dtypes import ITEMSIZE
+from ..errors import IntegrityError
+from ..integrity import BLOCK, crc32c_of, format_crc, parse_crc
+from ..manifest import FileEntry, validate_file_name
 
 if TYPE_CHECKING:
     import torch
@@ -61,7 +61,7 @@ def shard_file(rank: int, part: int = 0) -> str:
     """A file a rank writes its DTensor shards into (no state key can produce the name).
 
     A rank with many bytes to write splits them over several files (``part`` 1, 2, ...),
-    written concurrently (see :func:`ckptstore.sharding.write_shards`); the chunk index
+    written concurrently (see :func:`ckptstore.sharded.plan.write_shards`); the chunk index
     says which file holds each chunk, so readers need no rule to find them.
     """
     if part:
@@ -112,7 +112,7 @@ class TensorEntry:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype as a torch dtype."""
-        from .codec.tree import SUPPORTED_DTYPES
+        from ..codec.tree import SUPPORTED_DTYPES
 
         return SUPPORTED_DTYPES[self.dtype]
 

@@ -14,13 +14,13 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from ._fmt import created_json, metric_json
-from .chunks import INDEX_FILE, ChunkIndex
-from .codec.dtypes import ITEMSIZE
-from .errors import IntegrityError
-from .layout import STATE_NAME, state_file
-from .manifest import Manifest
-from .storage import Storage
+from .._fmt import created_json, metric_json
+from ..codec.dtypes import ITEMSIZE
+from ..errors import IntegrityError
+from ..layout import STATE_NAME, state_file
+from ..manifest import Manifest
+from ..sharded.chunks import INDEX_FILE, ChunkIndex
+from ..storage import Storage
 from .stores import committed_step, open_store, reaching
 
 __all__ = [

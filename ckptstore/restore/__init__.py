@@ -1,0 +1,1 @@
+"""The restore pipeline's stages: select the step, plan the reads, read and check, load."""

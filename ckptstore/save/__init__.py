@@ -1,0 +1,1 @@
+"""The save pipeline's stages: capture, plan, stage, write, commit, after-commit."""
