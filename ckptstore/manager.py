@@ -899,10 +899,13 @@ class CheckpointManager(Reader):
             pending, mine = self._plan_dtensor(state, step, rng, replace)
         else:
             pending = self._open_everywhere(step, replace)
+        if dtensor and self.async_save:
+            # Every rank must choose the same group for the commit: decide it together.
+            return self._submit_sharded(
+                pending, self._staged_everywhere(pending, mine, step), step, meta
+            )
         try:
             if dtensor:
-                if mine[0] == "ok" and self.async_save:
-                    return self._submit_sharded(pending, mine[1], step, meta)
                 if mine[0] == "ok":
                     mine = self._write_dtensor(pending, mine[1])
                     self._mark("write")
@@ -1212,6 +1215,41 @@ class CheckpointManager(Reader):
         # Rank 0 keeps the global metadata (it is not sent: _finish_sharded takes it out).
         md = job["md"] if self.coord.is_leader else None
         return ("ok", {"files": files, "packed": sharding.pack_table(table), "md": md})
+
+    def _staged_everywhere(
+        self, pending: Pending, mine: tuple[str, Any], step: int
+    ) -> Mapping[str, Any]:
+        """An async DTensor save goes to the background only if every rank staged its boxes.
+
+        One exchange on the main group: each rank says whether it planned and staged its
+        part. Only when all did does every rank hand the save to its background writer
+        (whose commit runs on the background group); otherwise every rank aborts its
+        directory and raises the same error naming the rank(s) that failed, at once. A
+        rank deciding alone would commit on the main group while the others wait on the
+        background group, each blaming a live rank after ``barrier_timeout``.
+
+        Returns:
+            This rank's job (boxes staged).
+
+        Raises:
+            CommitError, UnsafeCheckpointError: some rank could not plan or stage.
+            BarrierTimeout: a rank did not join the exchange.
+        """
+        said = ("ok", None) if mine[0] == "ok" else mine
+        try:
+            every = self.coord.all_gather(said, "save:staged", step)
+        except BarrierTimeout:
+            if self._node_leader:
+                self.storage.abort(pending)
+            raise
+        self._mark("x:staged")
+        failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
+        if failed or any(st != "ok" for st, _ in every):
+            if self._node_leader:
+                self.storage.abort(pending)
+            raise _shard_error(failed, self.storage.describe(step), self._previous(step))
+        job: Mapping[str, Any] = mine[1]
+        return job
 
     def _submit_sharded(
         self, pending: Pending, job: Mapping[str, Any], step: int, meta: Mapping[str, Any]

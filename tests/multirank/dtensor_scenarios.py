@@ -151,6 +151,47 @@ def fsdp_async_failure(ctx: Ctx) -> dict[str, Any]:
     return {"waited": waited, "after": after, "steps": steps}
 
 
+def fsdp_async_stage_failure(ctx: Ctx) -> dict[str, Any]:
+    """An async DTensor save whose boxes fail to build (or to stage) on rank 1 only.
+
+    ``args["where"]``: ``"boxes"`` (``local_boxes`` raises) or ``"stage"`` (the staging
+    copy raises). Every rank must learn of it at once, not after ``barrier_timeout``.
+    """
+    model = make_net()
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 1)
+    state = {"model": model, "optimizer": opt}
+    mgr = step1_then_manager(ctx, state, async_save=True)
+    if ctx.rank == 1:
+        import ckptstore.sharded.plan as sh
+
+        if ctx.args["where"] == "boxes":
+            real_boxes = sh.local_boxes
+
+            def fail_boxes(*a: Any, **k: Any) -> Any:
+                sh.local_boxes = real_boxes  # type: ignore[assignment]
+                raise MemoryError("cannot build the boxes (injected)")
+
+            sh.local_boxes = fail_boxes  # type: ignore[assignment]
+        else:
+            real_stage = mgr._staging.stage
+
+            def fail_stage(*a: Any, **k: Any) -> Any:
+                mgr._staging.stage = real_stage  # type: ignore[method-assign]
+                raise OSError(12, "Cannot allocate memory (injected)")
+
+            mgr._staging.stage = fail_stage  # type: ignore[method-assign]
+    t0 = time.monotonic()
+    res = outcome(lambda: mgr.save(2, state).wait() and None)
+    res["elapsed"] = time.monotonic() - t0
+    # The failure was raised where it happened: the next save goes ahead on every rank.
+    res["after"] = outcome(lambda: mgr.save(3, state).wait() and None)
+    res["steps"] = mgr.steps()
+    mgr.close()
+    return res
+
+
 def fsdp_restore(ctx: Ctx) -> dict[str, Any]:
     """Restore into a fresh FSDP2 (or HSDP) model and optimizer on this world size."""
     model = make_net(seed=99)

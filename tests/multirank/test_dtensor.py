@@ -205,6 +205,34 @@ def test_async_fsdp2_failure_on_one_rank_is_raised_once_on_every_rank(tmp_path):
         assert v["steps"] == [1, 3]
 
 
+@pytest.mark.parametrize("where", ["boxes", "stage"])
+def test_async_fsdp2_staging_failure_on_one_rank_reaches_every_rank_at_once(tmp_path, where):
+    # Issue 24 #6: rank 1 used to commit on the main group while rank 0 committed on the
+    # background group; both waited barrier_timeout and blamed the other, live, rank.
+    timeout = healthy(8.0)  # barrier_timeout: the failure must arrive well before it
+    vals = values(
+        launch(
+            "dtensor_scenarios:fsdp_async_stage_failure",
+            2,
+            tmp_path,
+            timeout=300,
+            args={"where": where, "timeout": timeout},
+        )
+    )
+    for v in vals:
+        assert v["error_type"] == "CommitError", v
+        assert "rank(s) 1 failed" in v["message"], v
+        assert "injected" in v["message"], v
+        assert "step 1 is still the newest" in v["message"], v
+        assert v["elapsed"] < timeout / 2, v
+        assert v["after"]["ok"], v["after"]
+        assert v["steps"] == [1, 3], v
+    assert sorted(p.name for p in (tmp_path / "store").iterdir() if p.name.startswith("step-")) == [
+        "step-000000000001",
+        "step-000000000003",
+    ]
+
+
 def test_fsdp2_on_4_ranks_restores_on_2(tmp_path):
     saved = values(launch("dtensor_scenarios:fsdp_save", 4, tmp_path, timeout=180))[0]
     vals = values(launch("dtensor_scenarios:fsdp_restore", 2, tmp_path, timeout=180))
