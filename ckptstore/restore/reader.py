@@ -836,16 +836,23 @@ def _persistent_targets(
 ) -> dict[int, str]:
     """The tensors of modules, optimizers and EMA in ``targets`` this step holds a value for.
 
-    Only those: their tensors are the objects' own memory, so what an in-place read writes
-    into them stays. Other Stateful objects hand out copies (``state_dict()``), and what is
-    written into a copy is gone with it.
+    Only those, and of them only the objects' own memory, so what an in-place read writes
+    into them stays. Other Stateful objects hand out copies (``state_dict()``), and so do
+    parts of these (an EMA's ``n_averaged`` counter): what is written into a copy is gone
+    with it, and a copy's address means nothing to the next step's restore (a fallback
+    would take it for a tensor it cannot overwrite). A tensor is the object's own when two
+    captures, both held alive, hand out the same memory for it.
     """
     nodes = dict(zip(keys, vals, strict=True))
     out: dict[str, dict[str, torch.Tensor]] = {}
+    again: dict[str, dict[str, torch.Tensor]] = {}
     for k, target in targets.items():
         if k in nodes and isinstance(target, torch.nn.Module | torch.optim.Optimizer | EMA):
-            collect_targets(_unwrap(nodes[k])[1], capture(target), out)
-    return _names_of(out)
+            node = _unwrap(nodes[k])[1]
+            collect_targets(node, capture(target), out)
+            collect_targets(node, capture(target), again)
+    own = _names_of(again)
+    return {p: name for p, name in _names_of(out).items() if own.get(p) == name}
 
 
 def _names_of(into: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[int, str]:
