@@ -113,22 +113,27 @@ def snapshot(state: dict[str, Any]) -> dict[str, Any]:
 def assert_equal(a: Any, b: Any, path: str = "") -> None:
     if isinstance(a, torch.Tensor):
         assert isinstance(b, torch.Tensor), path
-        assert a.dtype == b.dtype and a.shape == b.shape, path
+        assert a.dtype == b.dtype, path
+        assert a.shape == b.shape, path
         raw = [t.detach().contiguous().reshape(-1).view(torch.uint8) for t in (a, b)]
         assert torch.equal(raw[0], raw[1]), path
     elif isinstance(a, np.ndarray):
-        assert isinstance(b, np.ndarray) and a.dtype == b.dtype, path
+        assert isinstance(b, np.ndarray), path
+        assert a.dtype == b.dtype, path
         assert np.array_equal(a, b), path
     elif isinstance(a, dict):
-        assert isinstance(b, dict) and set(a) == set(b), (path, sorted(a), sorted(b))
+        assert isinstance(b, dict), path
+        assert set(a) == set(b), (path, sorted(a), sorted(b))
         for k in a:
             assert_equal(a[k], b[k], f"{path}/{k}")
     elif isinstance(a, list | tuple):
-        assert type(a) is type(b) and len(a) == len(b), path
+        assert type(a) is type(b), path
+        assert len(a) == len(b), path
         for i, (x, y) in enumerate(zip(a, b, strict=True)):
             assert_equal(x, y, f"{path}[{i}]")
     else:
-        assert a == b and type(a) is type(b), (path, a, b)
+        assert type(a) is type(b), (path, a, b)
+        assert a == b, (path, a, b)
 
 
 @pytest.fixture(scope="module")

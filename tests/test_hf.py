@@ -309,3 +309,120 @@ def test_trainer_resume_checks_the_model(tmp_path: Path) -> None:
     other.model = wider
     with pytest.raises(StateMismatchError, match="mismatched"):
         CkptStoreCallback(root).train(other)
+
+
+# ---- export --hf: a directory from_pretrained loads (issue 22 #8) ----------------------
+
+
+def _hf_dir_loads(out_dir: Path, model: GPT2LMHeadModel) -> None:
+    """``out_dir`` has a config.json and weights that ``from_pretrained`` loads exactly."""
+    assert (out_dir / "config.json").is_file()
+    loaded = GPT2LMHeadModel.from_pretrained(str(out_dir))
+    assert loaded.config.n_embd == model.config.n_embd == 32
+    assert loaded.config.n_layer == 2
+    assert same(
+        {k: v.detach() for k, v in loaded.state_dict().items()},
+        {k: v.detach() for k, v in model.state_dict().items()},
+    )
+
+
+def test_trainer_export_hf_writes_the_config_from_pretrained_loads(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from _helpers import run_cli
+
+    root = tmp_path / "ckpt"
+    cb = CkptStoreCallback(root)
+    t = trainer(tmp_path / "a", 0, [cb, StopAfter(2)])
+    cb.train(t)
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [2]
+        recorded = mgr.manifest(2).metadata["hf_configs"]["model"]
+    assert recorded["n_embd"] == 32
+    assert recorded["model_type"] == "gpt2"
+    out_dir = tmp_path / "hf"
+    rc, out, err = run_cli(capsys, "export", root, "--step", "2", "--hf", out_dir)
+    assert rc == 0, err
+    assert "config.json" in out
+    assert sorted(p.name for p in out_dir.iterdir()) == ["config.json", "model.safetensors"]
+    _hf_dir_loads(out_dir, t.model)
+
+
+def test_accelerate_export_hf_writes_the_config(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from _helpers import run_cli
+
+    acc = Accelerator(cpu=True)
+    model = acc.prepare(gpt2(3))
+    ckpt = AcceleratorCheckpointer(acc, tmp_path / "ckpt")
+    ckpt.save(1, metadata={"run": "x"}).wait()
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        md = mgr.manifest(1).metadata
+    assert md["run"] == "x"  # the caller's metadata is kept beside the config
+    assert md["hf_configs"]["model"]["n_embd"] == 32
+    root = tmp_path / "ckpt"
+    rc, _, err = run_cli(capsys, "export", root, "--step", "1", "--hf", tmp_path / "hf")
+    assert rc == 0, err
+    _hf_dir_loads(tmp_path / "hf", acc.unwrap_model(model))
+
+
+def test_export_hf_config_flag_for_other_stores(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from _helpers import run_cli
+
+    model = gpt2(4)
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": model, "step": 1})
+    # No config recorded: the directory has the weights only, and the output says so.
+    rc, out, err = run_cli(capsys, "export", root, "--step", "1", "--hf", tmp_path / "w")
+    assert rc == 0, err
+    assert sorted(p.name for p in (tmp_path / "w").iterdir()) == ["model.safetensors"]
+    assert "no config.json" in out
+    # --config PATH: a config.json written by save_pretrained, copied into the directory.
+    model.config.save_pretrained(str(tmp_path / "cfg"))
+    cfg = tmp_path / "cfg" / "config.json"
+    rc, out, err = run_cli(
+        capsys, "export", root, "--step", "1", "--hf", tmp_path / "hf", "--config", cfg
+    )
+    assert rc == 0, err
+    assert (tmp_path / "hf" / "config.json").read_bytes() == cfg.read_bytes()
+    _hf_dir_loads(tmp_path / "hf", model)
+    # A config that is not a JSON object is refused, and nothing is written.
+    bad = tmp_path / "bad.json"
+    bad.write_text("[1, 2")
+    rc, out, err = run_cli(
+        capsys, "export", root, "--step", "1", "--hf", tmp_path / "hf2", "--config", bad
+    )
+    assert rc != 0
+    assert str(bad) in err
+    assert not (tmp_path / "hf2").exists()
+    assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
+    # --config without --hf is a usage error.
+    rc, _, err = run_cli(
+        capsys, "export", root, "--step", "1", tmp_path / "x.safetensors", "--config", cfg
+    )
+    assert rc == 2, err
+
+
+# ---- the Trainer's own checkpoint-N directories (issue 22 #10) --------------------------
+
+
+def test_trainer_checkpoint_dirs_are_removed_by_default(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    cb = CkptStoreCallback(root)
+    assert cb.keep_hf_checkpoints is False
+    t = trainer(tmp_path / "a", 0, [cb, StopAfter(4)])
+    cb.train(t)
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [2, 4]
+        assert all(mgr.verify(s).ok for s in mgr.steps())
+    # Only ckptstore's copy of each step takes disk space.
+    assert not list((tmp_path / "a").glob("checkpoint-*"))
+    # Asking for them keeps them.
+    cb = CkptStoreCallback(tmp_path / "ckpt2", keep_hf_checkpoints=True)
+    t = trainer(tmp_path / "b", 0, [cb, StopAfter(2)])
+    cb.train(t)
+    assert sorted(p.name for p in (tmp_path / "b").glob("checkpoint-*")) == ["checkpoint-2"]

@@ -24,7 +24,7 @@ def _size_arg(text: str) -> int:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    """``ROOT --step N OUT``, ``--hf``, ``--max-shard-size``, ``--key``, ``--force``."""
+    """The export flags: ``ROOT --step N OUT``, ``--hf`` and its options, ``--force``."""
     add_root(parser)
     parser.add_argument("--step", type=step_arg, required=True, help="the step to export")
     parser.add_argument(
@@ -48,6 +48,13 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--key", default=None, help="entry to write as safetensors (default: model)"
     )
+    parser.add_argument(
+        "--config",
+        metavar="PATH",
+        default=None,
+        help="with --hf: the model's config.json (default: the config the HF integrations "
+        "recorded in the checkpoint)",
+    )
     parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
 
 
@@ -66,6 +73,8 @@ def run(args: argparse.Namespace) -> int:
         return _run_hf(args, opts)
     if args.max_shard_size is not None:
         raise UsageError("--max-shard-size applies to --hf only")
+    if args.config is not None:
+        raise UsageError("--config applies to --hf only")
     from ..ops.export import export_step  # torch: imported only when this command runs
 
     with Bar("export", unit="phase") as bar:
@@ -103,6 +112,7 @@ def _run_hf(args: argparse.Namespace, opts: dict[str, object]) -> int:
             max_shard_size=args.max_shard_size or DEFAULT_MAX_SHARD,
             storage_options=opts,
             progress=bar,
+            config=args.config,
         )
     if as_json(args):
         print_json(hf.to_dict())
@@ -114,4 +124,9 @@ def _run_hf(args: argparse.Namespace, opts: dict[str, object]) -> int:
             f"{human_bytes(hf.total_size)}{_consolidated_text(world)}) to {hf.out} "
             f"(Hugging Face safetensors, {plural(n, 'file')}: {', '.join(hf.files)})"
         )
+        if not hf.config:
+            print(
+                "no config.json: the checkpoint records no model config (the HF integrations "
+                "record one); from_pretrained needs it: pass --config PATH"
+            )
     return 0

@@ -43,9 +43,14 @@ skip, stateful callbacks, LR schedule) exactly as from its own checkpoint::
 
 or, spelled out: ``with ckpt.resume_checkpoint(trainer) as path:
 trainer.train(resume_from_checkpoint=path)``. The Trainer still writes its own
-``checkpoint-N`` directories; ``keep_hf_checkpoints=False`` removes each one once its
-ckptstore step is committed (except the best model's, which ``load_best_model_at_end``
-reads).
+``checkpoint-N`` directories (its ``save`` cannot be skipped); by default the callback
+removes each one once its ckptstore step is committed, so a step takes its disk space once
+(except the best model's, which ``load_best_model_at_end`` reads).
+``keep_hf_checkpoints=True`` keeps them all, which doubles the disk space of checkpoints.
+
+Each step's metadata records the model's ``transformers`` config (``hf_configs``), which
+``ckptstore export --hf`` writes as ``config.json``: the exported directory loads with
+``from_pretrained``.
 
 **Steps that exist already.** Resuming after the newest checkpoint failed verification goes
 back to an older step, so training reaches the failed step again: a step that is committed
@@ -77,7 +82,8 @@ from ..errors import StateMismatchError, StepExistsError
 from ..manager import CheckpointManager
 from ..retention import RetentionPolicy
 from ..save.staging import SaveHandle
-from ..state.modules import RNGState, load_module_state
+from ..sharded.consolidate import HF_CONFIGS_KEY
+from ..state.modules import RNGState, de_parallel, load_module_state
 
 try:
     from transformers import TrainerCallback
@@ -280,7 +286,11 @@ class AcceleratorCheckpointer:
             BarrierTimeout: a process did not join in time.
         """
         _replace_if_corrupt(self.manager, step, skip_if_saved=False)
-        return self.manager.save(step, self.state(), metrics=metrics, metadata=metadata)
+        state = self.state()
+        configs = {k: c for k, v in state.items() if (c := model_config(v)) is not None}
+        return self.manager.save(
+            step, state, metrics=metrics, metadata=_with_configs(metadata, configs)
+        )
 
     def restore(self, step: int | None = None) -> int:
         """Restore ``step`` (default: the newest that verifies) in place (collective).
@@ -367,8 +377,10 @@ class CkptStoreCallback(TrainerCallback):
     Args:
         root: the store (a directory or an fsspec URL).
         keep: retention, as for :class:`CheckpointManager`.
-        keep_hf_checkpoints: keep the Trainer's own ``checkpoint-N`` directories; ``False``
-            removes each one once its step is committed (never the best model's).
+        keep_hf_checkpoints: keep the Trainer's own ``checkpoint-N`` directories (twice the
+            disk space of checkpoints). By default (``False``) each one is removed once its
+            step is committed to the store (never the best model's, which
+            ``load_best_model_at_end`` reads); resuming needs only the store.
         resume_dir: where :meth:`resume_checkpoint` writes the Trainer checkpoint it hands
             over (default: the system's temporary directory); it is removed afterwards.
         **options: other :class:`CheckpointManager` options (``format``, ``compression``,
@@ -380,7 +392,7 @@ class CkptStoreCallback(TrainerCallback):
         root: str | os.PathLike[str],
         keep: Retention = None,
         *,
-        keep_hf_checkpoints: bool = True,
+        keep_hf_checkpoints: bool = False,
         resume_dir: str | os.PathLike[str] | None = None,
         **options: Any,
     ) -> None:
@@ -437,6 +449,8 @@ class CkptStoreCallback(TrainerCallback):
             ckpt["scaler"] = scaler
         ckpt["rng"] = RNGState()
         metadata = {"transformers": {"global_step": step, "epoch": state.epoch}}
+        config = model_config(model)
+        metadata = _with_configs(metadata, {"model": config} if config is not None else {})
         mgr.save(step, ckpt, metrics=_trainer_metrics(state), metadata=metadata)
         self._last_saved = step
         if not self.keep_hf_checkpoints and args.should_save:
@@ -519,6 +533,38 @@ class CkptStoreCallback(TrainerCallback):
             trainer.add_callback(self)
         with self.resume_checkpoint(trainer) as path:
             return trainer.train(resume_from_checkpoint=path, **kwargs)
+
+
+def model_config(model: Any) -> dict[str, Any] | None:
+    """A ``transformers`` model's config as the JSON ``save_pretrained`` writes (all keys).
+
+    Recorded in each step's metadata (``hf_configs``) so that ``ckptstore export --hf``
+    writes the ``config.json`` that ``from_pretrained`` builds the model from. ``None`` for
+    a model without one (or one that is not plain JSON: NaN, infinity).
+    """
+    if not isinstance(model, torch.nn.Module):
+        return None
+    config = getattr(de_parallel(model), "config", None)
+    to_json = getattr(config, "to_json_string", None)
+    if not callable(to_json):
+        return None
+    try:
+        doc = json.loads(to_json(use_diff=False))
+        json.dumps(doc, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        log.warning("the model's config is not plain JSON (%s); it is not recorded", e)
+        return None
+    return doc if isinstance(doc, dict) else None
+
+
+def _with_configs(
+    metadata: Mapping[str, Any] | None, configs: Mapping[str, dict[str, Any]]
+) -> dict[str, Any]:
+    """``metadata`` with the models' configs under ``hf_configs`` (the caller's own wins)."""
+    out = dict(metadata or {})
+    if configs:
+        out.setdefault(HF_CONFIGS_KEY, dict(configs))
+    return out
 
 
 def _write_trainer_checkpoint(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import errno
+import json
 import os
 from collections.abc import Mapping
 from typing import Any
@@ -200,6 +201,7 @@ def export_hf_step(
     max_shard_size: int | str = DEFAULT_MAX_SHARD,
     storage_options: Mapping[str, Any] | None = None,
     progress: Progress | None = None,
+    config: str | os.PathLike[str] | Mapping[str, Any] | None = None,
 ) -> HFExportResult:
     """Write one entry of ``step`` as a Hugging Face checkpoint directory (streaming, atomic).
 
@@ -215,13 +217,18 @@ def export_hf_step(
         max_shard_size: the largest shard, in bytes or as ``"5GB"``.
         storage_options: fsspec options for a URL.
         progress: called with the bytes written so far.
+        config: the model's ``transformers`` config for ``config.json``: a JSON file's path
+            or the dict; by default the one the HF integrations recorded in the checkpoint
+            (without either, no ``config.json`` is written).
 
     Raises:
         FileExistsError: ``out_dir`` exists and is not an empty directory.
         NoCheckpointError: no store at ``root``, or no such step.
         IntegrityError: the checkpoint is corrupt.
-        CkptStoreError: no such entry, not a flat dict of tensors, or per-rank state.
+        CkptStoreError: no such entry, not a flat dict of tensors, or per-rank state; a
+            ``config`` that is not a readable JSON object.
     """
+    given = _load_config(config)
     storage = open_store(root, storage_options)
     with reaching(storage.root):
         manifest = storage.read_manifest(committed_step(storage, step))
@@ -241,7 +248,36 @@ def export_hf_step(
         max_shard_size=max_shard_size,
         manifest=manifest,
         progress=advance,
+        config=given,
     )
+
+
+def _load_config(
+    config: str | os.PathLike[str] | Mapping[str, Any] | None,
+) -> dict[str, Any] | None:
+    """``export_hf_step``'s ``config``: a dict, read (and checked) before anything is written."""
+    if config is None:
+        return None
+    if isinstance(config, Mapping):
+        doc: Any = dict(config)
+        where = "config"
+    else:
+        where = os.fspath(config)
+        try:
+            with open(where, encoding="utf-8") as f:
+                doc = json.load(f)
+        except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
+            msg = f"{where}: cannot read the model config ({e})"
+            raise CkptStoreError(msg) from None
+    if not isinstance(doc, dict):
+        msg = f"{where}: a model config must be a JSON object, got {type(doc).__name__}"
+        raise CkptStoreError(msg)
+    try:
+        json.dumps(doc, allow_nan=False)
+    except (TypeError, ValueError) as e:
+        msg = f"{where}: the model config must be JSON without NaN or infinity ({e})"
+        raise CkptStoreError(msg) from None
+    return doc
 
 
 def _count_tensors(obj: Any, depth: int = 0) -> int:

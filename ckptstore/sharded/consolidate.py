@@ -42,6 +42,8 @@ from . import plan as sharding
 from .chunks import INDEX_FILE, ChunkIndex
 
 __all__ = [
+    "HF_CONFIG",
+    "HF_CONFIGS_KEY",
     "HF_INDEX",
     "HF_SINGLE",
     "HFExportResult",
@@ -58,6 +60,12 @@ __all__ = [
 HF_SINGLE = "model.safetensors"
 #: The index of a sharded Hugging Face checkpoint.
 HF_INDEX = "model.safetensors.index.json"
+#: The model's configuration in a Hugging Face directory: ``from_pretrained`` builds the
+#: model from it (without one it builds a default model, whose sizes do not fit the weights).
+HF_CONFIG = "config.json"
+#: Where a checkpoint's metadata records the ``transformers`` config of its entries (the HF
+#: integrations write it): ``{"hf_configs": {entry: config dict}}``.
+HF_CONFIGS_KEY = "hf_configs"
 #: ``--max-shard-size`` default, as ``transformers`` has it.
 DEFAULT_MAX_SHARD = 5 * 10**9
 
@@ -514,10 +522,19 @@ class HFExportResult:
     total_size: int
     sharding: str
     world_size: int
+    #: Whether ``config.json`` was written (recorded in the checkpoint, or given).
+    config: bool = False
 
     def to_dict(self) -> dict[str, Any]:
         """JSON form."""
         return dataclasses.asdict(self)
+
+
+def recorded_config(metadata: Mapping[str, Any], key: str) -> dict[str, Any] | None:
+    """The ``transformers`` config the HF integrations recorded for entry ``key``, if any."""
+    configs = metadata.get(HF_CONFIGS_KEY)
+    config = configs.get(key) if isinstance(configs, Mapping) else None
+    return dict(config) if isinstance(config, Mapping) else None
 
 
 def _shard_name(i: int, n: int) -> str:
@@ -553,14 +570,18 @@ def export_hf(
     max_shard_size: int | str = DEFAULT_MAX_SHARD,
     manifest: Manifest | None = None,
     progress: Callable[[str, int], None] | None = None,
+    config: Mapping[str, Any] | None = None,
 ) -> HFExportResult:
     """Write one entry of checkpoint ``step`` as a Hugging Face safetensors checkpoint.
 
     The layout is the one ``transformers`` writes and reads: ``model.safetensors`` when
     the weights fit in one shard, else ``model-00001-of-0000N.safetensors``... and
     ``model.safetensors.index.json`` (``{"metadata": {"total_size": ...}, "weight_map":
-    {tensor: file}}``). Shards hold at most ``max_shard_size`` bytes of tensor data
-    (``"5GB"``, ``"500MiB"`` or bytes; a larger tensor gets a shard of its own).
+    {tensor: file}}``), and ``config.json``: ``config`` if given, else the config the HF
+    integrations recorded for the entry in the checkpoint's metadata (none otherwise: then
+    ``from_pretrained`` needs the config from elsewhere). Shards hold at most
+    ``max_shard_size`` bytes of tensor data (``"5GB"``, ``"500MiB"`` or bytes; a larger
+    tensor gets a shard of its own).
 
     Streaming: each tensor is assembled from the checkpoint (from its DTensor chunks, on
     whatever world size they were saved, or from the replicated payload), written, and
@@ -577,6 +598,8 @@ def export_hf(
         max_shard_size: the shard size limit.
         manifest: the step's manifest, if already read.
         progress: called as ``progress(tensor_name, bytes)`` after each tensor is written.
+        config: the model's ``transformers`` config (a JSON object) to write as
+            ``config.json``, in place of the one recorded in the checkpoint.
 
     Raises:
         FileExistsError: ``out_dir`` exists and is not an empty directory.
@@ -637,6 +660,15 @@ def export_hf(
                     f.flush()
                     os.fsync(f.fileno())
                 files.append(HF_INDEX)
+            if config is None:
+                config = recorded_config(src.manifest.metadata, str(k))
+            if config is not None:
+                with open(os.path.join(tmp, HF_CONFIG), "x", encoding="utf-8") as f:
+                    json.dump(dict(config), f, indent=2, sort_keys=True, allow_nan=False)
+                    f.write("\n")
+                    f.flush()
+                    os.fsync(f.fileno())
+                files.append(HF_CONFIG)
             fsync_path(tmp, directory=True)
             # rename(2) replaces an empty directory and fails on a non-empty one: a
             # directory that gained files since the check above is never overwritten.
@@ -656,6 +688,7 @@ def export_hf(
             total_size=sum(r.nbytes for r in refs.values()),
             sharding=m.sharding_kind,
             world_size=m.world_size,
+            config=config is not None,
         )
 
 
