@@ -23,6 +23,7 @@ from _helpers import assert_same, fresh_like, make_state, step_dir
 from s3server import S3Endpoint
 
 from ckptstore import CheckpointManager
+from ckptstore.errors import IntegrityError
 from ckptstore.layout import REPLICATED_NAME
 from ckptstore.storage import open_storage, wait_for_deletions
 from ckptstore.tiers.replica import ReplicaError, Replicator, fetch_step
@@ -458,3 +459,31 @@ def test_a_save_stops_the_upload_in_flight(
     for step, m in ((1, m1), (2, m2)):
         for name, entry in m.files.items():
             assert replica.checksum_file(step, name) == (entry.bytes, entry.crc32c)
+
+
+def test_restore_of_an_explicit_step_falls_back_to_the_replicas_copy(
+    tmp_path: Path, s3: S3Endpoint, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # issue 24 #11: restore(step=N) raised on a corrupt local copy, load(step=N) did not.
+    states = {s: make_state(s) for s in (1, 2)}
+    root = tmp_path / "a"
+    with tiered(root, s3, url, keep=3) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    payload = root / step_dir(1) / "model.safetensors"
+    bad = bytearray(payload.read_bytes())
+    bad[-1] ^= 0xFF
+    payload.write_bytes(bytes(bad))
+    with tiered(root, s3, url, keep=3) as mgr, caplog.at_level(logging.WARNING, "ckptstore"):
+        fresh = fresh_like(states[1])
+        assert mgr.restore(fresh, step=1) == 1
+        assert_same(snapshot(fresh), snapshot(states[1]))
+        assert "step 1: the local copy failed" in caplog.text
+        assert mgr.verify(1).ok  # the local copy was replaced by the replica's
+    # Corrupt in both tiers: the explicit step is still an IntegrityError, naming it.
+    for path in (root / step_dir(1) / "model.safetensors",):
+        path.write_bytes(bytes(bad))
+    s3.client.pipe_file(f"{url}/{step_dir(1)}/model.safetensors", bytes(bad))
+    with tiered(root, s3, url, keep=3) as mgr:
+        with pytest.raises(IntegrityError, match="step-000000000001"):
+            mgr.restore(fresh_like(states[1]), step=1)

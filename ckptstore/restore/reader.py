@@ -613,8 +613,8 @@ class Reader:
             verdicts = self.coord.all_gather(mine, "restore:load", s)
             hard = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
             soft = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "skip"]
-            if hard or (soft and step is not None):
-                r, err = (hard or soft)[0]
+            if hard:
+                r, err = hard[0]
                 if r == self.coord.rank or not isinstance(err, CkptStoreError):
                     raise err
                 raise type(err)(f"rank {r}: {err}")
@@ -630,6 +630,12 @@ class Reader:
                     refetched.add(s)
                     queue.insert(0, s)
                     continue
+            if soft and step is not None:
+                # An explicit step: raised only once the replica's copy was tried too (above).
+                r, err = soft[0]
+                if r == self.coord.rank or not isinstance(err, CkptStoreError):
+                    raise err
+                raise type(err)(f"rank {r}: {err}")
             if soft and relists < _RELISTS:
                 # Deleted while we read it (a running job's retention), not corrupt: rank 0
                 # looks again, and every rank goes on with the new newest.
