@@ -821,13 +821,17 @@ def replicate(
 
     Raises:
         NoCheckpointError: ``local_root`` is not a store.
+        ReplicaConfigError: ``url`` is the local store itself (under whatever name).
         ReplicaError: (without ``watch``) an upload failed.
     """
     from ..storage import open_storage
 
+    from .twotier import check_distinct
+
     local = open_storage(local_root)
     local.check_root(create=False)
     replica = open_storage(url, replica_options)
+    check_distinct(local, replica, url)
     uploaded: list[int] = []
     failed: dict[int, str] = {}
     up = Replicator(

@@ -8,17 +8,56 @@ ordinary read path (checksums included) restores it.
 
 from __future__ import annotations
 
+import os
 from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._log import logger as log
-from ..errors import CkptStoreError, IntegrityError, NoCheckpointError
+from ..errors import CkptStoreError, IntegrityError, NoCheckpointError, ReplicaConfigError
 from ..retention import RetentionPolicy
-from ..storage import Storage, open_storage
+from ..storage import LocalStorage, Storage, open_storage
 from . import node_fill
 from .replica import Replicator, fetch_step
 
-__all__ = ["all_steps", "ensure_local", "open_replica"]
+__all__ = ["all_steps", "check_distinct", "ensure_local", "open_replica"]
+
+
+def _identity(path: str) -> tuple[str, tuple[int, int] | None]:
+    """A local directory as the filesystem knows it: its resolved path, device and inode.
+
+    The device and inode are None where it does not exist (yet): the resolved path of what
+    does exist then decides (a symlink in the middle is followed all the same).
+    """
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return real, None
+    return real, (st.st_dev, st.st_ino)
+
+
+def check_distinct(local: Storage, replica: Storage, url: str) -> None:
+    """Refuse a replica that is the local store itself, however it is spelled.
+
+    Two local stores (a path, a symlink to it, a ``file://`` URL, a bind mount) are the
+    same when their device and inode are, or their resolved paths where one does not exist
+    yet; other backends compare their roots. The replica's retention would otherwise delete
+    local steps, and every local step would count as "safe" there.
+
+    Raises:
+        ReplicaConfigError: (a ``ValueError``) they are one store.
+    """
+    if isinstance(local, LocalStorage) and isinstance(replica, LocalStorage):
+        (a_path, a_id), (b_path, b_id) = _identity(local.root), _identity(replica.root)
+        same = a_id == b_id if a_id is not None and b_id is not None else a_path == b_path
+    else:
+        same = replica.root.rstrip("/") == local.root.rstrip("/")
+    if same:
+        msg = (
+            f"replica {url!r} is the local store itself ({local.root}); give another "
+            "store as the replica (its retention would delete the local steps)"
+        )
+        raise ReplicaConfigError(msg)
 
 
 def open_replica(
@@ -39,16 +78,16 @@ def open_replica(
     job runs), then ``barrier`` (collective) before any rank queues its uploads.
 
     Raises:
-        ValueError: ``url`` is not a string, or is the local store itself.
+        ValueError: ``url`` is not a string.
+        ReplicaConfigError: (a ``ValueError``) ``url`` is the local store itself, under
+            whatever name (:func:`check_distinct`).
         ImportError: the fsspec backend for ``url`` is not installed.
     """
     if not isinstance(url, str) or not url:
         msg = f"replica must be an fsspec URL string (e.g. 's3://bucket/run1'), got {url!r}"
         raise ValueError(msg)
     replica = open_storage(url, options)
-    if replica.root.rstrip("/") == local.root.rstrip("/"):
-        msg = f"replica must be another store than the local root, got {url!r} for both"
-        raise ValueError(msg)
+    check_distinct(local, replica, url)
     replica.check_root(create=True)
     up = Replicator(local, replica, policy=policy, url=url, rank=rank, retention=rank in (None, 0))
     try:
