@@ -487,3 +487,35 @@ def test_restore_of_an_explicit_step_falls_back_to_the_replicas_copy(
     with tiered(root, s3, url, keep=3) as mgr:
         with pytest.raises(IntegrityError, match="step-000000000001"):
             mgr.restore(fresh_like(states[1]), step=1)
+
+
+def test_a_corrupt_replica_copy_is_not_called_a_local_one(
+    tmp_path: Path, s3: S3Endpoint, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # issue 22 #6: "step 2: the local copy failed (... s3://...)" was logged on a new node
+    # that had no local copy: the replica's copy had failed while it was fetched.
+    states = {s: make_state(s) for s in (1, 2)}
+    with tiered(tmp_path / "a", s3, url, keep=3) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    remote = f"{url}/{step_dir(2)}/model.safetensors"
+    data = bytearray(s3.client.cat_file(remote))
+    data[-1] ^= 0xFF
+    s3.client.pipe_file(remote, bytes(data))
+    for n, read in enumerate(("load", "restore")):
+        caplog.clear()
+        with tiered(tmp_path / f"b{n}", s3, url, keep=3) as mgr:
+            with caplog.at_level(logging.WARNING, "ckptstore"):
+                if read == "load":
+                    got = dict(mgr.load()["model"])
+                else:
+                    fresh = fresh_like(states[1])
+                    assert mgr.restore(fresh) == 1
+                    got = snapshot(fresh)["model"]
+            assert_same(got, snapshot(states[1])["model"])
+            assert "local copy" not in caplog.text, read
+            # The skip names the replica's copy, the one that failed.
+            skipped = [r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage()]
+            assert len(skipped) == 1, read
+            assert f"{remote}: crc32c" in skipped[0], read
+            assert mgr.steps() == [1]  # nothing of step 2 was committed locally

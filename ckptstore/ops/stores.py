@@ -6,7 +6,9 @@ reads or maintains a store afterwards (``ckptstore ls``, ``verify``, ``prune``, 
 exist is "no store there", never an empty store with a fresh lock file in it (issue 12).
 
 A root is a store when it holds an entry of the layout (``step-N``, ``.tmp-``/``.trash-``
-entries, the lock or the listing cache), or nothing at all (a store with no checkpoint yet).
+entries, the lock or the listing cache), or (a local directory) nothing at all: a store with
+no checkpoint yet. An object store has no empty directories, so a prefix with nothing under
+it is no store (a mistyped prefix says so, as a missing bucket does).
 A directory that holds none of those but has stores inside it, one per ``*.ckpt`` name as
 the Lightning integration writes them, is listed by :func:`find_stores`.
 
@@ -110,12 +112,13 @@ def find_stores(
 
     Returns:
         ``(storage of root, stores)``: ``stores`` is ``[storage of root]`` when ``root`` is a
-        store (an empty directory or prefix counts), else the stores one level below it
+        store (an empty local directory counts, an empty prefix does not), else the stores one level below it
         (never empty).
 
     Raises:
-        NoCheckpointError: no such directory or bucket, a file, a step directory, or a
-            directory that is neither a store nor holds any.
+        NoCheckpointError: no such directory or bucket, nothing under an object-store
+            prefix, a file, a step directory, or a directory that is neither a store nor
+            holds any.
         CkptStoreError: the object store cannot be reached (credentials, endpoint, access).
         ValueError: ``storage_options`` given for a local path.
         ImportError: the fsspec backend of the URL is not installed.
@@ -130,6 +133,12 @@ def find_stores(
                     f"{storage.root}: no store there: the bucket {bucket!r} does not exist; "
                     "check the bucket name (and the endpoint_url and region storage options)"
                 )
+            # An object store has no empty directories: nothing under the prefix is a typo
+            # as often as not, and a store that was never saved to holds nothing to read.
+            raise NoCheckpointError(
+                f"{storage.root}: no store there: nothing is stored under this prefix; check "
+                "the path (on an object store a store exists once its first step is saved)"
+            )
         return storage, [storage]
     base = posixpath.basename(storage.root.rstrip("/"))
     step = parse_step_dirname(base)
@@ -150,7 +159,7 @@ def find_stores(
 def open_store(
     root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> Storage:
-    """The storage of an existing store (an empty directory or prefix counts); creates nothing.
+    """The storage of an existing store (an empty local directory counts); creates nothing.
 
     Raises:
         NoCheckpointError: no such directory or bucket, a file, a step directory, or a

@@ -580,7 +580,13 @@ class Reader:
             blobs: dict[str, bytearray] | None = None
             try:
                 if self.replica_storage is not None:
-                    self._bring_local(s, replace=s in refetched, broadcast=broadcast)
+                    try:
+                        self._bring_local(s, replace=s in refetched, broadcast=broadcast)
+                    except (IntegrityError, ManifestError):
+                        # The replica's copy failed as it was fetched (every rank raises
+                        # rank 0's error alike): no copy there to fall back on.
+                        refetched.add(s)
+                        raise
                 if self._split and not broadcast and self._written_by_rank0(s):
                     send = True  # node-local roots: only rank 0's node holds this step
                 else:
@@ -618,10 +624,11 @@ class Reader:
                 if r == self.coord.rank or not isinstance(err, CkptStoreError):
                     raise err
                 raise type(err)(f"rank {r}: {err}")
-            if soft and self.replica_storage is not None and s not in refetched:
-                # The local copy failed: rank 0 looks for the replica's, which replaces it.
+            if soft and self.replica_storage is not None:
+                # The local copy failed: rank 0 looks for the replica's, which replaces it
+                # (rank 0 decides whether one was tried already, so every rank agrees).
                 there: tuple[str, Any] = ("ok", False)
-                if self.coord.is_leader:
+                if self.coord.is_leader and s not in refetched:
                     there = ("ok", tiers.on_replica(self.replica_storage, s))
                 _, retry = self.coord.broadcast(there, "restore:replica", s)
                 if retry:
@@ -760,9 +767,13 @@ class Reader:
             s = queue.pop(0)
             try:
                 if self.replica_storage is not None:
-                    tiers.ensure_local(
-                        self.storage, self.replica_storage, s, replace=s in refetched
-                    )
+                    try:
+                        tiers.ensure_local(
+                            self.storage, self.replica_storage, s, replace=s in refetched
+                        )
+                    except (IntegrityError, ManifestError):
+                        refetched.add(s)  # the replica's copy failed: none to fall back on
+                        raise
                 out, _ = self._decode(s, wanted, rank=rank, require=True)
             except (IntegrityError, ManifestError) as e:
                 if s not in refetched and tiers.on_replica(self.replica_storage, s):
