@@ -19,6 +19,7 @@ from .errors import (
     StepExistsError,
     StepProtectedError,
     StoreLockedError,
+    StoreUnreachableError,
     UnsafeCheckpointError,
 )
 from .integrity import VerifyReport
@@ -80,6 +81,7 @@ __all__ = [
     "StepExistsError",
     "StepProtectedError",
     "StoreLockedError",
+    "StoreUnreachableError",
     "UnsafeCheckpointError",
     "VerifyReport",
     "__version__",

@@ -24,6 +24,7 @@ from ckptstore.errors import (
     StepExistsError,
     StepProtectedError,
     StoreLockedError,
+    StoreUnreachableError,
     UnsafeCheckpointError,
 )
 
@@ -31,7 +32,8 @@ BASES: dict[type[CkptStoreError], tuple[type[BaseException], ...]] = {
     CkptStoreError: (Exception,),
     CommitError: (OSError,),
     ReplicaError: (CommitError, OSError),
-    ReplicaUnavailableError: (ReplicaError, CommitError, OSError),
+    ReplicaUnavailableError: (ReplicaError, StoreUnreachableError, CommitError, OSError),
+    StoreUnreachableError: (OSError,),
     ReplicaConfigError: (ValueError,),
     IntegrityError: (ValueError,),
     ManifestError: (ValueError,),

@@ -179,7 +179,7 @@ def test_s3_missing_credentials(
     rc, out, _ = run_cli(capsys, "verify", url, "--json", *args)
     assert rc == 1
     doc = json.loads(out)
-    assert doc["error"] == "CkptStoreError"
+    assert doc["error"] == "StoreUnreachableError"  # a CkptStoreError (OSError)
     assert "no credentials found" in doc["message"]
 
 
