@@ -16,6 +16,7 @@ from typing import Any
 
 import torch
 
+from .._version import __version__
 from ..codec import payload as payload_codec
 from ..layout import state_file
 from ..manifest import DTENSOR_FORMAT_VERSION, FORMAT_VERSION, FileEntry, Manifest, utc_now
@@ -36,8 +37,6 @@ _INLINE_WRITE_BYTES = 4 << 20
 
 def versions() -> dict[str, str]:
     """The versions a manifest records: ckptstore, torch, Python, safetensors."""
-    from .. import __version__
-
     out = {"ckptstore": __version__, "torch": torch.__version__, "python": sys.version.split()[0]}
     with contextlib.suppress(Exception):
         import safetensors
