@@ -39,7 +39,7 @@ _MANIFEST_BLOB = "manifest.json"
 def decode(
     session: Session, step: int, wanted: Iterable[Any] | None, **kw: Any
 ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
-    """:meth:`_decode_files`, with missing files of a node's partial copy named.
+    """:func:`decode_files`, with missing files of a node's partial copy named.
 
     A file missing from a node's copy of a step (see ``nodes``) is an ``IntegrityError``
     naming the ranks whose files live elsewhere.
