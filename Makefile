@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit demo demo-fsdp bench crashtest clean
+.PHONY: venv test lint typecheck unit demo demo-fsdp bench crashtest crashtest-sharded clean
 
 venv: $(STAMP)
 
@@ -53,6 +53,11 @@ bench: $(STAMP)
 CRASH_ARGS ?=
 crashtest: $(STAMP)
 	$(BIN)/python tools/crashtest.py $(CRASH_ARGS)
+
+# The sharded crash campaign: FSDP2 jobs on 2 and 3 ranks killed in every phase.
+SHARDED_CRASH_ARGS ?= --trials 300
+crashtest-sharded: $(STAMP)
+	$(BIN)/python tools/crash_sharded.py $(SHARDED_CRASH_ARGS)
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
