@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import os
 import re
+import shutil
 import socket
 import subprocess
 import sys
@@ -305,3 +306,59 @@ def test_links_of_pages_outside_docs(name: str) -> None:
         elif anchor and path.suffix == ".md" and anchor not in _anchors(path):
             bad.append(target + anchor)
     assert not bad, f"{name}: broken links {bad}"
+
+
+def _site_copy(dst: Path) -> Path:
+    """A copy of what `make docs` builds from: mkdocs.yml, the hook, the root pages, docs/."""
+    shutil.copytree(REPO / "docs", dst / "docs")
+    (dst / "tools").mkdir()
+    shutil.copy(REPO / "tools" / "mkdocs_hooks.py", dst / "tools")
+    for name in ("mkdocs.yml", "README.md", "CONTRIBUTING.md"):
+        shutil.copy(REPO / name, dst)
+    return dst / "mkdocs.yml"
+
+
+def _mkdocs(config: Path) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "mkdocs", "build", "--strict", "-f", str(config)],
+        cwd=config.parent,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+        check=False,
+    )
+
+
+@pytest.mark.parametrize(
+    ("page", "line", "says"),
+    [
+        ("docs/cli.md", "See [the format](formats.md).", "'formats.md', but the target"),
+        ("docs/cli.md", "See [blocks](format.md#no-such-part).", "anchor '#no-such-part'"),
+        ("README.md", "See [tiers](docs/tier.md).", "'tier.md', but the target"),
+        ("CONTRIBUTING.md", "See [design](docs/design.md#nope).", "anchor '#nope'"),
+    ],
+)
+def test_docs_build_fails_on_a_broken_link(tmp_path: Path, page: str, line: str, says: str) -> None:
+    """`make docs` (mkdocs --strict) builds the docs, and fails on any broken link or anchor."""
+    pytest.importorskip("mkdocs")
+    config = _site_copy(tmp_path)
+    good = _mkdocs(config)
+    assert good.returncode == 0, good.stderr
+    assert (tmp_path / "site" / "index.html").exists()
+    assert (tmp_path / "site" / "contributing" / "index.html").exists()
+    with open(tmp_path / page, "a", encoding="utf-8") as f:
+        f.write(f"\n{line}\n")
+    bad = _mkdocs(config)
+    assert bad.returncode == 1, bad.stderr
+    out = bad.stdout + bad.stderr
+    assert says in out and "Aborted with 1 warnings in strict mode" in out
+
+
+def test_docs_build_fails_on_a_page_left_out(tmp_path: Path) -> None:
+    """A page in docs/ that the nav does not list fails the build too."""
+    pytest.importorskip("mkdocs")
+    config = _site_copy(tmp_path)
+    (tmp_path / "docs" / "orphan.md").write_text("# Orphan\n")
+    bad = _mkdocs(config)
+    assert bad.returncode == 1
+    assert "orphan.md" in bad.stdout + bad.stderr
