@@ -25,12 +25,12 @@ import dataclasses
 import os
 import re
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -139,12 +139,16 @@ RUNNABLE = [c for c in ALL if c[0].skip is None]
 SKIPPED = [s for c in ALL for s in c if s.skip is not None]
 
 
-def _free_port() -> int:
-    # The kernel picks a free port; it is released for rank 0's TCPStore to bind. A race with
-    # another process for that port is retried once (see _run).
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+def _agent_store() -> Any:
+    """A TCPStore on a port the kernel picks, hosted here as torchrun's agent hosts it.
+
+    The ranks get its port as ``MASTER_PORT`` and ``TORCHELASTIC_USE_AGENT_STORE=True``, so
+    every rank connects to it as a client (``torch.distributed.rendezvous``), exactly as
+    under torchrun, and no port is chosen here and bound later by someone else.
+    """
+    from torch.distributed import TCPStore
+
+    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
 
 
 @contextlib.contextmanager
@@ -173,52 +177,50 @@ def _run(s: Snippet, cwd: Path, extra_env: dict[str, str]) -> None:
     base["PYTHONPATH"] = os.pathsep.join([str(REPO), base.get("PYTHONPATH", "")]).rstrip(
         os.pathsep
     )
-    for attempt in range(2):
-        port = str(_free_port())
-        procs = []
-        for rank in range(s.ranks):
-            env = dict(base)
-            if s.ranks > 1:
-                env.update(
-                    RANK=str(rank),
-                    LOCAL_RANK=str(rank),
-                    WORLD_SIZE=str(s.ranks),
-                    LOCAL_WORLD_SIZE=str(s.ranks),
-                    MASTER_ADDR="127.0.0.1",
-                    MASTER_PORT=port,
-                )
-            log = open(cwd / f"snippet_{s.line}.rank{rank}.log", "w+b")  # noqa: SIM115
-            p = subprocess.Popen(
-                [sys.executable, script.name], cwd=cwd, env=env, stdout=log, stderr=log
+    store = _agent_store() if s.ranks > 1 else None
+    procs = []
+    for rank in range(s.ranks):
+        env = dict(base)
+        if store is not None:
+            env.update(
+                RANK=str(rank),
+                LOCAL_RANK=str(rank),
+                WORLD_SIZE=str(s.ranks),
+                LOCAL_WORLD_SIZE=str(s.ranks),
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(store.port),
+                TORCHELASTIC_USE_AGENT_STORE="True",
             )
-            procs.append((p, log))
-        deadline = time.monotonic() + TIMEOUT
-        hung = False
-        for p, _ in procs:
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                hung = True
-                break
-        for p, _ in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        outputs = []
-        for p, log in procs:
-            log.seek(0)
-            outputs.append((p.returncode, log.read().decode(errors="replace")))
-            log.close()
-        in_use = any("address already in use" in out.lower() for _, out in outputs)
-        if not hung and all(rc == 0 for rc, _ in outputs):
-            return
-        if in_use and attempt == 0 and s.ranks > 1:
-            continue
-        report = "\n".join(
-            f"--- rank {r} (exit {rc}) ---\n{out[-4000:]}" for r, (rc, out) in enumerate(outputs)
+        log = open(cwd / f"snippet_{s.line}.rank{rank}.log", "w+b")  # noqa: SIM115
+        p = subprocess.Popen(
+            [sys.executable, script.name], cwd=cwd, env=env, stdout=log, stderr=log
         )
-        what = f"hung past {TIMEOUT:.0f}s and was killed" if hung else "failed"
-        pytest.fail(f"snippet {s.id} {what}\n{report}", pytrace=False)
+        procs.append((p, log))
+    deadline = time.monotonic() + TIMEOUT
+    hung = False
+    for p, _ in procs:
+        try:
+            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
+        except subprocess.TimeoutExpired:
+            hung = True
+            break
+    for p, _ in procs:
+        if p.poll() is None:
+            p.kill()
+            p.wait()
+    outputs = []
+    for p, log in procs:
+        log.seek(0)
+        outputs.append((p.returncode, log.read().decode(errors="replace")))
+        log.close()
+    del store
+    if not hung and all(rc == 0 for rc, _ in outputs):
+        return
+    report = "\n".join(
+        f"--- rank {r} (exit {rc}) ---\n{out[-4000:]}" for r, (rc, out) in enumerate(outputs)
+    )
+    what = f"hung past {TIMEOUT:.0f}s and was killed" if hung else "failed"
+    pytest.fail(f"snippet {s.id} {what}\n{report}", pytrace=False)
 
 
 @pytest.mark.timeout(TIMEOUT * 4)
