@@ -369,3 +369,51 @@ def test_docs_build_fails_on_a_page_left_out(tmp_path: Path) -> None:
     bad = _mkdocs(config)
     assert bad.returncode == 1
     assert "orphan.md" in bad.stdout + bad.stderr
+
+
+_PATH_REF = re.compile(r"`([\w./-]+\.(?:py|json)|(?:ckptstore|tests|tools|benchmarks)/[\w./-]*)`")
+_DOTTED_REF = re.compile(r"`(ckptstore(?:\.\w+)+)")
+_SEARCHED = ("ckptstore", "tests", "tools", "benchmarks")
+#: Files the docs name that a command writes, not files of the repository.
+_OUTPUTS = {"bench-out/bench.json", "model.safetensors.index.json"}
+
+
+def _path_exists(ref: str) -> bool:
+    """A path the docs name: from the repository's root, from ckptstore/, or a file's name."""
+    if ref in _OUTPUTS or (REPO / ref).exists() or (REPO / "ckptstore" / ref).exists():
+        return True
+    if "/" in ref:
+        return False
+    return any(next((REPO / d).rglob(ref), None) is not None for d in _SEARCHED)
+
+
+def _resolves(dotted: str) -> bool:
+    """``ckptstore.a.b.c``: the longest importable module, then attributes."""
+    import importlib
+
+    parts = dotted.split(".")
+    for cut in range(len(parts), 0, -1):
+        try:
+            obj: Any = importlib.import_module(".".join(parts[:cut]))
+        except ImportError:
+            continue
+        for name in parts[cut:]:
+            if not hasattr(obj, name):
+                return False
+            obj = getattr(obj, name)
+        return True
+    return False
+
+
+def test_code_the_docs_name_exists() -> None:
+    """Every module, file and ``ckptstore.`` name the docs mention exists: a move is noticed."""
+    missing = []
+    for page in PAGES:
+        text = page.read_text(encoding="utf-8")
+        for ref in sorted(set(_PATH_REF.findall(text))):
+            if not _path_exists(ref):
+                missing.append(f"{page.name}: {ref}")
+        for ref in sorted(set(_DOTTED_REF.findall(text))):
+            if not _resolves(ref):
+                missing.append(f"{page.name}: {ref}")
+    assert not missing, missing
