@@ -76,6 +76,15 @@ class CheckpointManager:
         replica_options: fsspec storage options for ``replica``. Under torch.distributed
             every rank uploads its own files of sharded steps; the replica's manifest is put
             by the uploader that finds every rank's part there (``upload_parts``).
+        replica_every: ``"all"`` (default): every step is uploaded, and local retention
+            keeps a step until it is safe on the replica itself (so the replica holds what
+            ``replica_keep`` promises, and a replica that fails keeps every later step
+            local). ``"latest"``: when uploads fall behind only the newest step is uploaded,
+            and a local step may be deleted once a newer one is safe there (logged).
+        replica_timeout: seconds (default 60) the constructor waits for the replica to
+            answer, and about the longest ``wait``/``close`` keep trying one that cannot be
+            reached before ``ReplicaUnavailableError`` (on S3 it also bounds botocore's
+            connect timeout and attempts unless ``replica_options`` set them).
 
     Under torch.distributed each rank may pass its own local ``root`` (a disk per node):
     the constructor finds which ranks share a store (a probe, see ``nodes.peers``), and
@@ -90,6 +99,9 @@ class CheckpointManager:
     Raises:
         ValueError: an argument is invalid; the message names it.
         NoCheckpointError: ``root`` is a checkpoint or a file, or (``create=False``) no store.
+        ReplicaUnavailableError: the replica cannot be reached, or its bucket does not
+            exist (nothing was saved); the message names the URL and what to check.
+        ReplicaConfigError: the replica is the local store itself, under another name.
     """
 
     def __init__(
@@ -108,6 +120,8 @@ class CheckpointManager:
         replica: str | None = None,
         replica_keep: int | RetentionPolicy | Iterable[RetentionPolicy] | EllipsisType | None = ...,
         replica_options: Mapping[str, Any] | None = None,
+        replica_every: str = "all",
+        replica_timeout: float = tiers.DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
         if format not in ("safetensors", "torch"):
             msg = f"format must be 'safetensors' or 'torch', got {format!r}"
@@ -121,6 +135,16 @@ class CheckpointManager:
             or not (math.isfinite(barrier_timeout) and barrier_timeout > 0)
         ):
             msg = f"barrier_timeout must be a positive number of seconds, got {barrier_timeout!r}"
+            raise ValueError(msg)
+        if replica_every not in tiers.REPLICA_EVERY:
+            msg = f"replica_every must be 'all' or 'latest', got {replica_every!r}"
+            raise ValueError(msg)
+        if (
+            isinstance(replica_timeout, bool)
+            or not isinstance(replica_timeout, int | float)
+            or not (math.isfinite(replica_timeout) and replica_timeout > 0)
+        ):
+            msg = f"replica_timeout must be a positive number of seconds, got {replica_timeout!r}"
             raise ValueError(msg)
         self.policy = as_policy(keep)
         self.format = format
@@ -173,6 +197,9 @@ class CheckpointManager:
                 keep_there,
                 rank=self.coord.rank if self.coord.enabled else None,
                 barrier=functools.partial(self.coord.barrier, "init:replica"),
+                every=replica_every,
+                timeout=float(replica_timeout),
+                agree=self._agree_on_replica if self.coord.enabled else None,
             )
             self._session.replica = self.replica
             self._session.replica_storage = self.replica_storage
@@ -393,6 +420,11 @@ class CheckpointManager:
             msg = f"keys= takes a list of top-level entries, e.g. keys=[{keys!r}], not a string"
             raise TypeError(msg)
         return self._reader.load(step, rank, None if keys is None else list(keys))
+
+    def _agree_on_replica(self, error: BaseException | None) -> BaseException | None:
+        """Collective: the first rank's error probing the replica, the same on every rank."""
+        every = self.coord.all_gather(error, "init:replica-probe")
+        return next((e for e in every if e is not None), None)
 
     # ---- waits, checks, retention, deletion -------------------------------------------
 

@@ -94,7 +94,13 @@ class Reader:
             blobs: dict[str, bytearray] | None = None
             try:
                 if session.replica_storage is not None:
-                    bring_local(session, s, replace=s in refetched, broadcast=broadcast)
+                    try:
+                        bring_local(session, s, replace=s in refetched, broadcast=broadcast)
+                    except (IntegrityError, ManifestError):
+                        # The replica's copy failed as it was fetched (every rank raises
+                        # rank 0's error alike): no copy there to fall back on.
+                        refetched.add(s)
+                        raise
                 if session.split and not broadcast and written_by_rank0(session, s):
                     send = True  # node-local roots: only rank 0's node holds this step
                 else:
@@ -129,15 +135,16 @@ class Reader:
             verdicts = session.coord.all_gather(mine, "restore:load", s)
             hard = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
             soft = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "skip"]
-            if hard or (soft and step is not None):
-                r, err = (hard or soft)[0]
+            if hard:
+                r, err = hard[0]
                 if r == session.coord.rank or not isinstance(err, CkptStoreError):
                     raise err
                 raise type(err)(f"rank {r}: {err}")
-            if soft and session.replica_storage is not None and s not in refetched:
-                # The local copy failed: rank 0 looks for the replica's, which replaces it.
+            if soft and session.replica_storage is not None:
+                # The local copy failed: rank 0 looks for the replica's, which replaces it
+                # (rank 0 decides whether one was tried already, so every rank agrees).
                 there: tuple[str, Any] = ("ok", False)
-                if session.coord.is_leader:
+                if session.coord.is_leader and s not in refetched:
                     there = ("ok", tiers.on_replica(session.replica_storage, s))
                 _, retry = session.coord.broadcast(there, "restore:replica", s)
                 if retry:
@@ -146,6 +153,12 @@ class Reader:
                     refetched.add(s)
                     queue.insert(0, s)
                     continue
+            if soft and step is not None:
+                # An explicit step: raised only once the replica's copy was tried too (above).
+                r, err = soft[0]
+                if r == session.coord.rank or not isinstance(err, CkptStoreError):
+                    raise err
+                raise type(err)(f"rank {r}: {err}")
             if soft and relists < _RELISTS:
                 # Deleted while we read it (a running job's retention), not corrupt: rank 0
                 # looks again, and every rank goes on with the new newest.
@@ -234,9 +247,13 @@ class Reader:
             s = queue.pop(0)
             try:
                 if session.replica_storage is not None:
-                    tiers.ensure_local(
-                        session.storage, session.replica_storage, s, replace=s in refetched
-                    )
+                    try:
+                        tiers.ensure_local(
+                            session.storage, session.replica_storage, s, replace=s in refetched
+                        )
+                    except (IntegrityError, ManifestError):
+                        refetched.add(s)  # the replica's copy failed: none to fall back on
+                        raise
                 out, _ = decode(
                     session, s, wanted, allow_pickle=self.allow_pickle, rank=rank, require=True
                 )

@@ -52,7 +52,9 @@ from ..errors import (
     IntegrityError,
     ManifestError,
     ReplicaError,
+    ReplicaUnavailableError,
     StepExistsError,
+    StoreUnreachableError,
 )
 from ..layout import REPLICA_NAME, REPLICATED_NAME, step_dirname
 from ..manifest import FileEntry, Manifest
@@ -319,6 +321,14 @@ class Replicator:
             are uploaded rank by rank (this uploader sends its rank's files, see
             :mod:`ckptstore.tiers.upload_parts`), other steps by rank 0 alone. ``None``: this
             uploader sends whole steps (one process, or the sidecar).
+        every: ``"all"`` (default): every step is uploaded, and local retention keeps each
+            step until it is itself safe on the replica (what the replica's retention
+            promises holds). ``"latest"``: when uploads fall behind only the newest step is
+            uploaded; a local step older than one safe on the replica may be deleted without
+            reaching it (logged).
+        timeout: seconds (about) an upload keeps trying a replica that cannot be reached;
+            after that the step fails (it stays local), and the other queued steps fail at
+            once with the same error until the next :meth:`submit`.
 
     Call :meth:`recover` once before :meth:`submit`: it cleans what a crash left on the
     replica and queues the local steps it lacks. Steps are uploaded newest first.
@@ -336,7 +346,12 @@ class Replicator:
         retention: bool = True,
         url: str | None = None,
         rank: int | None = None,
+        every: str = "all",
+        timeout: float = 60.0,
     ) -> None:
+        if every not in ("all", "latest"):
+            msg = f"replica_every must be 'all' or 'latest', got {every!r}"
+            raise ValueError(msg)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             msg = f"replica threads must be an int >= 1, got {threads!r}"
             raise ValueError(msg)
@@ -348,6 +363,11 @@ class Replicator:
         self.on_safe = on_safe
         self.retention = retention
         self.rank = rank
+        self.every = every
+        self.timeout = float(timeout)
+        #: The error that showed the replica cannot be reached, until the next submit():
+        #: the other queued steps fail with it at once instead of each trying in turn.
+        self._down: BaseException | None = None
         #: Steps whose part this uploader sent rank by rank -> the names of its files.
         self.parts: dict[int, list[str]] = {}
         self._url = url or replica.root
@@ -409,8 +429,9 @@ class Replicator:
     def deletable(self, doomed: Iterable[int]) -> list[int]:
         """Those of ``doomed`` (local retention's plan) that may go now.
 
-        A step goes when it is safe on the replica, or a newer step is (which is logged:
-        this step never reached the replica). The others are held until one is. Safe means
+        A step goes when it is safe on the replica; with ``every="latest"`` also when a newer
+        step is (which is logged: this step never reached the replica). The others are held
+        until they are (or, "latest", a newer one is). Safe means
         the step's manifest is on the replica: with per-rank uploads another rank's uploader
         may have put it, so the replica is listed again before a step is held.
         """
@@ -425,7 +446,7 @@ class Replicator:
             for s in doomed:
                 if s in self.safe:
                     out.append(s)
-                elif newest_safe is not None and newest_safe > s:
+                elif self.every == "latest" and newest_safe is not None and newest_safe > s:
                     log.warning(
                         "retention deletes local step %d, which never reached the replica: the "
                         "newer step %d is safe there",
@@ -516,6 +537,7 @@ class Replicator:
                 return
             self._pending.add(step)
             self._failed.pop(step, None)
+            self._down = None  # a new step: the replica is tried again
             self._cond.notify_all()
         self._start()
 
@@ -529,6 +551,7 @@ class Replicator:
         with self._cond:
             self._pending.update(self._failed)
             self._failed.clear()
+            self._down = None
             self._cond.notify_all()
         self._start()
 
@@ -549,6 +572,16 @@ class Replicator:
                     return
                 step = max(self._pending)  # newest first: it is the one a restore wants
                 self._pending.discard(step)
+                newest_safe = max(self.safe, default=None)
+                if self.every == "latest" and newest_safe is not None and step < newest_safe:
+                    # Uploads fell behind: a newer step is safe there, this one is skipped.
+                    log.info("replica_every='latest': step %d is not uploaded", step)
+                    continue
+                down = self._down
+                if down is not None:  # unreachable a moment ago: fail at once, stay local
+                    self._failed[step] = down
+                    self._error = self._error or down
+                    continue
                 self._busy = step
             try:
                 self._upload(step)
@@ -557,12 +590,15 @@ class Replicator:
                 with self._cond:
                     self._failed[step] = e
                     self._error = e
+                    if isinstance(e, StoreUnreachableError):
+                        self._down = e
             finally:
                 with self._cond:
                     self._busy = None
                     self._cond.notify_all()
 
     def _upload(self, step: int) -> None:
+        t0 = time.monotonic()
         for attempt in range(_ATTEMPTS):
             try:
                 self.upload_step(step)
@@ -570,7 +606,15 @@ class Replicator:
             except (IntegrityError, ManifestError, ReplicaError):
                 raise  # a bad local copy or a stop: trying again changes nothing
             except (OSError, CkptStoreError) as e:
-                if attempt == _ATTEMPTS - 1 or self._stop:
+                # An endpoint that does not answer is tried for about half the timeout (a
+                # request that cannot connect fails within a third of it: see
+                # twotier.bounded_options), so wait()/close() raise within the timeout.
+                late = time.monotonic() - t0 > self.timeout / 2
+                if (
+                    attempt == _ATTEMPTS - 1
+                    or self._stop
+                    or (isinstance(e, StoreUnreachableError) and late)
+                ):
                     raise
                 log.warning("upload of step %d failed (%s); trying again", step, e)
                 time.sleep(_BACKOFF * 2**attempt)
@@ -757,6 +801,14 @@ class Replicator:
         if err is not None:
             if isinstance(err, ReplicaError):
                 raise err
+            if isinstance(err, StoreUnreachableError):
+                with self._cond:
+                    held = sorted(self._failed)
+                raise ReplicaUnavailableError(
+                    f"the replica {self._url} cannot be reached: {err}; steps {held} were not "
+                    f"uploaded and stay in the local store {self.local.root} (retention keeps "
+                    "them), and the next manager (or `ckptstore replicate`) uploads them"
+                ) from err
             raise ReplicaError(
                 f"uploading to the replica {self.replica.root} failed: {err}; the steps stay in "
                 f"the local store {self.local.root}, and the next manager (or `ckptstore "
@@ -821,13 +873,16 @@ def replicate(
 
     Raises:
         NoCheckpointError: ``local_root`` is not a store.
+        ReplicaConfigError: ``url`` is the local store itself (under whatever name).
         ReplicaError: (without ``watch``) an upload failed.
     """
     from ..storage import open_storage
+    from .twotier import check_distinct
 
     local = open_storage(local_root)
     local.check_root(create=False)
     replica = open_storage(url, replica_options)
+    check_distinct(local, replica, url)
     uploaded: list[int] = []
     failed: dict[int, str] = {}
     up = Replicator(
