@@ -493,6 +493,7 @@ def test_a_resaved_step_replaces_the_replicas_corrupt_copy(
     flip_replica_byte(s3, url, 2, "model.safetensors")
     replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
     assert not verify_checkpoint(replica, 2).ok
+    replica.set_pinned(2, True)  # pinned there: the replacement keeps the pin
 
     new = make_state(7)
     with tiered(root, s3, url, keep=None) as mgr:
@@ -504,6 +505,7 @@ def test_a_resaved_step_replaces_the_replicas_corrupt_copy(
     local_manifest = (root / step_dir(2) / "manifest.json").read_bytes()
     assert s3.client.cat_file(f"{url}/{step_dir(2)}/manifest.json") == local_manifest
     assert verify_checkpoint(replica, 2).ok
+    assert replica.is_pinned(2)
     with tiered(tmp_path / "b", s3, url) as other:  # what a new node restores is the new save
         got = fresh_like(new)
         assert other.restore(got) == 2

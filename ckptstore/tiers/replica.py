@@ -760,6 +760,12 @@ class Replicator:
             return self._upload_part(step, manifest, self.rank)
         present = nodes.local_ranks(self.local, step)
         if present is not None:
+            # A node's partial copy is uploaded only by the job's uploaders, rank by rank,
+            # each rank's files checked on the way and the manifest put after all: this very
+            # save there is safe on their checks (no download of every node's files here).
+            if upload_parts.committed(self.replica, step, manifest):
+                self._safe(step, manifest)
+                return False
             raise ReplicaError(
                 f"{self.local.describe(step)} holds only rank(s) {present}'s files (node-local "
                 "roots): it is uploaded by the job's own uploaders, each rank its part "
