@@ -53,7 +53,10 @@ from ..errors import IntegrityError
 from ..integrity import crc32c_of
 from ..layout import MANIFEST_NAME, PIN_NAME, step_dirname
 from ..manifest import FileEntry, Manifest, validate_file_name
-from .base import Consumer, RangeReader, Storage, split_root
+from .base import Storage
+from .blockgate import Consumer
+from .ranges import RangeReader
+from .rootstate import split_root
 from .s3upload import S3Upload, is_s3
 
 __all__ = ["FsspecStorage"]
