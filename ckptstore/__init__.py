@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
 from .errors import (
     BarrierTimeout,
     CkptStoreError,
@@ -12,11 +13,14 @@ from .errors import (
     IntegrityError,
     ManifestError,
     NoCheckpointError,
+    ReplicaConfigError,
     ReplicaError,
+    ReplicaUnavailableError,
     StateMismatchError,
     StepExistsError,
     StepProtectedError,
     StoreLockedError,
+    StoreUnreachableError,
     UnsafeCheckpointError,
 )
 from .integrity import VerifyReport
@@ -26,8 +30,6 @@ from .ops.listing import list_store, list_stores
 from .ops.steps import delete_steps, gc_store, pin_steps, prune_store
 from .ops.verify import verify_file, verify_path
 from .retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
-
-__version__ = "0.1.0"
 
 # Names whose module imports torch are loaded on first use (PEP 562), so that `import
 # ckptstore` and the commands that only read JSON and bytes (`ckptstore ls`, `verify --quick`,
@@ -69,13 +71,16 @@ __all__ = [
     "ManifestError",
     "NoCheckpointError",
     "RNGState",
+    "ReplicaConfigError",
     "ReplicaError",
+    "ReplicaUnavailableError",
     "RetentionPolicy",
     "SaveHandle",
     "StateMismatchError",
     "StepExistsError",
     "StepProtectedError",
     "StoreLockedError",
+    "StoreUnreachableError",
     "UnsafeCheckpointError",
     "VerifyReport",
     "__version__",

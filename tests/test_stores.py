@@ -146,9 +146,16 @@ def test_s3_missing_bucket_is_no_store(s3: object, capsys: pytest.CaptureFixture
     rc, out, _ = run_cli(capsys, "ls", "s3://nosuchbucket/x", "--json", *opts)
     assert rc == 1
     assert json.loads(out)["error"] == "NoCheckpointError"
-    # an existing bucket with an empty prefix is an empty store, as before
-    rc, out, _ = run_cli(capsys, "ls", s3.url("nothing-here"), *opts)  # type: ignore[attr-defined]
-    assert (rc, out) == (0, f"{s3.url('nothing-here')}: no checkpoints\n")  # type: ignore[attr-defined]
+    # issue 22 #6: a prefix with nothing under it in an existing bucket (a typo) is no store
+    # either, as the README promises: on an object store a store exists once it holds a step.
+    typo = s3.url("nothing-here")  # type: ignore[attr-defined]
+    for argv in (["ls"], ["verify"], ["gc"], ["prune", "--keep-last", "1"]):
+        rc, out, err = run_cli(capsys, argv[0], typo, *argv[1:], *opts)
+        assert (rc, out) == (1, ""), err
+        assert err == (
+            f"ckptstore: error: {typo}: no store there: nothing is stored under this prefix; "
+            "check the path (on an object store a store exists once its first step is saved)\n"
+        )
 
 
 @pytest.mark.timeout(60)
@@ -172,7 +179,7 @@ def test_s3_missing_credentials(
     rc, out, _ = run_cli(capsys, "verify", url, "--json", *args)
     assert rc == 1
     doc = json.loads(out)
-    assert doc["error"] == "CkptStoreError"
+    assert doc["error"] == "StoreUnreachableError"  # a CkptStoreError (OSError)
     assert "no credentials found" in doc["message"]
 
 

@@ -24,7 +24,7 @@ import sys
 from collections.abc import Iterator
 from typing import NoReturn
 
-from .. import __version__
+from .._version import __version__
 from ..errors import CkptStoreError
 from ..ops.stores import is_local, remote_error
 from . import (

@@ -6,7 +6,9 @@ reads or maintains a store afterwards (``ckptstore ls``, ``verify``, ``prune``, 
 exist is "no store there", never an empty store with a fresh lock file in it (issue 12).
 
 A root is a store when it holds an entry of the layout (``step-N``, ``.tmp-``/``.trash-``
-entries, the lock or the listing cache), or nothing at all (a store with no checkpoint yet).
+entries, the lock or the listing cache), or (a local directory) nothing at all: a store with
+no checkpoint yet. An object store has no empty directories, so a prefix with nothing under
+it is no store (a mistyped prefix says so, as a missing bucket does).
 A directory that holds none of those but has stores inside it, one per ``*.ckpt`` name as
 the Lightning integration writes them, is listed by :func:`find_stores`.
 
@@ -17,13 +19,12 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
-import contextlib
 import os
 import posixpath
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from typing import Any
 
-from ..errors import CkptStoreError, NoCheckpointError
+from ..errors import NoCheckpointError
 from ..layout import (
     INDEX_NAME,
     LOCK_NAME,
@@ -33,12 +34,15 @@ from ..layout import (
     parse_step_dirname,
 )
 from ..storage import LocalStorage, Storage, open_storage
+from ..storage.reach import reaching, remote_error
 
 __all__ = [
     "committed_step",
     "find_stores",
     "is_local",
+    "missing_bucket",
     "open_store",
+    "reaching",
     "remote_error",
 ]
 
@@ -68,7 +72,7 @@ def _names(storage: Storage) -> list[str]:
         return storage._list("")
 
 
-def _missing_bucket(storage: Storage) -> str | None:
+def missing_bucket(storage: Storage) -> str | None:
     """The bucket of an object-store root, when that bucket does not exist."""
     fs = getattr(storage, "fs", None)
     split = getattr(fs, "split_path", None)
@@ -110,12 +114,13 @@ def find_stores(
 
     Returns:
         ``(storage of root, stores)``: ``stores`` is ``[storage of root]`` when ``root`` is a
-        store (an empty directory or prefix counts), else the stores one level below it
-        (never empty).
+        store (an empty local directory counts, an empty prefix does not), else the stores
+        one level below it (never empty).
 
     Raises:
-        NoCheckpointError: no such directory or bucket, a file, a step directory, or a
-            directory that is neither a store nor holds any.
+        NoCheckpointError: no such directory or bucket, nothing under an object-store
+            prefix, a file, a step directory, or a directory that is neither a store nor
+            holds any.
         CkptStoreError: the object store cannot be reached (credentials, endpoint, access).
         ValueError: ``storage_options`` given for a local path.
         ImportError: the fsspec backend of the URL is not installed.
@@ -124,12 +129,18 @@ def find_stores(
     names = _names(storage)
     if not names or any(_is_store_entry(n) for n in names):
         if not names and not isinstance(storage, LocalStorage):
-            bucket = _missing_bucket(storage)
+            bucket = missing_bucket(storage)
             if bucket is not None:
                 raise NoCheckpointError(
                     f"{storage.root}: no store there: the bucket {bucket!r} does not exist; "
                     "check the bucket name (and the endpoint_url and region storage options)"
                 )
+            # An object store has no empty directories: nothing under the prefix is a typo
+            # as often as not, and a store that was never saved to holds nothing to read.
+            raise NoCheckpointError(
+                f"{storage.root}: no store there: nothing is stored under this prefix; check "
+                "the path (on an object store a store exists once its first step is saved)"
+            )
         return storage, [storage]
     base = posixpath.basename(storage.root.rstrip("/"))
     step = parse_step_dirname(base)
@@ -150,7 +161,7 @@ def find_stores(
 def open_store(
     root: str | os.PathLike[str], storage_options: Mapping[str, Any] | None = None
 ) -> Storage:
-    """The storage of an existing store (an empty directory or prefix counts); creates nothing.
+    """The storage of an existing store (an empty local directory counts); creates nothing.
 
     Raises:
         NoCheckpointError: no such directory or bucket, a file, a step directory, or a
@@ -201,84 +212,3 @@ def committed_step(storage: Storage, step: int | None) -> int:
             "`ckptstore ls` lists them"
         )
     return step
-
-
-# ---- errors reaching an object store ------------------------------------------------------
-
-_NO_CREDENTIALS = {
-    "NoCredentialsError",
-    "PartialCredentialsError",
-    "CredentialRetrievalError",
-    "NoAuthTokenError",
-    "DefaultCredentialsError",
-}
-_UNREACHABLE = {
-    "EndpointConnectionError",
-    "ConnectTimeoutError",
-    "ConnectionClosedError",
-    "ReadTimeoutError",
-    "ProxyConnectionError",
-    "ClientConnectorError",
-    "ClientConnectionError",
-    "ServerDisconnectedError",
-    "ServerTimeoutError",
-}
-#: Modules whose exceptions can only come from talking to an object store.
-_REMOTE_MODULES = (
-    "botocore",
-    "aiobotocore",
-    "aiohttp",
-    "s3fs",
-    "gcsfs",
-    "google",
-    "adlfs",
-    "azure",
-)
-
-
-def remote_error(e: BaseException, where: str) -> CkptStoreError | None:
-    """One line saying what to check, for an error that reaching an object store raised.
-
-    Only for errors raised while talking to an object store: a local ``PermissionError``
-    is not a credentials problem.
-
-    Returns:
-        The error to raise instead, or ``None`` when ``e`` is not such an error.
-    """
-    names = {c.__name__ for c in type(e).__mro__}
-    text = " ".join(str(e).split()) or type(e).__name__
-    if names & _NO_CREDENTIALS:
-        return CkptStoreError(
-            f"{where}: no credentials found ({text}); set them in the environment "
-            "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or pass them as "
-            "storage options (key=..., secret=...)"
-        )
-    if names & _UNREACHABLE or isinstance(e, ConnectionError | TimeoutError):
-        return CkptStoreError(
-            f"{where}: cannot reach the storage endpoint ({text}); check the endpoint_url "
-            "storage option, the network, and that the service is up"
-        )
-    if isinstance(e, PermissionError) or "AccessDenied" in text:
-        return CkptStoreError(
-            f"{where}: access denied ({text}); check the credentials (key and secret, "
-            "AWS_PROFILE) and that they may read this bucket"
-        )
-    if type(e).__module__.split(".")[0] in _REMOTE_MODULES:
-        return CkptStoreError(f"{where}: the object store refused the request ({text})")
-    return None
-
-
-@contextlib.contextmanager
-def reaching(where: str) -> Iterator[None]:
-    """Turn the errors of talking to an object store into one-line ``CkptStoreError``s."""
-    try:
-        yield
-    except CkptStoreError:
-        raise
-    except FileNotFoundError:
-        raise
-    except Exception as e:
-        err = remote_error(e, where)
-        if err is None:
-            raise
-        raise err from e

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import time
 
-__all__ = ["PhaseClock"]
+__all__ = ["PhaseClock", "mark"]
 
 
 class PhaseClock:
@@ -46,3 +46,9 @@ class PhaseClock:
         return ", ".join(
             f"{k} {v * 1e3:.1f} ms (cpu {self.cpu[k] * 1e3:.1f})" for k, v in self.phases.items()
         )
+
+
+def mark(clock: PhaseClock | None, phase: str) -> None:
+    """End ``phase`` on ``clock``: the synchronous save in progress, if any (None: no-op)."""
+    if clock is not None:
+        clock.mark(phase)

@@ -37,7 +37,8 @@ from ..errors import CkptStoreError, IntegrityError, ManifestError
 from ..layout import state_file
 from ..manifest import Manifest
 from ..ops.single import fsync_path
-from ..storage.base import RangeReader, Storage
+from ..storage.base import Storage
+from ..storage.ranges import RangeReader
 from . import plan as sharding
 from .chunks import INDEX_FILE, ChunkIndex
 
