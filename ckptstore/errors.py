@@ -9,18 +9,26 @@ attributes: in a distributed job they are sent from the rank that saw them to ev
 
 from __future__ import annotations
 
+import errno
 from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
     "BarrierTimeout",
     "CkptStoreError",
+    "ClosedError",
     "CommitError",
+    "ConfigError",
+    "ConfigTypeError",
     "IntegrityError",
     "ManifestError",
+    "MissingDependencyError",
     "NoCheckpointError",
+    "PathExistsError",
+    "PathNotFoundError",
     "ReplicaConfigError",
     "ReplicaError",
+    "ReplicaTimeoutError",
     "ReplicaUnavailableError",
     "StateMismatchError",
     "StepExistsError",
@@ -28,6 +36,7 @@ __all__ = [
     "StoreLockedError",
     "StoreUnreachableError",
     "UnsafeCheckpointError",
+    "UsageError",
 ]
 
 
@@ -85,6 +94,65 @@ class ReplicaUnavailableError(ReplicaError, StoreUnreachableError):
 
 class ReplicaConfigError(CkptStoreError, ValueError):
     """``replica=`` cannot be a replica of this store (it is the local store itself)."""
+
+
+class ReplicaTimeoutError(ReplicaError, TimeoutError):
+    """Waiting for the replica's uploads ran out of time; the steps are safe locally."""
+
+
+class ConfigError(CkptStoreError, ValueError):
+    """An argument or option has a value ckptstore cannot use; nothing was done.
+
+    A retention policy, a format or compression, a timeout, a step number, metrics that are
+    not numbers, metadata that is not JSON, storage options, a size.
+    """
+
+
+class ConfigTypeError(CkptStoreError, TypeError):
+    """An argument of the wrong type (a state that is not a mapping, ``keys="model"``)."""
+
+
+class UsageError(CkptStoreError, ValueError):
+    """A call refused because going ahead would lose work in silence; nothing was done.
+
+    A save of a step older than the newest (training restarted without ``resume()``), a
+    save without the metric a ``KeepBest`` ranks by, a prune by a metric no checkpoint has.
+    The message says what to do instead.
+    """
+
+
+class ClosedError(CkptStoreError, RuntimeError):
+    """An object was used after ``close()`` (a manager, an uploader)."""
+
+
+class MissingDependencyError(CkptStoreError, ImportError):
+    """An optional dependency is not installed; the message names the package to install."""
+
+
+class PathExistsError(CkptStoreError, FileExistsError):
+    """An output path exists and is never overwritten (``export``: pass ``force=True``).
+
+    The message reads ``PATH: why``; ``path`` (and ``filename``) is the path.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.filename = path
+        self.errno = errno.EEXIST
+
+
+class PathNotFoundError(CkptStoreError, FileNotFoundError):
+    """An input file, or an output's parent directory, does not exist.
+
+    The message reads ``PATH: why``; ``path`` (and ``filename``) is the path.
+    """
+
+    def __init__(self, message: str, *, path: str | None = None) -> None:
+        super().__init__(message)
+        self.path = path
+        self.filename = path
+        self.errno = errno.ENOENT
 
 
 class IntegrityError(CkptStoreError, ValueError):

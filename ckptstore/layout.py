@@ -9,6 +9,8 @@ from __future__ import annotations
 import re
 import uuid
 
+from .errors import ConfigError, ConfigTypeError
+
 __all__ = [
     "INDEX_NAME",
     "LOCAL_RANKS_NAME",
@@ -55,10 +57,10 @@ MAX_STEP = 10**30 - 1
 def _check_step(step: int) -> int:
     if isinstance(step, bool) or not isinstance(step, int):
         msg = f"step must be an int, got {type(step).__name__}"
-        raise TypeError(msg)
+        raise ConfigTypeError(msg)
     if not 0 <= step <= MAX_STEP:
         msg = f"step must be between 0 and {MAX_STEP}, got {step}"
-        raise ValueError(msg)
+        raise ConfigError(msg)
     return step
 
 

@@ -24,6 +24,7 @@ from typing import Any
 import torch
 
 from .dist import Coordinator
+from .errors import ConfigError, ConfigTypeError
 from .integrity import VerifyReport
 from .manifest import Manifest
 from .ops.verify import verify_checkpoint
@@ -125,27 +126,27 @@ class CheckpointManager:
     ) -> None:
         if format not in ("safetensors", "torch"):
             msg = f"format must be 'safetensors' or 'torch', got {format!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if compression not in (None, "zstd"):
             msg = f"compression must be None or 'zstd', got {compression!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if (
             isinstance(barrier_timeout, bool)
             or not isinstance(barrier_timeout, int | float)
             or not (math.isfinite(barrier_timeout) and barrier_timeout > 0)
         ):
             msg = f"barrier_timeout must be a positive number of seconds, got {barrier_timeout!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if replica_every not in tiers.REPLICA_EVERY:
             msg = f"replica_every must be 'all' or 'latest', got {replica_every!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if (
             isinstance(replica_timeout, bool)
             or not isinstance(replica_timeout, int | float)
             or not (math.isfinite(replica_timeout) and replica_timeout > 0)
         ):
             msg = f"replica_timeout must be a positive number of seconds, got {replica_timeout!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         self.policy = as_policy(keep)
         self.format = format
         self.compression = compression
@@ -305,10 +306,10 @@ class CheckpointManager:
         self._session.check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             msg = f"step must be an int >= 0, got {step!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if not isinstance(state, Mapping):
             msg = f"state must be a mapping of names to objects, got {type(state).__name__}"
-            raise TypeError(msg)
+            raise ConfigTypeError(msg)
         metrics_d = _check_metrics(metrics)
         metadata_d = _check_metadata(metadata)
         self.wait_save()  # at most one save in flight
@@ -418,7 +419,7 @@ class CheckpointManager:
         """
         if isinstance(keys, str | bytes):
             msg = f"keys= takes a list of top-level entries, e.g. keys=[{keys!r}], not a string"
-            raise TypeError(msg)
+            raise ConfigTypeError(msg)
         return self._reader.load(step, rank, None if keys is None else list(keys))
 
     def _agree_on_replica(self, error: BaseException | None) -> BaseException | None:
@@ -516,7 +517,7 @@ class CheckpointManager:
         self._session.check_open()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             msg = f"step must be an int >= 0, got {step!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         self.wait_save()
         after_commit.delete(self._session, step, force=force)
 
@@ -556,7 +557,7 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
     for k, v in (metrics or {}).items():
         if not isinstance(k, str):
             msg = f"metrics keys must be str, got {k!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if isinstance(v, torch.Tensor) and v.numel() == 1:
             v = v.item()
         if isinstance(v, bool) or not isinstance(v, int | float):
@@ -564,7 +565,7 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
                 v = float(v)
             except (TypeError, ValueError):
                 msg = f"metrics[{k!r}] must be a number, got {type(v).__name__}"
-                raise ValueError(msg) from None
+                raise ConfigError(msg) from None
         out[k] = float(v)
     return out
 
@@ -577,5 +578,5 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         json.dumps(d, allow_nan=False)
     except (TypeError, ValueError) as e:
         msg = f"metadata must be JSON-serializable (no NaN): {e}"
-        raise ValueError(msg) from None
+        raise ConfigError(msg) from None
     return d

@@ -21,6 +21,8 @@ import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Protocol, runtime_checkable
 
+from .errors import ConfigError
+
 __all__ = [
     "CheckpointInfo",
     "KeepAll",
@@ -62,7 +64,7 @@ class RetentionPolicy(Protocol):
 def _positive_int(name: str, value: object) -> int:
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
         msg = f"{name} must be a positive int, got {value!r}"
-        raise ValueError(msg)
+        raise ConfigError(msg)
     return value
 
 
@@ -105,13 +107,13 @@ class KeepBest:
         _positive_int("KeepBest(k)", self.k)
         if not isinstance(self.metric, str) or not self.metric:
             msg = f"KeepBest(metric) must be a non-empty str, got {self.metric!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if self.mode not in ("min", "max"):
             msg = f"KeepBest(mode) must be 'min' or 'max', got {self.mode!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if self.missing not in ("error", "keep"):
             msg = f"KeepBest(missing) must be 'error' or 'keep', got {self.missing!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
 
     def score(self, metrics: Mapping[str, float]) -> float | None:
         """The value this policy ranks by (smaller is better), or ``None`` if it has none."""
@@ -193,7 +195,7 @@ def as_policy(keep: int | RetentionPolicy | Iterable[RetentionPolicy] | None) ->
         return KeepAll()
     if isinstance(keep, bool):
         msg = f"keep must be a positive int, a policy or a list of policies, got {keep!r}"
-        raise ValueError(msg)
+        raise ConfigError(msg)
     if isinstance(keep, int):
         return KeepLast(keep)
     # A policy class matches the runtime Protocol too (keep=KeepLast, without the call).
@@ -204,7 +206,7 @@ def as_policy(keep: int | RetentionPolicy | Iterable[RetentionPolicy] | None) ->
         if items and all(isinstance(p, RetentionPolicy) and not isinstance(p, type) for p in items):
             return Union(tuple(items))
     msg = f"keep must be a positive int, a policy or a list of policies, got {keep!r}"
-    raise ValueError(msg)
+    raise ConfigError(msg)
 
 
 def plan_deletions(

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from ._log import logger as log
 from .dist import Coordinator
-from .errors import ManifestError, NoCheckpointError
+from .errors import ClosedError, ManifestError, NoCheckpointError
 from .manifest import Manifest
 from .retention import CheckpointInfo, RetentionPlanner, RetentionPolicy
 from .storage import Storage
@@ -99,7 +99,7 @@ class Session:
         """Raise ``RuntimeError`` once the manager is closed."""
         if self.closed:
             msg = "this CheckpointManager is closed"
-            raise RuntimeError(msg)
+            raise ClosedError(msg)
 
     def acquire(self) -> None:
         """Become the store's writer (rank 0): take its lock where it has one.

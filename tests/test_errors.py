@@ -13,12 +13,19 @@ from ckptstore import errors
 from ckptstore.errors import (
     BarrierTimeout,
     CkptStoreError,
+    ClosedError,
     CommitError,
+    ConfigError,
+    ConfigTypeError,
     IntegrityError,
     ManifestError,
+    MissingDependencyError,
     NoCheckpointError,
+    PathExistsError,
+    PathNotFoundError,
     ReplicaConfigError,
     ReplicaError,
+    ReplicaTimeoutError,
     ReplicaUnavailableError,
     StateMismatchError,
     StepExistsError,
@@ -26,6 +33,7 @@ from ckptstore.errors import (
     StoreLockedError,
     StoreUnreachableError,
     UnsafeCheckpointError,
+    UsageError,
 )
 
 BASES: dict[type[CkptStoreError], tuple[type[BaseException], ...]] = {
@@ -44,6 +52,14 @@ BASES: dict[type[CkptStoreError], tuple[type[BaseException], ...]] = {
     StoreLockedError: (OSError,),
     StateMismatchError: (KeyError, LookupError),
     BarrierTimeout: (TimeoutError, OSError),
+    ReplicaTimeoutError: (ReplicaError, TimeoutError, CommitError, OSError),
+    ConfigError: (ValueError,),
+    ConfigTypeError: (TypeError,),
+    UsageError: (ValueError,),
+    ClosedError: (RuntimeError,),
+    MissingDependencyError: (ImportError,),
+    PathExistsError: (FileExistsError, OSError),
+    PathNotFoundError: (FileNotFoundError, OSError),
 }
 
 

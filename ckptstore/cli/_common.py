@@ -9,6 +9,7 @@ import re
 from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
+from .. import errors
 from ..errors import CkptStoreError
 from ..ops.stores import is_local
 
@@ -48,13 +49,17 @@ class Command(Protocol):
 
 @contextlib.contextmanager
 def usage_errors() -> Iterator[None]:
-    """A library function's ``ValueError`` for a bad argument is a usage error (exit 2).
+    """A library function's refusal of a bad argument is a usage error (exit 2).
 
-    Its data errors (``IntegrityError``, ``ManifestError``) are ``ValueError``s too, and
+    ``ConfigError`` (a value it cannot use) and ``errors.UsageError`` (a call it refuses,
+    e.g. a prune by a metric no checkpoint has), and a builtin ``ValueError``. Its data
+    errors (``IntegrityError``, ``ManifestError``) are ``ValueError``s too, and other
     ``CkptStoreError``s: those stay what they are (exit 1).
     """
     try:
         yield
+    except (errors.ConfigError, errors.UsageError) as e:
+        raise UsageError(str(e)) from None
     except CkptStoreError:
         raise
     except ValueError as e:

@@ -78,7 +78,7 @@ from typing import Any
 import torch
 
 from .._log import logger as log
-from ..errors import StateMismatchError, StepExistsError
+from ..errors import ConfigError, MissingDependencyError, StateMismatchError, StepExistsError
 from ..manager import CheckpointManager
 from ..retention import RetentionPolicy
 from ..save.staging import SaveHandle
@@ -89,7 +89,7 @@ try:
     from transformers import TrainerCallback
 except ImportError as e:  # pragma: no cover - the extra is not installed
     msg = "ckptstore.integrations.hf needs transformers: pip install 'ckptstore[hf]'"
-    raise ImportError(msg) from e
+    raise MissingDependencyError(msg) from e
 
 __all__ = ["AcceleratorCheckpointer", "CkptStoreCallback"]
 
@@ -113,7 +113,7 @@ def _refuse_sharded(accelerator: Any) -> None:
             "own engine; ckptstore's Hugging Face integration covers replicated training "
             "(one process, DDP, multi-CPU). Use accelerator.save_state for this run"
         )
-        raise ValueError(msg)
+        raise ConfigError(msg)
 
 
 def _replace_if_corrupt(mgr: CheckpointManager, step: int, *, skip_if_saved: bool) -> bool:

@@ -99,9 +99,13 @@ from .._log import logger as log
 from ..errors import (
     CkptStoreError,
     CommitError,
+    ConfigError,
+    ConfigTypeError,
     IntegrityError,
     ManifestError,
+    MissingDependencyError,
     NoCheckpointError,
+    PathNotFoundError,
     UnsafeCheckpointError,
 )
 from ..manager import CheckpointManager
@@ -120,7 +124,7 @@ except ImportError:  # the standalone packages (pytorch_lightning + lightning_fa
         from lightning_fabric.utilities.data import AttributeDict  # type: ignore[assignment]
     except ImportError as e:
         msg = "ckptstore.integrations.lightning needs Lightning: pip install 'ckptstore[lightning]'"
-        raise ImportError(msg) from e
+        raise MissingDependencyError(msg) from e
 
 __all__ = ["CkptStoreIO"]
 
@@ -179,13 +183,13 @@ class CkptStoreIO(CheckpointIO):
     ) -> None:
         if isinstance(keep, bool) or not isinstance(keep, int) or keep < 1:
             msg = f"keep must be an int >= 1 (versions kept per checkpoint path), got {keep!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if format not in _FORMATS:
             msg = f"format must be 'safetensors' or 'torch', got {format!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if compression not in (None, "zstd"):
             msg = f"compression must be None or 'zstd', got {compression!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         self.keep = keep
         self.format = format
         self.compression = compression
@@ -226,10 +230,10 @@ class CkptStoreIO(CheckpointIO):
                 f"{type(self).__name__} takes no storage_options in save_checkpoint; pass "
                 "fsspec options as CkptStoreIO(storage_options=...)"
             )
-            raise TypeError(msg)
+            raise ConfigTypeError(msg)
         if not isinstance(checkpoint, Mapping):
             msg = f"checkpoint must be a dict, got {type(checkpoint).__name__}"
-            raise TypeError(msg)
+            raise ConfigTypeError(msg)
         where = os.fspath(path)
         metrics = self._monitored(checkpoint, where)
         state = _encode_checkpoint(checkpoint)
@@ -364,11 +368,11 @@ class CkptStoreIO(CheckpointIO):
         local = _local_path(where)
         if local is not None:
             if not os.path.lexists(local):
-                raise FileNotFoundError(f"Checkpoint file not found: {where}")
+                raise PathNotFoundError(f"Checkpoint file not found: {where}", path=where)
             if os.path.isfile(local):
                 return _load_torch_file(local, map_location)
         elif not self._remote_exists(where):
-            raise FileNotFoundError(f"Checkpoint file not found: {where}")
+            raise PathNotFoundError(f"Checkpoint file not found: {where}", path=where)
         try:
             raw = self._load_store(where, allow_pickle=allow)
         except (IntegrityError, ManifestError, NoCheckpointError) as e:

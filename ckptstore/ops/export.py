@@ -9,7 +9,6 @@ consolidated into full tensors on any world size.
 from __future__ import annotations
 
 import dataclasses
-import errno
 import json
 import os
 from collections.abc import Mapping
@@ -18,7 +17,7 @@ from typing import Any
 import torch
 
 from .._progress import Progress
-from ..errors import CkptStoreError
+from ..errors import CkptStoreError, ConfigError, PathExistsError, PathNotFoundError
 from ..manager import CheckpointManager
 from ..manifest import Manifest
 from ..sharded.consolidate import DEFAULT_MAX_SHARD, HFExportResult, choose_entry, export_hf
@@ -149,10 +148,10 @@ def export_step(
     """
     out = os.fspath(out)
     if os.path.lexists(out) and not force:
-        raise FileExistsError(errno.EEXIST, "already exists; pass --force to overwrite it", out)
+        raise PathExistsError(f"{out}: already exists; pass --force to overwrite it", path=out)
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
-        raise FileNotFoundError(errno.ENOENT, "no such directory", parent)
+        raise PathNotFoundError(f"{parent}: no such directory", path=parent)
     report = progress or (lambda done, total, what: None)
     manifest = _manifest(root, step, storage_options)
     with CheckpointManager(
@@ -268,15 +267,15 @@ def _load_config(
                 doc = json.load(f)
         except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
             msg = f"{where}: cannot read the model config ({e})"
-            raise CkptStoreError(msg) from None
+            raise ConfigError(msg) from None
     if not isinstance(doc, dict):
         msg = f"{where}: a model config must be a JSON object, got {type(doc).__name__}"
-        raise CkptStoreError(msg)
+        raise ConfigError(msg)
     try:
         json.dumps(doc, allow_nan=False)
     except (TypeError, ValueError) as e:
         msg = f"{where}: the model config must be JSON without NaN or infinity ({e})"
-        raise CkptStoreError(msg) from None
+        raise ConfigError(msg) from None
     return doc
 
 

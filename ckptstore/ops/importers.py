@@ -52,7 +52,7 @@ import torch
 
 from .._progress import Progress
 from ..codec.torchzip import check_stored
-from ..errors import CkptStoreError, IntegrityError
+from ..errors import CkptStoreError, IntegrityError, PathNotFoundError
 from .verify import looks_like_safetensors, verify_file
 
 __all__ = ["DCP_METADATA", "ImportResult", "Source", "import_file", "prepare_import", "read_source"]
@@ -127,7 +127,7 @@ def read_source(path: str, *, skip_unsafe: bool = False) -> Source:
         notes.insert(0, "a torch.distributed.checkpoint directory")
         return Source(obj, "dcp", notes, {})
     if not os.path.isfile(path):
-        raise FileNotFoundError(errno.ENOENT, "no such file", path)
+        raise PathNotFoundError(f"{path}: no such file", path=os.fspath(path))
     with open(path, "rb") as f:
         head = f.read(16)
         size = os.fstat(f.fileno()).st_size

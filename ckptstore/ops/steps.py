@@ -17,7 +17,14 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
-from ..errors import CkptStoreError, CommitError, ManifestError, StoreLockedError
+from ..errors import (
+    CkptStoreError,
+    CommitError,
+    ConfigError,
+    ManifestError,
+    StoreLockedError,
+    UsageError,
+)
 from ..layout import parse_old_dirname
 from ..retention import CheckpointInfo, KeepBest, RetentionPolicy, Union, as_policy, plan_deletions
 from ..storage import Storage, wait_for_deletions
@@ -132,7 +139,7 @@ def _check_metrics(policy: RetentionPolicy, metrics: Mapping[int, Mapping[str, f
                 f"no checkpoint of the store records the metric {p.metric!r}, so KeepBest "
                 f"would keep nothing for it; the metrics the store has: {names}"
             )
-            raise ValueError(msg)
+            raise UsageError(msg)
 
 
 def prune_store(
@@ -230,7 +237,7 @@ def delete_steps(
     wanted = sorted(set(steps))
     if not wanted:
         msg = "no step to delete: give at least one"
-        raise ValueError(msg)
+        raise ConfigError(msg)
     storage = open_store(root, storage_options)
     with reaching(storage.root), _writer(storage, "deleted"):
         for s in wanted:
@@ -291,7 +298,7 @@ def pin_steps(
     wanted = sorted(set(steps))
     if not wanted:
         msg = "no step given"
-        raise ValueError(msg)
+        raise ConfigError(msg)
     storage = open_store(root, storage_options)
     changed = []
     with reaching(storage.root):

@@ -27,7 +27,7 @@ from .._progress import Progress
 from ..codec import payload, torchzip
 from ..codec import safetensors as st
 from ..codec.payload import stored_tensors
-from ..errors import CkptStoreError, IntegrityError, ManifestError, NoCheckpointError
+from ..errors import CkptStoreError, ConfigError, IntegrityError, ManifestError, NoCheckpointError
 from ..integrity import VerifyReport, crc32c_of, format_crc
 from ..layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname, state_file
 from ..manifest import FileEntry, Manifest
@@ -477,7 +477,7 @@ def verify_path(
     if is_local(target) and os.path.isfile(path):
         if step is not None or all_steps:
             msg = f"{target} is a file: --step and --all apply to stores only"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         parent = os.path.dirname(os.path.abspath(path))
         parsed = parse_step_dirname(os.path.basename(parent))
         if parsed is not None and os.path.isfile(os.path.join(parent, MANIFEST_NAME)):

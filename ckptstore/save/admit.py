@@ -12,7 +12,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 
 from .._log import logger as log
-from ..errors import StepExistsError
+from ..errors import StepExistsError, UsageError
 from ..ops.verify import verify_checkpoint
 from ..retention import RetentionPlanner, keep_best_policies
 from ..session import Session
@@ -61,7 +61,7 @@ def _check_policy_metrics(session: Session, step: int, metrics: Mapping[str, flo
             f"Pass metrics={{{b.metric!r}: ...}}, fix the metric's name, or use "
             f"KeepBest(..., missing='keep') to keep such steps"
         )
-        raise ValueError(msg)
+        raise UsageError(msg)
     for b in lacking:
         log.warning(
             "step %d has no metric %r (got metrics: %s): %r keeps it for good; retention "
@@ -94,7 +94,7 @@ def _check_order(session: Session, step: int, known: RetentionPlanner) -> None:
         f"after step {newest}, or save(..., allow_older=True) to save it anyway "
         "(retention may delete it at once: it is not the newest)"
     )
-    raise ValueError(msg)
+    raise UsageError(msg)
 
 
 def _claim_step(session: Session, step: int, known: RetentionPlanner) -> bool:

@@ -11,7 +11,7 @@ commit never fails the save.
 from __future__ import annotations
 
 from .._log import logger as log
-from ..errors import CkptStoreError, CommitError, StepProtectedError
+from ..errors import CkptStoreError, CommitError, StepProtectedError, UsageError
 from ..ops.verify import verify_checkpoint
 from ..retention import RetentionPlanner, keep_best_policies
 from ..session import Session
@@ -81,7 +81,7 @@ def _check_store_metrics(session: Session, known: RetentionPlanner) -> None:
             f"{b!r}: no checkpoint in {session.root} has the metric {b.metric!r} (the store's "
             f"metrics: {have}); nothing was deleted. Check the metric's name"
         )
-        raise ValueError(msg)
+        raise UsageError(msg)
 
 
 def _last_good(session: Session, known: RetentionPlanner) -> int | None:

@@ -33,7 +33,14 @@ import torch
 from ..codec import payload as payload_codec
 from ..codec import safetensors as st
 from ..codec.tree import SUPPORTED_DTYPES, TreeDecoder
-from ..errors import CkptStoreError, IntegrityError, ManifestError
+from ..errors import (
+    CkptStoreError,
+    ConfigError,
+    IntegrityError,
+    ManifestError,
+    PathExistsError,
+    PathNotFoundError,
+)
 from ..layout import state_file
 from ..manifest import Manifest
 from ..ops.single import fsync_path
@@ -92,11 +99,11 @@ def parse_size(text: str | int) -> int:
         m = _SIZE_RE.fullmatch(text)
         if m is None:
             msg = f"not a size: {text!r} (e.g. 5GB, 500MB, 2GiB, or bytes)"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         value = int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
     if value < 1:
         msg = f"a size must be at least 1 byte, got {text!r}"
-        raise ValueError(msg)
+        raise ConfigError(msg)
     return value
 
 
@@ -546,12 +553,13 @@ def _check_out_dir(out_dir: str) -> str:
     """The parent of ``out_dir``; refuses an existing non-empty ``out_dir``."""
     if os.path.lexists(out_dir):
         if os.path.islink(out_dir) or not os.path.isdir(out_dir):
-            raise FileExistsError(17, "exists and is not a directory", out_dir)
+            raise PathExistsError(f"{out_dir}: exists and is not a directory", path=out_dir)
         if os.listdir(out_dir):
-            raise FileExistsError(17, "exists and is not empty; choose a new directory", out_dir)
+            msg = f"{out_dir}: exists and is not empty; choose a new directory"
+            raise PathExistsError(msg, path=out_dir)
     parent = os.path.dirname(os.path.abspath(out_dir))
     if not os.path.isdir(parent):
-        raise FileNotFoundError(2, "no such directory", parent)
+        raise PathNotFoundError(f"{parent}: no such directory", path=parent)
     return parent
 
 

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 
 from .._log import logger as log
-from ..errors import StateMismatchError
+from ..errors import ConfigTypeError, StateMismatchError
 
 try:
     import numpy as _numpy
@@ -200,7 +200,7 @@ class EMA:
             getattr(ema, "module", None), nn.Module
         ):
             msg = f"EMA(ema=...) must be a module or hold one as .module, got {type(ema).__name__}"
-            raise TypeError(msg)
+            raise ConfigTypeError(msg)
         self.ema = ema
         self.source = source
         self.rebuild = rebuild

@@ -6,6 +6,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
+from ..errors import ConfigError, MissingDependencyError
 from .base import Pending, Storage, wait_for_deletions
 from .local import LocalStorage
 
@@ -44,7 +45,7 @@ def open_storage(
                 "storage_options are for fsspec URLs; a local path takes only "
                 f"{{'io': 'auto' | 'direct' | 'buffered'}}, not {sorted(extra)}"
             )
-            raise ValueError(msg)
+            raise ConfigError(msg)
         return LocalStorage(rest, io=(storage_options or {}).get("io", "auto"))
     import fsspec
 
@@ -55,7 +56,7 @@ def open_storage(
     except ImportError as e:
         pkg = _HINTS.get(protocol)
         hint = f" Install it with: pip install {pkg}" if pkg else ""
-        raise ImportError(f"no filesystem for {protocol}:// URLs ({e}).{hint}") from e
+        raise MissingDependencyError(f"no filesystem for {protocol}:// URLs ({e}).{hint}") from e
     if getattr(fs, "protocol", None) in ("file", ("file", "local")):
         return LocalStorage(path)
     return FsspecStorage(fs, path, url)

@@ -17,7 +17,7 @@ from typing import IO, Any, ClassVar
 
 from .._gc import gc_paused
 from .._log import logger as log
-from ..errors import CommitError, ManifestError, StoreLockedError
+from ..errors import CommitError, ConfigError, ManifestError, StoreLockedError
 from ..integrity import crc32c_of, format_crc
 from ..layout import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, index_tmp_name, step_dirname
 from ..manifest import Manifest
@@ -53,7 +53,7 @@ class LocalStorage(Storage):
         super().__init__(os.path.abspath(os.path.expanduser(root)))
         if io not in IO_MODES:
             msg = f"io must be one of {', '.join(IO_MODES)}, got {io!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         #: Use O_DIRECT for payload files where the filesystem allows it (and io allows).
         self.direct_io = direct_io
         self.io = io

@@ -24,7 +24,7 @@ from collections.abc import Collection, Mapping
 from typing import TYPE_CHECKING
 
 from .._log import logger as log
-from ..errors import IntegrityError
+from ..errors import ConfigError, IntegrityError
 from ..integrity import crc32c_of
 from ..layout import LOCAL_RANKS_NAME, step_dirname
 from ..manifest import FileEntry, Manifest
@@ -90,7 +90,7 @@ def peers(storage: Storage, coord: Coordinator) -> list[int]:
                     f"{views[other]}: the ranks' roots must be one shared store or one store per "
                     "node, each seen alike by the ranks of that node"
                 )
-                raise ValueError(msg)
+                raise ConfigError(msg)
     return list(views[coord.rank])
 
 

@@ -59,9 +59,12 @@ from typing import Any
 from .._log import logger as log
 from ..errors import (
     CkptStoreError,
+    ClosedError,
+    ConfigError,
     IntegrityError,
     ManifestError,
     ReplicaError,
+    ReplicaTimeoutError,
     ReplicaUnavailableError,
     StepExistsError,
     StoreUnreachableError,
@@ -449,10 +452,10 @@ class Replicator:
     ) -> None:
         if every not in ("all", "latest"):
             msg = f"replica_every must be 'all' or 'latest', got {every!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
             msg = f"replica threads must be an int >= 1, got {threads!r}"
-            raise ValueError(msg)
+            raise ConfigError(msg)
         self.local = local
         self.replica = replica
         self.policy = policy
@@ -678,7 +681,7 @@ class Replicator:
         """Queue the committed local ``step`` for upload."""
         with self._cond:
             if self._stop:
-                raise RuntimeError("the uploader is closed")
+                raise ClosedError("the uploader is closed")
             known = self._safe_as.get(step)
         if known is not None:
             # Safe as which save? A step saved again (after its copies failed) is another.
@@ -1043,7 +1046,7 @@ class Replicator:
             ):
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
-                    raise TimeoutError(
+                    raise ReplicaTimeoutError(
                         f"uploads to {self.replica.root} still running after {timeout}s: "
                         f"steps {self.pending()}"
                     )

@@ -16,6 +16,7 @@ from typing import Any
 from .._log import logger as log
 from ..errors import (
     CkptStoreError,
+    ConfigError,
     IntegrityError,
     NoCheckpointError,
     ReplicaConfigError,
@@ -194,7 +195,7 @@ def open_replica(
     """
     if not isinstance(url, str) or not url:
         msg = f"replica must be an fsspec URL string (e.g. 's3://bucket/run1'), got {url!r}"
-        raise ValueError(msg)
+        raise ConfigError(msg)
     replica = open_storage(url, bounded_options(url, options, timeout))
     check_distinct(local, replica, url)
     _bound_fs(replica)

@@ -65,7 +65,7 @@ def test_refused_saves_raise_the_same_error_on_every_rank(tmp_path):
     ):
         got = [v[key] for v in vals]
         assert [g["ok"] for g in got] == [False, False], (key, got)
-        assert {g["error_type"] for g in got} == {"ValueError"}, (key, got)
+        assert {g["error_type"] for g in got} == {"UsageError"}, (key, got)
         assert got[0]["message"] == got[1]["message"], key
         assert got[0]["message"].startswith(f"{start} in {tmp_path / 'store'}"), key
     assert "resume()" in vals[0]["older"]["message"]
