@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit demo demo-fsdp bench crashtest clean
+.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded clean
 
 venv: $(STAMP)
 
@@ -31,7 +31,14 @@ PYTEST_ARGS ?= -n 2 --dist worksteal
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider $(PYTEST_ARGS)
 
-test: lint typecheck unit
+# The docs build is part of the test: a broken link or a page missing from the nav fails it.
+test: lint typecheck docs unit
+
+# README.md, CONTRIBUTING.md and docs/ as a site in site/ (mkdocs.yml). --strict turns every
+# warning (a link to a missing page or anchor, a page left out of the nav) into a failure;
+# never add -q, which hides the warnings from --strict as well.
+docs: $(STAMP)
+	$(BIN)/mkdocs build --strict --site-dir site
 
 # The DDP part (killed mid-save, resumes bit-identically), then the FSDP2 part.
 demo: $(STAMP)
@@ -54,5 +61,10 @@ CRASH_ARGS ?=
 crashtest: $(STAMP)
 	$(BIN)/python tools/crashtest.py $(CRASH_ARGS)
 
+# The sharded crash campaign: FSDP2 jobs on 2 and 3 ranks killed in every phase.
+SHARDED_CRASH_ARGS ?= --trials 300
+crashtest-sharded: $(STAMP)
+	$(BIN)/python tools/crash_sharded.py $(SHARDED_CRASH_ARGS)
+
 clean:
-	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info
+	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info site

@@ -5,6 +5,7 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
+from ._version import __version__
 from .errors import (
     BarrierTimeout,
     CkptStoreError,
@@ -12,47 +13,48 @@ from .errors import (
     IntegrityError,
     ManifestError,
     NoCheckpointError,
+    ReplicaConfigError,
     ReplicaError,
+    ReplicaUnavailableError,
     StateMismatchError,
     StepExistsError,
     StepProtectedError,
     StoreLockedError,
+    StoreUnreachableError,
     UnsafeCheckpointError,
 )
-from .inspect import inspect_step
 from .integrity import VerifyReport
-from .listing import list_store, list_stores
 from .manifest import FileEntry, Manifest
+from .ops.inspect import inspect_step
+from .ops.listing import list_store, list_stores
+from .ops.steps import delete_steps, gc_store, pin_steps, prune_store
+from .ops.verify import verify_file, verify_path
 from .retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
-from .steps import delete_steps, gc_store, pin_steps, prune_store
-from .verify import verify_file, verify_path
-
-__version__ = "0.1.0"
 
 # Names whose module imports torch are loaded on first use (PEP 562), so that `import
 # ckptstore` and the commands that only read JSON and bytes (`ckptstore ls`, `verify --quick`,
 # `prune --dry-run`) start without torch's 1.5-2 s import (issue 12). Type checkers see them
 # through the TYPE_CHECKING imports below.
 _LAZY = {
-    "EMA": ".modules",
-    "RNGState": ".modules",
+    "EMA": ".state.modules",
+    "RNGState": ".state.modules",
     "CheckpointManager": ".manager",
-    "SaveHandle": ".staging",
-    "atomic_save": ".single",
-    "diff_steps": ".diff",
-    "export_hf_step": ".export",
-    "export_step": ".export",
-    "import_file": ".importers",
+    "SaveHandle": ".save.staging",
+    "atomic_save": ".ops.single",
+    "diff_steps": ".ops.diff",
+    "export_hf_step": ".ops.export",
+    "export_step": ".ops.export",
+    "import_file": ".ops.importers",
 }
 
 if TYPE_CHECKING:
-    from .diff import diff_steps
-    from .export import export_hf_step, export_step
-    from .importers import import_file
     from .manager import CheckpointManager
-    from .modules import EMA, RNGState
-    from .single import atomic_save
-    from .staging import SaveHandle
+    from .ops.diff import diff_steps
+    from .ops.export import export_hf_step, export_step
+    from .ops.importers import import_file
+    from .ops.single import atomic_save
+    from .save.staging import SaveHandle
+    from .state.modules import EMA, RNGState
 
 __all__ = [
     "EMA",
@@ -69,13 +71,16 @@ __all__ = [
     "ManifestError",
     "NoCheckpointError",
     "RNGState",
+    "ReplicaConfigError",
     "ReplicaError",
+    "ReplicaUnavailableError",
     "RetentionPolicy",
     "SaveHandle",
     "StateMismatchError",
     "StepExistsError",
     "StepProtectedError",
     "StoreLockedError",
+    "StoreUnreachableError",
     "UnsafeCheckpointError",
     "VerifyReport",
     "__version__",

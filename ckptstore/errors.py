@@ -19,11 +19,14 @@ __all__ = [
     "IntegrityError",
     "ManifestError",
     "NoCheckpointError",
+    "ReplicaConfigError",
     "ReplicaError",
+    "ReplicaUnavailableError",
     "StateMismatchError",
     "StepExistsError",
     "StepProtectedError",
     "StoreLockedError",
+    "StoreUnreachableError",
     "UnsafeCheckpointError",
 ]
 
@@ -57,6 +60,31 @@ class CommitError(CkptStoreError, OSError):
 
 class ReplicaError(CommitError):
     """An upload to the replica tier failed; the step is still safe in the local store."""
+
+
+class StoreUnreachableError(CkptStoreError, OSError):
+    """An object store cannot be reached, or refuses us.
+
+    No or bad credentials, access denied, an endpoint that does not answer. The message
+    names the store and what to check (the endpoint_url storage option, the network, the
+    credentials); the client's own error is the ``__cause__``.
+    """
+
+
+class ReplicaUnavailableError(ReplicaError, StoreUnreachableError):
+    """The replica cannot be reached or written.
+
+    A bucket that does not exist, no or bad credentials, access denied, or an endpoint
+    that does not answer in time.
+
+    Raised by the manager's constructor (nothing was saved yet), by ``resume``/``restore``
+    of a store on an object store, and by ``wait``/``close`` when the replica failed later;
+    the message names the URL and what to check, the original error is its ``__cause__``.
+    """
+
+
+class ReplicaConfigError(CkptStoreError, ValueError):
+    """``replica=`` cannot be a replica of this store (it is the local store itself)."""
 
 
 class IntegrityError(CkptStoreError, ValueError):

@@ -10,14 +10,11 @@ from __future__ import annotations
 import dataclasses
 import errno
 import functools
-from typing import IO, TYPE_CHECKING, Any
+from typing import IO, Any, Protocol
 
 import crc32c as _crc32c
 
 from .errors import IntegrityError
-
-if TYPE_CHECKING:
-    from .manifest import FileEntry
 
 __all__ = [
     "BLOCK",
@@ -164,7 +161,23 @@ class BlockCRC:
         return (*self.blocks, self._cur) if self._fill else tuple(self.blocks)
 
 
-def check_blocks(entry: FileEntry, offset: int, data: Any, where: str) -> int:
+class BlockedFile(Protocol):
+    """What :func:`check_blocks` reads of a manifest row (a ``FileEntry``).
+
+    A protocol rather than the class, so that the manifest can use this module's checksums
+    without an import cycle.
+    """
+
+    @property
+    def bytes(self) -> int:
+        """The file's size as stored."""
+
+    @property
+    def blocks(self) -> tuple[int, ...] | None:
+        """The CRC32C of each 4 MiB block, or ``None``."""
+
+
+def check_blocks(entry: BlockedFile, offset: int, data: Any, where: str) -> int:
     """Check the CRC32C of every whole block of a payload file that ``data`` covers.
 
     Args:

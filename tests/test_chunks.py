@@ -8,7 +8,9 @@ from typing import Any
 import pytest
 import torch
 
-from ckptstore.chunks import (
+from ckptstore.errors import IntegrityError
+from ckptstore.manifest import FileEntry
+from ckptstore.sharded.chunks import (
     Chunk,
     ChunkIndex,
     TensorEntry,
@@ -16,8 +18,6 @@ from ckptstore.chunks import (
     box_byte_range,
     read_box,
 )
-from ckptstore.errors import IntegrityError
-from ckptstore.manifest import FileEntry
 
 FILES = {
     "_shards.rank00000.safetensors": FileEntry(1000, 0, "safetensors"),

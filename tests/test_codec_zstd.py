@@ -366,8 +366,8 @@ def _forge(step_path: Path, name: str, data: bytes) -> None:
     """Replace a payload, forging its manifest entry (size, CRC and block CRCs) to match."""
     from _helpers import forge_manifest
 
-    from ckptstore.chunks import block_crcs
     from ckptstore.integrity import crc32c_of, format_crc
+    from ckptstore.sharded.chunks import block_crcs
 
     (step_path / name).write_bytes(data)
 

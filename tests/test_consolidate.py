@@ -1,4 +1,4 @@
-"""ckptstore.consolidate: full tensors one at a time, and the streaming Hugging Face export."""
+"""ckptstore.sharded.consolidate: full tensors one at a time, and the streaming HF export."""
 
 from __future__ import annotations
 
@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from torch import nn
 
 from ckptstore import EMA, CheckpointManager, CkptStoreError, IntegrityError
-from ckptstore.consolidate import (
+from ckptstore.sharded.consolidate import (
     HF_INDEX,
     HF_SINGLE,
     StepTensors,
@@ -267,7 +267,7 @@ _MEASURE = textwrap.dedent(
     """
     import ctypes, gc, json, sys
     from ckptstore import CheckpointManager
-    from ckptstore.consolidate import StepTensors, export_hf
+    from ckptstore.sharded.consolidate import StepTensors, export_hf
 
     root, out = sys.argv[1:3]
 

@@ -694,8 +694,8 @@ def test_a_copied_step_is_not_measured(tmp_path: Path, monkeypatch: pytest.Monke
     """A step copied between stores (a fetch from the replica) is written as fast as its
     source is read: it tries no write mode and records no write speed, so it never steers
     the saves; the save that wrote the source did record one."""
-    from ckptstore.replica import fetch_step
     from ckptstore.storage import iomode, open_storage
+    from ckptstore.tiers.replica import fetch_step
 
     iomode.forget()
     monkeypatch.setattr(iomode, "MEASURED_BYTES", 1 << 20)
@@ -765,7 +765,7 @@ def test_a_sharded_save_writes_its_parts_side_by_side(
 ) -> None:
     """write_shards opens its part files inside side_by_side: every one of them is written
     in the settled mode (direct), none in the untried buffered mode."""
-    from ckptstore import sharding
+    from ckptstore.sharded import plan as sharding
     from ckptstore.storage import iomode, open_storage
 
     iomode.forget()

@@ -1,4 +1,4 @@
-"""``ckptstore import`` of foreign checkpoints (ckptstore.importers): plain torch.save dicts,
+"""``ckptstore import`` of foreign checkpoints (ckptstore.ops.importers): plain torch.save dicts,
 Lightning ``.ckpt`` files and torch.distributed.checkpoint (DCP) directories.
 
 Each source is imported into a store, ``ckptstore verify`` passes, and what the store holds

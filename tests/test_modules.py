@@ -25,7 +25,7 @@ from torch.nn.parallel import DistributedDataParallel as DDP
 from torch.optim.swa_utils import AveragedModel, get_ema_multi_avg_fn
 
 from ckptstore import EMA, CheckpointManager, RNGState, StateMismatchError
-from ckptstore.modules import de_parallel, module_state
+from ckptstore.state.modules import de_parallel, module_state
 
 pytestmark = pytest.mark.timeout(60)  # DDP runs in a (one-rank) process group
 

@@ -1,4 +1,4 @@
-"""ckptstore.partial and load(keys=...): only what is asked for is read, and it is checked.
+"""ckptstore.restore.partial and load(keys=...): only what is asked for is read, and it is checked.
 
 Bytes read are counted by the kernel: ``rchar`` of ``/proc/self/io`` is every byte that
 read(2)/pread(2) calls of this process returned (buffered or O_DIRECT, any thread), so
@@ -17,7 +17,7 @@ from _helpers import assert_same, step_dir
 
 from ckptstore import CheckpointManager, IntegrityError, StateMismatchError
 from ckptstore.integrity import BLOCK
-from ckptstore.partial import tensor_refs
+from ckptstore.restore.partial import tensor_refs
 
 MiB = 1 << 20
 #: What a load reads besides payloads: manifest.json and state.json (a few KB here).

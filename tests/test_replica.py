@@ -1,4 +1,4 @@
-"""Two tiers (``ckptstore.replica``, ``ckptstore.tiers``): a local store replicated to S3.
+"""Two tiers (``ckptstore.tiers.replica``, ``.tiers.twotier``): a local store replicated to S3.
 
 Every replica is a prefix on moto's S3 server on loopback (``tests/s3server.py``), reached
 over HTTP through s3fs: nothing is mocked. Uploads are held back by the uploader's own gate
@@ -23,9 +23,10 @@ from _helpers import assert_same, fresh_like, make_state, step_dir
 from s3server import S3Endpoint
 
 from ckptstore import CheckpointManager
+from ckptstore.errors import IntegrityError, ReplicaUnavailableError
 from ckptstore.layout import REPLICATED_NAME
-from ckptstore.replica import ReplicaError, Replicator, fetch_step
 from ckptstore.storage import open_storage, wait_for_deletions
+from ckptstore.tiers.replica import ReplicaError, Replicator, fetch_step
 
 pytestmark = pytest.mark.timeout(90)
 
@@ -329,30 +330,128 @@ def test_async_saves_upload_after_their_commit(tmp_path: Path, s3: S3Endpoint, u
         assert_same(snapshot(fresh), snapshot(states[2]))
 
 
-def test_unreachable_replica_never_stops_local_saves(tmp_path: Path) -> None:
+def _dead_endpoint_options() -> dict[str, Any]:
+    """Storage options of an S3 endpoint nothing listens on (a port the kernel gave us)."""
     import socket
 
-    with socket.socket() as sock:  # a port nothing listens on
+    with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    opts = {
+    return {
         "key": "testing",
         "secret": "testing",
         "client_kwargs": {"endpoint_url": f"http://127.0.0.1:{port}", "region_name": "us-east-1"},
-        "config_kwargs": {"retries": {"max_attempts": 1}, "connect_timeout": 1},
     }
-    mgr = CheckpointManager(tmp_path / "a", replica="s3://nowhere/run", replica_options=opts)
-    st = make_state(1)
-    mgr.save(1, st)  # the local tier works
-    assert mgr.steps() == [1]
-    with pytest.raises(ReplicaError):
+
+
+def test_unreachable_replica_is_refused_before_any_save(tmp_path: Path) -> None:
+    # issue 22 #4/#5: the manager went on "saving locally only for now" and the error came
+    # only at close(); an unreachable endpoint is knowable at construction.
+    opts = _dead_endpoint_options()
+    endpoint = opts["client_kwargs"]["endpoint_url"]
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaUnavailableError) as info:
+        CheckpointManager(
+            tmp_path / "a", replica="s3://nowhere/run", replica_options=opts, replica_timeout=6
+        )
+    assert time.monotonic() - t0 < 6 + 3
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith("replica s3://nowhere/run: cannot reach the storage endpoint")
+    assert endpoint in msg
+    assert "check the endpoint_url storage option" in msg
+    assert info.value.__cause__ is not None
+    assert isinstance(info.value, ReplicaError)  # existing `except ReplicaError` still holds
+    assert CheckpointManager(tmp_path / "a").steps() == []  # nothing was saved
+    # The local tier alone still works, as the message says.
+    with CheckpointManager(tmp_path / "a") as mgr:
+        mgr.save(1, make_state(1))
+
+
+def test_a_replica_bucket_that_does_not_exist_is_refused(s3: S3Endpoint, tmp_path: Path) -> None:
+    url = "s3://no-such-bucket-here/run"
+    with pytest.raises(ReplicaUnavailableError) as info:
+        CheckpointManager(tmp_path / "a", keep=1, replica=url, replica_options=s3.storage_options)
+    assert str(info.value) == (
+        f"replica {url}: the bucket 'no-such-bucket-here' does not exist; check the bucket "
+        "name (and the endpoint_url and region storage options); nothing was saved; fix it, "
+        "or construct the manager without replica= to save locally only"
+    )
+    assert not s3.client.exists("no-such-bucket-here")  # nothing was created there either
+
+
+def test_a_replica_that_fails_later_keeps_every_local_step_and_close_is_bounded(
+    tmp_path: Path,
+) -> None:
+    # issue 22 #4/#5: a replica that stops answering mid-run: saves go on locally, no step
+    # that is not on the replica is deleted, and close() raises one clear line in bounded time.
+    from s3server import s3_server
+
+    root = tmp_path / "a"
+    timeout = 6.0
+    with s3_server() as ep:
+        url = ep.url("run")
+        mgr = CheckpointManager(
+            root, keep=1, replica=url, replica_options=ep.storage_options, replica_timeout=timeout
+        )
+        mgr.save(1, make_state(1))
         mgr.wait()
-    assert_same(dict(mgr.load()["model"]), snapshot(st)["model"])  # the replica is skipped
-    mgr.save(2, make_state(2))
-    with pytest.raises(ReplicaError):  # a failure not raised yet is raised by close
+    # The server is gone now.
+    for s in (2, 3, 4):
+        mgr.save(s, make_state(s))  # the local tier works
+    t0 = time.monotonic()
+    with pytest.raises(ReplicaUnavailableError) as info:
         mgr.close()
-    assert CheckpointManager(tmp_path / "a").steps() == [1, 2]  # nothing local was lost
-    assert not (tmp_path / "a" / step_dir(1) / REPLICATED_NAME).exists()
+    took = time.monotonic() - t0
+    assert took < timeout + 4, took
+    msg = str(info.value)
+    assert "\n" not in msg
+    assert msg.startswith(f"the replica {url} cannot be reached: {url}: cannot reach the storage")
+    assert ep.endpoint in msg
+    assert "check the endpoint_url storage option" in msg
+    assert info.value.__cause__ is not None
+    # Step 1 was safe there; 2, 3 and 4 never reached it: keep=1 deleted none of them.
+    assert CheckpointManager(root).steps() == [2, 3, 4]
+    wait_for_deletions()
+    assert not (root / step_dir(2) / REPLICATED_NAME).exists()
+
+
+@pytest.mark.parametrize("every", ["all", "latest"])
+def test_replica_every(
+    tmp_path: Path, s3: S3Endpoint, url: str, every: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # issue 22 #7: with uploads behind, "all" uploads every step (holding local ones back
+    # until each is uploaded), "latest" only the newest (older local ones may go unuploaded).
+    root = tmp_path / "a"
+    kwargs: dict[str, Any] = {} if every == "all" else {"replica_every": every}
+    with tiered(root, s3, url, keep=1, replica_keep=10, **kwargs) as mgr:
+        assert mgr.replica is not None
+        mgr.replica.pause()
+        for s in (1, 2, 3):
+            mgr.save(s, make_state(s))
+        assert mgr.steps() == [1, 2, 3]  # held for the replica either way
+        with caplog.at_level(logging.INFO, "ckptstore"):
+            mgr.replica.resume()
+            mgr.wait()
+        assert mgr.steps() == [3]
+    if every == "all":
+        assert replica_steps(s3, url) == [1, 2, 3]  # what replica_keep=10 promises
+        assert "never reached the replica" not in caplog.text
+    else:
+        # Step 1 may be on it (the uploader took it at once, before the pause held it);
+        # step 2 fell behind step 3 and was never uploaded, and was deleted locally.
+        got = replica_steps(s3, url)
+        assert 3 in got
+        assert 2 not in got
+        assert "retention deletes local step 2, which never reached the replica" in caplog.text
+
+
+def test_replica_every_and_timeout_are_checked(tmp_path: Path, url: str) -> None:
+    with pytest.raises(ValueError, match="replica_every must be 'all' or 'latest', got 'some'"):
+        CheckpointManager(tmp_path / "a", replica=url, replica_every="some")
+    for bad in (0, -1.0, float("inf"), True, "5"):
+        with pytest.raises(ValueError, match="replica_timeout must be a positive number"):
+            CheckpointManager(tmp_path / "a", replica=url, replica_timeout=bad)  # type: ignore[arg-type]
 
 
 @pytest.mark.parametrize("files", ["one", "several"])
@@ -458,3 +557,92 @@ def test_a_save_stops_the_upload_in_flight(
     for step, m in ((1, m1), (2, m2)):
         for name, entry in m.files.items():
             assert replica.checksum_file(step, name) == (entry.bytes, entry.crc32c)
+
+
+def test_restore_of_an_explicit_step_falls_back_to_the_replicas_copy(
+    tmp_path: Path, s3: S3Endpoint, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # issue 24 #11: restore(step=N) raised on a corrupt local copy, load(step=N) did not.
+    states = {s: make_state(s) for s in (1, 2)}
+    root = tmp_path / "a"
+    with tiered(root, s3, url, keep=3) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    payload = root / step_dir(1) / "model.safetensors"
+    bad = bytearray(payload.read_bytes())
+    bad[-1] ^= 0xFF
+    payload.write_bytes(bytes(bad))
+    with tiered(root, s3, url, keep=3) as mgr, caplog.at_level(logging.WARNING, "ckptstore"):
+        fresh = fresh_like(states[1])
+        assert mgr.restore(fresh, step=1) == 1
+        assert_same(snapshot(fresh), snapshot(states[1]))
+        assert "step 1: the local copy failed" in caplog.text
+        assert mgr.verify(1).ok  # the local copy was replaced by the replica's
+    # Corrupt in both tiers: the explicit step is still an IntegrityError, naming it.
+    (root / step_dir(1) / "model.safetensors").write_bytes(bytes(bad))
+    s3.client.pipe_file(f"{url}/{step_dir(1)}/model.safetensors", bytes(bad))
+    with (
+        tiered(root, s3, url, keep=3) as mgr,
+        pytest.raises(IntegrityError, match="step-000000000001"),
+    ):
+        mgr.restore(fresh_like(states[1]), step=1)
+
+
+def test_a_corrupt_replica_copy_is_not_called_a_local_one(
+    tmp_path: Path, s3: S3Endpoint, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    # issue 22 #6: "step 2: the local copy failed (... s3://...)" was logged on a new node
+    # that had no local copy: the replica's copy had failed while it was fetched.
+    states = {s: make_state(s) for s in (1, 2)}
+    with tiered(tmp_path / "a", s3, url, keep=3) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    remote = f"{url}/{step_dir(2)}/model.safetensors"
+    data = bytearray(s3.client.cat_file(remote))
+    data[-1] ^= 0xFF
+    s3.client.pipe_file(remote, bytes(data))
+    for n, read in enumerate(("load", "restore")):
+        caplog.clear()
+        with tiered(tmp_path / f"b{n}", s3, url, keep=3) as mgr:
+            with caplog.at_level(logging.WARNING, "ckptstore"):
+                if read == "load":
+                    got = dict(mgr.load()["model"])
+                else:
+                    fresh = fresh_like(states[1])
+                    assert mgr.restore(fresh) == 1
+                    got = snapshot(fresh)["model"]
+            assert_same(got, snapshot(states[1])["model"])
+            assert "local copy" not in caplog.text, read
+            # The skip names the replica's copy, the one that failed.
+            skipped = [
+                r.getMessage() for r in caplog.records if "skipping step 2" in r.getMessage()
+            ]
+            assert len(skipped) == 1, read
+            assert f"{remote}: crc32c" in skipped[0], read
+            assert mgr.steps() == [1]  # nothing of step 2 was committed locally
+
+
+def test_a_store_on_a_stopped_server_raises_one_line_naming_the_endpoint(tmp_path: Path) -> None:
+    # issue 22 #5: resume() raised a 149-line chained botocore EndpointConnectionError.
+    from s3server import s3_server
+
+    from ckptstore.errors import StoreUnreachableError
+
+    with s3_server() as ep:
+        url, opts = ep.url("run"), ep.storage_options
+        with CheckpointManager(url, storage_options=opts) as mgr:
+            mgr.save(1, make_state(1))
+    opts["config_kwargs"] = {"retries": {"max_attempts": 1}}
+    mgr = CheckpointManager(url, storage_options=opts)
+    for call in (lambda: mgr.resume(make_state(2)), mgr.load, mgr.steps):
+        with pytest.raises(StoreUnreachableError) as info:
+            call()
+        msg = str(info.value)
+        assert "\n" not in msg
+        assert msg.startswith(f"{url}: cannot reach the storage endpoint (")
+        assert ep.endpoint in msg
+        assert msg.endswith(
+            "check the endpoint_url storage option, the network, and that the service is up"
+        )
+        assert info.value.__cause__ is not None
+    mgr.close()

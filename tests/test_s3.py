@@ -799,11 +799,17 @@ def test_cli_empty_and_missing_stores(
     s3: S3Endpoint, prefix: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     url = s3.url(prefix)
-    rc, out, _ = cli(capsys, "ls", url, *s3.cli_options)
-    assert (rc, out) == (0, f"{url}: no checkpoints\n")
+    rc, out, err = cli(capsys, "ls", url, *s3.cli_options)
+    assert (rc, out) == (1, "")
+    assert err.startswith(f"ckptstore: error: {url}: no store there: nothing is stored under")
     rc, _, err = cli(capsys, "verify", url, *s3.cli_options)
     assert rc == 1
-    assert err.startswith(f"ckptstore: error: {url}: no committed checkpoint")
+    assert err.startswith(f"ckptstore: error: {url}: no store there")
+    # A store whose only checkpoint is pending (its manifest not yet put) is a store.
+    s3.client.pipe_file(f"{url}/{step_dir(1)}/model.safetensors", b"x")
+    rc, out, _ = cli(capsys, "ls", url, *s3.cli_options)
+    assert rc == 0
+    assert out.startswith(f"{url}: no checkpoints\n")
 
 
 # ---- the storage conformance suite, against S3 ---------------------------------------------------

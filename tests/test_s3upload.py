@@ -25,10 +25,10 @@ from _helpers import make_state, step_dir
 from s3server import S3Endpoint
 
 from ckptstore import CheckpointManager, IntegrityError
-from ckptstore.replica import ReplicaError, Replicator
 from ckptstore.storage import open_storage, s3upload
 from ckptstore.storage.remote import FsspecStorage
 from ckptstore.storage.s3upload import S3Upload, upload_fs
+from ckptstore.tiers.replica import ReplicaError, Replicator
 
 pytestmark = pytest.mark.timeout(60)
 
@@ -393,7 +393,7 @@ def test_a_large_put_goes_as_it_is_written_and_a_short_one_leaves_nothing(
 ) -> None:
     """Where the store answers the CRC32C it computes, an object said to be large starts its
     PUT at once and its body follows the writes; fewer bytes than said abort it."""
-    from ckptstore.uploadgate import UploadGate
+    from ckptstore.tiers.uploadgate import UploadGate
 
     data = os.urandom(12 * MiB)
     gate = UploadGate()

@@ -1,4 +1,4 @@
-"""The save side of ckptstore.sharding: shard file layout, parts, and the memoized DCP plan.
+"""The save side of ckptstore.sharded.plan: shard file layout, parts, and the memoized DCP plan.
 
 Multi-rank behaviour (plans over several ranks, restores on other world sizes) is in
 ``tests/multirank/test_dtensor.py``; here one process, real files, and a one-rank gloo
@@ -18,10 +18,10 @@ import torch
 import torch.distributed as dist
 from safetensors.torch import load_file
 
-from ckptstore import sharding
-from ckptstore.chunks import BLOCK, ChunkIndex, block_crcs
 from ckptstore.codec import safetensors as st
 from ckptstore.integrity import crc32c_of
+from ckptstore.sharded import plan as sharding
+from ckptstore.sharded.chunks import BLOCK, ChunkIndex, block_crcs
 from ckptstore.storage import open_storage
 
 pytestmark = pytest.mark.timeout(60)

@@ -17,7 +17,7 @@ from _helpers import STORE_FILES, assert_same, make_state, module_bytes, run_pyt
 
 from ckptstore import CheckpointManager, CommitError, SaveHandle, StepExistsError
 from ckptstore.integrity import CRCWriter
-from ckptstore.staging import StagingPool
+from ckptstore.save.staging import StagingPool
 from ckptstore.storage import Storage, wait_for_deletions
 from ckptstore.storage.directio import DirectWriter
 

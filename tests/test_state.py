@@ -12,7 +12,7 @@ from _helpers import TinyNet, assert_same, module_bytes
 from torch import nn
 
 from ckptstore import EMA, CheckpointManager, RNGState, StateMismatchError
-from ckptstore.state import apply_state, capture, kind_of
+from ckptstore.state.capture import apply_state, capture, kind_of
 
 
 class Counter:

@@ -1,4 +1,4 @@
-"""Tests of managing steps from outside a job (``ckptstore.steps``): ``rm``, ``pin``/``unpin``,
+"""Tests of managing steps from outside a job (``ckptstore.ops.steps``): ``rm``, ``pin``/``unpin``,
 ``prune`` and ``gc``, through the library and the command line.
 
 Every refusal is checked to delete nothing, and every command on a directory that is not a

@@ -305,8 +305,8 @@ def _raise(e: BaseException) -> None:
 
 def _fails_verification_once(monkeypatch: pytest.MonkeyPatch, step: int) -> None:
     """The next verification of ``step`` by the manager fails, as a flaky read would."""
-    from ckptstore import manager as manager_mod
     from ckptstore.integrity import VerifyReport
+    from ckptstore.save import admit as manager_mod
 
     real = manager_mod.verify_checkpoint
     flaky = [True]

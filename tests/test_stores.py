@@ -1,5 +1,5 @@
-"""Tests of finding and opening existing stores (``ckptstore.stores``) and of listing them
-(``ckptstore.listing``): "no store there" for every wrong root, the stores of a Lightning
+"""Tests of finding and opening existing stores (``ckptstore.ops.stores``) and of listing them
+(``ckptstore.ops.listing``): "no store there" for every wrong root, the stores of a Lightning
 checkpoint directory, and one-line errors for an object store that cannot be reached (a real
 S3 endpoint: moto's server, stopped, with wrong credentials, without the bucket).
 """
@@ -15,7 +15,7 @@ import torch
 from _helpers import run_cli
 
 from ckptstore import CheckpointManager, NoCheckpointError, list_store, list_stores
-from ckptstore.stores import find_stores, open_store
+from ckptstore.ops.stores import find_stores, open_store
 
 
 def make_store(root: Path, steps: tuple[int, ...] = (1,), **metrics: float) -> Path:
@@ -146,9 +146,16 @@ def test_s3_missing_bucket_is_no_store(s3: object, capsys: pytest.CaptureFixture
     rc, out, _ = run_cli(capsys, "ls", "s3://nosuchbucket/x", "--json", *opts)
     assert rc == 1
     assert json.loads(out)["error"] == "NoCheckpointError"
-    # an existing bucket with an empty prefix is an empty store, as before
-    rc, out, _ = run_cli(capsys, "ls", s3.url("nothing-here"), *opts)  # type: ignore[attr-defined]
-    assert (rc, out) == (0, f"{s3.url('nothing-here')}: no checkpoints\n")  # type: ignore[attr-defined]
+    # issue 22 #6: a prefix with nothing under it in an existing bucket (a typo) is no store
+    # either, as the README promises: on an object store a store exists once it holds a step.
+    typo = s3.url("nothing-here")  # type: ignore[attr-defined]
+    for argv in (["ls"], ["verify"], ["gc"], ["prune", "--keep-last", "1"]):
+        rc, out, err = run_cli(capsys, argv[0], typo, *argv[1:], *opts)
+        assert (rc, out) == (1, ""), err
+        assert err == (
+            f"ckptstore: error: {typo}: no store there: nothing is stored under this prefix; "
+            "check the path (on an object store a store exists once its first step is saved)\n"
+        )
 
 
 @pytest.mark.timeout(60)
@@ -172,7 +179,7 @@ def test_s3_missing_credentials(
     rc, out, _ = run_cli(capsys, "verify", url, "--json", *args)
     assert rc == 1
     doc = json.loads(out)
-    assert doc["error"] == "CkptStoreError"
+    assert doc["error"] == "StoreUnreachableError"  # a CkptStoreError (OSError)
     assert "no credentials found" in doc["message"]
 
 

@@ -1,4 +1,4 @@
-"""Per-rank uploads (``ckptstore.upload_parts``) in one process, on moto's S3 server.
+"""Per-rank uploads (``ckptstore.tiers.upload_parts``) in one process, on moto's S3 server.
 
 Each "rank" is a :class:`Replicator` with its ``rank`` set, uploading from a local store that
 holds a sharded step of 2 ranks (written with the local commit protocol): the manifest is put
@@ -18,13 +18,13 @@ pytest.importorskip("moto.server")
 
 from s3server import S3Endpoint
 
-from ckptstore import upload_parts
 from ckptstore.errors import IntegrityError
 from ckptstore.layout import step_dirname
 from ckptstore.manifest import Manifest
-from ckptstore.replica import Replicator
+from ckptstore.ops.verify import verify_checkpoint
 from ckptstore.storage import Storage, open_storage
-from ckptstore.verify import verify_checkpoint
+from ckptstore.tiers import upload_parts
+from ckptstore.tiers.replica import Replicator
 
 pytestmark = pytest.mark.timeout(60)
 

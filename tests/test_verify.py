@@ -26,7 +26,7 @@ from _helpers import (
 
 from ckptstore import CheckpointManager, VerifyReport
 from ckptstore.integrity import crc32c_of, format_crc
-from ckptstore.verify import verify_checkpoint
+from ckptstore.ops.verify import verify_checkpoint
 
 FORMATS = [("safetensors", None), ("torch", None), ("safetensors", "zstd"), ("torch", "zstd")]
 
@@ -337,7 +337,7 @@ def test_dtensor_manifest_must_list_the_index(mixed_store: tuple[Path, dict[str,
 
 
 def test_block_checker_across_slices_and_overlaps() -> None:
-    from ckptstore.verify import _Block, _BlockChecker
+    from ckptstore.ops.verify import _Block, _BlockChecker
 
     data = bytes(range(256)) * 40  # 10240 bytes
     spans = [(0, 4096), (4096, 8192), (8192, 10000), (100, 5000), (10000, 10000)]

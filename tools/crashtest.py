@@ -20,7 +20,7 @@ with SIGKILL after a random delay, then checks the store from this process:
 Stores: a local directory, and S3 (moto's server on loopback, tests/s3server.py).
 
 **Uploads.** ``--upload-trials`` kills (SIGKILL) an uploader of the replica tier
-(``ckptstore.replica.Replicator``) at a random moment of uploading a local store of two
+(``ckptstore.tiers.replica.Replicator``) at a random moment of uploading a local store of two
 steps (6 MB payloads, multipart, and small ones) to a fresh S3 prefix. After each kill:
 every step visible on the replica verifies deeply and its manifest is the local one byte
 for byte, and every step the uploader reported safe is there; then a new uploader on the

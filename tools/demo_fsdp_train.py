@@ -10,7 +10,7 @@ tensor of the model and of the optimizer's moments at each saved step (``full_te
 a collective, so every rank holds the same digests), and the loss of every step.
 
 ``--kill-at-save N --kill-rank R``: rank R SIGKILLs itself inside ckptstore's sharded save
-of step N, right after its shard file is written and fsynced (``ckptstore.sharding.
+of step N, right after its shard file is written and fsynced (``ckptstore.sharded.plan.
 write_shards`` is wrapped here, in the demo only), so the save is in flight on every rank.
 
 ``--single``: no process group; restore ``--check-steps`` one by one into a plain model and
@@ -114,7 +114,7 @@ def write_result(path: str, result: dict[str, Any]) -> None:
 
 def kill_inside_save(step: int) -> None:
     """SIGKILL this rank inside the sharded save of ``step``, after its shard is on disk."""
-    from ckptstore import sharding
+    from ckptstore.sharded import plan as sharding
 
     real = sharding.write_shards
 

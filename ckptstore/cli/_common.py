@@ -10,7 +10,7 @@ from collections.abc import Iterator, Sequence
 from typing import Any, Protocol
 
 from ..errors import CkptStoreError
-from ..stores import is_local
+from ..ops.stores import is_local
 
 __all__ = [
     "Command",

@@ -59,8 +59,6 @@ def completion_script(parser: argparse.ArgumentParser) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    """Print the script (the same for bash and zsh)."""
-    from .main import build_parser
-
-    print(completion_script(build_parser()), end="")
+    """Print the script (the same for bash and zsh) for the whole parser, ``args.parser``."""
+    print(completion_script(args.parser), end="")
     return 0

@@ -10,7 +10,7 @@ from ._common import add_root, as_json, step_arg, storage_options
 from ._output import print_json, table
 
 if TYPE_CHECKING:
-    from ..diff import DiffResult
+    from ..ops.diff import DiffResult
 
 NAME = "diff"
 HELP = "compare two checkpoints: keys added/removed/changed, max |a-b|"
@@ -25,7 +25,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Compare; exit 0 when identical, 1 when they differ."""
-    from ..diff import diff_steps  # torch: imported only when this command runs
+    from ..ops.diff import diff_steps  # torch: imported only when this command runs
 
     opts = storage_options(args, args.root)
     res = diff_steps(args.root, args.a, args.b, storage_options=opts)

@@ -15,7 +15,7 @@ HELP = (
 
 
 def _size_arg(text: str) -> int:
-    from ..consolidate import parse_size  # torch: only when the flag is given
+    from ..sharded.consolidate import parse_size  # torch: only when the flag is given
 
     try:
         return parse_size(text)
@@ -66,7 +66,7 @@ def run(args: argparse.Namespace) -> int:
         return _run_hf(args, opts)
     if args.max_shard_size is not None:
         raise UsageError("--max-shard-size applies to --hf only")
-    from ..export import export_step  # torch: imported only when this command runs
+    from ..ops.export import export_step  # torch: imported only when this command runs
 
     with Bar("export", unit="phase") as bar:
         res = export_step(
@@ -91,8 +91,8 @@ def run(args: argparse.Namespace) -> int:
 
 
 def _run_hf(args: argparse.Namespace, opts: dict[str, object]) -> int:
-    from ..consolidate import DEFAULT_MAX_SHARD
-    from ..export import export_hf_step
+    from ..ops.export import export_hf_step
+    from ..sharded.consolidate import DEFAULT_MAX_SHARD
 
     with Bar("export", unit="B") as bar:
         hf = export_hf_step(

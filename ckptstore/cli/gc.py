@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import argparse
 
-from .. import upload_parts
-from ..steps import gc_store
-from ..stores import open_store
+from ..ops.steps import gc_store
+from ..ops.stores import open_store
+from ..tiers import upload_parts
 from ._common import add_root, as_json, storage_options
 from ._output import print_json
 

@@ -35,7 +35,7 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
 
 def run(args: argparse.Namespace) -> int:
     """Import; print the notes (what was changed or dropped) and where it went."""
-    from ..importers import import_file  # torch: imported only when this command runs
+    from ..ops.importers import import_file  # torch: imported only when this command runs
 
     opts = storage_options(args, args.root)
     with Bar("import", unit="phase") as bar:

@@ -5,9 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from ..chunks import INDEX_FILE
-from ..inspect import InspectResult, inspect_step
 from ..integrity import format_crc
+from ..ops.inspect import InspectResult, inspect_step
+from ..sharded.chunks import INDEX_FILE
 from ._common import add_root, as_json, step_arg, storage_options
 from ._output import created_text, human_bytes, metrics_text, print_json, table
 

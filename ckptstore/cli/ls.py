@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..listing import Listings, StepInfo, StoreListing, list_stores
+from ..ops.listing import Listings, StepInfo, StoreListing, list_stores
 from ._common import add_root, as_json, storage_options
 from ._output import created_text, human_bytes, metrics_text, plural, print_json, table
 

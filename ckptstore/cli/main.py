@@ -24,9 +24,9 @@ import sys
 from collections.abc import Iterator
 from typing import NoReturn
 
-from .. import __version__
+from .._version import __version__
 from ..errors import CkptStoreError
-from ..stores import is_local, remote_error
+from ..ops.stores import is_local, remote_error
 from . import (
     completion,
     diff,
@@ -116,7 +116,9 @@ def build_parser() -> argparse.ArgumentParser:
     for name, help, module in COMMANDS:
         p = sub.add_parser(name, parents=[common], help=help, description=help)
         module.add_arguments(p)
-        p.set_defaults(func=module.run, subparser=p)
+        # The whole parser rides along: ``completion`` walks it (and so needs no import of
+        # this module, which imports every command).
+        p.set_defaults(func=module.run, subparser=p, parser=parser)
     return parser
 
 

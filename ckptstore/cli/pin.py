@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..steps import pin_steps
+from ..ops.steps import pin_steps
 from ._common import add_root, add_steps, as_json, storage_options, usage_errors
 from ._output import print_json, steps_text
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import argparse
 
+from ..ops.steps import PruneResult, prune_store
 from ..retention import KeepBest, KeepEvery, KeepLast, RetentionPolicy
-from ..steps import PruneResult, prune_store
 from ._common import UsageError, add_root, as_json, positive_arg, storage_options, usage_errors
 from ._output import plural, print_json, steps_text
 

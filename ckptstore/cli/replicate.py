@@ -11,8 +11,8 @@ import contextlib
 import signal
 import threading
 
-from ..replica import replicate
 from ..retention import KeepLast
+from ..tiers.replica import replicate
 from ._common import add_root, as_json, positive_arg, storage_options
 from ._output import print_json, steps_text
 

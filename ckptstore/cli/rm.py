@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from ..steps import delete_steps
+from ..ops.steps import delete_steps
 from ._common import add_root, add_steps, as_json, storage_options, usage_errors
 from ._output import plural, print_json, steps_text
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 import argparse
 
 from ..integrity import VerifyReport
-from ..verify import verify_path
+from ..ops.verify import verify_path
 from ._common import as_json, step_arg, storage_options, usage_errors
 from ._output import Bar, human_bytes, one_line, plural, print_json
 

@@ -37,7 +37,17 @@ except ImportError:  # pragma: no cover - numpy is present wherever tests run
     _numpy = None  # type: ignore[assignment]
 np: Any = _numpy
 
-__all__ = ["SUPPORTED_DTYPES", "TreeDecoder", "TreeEncoder", "format_path", "stored_tensors"]
+__all__ = [
+    "STATE_FORMAT",
+    "SUPPORTED_DTYPES",
+    "TreeDecoder",
+    "TreeEncoder",
+    "format_path",
+    "stored_tensors",
+]
+
+#: Version of the state.json tree format.
+STATE_FORMAT = 1
 
 #: dtype name <-> torch dtype for every dtype the payload formats store.
 SUPPORTED_DTYPES: dict[str, torch.dtype] = {name: getattr(torch, name) for name in ITEMSIZE}

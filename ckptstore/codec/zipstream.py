@@ -10,9 +10,9 @@ tensor, or a fresh one. An archive not laid out so is read whole and given to ``
 
 The content of a compressed payload has no central directory to read first:
 :class:`SequentialDecoder` follows it front to back and checks the directory last, and
-:class:`ZipStreamChecker` checks it (``verify``) without torch. The whole-archive
-functions (write, load, :func:`~ckptstore.codec.torchzip.check_zip`) are in
-:mod:`ckptstore.codec.torchzip`.
+:class:`~.zipcheck.ZipStreamChecker` checks it (``verify``) without torch; the records of
+the format are in :mod:`.ziprecords`. The whole-archive functions (write, load,
+:func:`~ckptstore.codec.torchzip.check_zip`) are in :mod:`ckptstore.codec.torchzip`.
 """
 
 from __future__ import annotations
@@ -20,15 +20,34 @@ from __future__ import annotations
 import io
 import math
 import pickle
-import re
 import struct
 import zlib
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import IntegrityError, UnsafeCheckpointError
 from ..integrity import BLOCK, check_blocks
 from .torchzip import _compressed
+from .zipcheck import ZipStreamChecker
+from .ziprecords import (
+    _CDH,
+    _DD,
+    _EOCD,
+    _LFH,
+    _MAX_MEMBERS,
+    _MAX_SCANNED,
+    _TAIL,
+    MAX_DIRECTORY_BYTES,
+    MAX_RECORD_BYTES,
+    NotStreamable,
+    _bad,
+    _has_zip64,
+    _held_directory,
+    _lfh_lengths,
+    _Member,
+    _zip64_extra,
+    parse_directory,
+)
 
 if TYPE_CHECKING:
     import torch
@@ -46,131 +65,6 @@ __all__ = [
 
 
 # ---- streaming restore ------------------------------------------------------------------
-
-#: Bounds on hostile archives: the central directory and the small records (data.pkl,
-#: byteorder, version) are held in memory; a real one has a few hundred bytes per member.
-MAX_DIRECTORY_BYTES = 64 << 20
-MAX_RECORD_BYTES = 256 << 20
-#: How much of the end of the file is searched for the end-of-central-directory record
-#: (22 bytes, a comment of at most 64 KiB, a zip64 locator and record before it).
-_TAIL = (64 << 10) + 22 + 20 + 56
-_EOCD = 0x06054B50
-_EOCD64 = 0x06064B50
-_LOC64 = 0x07064B50
-_CDH = 0x02014B50
-_LFH = 0x04034B50
-
-
-class _Member:
-    __slots__ = ("crc", "data_start", "dest", "head", "lho", "name", "size")
-
-    def __init__(self, name: str, lho: int, size: int, crc: int = 0) -> None:
-        self.crc = crc  # the CRC-32 the central directory gives
-        self.name = name
-        self.lho = lho
-        self.size = size
-        self.data_start = -1  # known once its local header streamed by
-        self.head = bytearray()
-        self.dest: memoryview | None = None
-
-
-class NotStreamable(Exception):
-    """The archive is valid but not laid out as ``torch.save`` writes it."""
-
-
-def _bad(where: str, what: str) -> IntegrityError:
-    return IntegrityError(f"{where}: not a readable torch zip archive: {what}")
-
-
-def parse_directory(size: int, read: Callable[[int, int], memoryview], where: str) -> list[_Member]:
-    """The members of a stored zip of ``size`` bytes, from its (checked) central directory.
-
-    Args:
-        size: the file's size.
-        read: ``read(offset, length)``: those bytes of the file, already checked.
-        where: names the file in messages.
-
-    Returns:
-        The members in file order, each with its local header offset and stored size.
-
-    Raises:
-        IntegrityError: no end record, a directory out of bounds or over
-            :data:`MAX_DIRECTORY_BYTES`, a compressed member, or members that overlap.
-        NotStreamable: a multi-disk archive, or anything else torch.save never writes.
-    """
-    tail_len = min(size, _TAIL)
-    tail = bytes(read(size - tail_len, tail_len))
-    at = tail.rfind(struct.pack("<I", _EOCD))
-    if at < 0 or at + 22 > len(tail):
-        raise _bad(where, "no end of central directory record (truncated?)")
-    _, disk, cd_disk, _, count, cd_size, cd_off, _ = struct.unpack("<IHHHHIIH", tail[at : at + 22])
-    if disk or cd_disk:
-        raise NotStreamable
-    if 0xFFFF in (count,) or 0xFFFFFFFF in (cd_size, cd_off):
-        loc = at - 20
-        if loc < 0 or struct.unpack("<I", tail[loc : loc + 4])[0] != _LOC64:
-            raise _bad(where, "zip64 end record locator missing")
-        (z64,) = struct.unpack("<Q", tail[loc + 8 : loc + 16])
-        rec_at = z64 - (size - tail_len)
-        if not 0 <= rec_at <= len(tail) - 56:
-            raise NotStreamable  # a zip64 record out of the tail: not torch.save's layout
-        sig, _, _, _, _, _, _, count, cd_size, cd_off = struct.unpack(
-            "<IQHHIIQQQQ", tail[rec_at : rec_at + 56]
-        )
-        if sig != _EOCD64:
-            raise _bad(where, "zip64 end record missing")
-    if cd_size > MAX_DIRECTORY_BYTES or cd_off + cd_size > size or count > cd_size // 46:
-        raise _bad(where, f"central directory of {cd_size} bytes at {cd_off} is out of bounds")
-    cd = bytes(read(cd_off, cd_size))
-    members: list[_Member] = []
-    pos = 0
-    for _ in range(count):
-        if pos + 46 > len(cd) or struct.unpack("<I", cd[pos : pos + 4])[0] != _CDH:
-            raise _bad(where, "central directory entry malformed")
-        (flags, method, _, _, crc, csize, usize, nlen, xlen, clen, disk_no, _, _, lho) = (
-            struct.unpack("<HHHHIIIHHHHHII", cd[pos + 8 : pos + 46])
-        )
-        name_b = cd[pos + 46 : pos + 46 + nlen]
-        extra = cd[pos + 46 + nlen : pos + 46 + nlen + xlen]
-        pos += 46 + nlen + xlen + clen
-        if pos > len(cd):
-            raise _bad(where, "central directory entry runs past its end")
-        if method != 0:
-            raise _compressed(where, name_b.decode("utf-8", "replace"), method, csize, usize)
-        if flags & 1:
-            raise _bad(where, f"member {name_b!r} is encrypted")
-        # zip64 extra: the fields that are 0xFFFFFFFF in the entry, in this order.
-        want = [v == 0xFFFFFFFF for v in (usize, csize, lho)] + [disk_no == 0xFFFF]
-        if any(want):
-            vals = _zip64_extra(extra, sum(want[:3]), where)
-            it = iter(vals)
-            usize = next(it) if want[0] else usize
-            csize = next(it) if want[1] else csize
-            lho = next(it) if want[2] else lho
-        if csize != usize:
-            raise _bad(where, f"member {name_b!r} is stored in {csize} bytes but holds {usize}")
-        members.append(_Member(name_b.decode("utf-8", "replace"), lho, usize, crc))
-    members.sort(key=lambda m: m.lho)
-    end = 0
-    for m in members:
-        # 30 header bytes at least, then the data: members may not overlap or pass the
-        # central directory (a hostile one could point two members at one range).
-        if m.lho < end or m.lho + 30 + m.size > cd_off:
-            raise _bad(where, f"member {m.name!r} overlaps another or the central directory")
-        end = m.lho + 30 + m.size
-    return members
-
-
-def _zip64_extra(extra: bytes, n: int, where: str) -> list[int]:
-    pos = 0
-    while pos + 4 <= len(extra):
-        hid, hlen = struct.unpack("<HH", extra[pos : pos + 4])
-        if hid == 1:
-            if hlen < 8 * n or pos + 4 + 8 * n > len(extra):
-                break
-            return list(struct.unpack(f"<{n}Q", extra[pos + 4 : pos + 4 + 8 * n]))
-        pos += 4 + hlen
-    raise _bad(where, "zip64 sizes missing from a member's extra field")
 
 
 class StreamDecoder:
@@ -395,11 +289,6 @@ class StreamDecoder:
         return out
 
 
-def _lfh_lengths(head: bytearray) -> int:
-    nlen, xlen = struct.unpack("<HH", head[26:30])
-    return int(nlen + xlen)
-
-
 def _bytes_of(t: Any) -> memoryview:
     from .safetensors import tensor_bytes
 
@@ -434,13 +323,6 @@ def open_stream(
 
 
 # ---- streaming a compressed archive: no central directory first -------------------------
-
-_DD = 0x08074B50
-#: Most bytes of a record whose size its local header leaves to the data descriptor and
-#: data.pkl does not give (data.pkl itself, byteorder, version, ...): searched for its end.
-_MAX_SCANNED = MAX_RECORD_BYTES
-#: Most members followed front to back (a central directory of its bound holds no more).
-_MAX_MEMBERS = MAX_DIRECTORY_BYTES // 46
 
 
 class SequentialDecoder(StreamDecoder):
@@ -699,270 +581,3 @@ class SequentialDecoder(StreamDecoder):
         if listed != seen:
             raise _bad(self.where, "the central directory disagrees with the local headers")
         return super().result()
-
-
-def _held_directory(where: str, base: int, tail: bytearray, size: int) -> list[_Member]:
-    """The central directory of a ``size``-byte archive, parsed from its held tail.
-
-    ``tail`` holds the archive's bytes from ``base`` on (a stream decoder's last bytes);
-    a directory that points outside them is refused.
-    """
-
-    def read(offset: int, length: int) -> memoryview:
-        if offset < base or offset + length > size:
-            raise _bad(where, "the central directory is not where the members end")
-        return memoryview(tail)[offset - base : offset - base + length]
-
-    return parse_directory(size, read, where)
-
-
-def _has_zip64(extra: bytes) -> bool:
-    pos = 0
-    while pos + 4 <= len(extra):
-        hid, hlen = struct.unpack("<HH", extra[pos : pos + 4])
-        if hid == 1:
-            return True
-        pos += 4 + hlen
-    return False
-
-
-class ZipStreamChecker:
-    """Checks a stored zip front to back as it streams by, holding a few KiB, not the file.
-
-    What :func:`check_zip` with ``deep`` checks of a whole archive, for the content of a
-    compressed payload (``verify``): every member stored, not encrypted, its CRC-32
-    right, and the central directory at the end (bounded by :data:`MAX_DIRECTORY_BYTES`)
-    listing exactly the members that streamed by, with their sizes and CRCs. A member
-    whose size its local header leaves to a data descriptor (``torch.save`` writes them
-    so) ends at the first descriptor that gives the bytes before it and their CRC-32; the
-    CRC runs along the data, so looking costs no second pass. Needs no torch.
-    """
-
-    def __init__(self, where: str) -> None:
-        """Check the archive named ``where`` in messages."""
-        self.where = where
-        #: (name, local header offset, size, CRC-32) of the members seen, in file order.
-        self.members: list[tuple[str, int, int, int]] = []
-        self._pos = 0
-        self._state = "head"
-        self._buf = bytearray()  # a header or the directory
-        self._name = ""
-        self._lho = 0
-        self._sized = True
-        self._zip64 = False
-        self._size = 0  # of the current member: known, or its bytes so far
-        self._done = 0  # bytes of a member of known size seen
-        self._want_crc = 0
-        self._crc = 0
-        self._carry = bytearray()  # unsized member: its last bytes, a descriptor may start there
-        self._mismatch = ""  # the first member whose descriptor's sizes fit but not its CRC
-        self._recent = bytearray()
-        self._tail_base = -1
-        #: The most bytes held at once.
-        self.peak = 0
-
-    def __call__(self, offset: int, chunk: memoryview) -> None:
-        """Check the next ``chunk`` of the archive, found at ``offset`` (in order)."""
-        if offset != self._pos:
-            raise ValueError(f"bytes at {offset} fed after {self._pos}: feed in order")
-        mv = memoryview(chunk).cast("B")
-        while len(mv):
-            state = self._state
-            if state == "dir":
-                self._buf += mv
-                if len(self._buf) > MAX_DIRECTORY_BYTES + 2 * _TAIL:
-                    raise _bad(self.where, "central directory over its bound")
-                n = len(mv)
-            elif state == "head":
-                n = self._header(mv)
-            elif state == "data":
-                n = min(self._size - self._done, len(mv))
-                self._crc = zlib.crc32(mv[:n], self._crc)
-                self._done += n
-                if self._done == self._size:
-                    self._state = "desc" if not self._sized else "head"
-                    if self._sized:
-                        self._end_member(self._want_crc, self._size, self._size)
-            elif state == "desc":
-                n = self._descriptor(mv)
-            else:
-                n = self._scan(mv)
-            if state != "dir":
-                _keep_tail(self._recent, mv[:n])
-            self._pos += n
-            mv = mv[n:]
-        self.peak = max(self.peak, len(self._buf) + len(self._recent) + len(self._carry))
-
-    def _header(self, mv: memoryview) -> int:
-        buf = self._buf
-        need = 30 if len(buf) < 30 else 30 + _lfh_lengths(buf)
-        take = min(need - len(buf), len(mv))
-        buf += mv[:take]
-        if len(buf) >= 4:
-            sig = struct.unpack("<I", buf[:4])[0]
-            if sig in (_CDH, _EOCD):  # __call__ keeps these bytes in _recent too
-                self._buf = bytearray(self._recent) + mv[:take]
-                self._tail_base = self._pos + take - len(self._buf)
-                self._state = "dir"
-                return take
-            if sig != _LFH:
-                raise _bad(self.where, f"no local header at byte {self._pos + take - len(buf)}")
-        if len(buf) < 30 or len(buf) < 30 + _lfh_lengths(buf):
-            return take
-        (flags, method, _, _, crc, csize, usize, nlen, xlen) = struct.unpack(
-            "<HHHHIIIHH", buf[6:30]
-        )
-        name = bytes(buf[30 : 30 + nlen]).decode("utf-8", "replace")
-        extra = bytes(buf[30 + nlen : 30 + nlen + xlen])
-        if method != 0:
-            raise _compressed(self.where, name, method, csize, usize)
-        if flags & 1:
-            raise _bad(self.where, f"member {name!r} is encrypted")
-        if len(self.members) >= _MAX_MEMBERS:
-            raise _bad(self.where, f"more than {_MAX_MEMBERS} members")
-        self._name, self._lho = name, self._pos + take - len(buf)
-        self._zip64 = _has_zip64(extra)
-        self._sized = not flags & 8
-        self._crc = 0
-        self._done = 0
-        buf.clear()
-        if self._sized:
-            if self._zip64:
-                usize, csize = _zip64_extra(extra, 2, self.where)
-            if csize != usize:
-                raise _bad(self.where, f"member {name!r} is stored in {csize} bytes, holds {usize}")
-            self._size, self._want_crc = usize, crc
-            self._state = "data"
-            if not usize:
-                self._state = "head"
-                self._end_member(crc, 0, 0)
-        else:
-            self._size = 0
-            self._carry.clear()
-            self._state = "scan"
-        return take
-
-    def _dlen(self) -> int:
-        return 24 if self._zip64 else 16
-
-    def _desc(self, d: bytes | bytearray | memoryview) -> tuple[int, int, int, int]:
-        sig, crc = struct.unpack("<II", d[:8])
-        csize, usize = struct.unpack("<QQ" if self._zip64 else "<II", d[8 : self._dlen()])
-        return sig, crc, csize, usize
-
-    def _descriptor(self, mv: memoryview) -> int:
-        take = min(self._dlen() - len(self._buf), len(mv))
-        self._buf += mv[:take]
-        if len(self._buf) == self._dlen():
-            sig, crc, csize, usize = self._desc(self._buf)
-            self._buf.clear()
-            if sig != _DD:
-                raise _bad(self.where, f"member {self._name!r} has no data descriptor")
-            self._end_member(crc, csize, usize)
-            self._state = "head"
-        return take
-
-    def _scan(self, mv: memoryview) -> int:
-        """Member data of unknown size: its end is the first descriptor that matches it.
-
-        ``_carry`` holds the last bytes of the member not yet known to be data (fewer than
-        a descriptor: one may start in them); ``_size`` and ``_crc`` cover the bytes
-        before. The carried bytes are looked at again with the next few.
-        """
-        carry = self._carry
-        if not carry:
-            return self._scan_buf(mv)
-        held, dlen = len(carry), self._dlen()
-        if len(mv) < dlen:  # a tiny piece: carried bytes and piece scanned as one
-            head = bytes(carry) + bytes(mv)
-            carry.clear()
-            return self._scan_buf(memoryview(head)) - held
-        # Every descriptor that starts in the carried bytes ends in the next dlen - 1.
-        head = bytes(carry) + bytes(mv[: dlen - 1])
-        q = _find(memoryview(head), 0)
-        while 0 <= q < held:
-            _, crc, csize, usize = self._desc(head[q : q + dlen])
-            if csize == usize == self._size + q and crc == zlib.crc32(head[:q], self._crc):
-                self._size, self._crc = self._size + q, crc
-                carry.clear()
-                self._end_member(crc, csize, usize)
-                self._state = "head"
-                return q + dlen - held
-            if csize == usize == self._size + q:
-                self._mismatch = self._mismatch or self._name
-            q = _find(memoryview(head), q + 1)
-        self._crc = zlib.crc32(carry, self._crc)
-        self._size += held
-        carry.clear()
-        return self._scan_buf(mv)
-
-    def _scan_buf(self, buf: memoryview) -> int:
-        """Scan ``buf`` (the next bytes of the member); returns how many were used."""
-        dlen = self._dlen()
-        start = 0  # buf[:start] is data, counted in _size and _crc
-        p = _find(buf, 0)
-        while p >= 0 and p + dlen <= len(buf):
-            _, crc, csize, usize = self._desc(buf[p : p + dlen])
-            if csize == usize == self._size + p - start:  # cheap: the CRC only then
-                self._crc = zlib.crc32(buf[start:p], self._crc)
-                self._size += p - start
-                start = p
-                if crc == self._crc:
-                    self._end_member(crc, csize, usize)
-                    self._state = "head"
-                    return p + dlen
-                self._mismatch = self._mismatch or self._name  # its data, or a look-alike
-            p = _find(buf, p + 1)
-        keep = max(start, len(buf) - (dlen - 1))
-        self._crc = zlib.crc32(buf[start:keep], self._crc)
-        self._size += keep - start
-        self._carry += buf[keep:]
-        return len(buf)
-
-    def _end_member(self, crc: int, csize: int, usize: int) -> None:
-        if csize != usize or usize != self._size:
-            raise _bad(self.where, f"member {self._name!r}: its sizes disagree")
-        if crc != self._crc:
-            raise IntegrityError(f"{self.where}: zip member {self._name!r} fails its CRC-32 check")
-        self.members.append((self._name, self._lho, self._size, crc))
-
-    def finish(self) -> int:
-        """Check the central directory against the members; returns their number.
-
-        Raises:
-            IntegrityError: the archive is truncated, or its directory disagrees.
-        """
-        if self._state != "dir":
-            if self._mismatch:  # a descriptor of the right size was passed over: its CRC
-                raise IntegrityError(
-                    f"{self.where}: zip member {self._mismatch!r} fails its CRC-32 check"
-                )
-            raise _bad(self.where, "the stream ended before the archive did")
-        listed = _held_directory(self.where, self._tail_base, self._buf, self._pos)
-        if not any(n.endswith("/data.pkl") or n == "data.pkl" for n, *_ in self.members):
-            raise IntegrityError(
-                f"{self.where}: zip archive has no data.pkl; not a torch.save file"
-            )
-        got = [(m.name, m.lho, m.size, m.crc) for m in listed]
-        if got != self.members:
-            raise _bad(self.where, "the central directory disagrees with the local headers")
-        return len(self.members)
-
-
-_DD_RE = re.compile(re.escape(struct.pack("<I", _DD)))
-
-
-def _find(mv: memoryview, start: int) -> int:
-    """Where the next data descriptor signature in ``mv`` starts (-1: none); no copy."""
-    m = _DD_RE.search(mv, start)
-    return -1 if m is None else m.start()
-
-
-def _keep_tail(recent: bytearray, b: memoryview) -> None:
-    """Keep the last bytes before a zip's directory: its end record is searched there."""
-    if len(b) >= _TAIL:
-        recent[:] = b[-_TAIL:]
-    else:
-        recent += b
-        if len(recent) > 2 * _TAIL:
-            del recent[:-_TAIL]

@@ -75,9 +75,9 @@ import torch
 from .._log import logger as log
 from ..errors import StateMismatchError, StepExistsError
 from ..manager import CheckpointManager
-from ..modules import RNGState, load_module_state
 from ..retention import RetentionPolicy
-from ..staging import SaveHandle
+from ..save.staging import SaveHandle
+from ..state.modules import RNGState, load_module_state
 
 try:
     from transformers import TrainerCallback

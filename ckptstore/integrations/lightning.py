@@ -105,9 +105,9 @@ from ..errors import (
     UnsafeCheckpointError,
 )
 from ..manager import CheckpointManager
-from ..single import fsync_path
-from ..state import kind_of
-from ..verify import verify_file
+from ..ops.single import fsync_path
+from ..ops.verify import verify_file
+from ..state.capture import kind_of
 
 try:
     from lightning.fabric.plugins.io.checkpoint_io import CheckpointIO

@@ -10,15 +10,10 @@ only then retention. Backends implement the primitive operations (``_open_write`
 from __future__ import annotations
 
 import abc
-import atexit
 import contextlib
-import dataclasses
 import errno
-import os
-import queue
-import threading
-from collections.abc import Callable, Iterable, Iterator, Mapping
-from typing import IO, Any, ClassVar, Protocol, cast
+from collections.abc import Callable, Mapping
+from typing import IO, ClassVar
 
 from ..errors import (
     CommitError,
@@ -27,11 +22,10 @@ from ..errors import (
     NoCheckpointError,
     StepExistsError,
 )
-from ..integrity import CRCWriter, check_blocks, crc32c_of, format_crc
+from ..integrity import crc32c_of, format_crc
 from ..layout import (
     MANIFEST_NAME,
     PIN_NAME,
-    is_garbage_name,
     is_store_entry,
     is_tmp_name,
     old_dirname,
@@ -42,6 +36,12 @@ from ..layout import (
     trash_dirname,
 )
 from ..manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, validate_file_name
+from .blockgate import READ_CHUNK, BlockGate, Consumer
+from .deletion import _deleter, wait_for_deletions
+from .pending import Pending
+from .protocols import WriterLock
+from .ranges import RangeReader
+from .rootstate import RootState, split_root
 
 __all__ = [
     "BlockGate",
@@ -55,238 +55,10 @@ __all__ = [
 
 from .._log import logger as log
 
-#: Files are read in slices of this size while their checksum is computed.
-READ_CHUNK = 16 << 20
-
-
-class ChecksummingWriter(Protocol):
-    """A file object that computes the CRC32C and size of what it writes."""
-
-    crc: int
-    nbytes: int
-    #: Per-block CRC32Cs (``FileEntry.blocks``); ``None`` for a file of one block or less.
-    blocks: tuple[int, ...] | None
-
-    def write(self, data: Any, /) -> int:
-        """Write and checksum ``data``."""
-        ...
-
-
-class WriterLock(Protocol):
-    """The store's writer lock: acquired without waiting, held until released."""
-
-    @property
-    def is_locked(self) -> bool:
-        """Whether this process holds it."""
-        ...
-
-    def acquire(self, timeout: float = 0) -> None:
-        """Take the lock or raise StoreLockedError."""
-        ...
-
-    def release(self) -> None:
-        """Give it back."""
-        ...
-
-
-#: Receives a file's bytes in order: ``consume(offset, chunk)``.
-Consumer = Callable[[int, memoryview], None]
-
-
-class Pending:
-    """A checkpoint being written: a directory that readers never look at.
-
-    On a local filesystem it is ``.tmp-step-N-<uuid>/``; on a store without rename it is
-    ``step-N/`` itself, invisible until its manifest is put (or, when it replaces a corrupt
-    committed ``step-N``, a ``.tmp-`` prefix that is copied into place at commit).
-    """
-
-    def __init__(self, storage: Storage, step: int, dirname: str, *, replace: bool = False) -> None:
-        self.storage = storage
-        self.step = step
-        self.dirname = dirname
-        #: The save replaces a committed (corrupt) ``step-N``, which stays until the commit.
-        self.replace = replace
-        self.files: dict[str, FileEntry] = {}
-        self._lock = threading.Lock()
-
-    @contextlib.contextmanager
-    def open(
-        self, name: str, *, codec: str, compression: str | None = None, rank: int | None = None
-    ) -> Iterator[ChecksummingWriter]:
-        """Open a new payload file; on clean exit it is durable and in :attr:`files`.
-
-        The yielded writer checksums every byte on its way to the file.
-        """
-        validate_file_name(name)
-        if name in self.files:
-            raise CommitError(f"file {name!r} written twice into step {self.step}")
-        rel = f"{self.dirname}/{name}"
-        f = self.storage._open_write(rel)
-        try:
-            # A backend writer that checksums on its own (DirectWriter) is used as is;
-            # anything else is wrapped so the CRC is still computed on the way out.
-            # (Attribute checks, not isinstance on the runtime Protocol: that costs ~0.1 ms.)
-            checksums = hasattr(f, "crc") and hasattr(f, "nbytes")
-            w = cast(ChecksummingWriter, f if checksums else CRCWriter(f))
-            yield w
-            self.storage._finish_write(f, rel)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                abort = getattr(f, "abort", None)
-                (abort or f.close)()  # never fsync or finish a file that failed
-            raise
-        with self._lock:
-            self.files[name] = FileEntry(w.nbytes, w.crc, codec, compression, rank, w.blocks)
-
-    def write_bytes(self, name: str, data: bytes, *, codec: str, rank: int | None = None) -> None:
-        """Write a small file in one go."""
-        with self.open(name, codec=codec, rank=rank) as w:
-            w.write(data)
-
-
-class BlockGate:
-    """A stream consumer that passes bytes on only once their block's CRC32C passed.
-
-    Slices that start on a block boundary are checked where they are and passed on whole
-    (the local reader's slices are whole blocks); the bytes of a block that arrives in
-    pieces are gathered first (at most one block and one slice are held).
-    """
-
-    def __init__(self, entry: FileEntry, where: str, consume: Consumer | None) -> None:
-        self.entry = entry
-        self.where = where
-        self.consume = consume
-        self.verified = 0  # bytes of the file checked (and passed on) so far
-        self._held = bytearray()  # bytes from `verified` on, not yet checked
-
-    def __call__(self, offset: int, chunk: memoryview) -> None:
-        """Consume the bytes ``chunk`` found at ``offset`` of the file."""
-        if offset != self.verified + len(self._held):
-            raise IntegrityError(f"{self.where}: bytes at {offset} arrived out of order")
-        if not self._held:
-            n = self._pass(offset, chunk)
-            if n < len(chunk):
-                self._held += chunk[n:]
-            return
-        self._held += chunk
-        n = self._pass(self.verified, memoryview(self._held))
-        del self._held[:n]
-
-    def _pass(self, offset: int, data: memoryview) -> int:
-        n = check_blocks(self.entry, offset, data, self.where)
-        if n and self.consume is not None:
-            self.consume(offset, data[:n])
-        self.verified = offset + n
-        return n
-
-    def finish(self, got: int) -> None:
-        """Check that every byte was verified (the stream ended at ``got`` bytes)."""
-        if self.verified != self.entry.bytes or self._held:
-            raise IntegrityError(
-                f"{self.where}: read {got} bytes, of which {self.verified} verified; the "
-                f"manifest says {self.entry.bytes}: it is truncated or changed while read"
-            )
-
-
-class RangeReader:
-    """Reads byte ranges of a committed checkpoint's files, each file opened once.
-
-    A file's size is checked against the manifest when it is opened. The bytes are not
-    checked here: callers check each range against its chunk CRCs (``chunks.read_box``).
-    Use as a context manager; ``read(name, offset, length)`` returns exactly ``length``
-    bytes or raises :class:`IntegrityError`.
-    """
-
-    def __init__(self, storage: Storage, step: int, files: Mapping[str, FileEntry]) -> None:
-        self.storage = storage
-        self.step = step
-        self.files = files
-        self.bytes_read = 0
-        self._open: dict[str, IO[bytes]] = {}
-        self._lock = threading.Lock()
-
-    def _file(self, name: str) -> IO[bytes]:
-        f = self._open.get(name)
-        if f is not None:
-            return f
-        where = self.storage.describe(self.step, name)
-        entry = self.files.get(name)
-        if entry is None:
-            raise IntegrityError(f"{where}: not listed in the manifest")
-        size = self.storage.file_size(self.step, name)
-        if size != entry.bytes:
-            raise IntegrityError(
-                f"{where}: file has {size} bytes, manifest says {entry.bytes}; "
-                "it is truncated, missing or replaced"
-            )
-        f = self.storage.open_file(self.step, name)
-        self._open[name] = f
-        return f
-
-    def read(self, name: str, offset: int, length: int) -> bytearray:
-        """``length`` bytes of ``name`` from ``offset``."""
-        where = self.storage.describe(self.step, name)
-        buf = bytearray(length)
-        mv = memoryview(buf)
-        with self._lock:
-            try:
-                f = self._file(name)
-                f.seek(offset)
-                got = 0
-                while got < length:
-                    n = f.readinto(mv[got:])  # type: ignore[attr-defined]
-                    if not n:
-                        break
-                    got += n
-            except OSError as e:
-                raise IntegrityError(f"{where}: unreadable ({e})") from None
-        if got != length:
-            raise IntegrityError(f"{where}: {length} bytes at {offset} not there; it is truncated")
-        self.bytes_read += length
-        return buf
-
-    def close(self) -> None:
-        """Close every opened file."""
-        for f in self._open.values():
-            with contextlib.suppress(OSError):
-                f.close()
-        self._open.clear()
-
-    def __enter__(self) -> RangeReader:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 #: How many entries of a directory that is not a store its messages name.
 _SAMPLE = 3
 #: Listings of the root started again when a step vanished under one (see Storage.scan).
 _SCAN_TRIES = 5
-
-
-@dataclasses.dataclass(frozen=True)
-class RootState:
-    """What a store's root is (:meth:`Storage.root_state`).
-
-    Attributes:
-        kind: ``"store"``, ``"missing"``, ``"file"``, ``"blocked"`` (a file where a parent
-            directory should be), ``"empty"`` (a directory with nothing in it) or
-            ``"other"`` (a directory holding entries ckptstore never makes).
-        sample: for ``"other"``: the first few of those entries, sorted.
-        count: for ``"other"``: how many entries there are.
-    """
-
-    kind: str
-    sample: tuple[str, ...] = ()
-    count: int = 0
-
-    def sample_text(self) -> str:
-        """``'a', 'b', 'c' and 4 more`` for messages."""
-        text = ", ".join(repr(n) for n in self.sample)
-        more = self.count - len(self.sample)
-        return f"{text} and {more} more" if more > 0 else text
 
 
 def step_exists_message(storage: Storage, step: int) -> str:
@@ -1013,87 +785,3 @@ class Storage(abc.ABC):
     def writer_lock(self) -> WriterLock | None:
         """A non-blocking writer lock object, or ``None`` where locking is not enforced."""
         return None
-
-
-def split_root(
-    names: Iterable[str], has_manifest: Callable[[str], bool]
-) -> tuple[list[int], list[str]]:
-    """Sort the entries of a store's root: ``(committed steps ascending, garbage sorted)``.
-
-    A step directory is committed when ``has_manifest(name)``, garbage otherwise; tmp and
-    trash entries are garbage; anything else (the lock, the listing cache) is neither.
-    """
-    steps = []
-    garbage = []
-    for name in names:
-        step = parse_step_dirname(name)
-        if step is not None:
-            if has_manifest(name):
-                steps.append(step)
-            else:
-                garbage.append(name)
-        elif is_garbage_name(name):
-            garbage.append(name)
-    return sorted(steps), sorted(garbage)
-
-
-class _Deleter:
-    """One background thread that removes trash, so deletion is never on the caller's path.
-
-    Unlinking a large file costs about 1 ms per MB here; a 10 GB checkpoint would stall a
-    training step for 10 s if removed inline.
-    """
-
-    def __init__(self) -> None:
-        self._q: queue.Queue[tuple[Storage, str, bool] | None] = queue.Queue()
-        self._thread: threading.Thread | None = None
-        self._lock = threading.Lock()
-        self._pid = os.getpid()
-
-    def submit(self, storage: Storage, rel: str, *, fsync_root: bool = False) -> None:
-        with self._lock:
-            if self._thread is None or not self._thread.is_alive() or self._pid != os.getpid():
-                self._q = queue.Queue() if self._pid != os.getpid() else self._q
-                self._pid = os.getpid()
-                self._thread = threading.Thread(
-                    target=self._run, name="ckptstore-deleter", daemon=True
-                )
-                self._thread.start()
-        self._q.put((storage, rel, fsync_root))
-
-    def _run(self) -> None:
-        while True:
-            item = self._q.get()
-            try:
-                if item is None:
-                    return
-                storage, rel, fsync_root = item
-                try:
-                    if fsync_root:  # the rename away is durable before any file goes
-                        storage._fsync_dir("")
-                    storage._rmtree(rel)
-                except FileNotFoundError:
-                    pass
-                except OSError as e:
-                    log.warning(
-                        "background delete of %s failed: %s", storage.describe() + "/" + rel, e
-                    )
-            finally:
-                self._q.task_done()
-
-    def join(self) -> None:
-        if self._thread is not None and self._pid == os.getpid():
-            self._q.join()
-
-
-_deleter = _Deleter()
-
-
-def wait_for_deletions() -> None:
-    """Block until every background deletion submitted so far has finished."""
-    _deleter.join()
-
-
-# Finish deleting at exit: what is left would be removed by the next gc, but a clean exit
-# should leave a clean store.
-atexit.register(wait_for_deletions)

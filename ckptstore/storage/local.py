@@ -22,7 +22,8 @@ from ..integrity import crc32c_of, format_crc
 from ..layout import INDEX_NAME, LOCK_NAME, MANIFEST_NAME, index_tmp_name, step_dirname
 from ..manifest import Manifest
 from . import iomode
-from .base import Consumer, Storage
+from .base import Storage
+from .blockgate import Consumer
 from .directio import DirectWriter, open_direct_read, read_into, stream_pipelined
 from .iomode import IO_MODES
 

@@ -47,13 +47,17 @@ import posixpath
 import re
 import threading
 from collections.abc import Callable, Iterator, Mapping
-from typing import IO, Any, ClassVar
+from typing import IO, Any, ClassVar, TypeVar
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, StoreUnreachableError
 from ..integrity import crc32c_of
 from ..layout import MANIFEST_NAME, PIN_NAME, step_dirname
 from ..manifest import FileEntry, Manifest, validate_file_name
-from .base import Consumer, RangeReader, Storage, split_root
+from .base import Storage
+from .blockgate import Consumer
+from .ranges import RangeReader
+from .reach import reaching, remote_error
+from .rootstate import split_root
 from .s3upload import S3Upload, is_s3
 
 __all__ = ["FsspecStorage"]
@@ -70,6 +74,25 @@ IN_FLIGHT = 64 << 20
 WINDOW = 4
 #: Threads issuing ranged GETs, shared by every object this process reads.
 GET_THREADS = 16
+
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def _reaching(method: _F) -> _F:
+    """Raise the client's errors of talking to the store as one line that says what to check.
+
+    No credentials, an endpoint that does not answer, access denied: one
+    :class:`~ckptstore.errors.StoreUnreachableError` naming the store, the client's error
+    as its cause, not 100+ lines of chained botocore/aiohttp tracebacks out of ``resume()``.
+    """
+
+    @functools.wraps(method)
+    def wrapper(self: FsspecStorage, *args: Any, **kwargs: Any) -> Any:
+        with reaching(self.root, StoreUnreachableError):
+            return method(self, *args, **kwargs)
+
+    return wrapper  # type: ignore[return-value]
 
 
 @functools.cache
@@ -213,6 +236,7 @@ class FsspecStorage(Storage):
         finally:
             self._looks.infos = None
 
+    @_reaching
     def _info(self, p: str) -> dict[str, Any]:
         infos: dict[str, dict[str, Any]] | None = getattr(self._looks, "infos", None)
         if infos is not None and p in infos:
@@ -249,10 +273,12 @@ class FsspecStorage(Storage):
         """A reader of byte ranges whose every read is one ranged GET (see :class:`_RangeGets`)."""
         return _RangeGets(self, step, files)
 
+    @_reaching
     def _get(self, p: str, start: int, end: int) -> bytes:
         """Bytes ``[start, end)`` of object ``p``: one ranged GET."""
         return bytes(self.fs.cat_file(p, start=start, end=end))
 
+    @_reaching
     def _stream(
         self,
         rel: str,
@@ -307,6 +333,7 @@ class FsspecStorage(Storage):
 
     # ---- listing --------------------------------------------------------------------
 
+    @_reaching
     def _list(self, rel: str) -> list[str]:
         p = self._fresh(self._p(rel))
         try:
@@ -327,6 +354,7 @@ class FsspecStorage(Storage):
                 names.append(name)
         return names
 
+    @_reaching
     def _scan(self) -> dict[str, set[str]]:
         """One recursive listing of the store: each root entry -> the files directly in it.
 
@@ -357,6 +385,7 @@ class FsspecStorage(Storage):
         entries = self._scan()
         return split_root(entries, lambda top: MANIFEST_NAME in entries[top])
 
+    @_reaching
     def is_pinned(self, step: int) -> bool:
         """Whether the checkpoint carries a pin marker: one listing of its directory.
 
@@ -367,9 +396,11 @@ class FsspecStorage(Storage):
 
     # ---- queries ------------------------------------------------------------------------
 
+    @_reaching
     def _exists(self, rel: str) -> bool:
         return bool(self.fs.exists(self._fresh(self._p(rel))))
 
+    @_reaching
     def _root_kind(self) -> str:
         # Object stores have no empty directories: a prefix with nothing under it is missing.
         try:
@@ -378,12 +409,14 @@ class FsspecStorage(Storage):
             return "missing"
         return "file" if info.get("type") == "file" else "dir"
 
+    @_reaching
     def _is_regular_file(self, rel: str) -> bool:
         try:
             return self._info(self._p(rel)).get("type") == "file"
         except (FileNotFoundError, OSError):
             return False
 
+    @_reaching
     def _size(self, rel: str) -> int:
         return int(self._info(self._p(rel))["size"])
 
@@ -401,11 +434,13 @@ class FsspecStorage(Storage):
     def _finish_write(self, f: IO[bytes], rel: str) -> None:
         f.close()  # for object stores, close() is the (final part of the) upload
 
+    @_reaching
     def _put_small(self, rel: str, data: bytes) -> None:
         # One PUT: the object appears whole or not at all, which is what makes the
         # manifest put the commit.
         self.fs.pipe_file(self._p(rel), data)
 
+    @_reaching
     def _open_read(self, rel: str) -> IO[bytes]:
         p = self._p(rel)
         infos: dict[str, dict[str, Any]] | None = getattr(self._looks, "infos", None)
@@ -425,6 +460,7 @@ class FsspecStorage(Storage):
             f = io.BufferedReader(f)
         return f  # type: ignore[no-any-return]
 
+    @_reaching
     def abort_incomplete_uploads(self) -> int:
         """Abort the S3 multipart uploads under the root (a crashed upload's parts).
 
@@ -443,6 +479,9 @@ class FsspecStorage(Storage):
             except OSError:
                 raise
             except Exception as e:
+                err = remote_error(e, self.root, StoreUnreachableError)  # an OSError too
+                if err is not None:
+                    raise err from e  # says what to check: credentials, endpoint, access
                 raise OSError(f"{method} under {self.root} failed: {e}") from e
 
         bucket, _, key = self.path.strip("/").partition("/")
@@ -468,13 +507,16 @@ class FsspecStorage(Storage):
 
     # ---- removal --------------------------------------------------------------------
 
+    @_reaching
     def _copy(self, src: str, dst: str) -> None:
         # Server-side on S3 and GCS (CopyObject): the bytes never pass through this process.
         self.fs.copy(self._p(src), self._fresh(self._p(dst)))
 
+    @_reaching
     def _remove(self, rel: str) -> None:
         self.fs.rm_file(self._p(rel))
 
+    @_reaching
     def _rmtree(self, rel: str) -> None:
         p = self._p(rel)
         if not _GLOB_CHARS.search(p):

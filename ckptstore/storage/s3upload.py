@@ -56,7 +56,7 @@ and waits for it inside ``write``). What it does with the bytes written to it:
   slices of the buffer (:class:`_Body`): each goes to the socket as it is, where aiohttp
   copied a ``bytearray`` body whole twice and asyncio a third time.
 - **A save stops the requests in flight.** Each body slice waits at the uploader's gate
-  (:class:`~ckptstore.uploadgate.UploadGate`, set by :meth:`S3Upload.expect`): while a
+  (:class:`~ckptstore.tiers.uploadgate.UploadGate`, set by :meth:`S3Upload.expect`): while a
   save is in its blocking section no byte of an upload is sent.
 - **A failure leaves nothing.** :meth:`S3Upload.abort` (and a failing ``close``) cancels the
   parts in flight and aborts the multipart upload; a process killed meanwhile leaves an
@@ -79,8 +79,6 @@ import asyncio
 import base64
 import concurrent.futures
 import contextlib
-import contextvars
-import functools
 import hashlib
 import os
 import re
@@ -90,7 +88,8 @@ from typing import Any
 
 from ..errors import IntegrityError
 from ..integrity import BlockCRC, BlockSums, crc32c_combine, crc32c_of
-from ..uploadgate import UploadGate
+from ..tiers.uploadgate import UploadGate
+from .s3client import _asking_crc32c, is_s3, upload_fs, upload_loop
 
 __all__ = [
     "GROW_EVERY",
@@ -129,79 +128,6 @@ _MD5_HEX = re.compile(r"^[0-9a-f]{32}$")
 _MULTIPART_ETAG = re.compile(r"^[0-9a-f]{32}-[0-9]+$")
 
 
-def _lowest_priority() -> None:
-    """The calling thread at nice 19 (Linux: per thread); elsewhere nothing."""
-    with contextlib.suppress(OSError, AttributeError):
-        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
-
-
-@functools.cache
-def upload_loop() -> asyncio.AbstractEventLoop:
-    """The event loop uploads run on: one daemon thread per process, at nice 19."""
-    loop = asyncio.new_event_loop()
-    ready = threading.Event()
-
-    def run() -> None:
-        _lowest_priority()
-        asyncio.set_event_loop(loop)
-        loop.call_soon(ready.set)
-        loop.run_forever()
-
-    threading.Thread(target=run, name="ckptstore-upload-loop", daemon=True).start()
-    ready.wait()
-    return loop
-
-
-_clones: dict[tuple[int, str], Any] = {}
-_clones_lock = threading.Lock()
-
-
-def _forget_after_fork() -> None:
-    # A forked child has neither the loop's thread nor the clones' connections, and the
-    # lock may have been held by another thread at the fork.
-    global _clones_lock, _probe_lock
-    upload_loop.cache_clear()
-    _clones.clear()
-    _store_checks.clear()
-    _clones_lock = threading.Lock()
-    _probe_lock = threading.Lock()
-
-
-os.register_at_fork(after_in_child=_forget_after_fork)
-
-
-def is_s3(fs: Any) -> bool:
-    """Whether ``fs`` is an s3fs filesystem used synchronously (this writer's case)."""
-    try:
-        import s3fs
-    except ImportError:
-        return False
-    return isinstance(fs, s3fs.S3FileSystem) and not getattr(fs, "asynchronous", False)
-
-
-def upload_fs(fs: Any) -> Any:
-    """An s3fs instance with ``fs``'s options bound to :func:`upload_loop` (made once)."""
-    key = (os.getpid(), str(getattr(fs, "_fs_token", id(fs))))
-    with _clones_lock:
-        clone = _clones.get(key)
-        if clone is None:
-            options = dict(getattr(fs, "storage_options", {}))
-            options.pop("loop", None)
-            options.pop("asynchronous", None)
-            options["skip_instance_cache"] = True
-            options["config_kwargs"] = _upload_config(options.get("config_kwargs"))
-            if getattr(fs, "session", None) is not None and "session" not in options:
-                # botocore's loaded service models come with the session: a client of
-                # our own then costs milliseconds, not a second of CPU.
-                options["session"] = fs.session
-            clone = type(fs)(**options, loop=upload_loop(), asynchronous=False)
-            clone.connect()  # its botocore client, made now on the upload loop
-            for op in ("PutObject", "UploadPart"):
-                clone.s3.meta.events.register(f"before-call.s3.{op}", _ask_for_crc32c)
-            _clones[key] = clone
-    return clone
-
-
 #: What a store checks of the bytes it receives, found once per s3fs clone and bucket by
 #: :meth:`S3Upload._probe` (see the module docstring):
 #: it refuses a body whose ``x-amz-checksum-crc32c`` is not the body's (S3);
@@ -212,47 +138,22 @@ COMPUTES = "computes"
 MD5 = "md5"
 _store_checks: dict[tuple[Any, str], str] = {}
 _probe_lock = threading.Lock()
-#: Set in the task of a request whose body's CRC32C the store is asked to compute.
-_asking_crc32c: contextvars.ContextVar[bool] = contextvars.ContextVar(
-    "ckptstore_asking_crc32c", default=False
-)
 
 
-def _ask_for_crc32c(params: Any, **_: Any) -> None:
-    """The botocore ``before-call`` hook of the upload clients: ask for the body's CRC32C.
+def _forget_after_fork() -> None:
+    # A forked child has not probed its stores, and the lock may have been held by another
+    # thread at the fork (the upload loop and its clients: s3client's own handler).
+    global _probe_lock
+    _store_checks.clear()
+    _probe_lock = threading.Lock()
 
-    The ``x-amz-sdk-checksum-algorithm`` header alone (no checksum value, which botocore
-    would compute itself from the body) asks a store that computes checksums (moto) to
-    compute the CRC32C of the bytes it received and answer it.
-    """
-    if _asking_crc32c.get():
-        params["headers"]["x-amz-sdk-checksum-algorithm"] = "CRC32C"
+
+os.register_at_fork(after_in_child=_forget_after_fork)
 
 
 async def _asking(coro: Any) -> Any:
     _asking_crc32c.set(True)  # in this task's own context: this request only
     return await coro
-
-
-def _upload_config(given: Any) -> dict[str, Any]:
-    """The botocore config of the upload client: ``given`` with two settings of ours.
-
-    - ``s3.payload_signing_enabled=False``: the body is not hashed with SHA256 for the
-      signature (``UNSIGNED-PAYLOAD``; botocore already does so over https whenever a
-      Content-MD5 or checksum header is present, as every request of ours has). Over plain
-      http the signature then covers the body's Content-MD5 and CRC32C headers, not the
-      body itself: the bytes are checked by those (see the module docstring). It is also
-      what lets a body be streamed (:class:`_Body`) instead of read whole to be hashed.
-    - ``request_checksum_calculation="when_required"``: botocore adds no CRC32 of its own
-      to a body (each request carries our CRC32C, or where the store refuses those, our
-      Content-MD5).
-    """
-    config = dict(given) if isinstance(given, dict) else {}
-    s3 = dict(config.get("s3") or {})
-    s3.setdefault("payload_signing_enabled", False)
-    config["s3"] = s3
-    config.setdefault("request_checksum_calculation", "when_required")
-    return config
 
 
 class _Body:
@@ -262,7 +163,7 @@ class _Body:
     buffer, no copy) goes to the socket as it is, and only what the socket does not take at
     once is copied into the transport's buffer (a ``bytearray`` body is first copied whole
     by aiohttp, then joined with the headers, then copied again into the transport). Before
-    each slice the body waits at ``gate`` (:meth:`~ckptstore.uploadgate.UploadGate.admit`):
+    each slice the body waits at ``gate`` (:meth:`~ckptstore.tiers.uploadgate.UploadGate.admit`):
     a save in its blocking section stops the requests in flight.
 
     ``read``/``seek``/``tell``/``len`` are the file-like face botocore sees (it checks a

@@ -19,7 +19,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ckptstore import CheckpointManager, RNGState
-from ckptstore.sharding import is_dtensor, named_optimizer_state
+from ckptstore.sharded.plan import is_dtensor, named_optimizer_state
 from tests.multirank.scenarios import Ctx, outcome, step1_then_manager, train_steps
 
 
@@ -133,7 +133,7 @@ def fsdp_async_failure(ctx: Ctx) -> dict[str, Any]:
     mgr = _mgr(ctx, async_save=True)
     mgr.save(1, state).wait()
     if ctx.rank == 1:
-        import ckptstore.sharding as sh
+        import ckptstore.sharded.plan as sh
 
         real = sh.write_shards
 
@@ -255,7 +255,7 @@ def fsdp_die_in_save(ctx: Ctx) -> dict[str, Any]:
     phase = ctx.args["phase"]
     mgr = step1_then_manager(ctx, state)
     if ctx.rank == victim:
-        import ckptstore.sharding as sh
+        import ckptstore.sharded.plan as sh
 
         if phase == "plan":
             orig_key = sh.layout_key  # runs in every save's planning, cached plan or not
@@ -306,7 +306,7 @@ def fsdp_die_in_restore(ctx: Ctx) -> dict[str, Any]:
     state: dict[str, Any] = {"model": model, "optimizer": opt}
     mgr = _mgr(ctx)
     if ctx.rank == ctx.args["victim"]:
-        import ckptstore.sharding as sh
+        import ckptstore.sharded.plan as sh
 
         orig = sh.read_into
 
@@ -374,7 +374,7 @@ def fsdp_plan_cache(ctx: Ctx) -> dict[str, Any]:
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state: dict[str, Any] = {"model": model, "optimizer": opt}
     out: dict[str, Any] = {"planned": 0}
-    import ckptstore.sharding as sh
+    import ckptstore.sharded.plan as sh
 
     real = sh.save_plans
 

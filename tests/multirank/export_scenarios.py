@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from ckptstore import CheckpointManager, RNGState
-from ckptstore.sharding import indexed_optimizer_state, is_dtensor, named_optimizer_state
+from ckptstore.sharded.plan import indexed_optimizer_state, is_dtensor, named_optimizer_state
 from tests.multirank.dtensor_scenarios import _sha, make_net, shard, train
 from tests.multirank.scenarios import Ctx
 

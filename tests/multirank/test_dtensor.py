@@ -17,8 +17,8 @@ import pytest
 import torch
 
 from ckptstore import CheckpointManager
-from ckptstore.chunks import INDEX_FILE
 from ckptstore.errors import IntegrityError, StateMismatchError
+from ckptstore.sharded.chunks import INDEX_FILE
 from tests.multirank.dtensor_scenarios import digests, make_net
 from tests.multirank.launch import describe, launch, timeouts_naming, values
 from tests.timing import healthy

@@ -23,8 +23,8 @@ import torch
 from ckptstore import CheckpointManager
 from ckptstore.cli import main
 from ckptstore.errors import IntegrityError
+from ckptstore.ops.verify import verify_checkpoint
 from ckptstore.storage import open_storage
-from ckptstore.verify import verify_checkpoint
 from tests.faults import Injector, injected
 from tests.multirank.dtensor_scenarios import digests, make_net
 from tests.multirank.launch import launch, values

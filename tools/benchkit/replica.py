@@ -200,7 +200,7 @@ def _uploader(
     local: Any, replica: Any, *, legacy: bool = False, read_back: bool | None = None
 ) -> Any:
     """A Replicator; ``legacy``: as before S3Upload (s3fs's buffered file, then read back)."""
-    from ckptstore.replica import Replicator
+    from ckptstore.tiers.replica import Replicator
 
     if legacy:
         replica._s3 = False  # FsspecStorage writes through s3fs's own file object

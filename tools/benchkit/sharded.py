@@ -213,7 +213,7 @@ class Raw:
         """``nbytes`` into as many files as ckptstore's shard parts, written concurrently."""
         from concurrent.futures import ThreadPoolExecutor
 
-        from ckptstore import sharding
+        from ckptstore.sharded import plan as sharding
 
         n = max(1, min(sharding.MAX_PARTS, nbytes // sharding.PART_BYTES))
         sizes = [nbytes // n + (i < nbytes % n) for i in range(n)]

@@ -51,8 +51,8 @@ def run_uploader(local: str, url: str, storage_options: dict[str, Any]) -> int:
     Prints ``safe N`` once step N is committed and verified on the replica: a crash from
     then on must not lose it there.
     """
-    from ckptstore.replica import Replicator
     from ckptstore.storage import open_storage
+    from ckptstore.tiers.replica import Replicator
 
     emit(f"pid {os.getpid()}")
     up = Replicator(

@@ -62,7 +62,7 @@ def _clone(template: str, dst: str) -> None:
 
 def _replica_problems(replica: Any, local: Any, stats: UploadStats | None) -> list[str]:
     """Every committed replica step verifies deeply and is the local step, byte for byte."""
-    from ckptstore.verify import verify_checkpoint
+    from ckptstore.ops.verify import verify_checkpoint
 
     bad = []
     for s in replica.list_steps():
@@ -80,8 +80,8 @@ def upload_trials(
     n: int, rng: random.Random, server: Server, base: str, verbose: bool
 ) -> UploadStats:
     """Kill an uploader at random moments; check the replica; let a new one finish."""
-    from ckptstore.replica import Replicator
     from ckptstore.storage import open_storage
+    from ckptstore.tiers.replica import Replicator
 
     stats = UploadStats()
     t0 = time.monotonic()

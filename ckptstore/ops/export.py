@@ -1,0 +1,256 @@
+"""Exporting a checkpoint as one ``.safetensors`` or ``.pt`` file, or a Hugging Face directory.
+
+What ``ckptstore export`` writes, for Python: :func:`export_step` (one file, written
+atomically) and :func:`export_hf_step` (a Hugging Face checkpoint directory, streamed one
+tensor at a time; see :func:`ckptstore.sharded.consolidate.export_hf`). DTensor checkpoints are
+consolidated into full tensors on any world size.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import os
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .._progress import Progress
+from ..errors import CkptStoreError
+from ..manager import CheckpointManager
+from ..manifest import Manifest
+from ..sharded.consolidate import DEFAULT_MAX_SHARD, HFExportResult, choose_entry, export_hf
+from .inspect import EntryInfo, read_state_entries
+from .single import atomic_save, atomic_write
+from .stores import committed_step, open_store, reaching
+
+__all__ = ["ExportResult", "export_hf_step", "export_step"]
+
+
+@dataclasses.dataclass
+class ExportResult:
+    """What ``ckptstore export`` wrote."""
+
+    out: str
+    step: int
+    format: str
+    key: str | None
+    tensors: int
+    bytes: int
+    #: For a DTensor checkpoint, the world size whose shards were consolidated.
+    consolidated_from: int | None = None
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON form."""
+        return dataclasses.asdict(self)
+
+
+def _choose_key(entries: list[EntryInfo], key: str | None, where: str) -> EntryInfo:
+    chosen = choose_entry({e.key: e.kind for e in entries}, key, where)
+    return next(e for e in entries if e.key == chosen)
+
+
+def _refuse_per_rank(manifest: Manifest, where: str) -> None:
+    """Per-rank state of several ranks has no one full form: never export one rank's part."""
+    if manifest.sharding_kind == "sharded" and manifest.world_size > 1:
+        raise CkptStoreError(
+            f"{where} holds per-rank state saved with sharded=True by {manifest.world_size} "
+            "ranks: each rank's part is opaque (e.g. an optimizer partition), so there is no "
+            "full state to export, and one rank's part is not the model. Restore it on that "
+            "many ranks instead (DTensor/FSDP2 checkpoints export in full)"
+        )
+
+
+def _flat_tensors(value: Any, key: str, where: str) -> dict[str, Any]:
+    """The ``{name: tensor}`` dict to write as safetensors, copies only where needed."""
+    if not isinstance(value, Mapping):
+        raise CkptStoreError(
+            f"{where}[{key!r}] is a {type(value).__name__}, not a state dict; export it to a "
+            ".pt file instead"
+        )
+    out: dict[str, torch.Tensor] = {}
+    seen: set[int] = set()
+    for name, t in value.items():
+        if not isinstance(name, str) or not isinstance(t, torch.Tensor):
+            raise CkptStoreError(
+                f"{where}[{key!r}][{name!r}] is a {type(t).__name__}, not a tensor; safetensors "
+                "holds tensors only: export to a .pt file instead"
+            )
+        t = t.detach()
+        if not t.is_contiguous():
+            t = t.contiguous()
+        storage = t.untyped_storage()
+        ptr = storage.data_ptr()
+        covers = t.storage_offset() == 0 and t.numel() * t.element_size() == storage.nbytes()
+        # safetensors refuses tensors that share memory (tied weights): store a copy each.
+        if t.numel() and (ptr in seen or not covers):
+            t = t.clone()
+        elif t.numel():
+            seen.add(ptr)
+        out[name] = t
+    return out
+
+
+def _atomic_save_safetensors(tensors: dict[str, Any], out: str, metadata: dict[str, str]) -> None:
+    """``safetensors.torch.save_file`` that is never seen half-written (tmp, fsync, replace)."""
+    from safetensors.torch import save_file
+
+    atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+
+
+def _manifest(root: str | os.PathLike[str], step: int, so: Mapping[str, Any] | None) -> Manifest:
+    storage = open_store(root, so)
+    with reaching(storage.root):
+        return storage.read_manifest(committed_step(storage, step))
+
+
+def export_step(
+    root: str | os.PathLike[str],
+    step: int,
+    out: str | os.PathLike[str],
+    *,
+    key: str | None = None,
+    force: bool = False,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> ExportResult:
+    """Write checkpoint ``step`` as one ``.safetensors`` (model weights) or ``.pt`` file.
+
+    ``out`` ending in ``.safetensors`` gets one entry's tensors (``key``, default
+    ``model``; an EMA entry gives its weights); any other name gets the whole state,
+    written with ``torch.save``, so that ``ckptstore import`` (or ``torch.load`` with
+    ``weights_only=True``, numpy arrays allowed) reads it back. The file is written
+    atomically (tmp, fsync, rename).
+
+    A DTensor (FSDP2/TP) checkpoint is consolidated: every DTensor is assembled into its
+    full tensor from the chunks all ranks saved (``load()`` without a process group), on
+    any world size; ``consolidated_from`` then says how many ranks saved it. Per-rank
+    ``sharded=True`` state of several ranks is refused. The state is loaded whole: for
+    large models, :func:`export_hf_step` streams one tensor at a time.
+
+    Args:
+        root: the store: a local directory or an fsspec URL.
+        step: the step to export.
+        out: the file to write.
+        key: the entry to write as safetensors (default: ``model``, or the only entry).
+        force: overwrite ``out`` if it exists.
+        storage_options: fsspec options for a URL.
+        progress: called as the export advances.
+
+    Raises:
+        FileExistsError: ``out`` exists and ``force`` is false.
+        FileNotFoundError: the directory of ``out`` does not exist.
+        NoCheckpointError: no store at ``root``, or no such step.
+        IntegrityError: the checkpoint is corrupt.
+        CkptStoreError: the chosen entry is not a flat dict of tensors (for safetensors),
+            or the checkpoint holds per-rank state of several ranks.
+    """
+    out = os.fspath(out)
+    if os.path.lexists(out) and not force:
+        raise FileExistsError(errno.EEXIST, "already exists; pass --force to overwrite it", out)
+    parent = os.path.dirname(os.path.abspath(out))
+    if not os.path.isdir(parent):
+        raise FileNotFoundError(errno.ENOENT, "no such directory", parent)
+    report = progress or (lambda done, total, what: None)
+    manifest = _manifest(root, step, storage_options)
+    with CheckpointManager(
+        root, keep=None, storage_options=storage_options, distributed=False
+    ) as mgr:
+        where = mgr.storage.describe(step)
+        _refuse_per_rank(manifest, where)
+        consolidated = manifest.world_size if manifest.dtensor else None
+        report(0, 2, f"reading step {step}")
+        if not out.endswith(".safetensors"):
+            data = mgr.load(step)
+            report(1, 2, f"writing {os.path.basename(out)}")
+            atomic_save(data, out)
+            report(2, 2, "done")
+            n = _count_tensors(data)
+            return ExportResult(out, step, "torch", None, n, os.path.getsize(out), consolidated)
+        entry = _choose_key(read_state_entries(mgr.storage, manifest), key, where)
+        value = mgr.load(step)[entry.key]
+        if entry.kind == "ema" and isinstance(value, Mapping) and "weights" in value:
+            value = value["weights"]  # EMA state: {"weights": state dict, "counters": ...}
+        tensors = _flat_tensors(value, str(entry.key), where)
+        report(1, 2, f"writing {os.path.basename(out)}")
+        _atomic_save_safetensors(
+            tensors,
+            out,
+            {"format": "pt", "ckptstore_step": str(step), "ckptstore_key": str(entry.key)},
+        )
+        report(2, 2, "done")
+        return ExportResult(
+            out,
+            step,
+            "safetensors",
+            str(entry.key),
+            len(tensors),
+            os.path.getsize(out),
+            consolidated,
+        )
+
+
+def export_hf_step(
+    root: str | os.PathLike[str],
+    step: int,
+    out_dir: str | os.PathLike[str],
+    *,
+    key: str | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD,
+    storage_options: Mapping[str, Any] | None = None,
+    progress: Progress | None = None,
+) -> HFExportResult:
+    """Write one entry of ``step`` as a Hugging Face checkpoint directory (streaming, atomic).
+
+    See :func:`ckptstore.sharded.consolidate.export_hf`: ``model.safetensors``, or shards of at most
+    ``max_shard_size`` plus ``model.safetensors.index.json``; DTensor state consolidated on
+    any world size, one tensor in memory at a time; ``out_dir`` appears whole or not at all.
+
+    Args:
+        root: the store: a local directory or an fsspec URL.
+        step: the step to export.
+        out_dir: the directory to create (it must not exist, or be empty).
+        key: the entry to write (default: ``model``, or the only entry).
+        max_shard_size: the largest shard, in bytes or as ``"5GB"``.
+        storage_options: fsspec options for a URL.
+        progress: called with the bytes written so far.
+
+    Raises:
+        FileExistsError: ``out_dir`` exists and is not an empty directory.
+        NoCheckpointError: no store at ``root``, or no such step.
+        IntegrityError: the checkpoint is corrupt.
+        CkptStoreError: no such entry, not a flat dict of tensors, or per-rank state.
+    """
+    storage = open_store(root, storage_options)
+    with reaching(storage.root):
+        manifest = storage.read_manifest(committed_step(storage, step))
+    _refuse_per_rank(manifest, storage.describe(step))
+    written = [0]
+
+    def advance(_name: str, n: int) -> None:
+        written[0] += n
+        if progress is not None:
+            progress(written[0], None, _name)
+
+    return export_hf(
+        storage,
+        step,
+        os.fspath(out_dir),
+        key=key,
+        max_shard_size=max_shard_size,
+        manifest=manifest,
+        progress=advance,
+    )
+
+
+def _count_tensors(obj: Any, depth: int = 0) -> int:
+    if isinstance(obj, torch.Tensor):
+        return 1
+    if depth > 200:
+        return 0
+    if isinstance(obj, Mapping):
+        return sum(_count_tensors(v, depth + 1) for v in obj.values())
+    if isinstance(obj, list | tuple):
+        return sum(_count_tensors(v, depth + 1) for v in obj)
+    return 0

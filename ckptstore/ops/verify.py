@@ -1,0 +1,510 @@
+"""Verification of checkpoints and of lone files; nothing here unpickles anything.
+
+Quick: the manifest (self-checksum, names, types), presence and sizes of every file, the
+safetensors header (bounds, overlaps) and the zip central directory of ``.pt`` files (no
+member may be compressed); for a DTensor checkpoint also its chunk index (``dtensors.json``,
+validated as hostile input) and that every sharded tensor of ``state.json`` is in it. Deep:
+also the CRC32C of every file and the CRC-32 of every zip member; compressed payloads are
+inflated (never past what their tensors in the state file can take, nor past what a
+safetensors header declares) and checked the same way; for DTensor shard files the CRC32C of
+every block of every chunk, computed in the same single read of the file as its CRC32C.
+
+A file inside a step directory is checked against the manifest beside it (its size and
+CRC32C, then its structure); a lone file on its own structure. Nothing here imports torch.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import stat
+import zipfile
+from collections.abc import Mapping
+from typing import Any
+
+from .._progress import Progress
+from ..codec import payload, torchzip
+from ..codec import safetensors as st
+from ..codec.payload import stored_tensors
+from ..errors import CkptStoreError, IntegrityError, ManifestError, NoCheckpointError
+from ..integrity import VerifyReport, crc32c_of, format_crc
+from ..layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname, state_file
+from ..manifest import FileEntry, Manifest
+from ..sharded.chunks import INDEX_FILE, ChunkIndex
+from ..storage.base import Storage
+from ..tiers import nodes
+
+__all__ = [
+    "looks_like_safetensors",
+    "verify_checkpoint",
+    "verify_file",
+    "verify_path",
+    "verify_stored_file",
+]
+
+#: First bytes of a pre-1.6 ``torch.save`` file: pickle protocol 2, then its LONG1 magic.
+_LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"
+
+
+def _check_header(f: Any, size: int, codec: str, where: str, deep: bool) -> None:
+    if codec == "safetensors":
+        head = f.read(8)
+        if len(head) == 8:
+            n = int.from_bytes(head, "little")
+            if 8 + n <= size and n <= st.MAX_HEADER_BYTES:
+                head += f.read(n)
+        st.parse_header(head, size, where)
+    elif codec == "torch":
+        f.seek(0)
+        torchzip.check_zip(f, where, deep=deep)
+
+
+_PAYLOADS = ("safetensors", "torch")
+
+
+class _Limits:
+    """How far each compressed payload of a checkpoint may inflate, from its state files."""
+
+    def __init__(self, storage: Storage, manifest: Manifest) -> None:
+        self.storage = storage
+        self.manifest = manifest
+        self._tensors: dict[str, dict[str, dict[str, tuple[int, int]]] | None] = {}
+
+    def of(self, name: str, entry: FileEntry) -> int | None:
+        """The bound of payload ``name``; None when its state file cannot be read."""
+        sname = state_file(entry.rank)
+        if sname not in self._tensors:
+            self._tensors[sname] = self._read(sname)
+        tensors = self._tensors[sname]
+        if tensors is None:
+            return None
+        return payload.max_payload_bytes(tensors.get(payload.group_of(name), {}))
+
+    def _read(self, sname: str) -> dict[str, dict[str, tuple[int, int]]] | None:
+        entry = self.manifest.files.get(sname)
+        if entry is None:
+            return None
+        try:
+            raw = self.storage.read_file(self.manifest.step, sname, entry)
+            doc = json.loads(bytes(raw).decode("utf-8"))
+        except (CkptStoreError, OSError, UnicodeDecodeError, ValueError, RecursionError):
+            return None  # reported as the state file's own problem
+        return stored_tensors(doc.get("root") if isinstance(doc, dict) else None)
+
+
+def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> VerifyReport:
+    """Verify one committed checkpoint of ``storage``; problems are collected, not raised."""
+    report = VerifyReport(target=storage.describe(step), step=step, deep=deep)
+    try:
+        manifest = storage.read_manifest(step)
+    except ManifestError as e:
+        report.add(str(e))
+        return report
+    if manifest.dtensor:
+        # One state.json (written by rank 0) and the chunk index; shards are per rank.
+        wanted = [STATE_NAME, INDEX_FILE]
+    elif manifest.sharded:
+        wanted = [f"state.rank{r:05d}.json" for r in range(manifest.world_size)]
+    else:
+        wanted = [STATE_NAME]
+    for name in wanted:
+        if name not in manifest.files:
+            report.add(f"{storage.describe(step)}: manifest lists no {name}")
+    # A node's copy on node-local roots: the other nodes' ranks' files are checked there.
+    report.elsewhere = nodes.elsewhere(manifest, nodes.local_ranks(storage, step))
+    away = set(report.elsewhere)
+    limits = _Limits(storage, manifest)
+    index = _check_index(storage, manifest, report) if manifest.dtensor else None
+    blocks = _blocks_by_file(index) if deep and index is not None else {}
+    for name, entry in sorted(manifest.files.items()):
+        if entry.rank in away:
+            continue
+        _check_entry(storage, manifest, name, entry, report, deep, limits, blocks)
+    # The index and state.json are read before the file loop too: say each problem once.
+    report.problems[:] = list(dict.fromkeys(report.problems))
+    return report
+
+
+def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's loop
+    storage: Storage,
+    manifest: Manifest,
+    name: str,
+    entry: FileEntry,
+    report: VerifyReport,
+    deep: bool,
+    limits: _Limits,
+    blocks: Mapping[str, list[_Block]],
+) -> None:
+    """Check one file of a checkpoint against its manifest entry; problems go to ``report``."""
+    step = manifest.step
+    where = storage.describe(step, name)
+    report.files += 1
+    try:
+        size = storage.file_size(step, name)
+        if size is None:
+            report.add(f"{where}: missing or not a regular file")
+            return
+        if size != entry.bytes:
+            report.add(f"{where}: {size} bytes, manifest says {entry.bytes}; truncated or replaced")
+            return
+        if deep and entry.compression is not None and entry.codec in _PAYLOADS:
+            limit = limits.of(name, entry)
+            if limit is None:  # its state file is reported broken: the checksums only
+                try:
+                    storage.stream_file(step, name, entry)
+                finally:
+                    report.bytes_checked += entry.bytes
+                return
+            # Streamed once: each block checked (or, without block CRCs, the whole file's
+            # checksum at its end), inflated (as far as it may) and its content checked as
+            # it goes by; a few frames held, not the file nor its content.
+            try:
+                payload.check_compressed(storage, step, name, entry, limit)
+            finally:
+                report.bytes_checked += entry.bytes
+            return
+        if deep and name in blocks:
+            # One read of the shard file: its CRC32C and every chunk block's at once.
+            checker = _BlockChecker(blocks[name], where)
+            failed = None
+            try:
+                # The chunk blocks name the tensor a bad byte belongs to: every one is
+                # checked, with the whole-file CRC (not the file's own blocks, which would
+                # stop the stream at the first bad one).
+                whole = dataclasses.replace(entry, blocks=None)
+                storage.stream_file(step, name, whole, checker)
+            except IntegrityError as e:
+                failed = str(e)
+            report.bytes_checked += checker.seen
+            for p in checker.finish():
+                report.add(p)
+            if failed is not None:
+                report.add(failed)
+                return
+        elif deep and entry.blocks is not None:
+            # Every block's CRC32C (the file's own CRC is not computed on top: the blocks
+            # cover every byte, and the manifest that lists both is self-checksummed).
+            try:
+                storage.stream_file(step, name, entry)
+            except IntegrityError as e:
+                report.add(str(e))
+                return
+            finally:
+                report.bytes_checked += entry.bytes
+        elif deep:
+            got, crc = storage.checksum_file(step, name)
+            report.bytes_checked += got
+            if got != entry.bytes:
+                report.add(f"{where}: read {got} bytes, manifest says {entry.bytes}")
+                return
+            if crc != entry.crc32c:
+                report.add(
+                    f"{where}: crc32c {format_crc(crc)} does not match the manifest's "
+                    f"{format_crc(entry.crc32c)}; the file is corrupt"
+                )
+                return
+        if entry.compression is None and entry.codec in ("safetensors", "torch"):
+            with storage.open_file(step, name) as f:
+                _check_header(f, size, entry.codec, where, deep)
+        elif entry.codec == "json" and deep:
+            data = storage.read_file(step, name, entry)
+            try:
+                json.loads(bytes(data).decode("utf-8"))
+            except (UnicodeDecodeError, ValueError, RecursionError) as e:
+                report.add(f"{where}: not valid JSON ({e})")
+    except (CkptStoreError, OSError) as e:
+        report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
+
+
+def _check_index(storage: Storage, manifest: Manifest, report: VerifyReport) -> ChunkIndex | None:
+    """Read and validate the chunk index, and check ``state.json``'s sharded tensors against it.
+
+    Problems go into ``report``; returns the index, or ``None`` when it cannot be used.
+    """
+    step = manifest.step
+    entry = manifest.files.get(INDEX_FILE)
+    if entry is None:
+        return None  # reported as missing
+    where = storage.describe(step, INDEX_FILE)
+    try:
+        raw = storage.read_file(step, INDEX_FILE, entry)
+        index = ChunkIndex.from_bytes(raw, manifest.files, where)
+    except (CkptStoreError, OSError) as e:
+        report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
+        return None
+    except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:
+        report.add(f"{where}: not a valid chunk index ({type(e).__name__}: {e})")
+        return None
+    state = manifest.files.get(STATE_NAME)
+    if state is None:
+        return index
+    swhere = storage.describe(step, STATE_NAME)
+    try:
+        tree = json.loads(bytes(storage.read_file(step, STATE_NAME, state)).decode("utf-8"))
+    except (CkptStoreError, OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return index  # reported by the file loop with its cause
+    found: list[tuple[str, Any]] = []
+    try:
+        _dtensor_nodes(tree, found, 0)
+    except RecursionError:
+        report.add(f"{swhere}: nested too deeply; the file is hostile")
+        return index
+    for name, shape in found:
+        t = index.tensors.get(name)
+        if t is None:
+            report.add(f"{swhere}: sharded tensor {name!r} is not in {INDEX_FILE}")
+        elif list(t.shape) != shape:
+            report.add(
+                f"{swhere}: sharded tensor {name!r} is {shape}, {INDEX_FILE} says {list(t.shape)}"
+            )
+    return index
+
+
+def _dtensor_nodes(node: Any, out: list[tuple[str, Any]], depth: int) -> None:
+    """Every ``{"t": "dtensor"}`` node of a ``state.json`` tree: ``(name, shape)``."""
+    if depth > 400:
+        raise RecursionError
+    if isinstance(node, list):
+        for x in node:
+            _dtensor_nodes(x, out, depth + 1)
+    elif isinstance(node, dict):
+        if node.get("t") == "dtensor":
+            out.append((str(node.get("name")), node.get("shape")))
+            return
+        for x in node.values():
+            _dtensor_nodes(x, out, depth + 1)
+
+
+@dataclasses.dataclass
+class _Block:
+    """One CRC block of a chunk, at absolute file offsets ``[start, end)``."""
+
+    start: int
+    end: int
+    crc: int
+    k: int
+    tensor: str
+    offsets: tuple[int, ...]
+
+
+def _blocks_by_file(index: ChunkIndex) -> dict[str, list[_Block]]:
+    out: dict[str, list[_Block]] = {}
+    for name, t in index.tensors.items():
+        for c in t.chunks:
+            for k, crc in enumerate(c.crcs):
+                lo = c.start + k * index.block
+                hi = min(c.start + (k + 1) * index.block, c.start + c.nbytes)
+                out.setdefault(c.file, []).append(_Block(lo, hi, crc, k, name, c.offsets))
+    for blocks in out.values():
+        blocks.sort(key=lambda b: (b.start, b.end))
+    return out
+
+
+class _BlockChecker:
+    """A stream consumer that checks the CRC32C of every chunk block of one shard file.
+
+    Slices arrive in order; each block's CRC is continued across the slices it spans and
+    compared once its last byte has been seen. Blocks may overlap (a hostile index): each
+    is checked on its own.
+    """
+
+    def __init__(self, blocks: list[_Block], where: str) -> None:
+        self.blocks = blocks
+        self.where = where
+        self.next = 0
+        self.active: list[tuple[_Block, int]] = []
+        self.problems: list[str] = []
+        self.seen = 0
+
+    def __call__(self, offset: int, chunk: memoryview) -> None:
+        end = offset + len(chunk)
+        self.seen = end
+        while self.next < len(self.blocks) and self.blocks[self.next].start < end:
+            self.active.append((self.blocks[self.next], 0))
+            self.next += 1
+        keep = []
+        for b, crc in self.active:
+            lo, hi = max(b.start, offset), min(b.end, end)
+            if hi > lo:
+                crc = crc32c_of(chunk[lo - offset : hi - offset], crc)
+            if b.end <= end:
+                if crc != b.crc:
+                    self.problems.append(self._bad(b))
+            else:
+                keep.append((b, crc))
+        self.active = keep
+
+    def _bad(self, b: _Block) -> str:
+        return (
+            f"{self.where}: block {b.k} of the chunk of tensor {b.tensor!r} at offsets "
+            f"{list(b.offsets)} (file bytes {b.start}..{b.end}) does not match its crc32c; "
+            "the file is corrupt"
+        )
+
+    def finish(self) -> list[str]:
+        """The problems found; blocks the stream never completed count as bad."""
+        missing = [b for b, _ in self.active] + self.blocks[self.next :]
+        if self.seen:
+            return self.problems + [self._bad(b) for b in missing]
+        return self.problems
+
+
+def looks_like_safetensors(head: bytes, size: int) -> bool:
+    """Whether a file of ``size`` bytes starting with ``head`` (16 bytes) may be safetensors.
+
+    Its first 8 bytes are the length of a JSON header that fits in the file and opens with
+    ``{``. Anything else is not worth a complaint about its header.
+    """
+    if len(head) < 9:
+        return False
+    n = int.from_bytes(head[:8], "little")
+    return 2 <= n <= min(size - 8, st.MAX_HEADER_BYTES) and head[8:9] == b"{"
+
+
+def verify_file(path: str | os.PathLike[str], *, deep: bool = True) -> VerifyReport:
+    """Verify a lone ``.pt`` / ``.ckpt`` (zip) or ``.safetensors`` file, never unpickling it.
+
+    For a zip: the central directory, that it is a ``torch.save`` archive, and with ``deep``
+    every member's CRC-32 (which ``torch.load`` itself never checks). For safetensors: the
+    header, every dtype, shape and offset against the file size. Anything else (random
+    bytes) is reported as "not a checkpoint format ckptstore knows", not as a bad header.
+    """
+    path = os.fspath(path)
+    report = VerifyReport(target=path, deep=deep)
+    try:
+        st_ = os.stat(path)
+        if not stat.S_ISREG(st_.st_mode):
+            report.add(f"{path}: not a regular file")
+            return report
+        report.files = 1
+        with open(path, "rb") as f:
+            magic = f.read(4)
+            f.seek(0)
+            if magic.startswith(b"PK"):
+                torchzip.check_zip(f, path, deep=deep)
+            elif magic == _LEGACY_TORCH_MAGIC:
+                # torch.save's pre-1.6 format is a bare pickle: no structure to check without
+                # unpickling it. Say so instead of misreading it as a bad safetensors header.
+                report.add(
+                    f"{path}: legacy (non-zip) torch.save format; it cannot be verified "
+                    "without unpickling. Re-save it with a current torch (zip format)"
+                )
+                return report
+            elif path.endswith(".safetensors") or looks_like_safetensors(f.read(16), st_.st_size):
+                f.seek(0)
+                _check_header(f, st_.st_size, "safetensors", path, deep)
+            elif not zipfile.is_zipfile(path):
+                report.add(
+                    f"{path}: not a checkpoint format ckptstore knows (neither a torch.save "
+                    "zip archive nor a safetensors file)"
+                )
+                return report
+            if deep:
+                report.bytes_checked = st_.st_size
+    except IntegrityError as e:
+        report.add(str(e))
+    except OSError as e:
+        report.add(f"{path}: unreadable ({e})")
+    return report
+
+
+def verify_stored_file(
+    storage: Storage, step: int, name: str, *, deep: bool = True
+) -> VerifyReport:
+    """Verify one file of a committed checkpoint against its manifest (size, CRC32C, structure).
+
+    ``manifest.json`` itself is checked as a manifest (its own checksum, names, types).
+    """
+    report = VerifyReport(target=storage.describe(step, name), deep=deep)
+    try:
+        manifest = storage.read_manifest(step)
+    except ManifestError as e:
+        report.add(str(e))
+        return report
+    if name == MANIFEST_NAME:
+        report.files = 1
+        return report
+    entry = manifest.files.get(name)
+    if entry is None:
+        report.add(
+            f"{report.target}: not a file of the checkpoint (its manifest does not list it), "
+            "so it cannot be checked against it"
+        )
+        return report
+    index = None
+    if deep and manifest.dtensor and name != INDEX_FILE:
+        index = _check_index(storage, manifest, VerifyReport(target=report.target))
+    blocks = _blocks_by_file(index) if index is not None else {}
+    _check_entry(storage, manifest, name, entry, report, deep, _Limits(storage, manifest), blocks)
+    return report
+
+
+def verify_path(
+    target: str | os.PathLike[str],
+    storage_options: Mapping[str, Any] | None = None,
+    *,
+    step: int | None = None,
+    all_steps: bool = False,
+    deep: bool = True,
+    progress: Progress | None = None,
+) -> list[VerifyReport]:
+    """Verify a store (its newest step, ``step``, or every step), a step directory, or a file.
+
+    A file inside a committed step directory is checked against the manifest beside it
+    (size and CRC32C, then its structure); any other file on its own (:func:`verify_file`).
+
+    Args:
+        target: a store (local directory or fsspec URL), a step directory, or a file.
+        storage_options: fsspec options for a URL.
+        step: the step to verify (default: the newest).
+        all_steps: verify every committed step.
+        deep: compute checksums (else sizes, headers and structure only).
+        progress: called after each step with ``(done, total, "step N")``.
+
+    Returns:
+        One report per checkpoint or file verified.
+
+    Raises:
+        NoCheckpointError: nothing at ``target``, no store there, an empty store, or
+            ``step`` is not committed.
+        ValueError: ``step`` or ``all_steps`` given for a file.
+    """
+    from .stores import committed_step, is_local, open_store, reaching
+
+    target = os.fspath(target)
+    path = target.partition("://")[2] if "://" in target else target
+    if is_local(target) and os.path.isfile(path):
+        if step is not None or all_steps:
+            msg = f"{target} is a file: --step and --all apply to stores only"
+            raise ValueError(msg)
+        parent = os.path.dirname(os.path.abspath(path))
+        parsed = parse_step_dirname(os.path.basename(parent))
+        if parsed is not None and os.path.isfile(os.path.join(parent, MANIFEST_NAME)):
+            from ..storage import LocalStorage
+
+            store = LocalStorage(os.path.dirname(parent))
+            return [verify_stored_file(store, parsed, os.path.basename(path), deep=deep)]
+        return [verify_file(path, deep=deep)]
+    if is_local(target) and not os.path.lexists(path):
+        raise NoCheckpointError(f"{path}: no such file or directory")
+    if is_local(target) and step is None and not all_steps:
+        # A step directory given directly (ROOT/step-000000001000): verify that step.
+        parsed = parse_step_dirname(os.path.basename(os.path.normpath(path)))
+        if parsed is not None and os.path.isfile(os.path.join(path, MANIFEST_NAME)):
+            target, step = os.path.dirname(os.path.abspath(path)), parsed
+    storage = open_store(target, storage_options)
+    with reaching(storage.root):
+        if not all_steps:
+            return [verify_checkpoint(storage, committed_step(storage, step), deep=deep)]
+        steps = storage.list_steps()
+        if not steps:
+            raise NoCheckpointError(f"{storage.root}: no committed checkpoint")
+        reports = []
+        for i, s in enumerate(steps):
+            if progress is not None:
+                progress(i, len(steps), f"step {s}")
+            reports.append(verify_checkpoint(storage, s, deep=deep))
+        if progress is not None:
+            progress(len(steps), len(steps), "done")
+        return reports

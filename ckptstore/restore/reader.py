@@ -1,0 +1,283 @@
+"""The restore pipeline: select -> plan -> read + check -> load, for one manager.
+
+In: the state to restore into (or the entries to load as plain data) and the step asked
+for. Out: the restored step, every rank on the same one, or the same error on every rank.
+Restore is collective under torch.distributed: rank 0 lists the candidates (newest first,
+:mod:`.select`), every rank reads and verifies the step (:mod:`.read`; or rank 0 reads
+and broadcasts, for node-local disks), and a step that fails anywhere is skipped by all.
+Payload bytes reach a target's tensors only once their checksum passed (per 4 MiB
+block); ``in_place=False`` keeps every target unchanged until the whole step has been
+checked (at the cost of a second copy of the state in memory).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, MutableMapping
+from typing import Any
+
+from .._log import logger as log
+from ..codec.tree import STATE_FORMAT
+from ..errors import (
+    BarrierTimeout,
+    CkptStoreError,
+    IntegrityError,
+    ManifestError,
+    NoCheckpointError,
+    StateMismatchError,
+)
+from ..session import Session
+from ..state.capture import apply_state
+from ..tiers import twotier as tiers
+from .load import collect_targets
+from .read import decode, read_blobs
+from .select import bring_local, candidates, restore_steps, vanished, written_by_rank0
+
+__all__ = ["STATE_FORMAT", "Reader", "collect_targets"]
+
+#: How often a restore looks for the new newest checkpoint when the one it was reading was
+#: deleted under it; past that, a deleted step counts as a failed one.
+_RELISTS = 16
+
+
+class Reader:
+    """Restore, resume and load for one manager; composed into it, sharing its session.
+
+    Args:
+        session: the store and what the manager knows of it.
+        allow_pickle: load objects stored via pickle.
+        raise_bg_error: raises the failure of the last async save (the save pipeline's), so
+            that a restore reports it on every rank as a save does.
+    """
+
+    def __init__(
+        self, session: Session, *, allow_pickle: bool, raise_bg_error: Callable[[], None]
+    ) -> None:
+        self.session = session
+        self.allow_pickle = allow_pickle
+        self.raise_bg_error = raise_bg_error
+
+    def restore(
+        self,
+        state: MutableMapping[Any, Any],
+        step: int | None = None,
+        *,
+        strict: bool = True,
+        broadcast: bool = False,
+        in_place: bool | None = None,
+    ) -> int:
+        """``CheckpointManager.restore`` once the manager is open and no save is in flight."""
+        session = self.session
+        session.coord.barrier("restore:enter", step)
+        keys = list(state.keys())
+        listing: tuple[str, Any] = ("ok", None)
+        if session.coord.is_leader:
+            try:
+                # A failed async save (only rank 0 writes) is raised on every rank, carried
+                # by this first exchange, as save carries it by "save:enter".
+                self.raise_bg_error()
+                listing = ("ok", candidates(session, step))
+            except BaseException as e:
+                listing = ("error", e)
+        status, value = session.coord.broadcast(listing, "restore:choose", step)
+        if status == "error":
+            raise value
+        skipped: list[str] = []
+        queue, bad, relists = list(value), set(), 0
+        refetched: set[int] = set()
+        dirty: dict[int, str] = {}  # target tensors a failed step may have written
+        while queue:
+            s = queue.pop(0)
+            touched: dict[int, str] = {}
+            stored: dict[Any, Any] | None = None
+            kinds: dict[Any, str | None] = {}
+            mine: tuple[str, Any] = ("ok", None)
+            blobs: dict[str, bytearray] | None = None
+            try:
+                if session.replica_storage is not None:
+                    try:
+                        bring_local(session, s, replace=s in refetched, broadcast=broadcast)
+                    except (IntegrityError, ManifestError):
+                        # The replica's copy failed as it was fetched (every rank raises
+                        # rank 0's error alike): no copy there to fall back on.
+                        refetched.add(s)
+                        raise
+                if session.split and not broadcast and written_by_rank0(session, s):
+                    send = True  # node-local roots: only rank 0's node holds this step
+                else:
+                    send = broadcast
+                if send:
+                    if session.coord.is_leader:
+                        try:
+                            blobs = read_blobs(session, s)
+                        except BaseException:
+                            session.coord.broadcast_bytes({}, "restore:broadcast", s)
+                            raise
+                    blobs = session.coord.broadcast_bytes(blobs, "restore:broadcast", s)
+                    if not blobs:
+                        raise IntegrityError(f"step {s}: rank 0 could not read it")
+                stored, kinds = decode(
+                    session,
+                    s,
+                    keys,
+                    allow_pickle=self.allow_pickle,
+                    blobs=blobs or None,
+                    targets=state,
+                    strict=strict,
+                    in_place=in_place,
+                    touched=touched,
+                )
+            except (IntegrityError, ManifestError) as e:
+                mine = ("skip", e)
+            except BarrierTimeout:
+                raise
+            except BaseException as e:
+                mine = ("error", e)
+            verdicts = session.coord.all_gather(mine, "restore:load", s)
+            hard = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
+            soft = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "skip"]
+            if hard:
+                r, err = hard[0]
+                if r == session.coord.rank or not isinstance(err, CkptStoreError):
+                    raise err
+                raise type(err)(f"rank {r}: {err}")
+            if soft and session.replica_storage is not None:
+                # The local copy failed: rank 0 looks for the replica's, which replaces it
+                # (rank 0 decides whether one was tried already, so every rank agrees).
+                there: tuple[str, Any] = ("ok", False)
+                if session.coord.is_leader and s not in refetched:
+                    there = ("ok", tiers.on_replica(session.replica_storage, s))
+                _, retry = session.coord.broadcast(there, "restore:replica", s)
+                if retry:
+                    why = "; ".join(f"rank {r}: {v}" for r, v in soft)
+                    log.warning("step %d: the local copy failed (%s); using the replica's", s, why)
+                    refetched.add(s)
+                    queue.insert(0, s)
+                    continue
+            if soft and step is not None:
+                # An explicit step: raised only once the replica's copy was tried too (above).
+                r, err = soft[0]
+                if r == session.coord.rank or not isinstance(err, CkptStoreError):
+                    raise err
+                raise type(err)(f"rank {r}: {err}")
+            if soft and relists < _RELISTS:
+                # Deleted while we read it (a running job's retention), not corrupt: rank 0
+                # looks again, and every rank goes on with the new newest.
+                again: tuple[str, Any] = ("ok", None)
+                if session.coord.is_leader:
+                    try:
+                        if vanished(session, s):
+                            again = ("ok", [c for c in candidates(session, None) if c not in bad])
+                    except BaseException as e:
+                        again = ("error", e)
+                status, fresh = session.coord.broadcast(again, "restore:rechoose", s)
+                if status == "error":
+                    raise fresh
+                if fresh is not None:
+                    relists += 1
+                    queue = fresh
+                    continue
+            if soft:
+                dirty.update(touched)
+                bad.add(s)
+                # A save of this step (or of one after it, once training resumed before
+                # it) replaces it; it does not count as the newest (see save()).
+                session.known_bad.add(s)
+                why = "; ".join(f"rank {r}: {v}" for r, v in soft)
+                log.warning("skipping step %d: %s", s, why)
+                skipped.append(f"step {s}: {why}")
+                continue
+            assert stored is not None
+            session.known_good.add(s)
+            session.known_bad.discard(s)
+            try:
+                apply_state(state, stored, kinds, strict=strict, where=session.storage.describe(s))
+            except StateMismatchError as e:
+                if in_place is False or not touched:
+                    raise
+                raise StateMismatchError(
+                    f"{e}; but the tensors of the modules and optimizers in state were already "
+                    f"read in place from step {s} (they hold its values). Restore with "
+                    "in_place=False to keep every target unchanged when an entry refuses"
+                ) from e
+            left = sorted(name for i, name in dirty.items() if i not in touched)
+            if left and in_place is not False:
+                raise IntegrityError(
+                    f"{session.storage.describe(s)} was restored, but {len(left)} tensors of state "
+                    f"were partly written by a newer step that failed its checksum, and this "
+                    f"step holds no value for them: {', '.join(left[:5])}. Restore with "
+                    "in_place=False to keep every target unchanged until a step verifies"
+                )
+            return int(s)
+        raise NoCheckpointError(
+            f"{session.root}: no checkpoint verifies (`ckptstore verify --all` shows why); "
+            "tried newest first: " + " | ".join(skipped)
+        )
+
+    def resume(
+        self,
+        state: MutableMapping[Any, Any],
+        *,
+        strict: bool = True,
+        broadcast: bool = False,
+        in_place: bool | None = None,
+    ) -> int:
+        """``CheckpointManager.resume`` once the manager is open and no save is in flight."""
+        session = self.session
+        listed: tuple[str, Any] = ("ok", None)
+        if session.coord.is_leader:
+            try:
+                self.raise_bg_error()  # on every rank, as in restore
+                listed = ("ok", not restore_steps(session))
+            except BaseException as e:
+                listed = ("error", e)
+        status, empty = session.coord.broadcast(listed, "resume:list")
+        if status == "error":
+            raise empty
+        if empty:
+            return 0
+        return self.restore(state, strict=strict, broadcast=broadcast, in_place=in_place) + 1
+
+    def load(self, step: int | None, rank: int | None, wanted: list[Any] | None) -> dict[Any, Any]:
+        """``CheckpointManager.load``, its arguments checked (its docstring says what it reads)."""
+        session = self.session
+        skipped: list[str] = []
+        queue, bad, relists = candidates(session, step), set(), 0
+        refetched: set[int] = set()
+        while queue:
+            s = queue.pop(0)
+            try:
+                if session.replica_storage is not None:
+                    try:
+                        tiers.ensure_local(
+                            session.storage, session.replica_storage, s, replace=s in refetched
+                        )
+                    except (IntegrityError, ManifestError):
+                        refetched.add(s)  # the replica's copy failed: none to fall back on
+                        raise
+                out, _ = decode(
+                    session, s, wanted, allow_pickle=self.allow_pickle, rank=rank, require=True
+                )
+            except (IntegrityError, ManifestError) as e:
+                if s not in refetched and tiers.on_replica(session.replica_storage, s):
+                    log.warning("step %d: the local copy failed (%s); using the replica's", s, e)
+                    refetched.add(s)
+                    queue.insert(0, s)
+                    continue
+                if step is None and relists < _RELISTS and vanished(session, s):
+                    # Deleted while we read it (a running job's retention), not corrupt.
+                    relists += 1
+                    queue = [c for c in candidates(session, None) if c not in bad]
+                    continue
+                if step is not None:
+                    raise
+                bad.add(s)
+                session.known_bad.add(s)
+                log.warning("skipping step %d: %s", s, e)
+                skipped.append(f"step {s}: {e}")
+                continue
+            session.known_good.add(s)
+            return out
+        raise NoCheckpointError(
+            f"{session.root}: no checkpoint verifies (`ckptstore verify --all` shows why); "
+            "tried newest first: " + " | ".join(skipped)
+        )

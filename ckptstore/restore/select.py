@@ -1,0 +1,97 @@
+"""Restore stage 1, select: which committed steps to try, newest first, in either tier.
+
+In: the :class:`~ckptstore.session.Session` and the step asked for (None: the newest that
+verifies). Out: the candidates (rank 0 lists them; the restore loop broadcasts them), a
+replica step fetched into the local store first (:func:`bring_local`, collective), and
+whether a step vanished (deleted by a running job's retention) rather than failed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from typing import Any
+
+from ..errors import CkptStoreError, IntegrityError, NoCheckpointError
+from ..session import Session
+from ..tiers import twotier as tiers
+
+__all__ = ["bring_local", "candidates", "restore_steps", "vanished", "written_by_rank0"]
+
+
+def vanished(session: Session, step: int) -> bool:
+    """Whether ``step`` is no longer committed: deleted (by retention), not corrupt."""
+    try:
+        return step not in session.storage.list_steps()
+    except OSError:
+        return False
+
+
+def restore_steps(session: Session) -> list[int]:
+    """The committed steps a restore chooses from: both tiers' when there is a replica."""
+    if session.replica_storage is None:
+        return session.steps()
+    return tiers.all_steps(session.storage, session.replica_storage)
+
+
+def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) -> None:
+    """Make ``step`` readable from the local store, fetching it from the replica.
+
+    Collective: rank 0 fetches first (on a shared filesystem that serves every rank),
+    then every other rank fetches what its own (node-local) root still lacks, unless
+    rank 0 alone reads (``broadcast``). Every rank raises rank 0's error alike. On
+    node-local roots the lowest rank of each node fetches into its store (replacing a
+    copy that failed, or that holds only some ranks' files), the others wait for it.
+    """
+    assert session.replica_storage is not None
+    outcome: tuple[str, Any] = ("ok", None)
+    if session.coord.is_leader:
+        try:
+            tiers.ensure_local(session.storage, session.replica_storage, step, replace=replace)
+        except BaseException as e:
+            outcome = ("error", e)
+    status, value = session.coord.broadcast(outcome, "restore:fetch", step)
+    if status == "error":
+        raise value if isinstance(value, BaseException) else IntegrityError(str(value))
+    if session.split:
+        mine: tuple[str, Any] = ("ok", None)
+        if session.node_leader and not session.coord.is_leader and not broadcast:
+            try:
+                tiers.ensure_local(session.storage, session.replica_storage, step, replace=replace)
+            except BaseException as e:
+                mine = ("error", e)
+        every = session.coord.all_gather(mine, "restore:fetched", step)
+        failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
+        if failed:
+            r, err = failed[0]
+            raise err if isinstance(err, BaseException) else IntegrityError(f"rank {r}: {err}")
+    elif not session.coord.is_leader and not broadcast:
+        tiers.ensure_local(session.storage, session.replica_storage, step)
+
+
+def written_by_rank0(session: Session, step: int) -> bool:
+    """Collective: whether ``step`` is a replicated save (rank 0's node alone holds it).
+
+    On node-local roots such a step is read by rank 0 and broadcast to the others.
+    """
+    plain: tuple[str, Any] = ("ok", False)
+    if session.coord.is_leader:
+        # Unreadable: every rank reads its own copy, and the verdicts say why.
+        with contextlib.suppress(OSError, CkptStoreError):
+            plain = ("ok", not session.storage.read_manifest(step).sharded)
+    _, value = session.coord.broadcast(plain, "restore:kind", step)
+    return bool(value)
+
+
+def candidates(session: Session, step: int | None) -> list[int]:
+    """The steps to try, newest first: exactly ``step``, or every committed one."""
+    steps = restore_steps(session)
+    if step is not None:
+        if step not in steps:
+            session.resolve(step)  # raises NoCheckpointError with context
+        return [step]
+    if not steps:
+        raise NoCheckpointError(
+            f"{session.root}: no committed checkpoint to restore; check the path, or use "
+            "resume(), which starts from scratch on an empty store"
+        )
+    return list(reversed(steps))

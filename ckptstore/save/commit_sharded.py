@@ -1,0 +1,138 @@
+"""Save stage 5 of a sharded save, commit: gather every rank's files, commit all or nothing.
+
+In: this rank's pending checkpoint and its write outcome (``("ok", {"files": ...})`` or
+``("error", e)``), the coordinator of the thread that commits (the caller's, or the
+background writer's own group). Out: the committed manifest on every rank, or the same
+error on every rank with nothing of the step visible. One store: rank 0 commits it (tmp
+directory + rename, the storage base's order). Node-local roots: every node prepares its
+copy, then all publish (:mod:`ckptstore.tiers.node_commit`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from ..dist import Coordinator
+from ..errors import BarrierTimeout, CommitError
+from ..manifest import FileEntry, Manifest
+from ..session import Session
+from ..sharded import plan as sharding
+from ..sharded.chunks import INDEX_FILE
+from ..storage import Pending
+from ..tiers import node_commit, nodes
+from .after_commit import after_commit
+from .commit import announce, outgoing
+from .failures import commit_error, plain_oserror, shard_error
+from .jobs import SaveOptions
+from .phases import PhaseClock, mark
+from .write import make_manifest
+
+__all__ = ["commit_split", "finish_sharded"]
+
+
+def finish_sharded(  # noqa: PLR0917 - private to the pipeline
+    session: Session,
+    pending: Pending,
+    mine: tuple[str, Any],
+    step: int,
+    meta: Mapping[str, Any],
+    dtensor: bool,
+    coord: Coordinator,
+    opts: SaveOptions,
+    clock: PhaseClock | None,
+) -> Manifest:
+    """Phase 2: rank 0 gathers every rank's files and commits only if all succeeded.
+
+    ``clock`` is the synchronous save's (None on the background writer's group).
+    """
+    where = session.storage.describe(step)
+    md = mine[1].pop("md", None) if dtensor and mine[0] == "ok" else None
+    try:
+        tables = coord.gather(mine, "save:gather", step)
+        mark(clock, "x:gather")
+    except BarrierTimeout:
+        if session.node_leader:
+            session.storage.abort(pending)
+        raise
+    outcome: tuple[str, Any] = ("ok", b"")
+    if coord.is_leader:
+        assert tables is not None
+        failed = [(r, v) for r, (s, v) in enumerate(tables) if s == "error"]
+        if failed or any(s != "ok" for s, _ in tables):
+            session.storage.abort(pending)
+            outcome = ("error", shard_error(failed, where, session.previous(step)))
+        else:
+            files: dict[str, FileEntry] = {}
+            for _, table in tables:
+                files.update(table["files"])
+            try:
+                if dtensor:
+                    index = sharding.index_bytes(md, [t["packed"] for _, t in tables])
+                    pending.write_bytes(INDEX_FILE, index, codec="json")
+                    files[INDEX_FILE] = pending.files[INDEX_FILE]
+                manifest = make_manifest(
+                    step,
+                    files,
+                    meta["metrics"],
+                    meta["metadata"],
+                    opts,
+                    session.coord.world_size,
+                    sharded=True,
+                    dtensor=dtensor,
+                )
+                mark(clock, "index")
+                if session.split:  # every node commits its copy: commit_split
+                    outcome = ("ok", (manifest.to_bytes(), nodes.plain_blobs(pending, files)))
+                else:
+                    session.storage.commit(pending, manifest)
+                    mark(clock, "commit")
+                    session.committed(manifest)
+                    outcome = ("ok", outgoing(session, manifest))
+            except BaseException as e:
+                session.storage.abort(pending)
+                err = commit_error(e, where, session.previous(step)) if plain_oserror(e) else e
+                outcome = ("error", err)
+    if session.split:
+        return commit_split(session, pending, outcome, step, coord)
+    return announce(session, outcome, step, coord, clock)
+
+
+def commit_split(
+    session: Session, pending: Pending, prepared: tuple[str, Any], step: int, coord: Coordinator
+) -> Manifest:
+    """Phase 3 on node-local roots: every node commits its copy of the step, or none.
+
+    Rank 0 sends the manifest and its files of no rank (the plain state, the chunk
+    index) to every rank. Then two rounds (:mod:`ckptstore.tiers.node_commit`): every node
+    leader prepares its copy (those files, the ``local-ranks`` marker, the manifest,
+    fsynced, still a ``.tmp-`` directory), and only once every node reports prepared
+    do they publish it (the rename). A node failing to prepare aborts every node's copy
+    (the previous step stays the newest everywhere); a node failing its rename makes
+    the nodes that renamed take their copy back. Either way every rank raises an error
+    naming the rank(s) whose store failed.
+    """
+    where = session.storage.describe(step)
+    status, value = coord.broadcast(prepared, "save:prepared", step)
+    if status == "error":
+        if session.node_leader and not coord.is_leader:
+            session.storage.abort(pending)
+        raise value if isinstance(value, BaseException) else CommitError(str(value))
+    body, blobs = value
+    manifest = Manifest.from_bytes(body)
+    previous = session.previous(step)
+    node_commit.commit_everywhere(
+        session.storage,
+        pending,
+        manifest,
+        blobs,
+        coord,
+        leader=session.node_leader,
+        peers=session.peers,
+        previous=previous,
+        explain=lambda e: commit_error(e, where, previous) if plain_oserror(e) else e,
+    )
+    if session.node_leader:
+        session.committed(manifest)
+    after_commit(session, step)  # only now the uploader learns of the step
+    return manifest

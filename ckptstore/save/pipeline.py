@@ -1,0 +1,351 @@
+"""The save pipeline: admit -> capture/encode -> plan -> stage -> write -> commit -> after-commit.
+
+In: a state the manager has checked (step, state, metrics, metadata, ``sharded``,
+``allow_older``). Out: a :class:`~.staging.SaveHandle`, done for a synchronous save, or
+running on the background writer for an async one. :class:`Saver` runs one save at a
+time through the stage modules of this package and keeps what outlives a save: the
+staging buffers, the background writer (and its own process group), the cached DTensor
+plan, the phase timings of the last save and the error of a failed async save.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import time
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._log import logger as log
+from ..dist import Coordinator
+from ..errors import BarrierTimeout, CkptStoreError, CommitError, ReplicaError
+from ..manifest import Manifest
+from ..session import Session
+from ..sharded import plan as sharding
+from ..state.modules import RNGState
+from ..storage import Pending
+from . import commit, commit_sharded
+from .admit import admit
+from .after_commit import after_commit
+from .begin import open_everywhere
+from .encode import encode
+from .jobs import SaveJob, SaveOptions, ShardJob
+from .phases import PhaseClock, mark
+from .plan import PlanCache, plan_dtensor
+from .staging import BackgroundWriter, SaveHandle, StagingPool
+from .write import write_dtensor, write_files
+
+__all__ = ["Saver"]
+
+
+class Saver:
+    """Runs saves through the pipeline's stages for one manager (see the module docstring)."""
+
+    def __init__(self, session: Session, opts: SaveOptions) -> None:
+        self.session = session
+        self.opts = opts
+        self.staging = StagingPool()
+        self.plan_cache = PlanCache()
+        self.writer: BackgroundWriter | None = None
+        # The background writer's own group, for the commit of async DTensor saves.
+        self.bg_coord: Coordinator | None = None
+        #: Seconds per phase of the last synchronous save on this rank (see ``phases``).
+        self.last_save_phases: dict[str, float] = {}
+        #: CPU seconds of this process per phase of that save.
+        self.last_save_cpu: dict[str, float] = {}
+        self.last_blocked_s = 0.0
+        self.clock: PhaseClock | None = None
+        self.inflight: SaveHandle | None = None
+        self.bg_error: BaseException | None = None
+
+    def save(  # noqa: PLR0917 - private, one call site
+        self,
+        step: int,
+        state: Mapping[Any, Any],
+        metrics_d: dict[str, float],
+        metadata_d: dict[str, Any],
+        sharded: bool,
+        allow_older: bool,
+    ) -> SaveHandle:
+        """``CheckpointManager.save`` once its arguments are checked and no save is in flight."""
+        session, coord, opts = self.session, self.session.coord, self.opts
+        t0 = time.perf_counter()
+        clock = self.clock = PhaseClock()
+        # The first exchange of a save (its barrier names the ranks that never called save,
+        # at 'save:enter'): an async failure is raised on every rank, not only where it
+        # happened; DTensor leaves on any rank make the save sharded on all of them; and
+        # rank 0, which holds the store's listing, says whether the save may go ahead at
+        # all (the same error on every rank, before anything is written).
+        refusal: BaseException | None = None
+        replace = False
+        if coord.is_leader:
+            refusal, replace = admit(session, step, metrics_d, allow_older)
+        mine = (self.take_bg_error(), sharding.has_dtensors(state), refusal)
+        clock.mark("admit")
+        gathered = coord.all_gather(mine, "save:enter", step)
+        clock.mark("x:enter")
+        prev = next((e for e, _, _ in gathered if e is not None), None)
+        if prev is not None:
+            raise prev if isinstance(prev, CkptStoreError) else CommitError(str(prev))
+        refused = gathered[0][2]
+        if refused is not None:
+            raise refused
+        dtensor = any(flag for _, flag, _ in gathered)
+        # Per-rank generators are gathered so each rank resumes its own random stream.
+        rng = {
+            key: coord.gather(value.state_dict(), "save:rng", step)
+            for key, value in state.items()
+            if isinstance(value, RNGState) and coord.enabled and (dtensor or not sharded)
+        }
+        clock.mark("x:rng")
+        if sharded or dtensor:
+            done = self._save_sharded(step, state, metrics_d, metadata_d, rng, dtensor, replace)
+            if isinstance(done, SaveHandle):
+                self.last_blocked_s = time.perf_counter() - t0
+                return done
+            return self._done(step, done, t0)
+        job: SaveJob | None = None
+        error: BaseException | None = None
+        if coord.is_leader:
+            try:
+                # Captured and encoded in the caller's thread (the one copy if async).
+                encoded = encode(
+                    state,
+                    rng,
+                    None,
+                    allow_pickle=opts.allow_pickle,
+                    fmt=opts.fmt,
+                    compression=opts.compression,
+                    staging=self.staging if opts.async_save else None,
+                )
+                job = SaveJob(step, encoded, metrics_d, metadata_d, rank=None, replace=replace)
+            except BaseException as e:  # reported to every rank below
+                error = e
+        if not opts.async_save:
+            manifest = commit.commit_replicated(session, job, error, step, opts, self.clock)
+            return self._done(step, manifest, t0)
+        # Async: rank 0 has copied the state into staging buffers; the rest is background.
+        failure = coord.broadcast(error, "save:staged", step)
+        if failure is not None:
+            raise failure if isinstance(failure, CkptStoreError) else CommitError(str(failure))
+        self.last_blocked_s = time.perf_counter() - t0
+        if not coord.is_leader:
+            return SaveHandle(step, result=None)
+        assert job is not None
+        if self.writer is None:
+            self.writer = BackgroundWriter()
+        blocked = self.last_blocked_s
+        ready = job
+
+        def run() -> Manifest:
+            m = commit.commit_job(session, ready, opts)
+            after_commit(session, step)
+            self._log_summary(step, m, time.perf_counter() - t0, blocked)
+            return m
+
+        return self._in_background(step, run)
+
+    def _in_background(self, step: int, work: Callable[[], Manifest]) -> SaveHandle:
+        """Run an async save's ``work`` on the writer; a failure is kept for the next call."""
+        assert self.writer is not None
+        replica = self.session.replica
+
+        held = replica.held() if replica is not None else contextlib.nullcontext()
+        held.__enter__()  # uploads wait until this save commits
+
+        def run() -> Manifest:
+            try:
+                return work()
+            except BaseException as e:
+                log.error("async save of step %d failed: %s", step, e)
+                self.bg_error = e
+                raise
+            finally:
+                held.__exit__(None, None, None)
+
+        try:
+            future = self.writer.submit(run)
+        except BaseException:
+            held.__exit__(None, None, None)
+            raise
+        self.inflight = SaveHandle(step, future, on_error=self._error_seen)
+        return self.inflight
+
+    def _done(self, step: int, manifest: Manifest, t0: float) -> SaveHandle:
+        self.last_blocked_s = time.perf_counter() - t0
+        if self.clock is not None:
+            self.clock.mark("done")
+            self.last_save_phases = dict(self.clock.phases)
+            self.last_save_cpu = dict(self.clock.cpu)
+            log.debug("step %d save phases: %s", step, self.clock.describe())
+            self.clock = None
+        if self.session.coord.is_leader:
+            self._log_summary(step, manifest, self.last_blocked_s, self.last_blocked_s)
+        return SaveHandle(step, result=manifest)
+
+    def _save_sharded(  # noqa: PLR0917 - private, one call site
+        self,
+        step: int,
+        state: Mapping[Any, Any],
+        metrics: dict[str, float],
+        metadata: dict[str, Any],
+        rng: Mapping[Any, Any],
+        dtensor: bool,
+        replace: bool,
+    ) -> Manifest | SaveHandle:
+        """Two-phase commit: every rank writes its shard, rank 0 gathers and commits.
+
+        Per-rank state (``sharded=True``): every rank writes its own tree and payloads.
+        DTensor state: every rank writes the DTensor boxes the global plan gives it, rank 0
+        the rest of the state once, and rank 0 adds the chunk index before the manifest.
+        With ``async_save`` a DTensor save returns once every rank has staged its boxes;
+        the writes and the commit (with its collectives, on a group of their own) go on in
+        the background.
+        """
+        session, opts = self.session, self.opts
+        coord = session.coord
+        rank = coord.rank
+        meta = {"metrics": metrics, "metadata": metadata}
+        mine: tuple[str, Any]
+        if dtensor:
+            # Rank 0 opens the tmp directory before planning, and says so in the plan
+            # exchange: one collective less than an exchange of its own.
+            pending, mine = plan_dtensor(
+                session, state, step, rng, replace, opts, self.plan_cache, self.staging, self.clock
+            )
+        else:
+            pending = open_everywhere(session, step, replace, self.clock)
+        try:
+            if dtensor:
+                if mine[0] == "ok" and opts.async_save:
+                    return self._submit_sharded(pending, mine[1], step, meta)
+                if mine[0] == "ok":
+                    mine = write_dtensor(pending, mine[1], rank, coord.is_leader, opts)
+                    mark(self.clock, "write")
+            else:
+                # Sharded saves complete before save returns: encoded without staging.
+                encoded = encode(
+                    state,
+                    None,
+                    None,
+                    allow_pickle=opts.allow_pickle,
+                    fmt=opts.fmt,
+                    compression=opts.compression,
+                    staging=None,
+                )
+                write_files(pending, encoded, rank, opts)
+                mine = ("ok", {"files": {n: e for n, e in pending.files.items() if e.rank == rank}})
+        except BarrierTimeout:
+            if session.node_leader:
+                session.storage.abort(pending)
+            raise
+        except BaseException as e:
+            log.error("rank %d failed to write its shard of step %d: %s", rank, step, e)
+            mine = ("error", e)
+        return commit_sharded.finish_sharded(
+            session, pending, mine, step, meta, dtensor, coord, opts, self.clock
+        )
+
+    def _submit_sharded(
+        self, pending: Pending, job: ShardJob, step: int, meta: Mapping[str, Any]
+    ) -> SaveHandle:
+        """Write and commit a staged DTensor save in the background on every rank.
+
+        The commit's collectives run on a second group of ckptstore's own, used only by the
+        background writer (one save in flight at most), so they never interleave with the
+        training thread's; they are bounded by ``barrier_timeout`` like every other.
+        """
+        session, opts = self.session, self.opts
+        if self.bg_coord is None:
+            self.bg_coord = Coordinator(opts.barrier_timeout, enabled=session.coord.enabled)
+        bg = self.bg_coord
+        coord = session.coord
+        if self.writer is None:
+            self.writer = BackgroundWriter()
+        t0 = time.perf_counter()
+
+        def run() -> Manifest:
+            try:
+                mine = write_dtensor(pending, job, coord.rank, coord.is_leader, opts)
+            except BaseException as e:
+                log.error("rank %d failed to write its shard of step %d: %s", bg.rank, step, e)
+                mine = ("error", e)
+            m = commit_sharded.finish_sharded(
+                session, pending, mine, step, meta, True, bg, opts, None
+            )
+            if bg.is_leader:
+                self._log_summary(step, m, time.perf_counter() - t0, self.last_blocked_s)
+            return m
+
+        return self._in_background(step, run)
+
+    def _log_summary(self, step: int, manifest: Manifest, seconds: float, blocked: float) -> None:
+        nbytes = manifest.total_bytes
+        log.info(
+            "saved step %d: %d bytes in %.3fs (%.2f GB/s), blocked %.1f ms",
+            step,
+            nbytes,
+            seconds,
+            nbytes / max(seconds, 1e-9) / 1e9,
+            blocked * 1e3,
+        )
+
+    # ---- async bookkeeping ----------------------------------------------------------
+
+    def take_bg_error(self) -> BaseException | None:
+        """The failure of the last async save (once), as the error to raise for it."""
+        err, self.bg_error = self.bg_error, None
+        if err is None or isinstance(err, CkptStoreError):
+            return err
+        return CommitError(f"the previous async save failed: {err}")
+
+    def _error_seen(self, err: BaseException) -> None:
+        """The caller got ``err`` from ``SaveHandle.wait``: it is not raised a second time."""
+        if self.bg_error is err:
+            self.bg_error = None
+
+    def raise_bg_error(self) -> None:
+        """Raise the failure of the last async save, if any (once)."""
+        err = self.take_bg_error()
+        if err is not None:
+            raise err
+
+    def wait_save(self) -> None:
+        """Wait for the in-flight async save, if any (its error is raised by ``wait``)."""
+        h, self.inflight = self.inflight, None
+        if h is not None:
+            h._settle()  # its error stays pending until raised (once) to the caller
+
+    def close(self) -> None:
+        """``CheckpointManager.close``: finish the save and uploads, release the lock and groups.
+
+        Raises:
+            CommitError: the last async save failed.
+            ReplicaError: an upload failed.
+        """
+        session = self.session
+        if session.closed:
+            return
+        try:
+            self.wait_save()
+            if self.writer is not None:
+                self.writer.shutdown()
+            upload_error: ReplicaError | None = None
+            if session.replica is not None:
+                try:
+                    session.replica.close()
+                except ReplicaError as e:
+                    upload_error = e
+            self.raise_bg_error()
+            if upload_error is not None:
+                raise upload_error
+        finally:
+            if session.replica is not None:
+                session.replica.close(wait=False)  # a no-op once closed above
+            session.closed = True
+            session.claimed = False
+            session.planner = None
+            if session.lock is not None:
+                session.lock.release()
+            if self.bg_coord is not None:
+                self.bg_coord.close()
+            session.coord.close()

@@ -1,0 +1,166 @@
+"""Staging buffers and the background writer of async saves.
+
+An async save blocks the caller for one memory copy: every tensor to be stored is copied into
+a staging buffer that is allocated once and reused by later saves (pinned when CUDA is there,
+so device-to-host copies run at full speed). One background thread then writes and commits,
+and at most one save is in flight.
+"""
+
+from __future__ import annotations
+
+import atexit
+import concurrent.futures
+import threading
+import weakref
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ..storage.directio import ALIGN, lower_priority
+
+__all__ = ["BackgroundWriter", "SaveHandle", "StagingPool"]
+
+from .._log import logger as log
+
+
+class StagingPool:
+    """Reusable host buffers keyed by the tensor's name in the checkpoint."""
+
+    def __init__(self) -> None:
+        self._bufs: dict[str, torch.Tensor] = {}
+        self._used: set[str] = set()
+        self._devices: set[torch.device] = set()
+        self.allocated_bytes = 0
+
+    def begin(self) -> None:
+        """Start staging a new save."""
+        self._used = set()
+        self._devices = set()
+
+    def stage(self, key: str, t: torch.Tensor, file_offset: int | None = None) -> torch.Tensor:
+        """A contiguous CPU copy of ``t`` in a reused buffer.
+
+        With ``file_offset`` (where the tensor's bytes will sit in its payload file) the
+        copy is placed at an address congruent to it modulo the block size, so the writer
+        can send it to the disk with O_DIRECT straight from this memory
+        (``DirectWriter.write_segment``): no second copy, no CPU taken from training.
+        """
+        nbytes = t.numel() * t.element_size()
+        room = nbytes + (_BLOCK if file_offset is not None else 0)
+        buf = self._bufs.get(key)
+        if buf is None or buf.numel() != room:
+            pin = torch.cuda.is_available()
+            buf = torch.empty(room, dtype=torch.uint8, pin_memory=pin)
+            self._bufs[key] = buf
+            self.allocated_bytes += room
+        self._used.add(key)
+        start = 0 if file_offset is None else (file_offset - buf.data_ptr()) % _BLOCK
+        out = buf[start : start + nbytes].view(t.dtype).view(t.shape)
+        if t.device.type == "cuda":
+            self._devices.add(t.device)
+        out.copy_(t.detach(), non_blocking=t.device.type == "cuda")
+        return out
+
+    def end(self) -> None:
+        """Wait until every copy has landed; forget buffers this save did not use."""
+        for k in list(self._bufs):
+            if k not in self._used:
+                del self._bufs[k]
+        # A non_blocking copy runs on the current stream of its source device: the writer
+        # must not checksum a buffer before it lands. torch.cuda.synchronize() alone waits
+        # for the current device only, and a model spread over GPUs has tensors elsewhere.
+        for device in sorted(self._devices, key=lambda d: d.index or 0):
+            torch.cuda.synchronize(device)
+        self._devices = set()
+
+
+#: O_DIRECT's alignment unit (directio.ALIGN).
+_BLOCK = ALIGN
+
+
+class SaveHandle:
+    """The outcome of a save: already done for a synchronous save, pending for an async one."""
+
+    def __init__(
+        self,
+        step: int,
+        future: concurrent.futures.Future[Any] | None = None,
+        result: Any = None,
+        *,
+        on_error: Callable[[BaseException], None] | None = None,
+    ) -> None:
+        self.step = step
+        self._future = future
+        self._result = result
+        # Told when wait() hands the save's error to the caller: the manager then does not
+        # raise it a second time from the next save.
+        self._on_error = on_error
+
+    def done(self) -> bool:
+        """Whether the checkpoint is committed (or failed)."""
+        return self._future is None or self._future.done()
+
+    def wait(self, timeout: float | None = None) -> Any:
+        """Block until committed; returns the :class:`~ckptstore.manifest.Manifest`.
+
+        Raises:
+            CommitError: the save failed. Once raised here, the manager's next ``save``,
+                ``wait``, ``restore`` or ``close`` does not raise it again.
+        """
+        if self._future is None:
+            return self._result
+        try:
+            return self._future.result(timeout)
+        except BaseException as e:
+            f = self._future
+            if self._on_error is not None and f.done() and not f.cancelled() and f.exception() is e:
+                self._on_error(e)
+            raise
+
+    def _settle(self) -> None:
+        """Wait until the save is over, raising nothing (its error stays with the manager)."""
+        if self._future is not None:
+            concurrent.futures.wait([self._future])
+
+    @property
+    def manifest(self) -> Any:
+        """The committed manifest (waits for an async save)."""
+        return self.wait()
+
+    def __repr__(self) -> str:
+        state = "done" if self.done() else "in flight"
+        return f"SaveHandle(step={self.step}, {state})"
+
+
+_live: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
+
+
+class BackgroundWriter:
+    """One thread that runs save jobs in order."""
+
+    def __init__(self) -> None:
+        self._pool = concurrent.futures.ThreadPoolExecutor(
+            1, thread_name_prefix="ckptstore-writer", initializer=lower_priority
+        )
+        self._lock = threading.Lock()
+        _live.add(self)
+
+    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
+        """Run ``fn`` in the background."""
+        return self._pool.submit(fn)
+
+    def shutdown(self) -> None:
+        """Finish queued work and stop the thread."""
+        self._pool.shutdown(wait=True)
+
+
+@atexit.register
+def _finish_in_flight() -> None:
+    # An in-flight save is finished at interpreter exit rather than abandoned half-written
+    # (it would be invisible anyway, but the user asked for it to be saved).
+    for w in list(_live):
+        try:
+            w.shutdown()
+        except Exception as e:  # pragma: no cover - reported, never raised at exit
+            log.error("finishing an in-flight checkpoint at exit failed: %s", e)

@@ -1,0 +1,426 @@
+"""The chunk index of a sharded (DTensor) checkpoint: where each saved shard lies, and its CRCs.
+
+A DTensor checkpoint stores every saved shard ("chunk": a box of the full tensor, given by
+its offsets and sizes) as one tensor of a per-rank safetensors file. ``dtensors.json``, listed
+in the manifest with its own CRC32C like any file, records for every tensor its dtype, full
+shape, the mesh and placements it was saved with, and for every chunk the file, the byte
+offset of its data and a CRC32C per :data:`BLOCK` bytes of it.
+
+Why per block: a rank that restores on another world size reads only the byte ranges that
+overlap its own shard, so it cannot check a whole-file CRC; it reads whole blocks around the
+range it needs and checks each one before any byte is used.
+
+The index is typed JSON, validated as hostile input (names, bounds, exact cover of every
+tensor by its chunks), and turned into ``torch.distributed.checkpoint``'s ``Metadata`` so its
+planners compute which saved chunks overlap a target shard. DCP's own ``.metadata`` file is a
+pickle; ckptstore never reads or writes it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+from collections.abc import Mapping, Sequence
+from typing import TYPE_CHECKING, Any
+
+from ..codec.dtypes import ITEMSIZE
+from ..errors import IntegrityError
+from ..integrity import BLOCK, crc32c_of, format_crc, parse_crc
+from ..manifest import FileEntry, validate_file_name
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = [
+    "BLOCK",
+    "INDEX_FILE",
+    "Chunk",
+    "ChunkIndex",
+    "TensorEntry",
+    "block_crcs",
+    "box_byte_range",
+    "read_box",
+    "shard_file",
+]
+
+# BLOCK (bytes covered by one CRC32C of a chunk) is integrity.BLOCK, the same block size as
+# the per-block CRCs of whole payload files (FileEntry.blocks).
+#: The chunk index of a DTensor checkpoint.
+INDEX_FILE = "dtensors.json"
+#: The index format version.
+INDEX_FORMAT = 1
+#: Bounds on hostile input: a real index has a few chunks per tensor per rank.
+MAX_INDEX_BYTES = 512 << 20
+_MAX_NDIM = 64
+_MAX_DIM = 1 << 48
+_MAX_CHUNKS = 1 << 22
+
+
+def shard_file(rank: int, part: int = 0) -> str:
+    """A file a rank writes its DTensor shards into (no state key can produce the name).
+
+    A rank with many bytes to write splits them over several files (``part`` 1, 2, ...),
+    written concurrently (see :func:`ckptstore.sharded.plan.write_shards`); the chunk index
+    says which file holds each chunk, so readers need no rule to find them.
+    """
+    if part:
+        return f"_shards.rank{rank:05d}.{part}.safetensors"
+    return f"_shards.rank{rank:05d}.safetensors"
+
+
+def block_crcs(data: memoryview | bytes | bytearray, block: int = BLOCK) -> list[int]:
+    """CRC32C of every ``block`` bytes of ``data`` (the last block may be short)."""
+    mv = memoryview(data).cast("B")
+    return [crc32c_of(mv[i : i + block]) for i in range(0, len(mv), block)]
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One saved shard of a tensor: a box of the full tensor, stored contiguously."""
+
+    offsets: tuple[int, ...]
+    sizes: tuple[int, ...]
+    file: str
+    start: int
+    nbytes: int
+    crcs: tuple[int, ...]
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        return {
+            "offsets": list(self.offsets),
+            "sizes": list(self.sizes),
+            "file": self.file,
+            "start": self.start,
+            "bytes": self.nbytes,
+            "crc32c": [format_crc(c) for c in self.crcs],
+        }
+
+
+@dataclasses.dataclass(frozen=True)
+class TensorEntry:
+    """A sharded tensor: dtype, full shape, how it was laid out, and its chunks."""
+
+    dtype: str
+    shape: tuple[int, ...]
+    chunks: tuple[Chunk, ...]
+    mesh: tuple[int, ...] = ()
+    mesh_dims: tuple[str, ...] = ()
+    placements: tuple[str, ...] = ()
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        """The dtype as a torch dtype."""
+        from ..codec.tree import SUPPORTED_DTYPES
+
+        return SUPPORTED_DTYPES[self.dtype]
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the full tensor."""
+        return math.prod(self.shape) * ITEMSIZE[self.dtype]
+
+    def to_json(self) -> dict[str, Any]:
+        """JSON form."""
+        out: dict[str, Any] = {
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "chunks": [c.to_json() for c in self.chunks],
+        }
+        if self.mesh:
+            out["mesh"] = list(self.mesh)
+            out["mesh_dims"] = list(self.mesh_dims)
+            out["placements"] = list(self.placements)
+        return out
+
+
+@dataclasses.dataclass(frozen=True)
+class ChunkIndex:
+    """Every sharded tensor of a checkpoint, by its flat name (see ``sharding.py``)."""
+
+    tensors: Mapping[str, TensorEntry]
+    block: int = BLOCK
+
+    def to_bytes(self) -> bytes:
+        """Serialize as JSON (sorted, compact)."""
+        doc = {
+            "ckptstore_chunks": INDEX_FORMAT,
+            "block": self.block,
+            "tensors": {k: v.to_json() for k, v in sorted(self.tensors.items())},
+        }
+        return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+    @classmethod
+    def from_bytes(
+        cls, data: bytes | bytearray, files: Mapping[str, FileEntry], where: str
+    ) -> ChunkIndex:
+        """Parse and validate an index against the manifest's file table.
+
+        Every chunk must lie inside a safetensors file of the manifest, hold exactly the
+        bytes its box needs, carry one CRC per block, and the chunks of a tensor must cover
+        it exactly (no gap, no overlap): a full load can never return uninitialised memory.
+
+        Raises:
+            IntegrityError: the index is malformed, inconsistent or hostile.
+        """
+        if len(data) > MAX_INDEX_BYTES:
+            raise IntegrityError(f"{where}: {len(data)} bytes is larger than any real index")
+        try:
+            doc = json.loads(bytes(data).decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError) as e:
+            raise IntegrityError(f"{where}: not valid JSON ({e})") from None
+        if not isinstance(doc, dict) or doc.get("ckptstore_chunks") != INDEX_FORMAT:
+            raise IntegrityError(f"{where}: not a ckptstore chunk index of format {INDEX_FORMAT}")
+        block = doc.get("block")
+        if isinstance(block, bool) or not isinstance(block, int) or not 4096 <= block <= 1 << 30:
+            raise IntegrityError(f"{where}: 'block' must be an integer in [4096, 2**30]")
+        raw = doc.get("tensors")
+        if not isinstance(raw, dict):
+            raise IntegrityError(f"{where}: 'tensors' must be an object")
+        budget = [_MAX_CHUNKS]
+        tensors = {
+            str(name): _tensor_entry(name, row, files, block, budget, where)
+            for name, row in raw.items()
+        }
+        return cls(tensors=tensors, block=block)
+
+    def dcp_metadata(self) -> Any:
+        """The index as ``torch.distributed.checkpoint.metadata.Metadata`` for DCP's planners."""
+        import torch
+        from torch.distributed.checkpoint.metadata import (
+            ChunkStorageMetadata,
+            Metadata,
+            TensorProperties,
+            TensorStorageMetadata,
+        )
+
+        md: dict[str, Any] = {}
+        for name, t in self.tensors.items():
+            md[name] = TensorStorageMetadata(
+                properties=TensorProperties(dtype=t.torch_dtype),
+                size=torch.Size(t.shape),
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                    for c in t.chunks
+                ],
+            )
+        return Metadata(state_dict_metadata=md)
+
+    def chunk_at(self, name: str, offsets: Sequence[int]) -> Chunk:
+        """The chunk of ``name`` that starts at ``offsets``.
+
+        Raises:
+            IntegrityError: no such chunk.
+        """
+        entry = self.tensors.get(name)
+        want = tuple(int(o) for o in offsets)
+        if entry is not None:
+            for c in entry.chunks:
+                if c.offsets == want:
+                    return c
+        raise IntegrityError(f"chunk index has no chunk of {name!r} at {list(want)}")
+
+
+def _ints(v: object, what: str, where: str, *, hi: int = _MAX_DIM) -> tuple[int, ...]:
+    if not isinstance(v, list) or len(v) > _MAX_NDIM:
+        raise IntegrityError(f"{where}: {what} must be a list of at most {_MAX_NDIM} integers")
+    out = []
+    for x in v:
+        if isinstance(x, bool) or not isinstance(x, int) or not 0 <= x <= hi:
+            raise IntegrityError(f"{where}: {what} must hold integers in [0, {hi}], got {x!r}")
+        out.append(x)
+    return tuple(out)
+
+
+def _strs(v: object, what: str, where: str) -> tuple[str, ...]:
+    if not isinstance(v, list) or len(v) > _MAX_NDIM or not all(isinstance(x, str) for x in v):
+        raise IntegrityError(f"{where}: {what} must be a list of strings")
+    return tuple(str(x)[:200] for x in v)
+
+
+def _tensor_entry(  # noqa: PLR0917 - a private validator with one call site
+    name: object,
+    row: object,
+    files: Mapping[str, FileEntry],
+    block: int,
+    budget: list[int],
+    where: str,
+) -> TensorEntry:
+    at = f"{where}: tensor {name!r}"
+    if not isinstance(name, str) or not name or len(name) > 4096:
+        raise IntegrityError(f"{at}: a tensor name is a non-empty string")
+    if not isinstance(row, dict):
+        raise IntegrityError(f"{at}: entry must be an object")
+    dtype = row.get("dtype")
+    if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+        raise IntegrityError(f"{at}: unsupported dtype {dtype!r}")
+    itemsize = ITEMSIZE[dtype]
+    shape = _ints(row.get("shape"), "shape", at)
+    numel = math.prod(shape)
+    raw_chunks = row.get("chunks")
+    if not isinstance(raw_chunks, list) or not raw_chunks:
+        raise IntegrityError(f"{at}: 'chunks' must be a non-empty list")
+    budget[0] -= len(raw_chunks)
+    if budget[0] < 0:
+        raise IntegrityError(f"{where}: more than {_MAX_CHUNKS} chunks; the index is hostile")
+    chunks = []
+    volume = 0
+    for i, c in enumerate(raw_chunks):
+        cat = f"{at} chunk {i}"
+        if not isinstance(c, dict):
+            raise IntegrityError(f"{cat}: must be an object")
+        offsets = _ints(c.get("offsets"), "offsets", cat)
+        sizes = _ints(c.get("sizes"), "sizes", cat)
+        if len(offsets) != len(shape) or len(sizes) != len(shape):
+            raise IntegrityError(f"{cat}: offsets/sizes do not have {len(shape)} dimensions")
+        if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+            raise IntegrityError(f"{cat}: box {list(offsets)}+{list(sizes)} outside {list(shape)}")
+        fname = c.get("file")
+        try:
+            validate_file_name(fname)
+        except Exception:
+            raise IntegrityError(f"{cat}: unsafe file name {fname!r}") from None
+        fe = files.get(str(fname))
+        if fe is None or fe.codec != "safetensors" or fe.compression is not None:
+            raise IntegrityError(f"{cat}: {fname!r} is not an uncompressed payload of the manifest")
+        start, nbytes = c.get("start"), c.get("bytes")
+        if (
+            isinstance(start, bool)
+            or isinstance(nbytes, bool)
+            or not isinstance(start, int)
+            or not isinstance(nbytes, int)
+            or start < 0
+            or nbytes != math.prod(sizes) * itemsize
+            or start + nbytes > fe.bytes
+        ):
+            raise IntegrityError(
+                f"{cat}: bytes {start!r}+{nbytes!r} do not fit its box of {dtype} or its file"
+            )
+        crcs_raw = c.get("crc32c")
+        if not isinstance(crcs_raw, list) or len(crcs_raw) != -(-nbytes // block):
+            raise IntegrityError(f"{cat}: needs one crc32c per {block} bytes")
+        try:
+            crcs = tuple(parse_crc(x) for x in crcs_raw)
+        except (ValueError, TypeError):
+            raise IntegrityError(f"{cat}: crc32c values must be 8 hex digits") from None
+        volume += math.prod(sizes)
+        chunks.append(Chunk(offsets, sizes, str(fname), start, nbytes, crcs))
+    if volume != numel or _overlap(chunks):
+        raise IntegrityError(
+            f"{at}: its chunks do not cover the {list(shape)} tensor exactly (gaps or overlaps)"
+        )
+    mesh = _ints(row.get("mesh", []), "mesh", at)
+    dims = _strs(row.get("mesh_dims", []), "mesh_dims", at)
+    placements = _strs(row.get("placements", []), "placements", at)
+    return TensorEntry(dtype, shape, tuple(chunks), mesh, dims, placements)
+
+
+def _overlap(chunks: Sequence[Chunk]) -> bool:
+    """Whether two boxes intersect (a sweep along dim 0, so work stays near n log n)."""
+    if len(chunks) < 2:
+        return False
+    # Empty boxes overlap nothing; two chunks of one 0-d tensor fail the volume check.
+    boxes = sorted((c for c in chunks if 0 not in c.sizes), key=lambda c: c.offsets[:1])
+    if not boxes or not boxes[0].offsets:
+        return len(boxes) > 1
+    active: list[Chunk] = []
+    for b in boxes:
+        active = [a for a in active if a.offsets[0] + a.sizes[0] > b.offsets[0]]
+        for a in active:
+            if all(
+                ao < bo + bs and bo < ao + as_
+                for ao, as_, bo, bs in zip(a.offsets, a.sizes, b.offsets, b.sizes, strict=True)
+            ):
+                return True
+        active.append(b)
+    return False
+
+
+def box_byte_range(
+    chunk_sizes: Sequence[int], box_offsets: Sequence[int], lengths: Sequence[int], itemsize: int
+) -> tuple[int, int]:
+    """The smallest byte range of a row-major chunk that holds a sub-box of it.
+
+    Returns:
+        ``(first, end)`` byte offsets inside the chunk; ``first == end`` for an empty box.
+    """
+    if any(n == 0 for n in lengths):
+        return 0, 0
+    strides = _strides(chunk_sizes)
+    first = sum(o * s for o, s in zip(box_offsets, strides, strict=True))
+    last = sum((o + n - 1) * s for o, n, s in zip(box_offsets, lengths, strides, strict=True))
+    return first * itemsize, (last + 1) * itemsize
+
+
+def _strides(sizes: Sequence[int]) -> list[int]:
+    out = [1] * len(sizes)
+    for i in range(len(sizes) - 2, -1, -1):
+        out[i] = out[i + 1] * sizes[i + 1]
+    return out
+
+
+def read_box(
+    read: Any,
+    chunk: Chunk,
+    dtype: torch.dtype,
+    box_offsets: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    block: int,
+    where: str,
+) -> torch.Tensor:
+    """Read a sub-box of a saved chunk, checking the CRC of every block it touches.
+
+    Args:
+        read: ``read(file, offset, length) -> bytearray`` of exactly ``length`` bytes.
+        chunk: the saved chunk.
+        dtype: its dtype.
+        box_offsets: the sub-box, relative to the chunk.
+        lengths: the sub-box's sizes.
+        block: the index's CRC block size.
+        where: names the checkpoint in messages.
+
+    Returns:
+        A CPU tensor of shape ``lengths`` viewing verified bytes (not contiguous in general).
+
+    Raises:
+        IntegrityError: a block does not match its CRC32C.
+    """
+    import torch
+
+    itemsize = dtype.itemsize
+    first, end = box_byte_range(chunk.sizes, box_offsets, lengths, itemsize)
+    if first == end:
+        return torch.empty(list(lengths), dtype=dtype)
+    b0, b1 = first // block, -(-end // block)
+    lo, hi = b0 * block, min(b1 * block, chunk.nbytes)
+    buf = read(chunk.file, chunk.start + lo, hi - lo)
+    mv = memoryview(buf)
+    for k in range(b0, b1):
+        piece = mv[(k - b0) * block : min((k + 1) * block, hi) - lo]
+        if crc32c_of(piece) != chunk.crcs[k]:
+            raise IntegrityError(
+                f"{where}: block {k} of its chunk at {list(chunk.offsets)} in {chunk.file} "
+                f"(bytes {chunk.start + k * block}..) does not match its crc32c; the file is "
+                "corrupt"
+            )
+    count = (end - first) // itemsize
+    flat = torch.frombuffer(buf, dtype=dtype, offset=first - lo, count=count)
+    return torch.as_strided(flat, list(lengths), _strides(chunk.sizes), 0)
+
+
+#: ``dtype_name``'s answers so far (``str(dtype)`` costs ~20 us; a save asks per tensor).
+_DTYPE_NAMES: dict[Any, str] = {}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The index's name of a dtype (``float32``)."""
+    name = _DTYPE_NAMES.get(dtype)
+    if name is not None:
+        return name
+    name = str(dtype).removeprefix("torch.")
+    if name not in ITEMSIZE:
+        raise KeyError(dtype)
+    _DTYPE_NAMES[dtype] = name
+    return name

@@ -1,0 +1,1 @@
+"""Training state: capturing Stateful objects as plain data, modules, EMA and RNG."""

@@ -1,0 +1,299 @@
+"""Capturing a training state as plain data, and applying restored data back onto it.
+
+The state handed to ``save`` maps names to objects with ``state_dict()`` /
+``load_state_dict()`` (modules, optimizers, schedulers, GradScaler, :class:`EMA`,
+:class:`RNGState`, anything Stateful) or to plain data. Capture turns the Stateful ones into
+their state dicts (modules de-parallelized); apply checks everything it can before changing
+anything (module keys, shapes and dtypes; an optimizer's parameter groups), then loads the
+other Stateful objects first (whose ``load_state_dict`` may still refuse: what they loaded is
+put back and nothing else has changed), then modules and plain values, and EMA last (loaded,
+or rebuilt from the restored source model).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, MutableMapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from .._log import logger as log
+from ..errors import StateMismatchError
+from .modules import EMA, RNGState, load_module_state, module_state
+
+__all__ = ["apply_state", "capture", "kind_of"]
+
+
+def kind_of(value: Any) -> str | None:
+    """``"module"``, ``"ema"``, ``"rng"``, ``"stateful"`` or ``None`` for plain data."""
+    if isinstance(value, EMA):
+        return "ema"
+    if isinstance(value, RNGState):
+        return "rng"
+    if isinstance(value, nn.Module):
+        return "module"
+    if callable(getattr(value, "state_dict", None)) and callable(
+        getattr(value, "load_state_dict", None)
+    ):
+        return "stateful"
+    return None
+
+
+def capture(value: Any) -> Any:
+    """The data to store for one top-level value of the state."""
+    kind = kind_of(value)
+    if kind == "module":
+        return module_state(value)
+    if kind is not None:
+        return value.state_dict()
+    return value
+
+
+def apply_state(
+    state: MutableMapping[Any, Any],
+    stored: Mapping[Any, Any],
+    kinds: Mapping[Any, str | None],
+    *,
+    strict: bool = True,
+    where: str = "checkpoint",
+) -> None:
+    """Load decoded entries ``stored`` into the objects of ``state``.
+
+    Args:
+        state: the user's state; plain values in it are replaced, Stateful ones loaded.
+        stored: decoded top-level entries of the checkpoint, for the keys of ``state``.
+        kinds: the kind each stored entry was saved as (see :func:`kind_of`).
+        strict: refuse missing/unexpected keys (shape and dtype mismatches always refuse).
+        where: names the checkpoint in messages.
+
+    Raises:
+        StateMismatchError: an entry of ``state`` is absent from the checkpoint (except an
+            EMA, which is rebuilt), or a module does not fit.
+    """
+    precheck(state, stored, kinds, strict=strict, where=where)
+    _load_stateful(state, stored, where=where)
+    emas: list[tuple[Any, EMA]] = []
+    for key, target in list(state.items()):
+        if isinstance(target, EMA):
+            emas.append((key, target))
+            continue
+        if key not in stored:
+            continue
+        value = stored[key]
+        if isinstance(target, nn.Module):
+            load_module_state(target, value, strict=strict, where=f"{where}[{key!r}]")
+        elif kind_of(target) is None:
+            state[key] = value
+    for key, ema in emas:
+        kind = kinds.get(key)
+        if key in stored and kind == "ema" and not ema.rebuild:
+            ema.load_state_dict(stored[key], strict=strict)
+        elif key in stored and not ema.rebuild and _holds_weights(stored[key], kind):
+            # Saved as a plain module ({"ema": averaged_model}): its weights are the EMA.
+            ema.load_weights(stored[key], strict=strict)
+        else:
+            if key in stored and not ema.rebuild:
+                log.warning(
+                    "%s[%r] holds a %s, not EMA weights; the EMA is rebuilt from its source",
+                    where,
+                    key,
+                    type(stored[key]).__name__,
+                )
+            ema.rebuild_from_source()
+
+
+def _load_stateful(state: Mapping[Any, Any], stored: Mapping[Any, Any], *, where: str) -> None:
+    """Load the Stateful objects that are not modules (optimizers, schedulers, RNG, ...).
+
+    They go first: their ``load_state_dict`` may refuse for a reason no check foresaw, and
+    then nothing else has changed yet; those already loaded get their previous state back.
+    """
+    done: list[tuple[Any, Any, Any]] = []  # (key, target, its state before)
+    for key, target in state.items():
+        if key not in stored or isinstance(target, nn.Module | EMA) or kind_of(target) is None:
+            continue
+        try:
+            before = target.state_dict()
+            target.load_state_dict(stored[key])
+        except (ValueError, KeyError, RuntimeError, TypeError) as e:
+            for k, t, sd in reversed(done):
+                try:
+                    t.load_state_dict(sd)
+                except Exception as undo:  # reported; the refusal below is the error
+                    log.error("%s[%r]: could not put back its previous state: %s", where, k, undo)
+            name = type(target).__name__
+            msg = (
+                f"{where}[{key!r}]: {name}.load_state_dict refused the stored state: {e}; "
+                "nothing was restored"
+            )
+            raise StateMismatchError(msg) from e
+        done.append((key, target, before))
+
+
+def _holds_weights(value: Any, kind: str | None) -> bool:
+    """Whether a stored entry that is not an EMA is a module's weights (a state dict)."""
+    return (
+        kind != "ema"
+        and isinstance(value, Mapping)
+        and any(isinstance(v, torch.Tensor) for v in value.values())
+    )
+
+
+def precheck(
+    state: Mapping[Any, Any],
+    stored: Mapping[Any, Any],
+    kinds: Mapping[Any, str | None],
+    *,
+    strict: bool = True,
+    where: str = "checkpoint",
+) -> None:
+    """Everything :func:`apply_state` checks before it changes anything.
+
+    ``stored`` may hold meta tensors (only names, shapes and dtypes are compared), so the
+    checks can run from ``state.json`` alone, before any payload is read.
+
+    Raises:
+        StateMismatchError: a missing entry, or a module, EMA or optimizer that does not fit.
+    """
+    missing = [k for k, v in state.items() if k not in stored and not isinstance(v, EMA)]
+    if missing and strict:
+        have = ", ".join(repr(k) for k in stored) or "nothing"
+        msg = (
+            f"{where} has no entry for {', '.join(repr(k) for k in missing)} (it holds {have}); "
+            "restore with strict=False to skip them"
+        )
+        raise StateMismatchError(msg, missing=[str(k) for k in missing])
+    # Check every target before loading any, so a mismatch leaves the state untouched.
+    for key, target in state.items():
+        at = f"{where}[{key!r}]"
+        if key in stored and isinstance(target, nn.Module):
+            _check_module(target, stored[key], strict=strict, where=at)
+        elif isinstance(target, EMA):  # an EMA loads last: check it first all the same
+            _check_ema(target, stored.get(key), kinds.get(key), strict=strict, where=at)
+        elif key in stored and stored[key] is not None and kind_of(target) == "stateful":
+            _check_stateful(target, stored[key], where=at)
+
+
+def _check_module(target: nn.Module, value: Any, *, strict: bool, where: str) -> None:
+    """Raise StateMismatchError if ``value`` would not load into ``target``."""
+    if not isinstance(value, Mapping):
+        raise StateMismatchError(
+            f"{where}: stored entry is a {type(value).__name__}, not a state dict"
+        )
+    probe = _Probe(target)
+    load_module_state(probe, value, strict=strict, where=where)
+
+
+def _check_ema(ema: EMA, value: Any, kind: str | None, *, strict: bool, where: str) -> None:
+    """Raise StateMismatchError if ``ema`` can be neither loaded nor rebuilt as it will be."""
+    if kind == "ema" and not ema.rebuild:
+        weights = value.get("weights") if isinstance(value, Mapping) else None
+        _check_module(ema.module, weights, strict=strict, where=where)
+    elif value is not None and not ema.rebuild and _holds_weights(value, kind):
+        _check_module(ema.weights_target(value), value, strict=strict, where=where)
+    elif ema.source is not None:  # rebuilt from the source, whose shapes the restore keeps
+        _check_module(ema.module, module_state(ema.source), strict=True, where="ema (rebuilt)")
+    else:
+        ema.rebuild_from_source()  # raises: nothing to rebuild from
+
+
+#: Per-parameter optimizer buffers of ``torch.optim`` that have the parameter's shape.
+_PARAM_SHAPED = frozenset(
+    {
+        "exp_avg",
+        "exp_avg_sq",
+        "max_exp_avg_sq",
+        "momentum_buffer",
+        "square_avg",
+        "acc_delta",
+        "sum",
+        "grad_avg",
+        "exp_inf",
+        "prev",
+        "step_size",
+        "ax",
+    }
+)
+
+
+def _check_stateful(target: Any, value: Any, *, where: str) -> None:
+    """Raise StateMismatchError if ``value`` visibly would not load into ``target``.
+
+    Optimizers: parameter groups and sizes, and the shapes of ``torch.optim``'s
+    per-parameter buffers. Schedulers and GradScaler: what their ``load_state_dict``
+    needs. Other Stateful objects cannot be checked; if one refuses while loading,
+    :func:`apply_state` puts back what was loaded before it.
+    """
+    if isinstance(target, torch.optim.Optimizer):
+        _check_optimizer(target, value, where=where)
+    elif isinstance(target, torch.optim.lr_scheduler.LRScheduler) and not isinstance(
+        value, Mapping
+    ):
+        raise StateMismatchError(
+            f"{where}: stored entry is a {type(value).__name__}, not a scheduler state dict"
+        )
+    elif isinstance(target, torch.amp.GradScaler) and target.is_enabled() and not value:
+        raise StateMismatchError(
+            f"{where}: the stored GradScaler state is empty (saved from a disabled scaler) and "
+            "this one is enabled; restore into a disabled scaler, or leave it out of the state"
+        )
+
+
+def _check_optimizer(opt: torch.optim.Optimizer, value: Any, *, where: str) -> None:
+    groups = value.get("param_groups") if isinstance(value, Mapping) else None
+    saved_state = value.get("state") if isinstance(value, Mapping) else None
+    if not isinstance(groups, list | tuple) or not isinstance(saved_state, Mapping):
+        raise StateMismatchError(
+            f"{where}: stored entry is not an optimizer state dict (no 'state' and "
+            f"'param_groups'), so it cannot load into {type(opt).__name__}"
+        )
+    saved = [len(g.get("params", ())) if isinstance(g, Mapping) else -1 for g in groups]
+    have = [len(g["params"]) for g in opt.param_groups]
+    if saved != have:
+        raise StateMismatchError(
+            f"{where}: the optimizer's parameter groups do not match the checkpoint: it has "
+            f"{len(have)} group(s) of {have} parameters, the checkpoint {len(saved)} "
+            f"group(s) of {saved}. Build the optimizer with the parameter groups it had when "
+            "saved, in the same order",
+            mismatched=[f"param_groups: checkpoint {saved}, optimizer {have}"],
+        )
+    if not type(opt).__module__.startswith("torch.optim"):
+        return  # other optimizers' buffers may have any shape (factored, flat, quantized)
+    ids = [i for g in groups if isinstance(g, Mapping) for i in g.get("params", ())]
+    params = [p for g in opt.param_groups for p in g["params"]]
+    by_id = dict(zip(ids, params, strict=False))
+    mismatched = []
+    for pid, buffers in saved_state.items():
+        param = by_id.get(pid)
+        if param is None or not isinstance(buffers, Mapping):
+            continue
+        for name, t in buffers.items():
+            if name in _PARAM_SHAPED and isinstance(t, torch.Tensor) and t.shape != param.shape:
+                mismatched.append(
+                    f"state[{pid}][{name!r}]: checkpoint {tuple(t.shape)}, "
+                    f"parameter {tuple(param.shape)}"
+                )
+    if mismatched:
+        raise StateMismatchError(
+            f"{where}: the optimizer state does not fit its parameters; mismatched "
+            f"({len(mismatched)}): {'; '.join(mismatched[:20])}. Build the optimizer over the "
+            "model it was saved with",
+            mismatched=mismatched,
+        )
+
+
+class _Probe(nn.Module):
+    """Stands in for a module to run the checks of ``load_module_state`` without loading."""
+
+    def __init__(self, target: nn.Module) -> None:
+        super().__init__()
+        from .modules import de_parallel
+
+        self._sd = de_parallel(target).state_dict()
+
+    def state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return self._sd
+
+    def load_state_dict(self, *args: Any, **kwargs: Any) -> Any:
+        return None

@@ -1,0 +1,99 @@
+"""Errors of talking to an object store, as one line that says what to check.
+
+No credentials, an endpoint that does not answer, access denied: botocore, aiohttp and the
+other clients raise their own exceptions (chained, often 100+ lines). :func:`remote_error`
+turns one into a :class:`~ckptstore.errors.CkptStoreError` naming the store and what to
+check, the command line's wording, used by the command line (``ops.stores``) and by the
+object-store backend (``storage.remote``) alike. Nothing here imports the clients.
+"""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+from ..errors import CkptStoreError
+
+__all__ = ["reaching", "remote_error"]
+
+
+_NO_CREDENTIALS = {
+    "NoCredentialsError",
+    "PartialCredentialsError",
+    "CredentialRetrievalError",
+    "NoAuthTokenError",
+    "DefaultCredentialsError",
+}
+_UNREACHABLE = {
+    "EndpointConnectionError",
+    "ConnectTimeoutError",
+    "ConnectionClosedError",
+    "ReadTimeoutError",
+    "ProxyConnectionError",
+    "ClientConnectorError",
+    "ClientConnectionError",
+    "ServerDisconnectedError",
+    "ServerTimeoutError",
+}
+#: Modules whose exceptions can only come from talking to an object store.
+_REMOTE_MODULES = (
+    "botocore",
+    "aiobotocore",
+    "aiohttp",
+    "s3fs",
+    "gcsfs",
+    "google",
+    "adlfs",
+    "azure",
+)
+
+
+def remote_error(
+    e: BaseException, where: str, cls: type[CkptStoreError] = CkptStoreError
+) -> CkptStoreError | None:
+    """One line saying what to check, for an error that reaching an object store raised.
+
+    Only for errors raised while talking to an object store: a local ``PermissionError``
+    is not a credentials problem. The error is a ``cls`` (the command line's plain
+    ``CkptStoreError``; the storage backend's :class:`~ckptstore.errors.StoreUnreachableError`).
+
+    Returns:
+        The error to raise instead, or ``None`` when ``e`` is not such an error.
+    """
+    names = {c.__name__ for c in type(e).__mro__}
+    text = " ".join(str(e).split()) or type(e).__name__
+    if names & _NO_CREDENTIALS:
+        return cls(
+            f"{where}: no credentials found ({text}); set them in the environment "
+            "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or pass them as "
+            "storage options (key=..., secret=...)"
+        )
+    if names & _UNREACHABLE or isinstance(e, ConnectionError | TimeoutError):
+        return cls(
+            f"{where}: cannot reach the storage endpoint ({text}); check the endpoint_url "
+            "storage option, the network, and that the service is up"
+        )
+    if isinstance(e, PermissionError) or "AccessDenied" in text:
+        return cls(
+            f"{where}: access denied ({text}); check the credentials (key and secret, "
+            "AWS_PROFILE) and that they may read this bucket"
+        )
+    if type(e).__module__.split(".")[0] in _REMOTE_MODULES:
+        return cls(f"{where}: the object store refused the request ({text})")
+    return None
+
+
+@contextlib.contextmanager
+def reaching(where: str, cls: type[CkptStoreError] = CkptStoreError) -> Iterator[None]:
+    """Turn the errors of talking to an object store into one-line ``cls`` errors."""
+    try:
+        yield
+    except CkptStoreError:
+        raise
+    except FileNotFoundError:
+        raise
+    except Exception as e:
+        err = remote_error(e, where, cls)
+        if err is None:
+            raise
+        raise err from e

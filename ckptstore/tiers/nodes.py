@@ -1,0 +1,207 @@
+"""Node-local roots: which ranks share a local store, and steps that hold some ranks' files.
+
+Under torch.distributed every rank may pass its own ``root``: one shared filesystem, or a
+disk per node (different paths stand for different nodes in tests). :func:`peers` finds out
+which ranks see the same store, by writing a probe file and looking for the others' probes
+(a path comparison would be wrong both ways: the same path on two nodes is two disks, and
+two paths may be one mount). The lowest rank of each group writes its store (its lock, its
+retention); the ranks of a sharded save write into their own group's tmp directory.
+
+A step committed on node-local roots holds, on each node, the ranks' files written there,
+every file of no rank (rank 0's plain state and chunk index, copied to every node at the
+save) and the full manifest; a :data:`LOCAL_RANKS_NAME` marker says which ranks' files are
+present. ``verify`` checks the files present and names the ranks whose files live elsewhere;
+a read that needs one of those fails with :func:`missing_error` (restore then takes the step
+from the replica, or passes over it), never with a silent partial result.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import uuid
+from collections.abc import Collection, Mapping
+from typing import TYPE_CHECKING
+
+from .._log import logger as log
+from ..errors import IntegrityError
+from ..integrity import crc32c_of
+from ..layout import LOCAL_RANKS_NAME, step_dirname
+from ..manifest import FileEntry, Manifest
+from ..storage import Pending, Storage
+
+if TYPE_CHECKING:  # torch-free at import: the CLI's reading commands load this module
+    from ..dist import Coordinator
+
+__all__ = [
+    "elsewhere",
+    "local_ranks",
+    "missing_error",
+    "peers",
+    "plain_blobs",
+    "ranks_with_files",
+    "write_marker",
+    "write_plain",
+]
+
+#: A probe file's name prefix; a ``.ckptstore.`` name, so it never makes a root look foreign.
+_PROBE = ".ckptstore.probe-"
+
+
+def peers(storage: Storage, coord: Coordinator) -> list[int]:
+    """The ranks whose store is this rank's store (collective; this rank included).
+
+    Every rank makes a probe directory with a unique name in its root; after an exchange of the
+    names each rank looks for the others' probes in its own root, and the views are
+    exchanged again so every rank checks that the groups are consistent. Object stores
+    (no rename: a URL names one store wherever it is opened) are shared by every rank.
+
+    Raises:
+        ValueError: the views disagree (rank A sees rank B's probe, B does not see A's): the
+            roots are neither one shared store nor disjoint ones.
+        OSError: the probe could not be written (the root is read-only, say).
+    """
+    if not coord.enabled:
+        return [0]
+    if not storage.atomic_rename:  # an object store (a local path is the only other kind)
+        return list(range(coord.world_size))
+    name = f"{_PROBE}{uuid.uuid4().hex}"
+    # A directory, made with the root where that is still missing, and nothing fsynced: the
+    # probe is gone before the constructor returns (the first save makes the root durable),
+    # so the other ranks never wait on this rank's disk. A root made here stays: removing it
+    # once empty raced with a peer that, past the exchange, was already taking the store's
+    # lock in it (its open failed with ENOENT).
+    probe = os.path.join(storage.root, name)
+    os.makedirs(probe)
+    try:
+        names = coord.all_gather(name, "init:probe")
+        mine = [r for r, n in enumerate(names) if n == name or storage._exists(n)]
+        views = coord.all_gather(mine, "init:peers")
+    finally:
+        try:
+            os.rmdir(probe)
+        except OSError as e:
+            log.warning("could not remove the probe %s: %s", probe, e)
+    for r, view in enumerate(views):
+        for other in view:
+            if views[other] != view:
+                msg = (
+                    f"rank {r} sees the store of rank(s) {view} at its root, rank {other} sees "
+                    f"{views[other]}: the ranks' roots must be one shared store or one store per "
+                    "node, each seen alike by the ranks of that node"
+                )
+                raise ValueError(msg)
+    return list(views[coord.rank])
+
+
+def plain_blobs(pending: Pending, files: Mapping[str, FileEntry]) -> dict[str, bytes]:
+    """The files of no rank written into ``pending`` (rank 0's plain state, the chunk index).
+
+    Read back from rank 0's tmp directory, checked against their entries, to be copied into
+    every other node's copy of the step.
+
+    Raises:
+        IntegrityError: a file does not read back as written.
+    """
+    out: dict[str, bytes] = {}
+    storage = pending.storage
+    for name, entry in files.items():
+        if entry.rank is not None:
+            continue
+        with storage._open_read(f"{pending.dirname}/{name}") as f:
+            data = f.read(entry.bytes + 1)
+        if len(data) != entry.bytes or crc32c_of(data) != entry.crc32c:
+            raise IntegrityError(f"{pending.dirname}/{name}: does not read back as written")
+        out[name] = data
+    return out
+
+
+def write_plain(
+    pending: Pending, files: Mapping[str, FileEntry], blobs: Mapping[str, bytes]
+) -> None:
+    """Write rank 0's ``blobs`` into this node's ``pending`` copy, checked against ``files``.
+
+    Raises:
+        IntegrityError: a blob is not what the manifest says.
+        OSError: writing failed.
+    """
+    for name, data in blobs.items():
+        entry = files[name]
+        with pending.open(name, codec=entry.codec, compression=entry.compression, rank=None) as w:
+            w.write(data)
+        got = pending.files[name]
+        if (got.bytes, got.crc32c) != (entry.bytes, entry.crc32c):
+            raise IntegrityError(
+                f"{pending.dirname}/{name}: the copy of rank 0's file does not match the manifest"
+            )
+
+
+def write_marker(pending: Pending, ranks: Collection[int], world_size: int) -> None:
+    """Mark ``pending`` as holding the files of ``ranks`` only (before its commit)."""
+    body = json.dumps({"ranks": sorted(ranks), "world_size": world_size}).encode() + b"\n"
+    pending.storage._put_small(f"{pending.dirname}/{LOCAL_RANKS_NAME}", body)
+
+
+def local_ranks(storage: Storage, step: int) -> list[int] | None:
+    """The ranks whose files the committed ``step`` holds here; ``None``: every rank's.
+
+    A marker that cannot be read is taken as ``[]`` (only the files of no rank are trusted to
+    be there): reads then say which ranks' files are missing instead of guessing.
+    """
+    rel = f"{step_dirname(step)}/{LOCAL_RANKS_NAME}"
+    try:
+        if not storage._exists(rel):
+            return None
+        with storage._open_read(rel) as f:
+            data = json.loads(f.read(1 << 16))
+        ranks = data.get("ranks") if isinstance(data, dict) else None
+        if isinstance(ranks, list) and all(
+            isinstance(r, int) and not isinstance(r, bool) for r in ranks
+        ):
+            return sorted(ranks)
+    except (OSError, ValueError):
+        pass
+    return []
+
+
+def ranks_with_files(manifest: Manifest) -> list[int]:
+    """The ranks that wrote files of ``manifest`` (files of no rank count as rank 0's)."""
+    return sorted({0 if e.rank is None else e.rank for e in manifest.files.values()})
+
+
+def elsewhere(manifest: Manifest, present: Collection[int] | None) -> list[int]:
+    """The ranks with files in ``manifest`` whose files this copy lacks (``present`` ranks)."""
+    if present is None:
+        return []
+    return sorted({e.rank for e in manifest.files.values() if e.rank is not None} - set(present))
+
+
+def missing_error(
+    storage: Storage, step: int, manifest: Manifest | None, cause: BaseException
+) -> BaseException:
+    """The error for a read of ``step`` that found a file missing.
+
+    On a node's partial copy: an ``IntegrityError`` naming the ranks whose files live on
+    other nodes (restore passes over the step, or takes it from the replica); else ``cause``
+    (also for an ``IntegrityError`` that names no file of those ranks: a corrupt file).
+    """
+    present = local_ranks(storage, step)
+    if present is None:
+        return cause
+    if manifest is None:
+        try:
+            manifest = storage.read_manifest(step)
+        except Exception:
+            return cause
+    away = elsewhere(manifest, present)
+    if isinstance(cause, IntegrityError):
+        # Only a file of a rank whose files live elsewhere; a bad file of its own is corrupt.
+        names = [n for n, e in manifest.files.items() if e.rank in away]
+        if not any(f"/{n}:" in str(cause) or f"/{n} " in str(cause) for n in names):
+            return cause
+    return IntegrityError(
+        f"{storage.describe(step)} on this node holds only rank(s) {present}'s files (node-local "
+        f"roots); the read needs files of rank(s) {away}, which live on the other nodes' local "
+        f"roots ({cause}). Restore it with the ranks of that save, or give the manager its "
+        "replica (replica=...)"
+    )

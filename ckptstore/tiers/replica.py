@@ -1,0 +1,917 @@
+"""Two tiers: committed local steps copied to a replica store in the background.
+
+The local store commits at disk speed; a :class:`Replicator` then copies each committed step
+to the replica (any fsspec URL) with the object-store commit protocol of
+:class:`~ckptstore.storage.base.Storage`: the payloads first, several at once, each streamed
+from the local file with its CRC32C checked against the local manifest on the way out and
+checked by the replica on receipt (S3) or read back from it once published; the manifest
+last, in one request, and only when every file is there and verified. A process killed at
+any moment therefore leaves the replica holding only complete, verifying steps (a step
+without its manifest is garbage), and the next :class:`Replicator` on the same roots aborts
+the crashed multipart uploads, removes the partial steps and uploads what is missing, newest
+first.
+
+A step that is safe on the replica gets a ``replicated`` marker in its local directory (for
+``ckptstore ls``, and so a step the replica's retention deleted is not uploaded again).
+
+Reading back costs a download of every byte uploaded. On S3 it is not needed: the writer
+(:mod:`ckptstore.storage.s3upload`) has the store check every request's body against the
+very buffers whose CRC32C is compared with the local manifest, the cheapest honest way the
+store allows (found once by a probe): S3 refuses a body whose CRC32C header is not its own
+(no MD5 needed); moto, which checks no header, computes the CRC32C of what it received when
+asked and answers it, which is compared; a store that does neither gets the body's MD5
+(Content-MD5) and its ETag is compared with it. A reply that lacks the check leaves the file
+unverified, and it is read back. Stores that do not check (every other fsspec filesystem)
+are read back; ``read_back=True`` reads back everything.
+
+A save closes the uploader's gate (:class:`~ckptstore.tiers.uploadgate.UploadGate`) for its
+blocking section: the copy threads stop before their next slice of a local file, the
+request bodies in flight before their next slice, and the bookkeeping after an upload
+(markers, retention) waits, so a save does not compete with the uploads of earlier steps.
+
+:func:`fetch_step` is the other direction: a replica step copied into the local store with
+the local commit protocol (restore from either tier reads it from there).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import threading
+import time
+from collections.abc import Callable, Collection, Iterable, Mapping
+from typing import Any
+
+from .._log import logger as log
+from ..errors import (
+    CkptStoreError,
+    IntegrityError,
+    ManifestError,
+    ReplicaError,
+    ReplicaUnavailableError,
+    StepExistsError,
+    StoreUnreachableError,
+)
+from ..layout import REPLICA_NAME, REPLICATED_NAME, step_dirname
+from ..manifest import FileEntry, Manifest
+from ..retention import CheckpointInfo, RetentionPolicy, plan_deletions
+from ..storage import Pending, Storage, iomode
+from . import nodes, upload_parts
+from .uploadgate import UploadGate
+
+__all__ = [
+    "ReplicaError",
+    "ReplicateResult",
+    "Replicator",
+    "fetch_step",
+    "read_replica_url",
+    "replicate",
+    "replicated_steps",
+]
+
+#: Files uploaded (or downloaded) at once per step.
+DEFAULT_THREADS = 4
+#: Attempts per step before the upload is given up until the next save or ``retry()``.
+_ATTEMPTS = 3
+#: Seconds before the second attempt; doubled for each further one.
+_BACKOFF = 0.5
+
+
+class _WriteFailed(Exception):
+    """Writing to the destination failed (not the source): carries the ``OSError``."""
+
+    def __init__(self, error: OSError) -> None:
+        super().__init__(str(error))
+        self.error = error
+
+
+def _lower_priority() -> None:
+    """Make the calling thread the lowest CPU priority (Linux: niceness is per thread).
+
+    Uploads must never take CPU from the training thread; where this is not allowed
+    (another OS) the thread keeps its priority.
+    """
+    with contextlib.suppress(OSError, AttributeError):
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), 19)
+
+
+def copy_files(
+    src: Storage,
+    dst: Storage,
+    step: int,
+    manifest: Manifest,
+    *,
+    replace: bool = False,
+    threads: int = DEFAULT_THREADS,
+    read_back: bool | None = False,
+    gate: UploadGate | None = None,
+    only: Collection[str] | None = None,
+    into: Pending | None = None,
+    lowest: bool = False,
+) -> None:
+    """Copy committed ``step`` from ``src`` to ``dst`` with ``dst``'s commit protocol.
+
+    Every file is streamed from ``src`` with its size and CRC32C checked against
+    ``manifest`` (a bad source byte aborts the copy, nothing of it becomes visible), written
+    into a pending step of ``dst`` that checksums what it writes, and read again from
+    ``dst`` once published: always with ``read_back=True``; with ``None``, only where the
+    store did not check the bytes it received itself (S3: every request carries the MD5 of
+    the checksummed bytes, see :mod:`ckptstore.storage.s3upload`); never with ``False``.
+    The manifest is committed only after all that.
+
+    ``gate`` (the uploader's :class:`~ckptstore.tiers.uploadgate.UploadGate`) is waited at before
+    each slice read from ``src``, and by the bodies of S3 requests before each slice sent.
+
+    ``only`` copies those files of ``manifest`` alone, and ``into`` writes them into a pending
+    step the caller opened and commits (one rank's part of a per-rank upload): then nothing
+    is committed, nor aborted on failure.
+
+    The files are copied at the caller's priority, or with ``lowest`` (an upload: it must
+    never take CPU from the training thread) on threads at the lowest priority, even a lone
+    file; the caller's own thread keeps its priority either way.
+
+    Raises:
+        IntegrityError: a file does not match ``manifest`` (in ``src``, or read back).
+        StepExistsError: ``step`` is committed in ``dst`` (and ``replace`` is not set).
+        OSError: reading or writing failed; nothing of the step is visible in ``dst``.
+    """
+    pending = dst.begin(step, replace=replace) if into is None else into
+    try:
+
+        def one(name: str, entry: FileEntry) -> None:
+            if gate is not None:  # no new file is opened, nor its first reads issued, in a save
+                gate.wait()
+            with pending.open(
+                name, codec=entry.codec, compression=entry.compression, rank=entry.rank
+            ) as w:
+                expect = getattr(w, "expect", None)
+                if expect is not None:  # an S3 upload: its size, and the gate of its requests
+                    expect(entry.bytes, gate=gate)
+
+                def pace() -> None:
+                    # A stopped uploader's ReplicaError (an OSError) must not read as a bad
+                    # source file: carried past stream_file like a failed write.
+                    if gate is not None:
+                        try:
+                            gate.wait()
+                        except ReplicaError as e:
+                            raise _WriteFailed(e) from e
+
+                def consume(offset: int, chunk: memoryview) -> None:
+                    pace()
+                    try:
+                        w.write(chunk)
+                    except OSError as e:
+                        # stream_file takes an OSError for a bad source file: carry it past.
+                        raise _WriteFailed(e) from e
+
+                try:
+                    src.stream_file(step, name, entry, consume, pace=pace)
+                except _WriteFailed as e:
+                    raise e.error from None
+            # The store checked what it received (its CRC32C, or the MD5 where it checks no
+            # CRC32C: see s3upload) against the very bytes whose CRC32C is compared with the
+            # manifest just below: checked end to end, no read-back needed.
+            checked_by_store = bool(getattr(w, "verified", False))
+            got = pending.files[name]
+            if (got.bytes, got.crc32c) != (entry.bytes, entry.crc32c):
+                raise IntegrityError(
+                    f"{dst.describe(step, name)}: {got.bytes} bytes with crc32c "
+                    f"{got.crc32c:08x} were written, the manifest says {entry.bytes} bytes, "
+                    f"crc32c {entry.crc32c:08x}"
+                )
+            if read_back or (read_back is None and not checked_by_store):
+                if gate is not None:
+                    gate.wait()
+                size, crc = dst._stream(f"{pending.dirname}/{name}", None)
+                if (size, crc) != (entry.bytes, entry.crc32c):
+                    raise IntegrityError(
+                        f"{dst.describe(step, name)}: read back {size} bytes with crc32c "
+                        f"{crc:08x}, the manifest says {entry.bytes} bytes, crc32c "
+                        f"{entry.crc32c:08x}; the copy is corrupt"
+                    )
+
+        chosen = (kv for kv in manifest.files.items() if only is None or kv[0] in only)
+        items = sorted(chosen, key=lambda kv: -kv[1].bytes)
+        # A copied file is written as fast as its source is read (the network, a gate): its
+        # speed says nothing of the local write modes, and the files are written side by
+        # side. So no trial and no measurement: the settled mode (iomode.side_by_side).
+        with iomode.side_by_side():
+            if not lowest and (threads <= 1 or len(items) <= 1):
+                for name, entry in items:  # on the caller's thread, at its priority
+                    one(name, entry)
+            elif items:
+                # Pool threads, never the caller's own: lowering a thread's priority is for good
+                # (per thread on Linux), and the caller's (a training thread) must keep its own.
+                with concurrent.futures.ThreadPoolExecutor(
+                    max(1, min(threads, len(items))),
+                    thread_name_prefix="ckptstore-copy",
+                    initializer=_lower_priority if lowest else None,
+                ) as pool:
+                    futures = [pool.submit(one, n, e) for n, e in items]
+                    errors = [f.exception() for f in futures]
+                first = next((e for e in errors if e is not None), None)
+                if first is not None:
+                    raise first
+        if into is None:
+            dst.commit(pending, manifest)
+    except BaseException:
+        if into is None:
+            dst.abort(pending)
+        raise
+
+
+def fetch_step(
+    replica: Storage,
+    local: Storage,
+    step: int,
+    *,
+    replace: bool = False,
+    threads: int = DEFAULT_THREADS,
+) -> Manifest:
+    """Copy committed ``step`` from the replica into the local store (a cache for restore).
+
+    The local copy is committed with the local protocol (tmp directory, fsync, rename) and
+    marked ``replicated``; with ``replace`` it replaces a local ``step`` that does not
+    verify, which stays until the copy commits.
+
+    Raises:
+        NoCheckpointError, ManifestError: the replica has no readable ``step``.
+        IntegrityError: the replica's copy does not match its manifest.
+        OSError: the local disk refused it (full, read-only); nothing is visible locally.
+    """
+    manifest = replica.read_manifest(step)
+    copy_files(replica, local, step, manifest, replace=replace, threads=threads)
+    mark_replicated(local, step)
+    log.info("fetched step %d from the replica %s", step, replica.root)
+    return manifest
+
+
+def mark_replicated(local: Storage, step: int) -> None:
+    """Put the ``replicated`` marker into the local ``step`` (best effort: a hint only)."""
+    d = step_dirname(step)
+    rel = f"{d}/{REPLICATED_NAME}"
+    try:
+        if not local._exists(rel):
+            local._put_marker(rel, b"replicated\n")
+            local._fsync_dir(d)
+    except OSError as e:  # deleted meanwhile, or the disk is full: the replica is the truth
+        log.debug("could not mark %s replicated: %s", local.describe(step), e)
+
+
+def replicated_steps(local: Storage, steps: Iterable[int]) -> set[int]:
+    """Those of ``steps`` whose local directory carries the ``replicated`` marker."""
+    out = set()
+    for s in steps:
+        with contextlib.suppress(OSError):
+            if local._exists(f"{step_dirname(s)}/{REPLICATED_NAME}"):
+                out.add(s)
+    return out
+
+
+def write_replica_url(local: Storage, url: str) -> None:
+    """Record the replica's URL in the local root (``ckptstore ls`` shows the tiers)."""
+    body = json.dumps({"replica": url}).encode() + b"\n"
+    try:
+        if local._exists(REPLICA_NAME):
+            with local._open_read(REPLICA_NAME) as f:
+                if f.read(4096) == body:
+                    return
+            local._remove(REPLICA_NAME)
+        local._put_small(REPLICA_NAME, body)
+    except FileExistsError:
+        pass  # another rank of this node recorded it at the same moment (the same bytes)
+    except OSError as e:
+        log.warning("could not record the replica URL in %s: %s", local.root, e)
+
+
+def read_replica_url(local: Storage) -> str | None:
+    """The replica URL recorded in the local root, or ``None``."""
+    try:
+        if not local._is_regular_file(REPLICA_NAME):
+            return None
+        with local._open_read(REPLICA_NAME) as f:
+            data = json.loads(f.read(4096))
+    except (OSError, ValueError):
+        return None
+    url = data.get("replica") if isinstance(data, dict) else None
+    return url if isinstance(url, str) else None
+
+
+class Replicator:
+    """Uploads committed local steps to a replica store on one background thread.
+
+    Args:
+        local: the local store (the training job's root).
+        replica: the replica store.
+        policy: the replica's retention, applied after each upload (``None``: keep all).
+        threads: files uploaded at once.
+        read_back: check every uploaded file by reading it back (True), only those the store
+            did not check on receipt (None: on S3 the server checks each request's MD5), or
+            none (False); see the module docstring.
+        on_safe: called with each step once it is safe on the replica (from the thread).
+        retention: apply ``policy`` to the replica (only one uploader of a replica should).
+        url: the replica's URL, recorded in the local root once it holds a step (for
+            ``ckptstore ls``); default: the replica store's root.
+        rank: under torch.distributed, this process's rank: sharded steps of several ranks
+            are uploaded rank by rank (this uploader sends its rank's files, see
+            :mod:`ckptstore.tiers.upload_parts`), other steps by rank 0 alone. ``None``: this
+            uploader sends whole steps (one process, or the sidecar).
+        every: ``"all"`` (default): every step is uploaded, and local retention keeps each
+            step until it is itself safe on the replica (what the replica's retention
+            promises holds). ``"latest"``: when uploads fall behind only the newest step is
+            uploaded; a local step older than one safe on the replica may be deleted without
+            reaching it (logged).
+        timeout: seconds (about) an upload keeps trying a replica that cannot be reached;
+            after that the step fails (it stays local), and the other queued steps fail at
+            once with the same error until the next :meth:`submit`.
+
+    Call :meth:`recover` once before :meth:`submit`: it cleans what a crash left on the
+    replica and queues the local steps it lacks. Steps are uploaded newest first.
+    """
+
+    def __init__(
+        self,
+        local: Storage,
+        replica: Storage,
+        *,
+        policy: RetentionPolicy | None = None,
+        threads: int = DEFAULT_THREADS,
+        read_back: bool | None = None,
+        on_safe: Callable[[int], None] | None = None,
+        retention: bool = True,
+        url: str | None = None,
+        rank: int | None = None,
+        every: str = "all",
+        timeout: float = 60.0,
+    ) -> None:
+        if every not in ("all", "latest"):
+            msg = f"replica_every must be 'all' or 'latest', got {every!r}"
+            raise ValueError(msg)
+        if isinstance(threads, bool) or not isinstance(threads, int) or threads < 1:
+            msg = f"replica threads must be an int >= 1, got {threads!r}"
+            raise ValueError(msg)
+        self.local = local
+        self.replica = replica
+        self.policy = policy
+        self.threads = threads
+        self.read_back = read_back
+        self.on_safe = on_safe
+        self.retention = retention
+        self.rank = rank
+        self.every = every
+        self.timeout = float(timeout)
+        #: The error that showed the replica cannot be reached, until the next submit():
+        #: the other queued steps fail with it at once instead of each trying in turn.
+        self._down: BaseException | None = None
+        #: Steps whose part this uploader sent rank by rank -> the names of its files.
+        self.parts: dict[int, list[str]] = {}
+        self._url = url or replica.root
+        self._url_recorded = False
+        #: Steps known to be committed and verified on the replica (once; retention there
+        #: may have deleted some since, which a newer safe step justifies).
+        self.safe: set[int] = set()
+        self._pending: set[int] = set()
+        self._busy: int | None = None
+        self._failed: dict[int, BaseException] = {}
+        self._error: BaseException | None = None
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stop = False
+        #: Closed while a save runs or while paused: the copy threads wait there before
+        #: each slice they read, the S3 request bodies before each slice they send.
+        self.gate = UploadGate()
+        self.uploaded_bytes = 0
+        #: Local retention held back a step for the replica (see :meth:`deletable`).
+        self.holding = False
+
+    # ---- the gate (pause/resume) -------------------------------------------------------
+
+    def pause(self) -> None:
+        """Hold uploads: the one in flight stops before its next slice of bytes.
+
+        For tests and for jobs that want the network to themselves for a while; nothing is
+        lost, :meth:`resume` goes on where it stopped.
+        """
+        self.gate.pause()
+
+    def resume(self) -> None:
+        """Let uploads go on after :meth:`pause`."""
+        self.gate.resume()
+
+    def held(self) -> contextlib.AbstractContextManager[None]:
+        """Hold uploads while the block runs (a save: its writes go first). Nests.
+
+        The requests in flight stop too, between two slices of their bodies (see
+        :mod:`ckptstore.tiers.uploadgate`): the save does not compete with them.
+        """
+        return self.gate.held()
+
+    # ---- state -----------------------------------------------------------------------
+
+    def is_safe(self, step: int) -> bool:
+        """Whether ``step`` was committed and verified on the replica."""
+        with self._cond:
+            return step in self.safe
+
+    def pending(self) -> list[int]:
+        """Steps waiting for (or in) their upload, newest first."""
+        with self._cond:
+            out = set(self._pending)
+            if self._busy is not None:
+                out.add(self._busy)
+            return sorted(out, reverse=True)
+
+    def deletable(self, doomed: Iterable[int]) -> list[int]:
+        """Those of ``doomed`` (local retention's plan) that may go now.
+
+        A step goes when it is safe on the replica; with ``every="latest"`` also when a newer
+        step is (which is logged: this step never reached the replica). The others are held
+        until they are (or, "latest", a newer one is). Safe means
+        the step's manifest is on the replica: with per-rank uploads another rank's uploader
+        may have put it, so the replica is listed again before a step is held.
+        """
+        doomed = list(doomed)
+        with self._cond:
+            unsure = any(s not in self.safe for s in doomed)
+        if unsure and self.rank is not None:
+            self.refresh()
+        with self._cond:
+            newest_safe = max(self.safe, default=None)
+            out = []
+            for s in doomed:
+                if s in self.safe:
+                    out.append(s)
+                elif self.every == "latest" and newest_safe is not None and newest_safe > s:
+                    log.warning(
+                        "retention deletes local step %d, which never reached the replica: the "
+                        "newer step %d is safe there",
+                        s,
+                        newest_safe,
+                    )
+                    out.append(s)
+                else:
+                    self.holding = True
+                    log.info("retention keeps local step %d until it is safe on the replica", s)
+            return out
+
+    def refresh(self) -> None:
+        """Take the steps committed on the replica as safe (another uploader may put them).
+
+        An unreachable replica changes nothing.
+        """
+        try:
+            remote = set(self.replica.list_steps())
+        except Exception as e:  # botocore's errors are no OSError
+            log.debug("could not list the replica %s: %s", self.replica.root, e)
+            return
+        with self._cond:
+            new = remote - self.safe
+            self.safe |= remote
+        for s in sorted(new):
+            if self.local._exists(step_dirname(s)):
+                mark_replicated(self.local, s)
+
+    # ---- work --------------------------------------------------------------------------
+
+    def clean(self) -> None:
+        """Clean what a crash left on the replica (see :meth:`recover`).
+
+        With per-rank uploads (``rank`` set) only pending steps older than the newest
+        committed one are removed (:func:`ckptstore.tiers.upload_parts.clean`); call it on one
+        rank while no uploader of the job runs (the manager: rank 0, in its constructor).
+        """
+        aborted = self.replica.abort_incomplete_uploads()
+        if self.rank is None:
+            removed = self.replica.gc(include_tmp=True)
+        else:
+            removed = upload_parts.clean(self.replica)
+        if aborted or removed:
+            log.warning(
+                "replica %s: aborted %d incomplete upload(s), removed %s left by an "
+                "interrupted upload",
+                self.replica.root,
+                aborted,
+                ", ".join(removed) or "nothing",
+            )
+
+    def recover(self, local_steps: Iterable[int] | None = None, *, clean: bool = True) -> list[int]:
+        """Clean what a crash left on the replica and queue what it lacks; returns the queue.
+
+        With ``clean``, incomplete multipart uploads under the replica's root are aborted and
+        manifest-less steps removed (:meth:`clean`); local steps that are neither on the
+        replica nor marked as once uploaded (the replica's retention deleted those) are
+        queued, newest first.
+        """
+        if clean:
+            self.clean()
+        remote = set(self.replica.list_steps())
+        steps = list(self.local.list_steps() if local_steps is None else local_steps)
+        marked = replicated_steps(self.local, steps)
+        for s in steps:
+            if s in remote and s not in marked:
+                mark_replicated(self.local, s)
+        with self._cond:
+            self.safe |= remote | marked
+            todo = [s for s in steps if s not in remote and s not in marked]
+            self._pending.update(todo)
+            self._cond.notify_all()
+        if steps and not self._url_recorded:
+            write_replica_url(self.local, self._url)
+            self._url_recorded = True
+        if todo:
+            self._start()
+            log.info("replica %s: %d step(s) to upload: %s", self.replica.root, len(todo), todo)
+        return sorted(todo, reverse=True)
+
+    def submit(self, step: int) -> None:
+        """Queue the committed local ``step`` for upload."""
+        with self._cond:
+            if self._stop:
+                raise RuntimeError("the uploader is closed")
+            if step in self.safe:
+                return
+            self._pending.add(step)
+            self._failed.pop(step, None)
+            self._down = None  # a new step: the replica is tried again
+            self._cond.notify_all()
+        self._start()
+
+    def failed(self, error: BaseException) -> None:
+        """Record ``error`` for :meth:`wait` to raise (a failure outside an upload)."""
+        with self._cond:
+            self._error = error
+
+    def retry(self) -> None:
+        """Queue again the steps whose upload failed."""
+        with self._cond:
+            self._pending.update(self._failed)
+            self._failed.clear()
+            self._down = None
+            self._cond.notify_all()
+        self._start()
+
+    def _start(self) -> None:
+        with self._cond:
+            if self._thread is not None and self._thread.is_alive():
+                return
+            self._thread = threading.Thread(target=self._run, name="ckptstore-replica", daemon=True)
+            self._thread.start()
+
+    def _run(self) -> None:
+        _lower_priority()
+        while True:
+            with self._cond:
+                while not self._pending and not self._stop:
+                    self._cond.wait()
+                if not self._pending:
+                    return
+                step = max(self._pending)  # newest first: it is the one a restore wants
+                self._pending.discard(step)
+                newest_safe = max(self.safe, default=None)
+                if self.every == "latest" and newest_safe is not None and step < newest_safe:
+                    # Uploads fell behind: a newer step is safe there, this one is skipped.
+                    log.info("replica_every='latest': step %d is not uploaded", step)
+                    continue
+                down = self._down
+                if down is not None:  # unreachable a moment ago: fail at once, stay local
+                    self._failed[step] = down
+                    self._error = self._error or down
+                    continue
+                self._busy = step
+            try:
+                self._upload(step)
+            except BaseException as e:  # kept for wait(); the step stays safe locally
+                log.error("upload of step %d to %s failed: %s", step, self.replica.root, e)
+                with self._cond:
+                    self._failed[step] = e
+                    self._error = e
+                    if isinstance(e, StoreUnreachableError):
+                        self._down = e
+            finally:
+                with self._cond:
+                    self._busy = None
+                    self._cond.notify_all()
+
+    def _upload(self, step: int) -> None:
+        t0 = time.monotonic()
+        for attempt in range(_ATTEMPTS):
+            try:
+                self.upload_step(step)
+                return
+            except (IntegrityError, ManifestError, ReplicaError):
+                raise  # a bad local copy or a stop: trying again changes nothing
+            except (OSError, CkptStoreError) as e:
+                # An endpoint that does not answer is tried for about half the timeout (a
+                # request that cannot connect fails within a third of it: see
+                # twotier.bounded_options), so wait()/close() raise within the timeout.
+                late = time.monotonic() - t0 > self.timeout / 2
+                if (
+                    attempt == _ATTEMPTS - 1
+                    or self._stop
+                    or (isinstance(e, StoreUnreachableError) and late)
+                ):
+                    raise
+                log.warning("upload of step %d failed (%s); trying again", step, e)
+                time.sleep(_BACKOFF * 2**attempt)
+
+    def upload_step(self, step: int) -> bool:
+        """Upload one committed local step now, in the caller's thread.
+
+        Returns:
+            True when it was uploaded; False when there was nothing to do (already on the
+            replica, or deleted locally meanwhile).
+
+        Raises:
+            IntegrityError: the local copy does not match its manifest (it stays local).
+            OSError: the replica refused it; nothing of it is visible there.
+        """
+        self.gate.wait()  # not even its first requests while a save runs
+        if step in self.replica.list_steps():
+            self._safe(step)
+            return False
+        try:
+            manifest = self.local.read_manifest(step)
+        except (FileNotFoundError, CkptStoreError) as e:
+            if step not in self.local.list_steps():
+                log.info("step %d was deleted locally before its upload", step)
+                return False
+            raise ReplicaError(f"cannot upload {self.local.describe(step)}: {e}") from e
+        if self.rank is not None and upload_parts.is_per_rank(manifest):
+            return self._upload_part(step, manifest, self.rank)
+        present = nodes.local_ranks(self.local, step)
+        if present is not None:
+            raise ReplicaError(
+                f"{self.local.describe(step)} holds only rank(s) {present}'s files (node-local "
+                "roots): it is uploaded by the job's own uploaders, each rank its part "
+                "(CheckpointManager(..., replica=...)), not by one process"
+            )
+        if self.rank not in (None, 0):
+            return False  # a step rank 0 wrote alone: rank 0 uploads it
+        t0 = time.perf_counter()
+        try:
+            copy_files(
+                self.local,
+                self.replica,
+                step,
+                manifest,
+                threads=self.threads,
+                read_back=self.read_back,
+                gate=self.gate,
+                lowest=True,
+            )
+        except StepExistsError:
+            self._safe(step)  # committed by another uploader meanwhile
+            return False
+        except (FileNotFoundError, IntegrityError):
+            if step not in self.local.list_steps():
+                log.info("step %d was deleted locally during its upload", step)
+                return False
+            raise
+        nbytes = manifest.total_bytes
+        self.uploaded_bytes += nbytes
+        dt = time.perf_counter() - t0
+        log.info(
+            "uploaded step %d to %s: %d bytes in %.2fs (%.1f MB/s)",
+            step,
+            self.replica.root,
+            nbytes,
+            dt,
+            nbytes / max(dt, 1e-9) / 1e6,
+        )
+        self._safe(step, manifest)
+        return True
+
+    def _upload_part(self, step: int, manifest: Manifest, rank: int) -> bool:
+        """Upload this rank's files of a sharded step; the manifest once every rank's are in."""
+        copy = functools.partial(
+            copy_files, threads=self.threads, read_back=self.read_back, gate=self.gate, lowest=True
+        )
+        mine = upload_parts.files_of(manifest, rank)
+        t0 = time.perf_counter()
+        try:
+            committed = upload_parts.upload_part(
+                self.local, self.replica, step, manifest, rank=rank, copy=copy
+            )
+        except (FileNotFoundError, IntegrityError):
+            if step not in self.local.list_steps():
+                log.info("step %d was deleted locally during its upload", step)
+                return False
+            raise
+        nbytes = sum(e.bytes for e in mine.values())
+        self.uploaded_bytes += nbytes
+        self.parts[step] = sorted(mine)
+        # A node whose ranks never put a manifest (another node's uploader did) still
+        # records where its steps go.
+        self._record_url()
+        log.info(
+            "uploaded rank %d's part of step %d to %s: %d bytes in %.2fs",
+            rank,
+            step,
+            self.replica.root,
+            nbytes,
+            time.perf_counter() - t0,
+        )
+        if committed:
+            self._safe(step, manifest)
+        return True
+
+    def _record_url(self) -> None:
+        """Record the replica's URL in the local root once (``ckptstore ls`` shows tiers)."""
+        if not self._url_recorded:
+            write_replica_url(self.local, self._url)
+            self._url_recorded = True
+
+    def _safe(self, step: int, manifest: Manifest | None = None) -> None:
+        with self._cond:
+            self.safe.add(step)
+        # The local marker, the replica's retention and the callback (local retention)
+        # write and delete: they wait while a save runs (a stopping uploader goes on).
+        with contextlib.suppress(ReplicaError):
+            self.gate.wait()
+        self._record_url()
+        mark_replicated(self.local, step)
+        if self.retention:
+            try:
+                self.prune_replica(just=step, known={step: manifest} if manifest else None)
+            except (OSError, CkptStoreError, ValueError) as e:
+                log.warning("replica retention after step %d failed: %s", step, e)
+        if self.on_safe is not None:
+            try:
+                self.on_safe(step)
+            except Exception as e:  # a callback never stops the uploader
+                log.warning("after the upload of step %d: %s", step, e)
+
+    def prune_replica(
+        self, *, just: int | None = None, known: Mapping[int, Manifest] | None = None
+    ) -> list[int]:
+        """Apply the replica's retention policy; returns the deleted steps.
+
+        Never deletes the newest step, a pinned one, or ``just`` (the step just uploaded and
+        verified).
+        """
+        if self.policy is None:
+            return []
+        steps = self.replica.list_steps()
+        metrics: dict[int, Mapping[str, float]] = {}
+        if self.policy.needs_metrics:
+            for s, m in self.replica.read_manifests(steps).items():
+                metrics[s] = {} if isinstance(m, ManifestError) else m.metrics
+        for s, m in (known or {}).items():
+            metrics[s] = m.metrics
+        infos = [CheckpointInfo(s, metrics.get(s, {})) for s in steps]
+        doomed = plan_deletions(infos, self.policy, last_good=just)
+        deleted = []
+        for s in doomed:
+            if self.replica.is_pinned(s):
+                continue
+            with contextlib.suppress(FileNotFoundError):
+                self.replica.delete(s)
+            deleted.append(s)
+        if deleted:
+            log.info("replica retention deleted steps %s from %s", deleted, self.replica.root)
+        return deleted
+
+    # ---- waiting ---------------------------------------------------------------------
+
+    def wait(self, timeout: float | None = None) -> None:
+        """Wait until every queued upload has finished; raise the first failure since.
+
+        Raises:
+            ReplicaError: an upload failed (its step is still in the local store).
+            TimeoutError: ``timeout`` seconds passed first.
+        """
+        deadline = None if timeout is None else time.monotonic() + timeout
+        with self._cond:
+            while (self._pending or self._busy is not None) and (
+                self._thread is not None and self._thread.is_alive()
+            ):
+                left = None if deadline is None else deadline - time.monotonic()
+                if left is not None and left <= 0:
+                    raise TimeoutError(
+                        f"uploads to {self.replica.root} still running after {timeout}s: "
+                        f"steps {self.pending()}"
+                    )
+                self._cond.wait(left)
+            err, self._error = self._error, None
+        if err is not None:
+            if isinstance(err, ReplicaError):
+                raise err
+            if isinstance(err, StoreUnreachableError):
+                with self._cond:
+                    held = sorted(self._failed)
+                raise ReplicaUnavailableError(
+                    f"the replica {self._url} cannot be reached: {err}; steps {held} were not "
+                    f"uploaded and stay in the local store {self.local.root} (retention keeps "
+                    "them), and the next manager (or `ckptstore replicate`) uploads them"
+                ) from err
+            raise ReplicaError(
+                f"uploading to the replica {self.replica.root} failed: {err}; the steps stay in "
+                f"the local store {self.local.root}, and the next manager (or `ckptstore "
+                "replicate`) uploads them"
+            ) from err
+
+    def close(self, *, wait: bool = True) -> None:
+        """Stop the thread, first finishing the queued uploads unless ``wait`` is False.
+
+        Without ``wait`` the upload in flight is abandoned (nothing of it is visible on the
+        replica; the next uploader on these roots does it again).
+        """
+        try:
+            if wait:
+                self.resume()  # a paused uploader would never finish
+                self.wait()
+        finally:
+            with self._cond:
+                self._stop = True
+                self.gate.stop()
+                if not wait:
+                    self._pending.clear()
+                self._cond.notify_all()
+            t = self._thread
+            if t is not None and t is not threading.current_thread():
+                t.join()
+
+
+@dataclasses.dataclass
+class ReplicateResult:
+    """What :func:`replicate` did.
+
+    Attributes:
+        uploaded: steps uploaded by this call, in upload order.
+        safe: every local step that is now safe on the replica, ascending.
+        failed: steps whose upload failed, with why.
+    """
+
+    uploaded: list[int]
+    safe: list[int]
+    failed: dict[int, str]
+
+
+def replicate(
+    local_root: str | os.PathLike[str],
+    url: str,
+    replica_options: Mapping[str, Any] | None = None,
+    *,
+    keep: RetentionPolicy | None = None,
+    watch: bool = False,
+    interval: float = 10.0,
+    stop: threading.Event | None = None,
+    threads: int = DEFAULT_THREADS,
+) -> ReplicateResult:
+    """Upload a local store's committed steps to a replica, from outside the training job.
+
+    The same uploader as ``CheckpointManager(..., replica=url)``: what a crash left on the
+    replica is cleaned first, then the steps it lacks are uploaded newest first. With
+    ``watch``, the local store is listed again every ``interval`` seconds and new steps are
+    uploaded until ``stop`` is set (or the process is interrupted). It never deletes a local
+    step; ``keep`` is the replica's retention (None: keep every step there).
+
+    Raises:
+        NoCheckpointError: ``local_root`` is not a store.
+        ReplicaConfigError: ``url`` is the local store itself (under whatever name).
+        ReplicaError: (without ``watch``) an upload failed.
+    """
+    from ..storage import open_storage
+    from .twotier import check_distinct
+
+    local = open_storage(local_root)
+    local.check_root(create=False)
+    replica = open_storage(url, replica_options)
+    check_distinct(local, replica, url)
+    uploaded: list[int] = []
+    failed: dict[int, str] = {}
+    up = Replicator(
+        local,
+        replica,
+        policy=keep,
+        threads=threads,
+        retention=keep is not None,
+        url=url,
+        on_safe=uploaded.append,
+    )
+    stop = stop or threading.Event()
+    try:
+        up.recover()
+        while True:
+            try:
+                up.wait()
+            except ReplicaError as e:
+                if not watch:
+                    raise
+                log.error("%s", e)
+            with up._cond:
+                failed.update({s: str(e) for s, e in up._failed.items()})
+            if not watch or stop.wait(interval):
+                break
+            for s in local.list_steps():
+                if not up.is_safe(s) and s not in up._failed:
+                    up.submit(s)
+    finally:
+        up.close(wait=False)
+    safe = sorted(s for s in local.list_steps() if up.is_safe(s))
+    return ReplicateResult(uploaded, safe, failed)

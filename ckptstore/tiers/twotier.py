@@ -1,0 +1,290 @@
+"""Two tiers as the manager sees them: opening the replica, and steps from either tier.
+
+The uploader itself is :mod:`ckptstore.tiers.replica`. Here: the replica store opened next to the
+local one (and its uploader, on the rank that uploads), the union of both tiers' steps that
+``resume``/``restore`` choose from, and a replica step brought into the local store so the
+ordinary read path (checksums included) restores it.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from .._log import logger as log
+from ..errors import (
+    CkptStoreError,
+    IntegrityError,
+    NoCheckpointError,
+    ReplicaConfigError,
+    ReplicaUnavailableError,
+)
+from ..retention import RetentionPolicy
+from ..storage import LocalStorage, Storage, open_storage
+from . import node_fill
+from .replica import Replicator, fetch_step
+
+__all__ = [
+    "DEFAULT_REPLICA_TIMEOUT",
+    "REPLICA_EVERY",
+    "all_steps",
+    "bounded_options",
+    "check_distinct",
+    "ensure_local",
+    "open_replica",
+    "probe_replica",
+]
+
+#: Seconds the manager's constructor waits for the replica to answer, and about the longest
+#: ``wait()``/``close()`` keep trying a replica that cannot be reached (``replica_timeout=``).
+DEFAULT_REPLICA_TIMEOUT = 60.0
+#: What ``replica_every=`` takes: upload every step (local ones held back until they are
+#: uploaded), or only the newest when uploads fall behind.
+REPLICA_EVERY = ("all", "latest")
+#: Attempts of one request to an S3 replica, by botocore and by s3fs each (both default 5,
+#: with back-off): with the connect timeout below, one request that cannot connect fails
+#: within about ``replica_timeout / 3``.
+_S3_ATTEMPTS = 2
+
+
+def bounded_options(url: str, options: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:
+    """``options`` for an S3 replica, bounded so an endpoint that does not answer fails fast.
+
+    botocore's ``connect_timeout`` (``min(5, timeout / 12)`` s) and its attempts (2,
+    standard mode) are set unless the options set them (``config_kwargs``); s3fs's own
+    retry loop is bounded after the filesystem is made (:func:`_bound_fs`). Other URLs'
+    options are returned as given.
+    """
+    out = dict(options or {})
+    if url.partition("://")[0] not in ("s3", "s3a"):
+        return out
+    config = dict(out.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", min(5.0, timeout / 12))
+    config.setdefault("retries", {"max_attempts": _S3_ATTEMPTS, "mode": "standard"})
+    out["config_kwargs"] = config
+    return out
+
+
+def _bound_fs(replica: Storage) -> None:
+    # s3fs retries a request that could not connect 5 times with back-off, on top of
+    # botocore's attempts; it takes no option for it, only this attribute. The instance is
+    # the replica's own (its bounded config_kwargs are part of fsspec's cache key).
+    fs = getattr(replica, "fs", None)
+    if fs is not None and isinstance(getattr(fs, "retries", None), int):
+        fs.retries = min(fs.retries, _S3_ATTEMPTS)
+
+
+def probe_replica(replica: Storage, url: str, timeout: float) -> None:
+    """Check that the replica answers (a listing, and its bucket exists) within ``timeout``.
+
+    What can be known before a step is saved: a bucket that does not exist, no or bad
+    credentials, access denied, an endpoint that does not answer.
+
+    Raises:
+        ReplicaUnavailableError: one line naming ``url`` and what to check; the client's
+            error is the cause.
+    """
+    from ..ops.stores import missing_bucket  # ops imports the tiers; not the other way
+
+    box: list[BaseException | str | None] = []
+
+    def look() -> None:
+        try:
+            replica.list_steps()
+            bucket = missing_bucket(replica)
+            box.append(None if bucket is None else f"the bucket {bucket!r} does not exist")
+        except BaseException as e:  # handed to the caller's thread
+            box.append(e)
+
+    t = threading.Thread(target=look, name="ckptstore-replica-probe", daemon=True)
+    t.start()
+    t.join(timeout)
+    hint = (
+        "nothing was saved; fix it, or construct the manager without replica= to save locally only"
+    )
+    if not box:
+        raise ReplicaUnavailableError(
+            f"replica {url}: no answer within {timeout:g}s (replica_timeout); check the "
+            f"endpoint_url storage option, the network, and that the service is up; {hint}"
+        )
+    got = box[0]
+    if isinstance(got, str):
+        raise ReplicaUnavailableError(
+            f"replica {url}: {got}; check the bucket name (and the endpoint_url and region "
+            f"storage options); {hint}"
+        )
+    if isinstance(got, BaseException):
+        text = " ".join(str(got).split()) or type(got).__name__
+        if not text.startswith(replica.root):  # remote_error's lines name the store first
+            text = f"{replica.root}: {text}"
+        raise ReplicaUnavailableError(f"replica {text}; {hint}") from got
+
+
+def _identity(path: str) -> tuple[str, tuple[int, int] | None]:
+    """A local directory as the filesystem knows it: its resolved path, device and inode.
+
+    The device and inode are None where it does not exist (yet): the resolved path of what
+    does exist then decides (a symlink in the middle is followed all the same).
+    """
+    real = os.path.realpath(path)
+    try:
+        st = os.stat(real)
+    except OSError:
+        return real, None
+    return real, (st.st_dev, st.st_ino)
+
+
+def check_distinct(local: Storage, replica: Storage, url: str) -> None:
+    """Refuse a replica that is the local store itself, however it is spelled.
+
+    Two local stores (a path, a symlink to it, a ``file://`` URL, a bind mount) are the
+    same when their device and inode are, or their resolved paths where one does not exist
+    yet; other backends compare their roots. The replica's retention would otherwise delete
+    local steps, and every local step would count as "safe" there.
+
+    Raises:
+        ReplicaConfigError: (a ``ValueError``) they are one store.
+    """
+    if isinstance(local, LocalStorage) and isinstance(replica, LocalStorage):
+        (a_path, a_id), (b_path, b_id) = _identity(local.root), _identity(replica.root)
+        same = a_id == b_id if a_id is not None and b_id is not None else a_path == b_path
+    else:
+        same = replica.root.rstrip("/") == local.root.rstrip("/")
+    if same:
+        msg = (
+            f"replica {url!r} is the local store itself ({local.root}); give another "
+            "store as the replica (its retention would delete the local steps)"
+        )
+        raise ReplicaConfigError(msg)
+
+
+def open_replica(
+    local: Storage,
+    url: str,
+    options: Mapping[str, Any] | None,
+    policy: RetentionPolicy,
+    *,
+    rank: int | None = None,
+    barrier: Callable[[], None] | None = None,
+    every: str = "all",
+    timeout: float = DEFAULT_REPLICA_TIMEOUT,
+    agree: Callable[[BaseException | None], BaseException | None] | None = None,
+) -> tuple[Storage, Replicator]:
+    """Open the replica store at ``url`` and its recovered uploader.
+
+    The uploader first cleans what a crashed upload left on the replica and queues the local
+    steps the replica lacks (:meth:`Replicator.recover`). Under torch.distributed (``rank``
+    given) every rank has an uploader (each uploads its own files of sharded steps): rank 0
+    alone cleans, while every rank is in the manager's constructor (so no uploader of this
+    job runs), then ``barrier`` (collective) before any rank queues its uploads.
+
+    The replica is probed first (:func:`probe_replica`, within ``timeout`` seconds): one that
+    cannot be reached or has no bucket is refused before anything is saved. ``every`` is
+    ``replica_every=`` (:class:`Replicator`'s ``every``).
+
+    Raises:
+        ReplicaUnavailableError: the replica cannot be reached, or its bucket does not
+            exist (``agree``: any rank's, on every rank).
+        ValueError: ``url`` is not a string.
+        ReplicaConfigError: (a ``ValueError``) ``url`` is the local store itself, under
+            whatever name (:func:`check_distinct`).
+        ImportError: the fsspec backend for ``url`` is not installed.
+    """
+    if not isinstance(url, str) or not url:
+        msg = f"replica must be an fsspec URL string (e.g. 's3://bucket/run1'), got {url!r}"
+        raise ValueError(msg)
+    replica = open_storage(url, bounded_options(url, options, timeout))
+    check_distinct(local, replica, url)
+    _bound_fs(replica)
+    # Refused here, before a step is saved, on every rank alike (``agree``): a replica that
+    # cannot be written would otherwise cost local steps or surface only at close().
+    problem: BaseException | None = None
+    try:
+        replica.check_root(create=True)
+        probe_replica(replica, url, timeout)
+    except (OSError, CkptStoreError) as e:
+        problem = e
+    if agree is not None:
+        problem = agree(problem)
+    if problem is not None:
+        raise problem
+    up = Replicator(
+        local,
+        replica,
+        policy=policy,
+        url=url,
+        rank=rank,
+        retention=rank in (None, 0),
+        every=every,
+        timeout=timeout,
+    )
+    try:
+        if rank == 0:
+            up.clean()
+    except (OSError, CkptStoreError) as e:
+        log.error("could not clean the replica %s: %s", url, e)
+    if rank is not None and barrier is not None:
+        barrier()
+    try:
+        up.recover(clean=rank is None)
+    except (OSError, CkptStoreError) as e:
+        # The replica being unreachable must not stop training (nor, under torch.distributed,
+        # leave a rank out of the next collective): the local tier works, the error is
+        # raised by wait()/close(), and the next manager recovers.
+        log.error("could not recover the replica %s: %s; saving locally only for now", url, e)
+        up.failed(e)
+    return replica, up
+
+
+def all_steps(local: Storage, replica: Storage | None) -> list[int]:
+    """The committed steps of both tiers, ascending.
+
+    A replica that fails to list is skipped with a warning: the local steps still restore.
+    """
+    steps = set(local.list_steps())
+    if replica is not None:
+        try:
+            steps.update(replica.list_steps())
+        except Exception as e:  # botocore's errors are no OSError; the local tier still works
+            log.warning("could not list the replica %s: %s; using the local steps", replica.root, e)
+    return sorted(steps)
+
+
+def on_replica(replica: Storage | None, step: int) -> bool:
+    """Whether ``step`` is committed on the replica (False without one, or unreachable)."""
+    if replica is None:
+        return False
+    try:
+        return step in replica.list_steps()
+    except Exception:  # unreachable (botocore's errors are no OSError): not to be had there
+        return False
+
+
+def ensure_local(local: Storage, replica: Storage, step: int, *, replace: bool = False) -> bool:
+    """Bring the replica's ``step`` into the local store unless it is there already.
+
+    With ``replace`` the local copy (which failed its checks) is replaced by the replica's;
+    a node's partial copy (node-local roots) is completed with the files it lacks
+    (:func:`ckptstore.tiers.node_fill.fill`) instead of fetched whole.
+
+    Returns:
+        Whether it was fetched.
+
+    Raises:
+        NoCheckpointError, ManifestError, IntegrityError: the replica's copy is missing or
+            does not verify (nothing local changed).
+        OSError: the local disk refused it.
+    """
+    here = step in local.list_steps()
+    if not replace and here:
+        return False
+    try:
+        # A node's partial copy (node-local roots) takes only the files it lacks.
+        if here and node_fill.fill(local, replica, step) is not None:
+            return True
+        fetch_step(replica, local, step, replace=here)
+    except NoCheckpointError as e:  # deleted there meanwhile: this step is not to be had
+        raise IntegrityError(f"step {step} is in neither tier any more: {e}") from e
+    return True

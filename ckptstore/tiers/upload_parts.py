@@ -1,0 +1,231 @@
+"""Per-rank uploads of a sharded step: each rank its own files, the manifest once all are in.
+
+Under torch.distributed every rank's uploader uploads the files its rank wrote (rank 0 also
+the files of no rank: the plain state, the chunk index) into the step's pending area on the
+replica (``step-N/`` on an object store, a ``.tmp-step-N-<tag>/`` named for the manifest on a
+filesystem), each checked as :func:`~ckptstore.tiers.replica.copy_files` checks it. Then it puts a
+small "done" object there, ``upload.rankRRRRR.<tag>.done`` (the manifest's tag in its name,
+the table of the files it uploaded inside), and lists the done objects: the uploader whose
+listing shows one for every rank with files in the manifest reads them (each must list
+what the manifest says that rank wrote), checks each file of the step at its size, and puts
+the manifest, last, in one request. Several may find them all at once; they put the same
+bytes, which is harmless. No collective runs on an uploader's thread, and a rank that dies
+during its upload leaves no manifest: the step is not visible on the replica. The done
+objects stay in the step's directory (no manifest lists them; they say who uploaded what).
+
+Cleanup when several uploaders share one prefix (:func:`clean`): a pending step is removed
+only when it is older than the newest step committed on the replica (nothing will complete
+it usefully: resume takes the newer one), and incomplete multipart uploads are aborted only
+by rank 0 while every rank is in the manager's constructor (no uploader of this job runs).
+A pending step at or above the newest committed one is kept, done objects included: the
+ranks' uploaders finish it after a restart (each re-uploads its own part; the parts already
+there are overwritten with the same bytes).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from typing import Any
+
+from .._log import logger as log
+from ..errors import IntegrityError, StepExistsError
+from ..layout import is_garbage_name, parse_step_dirname, step_dirname
+from ..manifest import FileEntry, Manifest
+from ..storage import Pending, Storage
+from .nodes import ranks_with_files
+
+__all__ = ["clean", "files_of", "held", "is_per_rank", "upload_part"]
+
+_DONE_RE = re.compile(r"upload\.rank([0-9]{5,})\.([0-9a-f]{32})\.done")
+_TMP_STEP_RE = re.compile(r"\.(?:tmp|trash)-step-([0-9]+)-")
+
+
+def is_per_rank(manifest: Manifest) -> bool:
+    """Whether ``manifest`` is uploaded rank by rank (a sharded step of several ranks)."""
+    return manifest.sharded and manifest.world_size > 1
+
+
+def files_of(manifest: Manifest, rank: int) -> dict[str, FileEntry]:
+    """The files ``rank`` uploads: those it wrote, and for rank 0 the files of no rank."""
+    return {
+        n: e for n, e in manifest.files.items() if e.rank == rank or (e.rank is None and rank == 0)
+    }
+
+
+def _tag(manifest: Manifest) -> str:
+    return hashlib.md5(manifest.to_bytes(), usedforsecurity=False).hexdigest()
+
+
+def pending_dirname(replica: Storage, step: int, manifest: Manifest) -> str:
+    """The step's pending area on the replica, the same for every rank's uploader."""
+    if not replica.atomic_rename:
+        return step_dirname(step)  # invisible until its manifest is put
+    return f".tmp-step-{step:012d}-{_tag(manifest)}"
+
+
+def done_name(rank: int, manifest: Manifest) -> str:
+    """The name of ``rank``'s done object for ``manifest`` in a step's pending area.
+
+    The manifest's tag is in the name, so one listing tells an uploader which ranks are
+    done with this very save (an earlier save of the same step number left others).
+    """
+    return f"upload.rank{rank:05d}.{_tag(manifest)}.done"
+
+
+def upload_part(
+    local: Storage,
+    replica: Storage,
+    step: int,
+    manifest: Manifest,
+    *,
+    rank: int,
+    copy: Callable[..., None],
+) -> bool:
+    """Upload ``rank``'s files of ``step``, mark them done, and commit if every rank's are.
+
+    ``copy`` is :func:`~ckptstore.tiers.replica.copy_files` with the uploader's settings bound.
+
+    Returns:
+        Whether the step is now committed on the replica (by this call or another's).
+
+    Raises:
+        IntegrityError: a local file does not match the manifest, or a file another rank
+            marked done is not on the replica at its size.
+        OSError: the replica refused a write; nothing of the step is visible there.
+    """
+    dirname = pending_dirname(replica, step, manifest)
+    if not replica._exists(dirname):
+        with contextlib.suppress(FileExistsError):
+            replica._mkdir(dirname)
+    pending = Pending(replica, step, dirname)
+    mine = files_of(manifest, rank)
+    if replica.atomic_rename:  # a filesystem writes no file twice: a retry starts afresh
+        for name in [*mine, done_name(rank, manifest)]:
+            with contextlib.suppress(FileNotFoundError):
+                replica._remove(f"{dirname}/{name}")
+    copy(local, replica, step, manifest, only=mine, into=pending)
+    done = {
+        "rank": rank,
+        "manifest": _tag(manifest),
+        "files": {n: [e.bytes, e.crc32c] for n, e in sorted(mine.items())},
+    }
+    replica._put_small(f"{dirname}/{done_name(rank, manifest)}", json.dumps(done).encode() + b"\n")
+    return _commit_if_complete(replica, step, manifest, pending)
+
+
+def _listed_done(replica: Storage, dirname: str, manifest: Manifest) -> dict[int, str]:
+    """Rank -> name of its done object for this very manifest, from one listing."""
+    tag = _tag(manifest)
+    out = {}
+    for name in replica._list(dirname):
+        m = _DONE_RE.fullmatch(name)
+        if m is not None and m.group(2) == tag:
+            out[int(m.group(1))] = name
+    return out
+
+
+def _done_ranks(
+    replica: Storage, dirname: str, names: dict[int, str], manifest: Manifest
+) -> set[int]:
+    """Those ranks of ``names`` whose done object says what the manifest says they wrote.
+
+    Read only by an uploader that listed every rank's done object (the one that commits),
+    so each step costs O(ranks) reads once, not once per rank.
+    """
+    tag = _tag(manifest)
+    out = set()
+    for r, name in names.items():
+        try:
+            with replica._open_read(f"{dirname}/{name}") as f:
+                data: Any = json.loads(f.read(1 << 20))
+        except (OSError, ValueError):
+            continue
+        if not isinstance(data, dict) or data.get("manifest") != tag:
+            continue  # left by an earlier save of the same step number
+        want = {n: [e.bytes, e.crc32c] for n, e in sorted(files_of(manifest, r).items())}
+        if data.get("files") == want:
+            out.add(r)
+    return out
+
+
+def _commit_if_complete(replica: Storage, step: int, manifest: Manifest, pending: Pending) -> bool:
+    need = set(ranks_with_files(manifest))
+    listed = _listed_done(replica, pending.dirname, manifest)
+    have = set(listed)
+    if need <= have:
+        have = _done_ranks(replica, pending.dirname, {r: listed[r] for r in need}, manifest)
+    if not need <= have:
+        log.info(
+            "step %d: uploaded this rank's files; waiting for rank(s) %s",
+            step,
+            sorted(need - have),
+        )
+        return False
+    for name, entry in manifest.files.items():
+        try:
+            size = replica._size(f"{pending.dirname}/{name}")
+        except FileNotFoundError:
+            size = None
+        if size != entry.bytes:
+            raise IntegrityError(
+                f"{replica.describe(step, name)}: marked uploaded, but the replica holds "
+                f"{size} bytes, the manifest says {entry.bytes}"
+            )
+    try:
+        replica.commit(pending, manifest)
+    except StepExistsError:
+        pass  # another rank's uploader committed it meanwhile: the same manifest
+    except OSError:
+        if step not in replica.list_steps():
+            raise
+    log.info("step %d: every rank's files are on the replica; manifest put", step)
+    return True
+
+
+def clean(replica: Storage) -> list[str]:
+    """Remove the pending steps older than the newest committed one; returns their names.
+
+    The rule when several uploaders share a prefix (see the module docstring): a pending
+    step at or above the newest committed step may still be finished by the ranks'
+    uploaders, so it stays (:func:`held` names those).
+    """
+    older, _ = _pending(replica)
+    removed = []
+    for name in older:
+        try:
+            replica._rmtree(name)
+        except FileNotFoundError:
+            continue
+        removed.append(name)
+    return removed
+
+
+def held(replica: Storage) -> list[str]:
+    """The pending entries :func:`clean` keeps: at or above the newest committed step.
+
+    An uploader may still be writing them (or finish them after a restart); with no step
+    committed yet, every pending entry is one of those.
+    """
+    return _pending(replica)[1]
+
+
+def _pending(replica: Storage) -> tuple[list[str], list[str]]:
+    """The garbage names of ``replica``: (older than the newest committed step, the rest)."""
+    steps, garbage = replica.scan()
+    newest = steps[-1] if steps else None
+    older: list[str] = []
+    rest: list[str] = []
+    for name in garbage:
+        s = parse_step_dirname(name)
+        if s is None and is_garbage_name(name):
+            m = _TMP_STEP_RE.match(name)
+            s = int(m.group(1)) if m else None
+        if s is None or newest is None or s >= newest:
+            rest.append(name)
+        else:
+            older.append(name)
+    return older, rest

@@ -1,0 +1,67 @@
+"""Two tiers without an object store: what opening a replica refuses (``tiers.twotier``).
+
+The replicas here are local directories (a path, a symlink, a ``file://`` URL): a replica
+that is the local store itself under another name must be refused before anything is
+uploaded or deleted. The S3 side of the tiers is ``test_replica.py``.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+
+import pytest
+from _helpers import make_state, step_dir
+
+from ckptstore import CheckpointManager
+from ckptstore.errors import CkptStoreError
+from ckptstore.tiers.replica import ReplicaError, replicate
+
+pytestmark = pytest.mark.timeout(60)
+
+
+def _spellings(root: Path, tmp_path: Path) -> dict[str, str]:
+    link = tmp_path / "link"
+    link.symlink_to(root, target_is_directory=True)
+    return {
+        "symlink": str(link),
+        "file-url": f"file://{root}",
+        "file-url-symlink": f"file://{link}",
+        "dotted": f"{root}/../{root.name}/.",
+    }
+
+
+@pytest.mark.parametrize("spelling", ["symlink", "file-url", "file-url-symlink", "dotted"])
+def test_a_replica_that_is_the_local_root_under_another_name_is_refused(
+    tmp_path: Path, spelling: str
+) -> None:
+    # issue 24 #5: the "same store" check compared spellings; with keep=None and
+    # replica_keep=1, replica retention then deleted the local steps.
+    root = tmp_path / "run"
+    with CheckpointManager(root) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, make_state(s))
+    url = _spellings(root, tmp_path)[spelling]
+    with pytest.raises(CkptStoreError, match="is the local store itself") as info:
+        CheckpointManager(root, keep=None, replica=url, replica_keep=1)
+    assert isinstance(info.value, ValueError)  # as the spelling check raised before
+    assert str(root) in str(info.value)
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        step_dir(s) for s in (1, 2, 3)
+    ]
+    # The sidecar refuses it too (it never deletes local steps, but would call them safe).
+    with pytest.raises(CkptStoreError, match="is the local store itself"):
+        replicate(root, url, keep=None)
+    assert CheckpointManager(root).steps() == [1, 2, 3]
+
+
+def test_another_directory_is_a_replica(tmp_path: Path) -> None:
+    root, other = tmp_path / "run", tmp_path / "replica"
+    with CheckpointManager(root, keep=1, replica=f"file://{other}", replica_keep=None) as mgr:
+        for s in (1, 2):
+            mgr.save(s, make_state(s))
+        mgr.wait()
+        assert mgr.steps() == [2]
+    assert CheckpointManager(other).steps() == [1, 2]
+    assert not issubclass(ReplicaError, ValueError)
+    assert os.path.isdir(other / step_dir(1))
