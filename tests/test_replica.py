@@ -263,7 +263,7 @@ def test_replicate_sidecar(
     assert (root / step_dir(1) / REPLICATED_NAME).exists()
     rc, out = cli(capsys, "replicate", root, url, *s3.cli_options)  # nothing left to do
     assert rc == 0
-    assert out.startswith("uploaded ;")
+    assert out.splitlines()[0] == f"nothing to upload; safe on {url}: 1, 2"  # never "uploaded ;"
     # What it uploaded restores on a new node.
     with tiered(tmp_path / "b", s3, url) as mgr:
         assert_same(dict(mgr.load()["model"]), snapshot(make_state(2))["model"])
@@ -646,3 +646,163 @@ def test_a_store_on_a_stopped_server_raises_one_line_naming_the_endpoint(tmp_pat
         )
         assert info.value.__cause__ is not None
     mgr.close()
+
+
+# ---- "safe" means this save, verified, on this replica ---------------------------------------
+
+
+def flip_last_byte(path: Path) -> None:
+    data = bytearray(path.read_bytes())
+    data[-1] ^= 0xFF
+    path.write_bytes(bytes(data))
+
+
+def flip_replica_byte(s3: S3Endpoint, url: str, step: int, name: str) -> None:
+    key = f"{url}/{step_dir(step)}/{name}"
+    data = bytearray(s3.client.cat_file(key))
+    data[-1] ^= 0xFF
+    s3.client.pipe_file(key, bytes(data))
+
+
+def test_a_resaved_step_replaces_the_replicas_corrupt_copy(
+    tmp_path: Path, s3: S3Endpoint, url: str
+) -> None:
+    """Issue 24 #2 / 22 #3: step 2 is corrupt in both tiers, restore lands on step 1 and
+    training saves step 2 again: that save is uploaded, replacing the replica's copy, in this
+    session and in the next one (a re-save by a job without the replica, then a manager or
+    ``replicate`` with it), and only this save's manifest, verified, counts as safe."""
+    from ckptstore.ops.verify import verify_checkpoint
+
+    root = tmp_path / "a"
+    with tiered(root, s3, url, keep=None) as mgr:
+        for s in (1, 2):
+            mgr.save(s, make_state(s))
+    flip_last_byte(root / step_dir(2) / "model.safetensors")
+    flip_replica_byte(s3, url, 2, "model.safetensors")
+    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    assert not verify_checkpoint(replica, 2).ok
+    replica.set_pinned(2, True)  # pinned there: the replacement keeps the pin
+
+    new = make_state(7)
+    with tiered(root, s3, url, keep=None) as mgr:
+        assert mgr.restore(fresh_like(new)) == 1  # 2 is corrupt in both tiers
+        mgr.save(2, new)  # saved again locally
+        mgr.wait()
+        assert mgr.replica is not None
+        assert mgr.replica.is_safe(2)
+    local_manifest = (root / step_dir(2) / "manifest.json").read_bytes()
+    assert s3.client.cat_file(f"{url}/{step_dir(2)}/manifest.json") == local_manifest
+    assert verify_checkpoint(replica, 2).ok
+    assert replica.is_pinned(2)
+    with tiered(tmp_path / "b", s3, url) as other:  # what a new node restores is the new save
+        got = fresh_like(new)
+        assert other.restore(got) == 2
+        assert_same(snapshot(got), snapshot(new))
+
+    # The re-save happens in a job without the replica; the next manager with it uploads it.
+    flip_last_byte(root / step_dir(2) / "model.safetensors")
+    flip_replica_byte(s3, url, 2, "model.safetensors")
+    newer = make_state(9)
+    with CheckpointManager(root, keep=None) as plain:
+        plain.restore(fresh_like(newer))
+        plain.save(2, newer)
+    assert not (root / step_dir(2) / REPLICATED_NAME).exists()
+    with tiered(root, s3, url, keep=None) as mgr:
+        assert mgr.replica is not None
+        mgr.wait()
+        assert mgr.replica.is_safe(2)
+    assert (
+        s3.client.cat_file(f"{url}/{step_dir(2)}/manifest.json")
+        == (root / step_dir(2) / "manifest.json").read_bytes()
+    )
+    assert verify_checkpoint(replica, 2).ok
+
+
+def test_a_corrupt_replica_copy_of_this_save_is_never_called_safe(
+    tmp_path: Path, s3: S3Endpoint, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The replica holds this very save (the same manifest) but a payload rotted there, and
+    nothing local records that this replica verified it (a marker lost, or of an old
+    version): ``replicate`` checks the replica's copy, finds it corrupt and uploads it
+    again with the replica's commit protocol; only then is it safe."""
+    from ckptstore.ops.verify import verify_checkpoint
+
+    root = tmp_path / "a"
+    with CheckpointManager(root, keep=None) as plain:
+        for s in (1, 2):
+            plain.save(s, make_state(s))
+    assert cli(capsys, "replicate", root, url, *s3.cli_options)[0] == 0
+    flip_replica_byte(s3, url, 2, "model.safetensors")
+    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    assert not verify_checkpoint(replica, 2).ok
+    for s in (1, 2):  # an old version's marker: no URL, no manifest in it
+        marker = root / step_dir(s) / REPLICATED_NAME
+        marker.unlink()
+        marker.write_bytes(b"replicated\n")
+    rc, out = cli(capsys, "replicate", root, url, *s3.cli_options)
+    assert rc == 0, out
+    assert out.splitlines()[0] == f"uploaded 2; safe on {url}: 1, 2"
+    assert verify_checkpoint(replica, 2).ok
+    assert replica.list_steps() == [1, 2]
+    # Now it is recorded: the next run has nothing to do, and says so.
+    rc, out = cli(capsys, "replicate", root, url, *s3.cli_options)
+    assert rc == 0, out
+    assert out.splitlines()[0] == f"nothing to upload; safe on {url}: 1, 2"
+
+
+def test_a_new_replica_url_is_not_safe_until_uploaded(
+    tmp_path: Path, s3: S3Endpoint, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Issue 22 #2: steps replicated to one URL are not safe on another. ``replicate`` to a
+    new URL uploads them, ``ls --replica NEW`` shows them local until they are there, and a
+    manager with the new URL holds local steps back until they are safe on it."""
+    import json
+
+    root = tmp_path / "a"
+    with CheckpointManager(root, keep=None) as plain:
+        for s in (1, 2, 3):
+            plain.save(s, make_state(s))
+    assert cli(capsys, "replicate", root, url, *s3.cli_options)[0] == 0
+    other = s3.url(s3.unique_prefix())
+    rc, out = cli(capsys, "ls", root, "--replica", other, "--json", *s3.cli_options)
+    assert rc == 0
+    assert [(d["step"], d["tiers"]) for d in json.loads(out)] == [(s, ["local"]) for s in (1, 2, 3)]
+    # The uploader of a manager with the new URL (paused before it starts): nothing is safe
+    # there yet, everything is queued, and local retention may delete nothing.
+    up = Replicator(open_storage(root), open_storage(other, s3.storage_options), url=other)
+    up.pause()
+    assert up.recover() == [3, 2, 1]
+    assert not any(up.is_safe(s) for s in (1, 2, 3))
+    assert up.deletable([1, 2]) == []
+    up.resume()
+    up.close()
+    assert [up.is_safe(s) for s in (1, 2, 3)] == [True, True, True]
+    assert up.uploaded == [3, 2, 1]
+    assert replica_steps(s3, other) == [1, 2, 3]
+    third = s3.url(s3.unique_prefix())
+    rc, out = cli(capsys, "replicate", root, third, *s3.cli_options)
+    assert rc == 0, out
+    assert out.splitlines()[0] == f"uploaded 3, 2, 1; safe on {third}: 1, 2, 3"
+    assert replica_steps(s3, third) == [1, 2, 3]
+
+
+def test_a_step_replaced_from_the_replica_keeps_its_pin(
+    tmp_path: Path, s3: S3Endpoint, url: str
+) -> None:
+    """Issue 24 #4: a pinned local step that is replaced by the replica's copy (it failed its
+    checks) is still pinned, on disk: a manager opened afterwards keeps it through retention."""
+    root = tmp_path / "a"
+    with tiered(root, s3, url, keep=None) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, make_state(s))
+        mgr.pin(1)
+    flip_last_byte(root / step_dir(1) / "model.safetensors")
+    local = open_storage(root)
+    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    fetch_step(replica, local, 1, replace=True)
+    assert local.is_pinned(1)
+    with CheckpointManager(root, keep=1) as mgr:  # reopened: retention keeps only pins
+        mgr.prune()
+        wait_for_deletions()
+        assert mgr.steps() == [1, 3]
+        assert mgr.verify(1).ok

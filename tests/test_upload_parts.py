@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -171,3 +172,68 @@ def test_cli_gc_keeps_pending_steps_an_upload_may_finish(
     assert capsys.readouterr().out == f"removed {step_dirname(4)}\n"
     assert replica._list(step_dirname(4)) == []
     assert replica.list_steps() == [2, 3]
+
+
+def test_two_uploaders_completing_one_step_on_a_filesystem_both_succeed(tmp_path: Path) -> None:
+    """Issue 24 #12: both ranks' uploaders find every done object at once and complete the
+    step on a filesystem replica together; the second checks the files' sizes only after the
+    first renamed the pending directory into place. Completing is idempotent: both report
+    the step committed (no IntegrityError, so no ReplicaError at close), it verifies, and
+    nothing of it is left pending."""
+    import threading
+
+    local = open_storage(tmp_path / "local")
+    manifest = sharded_step(local, 2)
+    root = tmp_path / "replica"
+    stores = [open_storage(root), open_storage(root)]  # each uploader its own, as processes
+    stores[0].check_root(create=True)
+    both_done = threading.Barrier(2, timeout=20)
+    published = threading.Event()
+    for rank, st in enumerate(stores):
+        put, size, publish = st._put_small, st._size, st.publish
+
+        def put_done(rel: str, data: bytes, put: Any = put) -> None:
+            put(rel, data)
+            if rel.endswith(".done"):
+                both_done.wait()  # each listing then shows both done objects
+
+        def late_size(rel: str, size: Any = size, rank: int = rank) -> int:
+            if rank == 1:  # the second completer checks sizes after the first's rename
+                assert published.wait(20)
+            return int(size(rel))
+
+        def publish_then_tell(pending: Any, publish: Any = publish, rank: int = rank) -> None:
+            if rank == 1:
+                assert published.wait(20)
+            publish(pending)
+            if rank == 0:
+                published.set()
+
+        st._put_small = put_done  # type: ignore[method-assign]
+        st._size = late_size  # type: ignore[method-assign]
+        st.publish = publish_then_tell  # type: ignore[method-assign]
+    ups = [
+        Replicator(local, st, rank=r, retention=False, read_back=False)
+        for r, st in enumerate(stores)
+    ]
+    results: dict[int, object] = {}
+
+    def run(rank: int) -> None:
+        try:
+            results[rank] = ups[rank].upload_step(2)
+        except BaseException as e:  # reported below
+            results[rank] = e
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in (0, 1)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(60)
+    assert results == {0: True, 1: True}
+    assert ups[0].is_safe(2)
+    assert ups[1].is_safe(2)
+    plain = open_storage(root)
+    assert plain.list_steps() == [2]
+    assert plain.read_manifest(2).to_bytes() == manifest.to_bytes()
+    assert verify_checkpoint(plain, 2).ok
+    assert plain.list_garbage() == []

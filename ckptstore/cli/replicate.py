@@ -61,7 +61,10 @@ def run(args: argparse.Namespace) -> int:
             }
         )
     else:
-        print(f"uploaded {steps_text(res.uploaded)}; safe on {args.url}: {steps_text(res.safe)}")
+        # Upload order (newest first); "safe" is what this replica holds of this store's
+        # saves, verified (see ckptstore.tiers.replica), never what another replica holds.
+        did = f"uploaded {steps_text(res.uploaded)}" if res.uploaded else "nothing to upload"
+        print(f"{did}; safe on {args.url}: {steps_text(res.safe) or 'none'}")
         for s, why in sorted(res.failed.items()):
             print(f"step {s} failed: {why}")
     return 1 if res.failed else 0

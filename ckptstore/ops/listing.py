@@ -140,7 +140,13 @@ def _with_tiers(
     url = replica or read_replica_url(storage)
     if url is None:
         return res
-    done = replicated_steps(storage, [s.step for s in res.steps])
+    # Recorded safe on this very replica as these very saves (never on another URL's word).
+    done = replicated_steps(
+        storage,
+        [s.step for s in res.steps],
+        url,
+        {s.step: s.manifest for s in res.steps if s.manifest is not None},
+    )
     remote: set[int] = set()
     if replica is not None:
         with reaching(replica):

@@ -608,6 +608,7 @@ class Storage(abc.ABC):
                     raise StepExistsError(
                         f"{self.describe(pending.step)} was committed concurrently"
                     )
+                self._carry_pin(final, pending.dirname)
                 self._swap_in(pending, final)
                 return
             self._discard(final)  # a manifest-less step directory is garbage
@@ -621,6 +622,17 @@ class Storage(abc.ABC):
             with contextlib.suppress(OSError):
                 self._rename(final, pending.dirname)
             raise
+
+    def _carry_pin(self, old: str, new: str) -> None:
+        """Pin the step directory ``new`` if ``old`` (the one it replaces) is pinned.
+
+        A replacement (a corrupt step saved again, or fetched from the replica) is the same
+        step: the user's pin stays with it, durably (the directory is fsynced), or retention
+        would delete the step after the next restart.
+        """
+        if self._exists(f"{old}/{PIN_NAME}") and not self._exists(f"{new}/{PIN_NAME}"):
+            self._put_marker(f"{new}/{PIN_NAME}", b"pinned\n")
+            self._fsync_dir(new)
 
     def _swap_in(self, pending: Pending, final: str) -> None:
         """Put the written ``pending`` in place of the committed (corrupt) ``final``.
@@ -657,6 +669,11 @@ class Storage(abc.ABC):
                     self._rename(aside, final)
             raise
         try:
+            # A pin put on the old one while the new one was swapped in stays too.
+            self._carry_pin(aside, final)
+        except OSError as e:
+            log.warning("could not carry the pin of %s over: %s", aside, e)
+        try:
             trash = trash_dirname(pending.step)
             self._rename(aside, trash)
             _deleter.submit(self, trash, fsync_root=True)
@@ -670,14 +687,18 @@ class Storage(abc.ABC):
         manifest first (it vanishes whole), then its files; the new files are copied into
         ``step-N/`` and the manifest put last, as in any commit. A crash before that put
         leaves no ``step-N`` (restore falls back to the step before); the new files stay in
-        the ``.tmp-`` prefix until ``gc``.
+        the ``.tmp-`` prefix until ``gc``. A pinned step's pin is put back before the
+        manifest (a crash before that leaves no step, the pin then pins nothing visible).
         """
         final = step_dirname(pending.step)
+        pinned = self._exists(f"{final}/{PIN_NAME}")  # the replacement keeps the step's pin
         with contextlib.suppress(FileNotFoundError):
             self._remove(f"{final}/{MANIFEST_NAME}")
         with contextlib.suppress(FileNotFoundError):
             self._rmtree(final)
         self._mkdir(final)
+        if pinned:
+            self._put_marker(f"{final}/{PIN_NAME}", b"pinned\n")
         for name in sorted(pending.files):
             self._copy(f"{pending.dirname}/{name}", f"{final}/{name}")
         self._put_small(f"{final}/{MANIFEST_NAME}", body)

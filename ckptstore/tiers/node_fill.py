@@ -93,7 +93,7 @@ def fill(
     except BaseException:
         local.abort(pending)
         raise
-    mark_replicated(local, step)
+    mark_replicated(local, step, replica, manifest)
     done = Filled(ranks=lacking, fetched=fetch, kept=sorted(kept))
     log.info(
         "%s: fetched rank(s) %s's files (%d file(s), %d bytes) from the replica %s; kept %d "

@@ -11,8 +11,17 @@ without its manifest is garbage), and the next :class:`Replicator` on the same r
 the crashed multipart uploads, removes the partial steps and uploads what is missing, newest
 first.
 
-A step that is safe on the replica gets a ``replicated`` marker in its local directory (for
-``ckptstore ls``, and so a step the replica's retention deleted is not uploaded again).
+A step is *safe* on a replica when that replica holds this very save of it (its manifest is
+the local manifest, byte for byte) and the copy verified there: checked on its way in by the
+upload, or, when nothing records that (another uploader put it, an old marker), by
+``verify``'s check of the replica's copy. Safety is recorded per replica in the step's local
+``replicated`` marker, ``{"safe_on": {REPLICA: SHA-256 of the manifest}}``; it is never carried
+over from another replica, nor from an earlier save of the same step number (a step saved
+again locally has a new directory, without the marker). The marker serves ``ckptstore ls``,
+and keeps a step the replica's retention deleted from being uploaded again. A step the
+replica holds as another save (a re-save after both tiers' copies failed) is uploaded and
+replaces that copy with the replica's own commit protocol (an object store: the old
+manifest is removed first, the new one put last).
 
 Reading back costs a download of every byte uploaded. On S3 it is not needed: the writer
 (:mod:`ckptstore.storage.s3upload`) has the store check every request's body against the
@@ -39,6 +48,7 @@ import concurrent.futures
 import contextlib
 import dataclasses
 import functools
+import hashlib
 import json
 import os
 import threading
@@ -68,9 +78,12 @@ __all__ = [
     "ReplicateResult",
     "Replicator",
     "fetch_step",
+    "manifest_digest",
     "read_replica_url",
+    "replica_key",
     "replicate",
     "replicated_steps",
+    "safe_on",
 ]
 
 #: Files uploaded (or downloaded) at once per step.
@@ -246,30 +259,115 @@ def fetch_step(
     """
     manifest = replica.read_manifest(step)
     copy_files(replica, local, step, manifest, replace=replace, threads=threads)
-    mark_replicated(local, step)
+    mark_replicated(local, step, replica, manifest)
     log.info("fetched step %d from the replica %s", step, replica.root)
     return manifest
 
 
-def mark_replicated(local: Storage, step: int) -> None:
-    """Put the ``replicated`` marker into the local ``step`` (best effort: a hint only)."""
-    d = step_dirname(step)
-    rel = f"{d}/{REPLICATED_NAME}"
+def manifest_digest(manifest: Manifest) -> str:
+    """The SHA-256 of ``manifest``'s bytes: which save of a step a record is about."""
+    return hashlib.sha256(manifest.to_bytes()).hexdigest()
+
+
+def replica_key(where: Storage | str) -> str:
+    """How a replica is named in the ``replicated`` markers: its store's normalized root.
+
+    A URL is normalized as :func:`~ckptstore.storage.open_storage` does (a trailing slash
+    dropped; a local path or ``file://`` URL made absolute), so two spellings of one replica
+    share a record; a spelling that still differs only costs a check of the replica's copy.
+    """
+    if isinstance(where, Storage):
+        return where.root
+    protocol, sep, rest = where.partition("://")
+    if not sep:
+        protocol, rest = "", where
+    if protocol in ("", "file", "local"):
+        return os.path.abspath(os.path.expanduser(rest))
+    return where.rstrip("/")
+
+
+#: A ``replicated`` marker without a record (written by an older version, or unreadable):
+#: the step was once uploaded to the replica recorded in the root, which save is unknown.
+LEGACY = "legacy"
+
+
+def safe_on(local: Storage, step: int) -> dict[str, str] | None:
+    """The replicas ``step``'s local copy is recorded safe on: replica key -> manifest digest.
+
+    ``None`` without a marker; ``{LEGACY: ""}`` for a marker that records nothing (an older
+    version's, or one whose bytes were lost): the caller checks the replica itself.
+    """
+    rel = f"{step_dirname(step)}/{REPLICATED_NAME}"
     try:
         if not local._exists(rel):
-            local._put_marker(rel, b"replicated\n")
-            local._fsync_dir(d)
-    except OSError as e:  # deleted meanwhile, or the disk is full: the replica is the truth
+            return None
+        with local._open_read(rel) as f:
+            data: Any = json.loads(f.read(1 << 16))
+    except OSError:
+        return None
+    except ValueError:
+        return {LEGACY: ""}
+    rec = data.get("safe_on") if isinstance(data, dict) else None
+    if not isinstance(rec, dict):
+        return {LEGACY: ""}
+    return {k: v for k, v in rec.items() if isinstance(k, str) and isinstance(v, str)}
+
+
+def mark_replicated(local: Storage, step: int, replica: Storage | str, manifest: Manifest) -> None:
+    """Record in the local ``step`` that ``replica`` holds this save of it, verified.
+
+    Best effort: a record that is lost (a crash while it is rewritten, a full disk) only
+    makes the next uploader check the replica's copy again.
+    """
+    d = step_dirname(step)
+    rel = f"{d}/{REPLICATED_NAME}"
+    key, digest = replica_key(replica), manifest_digest(manifest)
+    try:
+        # The local copy must be this save (a step saved again meanwhile is another one).
+        if local.read_manifest(step).to_bytes() != manifest.to_bytes():
+            return
+        rec = {k: v for k, v in (safe_on(local, step) or {}).items() if k != LEGACY}
+        if rec.get(key) == digest:
+            return
+        rec[key] = digest
+        body = json.dumps({"safe_on": rec}, sort_keys=True).encode() + b"\n"
+        with contextlib.suppress(FileNotFoundError):
+            local._remove(rel)
+        local._put_small(rel, body)  # its bytes are read back: written durably
+        local._fsync_dir(d)
+    except (OSError, CkptStoreError) as e:  # deleted meanwhile, the disk full, another rank
         log.debug("could not mark %s replicated: %s", local.describe(step), e)
 
 
-def replicated_steps(local: Storage, steps: Iterable[int]) -> set[int]:
-    """Those of ``steps`` whose local directory carries the ``replicated`` marker."""
+def replicated_steps(
+    local: Storage,
+    steps: Iterable[int],
+    replica: Storage | str | None = None,
+    manifests: Mapping[int, Manifest] | None = None,
+) -> set[int]:
+    """Those of ``steps`` recorded safe on ``replica`` (default: the one the root records).
+
+    With ``manifests`` (the local ones) a record counts only for that save of the step; an
+    old marker that records no replica counts for the replica the root records.
+    """
+    recorded = read_replica_url(local)
+    url = replica if replica is not None else recorded
+    if url is None:
+        return set()
+    key = replica_key(url)
+    legacy_ok = recorded is not None and replica_key(recorded) == key
     out = set()
     for s in steps:
-        with contextlib.suppress(OSError):
-            if local._exists(f"{step_dirname(s)}/{REPLICATED_NAME}"):
+        rec = safe_on(local, s)
+        if rec is None:
+            continue
+        if LEGACY in rec:
+            if legacy_ok:
                 out.add(s)
+            continue
+        want = manifests.get(s) if manifests is not None else None
+        if key in rec and (want is None or rec[key] == manifest_digest(want)):
+            out.add(s)
     return out
 
 
@@ -370,11 +468,17 @@ class Replicator:
         self._down: BaseException | None = None
         #: Steps whose part this uploader sent rank by rank -> the names of its files.
         self.parts: dict[int, list[str]] = {}
+        #: Step -> digest of the save whose part this uploader sent (see :meth:`refresh`).
+        self._part_of: dict[int, str] = {}
+        #: Steps this uploader uploaded (or, rank by rank, committed), in upload order.
+        self.uploaded: list[int] = []
         self._url = url or replica.root
         self._url_recorded = False
-        #: Steps known to be committed and verified on the replica (once; retention there
-        #: may have deleted some since, which a newer safe step justifies).
+        #: Steps known to be committed and verified on the replica as the local save of
+        #: them (once; retention there may have deleted some since, which a newer safe step
+        #: justifies). Which save: ``_safe_as`` (step -> manifest digest).
         self.safe: set[int] = set()
+        self._safe_as: dict[int, str] = {}
         self._pending: set[int] = set()
         self._busy: int | None = None
         self._failed: dict[int, BaseException] = {}
@@ -414,7 +518,7 @@ class Replicator:
     # ---- state -----------------------------------------------------------------------
 
     def is_safe(self, step: int) -> bool:
-        """Whether ``step`` was committed and verified on the replica."""
+        """Whether ``step`` was committed and verified on the replica (as the local save)."""
         with self._cond:
             return step in self.safe
 
@@ -437,9 +541,9 @@ class Replicator:
         """
         doomed = list(doomed)
         with self._cond:
-            unsure = any(s not in self.safe for s in doomed)
+            unsure = [s for s in doomed if s not in self.safe]
         if unsure and self.rank is not None:
-            self.refresh()
+            self.refresh(unsure)
         with self._cond:
             newest_safe = max(self.safe, default=None)
             out = []
@@ -459,22 +563,54 @@ class Replicator:
                     log.info("retention keeps local step %d until it is safe on the replica", s)
             return out
 
-    def refresh(self) -> None:
-        """Take the steps committed on the replica as safe (another uploader may put them).
+    def refresh(self, steps: Iterable[int] | None = None) -> None:
+        """Take ``steps`` (default: every local step) as safe where another uploader put them.
 
-        An unreachable replica changes nothing.
+        With per-rank uploads another rank's uploader may commit a step whose part this one
+        sent: it is safe once the replica holds that very save (its manifest is the local
+        one) and this uploader sent its part of that save, or a record says so. Any other
+        copy there is not taken as safe. An unreachable replica changes nothing.
         """
         try:
             remote = set(self.replica.list_steps())
+            mine = set(self.local.list_steps() if steps is None else steps)
         except Exception as e:  # botocore's errors are no OSError
             log.debug("could not list the replica %s: %s", self.replica.root, e)
             return
+        for s in sorted(mine & remote):
+            with self._cond:
+                if s in self.safe:
+                    continue
+            try:
+                manifest = self.local.read_manifest(s)
+                there = self.replica.read_manifest(s)
+            except Exception as e:  # unreadable on either side: not known to be safe
+                log.debug("step %d: %s", s, e)
+                continue
+            if there.to_bytes() != manifest.to_bytes():
+                continue
+            digest = manifest_digest(manifest)
+            if self._part_of.get(s) == digest or self._recorded(s, manifest) == "yes":
+                self._set_safe(s, manifest)
+                mark_replicated(self.local, s, self.replica, manifest)
+
+    def _recorded(self, step: int, manifest: Manifest) -> str:
+        """What the local marker says of this save on this replica: "yes", "legacy", "no"."""
+        rec = safe_on(self.local, step)
+        if rec is None:
+            return "no"
+        if rec.get(replica_key(self.replica)) == manifest_digest(manifest):
+            return "yes"
+        if LEGACY in rec:
+            recorded = read_replica_url(self.local)
+            if recorded is not None and replica_key(recorded) == replica_key(self.replica):
+                return "legacy"
+        return "no"
+
+    def _set_safe(self, step: int, manifest: Manifest) -> None:
         with self._cond:
-            new = remote - self.safe
-            self.safe |= remote
-        for s in sorted(new):
-            if self.local._exists(step_dirname(s)):
-                mark_replicated(self.local, s)
+            self.safe.add(step)
+            self._safe_as[step] = manifest_digest(manifest)
 
     # ---- work --------------------------------------------------------------------------
 
@@ -503,21 +639,31 @@ class Replicator:
         """Clean what a crash left on the replica and queue what it lacks; returns the queue.
 
         With ``clean``, incomplete multipart uploads under the replica's root are aborted and
-        manifest-less steps removed (:meth:`clean`); local steps that are neither on the
-        replica nor marked as once uploaded (the replica's retention deleted those) are
-        queued, newest first.
+        manifest-less steps removed (:meth:`clean`); local steps not recorded safe on this
+        replica as this very save are queued, newest first (a step recorded safe that the
+        replica no longer has was deleted by its retention: not uploaded again). A queued step
+        the replica already holds is checked there, not uploaded again, when it verifies.
         """
         if clean:
             self.clean()
         remote = set(self.replica.list_steps())
         steps = list(self.local.list_steps() if local_steps is None else local_steps)
-        marked = replicated_steps(self.local, steps)
+        todo = []
         for s in steps:
-            if s in remote and s not in marked:
-                mark_replicated(self.local, s)
+            try:
+                manifest = self.local.read_manifest(s)
+            except (OSError, CkptStoreError):
+                todo.append(s)  # its upload says what is wrong with it
+                continue
+            # Safe: recorded as this save on this replica (the replica's retention may have
+            # deleted it since). An old marker counts only for a step the replica no longer
+            # has; a copy it has is checked by the upload (upload_step), as is any other.
+            said = self._recorded(s, manifest)
+            if said == "yes" or (said == "legacy" and s not in remote):
+                self._set_safe(s, manifest)
+            else:
+                todo.append(s)
         with self._cond:
-            self.safe |= remote | marked
-            todo = [s for s in steps if s not in remote and s not in marked]
             self._pending.update(todo)
             self._cond.notify_all()
         if steps and not self._url_recorded:
@@ -533,8 +679,19 @@ class Replicator:
         with self._cond:
             if self._stop:
                 raise RuntimeError("the uploader is closed")
-            if step in self.safe:
+            known = self._safe_as.get(step)
+        if known is not None:
+            # Safe as which save? A step saved again (after its copies failed) is another.
+            try:
+                same = manifest_digest(self.local.read_manifest(step)) == known
+            except (OSError, CkptStoreError):
+                same = False
+            if same:
                 return
+        with self._cond:
+            if known is not None and self._safe_as.get(step) == known:
+                self.safe.discard(step)
+                del self._safe_as[step]
             self._pending.add(step)
             self._failed.pop(step, None)
             self._down = None  # a new step: the replica is tried again
@@ -622,18 +779,20 @@ class Replicator:
     def upload_step(self, step: int) -> bool:
         """Upload one committed local step now, in the caller's thread.
 
+        A copy the replica already holds counts only when it is this save (the same
+        manifest) and verifies there (a record of this uploader's, or ``verify`` now);
+        another save of the step, or a copy that fails, is replaced with the replica's
+        commit protocol.
+
         Returns:
-            True when it was uploaded; False when there was nothing to do (already on the
-            replica, or deleted locally meanwhile).
+            True when it was uploaded; False when there was nothing to do (this save is on
+            the replica and verifies, or the step was deleted locally meanwhile).
 
         Raises:
             IntegrityError: the local copy does not match its manifest (it stays local).
             OSError: the replica refused it; nothing of it is visible there.
         """
         self.gate.wait()  # not even its first requests while a save runs
-        if step in self.replica.list_steps():
-            self._safe(step)
-            return False
         try:
             manifest = self.local.read_manifest(step)
         except (FileNotFoundError, CkptStoreError) as e:
@@ -645,6 +804,12 @@ class Replicator:
             return self._upload_part(step, manifest, self.rank)
         present = nodes.local_ranks(self.local, step)
         if present is not None:
+            # A node's partial copy is uploaded only by the job's uploaders, rank by rank,
+            # each rank's files checked on the way and the manifest put after all: this very
+            # save there is safe on their checks (no download of every node's files here).
+            if upload_parts.committed(self.replica, step, manifest):
+                self._safe(step, manifest)
+                return False
             raise ReplicaError(
                 f"{self.local.describe(step)} holds only rank(s) {present}'s files (node-local "
                 "roots): it is uploaded by the job's own uploaders, each rank its part "
@@ -652,6 +817,9 @@ class Replicator:
             )
         if self.rank not in (None, 0):
             return False  # a step rank 0 wrote alone: rank 0 uploads it
+        replace = self._held_there(step, manifest)
+        if replace is None:
+            return False
         t0 = time.perf_counter()
         try:
             copy_files(
@@ -659,14 +827,17 @@ class Replicator:
                 self.replica,
                 step,
                 manifest,
+                replace=replace,
                 threads=self.threads,
                 read_back=self.read_back,
                 gate=self.gate,
                 lowest=True,
             )
         except StepExistsError:
-            self._safe(step)  # committed by another uploader meanwhile
-            return False
+            # Committed by another uploader meanwhile: safe only if it is this save, verified.
+            if self._held_there(step, manifest) is None:
+                return False
+            raise
         except (FileNotFoundError, IntegrityError):
             if step not in self.local.list_steps():
                 log.info("step %d was deleted locally during its upload", step)
@@ -674,6 +845,7 @@ class Replicator:
             raise
         nbytes = manifest.total_bytes
         self.uploaded_bytes += nbytes
+        self.uploaded.append(step)
         dt = time.perf_counter() - t0
         log.info(
             "uploaded step %d to %s: %d bytes in %.2fs (%.1f MB/s)",
@@ -686,8 +858,86 @@ class Replicator:
         self._safe(step, manifest)
         return True
 
+    def _held_there(self, step: int, manifest: Manifest) -> bool | None:
+        """Whether the replica holds ``step``, and as what: what the upload must do.
+
+        Returns:
+            None: it holds this save and it verifies (recorded, or checked now): it is
+            safe, nothing to upload. False: it holds no ``step``: upload. True: it holds
+            another save of it, or this one corrupt: upload, replacing that copy.
+        """
+        if step not in self.replica.list_steps():
+            return False
+        try:
+            there = self.replica.read_manifest(step)
+        except ManifestError as e:
+            log.warning("replica %s: %s; uploading step %d again", self.replica.root, e, step)
+            return True
+        if there.to_bytes() != manifest.to_bytes():
+            log.warning(
+                "replica %s holds another save of step %d (created %s; the local one %s): "
+                "replacing it with the local save",
+                self.replica.root,
+                step,
+                there.created or "?",
+                manifest.created or "?",
+            )
+            return True
+        if self._recorded(step, manifest) == "yes":
+            self._safe(step, manifest)
+            return None
+        # This save, put by another uploader (or recorded by an old marker): what ``verify``
+        # says of the replica's copy is what "safe" rests on.
+        from ..ops.verify import verify_checkpoint
+
+        self.gate.wait()
+        report = verify_checkpoint(self.replica, step, deep=True)
+        if report.ok:
+            self._safe(step, manifest)
+            return None
+        log.warning(
+            "replica %s: its copy of step %d does not verify (%s); uploading it again",
+            self.replica.root,
+            step,
+            "; ".join(report.problems[:3]),
+        )
+        return True
+
+    def _part_there(self, step: int, manifest: Manifest, rank: int) -> bool:
+        """Whether the replica holds this save of ``step`` with this rank's files intact.
+
+        Raises:
+            ReplicaError: it holds this save, but a file of this rank's does not verify
+                there (rank by rank, a committed step is not uploaded again in part).
+        """
+        if step not in self.replica.list_steps():
+            return False
+        try:
+            there = self.replica.read_manifest(step)
+        except ManifestError:
+            return False  # upload_part takes it for another save and replaces it
+        if there.to_bytes() != manifest.to_bytes():
+            return False
+        if self._recorded(step, manifest) == "yes" or self._part_of.get(step) == (
+            manifest_digest(manifest)
+        ):
+            return True
+        for name, entry in upload_parts.files_of(manifest, rank).items():
+            try:
+                self.replica.stream_file(step, name, entry)
+            except IntegrityError as e:
+                raise ReplicaError(
+                    f"the replica's copy of {self.replica.describe(step)} does not verify: {e}; "
+                    "delete it there (`ckptstore rm`) so that the job's uploaders upload it "
+                    "again"
+                ) from e
+        return True
+
     def _upload_part(self, step: int, manifest: Manifest, rank: int) -> bool:
         """Upload this rank's files of a sharded step; the manifest once every rank's are in."""
+        if self._part_there(step, manifest, rank):
+            self._safe(step, manifest)
+            return False
         copy = functools.partial(
             copy_files, threads=self.threads, read_back=self.read_back, gate=self.gate, lowest=True
         )
@@ -705,6 +955,7 @@ class Replicator:
         nbytes = sum(e.bytes for e in mine.values())
         self.uploaded_bytes += nbytes
         self.parts[step] = sorted(mine)
+        self._part_of[step] = manifest_digest(manifest)
         # A node whose ranks never put a manifest (another node's uploader did) still
         # records where its steps go.
         self._record_url()
@@ -717,6 +968,7 @@ class Replicator:
             time.perf_counter() - t0,
         )
         if committed:
+            self.uploaded.append(step)
             self._safe(step, manifest)
         return True
 
@@ -726,18 +978,17 @@ class Replicator:
             write_replica_url(self.local, self._url)
             self._url_recorded = True
 
-    def _safe(self, step: int, manifest: Manifest | None = None) -> None:
-        with self._cond:
-            self.safe.add(step)
+    def _safe(self, step: int, manifest: Manifest) -> None:
+        self._set_safe(step, manifest)
         # The local marker, the replica's retention and the callback (local retention)
         # write and delete: they wait while a save runs (a stopping uploader goes on).
         with contextlib.suppress(ReplicaError):
             self.gate.wait()
         self._record_url()
-        mark_replicated(self.local, step)
+        mark_replicated(self.local, step, self.replica, manifest)
         if self.retention:
             try:
-                self.prune_replica(just=step, known={step: manifest} if manifest else None)
+                self.prune_replica(just=step, known={step: manifest})
             except (OSError, CkptStoreError, ValueError) as e:
                 log.warning("replica retention after step %d failed: %s", step, e)
         if self.on_safe is not None:
@@ -883,16 +1134,9 @@ def replicate(
     local.check_root(create=False)
     replica = open_storage(url, replica_options)
     check_distinct(local, replica, url)
-    uploaded: list[int] = []
     failed: dict[int, str] = {}
     up = Replicator(
-        local,
-        replica,
-        policy=keep,
-        threads=threads,
-        retention=keep is not None,
-        url=url,
-        on_safe=uploaded.append,
+        local, replica, policy=keep, threads=threads, retention=keep is not None, url=url
     )
     stop = stop or threading.Event()
     try:
@@ -914,4 +1158,4 @@ def replicate(
     finally:
         up.close(wait=False)
     safe = sorted(s for s in local.list_steps() if up.is_safe(s))
-    return ReplicateResult(uploaded, safe, failed)
+    return ReplicateResult(list(up.uploaded), safe, failed)

@@ -9,9 +9,19 @@ the table of the files it uploaded inside), and lists the done objects: the uplo
 listing shows one for every rank with files in the manifest reads them (each must list
 what the manifest says that rank wrote), checks each file of the step at its size, and puts
 the manifest, last, in one request. Several may find them all at once; they put the same
-bytes, which is harmless. No collective runs on an uploader's thread, and a rank that dies
-during its upload leaves no manifest: the step is not visible on the replica. The done
+bytes, which is harmless. Completing is idempotent: on a filesystem the uploaders share the
+pending directory, so the second may find the manifest already written there (the same
+bytes: it publishes too, and one rename wins) or the directory already renamed into place;
+an uploader that finds this very save committed reports the step committed, whatever step
+of the completion it was at. No collective runs on an uploader's thread, and a rank that
+dies during its upload leaves no manifest: the step is not visible on the replica. The done
 objects stay in the step's directory (no manifest lists them; they say who uploaded what).
+
+A step the replica holds as another save (saved again after both tiers' copies failed) is
+taken out of sight before the new save's files are written: on an object store its old
+manifest is removed (the new files are written under the same prefix, and no reader may see
+the old manifest over them), on a filesystem the old directory is renamed away, and put back
+if it turns out to be this very save (another uploader committed it meanwhile).
 
 Cleanup when several uploaders share one prefix (:func:`clean`): a pending step is removed
 only when it is older than the newest step committed on the replica (nothing will complete
@@ -28,12 +38,19 @@ import contextlib
 import hashlib
 import json
 import re
+import time
 from collections.abc import Callable
 from typing import Any
 
 from .._log import logger as log
-from ..errors import IntegrityError, StepExistsError
-from ..layout import is_garbage_name, parse_step_dirname, step_dirname
+from ..errors import CkptStoreError, IntegrityError
+from ..layout import (
+    MANIFEST_NAME,
+    is_garbage_name,
+    parse_step_dirname,
+    step_dirname,
+    trash_dirname,
+)
 from ..manifest import FileEntry, Manifest
 from ..storage import Pending, Storage
 from .nodes import ranks_with_files
@@ -97,11 +114,18 @@ def upload_part(
             marked done is not on the replica at its size.
         OSError: the replica refused a write; nothing of the step is visible there.
     """
+    if committed(replica, step, manifest):
+        return True  # every rank's files are in (a retry, or another uploader was faster)
+    _put_out_of_sight(replica, step, manifest)
     dirname = pending_dirname(replica, step, manifest)
     if not replica._exists(dirname):
         with contextlib.suppress(FileExistsError):
             replica._mkdir(dirname)
     pending = Pending(replica, step, dirname)
+    if replica.atomic_rename and replica._exists(f"{dirname}/{MANIFEST_NAME}"):
+        # Another uploader found every rank's part in and is publishing it: the files are
+        # all there (and must not be touched), only the rename may be left to do.
+        return _commit_if_complete(replica, step, manifest, pending)
     mine = files_of(manifest, rank)
     if replica.atomic_rename:  # a filesystem writes no file twice: a retry starts afresh
         for name in [*mine, done_name(rank, manifest)]:
@@ -115,6 +139,52 @@ def upload_part(
     }
     replica._put_small(f"{dirname}/{done_name(rank, manifest)}", json.dumps(done).encode() + b"\n")
     return _commit_if_complete(replica, step, manifest, pending)
+
+
+def committed(replica: Storage, step: int, manifest: Manifest) -> bool:
+    """Whether the replica holds ``step`` committed as this very save (``manifest``)."""
+    try:
+        return replica.read_manifest(step).to_bytes() == manifest.to_bytes()
+    except (OSError, CkptStoreError):
+        return False
+
+
+def _put_out_of_sight(replica: Storage, step: int, manifest: Manifest) -> None:
+    """Take another save of ``step`` committed on the replica out of readers' sight.
+
+    See the module docstring. The check and the removal are not one atomic step: another
+    uploader may commit this save in between. On an object store the manifest it put is
+    then removed, and the step is committed again by this uploader's own completion (every
+    rank's done objects are there); on a filesystem the directory taken away is read and,
+    being this save, renamed back.
+    """
+    final = step_dirname(step)
+    try:
+        if not replica._exists(f"{final}/{MANIFEST_NAME}") or committed(replica, step, manifest):
+            return
+    except OSError:
+        return
+    log.warning("replica %s holds another save of step %d: replacing it", replica.root, step)
+    if not replica.atomic_rename:
+        with contextlib.suppress(FileNotFoundError):
+            replica._remove(f"{final}/{MANIFEST_NAME}")
+        return
+    aside = trash_dirname(step)
+    try:
+        replica._rename(final, aside)
+    except FileNotFoundError:
+        return  # another uploader took it away first
+    try:
+        with replica._open_read(f"{aside}/{MANIFEST_NAME}") as f:
+            mine = f.read(len(manifest.to_bytes()) + 1) == manifest.to_bytes()
+    except OSError:
+        mine = False
+    if mine and not replica._exists(final):
+        replica._rename(aside, final)  # this very save, committed meanwhile: keep it
+        return
+    replica._fsync_dir("")
+    with contextlib.suppress(OSError):
+        replica._rmtree(aside)
 
 
 def _listed_done(replica: Storage, dirname: str, manifest: Manifest) -> dict[int, str]:
@@ -159,31 +229,65 @@ def _commit_if_complete(replica: Storage, step: int, manifest: Manifest, pending
     if need <= have:
         have = _done_ranks(replica, pending.dirname, {r: listed[r] for r in need}, manifest)
     if not need <= have:
+        if committed(replica, step, manifest):  # another uploader completed it meanwhile
+            return True
         log.info(
             "step %d: uploaded this rank's files; waiting for rank(s) %s",
             step,
             sorted(need - have),
         )
         return False
-    for name, entry in manifest.files.items():
-        try:
-            size = replica._size(f"{pending.dirname}/{name}")
-        except FileNotFoundError:
-            size = None
-        if size != entry.bytes:
-            raise IntegrityError(
-                f"{replica.describe(step, name)}: marked uploaded, but the replica holds "
-                f"{size} bytes, the manifest says {entry.bytes}"
-            )
     try:
-        replica.commit(pending, manifest)
-    except StepExistsError:
-        pass  # another rank's uploader committed it meanwhile: the same manifest
-    except OSError:
-        if step not in replica.list_steps():
+        for name, entry in manifest.files.items():
+            try:
+                size = replica._size(f"{pending.dirname}/{name}")
+            except FileNotFoundError:
+                size = None
+            if size != entry.bytes:
+                raise IntegrityError(
+                    f"{replica.describe(step, name)}: marked uploaded, but the replica holds "
+                    f"{size} bytes, the manifest says {entry.bytes}"
+                )
+        _commit(replica, pending, manifest)
+    except (OSError, CkptStoreError):
+        # Another uploader completing this save at the same moment (a filesystem: the
+        # same pending directory) renamed the files away under this one's checks: the
+        # step is committed, which is all this call had to do.
+        if not _committed_soon(replica, step, manifest):
             raise
+        log.info("step %d: committed by another rank's uploader at the same moment", step)
+        return True
     log.info("step %d: every rank's files are on the replica; manifest put", step)
     return True
+
+
+def _commit(replica: Storage, pending: Pending, manifest: Manifest) -> None:
+    """Commit ``pending`` (idempotent among the uploaders completing one save).
+
+    On a filesystem a manifest already in the pending directory (the same bytes, written by
+    another uploader completing this save) is published as if this one wrote it.
+    """
+    if not replica.atomic_rename:
+        replica.commit(pending, manifest)  # the same bytes by each completer: harmless
+        return
+    try:
+        replica.prepare(pending, manifest)
+    except FileExistsError:
+        with replica._open_read(f"{pending.dirname}/{MANIFEST_NAME}") as f:
+            there = f.read(len(manifest.to_bytes()) + 1)
+        if there != manifest.to_bytes():
+            raise
+        replica._fsync_dir(pending.dirname)
+    replica.publish(pending)
+
+
+def _committed_soon(replica: Storage, step: int, manifest: Manifest) -> bool:
+    """Whether this save is committed, or becomes so within a moment (a rename in flight)."""
+    for delay in (0.0, 0.05, 0.2, 0.5):
+        time.sleep(delay)
+        if committed(replica, step, manifest):
+            return True
+    return False
 
 
 def clean(replica: Storage) -> list[str]:

@@ -132,6 +132,7 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
         shutil.copytree(tmp_path / "node0", tmp_path / "fill0")
         filled = tmp_path / "fill0" / "step-000000000003"
         inode = (filled / SHARDS[0]).stat().st_ino
+        open_storage(tmp_path / "fill0").set_pinned(3, True)  # the completed copy keeps it
         counted = Injector(op="_stream", target=replica.root)
         caplog.set_level(logging.INFO, logger="ckptstore")
         with CheckpointManager(tmp_path / "fill0", replica=url, replica_options=opts) as mgr:
@@ -153,6 +154,7 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
             report = mgr.verify(3)
             assert (report.ok, report.elsewhere) == (True, [])
         assert not (filled / "local-ranks").exists()
+        assert open_storage(tmp_path / "fill0").is_pinned(3)  # issue 24 #4: node_fill too
         assert (filled / SHARDS[0]).stat().st_ino == inode  # kept (linked), not fetched
         assert (filled / SHARDS[1]).stat().st_size == entry.bytes
 
