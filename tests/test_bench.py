@@ -5,6 +5,7 @@ No speed is asserted: the numbers depend on the machine and its load.
 
 from __future__ import annotations
 
+import importlib
 import json
 import math
 import subprocess
@@ -14,6 +15,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 REPO = Path(__file__).resolve().parent.parent
 ONLY = (
@@ -181,23 +183,22 @@ def test_bench_s3_smoke(tmp_path: Path) -> None:
 # ---- the in-memory contenders measure what they claim (issue 13) -----------------------------
 
 
-def _bench() -> Any:
-    """tools/bench.py as a module (it is a script, not part of the package)."""
+def _kit(name: str) -> Any:
+    """tools/benchkit/<name>.py (the bench behind tools/bench.py, not part of the package)."""
     sys.path.insert(0, str(REPO / "tools"))
     try:
-        import bench
+        return importlib.import_module(f"benchkit.{name}")
     finally:
         sys.path.remove(str(REPO / "tools"))
-    return bench
 
 
 @pytest.fixture
 def ctx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    bench = _bench()
+    harness, cli = _kit("harness"), _kit("cli")
     # settle() (gc, sync, sleep) only steadies timings; these tests check what is timed.
-    monkeypatch.setattr(bench, "settle", lambda: None)
-    args = bench.parse_args(["--size", "1MB", "--dir", str(tmp_path / "work")])
-    c = bench.Ctx(args, tmp_path / "work", 1 << 20)
+    monkeypatch.setattr(harness, "settle", lambda: None)
+    args = cli.parse_args(["--size", "1MB", "--dir", str(tmp_path / "work")])
+    c = harness.Ctx(args, tmp_path / "work", 1 << 20)
     yield c
     c.close()
 
@@ -210,8 +211,7 @@ def _restore_mapped(ctx: Any) -> None:
     """A safetensors restore without the contender's untimed ``end``: ``load_file`` maps the
     file and the optimizer adopts those tensors, so the AdamW state is left in a private
     mapping of the checkpoint file, the state every contender after it once started from."""
-    bench = _bench()
-    st = bench.SafetensorsSave()
+    st = _kit("plain").SafetensorsSave()
     d = ctx.newdir("mapped")
     st.save(ctx, d)
     st.restore(ctx, d)
@@ -221,19 +221,19 @@ def test_copy_contenders_copy_the_state_from_memory_after_a_safetensors_restore(
     """The defect: after the safetensors restore, the AdamW state lived in a private mapping of
     the (dropped from cache) checkpoint file; copy-prealloc, the next in each round, timed the
     disk reads of its source, and clone after it read warm pages."""
-    bench = _bench()
-    assert not any(bench.file_mapped(_sources(ctx)))
+    state, memory = _kit("state"), _kit("memory")
+    assert not any(state.file_mapped(_sources(ctx)))
     _restore_mapped(ctx)
-    mapped = bench.file_mapped(_sources(ctx))
+    mapped = state.file_mapped(_sources(ctx))
     assert sum(mapped) >= 2 * 100  # exp_avg and exp_avg_sq of every parameter, at least
     want = [t.clone() for t in _sources(ctx)]
-    copy, clone = bench.CopyPrealloc(), bench.Clone()
+    copy, clone = memory.CopyPrealloc(), memory.Clone()
     copy.setup(ctx)
     copy.round(ctx, 0)
     # The source is now the state's own anonymous memory, with the same values.
-    assert not any(bench.file_mapped(_sources(ctx)))
-    assert all(bench.torch.equal(a, b) for a, b in zip(_sources(ctx), want, strict=True))
-    assert all(bench.torch.equal(a, b) for a, b in zip(copy.bufs, want, strict=True))
+    assert not any(state.file_mapped(_sources(ctx)))
+    assert all(torch.equal(a, b) for a, b in zip(_sources(ctx), want, strict=True))
+    assert all(torch.equal(a, b) for a, b in zip(copy.bufs, want, strict=True))
     assert ctx.extra["tensors_moved_out_of_file_mappings"] == sum(mapped)
     clone.round(ctx, 0)
     # Both copied every byte of the state, once.
@@ -245,11 +245,11 @@ def test_copy_contenders_copy_the_state_from_memory_after_a_safetensors_restore(
 
 
 def test_async_contender_reads_the_state_from_memory(ctx: Any) -> None:
-    bench = _bench()
+    state = _kit("state")
     _restore_mapped(ctx)
-    assert any(bench.file_mapped(_sources(ctx)))
-    bench.CkptAsync().round(ctx, 0)
-    assert not any(bench.file_mapped(_sources(ctx)))
+    assert any(state.file_mapped(_sources(ctx)))
+    _kit("memory").CkptAsync().round(ctx, 0)
+    assert not any(state.file_mapped(_sources(ctx)))
 
 
 def test_step_timer_times_the_same_work_after_warm_up_in_every_window(
@@ -257,13 +257,13 @@ def test_step_timer_times_the_same_work_after_warm_up_in_every_window(
 ) -> None:
     """The defect: a ~2 ms step, dominated by thread wake-ups and Python rather than work,
     ran "faster" during a save; the base windows began right after settle()'s sleep."""
-    bench = _bench()
+    harness, memory, state = _kit("harness"), _kit("memory"), _kit("state")
     events: list[str] = []
-    step = bench.StepSlowdown()
+    step = memory.StepSlowdown()
     step.setup(ctx)
     _restore_mapped(ctx)
     real_work = step.work
-    monkeypatch.setattr(bench, "settle", lambda: events.append("settle"))
+    monkeypatch.setattr(harness, "settle", lambda: events.append("settle"))
 
     def work() -> None:
         events.append("work")
@@ -285,29 +285,29 @@ def test_step_timer_times_the_same_work_after_warm_up_in_every_window(
     windows = text.split("settle")[1:]
     assert len(windows) == 3  # before, during (after its settle), after
     for i, w in (0, windows[0]), (2, windows[2]):
-        head = w.split()[: bench.StepSlowdown.WARMUP]
-        assert head == ["work"] * bench.StepSlowdown.WARMUP, (i, w[:80])
+        head = w.split()[: memory.StepSlowdown.WARMUP]
+        assert head == ["work"] * memory.StepSlowdown.WARMUP, (i, w[:80])
     # The step is real work: about 1.6 GFLOP (forward + backward of two 1024x1024 layers on
     # 128 rows), not two small matmuls.
     assert step.x.shape == (128, 1024)
     assert step.w1.shape == step.w2.shape == (1024, 1024)
-    assert not any(bench.file_mapped(_sources(ctx)))  # the async save read memory
+    assert not any(state.file_mapped(_sources(ctx)))  # the async save read memory
     info = ctx.extra["step_slowdown"][-1]
-    assert info["intra_op_threads"] == bench.torch.get_num_threads()
+    assert info["intra_op_threads"] == torch.get_num_threads()
     # The competition each window saw is kept, and a round where it differed is marked.
     for k in ("others_cpu_share_without", "others_cpu_share_during_save"):
         assert 0.0 <= info[k] <= 1.0, (k, info[k])
     differs = abs(info["others_cpu_share_during_save"] - info["others_cpu_share_without"])
-    assert info["confounded"] == (differs > bench.StepSlowdown.CONFOUNDED)
+    assert info["confounded"] == (differs > memory.StepSlowdown.CONFOUNDED)
 
 
 def test_other_processes_cpu_share_is_the_machines_busy_time_less_ours() -> None:
-    bench = _bench()
+    memory = _kit("memory")
     # 200 busy ticks of 200, 50 of them ours: others took 75% of the machine.
-    assert bench.others_share((100, 1000, 10), (300, 1200, 60)) == 0.75
-    assert bench.others_share((100, 1000, 10), (110, 1200, 20)) == 0.0
-    assert math.isnan(bench.others_share(None, (1, 2, 3)))
-    sample = bench.cpu_ticks()
+    assert memory.others_share((100, 1000, 10), (300, 1200, 60)) == 0.75
+    assert memory.others_share((100, 1000, 10), (110, 1200, 20)) == 0.0
+    assert math.isnan(memory.others_share(None, (1, 2, 3)))
+    sample = memory.cpu_ticks()
     assert sample is not None
     busy, total, ours = sample
     assert 0 < ours <= busy <= total

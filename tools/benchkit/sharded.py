@@ -20,7 +20,7 @@ Three contenders, side by side, interleaved round-robin inside each job:
   restoring ranks as evenly as the files allow (1 process reads everything, each of 3
   ranks a third).
 
-A job is a set of fresh processes (``python tools/bench_sharded.py JOBDIR`` with RANK,
+A job is a set of fresh processes (``python -m benchkit.sharded JOBDIR`` with RANK,
 WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment; no torchrun). Timings start after
 a barrier and stop after the barrier that follows the operation, so each is the time until
 the slowest rank is done; building the model and optimizer, constructing managers and
@@ -49,14 +49,18 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import demo  # tools/demo.py: a rank's environment, as torchrun sets it
 import torch
 from torch import nn
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from benchkit import harness
+from benchkit.disk import ALIGN, CHUNK, drop_cache, du, fsync_dir, fsync_tree
+from benchkit.harness import log
+from benchkit.state import GPT2Like, Shape
+from benchkit.units import GB, fmt, human
 
-import bench  # tools/bench.py: the model, disk helpers, O_DIRECT constants
-import demo  # tools/demo.py: a rank's environment, as torchrun sets it
+TOOLS = Path(__file__).resolve().parent.parent
+REPO = TOOLS.parent
 
 CONTENDERS = ("raw", "dcp", "ckpt")
 #: Save-only rows, timed in the ``ckpt`` turn of each round (see ``save_job``).
@@ -82,14 +86,15 @@ DESCRIPTIONS = {
 
 
 def build(param_bytes: int, world: int, *, init: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
-    """bench.py's GPT-2-like model, FSDP2-sharded when ``world > 1``, and a fresh AdamW.
+    """The bench's GPT-2-like model (``benchkit.state``), FSDP2-sharded when ``world > 1``,
+    and a fresh AdamW.
 
     With ``init`` the weights are random and the optimizer has taken one real step (the
     state that is saved); without, the tensors are allocated but untouched (restore targets).
     """
-    shape = bench.Shape.for_bytes(param_bytes)
+    shape = Shape.for_bytes(param_bytes)
     with torch.device("meta"):
-        model = bench.GPT2Like(shape)
+        model = GPT2Like(shape)
     if world > 1:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
@@ -170,7 +175,7 @@ def barrier() -> None:
 
 
 def settle_all() -> None:
-    bench.settle()
+    harness.settle()
     barrier()
 
 
@@ -190,17 +195,17 @@ class Raw:
     """O_DIRECT writes and reads of the same byte counts, from one aligned buffer."""
 
     def __init__(self, tensors: list[torch.Tensor] | None) -> None:
-        self.buf = mmap.mmap(-1, bench.CHUNK)  # page-aligned
+        self.buf = mmap.mmap(-1, CHUNK)  # page-aligned
         dst = torch.frombuffer(self.buf, dtype=torch.uint8)
         pos = 0
         for t in tensors or []:  # real state bytes, so nothing could compress zeros
             src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            n = min(len(src), bench.CHUNK - pos)
+            n = min(len(src), CHUNK - pos)
             dst[pos : pos + n].copy_(src[:n])
             pos += n
-            if pos == bench.CHUNK:
+            if pos == CHUNK:
                 break
-        if pos < bench.CHUNK:
+        if pos < CHUNK:
             dst[pos:].random_()
         del dst
 
@@ -220,14 +225,14 @@ class Raw:
             list(pool.map(self.write, paths, sizes))
 
     def write(self, path: Path, nbytes: int) -> None:
-        nbytes = -(-nbytes // bench.ALIGN) * bench.ALIGN
+        nbytes = -(-nbytes // ALIGN) * ALIGN
         mv = memoryview(self.buf)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
         try:
             left = nbytes
             while left:
-                n = os.write(fd, mv[: min(left, bench.CHUNK)])
-                if n <= 0 or n % bench.ALIGN:
+                n = os.write(fd, mv[: min(left, CHUNK)])
+                if n <= 0 or n % ALIGN:
                     msg = f"short O_DIRECT write ({n} bytes)"
                     raise OSError(msg)
                 left -= n
@@ -244,7 +249,7 @@ class Raw:
             try:
                 pos, end = off, off + length
                 while pos < end:
-                    want = min(bench.CHUNK, end - pos)
+                    want = min(CHUNK, end - pos)
                     n = os.preadv(fd, [memoryview(self.buf)[:want]], pos)
                     if n <= 0:
                         break
@@ -263,9 +268,9 @@ def raw_spans(d: Path, rank: int, world: int) -> list[tuple[Path, int, int]]:
     files = sorted(d.glob("raw.rank*.bin"))  # each rank's parts, in one order everywhere
     sizes = [f.stat().st_size for f in files]
     total = sum(sizes)
-    blocks = total // bench.ALIGN
-    lo = blocks * rank // world * bench.ALIGN
-    hi = blocks * (rank + 1) // world * bench.ALIGN
+    blocks = total // ALIGN
+    lo = blocks * rank // world * ALIGN
+    hi = blocks * (rank + 1) // world * ALIGN
     spans, base = [], 0
     for f, size in zip(files, sizes, strict=True):
         a, b = max(lo, base), min(hi, base + size)
@@ -317,7 +322,7 @@ def save_op(
             dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
             barrier()
             if rank == 0:
-                bench.fsync_tree(d)  # .metadata and the directory: durable
+                fsync_tree(d)  # .metadata and the directory: durable
 
         return dcp_save, nothing
     assert raw is not None
@@ -326,7 +331,7 @@ def save_op(
         raw.write_parts(d, rank, nbytes)
         barrier()
         if rank == 0:
-            bench.fsync_dir(d)
+            fsync_dir(d)
 
     return raw_save, nothing
 
@@ -410,11 +415,11 @@ def save_job(job: dict[str, Any]) -> dict[str, Any]:
                 record_phases(out, "ckpt-again", op)
                 out["times"].setdefault("ckpt-again", []).append(again)
                 if rank == 0:
-                    bench.log(f"  sharded ckpt-again save-2     {again:8.3f} s")
+                    log(f"  sharded ckpt-again save-2     {again:8.3f} s")
             done()
             out["times"].setdefault(c, []).append(seconds)
             if rank == 0:
-                bench.log(f"  sharded {c:<5} save-2         {seconds:8.3f} s")
+                log(f"  sharded {c:<5} save-2         {seconds:8.3f} s")
                 if r > 0:  # the first round's checkpoints are kept for the restores
                     shutil.rmtree(d, ignore_errors=True)
                     os.sync()
@@ -440,7 +445,7 @@ def restore_job(job: dict[str, Any]) -> dict[str, Any]:
                 model, opt = build(job["param_bytes"], world, init=False)
             op, done = restore_op(c, dirs[c], model, opt, raw=raw, raw_bytes=out["raw_bytes"])
             if rank == 0:
-                out["resident"].append(bench.drop_cache(dirs[c]))
+                out["resident"].append(drop_cache(dirs[c]))
             barrier()
             seconds = timed(op)
             done()
@@ -455,7 +460,7 @@ def restore_job(job: dict[str, Any]) -> dict[str, Any]:
                     msg = f"{c} restore on {world} rank(s) loaded other values: {got} != {want}"
                     raise RuntimeError(msg)
             if rank == 0:
-                bench.log(f"  sharded {c:<5} restore-2to{world}   {seconds:8.3f} s")
+                log(f"  sharded {c:<5} restore-2to{world}   {seconds:8.3f} s")
             model = opt = op = done = None  # type: ignore[assignment]
             gc.collect()
             barrier()
@@ -503,7 +508,9 @@ def launch(jobdir: Path, job: dict[str, Any], timeout: float) -> list[dict[str, 
         else:
             for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
                 env.pop(k, None)
-        cmd = [sys.executable, str(Path(__file__).resolve()), str(jobdir)]
+        # The checkout's ckptstore, tools/ (benchkit, demo) importable: as the parent has them.
+        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TOOLS), env.get("PYTHONPATH", "")])
+        cmd = [sys.executable, "-m", "benchkit.sharded", str(jobdir)]
         procs.append(subprocess.Popen(cmd, env=env))
     deadline = time.monotonic() + timeout
     failed = None
@@ -531,7 +538,7 @@ def run(
     contenders = [c for c in CONTENDERS if c != "raw" or odirect]
     base = work / "sharded"
     load = [os.getloadavg()[0]]
-    bench.log(
+    log(
         f"sharded: FSDP2 save on {SAVE_WORLD} ranks, restore on "
         f"{' and '.join(map(str, RESTORE_WORLDS))}: {', '.join(contenders)}"
     )
@@ -552,7 +559,7 @@ def run(
     for c, ts in saved[0]["times"].items():
         times[(c, "save-2")] = ts
     dirs = {c: str(base / "ckpts" / f"{c}-0") for c in contenders}
-    disk = {c: bench.du(Path(p)) for c, p in dirs.items()}
+    disk = {c: du(Path(p)) for c, p in dirs.items()}
     resident: list[float | None] = []
     raw_bytes: dict[int, int] = {}
     for world in RESTORE_WORLDS:
@@ -600,7 +607,7 @@ def run(
                 "median_s": m,
                 "min_s": min(ts),
                 "max_s": max(ts),
-                "gb_s": state_bytes / m / bench.GB,
+                "gb_s": state_bytes / m / GB,
                 "spread": max(ts) / min(ts),
                 "vs_raw": med[("raw", op)] / m if ("raw", op) in med else None,
                 "vs_dcp": med[("dcp", op)] / m if ("dcp", op) in med else None,
@@ -657,8 +664,8 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def print_report(res: dict[str, Any]) -> None:
     print()
     print(
-        f"sharded (FSDP2): {bench.human(res['state_bytes'])} of state (params + AdamW) saved by "
-        f"2 ranks ({' + '.join(bench.human(b) for b in res['per_rank_bytes'])}), restored "
+        f"sharded (FSDP2): {human(res['state_bytes'])} of state (params + AdamW) saved by "
+        f"2 ranks ({' + '.join(human(b) for b in res['per_rank_bytes'])}), restored "
         "on 1 process (no process group) and on 3 ranks; GB/s = state bytes / s"
     )
     head = (
@@ -671,7 +678,7 @@ def print_report(res: dict[str, Any]) -> None:
     for r in sorted(res["rows"], key=lambda r: (OPS.index(r["op"]), order[r["contender"]])):
         print(
             f"{r['contender']:<11} {r['op']:<13} {r['median_s']:>9.3f} {r['gb_s']:>6.2f} "
-            f"{bench.fmt(r['vs_raw'], '.2f'):>6} {bench.fmt(r['vs_dcp'], '.2f'):>6} "
+            f"{fmt(r['vs_raw'], '.2f'):>6} {fmt(r['vs_dcp'], '.2f'):>6} "
             f"{r['n']:>3} {r['spread']:>7.2f}"
         )
     known = [x for x in res["resident_after_drop"] if x is not None]
@@ -694,7 +701,7 @@ def print_report(res: dict[str, Any]) -> None:
     print("sharded targets:")
     for t in res["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]
-        val = bench.fmt(t["value"], ".3f")
+        val = fmt(t["value"], ".3f")
         best = "" if t["value_min"] is None else f"; best-of-runs {t['value_min']:.3f}"
         print(f"  {verdict}  {t['target']:<44} {val:>7}  ({t['threshold']}; {t['detail']}{best})")
 

@@ -43,14 +43,14 @@ from typing import Any
 
 import torch
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO / "tests")]
+from benchkit.state import build_state
+
+REPO = Path(__file__).resolve().parents[2]
+sys.path[:0] = [str(REPO / "tests")]  # s3server.py: moto's S3 server in a child process
 
 
 def _state(param_bytes: int) -> dict[str, Any]:
-    import bench
-
-    model, opt, _ = bench.build_state(param_bytes)
+    model, opt, _ = build_state(param_bytes)
     return {"model": model, "optimizer": opt}
 
 
