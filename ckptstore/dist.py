@@ -6,11 +6,20 @@ every wait ckptstore makes is bounded and, when it expires, raises :class:`Barri
 naming the ranks that did not arrive and the phase. Without a process group every method
 returns at once, so the manager is written once and has no ``if distributed:`` branches.
 
-Every data collective is preceded by a ``monitored_barrier``: rank 0 learns exactly which
-ranks are missing and publishes the list in the job's key-value store, so the other
-survivors (which ``monitored_barrier`` only tells "rank 0 reported an error") raise the
-same, correct ``missing_ranks``. After a timeout gloo closes the group's connections, so the
-coordinator is marked broken and every later call fails at once instead of waiting again.
+Every data collective is preceded by a barrier (gloo's dissemination barrier: log2(N)
+rounds, no rank serves the others one after another). Each rank first marks its arrival in
+the job's key-value store (one ``set``); when the barrier fails, rank 0 names the ranks that
+never arrived, or died, and publishes the list, so every survivor raises the same, correct
+``missing_ranks``. After a timeout gloo closes the group's connections, so the coordinator is
+marked broken and every later call fails at once instead of waiting again.
+
+What a non-zero rank sends and receives does not grow with the world size in the
+collectives a save or restore uses: :meth:`Coordinator.gather` (one fixed-size slot per rank
+to rank 0, a point-to-point send only for a payload larger than the slot),
+:meth:`Coordinator.reduce` (a gather whose result rank 0 computes and broadcasts) and
+:meth:`Coordinator.broadcast` (gloo's binomial tree). :meth:`Coordinator.all_gather`, whose
+result grows with the world size on every rank, is left to the job's start. Every collective
+is counted in :attr:`Coordinator.stats`.
 """
 
 from __future__ import annotations
@@ -25,6 +34,8 @@ import re
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch.distributed as dist
@@ -32,7 +43,7 @@ import torch.distributed as dist
 from ._gc import gc_paused
 from .errors import BarrierTimeout, CkptStoreError, CommitError
 
-__all__ = ["Coordinator"]
+__all__ = ["CollectiveStats", "Coordinator"]
 
 _RANKS_RE = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 #: How long a survivor waits for rank 0's verdict on who is missing.
@@ -41,6 +52,43 @@ _VERDICT_WAIT_S = 10.0
 #: the coordination keys, so it must be the same on every rank: a coordinator that takes part
 #: in no collective (``enabled=False``, built on one rank only) never takes one.
 _instances = itertools.count()
+#: Bytes per rank of :meth:`Coordinator.gather`'s fixed-size slot (8 of them the length). A
+#: payload that fits travels in the slot; a larger one follows as one point-to-point send.
+SLOT = 512
+
+
+@dataclass
+class CollectiveStats:
+    """What this rank's coordinator exchanged: one record per collective it took part in.
+
+    ``records`` holds ``(phase, op, bytes sent, bytes received, torch calls, seconds)``.
+    Bytes are the payloads this rank put on the wire and took off it (a slot, a pickled
+    object, a tensor), not the transport's framing; ``torch calls`` counts the
+    ``torch.distributed`` calls made (the barrier before a data collective is a record of
+    its own).
+    """
+
+    records: list[tuple[str, str, int, int, int, float]] = field(default_factory=list)
+
+    def add(  # noqa: PLR0917 - one record's fields
+        self, phase: str, op: str, sent: int, received: int, calls: int, seconds: float
+    ) -> None:
+        """Append one collective's record."""
+        self.records.append((phase, op, sent, received, calls, seconds))
+
+    def totals(self) -> dict[str, float]:
+        """Collectives, torch calls, bytes sent and received, seconds, over every record."""
+        return {
+            "collectives": len(self.records),
+            "calls": sum(r[4] for r in self.records),
+            "sent": sum(r[2] for r in self.records),
+            "received": sum(r[3] for r in self.records),
+            "seconds": sum(r[5] for r in self.records),
+        }
+
+    def clear(self) -> None:
+        """Forget every record."""
+        self.records.clear()
 
 
 def _default_store() -> Any:
@@ -89,6 +137,8 @@ class Coordinator:
         self._uid = -1  # no coordination keys without a process group
         self._seq = 0
         self._broken: BarrierTimeout | None = None
+        #: Every collective this coordinator took part in (see :class:`CollectiveStats`).
+        self.stats = CollectiveStats()
         if self.enabled:
             self._uid = next(_instances)
             store = _default_store()
@@ -305,15 +355,19 @@ class Coordinator:
         """Wait for every rank; on timeout raise BarrierTimeout naming the absent ranks."""
         if not self.enabled:
             return
+        t0 = time.perf_counter()
+        self._barrier(phase, step)
+        self.stats.add(phase, "barrier", 0, 0, 1, time.perf_counter() - t0)
+
+    def _barrier(self, phase: str, step: int | None) -> None:
         self._check(phase, step)
         self._seq += 1
         self._arrive()
         try:
-            dist.monitored_barrier(
-                group=self.group,
-                timeout=datetime.timedelta(seconds=self.timeout),
-                wait_all_ranks=True,
-            )
+            # gloo's dissemination barrier: log2(N) rounds of one empty message a rank, where
+            # monitored_barrier had rank 0 answer every rank in turn. Who is missing comes
+            # from the arrival keys when it fails (_probe_missing).
+            dist.barrier(group=self.group)
         except RuntimeError as e:
             raise self._fail(e, phase, step) from None
 
@@ -329,34 +383,142 @@ class Coordinator:
         """Send a small picklable object from ``src`` to every rank; returns it everywhere."""
         if not self.enabled:
             return obj
+        t0 = time.perf_counter()
+        data, exact = _packed(obj, phase, self.rank) if self.rank == src else (b"", True)
+        got = self._collective(phase, step, lambda: self._broadcast_bytes(data, src))
+        # The sender too returns what the others got: a stand-in where obj could not travel.
+        out = obj if self.rank == src and exact else _loads(got)
+        sent, received = (len(data), 0) if self.rank == src else (0, len(got))
+        self.stats.add(phase, "broadcast", sent, received, 2, time.perf_counter() - t0)
+        return out
+
+    def _broadcast_bytes(self, data: bytes, src: int) -> bytes:
+        """``data`` from ``src`` on every rank: its length, then its bytes, each down a tree."""
+        import torch
+
+        n = torch.tensor([len(data)], dtype=torch.int64)
+        dist.broadcast(n, src=src, group=self.group)
+        size = int(n.item())
         if self.rank == src:
-            obj = _sendable(obj, phase, self.rank)
-        box = [obj if self.rank == src else None]
-        self._collective(
-            phase, step, lambda: dist.broadcast_object_list(box, src=src, group=self.group)
-        )
-        return box[0]
+            buf = torch.frombuffer(bytearray(data), dtype=torch.uint8) if size else None
+        else:
+            buf = torch.empty(size, dtype=torch.uint8) if size else None
+        if buf is not None:
+            dist.broadcast(buf, src=src, group=self.group)
+        return data if self.rank == src else (buf.numpy().tobytes() if buf is not None else b"")
 
     def gather(
         self, obj: Any, phase: str, step: int | None = None, dst: int = 0
     ) -> list[Any] | None:
-        """Collect one small object per rank on ``dst`` (a list by rank); ``None`` elsewhere."""
+        """Collect one small object per rank on ``dst`` (a list by rank); ``None`` elsewhere.
+
+        A rank sends one fixed-size slot (:data:`SLOT` bytes) holding its pickled object,
+        or, when that does not fit, its length, followed by one point-to-point send of the
+        object: what a rank sends is its own object, never a size that depends on the
+        others (``gather_object`` first all-gathers every rank's size).
+        """
         if not self.enabled:
             return [obj]
-        obj = _sendable(obj, phase, self.rank)
-        out: list[Any] | None = [None] * self.world_size if self.rank == dst else None
-        self._collective(
-            phase, step, lambda: dist.gather_object(obj, out, dst=dst, group=self.group)
-        )
+        t0 = time.perf_counter()
+        data, exact = _packed(obj, phase, self.rank)
+        got = self._collective(phase, step, lambda: self._gather_bytes(data, dst))
+        if got is None:
+            self.stats.add(phase, "gather", _wire(data), 0, 1 + (len(data) > _INLINE), _since(t0))
+            return None
+        # Its own object as the others' arrive: a stand-in where it could not travel.
+        out = [obj if r == self.rank and exact else _loads(b) for r, b in enumerate(got)]
+        received = sum(_wire(b) for r, b in enumerate(got) if r != self.rank)
+        calls = 1 + sum(len(b) > _INLINE for r, b in enumerate(got) if r != self.rank)
+        self.stats.add(phase, "gather", 0, received, calls, _since(t0))
         return out
 
+    def _gather_bytes(self, data: bytes, dst: int) -> list[bytes] | None:
+        """Every rank's ``data`` on ``dst`` (by rank), ``None`` elsewhere."""
+        import torch
+
+        slot = torch.zeros(SLOT, dtype=torch.uint8)
+        head = len(data).to_bytes(8, "little")
+        fits = len(data) <= _INLINE
+        body = head + (data if fits else b"")
+        slot[: len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+        slots = [torch.empty(SLOT, dtype=torch.uint8) for _ in range(self.world_size)]
+        dist.gather(slot, slots if self.rank == dst else None, dst=dst, group=self.group)
+        if self.rank != dst:
+            if not fits:
+                big = torch.frombuffer(bytearray(data), dtype=torch.uint8)
+                dist.send(big, dst=dst, group=self.group)
+            return None
+        out: list[bytes] = []
+        for r, got in enumerate(slots):
+            if r == self.rank:
+                out.append(data)
+                continue
+            raw = got.numpy().tobytes()
+            n = int.from_bytes(raw[:8], "little")
+            if n <= _INLINE:
+                out.append(raw[8 : 8 + n])
+                continue
+            buf = torch.empty(n, dtype=torch.uint8)
+            dist.recv(buf, src=r, group=self.group)
+            out.append(buf.numpy().tobytes())
+        return out
+
+    def reduce(
+        self,
+        obj: Any,
+        fn: Callable[[list[Any]], Any],
+        phase: str,
+        step: int | None = None,
+    ) -> Any:
+        """``fn`` of every rank's object, computed on rank 0, returned on every rank.
+
+        What a non-zero rank sends is its own object and what it receives is ``fn``'s result
+        (keep it small): the replacement for an ``all_gather`` whose every rank reduces the
+        whole list to the same verdict. An exception ``fn`` raises on rank 0 is raised on
+        every rank.
+        """
+        if not self.enabled:
+            return fn([obj])
+        t0 = time.perf_counter()
+        data, _ = _packed(obj, phase, self.rank)
+
+        def run() -> bytes:
+            got = self._gather_bytes(data, 0)
+            verdict = b""
+            if got is not None:
+                try:
+                    result: tuple[str, Any] = ("ok", fn([_loads(b) for b in got]))
+                except BaseException as e:
+                    result = ("raise", e)
+                verdict, _ = _packed(result, phase, self.rank)
+            return self._broadcast_bytes(verdict, 0)
+
+        verdict = self._collective(phase, step, run)
+        status, value = _loads(verdict)
+        n = self.world_size - 1
+        if self.is_leader:
+            sent, received, calls = len(verdict), n * SLOT, 3
+        else:
+            sent, received, calls = _wire(data), len(verdict), 3 + (len(data) > _INLINE)
+        self.stats.add(phase, "reduce", sent, received, calls, _since(t0))
+        if status == "raise":
+            raise value
+        return value
+
     def all_gather(self, obj: Any, phase: str, step: int | None = None) -> list[Any]:
-        """Every rank's object, on every rank."""
+        """Every rank's object, on every rank: what each rank receives grows with N.
+
+        For the job's start only (which ranks share a node); a save or restore uses
+        :meth:`reduce` or :meth:`gather`.
+        """
         if not self.enabled:
             return [obj]
+        t0 = time.perf_counter()
         obj = _sendable(obj, phase, self.rank)
         out: list[Any] = [None] * self.world_size
         self._collective(phase, step, lambda: dist.all_gather_object(out, obj, group=self.group))
+        size = len(_dumps(obj))
+        self.stats.add(phase, "all_gather", size, size * (self.world_size - 1), 2, _since(t0))
         return out
 
     def broadcast_bytes(
@@ -378,11 +540,14 @@ class Coordinator:
             else:
                 buf = bytearray(n)
             if n:
+                t0 = time.perf_counter()
                 t = torch.frombuffer(buf, dtype=torch.uint8)
                 try:
                     dist.broadcast(t, src=0, group=self.group)
                 except RuntimeError as e:
                     raise self._fail(e, phase, step, in_exchange=True) from None
+                sent, received = (n, 0) if self.is_leader else (0, n)
+                self.stats.add(phase, "broadcast", sent, received, 1, _since(t0))
             out[name] = buf
         return out
 
@@ -392,6 +557,41 @@ class Coordinator:
             with contextlib.suppress(RuntimeError, ValueError, AssertionError):
                 dist.destroy_process_group(self.group)
             self.group = None
+
+
+#: The most a pickled object may take to travel inside a gather's slot.
+_INLINE = SLOT - 8
+
+
+def _dumps(obj: Any) -> bytes:
+    return pickle.dumps(obj, protocol=pickle.HIGHEST_PROTOCOL)
+
+
+def _loads(data: bytes) -> Any:
+    return pickle.loads(data)
+
+
+def _packed(obj: Any, phase: str, rank: int) -> tuple[bytes, bool]:
+    """``obj`` pickled (and True), or what :func:`_sendable` puts in its place (and False).
+
+    ``obj`` is pickled once where it travels as it is.
+    """
+    try:
+        data = _dumps(obj)
+    except Exception:
+        return _dumps(_sendable(obj, phase, rank)), False
+    if any(_pickle_failure(e) for e in _exceptions_in(obj)):
+        return _dumps(_sendable(obj, phase, rank)), False
+    return data, True
+
+
+def _wire(data: bytes) -> int:
+    """The bytes a rank's gather payload takes on the wire: its slot, plus a send if larger."""
+    return SLOT + (len(data) if len(data) > _INLINE else 0)
+
+
+def _since(t0: float) -> float:
+    return time.perf_counter() - t0
 
 
 def _sendable(obj: Any, phase: str, rank: int) -> Any:
