@@ -294,36 +294,45 @@ class Coordinator:
         # Half the verdict wait, so the survivors are still waiting for the verdict.
         deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout) / 2
 
-        def poll(ranks: list[int], key: Any) -> list[int]:
+        def poll(ranks: list[int], there: Any) -> list[int]:
             while ranks and time.monotonic() < deadline:
                 with contextlib.suppress(Exception):
-                    ranks = [r for r in ranks if not store.check([key(r)])]
+                    ranks = [r for r in ranks if not there(r)]
                 if ranks:
                     time.sleep(0.02)
             return ranks
+
+        def arrived(r: int) -> bool:
+            key = self._arrival_key(r)
+            return bool(store.check([key])) and int(store.get(key)) >= self._seq
 
         # A dead peer breaks a wait at once ("connection closed"), while a survivor may
         # still be on its way to it (reading its part of a checkpoint, say): a rank is
         # missing only if it has not arrived by the deadline.
         absent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
-        missing += poll(absent, lambda r: f"ckptstore/{self._uid}/{self._seq}/in/{r}")
+        missing += poll(absent, arrived)
         if in_exchange:
             # A rank that passed the barrier but hung inside the data exchange (frozen,
             # deadlocked, or dead on another host) is told apart from the survivors by
             # silence: every survivor reports its own failure of this wait (_fail) within
             # about the same timeout.
             silent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
-            missing += poll(silent, self._failed_key)
+            missing += poll(silent, lambda r: store.check([self._failed_key(r)]))
         return sorted(missing)
 
     def _failed_key(self, rank: int) -> str:
         return f"ckptstore/{self._uid}/{self._seq}/failed/{rank}"
 
+    def _arrival_key(self, rank: int) -> str:
+        # One key a rank, overwritten by each collective with its number: the store holds
+        # N keys however many collectives the job makes, not N per collective.
+        return f"ckptstore/{self._uid}/in/{rank}"
+
     def _arrive(self) -> None:
         store = _default_store()
         if store is not None:
             with contextlib.suppress(Exception):
-                store.set(f"ckptstore/{self._uid}/{self._seq}/in/{self.rank}", "1")
+                store.set(self._arrival_key(self.rank), str(self._seq))
 
     def _fail(
         self, e: BaseException, phase: str, step: int | None, *, in_exchange: bool = False
@@ -550,6 +559,29 @@ class Coordinator:
                 self.stats.add(phase, "broadcast", sent, received, 1, _since(t0))
             out[name] = buf
         return out
+
+    @property
+    def seq(self) -> int:
+        """How many collectives this coordinator has made: the same number on every rank."""
+        return self._seq
+
+    def post(self, tag: str, value: str) -> None:
+        """Leave ``value`` under ``tag`` in the job's key-value store for another rank to read.
+
+        For what one rank tells a few others (a node's leader its node's ranks), where a
+        collective would carry it to every rank. Bounded: nothing here waits.
+        """
+        store = _default_store() if self.enabled else None
+        if store is not None:
+            store.set(f"ckptstore/{self._uid}/post/{tag}", value)
+
+    def read_post(self, tag: str) -> str | None:
+        """What :meth:`post` left under ``tag``, or ``None`` if nothing is there (yet)."""
+        store = _default_store() if self.enabled else None
+        key = f"ckptstore/{self._uid}/post/{tag}"
+        if store is None or not store.check([key]):
+            return None
+        return bytes(store.get(key)).decode()
 
     def close(self) -> None:
         """Release the private group."""

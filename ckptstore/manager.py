@@ -424,8 +424,7 @@ class CheckpointManager:
 
     def _agree_on_replica(self, error: BaseException | None) -> BaseException | None:
         """Collective: the first rank's error probing the replica, the same on every rank."""
-        every = self.coord.all_gather(error, "init:replica-probe")
-        return next((e for e in every if e is not None), None)
+        return self.coord.reduce(error, _first_error, "init:replica-probe")  # type: ignore[no-any-return]
 
     # ---- waits, checks, retention, deletion -------------------------------------------
 
@@ -580,3 +579,8 @@ def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
         msg = f"metadata must be JSON-serializable (no NaN): {e}"
         raise ConfigError(msg) from None
     return d
+
+
+def _first_error(every: list[BaseException | None]) -> BaseException | None:
+    """The first rank's error, or None: rank 0's verdict for every rank."""
+    return next((e for e in every if e is not None), None)

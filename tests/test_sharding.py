@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -21,7 +22,7 @@ from safetensors.torch import load_file
 from ckptstore.codec import safetensors as st
 from ckptstore.integrity import crc32c_of
 from ckptstore.sharded import plan as sharding
-from ckptstore.sharded.chunks import BLOCK, ChunkIndex, block_crcs
+from ckptstore.sharded.chunks import BLOCK, block_crcs
 from ckptstore.storage import open_storage
 
 pytestmark = pytest.mark.timeout(60)
@@ -229,6 +230,8 @@ def test_index_from_packed_tables_is_byte_identical_and_refuses_a_missing_chunk(
     """What rank 0 writes from the ranks' packed tables is the index build_index makes."""
     from torch.distributed.tensor import DTensor, Replicate, Shard
 
+    from ckptstore.errors import CommitError
+
     monkeypatch.setattr(sharding, "PART_BYTES", 32 << 10)
     flat: dict[str, object] = {
         "model/w": torch.nn.Parameter(
@@ -241,8 +244,10 @@ def test_index_from_packed_tables_is_byte_identical_and_refuses_a_missing_chunk(
             [Shard(1)],
         ),
     }
-    plans, md = sharding.global_plan([sharding.save_plans(flat, True)])
-    boxes = sharding.local_boxes(plans[0], flat)
+    plan = sharding.dedup_local(sharding.save_plans(flat, True), flat)
+    meta = sharding.tensor_meta(flat)
+    assert meta["state/model.w/exp_avg"] == ("bfloat16", (64, 300))
+    boxes = sharding.local_boxes(plan, flat)
     storage = open_storage(tmp_path / "store")
     storage.check_root()
     pending = storage.begin(1)
@@ -250,15 +255,16 @@ def test_index_from_packed_tables_is_byte_identical_and_refuses_a_missing_chunk(
     assert len({c.file for _, _, c in table["chunks"]}) > 1  # split over part files
     packed = sharding.pack_table(table)
     assert isinstance(packed, bytes)
-    got = sharding.index_bytes(md, [packed])
-    assert got == sharding.build_index(md, [table]).to_bytes()
-    index = ChunkIndex.from_bytes(got, pending.files, "test")
+    got = sharding.index_bytes(meta, [packed])
+    assert got == sharding.build_index(meta, [table]).to_bytes()
+    index = sharding.check_cover(got, pending.files, "test")
     assert index.tensors["state/model.w/exp_avg"].placements == ("S(1)",)
-    # A chunk of the global plan that no rank reported: rank 0 must not commit.
+    # A box no rank reported: the index has a gap, and rank 0 must not commit.
     doc = json.loads(packed)
     doc["chunks"] = [c for c in doc["chunks"] if c[0] != "model/b"]
-    with pytest.raises(RuntimeError, match="no rank wrote the chunk of 'model/b'"):
-        sharding.index_bytes(md, [json.dumps(doc).encode()])
+    holed = sharding.index_bytes(meta, [json.dumps(doc).encode()])
+    with pytest.raises(CommitError, match=r"do not make a whole checkpoint.*'model/b'"):
+        sharding.check_cover(holed, pending.files, "test")
     storage.abort(pending)
 
 
@@ -306,3 +312,68 @@ def test_a_sharded_save_reports_where_its_time_went(mesh: object, tmp_path: Path
         assert set(cpu) == set(phases)
         assert all(v >= 0 for v in (*phases.values(), *cpu.values()))
         assert sum(phases.values()) <= took
+
+
+class _Mesh:
+    """The two things writes_here asks of a device mesh: its shape and this rank's place."""
+
+    def __init__(self, shape: tuple[int, ...], coordinate: list[int] | None) -> None:
+        self.shape = shape
+        self._coordinate = coordinate
+
+    def get_coordinate(self) -> list[int] | None:
+        return self._coordinate
+
+
+class _Box:
+    def __init__(self, mesh: _Mesh, placements: tuple[object, ...]) -> None:
+        self.device_mesh = mesh
+        self.placements = placements
+
+
+@pytest.mark.parametrize(
+    ("shape", "kinds"),
+    [
+        ((8,), "R"),  # a replicated DTensor over 8 ranks (TP's norm weights)
+        ((4, 2), "RS"),  # HSDP: 4 replicas of a 2-way shard
+        ((2, 3, 2), "RSR"),  # replicas on two mesh dims
+        ((6,), "S"),  # FSDP: every rank writes its own box
+    ],
+)
+def test_every_box_is_written_by_exactly_one_of_its_holders(
+    shape: tuple[int, ...], kinds: str
+) -> None:
+    """The local rule writes each box once, and spreads a model's boxes over the replicas."""
+    import itertools
+
+    from torch.distributed.tensor import Replicate, Shard
+
+    placements = tuple(Replicate() if k == "R" else Shard(0) for k in kinds)
+    writers: dict[tuple[str, tuple[int, ...]], list[tuple[int, ...]]] = {}
+    names = [f"layers.{i}.w" for i in range(64)]
+    for coord in itertools.product(*(range(n) for n in shape)):
+        box = tuple(c for c, k in zip(coord, kinds, strict=True) if k == "S")
+        for name in names:
+            t = _Box(_Mesh(shape, list(coord)), placements)
+            if sharding.writes_here(t, name):
+                writers.setdefault((name, box), []).append(coord)
+    boxes = {
+        (n, b)
+        for n in names
+        for b in itertools.product(
+            *(range(s) for s, k in zip(shape, kinds, strict=True) if k == "S")
+        )
+    }
+    assert set(writers) == boxes  # every box has a writer
+    assert all(len(w) == 1 for w in writers.values())  # and only one
+    per_rank: dict[tuple[int, ...], int] = {}
+    for (w,) in writers.values():
+        per_rank[w] = per_rank.get(w, 0) + 1
+    replicas = 1
+    for n, k in zip(shape, kinds, strict=True):
+        replicas *= n if k == "R" else 1
+    fair = len(names) / replicas
+    # Spread: no holder writes more than twice its share, none is left idle.
+    assert len(per_rank) == math.prod(shape), per_rank
+    assert max(per_rank.values()) <= 2 * fair + 1, per_rank
+    assert sharding.writes_here(_Box(_Mesh(shape, None), placements), "w") is ("R" not in kinds)

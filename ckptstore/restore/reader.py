@@ -132,9 +132,7 @@ class Reader:
                 raise
             except BaseException as e:
                 mine = ("error", e)
-            verdicts = session.coord.all_gather(mine, "restore:load", s)
-            hard = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
-            soft = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "skip"]
+            hard, soft = session.coord.reduce(mine, _load_verdict, "restore:load", s)
             if hard:
                 r, err = hard[0]
                 if r == session.coord.rank or not isinstance(err, CkptStoreError):
@@ -281,3 +279,20 @@ class Reader:
             f"{session.root}: no checkpoint verifies (`ckptstore verify --all` shows why); "
             "tried newest first: " + " | ".join(skipped)
         )
+
+
+#: How many ranks' failures a verdict carries back to every rank.
+SHOWN = 8
+
+
+def _load_verdict(
+    every: list[tuple[str, Any]],
+) -> tuple[list[tuple[int, Any]], list[tuple[int, Any]]]:
+    """Rank 0's answer at 'restore:load': the first hard errors and the first skipped copies.
+
+    Each list is cut at :data:`SHOWN` so what every rank receives stays small; an empty
+    list means no rank had one.
+    """
+    hard = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
+    soft = [(r, v) for r, (st, v) in enumerate(every) if st == "skip"]
+    return hard[:SHOWN], soft[:SHOWN]

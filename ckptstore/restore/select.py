@@ -59,10 +59,9 @@ def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) 
                 tiers.ensure_local(session.storage, session.replica_storage, step, replace=replace)
             except BaseException as e:
                 mine = ("error", e)
-        every = session.coord.all_gather(mine, "restore:fetched", step)
-        failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
-        if failed:
-            r, err = failed[0]
+        failed = session.coord.reduce(mine, _first_failure, "restore:fetched", step)
+        if failed is not None:
+            r, err = failed
             raise err if isinstance(err, BaseException) else IntegrityError(f"rank {r}: {err}")
     elif not session.coord.is_leader and not broadcast:
         tiers.ensure_local(session.storage, session.replica_storage, step)
@@ -95,3 +94,8 @@ def candidates(session: Session, step: int | None) -> list[int]:
             "resume(), which starts from scratch on an empty store"
         )
     return list(reversed(steps))
+
+
+def _first_failure(every: list[tuple[str, Any]]) -> tuple[int, Any] | None:
+    """The first rank that failed and its error, or None: rank 0's verdict for every rank."""
+    return next(((r, v) for r, (st, v) in enumerate(every) if st == "error"), None)

@@ -16,7 +16,7 @@ from ..storage import Pending
 from .failures import commit_error, plain_oserror
 from .phases import PhaseClock, mark
 
-__all__ = ["open_everywhere", "open_here", "opened"]
+__all__ = ["open_everywhere", "open_here", "open_verdict", "opened", "post_dirname"]
 
 
 def open_everywhere(
@@ -26,12 +26,32 @@ def open_everywhere(
 
     On node-local roots the lowest rank of each node opens one in its own store (a
     node's copy is replaced when rank 0 replaces its own, or when it holds the step).
+    One :meth:`~ckptstore.dist.Coordinator.reduce`: what a rank receives is rank 0's
+    directory and the first failure, whatever the world size.
     """
     told, pending = open_here(session, step, replace)
     mark(clock, "begin")
-    every = session.coord.all_gather(told, "save:begin", step)
+    seq = session.coord.seq
+    post_dirname(session, pending, step, seq)
+    verdict = session.coord.reduce(told, open_verdict, "save:begin", step)
     mark(clock, "x:begin")
-    return opened(session, pending, every, step)
+    return opened(session, pending, verdict, step, seq)
+
+
+def post_dirname(session: Session, pending: Pending | None, step: int, seq: int) -> None:
+    """A node leader other than rank 0 tells its node where to write, through the store.
+
+    Node-local roots: the ranks of a node write into their leader's directory. The store,
+    not a collective, carries it: a collective would bring every node's name to every rank.
+    """
+    if session.split and pending is not None and not session.coord.is_leader:
+        session.coord.post(f"dir/{step}/{seq}/{session.coord.rank}", pending.dirname)
+
+
+def open_verdict(every: list[tuple[str, Any]]) -> dict[str, Any]:
+    """Rank 0's answer to an opening exchange: its directory and the first failure."""
+    error = next((v for st, v in every if st == "error"), None)
+    return {"dirname": every[0][1], "open_error": error}
 
 
 def open_here(session: Session, step: int, replace: bool) -> tuple[tuple[str, Any], Pending | None]:
@@ -55,18 +75,20 @@ def open_here(session: Session, step: int, replace: bool) -> tuple[tuple[str, An
 
 
 def opened(
-    session: Session, pending: Pending | None, every: list[tuple[str, Any]], step: int
+    session: Session, pending: Pending | None, verdict: dict[str, Any], step: int, seq: int
 ) -> Pending:
-    """The pending checkpoint on this rank, once every rank said how opening went.
-
-    ``every`` holds each rank's :func:`open_here` answer: a failure anywhere (on
-    node-local roots, in any node's store) aborts this rank's directory and is raised.
-    """
-    failed = [v for st, v in every if st == "error"]
-    if failed:
+    """The pending checkpoint of this rank, once rank 0 said how opening went everywhere."""
+    error = verdict["open_error"]
+    if error is not None:
         if pending is not None:
             session.storage.abort(pending)
-        value = failed[0]
-        raise value if isinstance(value, BaseException) else CommitError(str(value))
-    value = every[min(session.peers)][1]
-    return pending if pending is not None else Pending(session.storage, step, value)
+        raise error if isinstance(error, BaseException) else CommitError(str(error))
+    if pending is not None:
+        return pending
+    dirname = verdict["dirname"]
+    if session.split and not session.coord.is_leader and min(session.peers) != 0:
+        dirname = session.coord.read_post(f"dir/{step}/{seq}/{min(session.peers)}")
+        if dirname is None:  # the leader posts before the exchange it then joined
+            msg = f"rank {session.coord.rank}: its node's leader did not say where to write"
+            raise CommitError(msg)
+    return Pending(session.storage, step, dirname)

@@ -9,6 +9,7 @@ the two-phase commits of sharded saves and node-local roots are in :mod:`.commit
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 from ..dist import Coordinator
@@ -127,21 +128,34 @@ def commit_replicated(  # noqa: PLR0917 - private to the pipeline
     return announce(session, outcome, step, coord, clock)
 
 
-def outgoing(session: Session, manifest: Manifest) -> Manifest | bytes:
-    """The committed manifest as other ranks receive it: its bytes, re-validated there."""
-    return manifest.to_bytes() if session.coord.enabled else manifest
+def outgoing(session: Session, manifest: Manifest, *, trim: bool = False) -> Manifest | bytes:
+    """The committed manifest as other ranks receive it: its bytes, re-validated there.
+
+    ``trim`` (a sharded save): only the files of no rank (the state, the chunk index) are
+    sent. The full list has an entry per rank's file, so sending it would make what every
+    rank receives grow with the world size; the manifest on disk lists them all.
+    """
+    if not session.coord.enabled:
+        return manifest
+    if trim:
+        files = {n: e for n, e in manifest.files.items() if e.rank is None}
+        manifest = dataclasses.replace(manifest, files=files)
+    return manifest.to_bytes()
 
 
-def announce(
+def announce(  # noqa: PLR0917 - private to the pipeline
     session: Session,
     outcome: tuple[str, Any],
     step: int,
     coord: Coordinator,
     clock: PhaseClock | None,
+    full: Manifest | None = None,
 ) -> Manifest:
     """Broadcast rank 0's commit outcome; every rank returns the manifest or raises it.
 
-    ``clock`` is the synchronous save's (None on the background writer's group).
+    ``clock`` is the synchronous save's (None on the background writer's group). ``full``:
+    the manifest rank 0 committed, where the outcome carries a trimmed one (rank 0 returns
+    the whole).
     """
     status, value = coord.broadcast(outcome, "save:commit", step)
     mark(clock, "x:commit")
@@ -149,4 +163,6 @@ def announce(
         raise value if isinstance(value, BaseException) else CommitError(str(value))
     after_commit(session, step)
     mark(clock, "after_commit")
+    if full is not None and coord.is_leader:
+        return full
     return value if isinstance(value, Manifest) else Manifest.from_bytes(value)

@@ -56,6 +56,7 @@ def finish_sharded(  # noqa: PLR0917 - private to the pipeline
             session.storage.abort(pending)
         raise
     outcome: tuple[str, Any] = ("ok", b"")
+    full: Manifest | None = None
     if coord.is_leader:
         assert tables is not None
         failed = [(r, v) for r, (s, v) in enumerate(tables) if s == "error"]
@@ -68,7 +69,9 @@ def finish_sharded(  # noqa: PLR0917 - private to the pipeline
                 files.update(table["files"])
             try:
                 if dtensor:
+                    assert md is not None  # rank 0's tensor_meta
                     index = sharding.index_bytes(md, [t["packed"] for _, t in tables])
+                    sharding.check_cover(index, files, f"{where}/{INDEX_FILE}")
                     pending.write_bytes(INDEX_FILE, index, codec="json")
                     files[INDEX_FILE] = pending.files[INDEX_FILE]
                 manifest = make_manifest(
@@ -88,14 +91,15 @@ def finish_sharded(  # noqa: PLR0917 - private to the pipeline
                     session.storage.commit(pending, manifest)
                     mark(clock, "commit")
                     session.committed(manifest)
-                    outcome = ("ok", outgoing(session, manifest))
+                    outcome = ("ok", outgoing(session, manifest, trim=True))
+                    full = manifest
             except BaseException as e:
                 session.storage.abort(pending)
                 err = commit_error(e, where, session.previous(step)) if plain_oserror(e) else e
                 outcome = ("error", err)
     if session.split:
         return commit_split(session, pending, outcome, step, coord)
-    return announce(session, outcome, step, coord, clock)
+    return announce(session, outcome, step, coord, clock, full)
 
 
 def commit_split(

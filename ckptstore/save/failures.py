@@ -41,6 +41,11 @@ def commit_error(e: BaseException, where: str, previous: int | None) -> CommitEr
     )
 
 
+#: A failure message names at most this many ranks, and gives the errors of fewer.
+_RANKS = 32
+_DETAILS = 8
+
+
 def shard_error(
     failed: list[tuple[int, Any]], where: str, previous: int | None
 ) -> CommitError | UnsafeCheckpointError:
@@ -55,8 +60,13 @@ def shard_error(
         if previous is not None
         else "nothing was committed"
     )
-    detail = "; ".join(f"rank {r}: {e}" for r, e in failed)
-    ranks = ", ".join(str(r) for r, _ in failed)
+    # Bounded whatever the world size: the message travels to every rank.
+    detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:_DETAILS])
+    ranks = ", ".join(str(r) for r, _ in failed[:_RANKS])
+    if len(failed) > _DETAILS:
+        detail += f"; ... ({len(failed)} ranks in all)"
+    if len(failed) > _RANKS:
+        ranks += f" and {len(failed) - _RANKS} more"
     if failed and all(isinstance(e, UnsafeCheckpointError) for _, e in failed):
         return UnsafeCheckpointError(
             f"sharded save of {where} refused by rank(s) {ranks} ({detail}); nothing of it is "

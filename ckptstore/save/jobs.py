@@ -52,7 +52,8 @@ class ShardJob:
     #: Box key -> (tensor name, offsets, the box's data), as ``sharding.local_boxes``.
     boxes: dict[str, tuple[str, tuple[int, ...], Any]]
     layout: Any
-    #: The global metadata (rank 0 writes the chunk index from it).
+    #: ``{name: (dtype, shape)}`` of every DTensor on rank 0 (it writes the chunk index
+    #: from it), None elsewhere.
     md: Any
     #: The rest of the state (written by rank 0 only).
     encoded: Encoded

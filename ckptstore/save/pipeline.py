@@ -82,15 +82,12 @@ class Saver:
             refusal, replace = admit(session, step, metrics_d, allow_older)
         mine = (self.take_bg_error(), sharding.has_dtensors(state), refusal)
         clock.mark("admit")
-        gathered = coord.all_gather(mine, "save:enter", step)
+        prev, dtensor, refused = coord.reduce(mine, _enter_verdict, "save:enter", step)
         clock.mark("x:enter")
-        prev = next((e for e, _, _ in gathered if e is not None), None)
         if prev is not None:
             raise prev if isinstance(prev, CkptStoreError) else CommitError(str(prev))
-        refused = gathered[0][2]
         if refused is not None:
             raise refused
-        dtensor = any(flag for _, flag, _ in gathered)
         # Per-rank generators are gathered so each rank resumes its own random stream.
         rng = {
             key: coord.gather(value.state_dict(), "save:rng", step)
@@ -268,14 +265,13 @@ class Saver:
         session = self.session
         said = ("ok", None) if mine[0] == "ok" else mine
         try:
-            every = session.coord.all_gather(said, "save:staged", step)
+            failed, nfailed = session.coord.reduce(said, _staged_verdict, "save:staged", step)
         except BarrierTimeout:
             if session.node_leader:
                 session.storage.abort(pending)
             raise
         mark(self.clock, "x:staged")
-        failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
-        if failed or any(st != "ok" for st, _ in every):
+        if nfailed:
             if session.node_leader:
                 session.storage.abort(pending)
             where = session.storage.describe(step)
@@ -387,3 +383,21 @@ class Saver:
             if self.bg_coord is not None:
                 self.bg_coord.close()
             session.coord.close()
+
+
+#: How many ranks' errors a verdict carries back to every rank (the rest are counted).
+SHOWN = 8
+
+
+def _enter_verdict(
+    every: list[tuple[BaseException | None, bool, BaseException | None]],
+) -> tuple[BaseException | None, bool, BaseException | None]:
+    """Rank 0's answer at 'save:enter': the first async failure, DTensors anywhere, its refusal."""
+    prev = next((e for e, _, _ in every if e is not None), None)
+    return prev, any(flag for _, flag, _ in every), every[0][2]
+
+
+def _staged_verdict(every: list[tuple[str, Any]]) -> tuple[list[tuple[int, Any]], int]:
+    """Rank 0's answer at 'save:staged': the first failures (rank, error), and how many."""
+    failed = [(r, v) for r, (st, v) in enumerate(every) if st != "ok"]
+    return [(r, v) for r, v in failed if v is not None][:SHOWN], len(failed)

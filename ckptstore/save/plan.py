@@ -3,10 +3,12 @@
 In: the state, the per-rank RNG states, the :class:`~ckptstore.session.Session`, and the
 :class:`PlanCache` of the last save. Out: this rank's pending checkpoint (rank 0 opens the
 tmp directory in the same exchange) and ``("ok", ShardJob)``, ``("error", e)`` where this
-rank failed, or ``("aborted", None)`` where another did. Every rank encodes the same tree,
-makes a local plan, and computes the same deduplicated global plan from everyone's (one
-flag per rank instead of a plan while the DTensors' layout is unchanged). The arithmetic
-of the plans is in :mod:`ckptstore.sharded.plan`.
+rank failed, or ``("aborted", None)`` where another did. Every rank encodes the same tree
+and makes its local plan; which rank writes a box that several hold is decided locally, by
+one rule every rank applies (:func:`ckptstore.sharded.plan.writes_here`), so no rank sees
+another's plan. The one exchange is a :meth:`~ckptstore.dist.Coordinator.reduce`: each rank
+says whether it planned, rank 0 answers with its directory and who failed. What a non-zero
+rank sends and receives in it does not grow with the world size.
 """
 
 from __future__ import annotations
@@ -22,7 +24,7 @@ from ..errors import BarrierTimeout, UnsafeCheckpointError
 from ..session import Session
 from ..sharded import plan as sharding
 from ..storage import Pending
-from .begin import open_here, opened
+from .begin import open_here, open_verdict, opened, post_dirname
 from .encode import Encoded, encode, stage_group
 from .jobs import SaveOptions, ShardJob
 from .phases import PhaseClock, mark
@@ -79,7 +81,6 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
     told, pending = open_here(session, step, replace)
     mark(clock, "begin")
     key: Any = None
-    local: Any = None
     try:
         if opts.compression is not None:
             msg = (
@@ -99,86 +100,72 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
         )
         mark(clock, "encode")
         key = sharding.layout_key(collector.flat)
-        # The same layout as the last save on every rank: its global plan still holds,
-        # and the exchange carries one flag instead of every rank's plan.
-        hit = cache.entry is not None and cache.entry[0] == key
-        local = None if hit else sharding.save_plans(collector.flat, coord.is_leader)
-        planned = ("ok", local)
+        planned = ("ok", None)
     except BaseException as e:
         log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)
         planned = ("error", e)
     mark(clock, "plan")
+    seq = coord.seq
+    post_dirname(session, pending, step, seq)
     try:
-        plans = coord.all_gather((*planned, told), "save:plan", step)
+        verdict = coord.reduce((planned[0], told), _plan_verdict, "save:plan", step)
     except BarrierTimeout:
         if pending is not None:
             session.storage.abort(pending)
         raise
     mark(clock, "x:plan")
-    pending = opened(session, pending, [p[2] for p in plans], step)
+    pending = opened(session, pending, verdict, step, seq)
     if planned[0] != "ok":
         return pending, planned
-    if any(s != "ok" for s, _, _ in plans):
+    if verdict["failed"]:
         return pending, ("aborted", None)
     try:
-        others = [p for _, p, _ in plans]
-        job = _agree(
-            session,
-            collector,
-            others,
-            step,
-            key=key,
-            local=local,
-            encoded=encoded,
-            opts=opts,
-            cache=cache,
-            staging=staging,
-            clock=clock,
-        )
-    except BarrierTimeout:
-        if session.node_leader:
-            session.storage.abort(pending)
-        raise
+        job = _job(session, collector, step, key, encoded, opts, cache, staging, clock)
     except BaseException as e:
         log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)
         return pending, ("error", e)
     return pending, ("ok", job)
 
 
-def _agree(
+def _plan_verdict(every: list[tuple[str, tuple[str, Any]]]) -> dict[str, Any]:
+    """Rank 0's answer to the plan exchange: its directory, and whether anyone failed.
+
+    ``every`` holds each rank's (plan status, :func:`open_here` answer). Only the first
+    failure to open a directory is sent back (it is raised everywhere), and the number of
+    ranks that could not plan (each sends its own error to rank 0 at the commit).
+    """
+    verdict = open_verdict([told for _, told in every])
+    verdict["failed"] = sum(1 for st, _ in every if st != "ok")
+    return verdict
+
+
+def _job(  # noqa: PLR0917 - private to this stage
     session: Session,
     collector: sharding.DTensorCollector,
-    plans: list[Any],
     step: int,
-    *,
     key: Any,
-    local: Any,
     encoded: Encoded,
     opts: SaveOptions,
     cache: PlanCache,
     staging: StagingPool,
     clock: PhaseClock | None,
 ) -> ShardJob:
-    """The global plan from every rank's local plan (or the cached one): this rank's job.
+    """The boxes of this rank: its local plan, less the boxes another replica writes.
 
-    ``plans`` holds ``None`` for a rank whose layout key equals its cached plan's.
+    The plan is kept while the DTensors' layout key is unchanged (the planning is the
+    costly part: ~0.3 ms a DTensor).
     """
     coord = session.coord
-    rank = coord.rank
     groups: dict[str, dict[str, torch.Tensor]] = encoded.groups
-    if any(p is None for p in plans) and any(p is not None for p in plans):
-        # Some ranks kept their layout, others did not: plan again, all of them.
-        local = local or sharding.save_plans(collector.flat, coord.is_leader)
-        plans = [p for _, p in coord.all_gather(("ok", local), "save:plan", step)]
-    if all(p is None for p in plans):
-        assert cache.entry is not None
-        _, mine, md, specs, layout = cache.entry
+    if cache.entry is not None and cache.entry[0] == key:
+        _, mine, meta, specs, layout = cache.entry
     else:
-        final, md = sharding.global_plan(plans)
-        mine = final[rank]
+        local = sharding.save_plans(collector.flat, coord.is_leader)
+        mine = sharding.dedup_local(local, collector.flat)
+        meta = sharding.tensor_meta(collector.flat) if coord.is_leader else None
         specs = sharding.box_specs(mine)
         layout = sharding.layouts(collector.flat)  # what the layout key also holds
-        cache.entry = (key, mine, md, specs, layout)
+        cache.entry = (key, mine, meta, specs, layout)
     mark(clock, "global_plan")
     boxes = sharding.local_boxes(mine, collector.flat, specs)
     if opts.async_save:
@@ -194,6 +181,6 @@ def _agree(
                 for g, t in groups.items()
             }
         staging.end()
-    job = ShardJob(boxes=boxes, layout=layout, md=md, encoded=Encoded(encoded.tree, groups))
+    job = ShardJob(boxes=boxes, layout=layout, md=meta, encoded=Encoded(encoded.tree, groups))
     mark(clock, "boxes")
     return job

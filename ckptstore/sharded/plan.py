@@ -26,6 +26,7 @@ import contextlib
 import itertools
 import json
 import math
+import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
@@ -35,7 +36,7 @@ from torch import nn
 from .._log import logger as log
 from ..codec import safetensors as safetensors_codec
 from ..codec.tree import format_path
-from ..errors import StateMismatchError, UnsafeCheckpointError
+from ..errors import CommitError, IntegrityError, StateMismatchError, UnsafeCheckpointError
 from ..state.modules import EMA, de_parallel, module_state
 from ..storage import iomode
 from ..storage.directio import run_all
@@ -55,6 +56,8 @@ __all__ = [
     "DTensorCollector",
     "box_specs",
     "build_index",
+    "check_cover",
+    "dedup_local",
     "has_dtensors",
     "index_bytes",
     "indexed_optimizer_state",
@@ -70,7 +73,9 @@ __all__ = [
     "save_plans",
     "shard_layout",
     "split_parts",
+    "tensor_meta",
     "write_shards",
+    "writes_here",
 ]
 
 _SCAN_LIMIT = 100_000
@@ -384,13 +389,61 @@ def layout_key(flat: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def global_plan(all_plans: list[Any]) -> tuple[list[Any], Any]:
-    """Every rank computes the same deduplicated global plan from the gathered local plans."""
-    from torch.distributed.checkpoint._dedup_save_plans import dedup_save_plans
-    from torch.distributed.checkpoint.default_planner import create_default_global_save_plan
+def writes_here(t: Any, name: str) -> bool:
+    """Whether this rank writes its box of the DTensor ``t`` (flat name ``name``).
 
-    plans, md = create_default_global_save_plan(dedup_save_plans(all_plans))
-    return plans, md
+    Decided here, by a rule every rank applies alike, instead of by gathering every rank's
+    plan: the ranks holding the same box of ``t`` are those whose mesh coordinates differ
+    only on ``Replicate`` dims. Among them, the one whose index over those dims equals
+    ``(crc32(name) + the box's index over the other dims) % replicas`` writes it, so one
+    tensor's boxes, and a model's tensors, spread over the replicas. A DTensor with no
+    ``Replicate`` placement has one holder per box: every rank writes its own.
+    """
+    placements = t.placements
+    if not any(p.is_replicate() for p in placements):
+        return True
+    mesh = t.device_mesh
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return False
+    shape = tuple(mesh.shape)
+    replica, replicas, box = 0, 1, 0
+    for dim, p in enumerate(placements):
+        if p.is_replicate():
+            replica = replica * shape[dim] + coord[dim]
+            replicas *= shape[dim]
+        else:
+            box = box * shape[dim] + coord[dim]
+    return (zlib.crc32(name.encode()) + box) % replicas == replica
+
+
+def dedup_local(plan: Any, flat: Mapping[str, Any]) -> Any:
+    """The items of this rank's local save plan that it writes (see :func:`writes_here`).
+
+    Replaces DCP's ``dedup_save_plans``, which needs every rank's plan on every rank.
+    """
+    from torch.distributed.checkpoint.planner import SavePlan
+
+    verdict: dict[str, bool] = {}
+    items = []
+    for item in plan.items:
+        name = item.index.fqn
+        here = verdict.get(name)
+        if here is None:
+            t = flat[name]
+            here = verdict[name] = writes_here(t, name) if is_dtensor(t) else True
+        if here:
+            items.append(item)
+    return SavePlan(items)
+
+
+def tensor_meta(flat: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """``{name: (dtype name, global shape)}`` of every DTensor: what rank 0 indexes.
+
+    Every rank holds every DTensor of the state (its own shard, or none), so rank 0 knows
+    each one's dtype and shape without asking the others.
+    """
+    return {n: (dtype_name(t.dtype), tuple(int(x) for x in t.shape)) for n, t in flat.items()}
 
 
 def _chunk_key(name: str, offsets: Iterable[int]) -> str:
@@ -627,41 +680,31 @@ def _gather(
     return found, layout
 
 
-def _planned(name: str, tmd: Any, found: Mapping[tuple[str, tuple[int, ...]], Any]) -> list[Any]:
-    """The chunks of tensor ``name`` in the global plan's order, each as a rank reported it.
-
-    Raises:
-        RuntimeError: a plan item no rank reported (the save must not commit).
-    """
-    chunks = []
-    for c in tmd.chunks:
-        chunk = found.get((name, tuple(int(o) for o in c.offsets)))
-        if chunk is None:
-            msg = f"no rank wrote the chunk of {name!r} at {list(c.offsets)}"
-            raise RuntimeError(msg)
-        chunks.append(chunk)
-    return chunks
+def _by_name(found: Mapping[tuple[str, tuple[int, ...]], Any]) -> dict[str, list[Any]]:
+    """Every tensor's chunks, in the order of their offsets."""
+    by_name: dict[str, list[tuple[tuple[int, ...], Any]]] = {}
+    for (name, offsets), chunk in found.items():
+        by_name.setdefault(name, []).append((offsets, chunk))
+    return {n: [c for _, c in sorted(v, key=lambda oc: oc[0])] for n, v in by_name.items()}
 
 
-def index_bytes(md: Any, packed: Iterable[bytes]) -> bytes:
-    """The chunk index file from the global metadata and every rank's :func:`pack_table`.
+def index_bytes(meta: Mapping[str, tuple[str, tuple[int, ...]]], packed: Iterable[bytes]) -> bytes:
+    """The chunk index file from rank 0's :func:`tensor_meta` and every rank's :func:`pack_table`.
 
-    The same bytes as ``build_index(md, tables).to_bytes()``, without building a
-    :class:`~ckptstore.sharded.chunks.Chunk` per chunk only to turn it back into JSON.
-
-    Raises:
-        RuntimeError: a chunk of the global plan that no rank reported (the save must not
-            commit).
+    The chunks of each tensor are listed in the order of their offsets. Whether they cover
+    each tensor exactly is checked by :meth:`ChunkIndex.from_bytes` before the save commits
+    (:func:`check_cover`): no rank's plan is known to rank 0, so a box no rank wrote shows
+    as a gap there.
     """
     found, layout = _gather(json.loads(blob) for blob in packed)
+    by_name = _by_name(found)
     tensors: dict[str, Any] = {}
-    for name in sorted(md.state_dict_metadata):
-        tmd = md.state_dict_metadata[name]
-        chunks = _planned(name, tmd, found)
+    for name in sorted(meta):
+        dtype, shape = meta[name]
         row: dict[str, Any] = {
-            "dtype": dtype_name(tmd.properties.dtype),
-            "shape": [int(s) for s in tmd.size],
-            "chunks": chunks,
+            "dtype": dtype,
+            "shape": list(shape),
+            "chunks": by_name.get(name, []),
         }
         mesh, dims, placements = layout.get(name, ((), (), ()))
         if mesh:  # as TensorEntry.to_json writes it
@@ -671,16 +714,35 @@ def index_bytes(md: Any, packed: Iterable[bytes]) -> bytes:
     return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
 
 
-def build_index(md: Any, tables: Iterable[Mapping[str, Any]]) -> ChunkIndex:
-    """The chunk index from the global metadata and every rank's written chunks."""
+def check_cover(index: bytes, files: Mapping[str, Any], where: str) -> ChunkIndex:
+    """The index rank 0 built, parsed as a reader will; a box no rank wrote is an error.
+
+    Raises:
+        CommitError: a tensor's chunks do not cover it exactly (the save must not commit).
+    """
+    try:
+        return ChunkIndex.from_bytes(index, files, where)
+    except IntegrityError as e:
+        msg = (
+            f"{where}: the shards the ranks wrote do not make a whole checkpoint ({e}); "
+            "every rank must save the same state, laid out on the same device meshes"
+        )
+        raise CommitError(msg) from None
+
+
+def build_index(
+    meta: Mapping[str, tuple[str, tuple[int, ...]]], tables: Iterable[Mapping[str, Any]]
+) -> ChunkIndex:
+    """The chunk index from rank 0's :func:`tensor_meta` and every rank's written chunks."""
     found, layout = _gather(tables)
+    by_name = _by_name(found)
     tensors: dict[str, TensorEntry] = {}
-    for name, tmd in md.state_dict_metadata.items():
-        chunks = _planned(name, tmd, found)
+    for name, (dtype, shape) in meta.items():
+        chunks = by_name.get(name, [])
         mesh, dims, placements = layout.get(name, ((), (), ()))
         tensors[name] = TensorEntry(
-            dtype=dtype_name(tmd.properties.dtype),
-            shape=tuple(int(s) for s in tmd.size),
+            dtype=dtype,
+            shape=tuple(shape),
             chunks=tuple(chunks),
             mesh=tuple(mesh),
             mesh_dims=tuple(dims),

@@ -95,12 +95,11 @@ def commit_everywhere(
             mine = ("error", say(e))
     prepared = leader and mine[0] == "ok"
     try:
-        verdicts = coord.all_gather(mine, "save:ready", step)
+        failed = coord.reduce(mine, _failures, "save:ready", step)
     except BarrierTimeout:
         if prepared:
             storage.abort(pending)
         raise
-    failed = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
     if failed:
         if prepared:
             storage.abort(pending)
@@ -121,12 +120,11 @@ def commit_everywhere(
             storage.abort(pending)
             mine = ("error", say(e))
     try:
-        verdicts = coord.all_gather(mine, "save:commit", step)
+        failed = coord.reduce(mine, _failures, "save:commit", step)
     except BarrierTimeout:
         if published:
             _take_back(storage, step, "a rank did not report its commit")
         raise
-    failed = [(r, v) for r, (st, v) in enumerate(verdicts) if st == "error"]
     if failed:
         if published:
             _take_back(storage, step, f"the commit failed on {_ranks(failed)}")
@@ -157,3 +155,16 @@ def _ranks(failed: list[tuple[int, Any]]) -> str:
 
 def _detail(failed: list[tuple[int, Any]]) -> str:
     return "; ".join(f"rank {r}: {e}" for r, e in failed)
+
+
+#: How many failing ranks a verdict carries back to every rank.
+_SHOWN = 8
+
+
+def _failures(every: list[tuple[str, Any]]) -> list[tuple[int, Any]]:
+    """Rank 0's verdict for every rank: the first ranks whose store failed, with their errors.
+
+    Cut at :data:`_SHOWN` (only node leaders fail here, and what every rank receives must
+    not grow with the world size).
+    """
+    return [(r, v) for r, (st, v) in enumerate(every) if st == "error"][:_SHOWN]

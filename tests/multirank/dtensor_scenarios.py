@@ -428,7 +428,7 @@ def fsdp_plan_cache(ctx: Ctx) -> dict[str, Any]:
         for step in (1, 2, 3, 4):
             train(model, opt, 1, seed=step)
             if step == 3 and ctx.rank == 1:
-                mgr._save_plan = None  # this rank alone plans again: a mixed exchange
+                mgr._save_plan = None  # this rank alone plans again
             if step == 4:
                 torch.manual_seed(4)
                 state["extra"] = distribute_tensor(torch.randn(5, 2), mesh, [Shard(0)])
