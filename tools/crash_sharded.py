@@ -547,6 +547,26 @@ def check_trial(job: dict[str, Any], fault: str, out: dict[str, Any]) -> list[st
     return problems
 
 
+def _orphan(job: dict[str, Any], step: int) -> bool:
+    """A node's orphan: ``step`` is on some node roots, not all, and not on the replica.
+
+    What a kill of every rank between the nodes' renames of one publish round leaves
+    (tiers/node_commit.py): the next job agrees on an older step, and the orphan, never
+    whole anywhere, is not a checkpoint anyone can restore.
+    """
+    from ckptstore import CheckpointManager
+
+    held = []
+    for root in job["roots"]:
+        with CheckpointManager(root) as mgr:
+            held.append(step in mgr.steps())
+    on_replica = False
+    if job.get("replica"):
+        with CheckpointManager(job["replica"]) as mgr:
+            on_replica = step in mgr.steps()
+    return not all(held) and not on_replica
+
+
 def check_restores(job: dict[str, Any]) -> list[str]:
     """Every visible step verifies and restores bit-exact in one process (after the next job,
     whose uploads completed: a node-local step is read through the replica)."""
@@ -555,6 +575,8 @@ def check_restores(job: dict[str, Any]) -> list[str]:
     with CheckpointManager(job["roots"][0]) as mgr:
         steps = mgr.steps()
     problems = []
+    if job["nodes"]:
+        steps = [s for s in steps if not _orphan(job, s)]
     for step in steps:
         try:
             problems += _restore_single(job["roots"], job["nodes"], job.get("replica"), step)

@@ -664,6 +664,16 @@ class Replicator:
             said = self._recorded(s, manifest)
             if said == "yes" or (said == "legacy" and s not in remote):
                 self._set_safe(s, manifest)
+            elif self.rank is None and s not in remote and self._partial(s):
+                # A node's partial copy (node-local roots) is uploaded by the job's own
+                # uploaders, each rank its part; one process cannot, and queueing it would
+                # only turn into an error at close() for a step this process never saved.
+                log.info(
+                    "replica %s: step %d here holds only some ranks' files; the job's "
+                    "uploaders upload it, not this process",
+                    self.replica.root,
+                    s,
+                )
             else:
                 todo.append(s)
         with self._cond:
@@ -676,6 +686,13 @@ class Replicator:
             self._start()
             log.info("replica %s: %d step(s) to upload: %s", self.replica.root, len(todo), todo)
         return sorted(todo, reverse=True)
+
+    def _partial(self, step: int) -> bool:
+        """Whether the local copy of ``step`` holds only some ranks' files (a node's copy)."""
+        try:
+            return nodes.local_ranks(self.local, step) is not None
+        except (OSError, CkptStoreError):
+            return False  # unreadable: its upload says what is wrong with it
 
     def submit(self, step: int) -> None:
         """Queue the committed local ``step`` for upload."""
