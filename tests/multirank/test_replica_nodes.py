@@ -115,6 +115,17 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
             assert report.elsewhere == [0]
             assert any(SHARDS[1] in p for p in report.problems)
 
+        # One process on a copy of node 0's disk, with the replica: step 3 is partial here and
+        # not on the replica yet. Only the job's uploaders (each rank its part) can upload it:
+        # this process does not queue it, so its close() does not fail on a step it never
+        # saved (the sharded crash campaign's one-process check did), and uploads nothing.
+        shutil.copytree(tmp_path / "node0", tmp_path / "solo0")
+        caplog.set_level(logging.INFO, logger="ckptstore")
+        solo = CheckpointManager(tmp_path / "solo0", replica=url, replica_options=opts)
+        solo.close()
+        assert "step 3 here holds only some ranks' files" in caplog.text
+        assert replica.list_steps() == [1, 2]
+
         # The ranks start again on the same roots: rank 1's uploader finishes step 3, while
         # both resume from their own disks (rank 1 gets the plain step 1 from rank 0).
         again = {**args, "plain_step": 1}
