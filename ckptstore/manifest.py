@@ -23,6 +23,7 @@ __all__ = [
     "DTENSOR_FORMAT_VERSION",
     "FORMAT_VERSION",
     "MAX_MANIFEST_BYTES",
+    "SPLIT_FORMAT_VERSION",
     "FileEntry",
     "Manifest",
     "validate_file_name",
@@ -33,8 +34,12 @@ FORMAT_VERSION = 1
 #: The format version of DTensor checkpoints (``dtensors.json``): a format-1 reader would
 #: take their rank-0 part for the whole state, so it must refuse them.
 DTENSOR_FORMAT_VERSION = 2
+#: The format version of DTensor checkpoints with a split chunk index (one part per rank,
+#: ``ckptstore.sharded.split_index``): a format-2 reader would find no chunk in
+#: ``dtensors.json``, so it must refuse them.
+SPLIT_FORMAT_VERSION = 3
 #: The newest format this ckptstore reads.
-READ_FORMAT_VERSION = 2
+READ_FORMAT_VERSION = 3
 #: A manifest larger than this is refused unread (a hostile or corrupt file).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 #: Largest size a manifest may claim for one file (1 PiB): beyond it, it is lying.

@@ -19,7 +19,8 @@ from ..codec.dtypes import ITEMSIZE
 from ..errors import IntegrityError
 from ..layout import STATE_NAME, state_file
 from ..manifest import Manifest
-from ..sharded.chunks import INDEX_FILE, ChunkIndex
+from ..sharded import split_index
+from ..sharded.chunks import INDEX_FILE
 from ..storage import Storage
 from .stores import committed_step, open_store, reaching
 
@@ -268,8 +269,8 @@ def _sharded_tensors(storage: Storage, manifest: Manifest) -> list[ShardedTensor
     entry = manifest.files.get(INDEX_FILE)
     if entry is None:
         raise IntegrityError(f"{storage.describe(manifest.step)}: manifest lists no {INDEX_FILE}")
-    raw = storage.read_file(manifest.step, INDEX_FILE, entry)  # checksum checked
-    index = ChunkIndex.from_bytes(raw, manifest.files, storage.describe(manifest.step, INDEX_FILE))
+    where = storage.describe(manifest.step, INDEX_FILE)
+    index = split_index.read_index(storage, manifest.step, manifest.files, where)  # checked
     return [
         ShardedTensorInfo(
             name,

@@ -31,6 +31,7 @@ from ..errors import CkptStoreError, ConfigError, IntegrityError, ManifestError,
 from ..integrity import VerifyReport, crc32c_of, format_crc
 from ..layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname, state_file
 from ..manifest import FileEntry, Manifest
+from ..sharded import split_index
 from ..sharded.chunks import INDEX_FILE, ChunkIndex
 from ..storage.base import Storage
 from ..tiers import nodes
@@ -228,8 +229,7 @@ def _check_index(storage: Storage, manifest: Manifest, report: VerifyReport) -> 
         return None  # reported as missing
     where = storage.describe(step, INDEX_FILE)
     try:
-        raw = storage.read_file(step, INDEX_FILE, entry)
-        index = ChunkIndex.from_bytes(raw, manifest.files, where)
+        index = split_index.read_index(storage, step, manifest.files, where)
     except (CkptStoreError, OSError) as e:
         report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
         return None

@@ -24,6 +24,7 @@ from ..integrity import crc32c_of
 from ..manifest import FileEntry, Manifest
 from ..session import Session
 from ..sharded import plan as sharding
+from ..sharded import split_index
 from ..sharded.chunks import INDEX_FILE, ChunkIndex, TensorEntry
 from ..state.modules import rng_for_rank
 from ..tiers import nodes
@@ -257,7 +258,13 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
     """
     step = manifest.step
     where = session.storage.describe(step)
-    index = ChunkIndex.from_bytes(raw_index, manifest.files, f"{where}/{INDEX_FILE}")
+    layout: split_index.Layout | None = None
+    if split_index.Layout.is_split(raw_index):
+        # Split index: the layout now, the chunks of this rank's targets once they are known.
+        layout = split_index.Layout.from_bytes(raw_index, f"{where}/{INDEX_FILE}")
+        index = ChunkIndex(tensors=layout.tensors, block=layout.block)
+    else:
+        index = ChunkIndex.from_bytes(raw_index, manifest.files, f"{where}/{INDEX_FILE}")
     leaves: dict[str, tuple[tuple[Any, ...], TensorEntry]] = {}
     kinds: dict[Any, str | None] = {}
     owners: dict[Any, Any] = {}
@@ -272,6 +279,11 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
             owners[k] = node["owner"]
         dtensor_leaves(inner, (k,), index, leaves, where)
     flat = sharding.restore_targets(leaves, targets, kinds, owners)
+    if layout is not None:
+        # Only the parts of the ranks that wrote what overlaps this rank's targets.
+        read_part = split_index.part_reader(session.storage, step, manifest.files)
+        boxes = {n: sharding.target_box(t) for n, t in flat.items()}
+        index = layout.resolve(boxes, read_part, manifest.files, f"{where}/{INDEX_FILE}")
     with session.storage.range_reader(step, manifest.files) as reader:
         sharding.read_into(index, flat, reader.read, where)
     return flat

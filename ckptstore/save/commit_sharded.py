@@ -18,6 +18,7 @@ from ..errors import BarrierTimeout, CommitError
 from ..manifest import FileEntry, Manifest
 from ..session import Session
 from ..sharded import plan as sharding
+from ..sharded import split_index
 from ..sharded.chunks import INDEX_FILE
 from ..storage import Pending
 from ..tiers import node_commit, nodes
@@ -68,10 +69,10 @@ def finish_sharded(  # noqa: PLR0917 - private to the pipeline
             for _, table in tables:
                 files.update(table["files"])
             try:
+                split = dtensor and bool(tables[0][1].get("split"))
                 if dtensor:
-                    assert md is not None  # rank 0's tensor_meta
-                    index = sharding.index_bytes(md, [t["packed"] for _, t in tables])
-                    sharding.check_cover(index, files, f"{where}/{INDEX_FILE}")
+                    assert md is not None  # rank 0's tensor_meta (and split index)
+                    index = _index(md, [t for _, t in tables], files, f"{where}/{INDEX_FILE}")
                     pending.write_bytes(INDEX_FILE, index, codec="json")
                     files[INDEX_FILE] = pending.files[INDEX_FILE]
                 manifest = make_manifest(
@@ -83,6 +84,7 @@ def finish_sharded(  # noqa: PLR0917 - private to the pipeline
                     session.coord.world_size,
                     sharded=True,
                     dtensor=dtensor,
+                    split=split,
                 )
                 mark(clock, "index")
                 if session.split:  # every node commits its copy: commit_split
@@ -100,6 +102,34 @@ def finish_sharded(  # noqa: PLR0917 - private to the pipeline
     if session.split:
         return commit_split(session, pending, outcome, step, coord)
     return announce(session, outcome, step, coord, clock, full)
+
+
+def _index(
+    md: Mapping[str, Any], tables: list[Mapping[str, Any]], files: Mapping[str, Any], where: str
+) -> bytes:
+    """The ``dtensors.json`` rank 0 writes, once it is sure no box is missing.
+
+    Split index: the layout rank 0 built, after checking that the ranks wrote, of every
+    tensor, exactly as many elements as it holds (one number a tensor from each rank).
+    Format 2: every chunk of every rank, checked as a reader checks it.
+
+    Raises:
+        CommitError: a box no rank wrote (the save must not commit).
+    """
+    if md["global"] is not None:
+        if any(t.get("volumes") is None for t in tables):
+            raise CommitError(f"{where}: a rank did not write its part of the split index")
+        short = split_index.check_volumes(md["meta"], [t["volumes"] for t in tables])
+        if short:
+            raise CommitError(
+                f"{where}: the shards the ranks wrote do not make a whole checkpoint: "
+                f"{len(short)} tensor(s) are not written exactly once ({short[:5]}); every "
+                "rank must save the same state, laid out on the same device meshes"
+            )
+        return bytes(md["global"])
+    index = sharding.index_bytes(md["meta"], [t["packed"] for t in tables])
+    sharding.check_cover(index, files, where)
+    return index
 
 
 def commit_split(

@@ -52,11 +52,14 @@ class ShardJob:
     #: Box key -> (tensor name, offsets, the box's data), as ``sharding.local_boxes``.
     boxes: dict[str, tuple[str, tuple[int, ...], Any]]
     layout: Any
-    #: ``{name: (dtype, shape)}`` of every DTensor on rank 0 (it writes the chunk index
-    #: from it), None elsewhere.
+    #: Rank 0: ``{"meta": {name: (dtype, shape)}, "global": the split index's
+    #: dtensors.json or None}`` (it writes the chunk index from them). Other ranks of a split
+    #: save: ``{"names": every DTensor's name, sorted}``; else None.
     md: Any
     #: The rest of the state (written by rank 0 only).
     encoded: Encoded
+    #: The save writes the split index (each rank its part; see ``sharded.split_index``).
+    split: bool = False
 
 
 @dataclass(frozen=True)

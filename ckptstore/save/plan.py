@@ -23,6 +23,7 @@ from .._log import logger as log
 from ..errors import BarrierTimeout, UnsafeCheckpointError
 from ..session import Session
 from ..sharded import plan as sharding
+from ..sharded import split_index
 from ..storage import Pending
 from .begin import open_here, open_verdict, opened, post_dirname
 from .encode import Encoded, encode, stage_group
@@ -81,6 +82,7 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
     told, pending = open_here(session, step, replace)
     mark(clock, "begin")
     key: Any = None
+    split = False
     try:
         if opts.compression is not None:
             msg = (
@@ -100,6 +102,7 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
         )
         mark(clock, "encode")
         key = sharding.layout_key(collector.flat)
+        split = split_index.splittable(collector.flat, coord.world_size)
         planned = ("ok", None)
     except BaseException as e:
         log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)
@@ -108,7 +111,7 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
     seq = coord.seq
     post_dirname(session, pending, step, seq)
     try:
-        verdict = coord.reduce((planned[0], told), _plan_verdict, "save:plan", step)
+        verdict = coord.reduce((planned[0], told, split), _plan_verdict, "save:plan", step)
     except BarrierTimeout:
         if pending is not None:
             session.storage.abort(pending)
@@ -120,30 +123,32 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
     if verdict["failed"]:
         return pending, ("aborted", None)
     try:
-        job = _job(session, collector, step, key, encoded, opts, cache, staging, clock)
+        job = _job(session, collector, key, verdict["split"], encoded, opts, cache, staging, clock)
     except BaseException as e:
         log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)
         return pending, ("error", e)
     return pending, ("ok", job)
 
 
-def _plan_verdict(every: list[tuple[str, tuple[str, Any]]]) -> dict[str, Any]:
-    """Rank 0's answer to the plan exchange: its directory, and whether anyone failed.
+def _plan_verdict(every: list[tuple[str, tuple[str, Any], bool]]) -> dict[str, Any]:
+    """Rank 0's answer to the plan exchange: its directory, who failed, the index's form.
 
-    ``every`` holds each rank's (plan status, :func:`open_here` answer). Only the first
-    failure to open a directory is sent back (it is raised everywhere), and the number of
-    ranks that could not plan (each sends its own error to rank 0 at the commit).
+    ``every`` holds each rank's (plan status, :func:`open_here` answer, whether its DTensors
+    allow the split index). Only the first failure to open a directory is sent back (it is
+    raised everywhere), and the number of ranks that could not plan (each sends its own
+    error to rank 0 at the commit). The split index is used only where every rank can.
     """
-    verdict = open_verdict([told for _, told in every])
-    verdict["failed"] = sum(1 for st, _ in every if st != "ok")
+    verdict = open_verdict([told for _, told, _ in every])
+    verdict["failed"] = sum(1 for st, _, _ in every if st != "ok")
+    verdict["split"] = all(split for _, _, split in every)
     return verdict
 
 
 def _job(  # noqa: PLR0917 - private to this stage
     session: Session,
     collector: sharding.DTensorCollector,
-    step: int,
     key: Any,
+    split: bool,
     encoded: Encoded,
     opts: SaveOptions,
     cache: PlanCache,
@@ -157,15 +162,21 @@ def _job(  # noqa: PLR0917 - private to this stage
     """
     coord = session.coord
     groups: dict[str, dict[str, torch.Tensor]] = encoded.groups
-    if cache.entry is not None and cache.entry[0] == key:
+    if cache.entry is not None and cache.entry[0] == (key, split):
         _, mine, meta, specs, layout = cache.entry
     else:
         local = sharding.save_plans(collector.flat, coord.is_leader)
         mine = sharding.dedup_local(local, collector.flat)
-        meta = sharding.tensor_meta(collector.flat) if coord.is_leader else None
+        meta = None
+        if coord.is_leader:  # what rank 0 writes dtensors.json from
+            meta = sharding.tensor_meta(collector.flat)
+            glob = split_index.global_bytes(collector.flat) if split else None
+            meta = {"meta": meta, "global": glob}
+        elif split:  # every rank counts what it wrote of each tensor, in one order
+            meta = {"names": sorted(collector.flat)}
         specs = sharding.box_specs(mine)
         layout = sharding.layouts(collector.flat)  # what the layout key also holds
-        cache.entry = (key, mine, meta, specs, layout)
+        cache.entry = ((key, split), mine, meta, specs, layout)
     mark(clock, "global_plan")
     boxes = sharding.local_boxes(mine, collector.flat, specs)
     if opts.async_save:
@@ -181,6 +192,8 @@ def _job(  # noqa: PLR0917 - private to this stage
                 for g, t in groups.items()
             }
         staging.end()
-    job = ShardJob(boxes=boxes, layout=layout, md=meta, encoded=Encoded(encoded.tree, groups))
+    job = ShardJob(
+        boxes=boxes, layout=layout, md=meta, encoded=Encoded(encoded.tree, groups), split=split
+    )
     mark(clock, "boxes")
     return job

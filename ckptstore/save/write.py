@@ -19,8 +19,16 @@ import torch
 from .._version import __version__
 from ..codec import payload as payload_codec
 from ..layout import state_file
-from ..manifest import DTENSOR_FORMAT_VERSION, FORMAT_VERSION, FileEntry, Manifest, utc_now
+from ..manifest import (
+    DTENSOR_FORMAT_VERSION,
+    FORMAT_VERSION,
+    SPLIT_FORMAT_VERSION,
+    FileEntry,
+    Manifest,
+    utc_now,
+)
 from ..sharded import plan as sharding
+from ..sharded import split_index
 from ..storage import Pending
 from ..storage.directio import run_all
 from .encode import Encoded
@@ -86,12 +94,22 @@ def write_dtensor(
         # Rank 0's plain part is written alongside its shards, not after them.
         plain = functools.partial(write_files, pending, job.encoded, None, opts)
     table = sharding.write_shards(pending, rank, job.boxes, job.layout, also=plain)
+    told: dict[str, Any] = {}
+    if job.split:
+        # This rank's part of the index, beside its shards; rank 0 hears only how much of
+        # each tensor it wrote (one number a tensor, whatever the world size).
+        part = split_index.part_bytes(rank, table["chunks"])
+        pending.write_bytes(split_index.part_file(rank), part, codec="json", rank=rank)
+        names = job.md["meta"] if is_leader else job.md["names"]
+        told["volumes"] = split_index.volumes(sorted(names), table["chunks"])
+    else:
+        told["packed"] = sharding.pack_table(table)
     files = {
         n: e for n, e in pending.files.items() if e.rank == rank or (is_leader and e.rank is None)
     }
-    # Rank 0 keeps the global metadata (it is not sent: finish_sharded takes it out).
+    # Rank 0 keeps what it writes the index from (not sent: finish_sharded takes it out).
     md = job.md if is_leader else None
-    return ("ok", {"files": files, "packed": sharding.pack_table(table), "md": md})
+    return ("ok", {"files": files, "md": md, "split": job.split, **told})
 
 
 def make_manifest(  # noqa: PLR0917 - private to the pipeline
@@ -103,6 +121,7 @@ def make_manifest(  # noqa: PLR0917 - private to the pipeline
     world_size: int,
     sharded: bool,
     dtensor: bool = False,
+    split: bool = False,
 ) -> Manifest:
     """The manifest of a checkpoint holding ``files``."""
     return Manifest(
@@ -116,7 +135,9 @@ def make_manifest(  # noqa: PLR0917 - private to the pipeline
         metrics=metrics,
         metadata=metadata,
         versions=versions(),
-        format_version=DTENSOR_FORMAT_VERSION if dtensor else FORMAT_VERSION,
+        format_version=(
+            SPLIT_FORMAT_VERSION if split else DTENSOR_FORMAT_VERSION if dtensor else FORMAT_VERSION
+        ),
     )
 
 

@@ -40,6 +40,7 @@ __all__ = [
     "TensorEntry",
     "block_crcs",
     "box_byte_range",
+    "parse_chunk",
     "read_box",
     "shard_file",
 ]
@@ -267,45 +268,9 @@ def _tensor_entry(  # noqa: PLR0917 - a private validator with one call site
     chunks = []
     volume = 0
     for i, c in enumerate(raw_chunks):
-        cat = f"{at} chunk {i}"
-        if not isinstance(c, dict):
-            raise IntegrityError(f"{cat}: must be an object")
-        offsets = _ints(c.get("offsets"), "offsets", cat)
-        sizes = _ints(c.get("sizes"), "sizes", cat)
-        if len(offsets) != len(shape) or len(sizes) != len(shape):
-            raise IntegrityError(f"{cat}: offsets/sizes do not have {len(shape)} dimensions")
-        if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
-            raise IntegrityError(f"{cat}: box {list(offsets)}+{list(sizes)} outside {list(shape)}")
-        fname = c.get("file")
-        try:
-            validate_file_name(fname)
-        except Exception:
-            raise IntegrityError(f"{cat}: unsafe file name {fname!r}") from None
-        fe = files.get(str(fname))
-        if fe is None or fe.codec != "safetensors" or fe.compression is not None:
-            raise IntegrityError(f"{cat}: {fname!r} is not an uncompressed payload of the manifest")
-        start, nbytes = c.get("start"), c.get("bytes")
-        if (
-            isinstance(start, bool)
-            or isinstance(nbytes, bool)
-            or not isinstance(start, int)
-            or not isinstance(nbytes, int)
-            or start < 0
-            or nbytes != math.prod(sizes) * itemsize
-            or start + nbytes > fe.bytes
-        ):
-            raise IntegrityError(
-                f"{cat}: bytes {start!r}+{nbytes!r} do not fit its box of {dtype} or its file"
-            )
-        crcs_raw = c.get("crc32c")
-        if not isinstance(crcs_raw, list) or len(crcs_raw) != -(-nbytes // block):
-            raise IntegrityError(f"{cat}: needs one crc32c per {block} bytes")
-        try:
-            crcs = tuple(parse_crc(x) for x in crcs_raw)
-        except (ValueError, TypeError):
-            raise IntegrityError(f"{cat}: crc32c values must be 8 hex digits") from None
-        volume += math.prod(sizes)
-        chunks.append(Chunk(offsets, sizes, str(fname), start, nbytes, crcs))
+        chunk = _chunk(c, shape, dtype, itemsize, files, block, f"{at} chunk {i}")
+        volume += math.prod(chunk.sizes)
+        chunks.append(chunk)
     if volume != numel or _overlap(chunks):
         raise IntegrityError(
             f"{at}: its chunks do not cover the {list(shape)} tensor exactly (gaps or overlaps)"
@@ -314,6 +279,65 @@ def _tensor_entry(  # noqa: PLR0917 - a private validator with one call site
     dims = _strs(row.get("mesh_dims", []), "mesh_dims", at)
     placements = _strs(row.get("placements", []), "placements", at)
     return TensorEntry(dtype, shape, tuple(chunks), mesh, dims, placements)
+
+
+def parse_chunk(
+    c: object, entry: TensorEntry, files: Mapping[str, FileEntry], block: int, where: str
+) -> Chunk:
+    """One chunk row of an index, checked against its tensor and the manifest's files.
+
+    Raises:
+        IntegrityError: the row is malformed, outside its tensor or its file.
+    """
+    return _chunk(c, entry.shape, entry.dtype, ITEMSIZE[entry.dtype], files, block, where)
+
+
+def _chunk(  # noqa: PLR0917 - a private validator
+    c: object,
+    shape: tuple[int, ...],
+    dtype: str,
+    itemsize: int,
+    files: Mapping[str, FileEntry],
+    block: int,
+    cat: str,
+) -> Chunk:
+    if not isinstance(c, dict):
+        raise IntegrityError(f"{cat}: must be an object")
+    offsets = _ints(c.get("offsets"), "offsets", cat)
+    sizes = _ints(c.get("sizes"), "sizes", cat)
+    if len(offsets) != len(shape) or len(sizes) != len(shape):
+        raise IntegrityError(f"{cat}: offsets/sizes do not have {len(shape)} dimensions")
+    if any(o + s > d for o, s, d in zip(offsets, sizes, shape, strict=True)):
+        raise IntegrityError(f"{cat}: box {list(offsets)}+{list(sizes)} outside {list(shape)}")
+    fname = c.get("file")
+    try:
+        validate_file_name(fname)
+    except Exception:
+        raise IntegrityError(f"{cat}: unsafe file name {fname!r}") from None
+    fe = files.get(str(fname))
+    if fe is None or fe.codec != "safetensors" or fe.compression is not None:
+        raise IntegrityError(f"{cat}: {fname!r} is not an uncompressed payload of the manifest")
+    start, nbytes = c.get("start"), c.get("bytes")
+    if (
+        isinstance(start, bool)
+        or isinstance(nbytes, bool)
+        or not isinstance(start, int)
+        or not isinstance(nbytes, int)
+        or start < 0
+        or nbytes != math.prod(sizes) * itemsize
+        or start + nbytes > fe.bytes
+    ):
+        raise IntegrityError(
+            f"{cat}: bytes {start!r}+{nbytes!r} do not fit its box of {dtype} or its file"
+        )
+    crcs_raw = c.get("crc32c")
+    if not isinstance(crcs_raw, list) or len(crcs_raw) != -(-nbytes // block):
+        raise IntegrityError(f"{cat}: needs one crc32c per {block} bytes")
+    try:
+        crcs = tuple(parse_crc(x) for x in crcs_raw)
+    except (ValueError, TypeError):
+        raise IntegrityError(f"{cat}: crc32c values must be 8 hex digits") from None
+    return Chunk(offsets, sizes, str(fname), start, nbytes, crcs)
 
 
 def _overlap(chunks: Sequence[Chunk]) -> bool:

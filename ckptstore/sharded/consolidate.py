@@ -47,6 +47,7 @@ from ..ops.single import fsync_path
 from ..storage.base import Storage
 from ..storage.ranges import RangeReader
 from . import plan as sharding
+from . import split_index
 from .chunks import INDEX_FILE, ChunkIndex
 
 __all__ = [
@@ -220,8 +221,8 @@ class StepTensors:
             ie = m.files.get(INDEX_FILE)
             if ie is None:
                 raise ManifestError(f"{self.where}: manifest lists no {INDEX_FILE}")
-            data = storage.read_file(step, INDEX_FILE, ie)
-            self.index = ChunkIndex.from_bytes(data, m.files, f"{self.where}/{INDEX_FILE}")
+            where = f"{self.where}/{INDEX_FILE}"
+            self.index = split_index.read_index(storage, step, m.files, where)
         self._ranges: RangeReader | None = None
         self._headers: dict[str, st.Header] = {}
         self._whole: tuple[str, dict[str, torch.Tensor]] | None = None

@@ -73,6 +73,7 @@ __all__ = [
     "save_plans",
     "shard_layout",
     "split_parts",
+    "target_box",
     "tensor_meta",
     "write_shards",
     "writes_here",
@@ -842,6 +843,26 @@ def _current(targets: Mapping[Any, Any], key: Any, kind: str | None, owner: Any)
     if kind is None:
         return target  # plain data: DTensors in it are laid out as they are now
     return None
+
+
+def target_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(lo, hi)`` of the part of the full tensor that ``t`` (a fresh restore target) holds.
+
+    A DTensor holds its local shard's box on this rank; a plain tensor the whole.
+    """
+    if is_dtensor(t):
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+        dt: Any = t
+        if dt.device_mesh.get_coordinate() is None:  # not in its mesh: holds nothing
+            zero = tuple(0 for _ in dt.shape)
+            return zero, zero
+        sizes, offsets = compute_local_shape_and_global_offset(
+            dt.shape, dt.device_mesh, dt.placements
+        )
+        lo = tuple(int(o) for o in offsets)
+        return lo, tuple(o + int(s) for o, s in zip(lo, sizes, strict=True))
+    return tuple(0 for _ in t.shape), tuple(int(s) for s in t.shape)
 
 
 def read_into(

@@ -1,0 +1,552 @@
+"""The split chunk index (format 3): a layout of every tensor, and one part per rank.
+
+A format-2 ``dtensors.json`` lists every chunk of every tensor: rank 0 builds it from every
+rank's chunk table and every restoring rank reads all of it, so both grow with the world
+size times the number of tensors (92 MB on 1,024 ranks of 600 DTensors). The split index
+keeps a row per chunk only where the chunk was written:
+
+- ``dtensors.json`` (rank 0): per tensor its dtype, shape, mesh and placements, and the
+  device meshes' rank layouts (an affine map for the meshes ``init_device_mesh`` builds).
+  Its size does not depend on the world size.
+- ``_index.rankNNNNN.json`` (each rank, beside its shard files): the chunks that rank wrote,
+  each with its file, byte range and block CRC32Cs, as format 2 lists them.
+
+Which rank wrote a box follows from the layout alone: DTensor's own arithmetic gives the box
+of every mesh coordinate, and :func:`ckptstore.sharded.plan.writes_here` picks one holder
+of a replicated box. A restoring rank computes the boxes that overlap its target shards and
+reads the parts of their writers only (:meth:`Layout.resolve`); ``verify``, ``inspect``,
+``export`` and consolidation read every part (:func:`merged`) and check the whole, as
+format 2 did. Every part is checked against its CRC32C in the manifest before it is parsed.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import zlib
+from collections.abc import Callable, Iterable, Mapping, Sequence
+from typing import Any
+
+from ..errors import IntegrityError
+from ..manifest import FileEntry
+from .chunks import BLOCK, INDEX_FORMAT, MAX_INDEX_BYTES, Chunk, ChunkIndex, TensorEntry
+
+__all__ = [
+    "SPLIT_FORMAT",
+    "Layout",
+    "global_bytes",
+    "is_part",
+    "merged",
+    "part_bytes",
+    "part_file",
+    "read_index",
+    "splittable",
+    "volumes",
+]
+
+#: ``ckptstore_chunks`` of a split index's ``dtensors.json``.
+SPLIT_FORMAT = 2
+#: ``ckptstore_chunk_part`` of a part.
+_PART_FORMAT = 1
+#: Most mesh coordinates searched for one tensor whose placements are not plain
+#: ``Shard``/``Replicate`` (their boxes are enumerated, not computed).
+_MAX_ENUMERATED = 1 << 20
+_MAX_MESH_RANKS = 1 << 24
+
+
+def part_file(rank: int) -> str:
+    """The index part a rank writes beside its shard files."""
+    return f"_index.rank{rank:05d}.json"
+
+
+def is_part(name: str) -> bool:
+    """Whether a file name is an index part."""
+    return name.startswith("_index.rank") and name.endswith(".json")
+
+
+def _placement_objects(placements: Sequence[str]) -> list[Any] | None:
+    """DTensor placements from their index spelling; ``None`` if any is not plain."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    out: list[Any] = []
+    for p in placements:
+        if p == "R":
+            out.append(Replicate())
+        elif p.startswith("S(") and p.endswith(")") and p[2:-1].isdigit():
+            out.append(Shard(int(p[2:-1])))
+        else:
+            return None
+    return out
+
+
+def _mesh_spec(mesh: Any) -> dict[str, Any]:
+    """A device mesh's ranks: ``start`` and ``strides`` when affine, else the list."""
+    ranks = mesh.mesh.reshape(-1).tolist()
+    shape = [int(x) for x in mesh.mesh.shape]
+    strides = []
+    step = 1
+    for n in reversed(shape):
+        strides.append(step)
+        step *= n
+    strides.reverse()
+    start = ranks[0]
+    real = [ranks[s] - start if n > 1 else 0 for s, n in zip(strides, shape, strict=True)]
+    affine = all(
+        ranks[i] == start + sum(c * st for c, st in zip(coord, real, strict=True))
+        for i, coord in enumerate(itertools.product(*(range(n) for n in shape)))
+    )
+    if affine:
+        return {"shape": shape, "start": start, "strides": real}
+    return {"shape": shape, "ranks": ranks}
+
+
+def splittable(flat: Mapping[str, Any], world_size: int) -> bool:
+    """Whether a save of ``flat`` can use the split index.
+
+    Every DTensor must lie on a mesh of every rank with plain ``Shard``/``Replicate``
+    placements: a DTensor on a sub-mesh (a mesh of some ranks only) is held by several
+    sub-meshes alike, which only an exchange of plans can deduplicate.
+    """
+    from .plan import placement_names
+
+    for t in flat.values():
+        mesh = t.device_mesh
+        if mesh.size() != world_size or _placement_objects(placement_names(t)[2]) is None:
+            return False
+    return True
+
+
+def global_bytes(flat: Mapping[str, Any]) -> bytes:
+    """Rank 0's ``dtensors.json``: every tensor's layout and the meshes' rank maps."""
+    from .chunks import dtype_name
+    from .plan import placement_names
+
+    meshes: list[dict[str, Any]] = []
+    seen: dict[int, int] = {}
+    tensors: dict[str, Any] = {}
+    for name in sorted(flat):
+        t = flat[name]
+        mesh = t.device_mesh
+        mid = seen.get(id(mesh))
+        if mid is None:
+            spec = _mesh_spec(mesh)
+            mid = next((i for i, m in enumerate(meshes) if m == spec), None)
+            if mid is None:
+                meshes.append(spec)
+                mid = len(meshes) - 1
+            seen[id(mesh)] = mid
+        shape, dims, placements = placement_names(t)
+        tensors[name] = {
+            "dtype": dtype_name(t.dtype),
+            "shape": [int(x) for x in t.shape],
+            "mesh": list(shape),
+            "mesh_dims": list(dims),
+            "placements": list(placements),
+            "mesh_id": mid,
+        }
+    doc = {"ckptstore_chunks": SPLIT_FORMAT, "block": BLOCK, "meshes": meshes, "tensors": tensors}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def part_bytes(rank: int, chunks: Iterable[tuple[str, tuple[int, ...], Chunk]]) -> bytes:
+    """A rank's index part: the chunks it wrote, by tensor."""
+    rows: dict[str, list[Any]] = {}
+    for name, _, chunk in chunks:
+        rows.setdefault(name, []).append(chunk.to_json())
+    doc = {"ckptstore_chunk_part": _PART_FORMAT, "rank": rank, "block": BLOCK, "chunks": rows}
+    return json.dumps(doc, separators=(",", ":"), allow_nan=False).encode()
+
+
+def volumes(names: Sequence[str], chunks: Iterable[tuple[str, tuple[int, ...], Chunk]]) -> bytes:
+    """The elements this rank wrote of each tensor, in ``names``' order, as int64 bytes.
+
+    What a rank tells rank 0 of its chunks: one number a tensor, however many ranks there
+    are. Rank 0 adds them up (:func:`check_volumes`).
+    """
+    import numpy as np
+
+    at = {n: i for i, n in enumerate(names)}
+    out = np.zeros(len(names), dtype=np.int64)
+    for name, _, chunk in chunks:
+        out[at[name]] += math.prod(chunk.sizes)
+    return out.tobytes()
+
+
+def check_volumes(
+    meta: Mapping[str, tuple[str, tuple[int, ...]]], packed: Iterable[bytes]
+) -> list[str]:
+    """The tensors whose written elements, over every rank, are not exactly their size.
+
+    DTensor boxes do not overlap and :func:`ckptstore.sharded.plan.writes_here` writes each
+    once, so a tensor whose total is off has a box no rank wrote (or one written twice).
+    """
+    import numpy as np
+
+    names = sorted(meta)
+    total = np.zeros(len(names), dtype=np.int64)
+    for blob in packed:
+        got = np.frombuffer(blob, dtype=np.int64)
+        if got.shape != total.shape:
+            return names  # a rank that saw other tensors: nothing can be trusted
+        total += got
+    want = np.array([math.prod(meta[n][1]) for n in names], dtype=np.int64)
+    return [names[i] for i in np.nonzero(total != want)[0].tolist()]
+
+
+def _load_json(data: bytes | bytearray, where: str, what: str) -> dict[str, Any]:
+    if len(data) > MAX_INDEX_BYTES:
+        raise IntegrityError(f"{where}: {len(data)} bytes is larger than any real {what}")
+    try:
+        doc = json.loads(bytes(data).decode("utf-8"))
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise IntegrityError(f"{where}: not valid JSON ({e})") from None
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{where}: not a {what}")
+    return doc
+
+
+class Layout:
+    """A parsed split ``dtensors.json``: tensors without chunks, and where their chunks are."""
+
+    def __init__(
+        self,
+        tensors: dict[str, TensorEntry],
+        meshes: list[dict[str, Any]],
+        mesh_of: dict[str, int],
+        block: int,
+    ) -> None:
+        self.tensors = tensors
+        self.meshes = meshes
+        self.mesh_of = mesh_of
+        self.block = block
+
+    @staticmethod
+    def is_split(data: bytes | bytearray) -> bool:
+        """Whether an index file is a split one (cheap: looks at its first bytes)."""
+        return bytes(data[:64]).startswith(b'{"ckptstore_chunks":%d,' % SPLIT_FORMAT)
+
+    @classmethod
+    def from_bytes(cls, data: bytes | bytearray, where: str) -> Layout:
+        """Parse and check a split ``dtensors.json``.
+
+        Raises:
+            IntegrityError: malformed or hostile.
+        """
+        from ..codec.dtypes import ITEMSIZE
+        from .chunks import _ints, _strs
+
+        doc = _load_json(data, where, "chunk index")
+        if doc.get("ckptstore_chunks") != SPLIT_FORMAT:
+            raise IntegrityError(f"{where}: not a split chunk index of format {SPLIT_FORMAT}")
+        block = doc.get("block")
+        if isinstance(block, bool) or not isinstance(block, int) or not 4096 <= block <= 1 << 30:
+            raise IntegrityError(f"{where}: 'block' must be an integer in [4096, 2**30]")
+        raw_meshes = doc.get("meshes")
+        if not isinstance(raw_meshes, list):
+            raise IntegrityError(f"{where}: 'meshes' must be a list")
+        meshes = [_check_mesh(m, f"{where}: mesh {i}") for i, m in enumerate(raw_meshes)]
+        raw = doc.get("tensors")
+        if not isinstance(raw, dict):
+            raise IntegrityError(f"{where}: 'tensors' must be an object")
+        tensors: dict[str, TensorEntry] = {}
+        mesh_of: dict[str, int] = {}
+        for name, row in raw.items():
+            at = f"{where}: tensor {name!r}"
+            if not isinstance(row, dict) or not isinstance(name, str) or not name:
+                raise IntegrityError(f"{at}: entry must be an object under a name")
+            dtype = row.get("dtype")
+            if not isinstance(dtype, str) or dtype not in ITEMSIZE:
+                raise IntegrityError(f"{at}: unsupported dtype {dtype!r}")
+            shape = _ints(row.get("shape"), "shape", at)
+            mesh = _ints(row.get("mesh"), "mesh", at)
+            dims = _strs(row.get("mesh_dims", []), "mesh_dims", at)
+            placements = _strs(row.get("placements"), "placements", at)
+            mid = row.get("mesh_id")
+            if isinstance(mid, bool) or not isinstance(mid, int) or not 0 <= mid < len(meshes):
+                raise IntegrityError(f"{at}: 'mesh_id' names no mesh")
+            if list(mesh) != meshes[mid]["shape"] or len(placements) != len(mesh):
+                raise IntegrityError(f"{at}: its mesh and placements do not match mesh {mid}")
+            for p in _placement_objects(placements) or []:
+                if p.is_shard() and not 0 <= p.dim < len(shape):
+                    raise IntegrityError(f"{at}: placement {p} of a {len(shape)}-d tensor")
+            tensors[name] = TensorEntry(dtype, shape, (), mesh, dims, placements)
+            mesh_of[name] = mid
+        return cls(tensors, meshes, mesh_of, block)
+
+    # ---- which boxes, written by whom ----------------------------------------------------
+
+    def boxes(
+        self, name: str, lo: Sequence[int], hi: Sequence[int]
+    ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
+        """``(offsets, sizes, writer)`` of each non-empty saved box of ``name`` in ``[lo, hi)``."""
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+        entry = self.tensors[name]
+        mesh = self.meshes[self.mesh_of[name]]
+        objs = _placement_objects(entry.placements)
+        if objs is None:  # pragma: no cover - splittable() admits plain placements only
+            raise IntegrityError(f"{name!r}: placements {entry.placements} are not plain")
+        shape = tuple(mesh["shape"])
+        out = []
+        for coord in _candidates(entry.shape, shape, objs, lo, hi):
+            sizes, offsets = _compute_local_shape_and_global_offset(
+                entry.shape, shape, list(coord), objs
+            )
+            if 0 in sizes and entry.shape:
+                continue
+            if any(
+                o >= h or o + s <= low for o, s, low, h in zip(offsets, sizes, lo, hi, strict=True)
+            ):
+                continue
+            writer = _writer(name, coord, shape, objs, mesh)
+            out.append((tuple(int(o) for o in offsets), tuple(int(s) for s in sizes), writer))
+        return out
+
+    def resolve(
+        self,
+        targets: Mapping[str, tuple[Sequence[int], Sequence[int]]],
+        read_part: Callable[[int], bytes | bytearray],
+        files: Mapping[str, FileEntry],
+        where: str,
+    ) -> ChunkIndex:
+        """The chunks overlapping each target box ``name -> (lo, hi)``, from their writers' parts.
+
+        Only the parts of the ranks that wrote those chunks are read (``read_part(rank)``,
+        checked against the manifest by the caller). A box whose chunk a part lacks is an
+        error: a partial result is never returned.
+
+        Raises:
+            IntegrityError: a part is missing, malformed or lacks a chunk.
+        """
+        want: dict[int, set[tuple[str, tuple[int, ...]]]] = {}
+        sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+        for name, (lo, hi) in targets.items():
+            for offsets, box, writer in self.boxes(name, lo, hi):
+                want.setdefault(writer, set()).add((name, offsets))
+                sizes[(name, offsets)] = box
+        found: dict[str, list[Chunk]] = {n: [] for n in targets}
+        for writer in sorted(want):
+            pname = part_file(writer)
+            if pname not in files:
+                raise IntegrityError(f"{where}: the manifest lists no {pname}")
+            chunks = self._parse_part(read_part(writer), writer, files, f"{where}/{pname}")
+            for key in want[writer]:
+                chunk = chunks.get(key)
+                if chunk is None or chunk.sizes != sizes[key]:
+                    raise IntegrityError(
+                        f"{where}/{pname}: no chunk of {key[0]!r} at {list(key[1])}, which rank "
+                        f"{writer} wrote; the index part is not this save's"
+                    )
+                found[key[0]].append(chunk)
+        tensors = {
+            n: TensorEntry(
+                e.dtype,
+                e.shape,
+                tuple(sorted(found[n], key=lambda c: c.offsets)),
+                e.mesh,
+                e.mesh_dims,
+                e.placements,
+            )
+            for n, e in self.tensors.items()
+            if n in targets
+        }
+        return ChunkIndex(tensors=tensors, block=self.block)
+
+    def _parse_part(
+        self,
+        data: bytes | bytearray,
+        rank: int,
+        files: Mapping[str, FileEntry],
+        where: str,
+    ) -> dict[tuple[str, tuple[int, ...]], Chunk]:
+        from .chunks import parse_chunk
+
+        doc = _load_json(data, where, "chunk index part")
+        if doc.get("ckptstore_chunk_part") != _PART_FORMAT or doc.get("rank") != rank:
+            raise IntegrityError(f"{where}: not the index part of rank {rank}")
+        if doc.get("block") != self.block:
+            raise IntegrityError(f"{where}: its block size is not the index's")
+        rows = doc.get("chunks")
+        if not isinstance(rows, dict):
+            raise IntegrityError(f"{where}: 'chunks' must be an object")
+        out: dict[tuple[str, tuple[int, ...]], Chunk] = {}
+        for name, cs in rows.items():
+            entry = self.tensors.get(name)
+            if entry is None or not isinstance(cs, list):
+                raise IntegrityError(f"{where}: chunks of {name!r}, a tensor the index lacks")
+            for i, c in enumerate(cs):
+                chunk = parse_chunk(c, entry, files, self.block, f"{where}: {name!r} chunk {i}")
+                out[(name, chunk.offsets)] = chunk
+        return out
+
+    def merged(
+        self,
+        read_part: Callable[[int], bytes | bytearray],
+        files: Mapping[str, FileEntry],
+        where: str,
+    ) -> ChunkIndex:
+        """The whole index from every part the manifest lists, checked as format 2 is."""
+        tensors: dict[str, dict[str, Any]] = {
+            n: {**e.to_json(), "chunks": []} for n, e in self.tensors.items()
+        }
+        ranks = sorted(int(n[11:16]) for n in files if is_part(n) and n[11:16].isdigit())
+        for rank in ranks:
+            pname = part_file(rank)
+            chunks = self._parse_part(read_part(rank), rank, files, f"{where}/{pname}")
+            for (name, _), chunk in chunks.items():
+                tensors[name]["chunks"].append(chunk.to_json())
+        for row in tensors.values():
+            row["chunks"].sort(key=lambda c: c["offsets"])
+        doc = {"ckptstore_chunks": INDEX_FORMAT, "block": self.block, "tensors": tensors}
+        return ChunkIndex.from_bytes(json.dumps(doc).encode(), files, where)
+
+
+def merged(
+    data: bytes | bytearray,
+    read_part: Callable[[int], bytes | bytearray],
+    files: Mapping[str, FileEntry],
+    where: str,
+) -> ChunkIndex:
+    """The whole chunk index of a step: format 2 as it is, a split one from all its parts."""
+    if Layout.is_split(data):
+        return Layout.from_bytes(data, where).merged(read_part, files, where)
+    return ChunkIndex.from_bytes(data, files, where)
+
+
+def _check_mesh(m: object, where: str) -> dict[str, Any]:
+    from .chunks import _ints
+
+    if not isinstance(m, dict):
+        raise IntegrityError(f"{where}: must be an object")
+    shape = list(_ints(m.get("shape"), "shape", where))
+    size = math.prod(shape)
+    if not shape or size > _MAX_MESH_RANKS:
+        raise IntegrityError(f"{where}: a mesh of {shape} ranks")
+    if "ranks" in m:
+        ranks = list(_ints(m.get("ranks"), "ranks", where))
+        if len(ranks) != size:
+            raise IntegrityError(f"{where}: {len(ranks)} ranks for a {shape} mesh")
+        return {"shape": shape, "ranks": ranks}
+    start = m.get("start")
+    if isinstance(start, bool) or not isinstance(start, int) or start < 0:
+        raise IntegrityError(f"{where}: 'start' must be a rank")
+    strides = list(_ints(m.get("strides"), "strides", where))
+    if len(strides) != len(shape):
+        raise IntegrityError(f"{where}: one stride per mesh dim")
+    return {"shape": shape, "start": start, "strides": strides}
+
+
+def _writer(
+    name: str,
+    coord: Sequence[int],
+    shape: Sequence[int],
+    objs: Sequence[Any],
+    mesh: Mapping[str, Any],
+) -> int:
+    """The rank that wrote the box at mesh coordinate ``coord`` (``writes_here``'s rule)."""
+    replicas, box = 1, 0
+    rep_dims = []
+    for dim, p in enumerate(objs):
+        if p.is_replicate():
+            replicas *= shape[dim]
+            rep_dims.append(dim)
+        else:
+            box = box * shape[dim] + coord[dim]
+    replica = (zlib.crc32(name.encode()) + box) % replicas
+    full = list(coord)
+    for dim in reversed(rep_dims):
+        full[dim] = replica % shape[dim]
+        replica //= shape[dim]
+    if "ranks" in mesh:
+        index = 0
+        for c, n in zip(full, shape, strict=True):
+            index = index * n + c
+        return int(mesh["ranks"][index])
+    return int(mesh["start"] + sum(c * s for c, s in zip(full, mesh["strides"], strict=True)))
+
+
+def _candidates(
+    tshape: Sequence[int],
+    mshape: Sequence[int],
+    objs: Sequence[Any],
+    lo: Sequence[int],
+    hi: Sequence[int],
+) -> list[tuple[int, ...]]:
+    """Mesh coordinates (``Replicate`` dims at 0) whose box may overlap ``[lo, hi)``.
+
+    For plain ``Shard`` placements DTensor splits a tensor dim like ``torch.chunk``, mesh
+    dim after mesh dim: the indices of each mesh dim that can reach the interval are
+    computed, not searched, so a rank restoring one shard of an N-way split looks at a
+    few coordinates, not N.
+    """
+    # The mesh dims that shard each tensor dim, in mesh order; Replicate dims stay at 0.
+    by_tdim: dict[int, list[int]] = {}
+    for mdim, p in enumerate(objs):
+        if p.is_shard():
+            by_tdim.setdefault(p.dim, []).append(mdim)
+    combos: list[dict[int, int]] = [{}]
+    for tdim, mdims in by_tdim.items():
+        options: list[dict[int, int]] = []
+        _split(tshape[tdim], 0, mdims, mshape, lo[tdim], hi[tdim], {}, options)
+        combos = [{**a, **b} for a in combos for b in options]
+        if len(combos) > _MAX_ENUMERATED:
+            raise IntegrityError(f"{len(combos)} boxes to search for one tensor; hostile index")
+    out = [tuple(c.get(m, 0) for m in range(len(mshape))) for c in combos]
+    return out
+
+
+def _split(  # noqa: PLR0917 - recursion
+    length: int,
+    base: int,
+    mdims: list[int],
+    mshape: Sequence[int],
+    lo: int,
+    hi: int,
+    chosen: dict[int, int],
+    out: list[dict[int, int]],
+) -> None:
+    """Indices of ``mdims`` whose pieces meet ``[lo, hi)``, each full choice into ``out``.
+
+    ``mdims`` split ``[base, base + length)`` like ``torch.chunk``, one inside the other.
+    """
+    if not mdims:
+        out.append(dict(chosen))
+        return
+    n = mshape[mdims[0]]
+    size = -(-length // n) if length else 0
+    if size == 0:
+        first, last = 0, n - 1  # every piece is empty: any index, the caller skips them
+    else:
+        first = max(0, (lo - base) // size)
+        last = min(n - 1, max(first, (hi - 1 - base) // size))
+    for i in range(first, last + 1):
+        start = base + min(i * size, length)
+        piece = max(0, min(length, (i + 1) * size) - min(i * size, length))
+        chosen[mdims[0]] = i
+        _split(piece, start, mdims[1:], mshape, lo, hi, chosen, out)
+    chosen.pop(mdims[0], None)
+
+
+def part_reader(storage: Any, step: int, files: Mapping[str, FileEntry]) -> Callable[[int], bytes]:
+    """``read_part(rank)``: a part of ``step``, checked against its manifest entry."""
+
+    def read_part(rank: int) -> bytes:
+        name = part_file(rank)
+        entry = files.get(name)
+        if entry is None:
+            raise IntegrityError(f"{storage.describe(step)}: the manifest lists no {name}")
+        return bytes(storage.read_file(step, name, entry))
+
+    return read_part
+
+
+def read_index(storage: Any, step: int, files: Mapping[str, FileEntry], where: str) -> ChunkIndex:
+    """The whole chunk index of a DTensor step (format 2, or split and merged), checked."""
+    from .chunks import INDEX_FILE
+
+    entry = files.get(INDEX_FILE)
+    if entry is None:
+        raise IntegrityError(f"{storage.describe(step)}: the manifest lists no {INDEX_FILE}")
+    raw = storage.read_file(step, INDEX_FILE, entry)
+    return merged(raw, part_reader(storage, step, files), files, where)
