@@ -464,3 +464,18 @@ def make_mixed_store(workdir: Path) -> tuple[Path, dict[str, Any]]:
     one = launch("export_scenarios:mixed_save", 1, workdir, timeout=240, args={"dtensor_step": 4})
     assert all(r.ok for r in one), describe(one)
     return workdir / "store", two[0].value["digests"]
+
+
+def index_chunks(step: Path, name: str) -> list[dict[str, Any]]:
+    """The chunk rows of tensor ``name`` in a DTensor step's index, in offsets order.
+
+    Format 2 lists them in ``dtensors.json``; the split index (format 3) in the part of the
+    rank that wrote each (``_index.rankNNNNN.json``).
+    """
+    row = json.loads((step / "dtensors.json").read_text())["tensors"][name]
+    if "chunks" in row:
+        return row["chunks"]  # type: ignore[no-any-return]
+    rows: list[dict[str, Any]] = []
+    for part in sorted(step.glob("_index.rank*.json")):
+        rows += json.loads(part.read_text())["chunks"].get(name, [])
+    return sorted(rows, key=lambda c: c["offsets"])

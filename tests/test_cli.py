@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _helpers import run_cli, step_path
+from _helpers import index_chunks, run_cli, step_path
 from safetensors.torch import load_file
 from torch import nn
 
@@ -808,7 +808,7 @@ def test_inspect_dtensor_text_and_json(mixed_store, capsys) -> None:
     )
 
     info = json.loads(run_cli(capsys, "inspect", root, "--step", "4", "--json")[1])
-    assert (info["world_size"], info["sharding"], info["format_version"]) == (1, "dtensor", 2)
+    assert (info["world_size"], info["sharding"], info["format_version"]) == (1, "dtensor", 3)
     by_name = {t["name"]: t for t in info["sharded_tensors"]}
     assert by_name["table/emb"] == {
         "name": "table/emb",
@@ -837,8 +837,7 @@ def test_verify_dtensor_steps(mixed_store, capsys) -> None:
     rc, out, err = run_cli(capsys, "verify", root, "--all")
     assert rc == 0, out + err
     assert "4 checkpoints verified, 0 failed" in out
-    index = json.loads((step_path(root, 3) / "dtensors.json").read_text())
-    chunk = index["tensors"]["table/emb"]["chunks"][1]
+    chunk = index_chunks(step_path(root, 3), "table/emb")[1]
     assert chunk["file"] == "_shards.rank00001.safetensors"
     shard = step_path(root, 3) / chunk["file"]
     raw = bytearray(shard.read_bytes())

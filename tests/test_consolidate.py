@@ -13,7 +13,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import flip_byte, step_dir, subprocess_env
+from _helpers import flip_byte, index_chunks, step_dir, subprocess_env
 from safetensors.torch import load_file
 from torch import nn
 
@@ -152,8 +152,7 @@ def test_export_hf_refuses_what_is_not_a_state_dict(mixed_store, tmp_path: Path)
 
 def test_export_hf_corrupt_chunk_leaves_nothing(mixed_store, tmp_path: Path) -> None:
     root, _ = mixed_store
-    index = json.loads((root / step_dir(3) / "dtensors.json").read_text())
-    chunk = index["tensors"]["model/out.weight"]["chunks"][0]
+    chunk = index_chunks(root / step_dir(3), "model/out.weight")[0]
     path = root / step_dir(3) / chunk["file"]
     path.write_bytes(flip_byte(path.read_bytes(), chunk["start"] + 3))
     with CheckpointManager(root) as mgr, pytest.raises(IntegrityError, match="does not match"):

@@ -17,6 +17,7 @@ from _helpers import (
     deflated,
     flip_byte,
     forge_manifest,
+    index_chunks,
     local_view,
     make_state,
     plant_zstd_bomb,
@@ -264,7 +265,7 @@ def test_flipped_chunk_byte_names_file_block_and_tensor(
     root, _ = mixed_store
     shard_file = f"_shards.rank{rank:05d}.safetensors"
     chunk = next(
-        c for c in index_of(root, step)["tensors"]["table/emb"]["chunks"] if c["file"] == shard_file
+        c for c in index_chunks(root / step_dir(step), "table/emb") if c["file"] == shard_file
     )
     assert len(chunk["crc32c"]) > block  # the table's chunks span several 4 MiB blocks
     path = root / step_dir(step) / shard_file
@@ -285,46 +286,78 @@ def test_flipped_chunk_byte_names_file_block_and_tensor(
     assert "crc32c" in report.problems[1]
 
 
-def forge_index(root: Path, step: int, edit: Any) -> None:
-    """Rewrite dtensors.json with ``edit(doc)`` and forge the manifest to match it."""
-    doc = index_of(root, step)
+def forge_index(root: Path, step: int, edit: Any, name: str = "dtensors.json") -> None:
+    """Rewrite the index file ``name`` with ``edit(doc)`` and forge the manifest to match it."""
+    path = root / step_dir(step) / name
+    doc = json.loads(path.read_text())
     edit(doc)
     data = json.dumps(doc).encode()
-    (root / step_dir(step) / "dtensors.json").write_bytes(data)
+    path.write_bytes(data)
     mpath = root / step_dir(step) / MANIFEST
 
     def fix(m: dict[str, Any]) -> None:
-        m["files"]["dtensors.json"].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
+        m["files"][name].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
 
     mpath.write_bytes(forge_manifest(mpath.read_bytes(), fix))
 
 
+#: Rank 0's part of the split chunk index (format 3): where its chunks are listed.
+PART0 = "_index.rank00000.json"
+
+
 def first_chunk(doc: dict[str, Any]) -> dict[str, Any]:
-    return doc["tensors"]["model/inp.weight"]["chunks"][0]  # type: ignore[no-any-return]
+    return doc["chunks"]["model/inp.weight"][0]  # type: ignore[no-any-return]
 
 
 @pytest.mark.parametrize(
-    ("edit", "expected"),
+    ("name", "edit", "expected"),
     [
-        (lambda d: first_chunk(d).update(start=1 << 40), "do not fit its box"),
-        (lambda d: first_chunk(d).update(file="../../etc/passwd"), "unsafe file name"),
-        (lambda d: first_chunk(d).update(offsets=[1, 0]), "cover"),
-        (lambda d: d["tensors"].pop("model/inp.weight"), "'model/inp.weight' is not in"),
-        (lambda d: d["tensors"]["model/inp.bias"].update(shape=[8]), "cover"),
-        (lambda d: d.update(block=7), "'block'"),
+        (PART0, lambda d: first_chunk(d).update(start=1 << 40), "do not fit its box"),
+        (PART0, lambda d: first_chunk(d).update(file="../../etc/passwd"), "unsafe file name"),
+        (PART0, lambda d: first_chunk(d).update(offsets=[1, 0]), "cover"),
+        (PART0, lambda d: d.update(rank=1), "not the index part of rank 0"),
+        (PART0, lambda d: d["chunks"].update(ghost=[]), "'ghost' is not in the index"),
+        (
+            "dtensors.json",
+            lambda d: d["tensors"].pop("model/inp.weight"),
+            "'model/inp.weight' is not in",
+        ),
+        ("dtensors.json", lambda d: d["tensors"]["model/inp.bias"].update(shape=[8]), "cover"),
+        ("dtensors.json", lambda d: d.update(block=7), "'block'"),
+        (
+            "dtensors.json",
+            lambda d: d["tensors"]["model/inp.bias"].update(mesh_id=5),
+            "names no mesh",
+        ),
+        ("dtensors.json", lambda d: d["meshes"][0].update(shape=[1 << 30]), "ranks"),
     ],
-    ids=["out-of-file", "path", "overlap", "missing-tensor", "shape", "block"],
+    ids=[
+        "out-of-file",
+        "path",
+        "overlap",
+        "other-rank",
+        "ghost-tensor",
+        "missing-tensor",
+        "shape",
+        "block",
+        "mesh-id",
+        "huge-mesh",
+    ],
 )
 def test_quick_verify_reports_a_hostile_index(
-    mixed_store: tuple[Path, dict[str, Any]], edit: Any, expected: str
+    mixed_store: tuple[Path, dict[str, Any]], name: str, edit: Any, expected: str
 ) -> None:
     root, _ = mixed_store
-    forge_index(root, 3, edit)
+    forge_index(root, 3, edit, name)
     for deep in (False, True):
         report = dtensor_verify(root, 3, deep=deep)
         assert not report.ok
-        assert any("dtensors.json" in p or "state.json" in p for p in report.problems)
+        named = ("dtensors.json", "_index.rank", "state.json")
+        assert any(any(n in p for n in named) for p in report.problems), report.problems
         assert any(expected in p for p in report.problems), report.problems
+    # The other steps are untouched: the replicated step 5 still loads.
+    with CheckpointManager(root) as mgr:
+        assert mgr.load(5) is not None
 
 
 def test_dtensor_manifest_must_list_the_index(mixed_store: tuple[Path, dict[str, Any]]) -> None:

@@ -270,7 +270,7 @@ def _sharded_tensors(storage: Storage, manifest: Manifest) -> list[ShardedTensor
     if entry is None:
         raise IntegrityError(f"{storage.describe(manifest.step)}: manifest lists no {INDEX_FILE}")
     where = storage.describe(manifest.step, INDEX_FILE)
-    index = split_index.read_index(storage, manifest.step, manifest.files, where)  # checked
+    index = split_index.read_index(storage, manifest, where)  # checked
     return [
         ShardedTensorInfo(
             name,

@@ -229,7 +229,7 @@ def _check_index(storage: Storage, manifest: Manifest, report: VerifyReport) -> 
         return None  # reported as missing
     where = storage.describe(step, INDEX_FILE)
     try:
-        index = split_index.read_index(storage, step, manifest.files, where)
+        index = split_index.read_index(storage, manifest, where)
     except (CkptStoreError, OSError) as e:
         report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
         return None

@@ -259,7 +259,7 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
     step = manifest.step
     where = session.storage.describe(step)
     layout: split_index.Layout | None = None
-    if split_index.Layout.is_split(raw_index):
+    if split_index.is_split(manifest):
         # Split index: the layout now, the chunks of this rank's targets once they are known.
         layout = split_index.Layout.from_bytes(raw_index, f"{where}/{INDEX_FILE}")
         index = ChunkIndex(tensors=layout.tensors, block=layout.block)

@@ -222,7 +222,7 @@ class StepTensors:
             if ie is None:
                 raise ManifestError(f"{self.where}: manifest lists no {INDEX_FILE}")
             where = f"{self.where}/{INDEX_FILE}"
-            self.index = split_index.read_index(storage, step, m.files, where)
+            self.index = split_index.read_index(storage, m, where)
         self._ranges: RangeReader | None = None
         self._headers: dict[str, st.Header] = {}
         self._whole: tuple[str, dict[str, torch.Tensor]] | None = None

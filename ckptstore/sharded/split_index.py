@@ -29,7 +29,7 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import IntegrityError
-from ..manifest import FileEntry
+from ..manifest import SPLIT_FORMAT_VERSION, FileEntry, Manifest
 from .chunks import BLOCK, INDEX_FORMAT, MAX_INDEX_BYTES, Chunk, ChunkIndex, TensorEntry
 
 __all__ = [
@@ -37,6 +37,7 @@ __all__ = [
     "Layout",
     "global_bytes",
     "is_part",
+    "is_split",
     "merged",
     "part_bytes",
     "part_file",
@@ -221,11 +222,6 @@ class Layout:
         self.mesh_of = mesh_of
         self.block = block
 
-    @staticmethod
-    def is_split(data: bytes | bytearray) -> bool:
-        """Whether an index file is a split one (cheap: looks at its first bytes)."""
-        return bytes(data[:64]).startswith(b'{"ckptstore_chunks":%d,' % SPLIT_FORMAT)
-
     @classmethod
     def from_bytes(cls, data: bytes | bytearray, where: str) -> Layout:
         """Parse and check a split ``dtensors.json``.
@@ -374,7 +370,7 @@ class Layout:
         for name, cs in rows.items():
             entry = self.tensors.get(name)
             if entry is None or not isinstance(cs, list):
-                raise IntegrityError(f"{where}: chunks of {name!r}, a tensor the index lacks")
+                raise IntegrityError(f"{where}: {name!r} is not in the index, yet has chunks here")
             for i, c in enumerate(cs):
                 chunk = parse_chunk(c, entry, files, self.block, f"{where}: {name!r} chunk {i}")
                 out[(name, chunk.offsets)] = chunk
@@ -405,13 +401,21 @@ class Layout:
 def merged(
     data: bytes | bytearray,
     read_part: Callable[[int], bytes | bytearray],
-    files: Mapping[str, FileEntry],
+    manifest: Manifest,
     where: str,
 ) -> ChunkIndex:
-    """The whole chunk index of a step: format 2 as it is, a split one from all its parts."""
-    if Layout.is_split(data):
-        return Layout.from_bytes(data, where).merged(read_part, files, where)
-    return ChunkIndex.from_bytes(data, files, where)
+    """The whole chunk index of a step: format 2 as it is, a split one from all its parts.
+
+    The manifest's format version says which (3: split), never the index file itself.
+    """
+    if is_split(manifest):
+        return Layout.from_bytes(data, where).merged(read_part, manifest.files, where)
+    return ChunkIndex.from_bytes(data, manifest.files, where)
+
+
+def is_split(manifest: Manifest) -> bool:
+    """Whether a DTensor step's chunk index is split (format 3)."""
+    return manifest.format_version >= SPLIT_FORMAT_VERSION
 
 
 def _check_mesh(m: object, where: str) -> dict[str, Any]:
@@ -541,12 +545,13 @@ def part_reader(storage: Any, step: int, files: Mapping[str, FileEntry]) -> Call
     return read_part
 
 
-def read_index(storage: Any, step: int, files: Mapping[str, FileEntry], where: str) -> ChunkIndex:
+def read_index(storage: Any, manifest: Manifest, where: str) -> ChunkIndex:
     """The whole chunk index of a DTensor step (format 2, or split and merged), checked."""
     from .chunks import INDEX_FILE
 
+    step, files = manifest.step, manifest.files
     entry = files.get(INDEX_FILE)
     if entry is None:
         raise IntegrityError(f"{storage.describe(step)}: the manifest lists no {INDEX_FILE}")
     raw = storage.read_file(step, INDEX_FILE, entry)
-    return merged(raw, part_reader(storage, step, files), files, where)
+    return merged(raw, part_reader(storage, step, files), manifest, where)

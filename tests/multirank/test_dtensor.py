@@ -19,6 +19,7 @@ import torch
 from ckptstore import CheckpointManager
 from ckptstore.errors import IntegrityError, StateMismatchError
 from ckptstore.sharded.chunks import INDEX_FILE
+from tests._helpers import index_chunks
 from tests.multirank.dtensor_scenarios import digests, make_net
 from tests.multirank.launch import describe, launch, timeouts_naming, values
 from tests.timing import healthy
@@ -49,6 +50,8 @@ def test_fsdp2_save_writes_each_rank_its_shards_and_plain_data_once(saved2):
     # Each rank wrote one shard file; the rest of the state (buffers, optimizer steps,
     # RNG, plain values) once, by rank 0.
     assert v["files"] == [
+        "_index.rank00000.json",  # each rank's part of the chunk index (format 3)
+        "_index.rank00001.json",
         "_shards.rank00000.safetensors",
         "_shards.rank00001.safetensors",
         INDEX_FILE,
@@ -60,13 +63,17 @@ def test_fsdp2_save_writes_each_rank_its_shards_and_plain_data_once(saved2):
     ]
     step = work / "store" / "step-000000000003"
     manifest = json.loads((step / "manifest.json").read_text())
-    assert manifest["format_version"] == 2
+    assert manifest["format_version"] == 3
     assert manifest["sharding"] == {"kind": "dtensor"}
     index = json.loads((step / INDEX_FILE).read_text())
     w = index["tensors"]["model/inp.weight"]
     assert w["shape"] == [7, 6]
     assert w["placements"] == ["S(0)"]
-    assert [(c["offsets"], c["sizes"], c["file"]) for c in w["chunks"]] == [
+    assert "chunks" not in w  # the split index: each rank lists its own chunks
+    assert w["mesh_id"] == 0
+    assert index["meshes"] == [{"shape": [2], "start": 0, "strides": [1]}]
+    rows = index_chunks(step, "model/inp.weight")
+    assert [(c["offsets"], c["sizes"], c["file"]) for c in rows] == [
         ([0, 0], [4, 6], "_shards.rank00000.safetensors"),
         ([4, 0], [3, 6], "_shards.rank00001.safetensors"),
     ]
@@ -249,7 +256,13 @@ def test_hsdp_2x2_restores_on_a_1d_mesh_and_in_one_process(tmp_path):
     assert w["mesh"] == [2, 2]
     assert w["mesh_dims"] == ["replicate", "shard"]
     assert w["placements"] == ["R", "S(0)"]
-    assert len(w["chunks"]) == 2  # the replicated copies are written once
+    rows = index_chunks(step, "model/inp.weight")
+    assert len(rows) == 2  # the replicated copies are written once
+    # ... by one replica each, by writes_here's rule: the two parts hold one box apiece or
+    # both, never a box twice.
+    parts = [json.loads(p.read_text())["chunks"] for p in sorted(step.glob("_index.rank*.json"))]
+    held = [c["offsets"] for part in parts for c in part.get("model/inp.weight", [])]
+    assert sorted(held) == sorted(c["offsets"] for c in rows)
     vals = values(launch("dtensor_scenarios:fsdp_restore", 2, tmp_path, timeout=180))
     assert all(v["digests"] == saved["digests"] for v in vals)
     model = make_net(seed=42)
@@ -279,8 +292,7 @@ def test_tensor_parallel_placements_restore_into_other_placements(tmp_path, worl
 
 def _flip_in_chunk(store: Path, step: int, tensor: str, rank_file: str) -> None:
     d = store / f"step-{step:012d}"
-    index = json.loads((d / INDEX_FILE).read_text())
-    chunk = next(c for c in index["tensors"][tensor]["chunks"] if c["file"] == rank_file)
+    chunk = next(c for c in index_chunks(d, tensor) if c["file"] == rank_file)
     path = d / rank_file
     data = bytearray(path.read_bytes())
     data[chunk["start"] + 5] ^= 0x40

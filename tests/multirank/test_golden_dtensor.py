@@ -1,10 +1,12 @@
-"""The golden DTensor checkpoint (format 2): it loads exactly, and today's bytes are its bytes.
+"""The golden DTensor checkpoints: they load exactly, and today's bytes are format 3's bytes.
 
-``tests/golden/v2-dtensor`` was written once by the ``dtensor_scenarios:golden_save`` scenario
-on 2 ranks (``launch("dtensor_scenarios:golden_save", 2, dir)``, then its step directory
-copied). The expected values are written out by hand; saving the same state again must
-reproduce the shard files, ``state.json`` and ``dtensors.json`` byte for byte, so the format
-of sharded checkpoints cannot drift by accident.
+``tests/golden/v2-dtensor`` (format 2: every chunk in ``dtensors.json``) and
+``tests/golden/v3-dtensor`` (format 3: the split index, each rank's chunks in its
+``_index.rankNNNNN.json``) were each written once by the ``dtensor_scenarios:golden_save``
+scenario on 2 ranks (``launch("dtensor_scenarios:golden_save", 2, dir)``, then its step
+directory copied). The expected values are written out by hand, and both must keep loading;
+saving the same state again must reproduce format 3's shard files, ``state.json``, index and
+parts byte for byte, so the format of sharded checkpoints cannot drift by accident.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ from safetensors.torch import load_file
 from ckptstore import CheckpointManager
 from tests.multirank.launch import describe, launch
 
-GOLDEN = Path(__file__).parent.parent / "golden" / "v2-dtensor"
+GOLDENS = Path(__file__).parent.parent / "golden"
+GOLDEN = GOLDENS / "v3-dtensor"
 STEP = "step-000000000007"
 PAYLOADS = [
     "_shards.rank00000.safetensors",
@@ -29,26 +32,34 @@ PAYLOADS = [
     "model.safetensors",
     "state.json",
 ]
+PARTS = ["_index.rank00000.json", "_index.rank00001.json"]
 
 
-@pytest.fixture
-def golden(tmp_path: Path) -> Path:
-    shutil.copytree(GOLDEN, tmp_path / "store")
+@pytest.fixture(params=[2, 3], ids=["v2", "v3"])
+def golden(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
+    shutil.copytree(GOLDENS / f"v{request.param}-dtensor", tmp_path / "store")
     return tmp_path / "store"
+
+
+def _version(golden: Path) -> int:
+    return int(json.loads((golden / STEP / "manifest.json").read_text())["format_version"])
 
 
 def test_manifest_and_deep_verify(golden: Path) -> None:
     mgr = CheckpointManager(golden)
     m = mgr.manifest()
-    assert (m.step, m.format_version, m.world_size) == (7, 2, 2)
+    v = _version(golden)
+    assert (m.step, m.format_version, m.world_size) == (7, v, 2)
     assert m.sharding_kind == "dtensor"
-    assert sorted(m.files) == PAYLOADS
+    assert sorted(m.files) == sorted(PAYLOADS + (PARTS if v == 3 else []))
     assert m.files["_shards.rank00001.safetensors"].rank == 1
     assert m.files["state.json"].rank is None
-    assert dict(m.metadata) == {"note": "golden v2"}
+    if v == 3:
+        assert m.files["_index.rank00001.json"].rank == 1
+    assert dict(m.metadata) == {"note": f"golden v{v}"}
     report = mgr.verify(deep=True)
     assert report.ok, report.problems
-    assert report.files == 5
+    assert report.files == len(m.files)
 
 
 def test_loads_every_value_exactly(golden: Path) -> None:
@@ -80,7 +91,7 @@ def test_restores_into_plain_targets_and_payloads_are_standard(golden: Path) -> 
 def test_saving_today_reproduces_the_golden_bytes(tmp_path: Path) -> None:
     results = launch("dtensor_scenarios:golden_save", 2, tmp_path, timeout=150)
     assert all(r.ok for r in results), describe(results)
-    for name in PAYLOADS:
+    for name in PAYLOADS + PARTS:
         got = (tmp_path / "store" / STEP / name).read_bytes()
         assert got == (GOLDEN / STEP / name).read_bytes(), name
     new = json.loads((tmp_path / "store" / STEP / "manifest.json").read_text())
