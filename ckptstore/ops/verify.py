@@ -20,7 +20,7 @@ import json
 import os
 import stat
 import zipfile
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from typing import Any
 
 from .._progress import Progress
@@ -116,7 +116,7 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
     report.elsewhere = nodes.elsewhere(manifest, nodes.local_ranks(storage, step))
     away = set(report.elsewhere)
     limits = _Limits(storage, manifest)
-    index = _check_index(storage, manifest, report) if manifest.dtensor else None
+    index = _check_index(storage, manifest, report, away) if manifest.dtensor else None
     blocks = _blocks_by_file(index) if deep and index is not None else {}
     for name, entry in sorted(manifest.files.items()):
         if entry.rank in away:
@@ -218,7 +218,9 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
         report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
 
 
-def _check_index(storage: Storage, manifest: Manifest, report: VerifyReport) -> ChunkIndex | None:
+def _check_index(
+    storage: Storage, manifest: Manifest, report: VerifyReport, away: Collection[int] = ()
+) -> ChunkIndex | None:
     """Read and validate the chunk index, and check ``state.json``'s sharded tensors against it.
 
     Problems go into ``report``; returns the index, or ``None`` when it cannot be used.
@@ -229,7 +231,7 @@ def _check_index(storage: Storage, manifest: Manifest, report: VerifyReport) -> 
         return None  # reported as missing
     where = storage.describe(step, INDEX_FILE)
     try:
-        index = split_index.read_index(storage, manifest, where)
+        index = split_index.read_index(storage, manifest, where, away)
     except (CkptStoreError, OSError) as e:
         report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
         return None
@@ -434,7 +436,8 @@ def verify_stored_file(
         return report
     index = None
     if deep and manifest.dtensor and name != INDEX_FILE:
-        index = _check_index(storage, manifest, VerifyReport(target=report.target))
+        away = nodes.elsewhere(manifest, nodes.local_ranks(storage, manifest.step))
+        index = _check_index(storage, manifest, VerifyReport(target=report.target), away)
     blocks = _blocks_by_file(index) if index is not None else {}
     _check_entry(storage, manifest, name, entry, report, deep, _Limits(storage, manifest), blocks)
     return report

@@ -21,11 +21,12 @@ format 2 did. Every part is checked against its CRC32C in the manifest before it
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import json
 import math
 import zlib
-from collections.abc import Callable, Iterable, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import IntegrityError
@@ -381,12 +382,32 @@ class Layout:
         read_part: Callable[[int], bytes | bytearray],
         files: Mapping[str, FileEntry],
         where: str,
+        away: Collection[int] = (),
     ) -> ChunkIndex:
-        """The whole index from every part the manifest lists, checked as format 2 is."""
+        """The whole index from every part the manifest lists, checked as format 2 is.
+
+        ``away``: ranks whose files are not here (a node's copy on node-local roots). Their
+        parts are not read, and the chunks of the others are each checked, but not whether
+        they cover their tensors (the other nodes hold the rest).
+        """
         tensors: dict[str, dict[str, Any]] = {
             n: {**e.to_json(), "chunks": []} for n, e in self.tensors.items()
         }
         ranks = sorted(int(n[11:16]) for n in files if is_part(n) and n[11:16].isdigit())
+        if away:
+            found: dict[str, list[Chunk]] = {n: [] for n in self.tensors}
+            for rank in (r for r in ranks if r not in away):
+                pname = part_file(rank)
+                chunks = self._parse_part(read_part(rank), rank, files, f"{where}/{pname}")
+                for (name, _), chunk in chunks.items():
+                    found[name].append(chunk)
+            return ChunkIndex(
+                tensors={
+                    n: dataclasses.replace(e, chunks=tuple(sorted(found[n], key=_offsets)))
+                    for n, e in self.tensors.items()
+                },
+                block=self.block,
+            )
         for rank in ranks:
             pname = part_file(rank)
             chunks = self._parse_part(read_part(rank), rank, files, f"{where}/{pname}")
@@ -403,13 +424,15 @@ def merged(
     read_part: Callable[[int], bytes | bytearray],
     manifest: Manifest,
     where: str,
+    away: Collection[int] = (),
 ) -> ChunkIndex:
     """The whole chunk index of a step: format 2 as it is, a split one from all its parts.
 
     The manifest's format version says which (3: split), never the index file itself.
+    ``away``: see :meth:`Layout.merged`.
     """
     if is_split(manifest):
-        return Layout.from_bytes(data, where).merged(read_part, manifest.files, where)
+        return Layout.from_bytes(data, where).merged(read_part, manifest.files, where, away)
     return ChunkIndex.from_bytes(data, manifest.files, where)
 
 
@@ -516,6 +539,8 @@ def _split(  # noqa: PLR0917 - recursion
     """
     if not mdims:
         out.append(dict(chosen))
+        if len(out) > _MAX_ENUMERATED:
+            raise IntegrityError(f"over {_MAX_ENUMERATED} boxes to search for one tensor; hostile")
         return
     n = mshape[mdims[0]]
     size = -(-length // n) if length else 0
@@ -545,8 +570,13 @@ def part_reader(storage: Any, step: int, files: Mapping[str, FileEntry]) -> Call
     return read_part
 
 
-def read_index(storage: Any, manifest: Manifest, where: str) -> ChunkIndex:
-    """The whole chunk index of a DTensor step (format 2, or split and merged), checked."""
+def read_index(
+    storage: Any, manifest: Manifest, where: str, away: Collection[int] = ()
+) -> ChunkIndex:
+    """The whole chunk index of a DTensor step (format 2, or split and merged), checked.
+
+    ``away``: ranks whose files another node holds (see :meth:`Layout.merged`).
+    """
     from .chunks import INDEX_FILE
 
     step, files = manifest.step, manifest.files
@@ -554,4 +584,8 @@ def read_index(storage: Any, manifest: Manifest, where: str) -> ChunkIndex:
     if entry is None:
         raise IntegrityError(f"{storage.describe(step)}: the manifest lists no {INDEX_FILE}")
     raw = storage.read_file(step, INDEX_FILE, entry)
-    return merged(raw, part_reader(storage, step, files), manifest, where)
+    return merged(raw, part_reader(storage, step, files), manifest, where, away)
+
+
+def _offsets(c: Chunk) -> tuple[int, ...]:
+    return c.offsets

@@ -34,6 +34,8 @@ if TYPE_CHECKING:
 
 NODES = {"roots": ["node0", "node1"]}
 SHARDS = ["_shards.rank00000.safetensors", "_shards.rank00001.safetensors"]
+#: Each rank's part of the split chunk index (format 3), a file of that rank like its shards.
+PARTS = ["_index.rank00000.json", "_index.rank00001.json"]
 
 
 def _plain_restore(mgr: CheckpointManager) -> tuple[int, dict[str, str]]:
@@ -72,7 +74,7 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
         # Each rank uploaded its own part of step 2 (rank 0 also the plain files).
         assert SHARDS[0] in saved[0]["parts"]["2"]
         assert SHARDS[1] not in saved[0]["parts"]["2"]
-        assert saved[1]["parts"]["2"] == [SHARDS[1]]
+        assert saved[1]["parts"]["2"] == sorted([PARTS[1], SHARDS[1]])
 
         opts = {**ep.storage_options, "skip_instance_cache": True}
         replica = open_storage(url, opts)
@@ -89,7 +91,7 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
         ]
         done = json.loads(replica._open_read(f"step-000000000002/{name}").read())
         assert done["rank"] == 1
-        assert list(done["files"]) == [SHARDS[1]]
+        assert sorted(done["files"]) == sorted([PARTS[1], SHARDS[1]])
 
         # Without a replica, one process on node 0's disk: what the node holds verifies; a
         # read that needs rank 1's shard fails naming it (never a partial result); the
@@ -130,7 +132,7 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
         # both resume from their own disks (rank 1 gets the plain step 1 from rank 0).
         again = {**args, "plain_step": 1}
         back = values(launch("node_scenarios:nodes_recover", 2, tmp_path, timeout=150, args=again))
-        assert back[1]["parts"] == {"3": [SHARDS[1]]}
+        assert back[1]["parts"] == {"3": sorted([PARTS[1], SHARDS[1]])}
         for v in back:
             assert (v["next"], v["step"], v["digests"]) == (4, 3, saved[0]["digests3"])
             assert v["plain"] == [[0.0, 1.0, 2.0, 3.0], 1]
@@ -151,16 +153,17 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
             with injected(counted):
                 assert _plain_restore(mgr) == (3, saved[0]["digests3"])
             streamed = [op.target.rsplit("/", 1)[1] for op in counted.ops]
-            assert streamed == [SHARDS[1]]
+            assert sorted(streamed) == sorted([PARTS[1], SHARDS[1]])
             # The server's side: the objects of step 3 it served (GET), the manifest aside.
             served = {
                 r.path.rsplit("/", 1)[1]
                 for r in ep.requests()
                 if r.method == "GET" and "/step-000000000003/" in r.path
             }
-            assert served - {"manifest.json"} == {SHARDS[1]}
+            assert served - {"manifest.json"} == {PARTS[1], SHARDS[1]}
             entry = mgr.manifest(3).files[SHARDS[1]]
-            assert f"({1} file(s), {entry.bytes} bytes)" in caplog.text
+            part = mgr.manifest(3).files[PARTS[1]]
+            assert f"(2 file(s), {entry.bytes + part.bytes} bytes)" in caplog.text
             assert "fetched rank(s) [1]'s files" in caplog.text
             report = mgr.verify(3)
             assert (report.ok, report.elsewhere) == (True, [])

@@ -1,0 +1,205 @@
+"""The split chunk index (format 3): where each chunk is, computed rather than listed.
+
+The box search is checked against DTensor's own layout arithmetic on random layouts, the
+writer rule against the save's (``writes_here``), and a restoring rank is shown to read the
+parts of the ranks whose boxes overlap its target only.
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+import random
+from typing import Any
+
+import pytest
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+from ckptstore.errors import IntegrityError
+from ckptstore.integrity import format_crc
+from ckptstore.manifest import FileEntry
+from ckptstore.sharded import plan as sharding
+from ckptstore.sharded import split_index as si
+from ckptstore.sharded.chunks import BLOCK, TensorEntry
+
+
+def _names(objs: list[Any]) -> tuple[str, ...]:
+    return tuple(f"S({p.dim})" if p.is_shard() else "R" for p in objs)
+
+
+def _layout(shape: tuple[int, ...], mesh: tuple[int, ...], objs: list[Any]) -> si.Layout:
+    strides = [math.prod(mesh[i + 1 :]) for i in range(len(mesh))]
+    entry = TensorEntry("float32", shape, (), mesh, (), _names(objs))
+    return si.Layout(
+        {"t": entry}, [{"shape": list(mesh), "start": 0, "strides": strides}], {"t": 0}, BLOCK
+    )
+
+
+def _brute(
+    shape: tuple[int, ...], mesh: tuple[int, ...], objs: list[Any], lo: list[int], hi: list[int]
+) -> set[tuple[tuple[int, ...], tuple[int, ...]]]:
+    out = set()
+    for coord in itertools.product(*(range(n) for n in mesh)):
+        if any(p.is_replicate() and c for p, c in zip(objs, coord, strict=True)):
+            continue
+        sizes, offs = _compute_local_shape_and_global_offset(shape, mesh, list(coord), objs)
+        if 0 in sizes and shape:
+            continue
+        if any(o >= h or o + s <= low for o, s, low, h in zip(offs, sizes, lo, hi, strict=True)):
+            continue
+        out.add((tuple(offs), tuple(sizes)))
+    return out
+
+
+def test_the_box_search_finds_what_dtensor_lays_out() -> None:
+    """Uneven splits, nested Shard on one dim, Replicate: the same boxes as a full search."""
+    rnd = random.Random(1)
+    for _ in range(1500):
+        nd = rnd.randint(1, 3)
+        shape = tuple(rnd.randint(0, 13) for _ in range(nd))
+        mesh = tuple(rnd.randint(1, 4) for _ in range(rnd.randint(1, 3)))
+        objs = [Replicate() if rnd.random() < 0.3 else Shard(rnd.randrange(nd)) for _ in mesh]
+        lo = [rnd.randint(0, max(0, d - 1)) for d in shape]
+        hi = [rnd.randint(a + 1, max(a + 1, d)) for a, d in zip(lo, shape, strict=True)]
+        got = {(o, s) for o, s, _ in _layout(shape, mesh, objs).boxes("t", lo, hi)}
+        assert got == _brute(shape, mesh, objs, lo, hi), (shape, mesh, _names(objs), lo, hi)
+
+
+class _Mesh:
+    def __init__(self, shape: tuple[int, ...], coordinate: list[int]) -> None:
+        self.shape = shape
+        self._coordinate = coordinate
+
+    def get_coordinate(self) -> list[int]:
+        return self._coordinate
+
+
+class _Held:
+    def __init__(self, mesh: _Mesh, placements: list[Any]) -> None:
+        self.device_mesh = mesh
+        self.placements = placements
+
+
+@pytest.mark.parametrize("kinds", ["R", "RS", "SR", "RSR"])
+def test_the_writer_of_a_box_is_the_holder_that_wrote_it(kinds: str) -> None:
+    """A restoring rank finds each box in the part of the rank writes_here made write it."""
+    mesh = tuple(2 + i for i in range(len(kinds)))
+    objs = [Replicate() if k == "R" else Shard(0) for k in kinds]
+    lay = _layout((24,), mesh, objs)
+    strides = [math.prod(mesh[i + 1 :]) for i in range(len(mesh))]
+    for name in ("model/w", "layers.3.attn.q_proj.weight", "b"):
+        lay.tensors[name] = lay.tensors["t"]
+        lay.mesh_of[name] = 0
+        wrote = {}
+        for coord in itertools.product(*(range(n) for n in mesh)):
+            if sharding.writes_here(_Held(_Mesh(mesh, list(coord)), objs), name):
+                box = tuple(c for c, k in zip(coord, kinds, strict=True) if k == "S")
+                wrote[box] = sum(c * s for c, s in zip(coord, strides, strict=True))
+        for offsets, _, writer in lay.boxes(name, [0], [24]):
+            n_shards = math.prod(n for n, k in zip(mesh, kinds, strict=True) if k == "S")
+            box = (offsets[0] // (24 // n_shards),) if n_shards > 1 else ()
+            assert wrote[box] == writer, (name, offsets)
+
+
+def _part(rank: int, name: str, boxes: list[tuple[int, int]]) -> bytes:
+    chunks = [
+        {
+            "offsets": [o, 0],
+            "sizes": [n, 4],
+            "file": f"_shards.rank{rank:05d}.safetensors",
+            "start": 0,
+            "bytes": n * 16,
+            "crc32c": [format_crc(0)],
+        }
+        for o, n in boxes
+    ]
+    doc = {"ckptstore_chunk_part": 1, "rank": rank, "block": BLOCK, "chunks": {name: chunks}}
+    return json.dumps(doc).encode()
+
+
+def _files(world: int, rows: int) -> dict[str, FileEntry]:
+    files = {}
+    for r in range(world):
+        name = f"_shards.rank{r:05d}.safetensors"
+        files[name] = FileEntry(bytes=rows * 16, crc32c=0, codec="safetensors", rank=r)
+        files[si.part_file(r)] = FileEntry(bytes=1, crc32c=0, codec="json", rank=r)
+    return files
+
+
+def test_a_resharded_restore_reads_only_the_parts_it_needs() -> None:
+    """A 64-way FSDP split restored on 16 ranks: each target reads 4 parts, not 64."""
+    world, rows = 64, 640
+    lay = _layout((rows, 4), (world,), [Shard(0)])
+    lay.tensors = {"w": TensorEntry("float32", (rows, 4), (), (world,), (), ("S(0)",))}
+    lay.mesh_of = {"w": 0}
+    files = _files(world, rows)
+    read: list[int] = []
+
+    def read_part(rank: int) -> bytes:
+        read.append(rank)
+        return _part(rank, "w", [(rank * 10, 10)])
+
+    index = lay.resolve({"w": ((40, 0), (80, 4))}, read_part, files, "test")
+    assert read == [4, 5, 6, 7]
+    assert [c.offsets for c in index.tensors["w"].chunks] == [(40, 0), (50, 0), (60, 0), (70, 0)]
+    read.clear()
+    lay.merged(read_part, files, "test")  # verify's view: every part
+    assert read == list(range(world))
+
+
+def test_a_part_that_lacks_its_box_or_lies_about_it_is_refused() -> None:
+    lay = _layout((20, 4), (2,), [Shard(0)])
+    lay.tensors = {"w": TensorEntry("float32", (20, 4), (), (2,), (), ("S(0)",))}
+    lay.mesh_of = {"w": 0}
+    files = _files(2, 20)
+    with pytest.raises(IntegrityError, match=r"no chunk of 'w' at \[0, 0\], which rank 0 wrote"):
+        lay.resolve({"w": ((0, 0), (20, 4))}, lambda r: _part(r, "w", []), files, "test")
+    with pytest.raises(IntegrityError, match="no chunk of 'w'"):  # a box of another size
+        lay.resolve({"w": ((0, 0), (20, 4))}, lambda r: _part(r, "w", [(r * 10, 9)]), files, "t")
+    with pytest.raises(IntegrityError, match="not the index part of rank 1"):
+        lay.resolve({"w": ((10, 0), (20, 4))}, lambda r: _part(0, "w", [(10, 10)]), files, "t")
+    with pytest.raises(IntegrityError, match="not valid JSON"):
+        lay.resolve({"w": ((10, 0), (20, 4))}, lambda r: b"{", files, "t")
+
+
+@pytest.mark.parametrize(
+    ("edit", "expected"),
+    [
+        (lambda d: d.update(ckptstore_chunks=1), "not a split chunk index"),
+        (lambda d: d["meshes"][0].update(shape=[1 << 30]), "a mesh of"),
+        (lambda d: d["meshes"][0].update(start=-1), "'start'"),
+        (lambda d: d["meshes"].__setitem__(0, {"shape": [2], "ranks": [0]}), "1 ranks for"),
+        (lambda d: d["tensors"]["w"].update(mesh_id=3), "names no mesh"),
+        (lambda d: d["tensors"]["w"].update(placements=["S(5)"]), "placement"),
+        (lambda d: d["tensors"]["w"].update(dtype="float128"), "unsupported dtype"),
+    ],
+)
+def test_a_hostile_layout_is_refused(edit: Any, expected: str) -> None:
+    doc = {
+        "ckptstore_chunks": si.SPLIT_FORMAT,
+        "block": BLOCK,
+        "meshes": [{"shape": [2], "start": 0, "strides": [1]}],
+        "tensors": {
+            "w": {
+                "dtype": "float32",
+                "shape": [20, 4],
+                "mesh": [2],
+                "mesh_dims": ["dp"],
+                "placements": ["S(0)"],
+                "mesh_id": 0,
+            }
+        },
+    }
+    si.Layout.from_bytes(json.dumps(doc).encode(), "ok")
+    edit(doc)
+    with pytest.raises(IntegrityError, match=expected):
+        si.Layout.from_bytes(json.dumps(doc).encode(), "test")
+
+
+def test_a_layout_of_too_many_boxes_is_refused_before_they_are_made() -> None:
+    """A hostile mesh of 2**12 x 2**12 ranks splitting one dim: bounded, not 16M boxes."""
+    lay = _layout((1 << 30,), (1 << 12, 1 << 12), [Shard(0), Shard(0)])
+    with pytest.raises(IntegrityError, match="boxes to search for one tensor"):
+        lay.boxes("t", [0], [1 << 30])
