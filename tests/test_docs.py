@@ -375,7 +375,12 @@ _PATH_REF = re.compile(r"`([\w./-]+\.(?:py|json)|(?:ckptstore|tests|tools|benchm
 _DOTTED_REF = re.compile(r"`(ckptstore(?:\.\w+)+)")
 _SEARCHED = ("ckptstore", "tests", "tools", "benchmarks")
 #: Files the docs name that a command writes, not files of the repository.
-_OUTPUTS = {"bench-out/bench.json", "model.safetensors.index.json", "config.json"}
+_OUTPUTS = {
+    "bench-out/bench.json",
+    "model.safetensors.index.json",
+    "config.json",
+    "_index.rankNNNNN.json",  # a rank's part of a DTensor step's chunk index (format 3)
+}
 
 
 def _path_exists(ref: str) -> bool:

@@ -54,7 +54,6 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("ops/verify.py", "_dtensor_nodes", "RecursionError"): "caught by its caller",
     ("restore/partial.py", "read_some", "ValueError"): "internal: callers check first",
     ("sharded/chunks.py", "dtype_name", "KeyError"): "lookup; callers raise their own error",
-    ("sharded/plan.py", "_planned", "RuntimeError"): "internal invariant (a bug)",
     ("storage/base.py", "_rename", "NotImplementedError"): "abstract storage method",
     ("storage/base.py", "_exchange", "NotImplementedError"): "capability probe, caught",
     ("storage/base.py", "prepare", "ValueError"): "internal precondition (a bug)",
