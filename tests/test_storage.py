@@ -665,7 +665,7 @@ def test_newer_format_version_is_refused(store: StoreView) -> None:
     rel = f"{step_dir(2)}/{MANIFEST}"
     store.write(rel, forge_manifest(store.read(rel), lambda d: d.update(format_version=4)))
     with CheckpointManager(store.url) as mgr:
-        with pytest.raises(ManifestError, match="format version 3") as ei:
+        with pytest.raises(ManifestError, match="format version 4") as ei:
             mgr.restore(fresh_like(states[1]), step=2)
         assert "newer ckptstore" in str(ei.value)
         assert "Upgrade" in str(ei.value)
