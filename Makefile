@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded clean
+.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded scale-real scale-sim clean
 
 venv: $(STAMP)
 
@@ -65,6 +65,18 @@ crashtest: $(STAMP)
 SHARDED_CRASH_ARGS ?= --trials 300
 crashtest-sharded: $(STAMP)
 	$(BIN)/python tools/crash_sharded.py $(SHARDED_CRASH_ARGS)
+
+# Sharded coordination with real processes (issue 21): bytes, collectives and CPU per rank
+# for 2..16 ranks, beside the ckptstore of SCALE_BASELINE; a plot in docs/.
+SCALE_BASELINE ?= 2f0f77c
+scale-real: $(STAMP)
+	$(BIN)/python tools/scale_real.py --worlds 2 4 8 16 --baseline $(SCALE_BASELINE) \
+		--json benchmarks/results/scale_real.json --plot docs/img/scale_real.png
+
+# The same at 64..16,384 ranks, one simulated rank at a time on a fake process group.
+scale-sim: $(STAMP)
+	$(BIN)/python tools/scale_sim.py --baseline $(SCALE_BASELINE) \
+		--json benchmarks/results/scale_sim.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info site

@@ -1,0 +1,48 @@
+"""tools/scale_sim.py: one simulated rank of an N-rank FSDP2 save on a fake process group."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.mark.timeout(300)
+def test_a_non_zero_rank_exchanges_as_much_at_32_ranks_as_at_8(tmp_path: Path) -> None:
+    out = tmp_path / "sim.json"
+    proc = subprocess.run(
+        [
+            sys.executable,
+            str(ROOT / "tools" / "scale_sim.py"),
+            "--worlds",
+            "8",
+            "32",
+            "--json",
+            str(out),
+        ],
+        capture_output=True,
+        text=True,
+        timeout=280,
+        check=False,
+    )
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    small, large = json.loads(out.read_text())
+    assert (small["world"], large["world"]) == (8, 32)
+    for key in ("sent", "received", "collectives"):
+        a, b = small["rank1"][key], large["rank1"][key]
+        assert b <= a * 1.05 + 64, (key, a, b)  # flat in the world size
+    # Rank 0 gathers one slot (and one table) a rank: it grows with N, and it alone.
+    assert large["rank0"]["received"] > 3 * small["rank0"]["received"]
+    # save:enter, save:plan, save:gather, save:commit
+    assert large["rank1"]["collectives"] == 4
+    assert set(large["rank1"]["by_phase"]) == {
+        "save:enter",
+        "save:plan",
+        "save:gather",
+        "save:commit",
+    }

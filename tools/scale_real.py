@@ -1,0 +1,322 @@
+"""Coordination of sharded saves and restores, measured with real processes (issue 21).
+
+For each world size (``--worlds 2 4 8 16``), spawns that many ranks (gloo on CPU, one
+machine), each holding a small FSDP2 model (``--layers`` linear layers, ``fully_shard`` on a
+1-D mesh, AdamW state, so 3 DTensors a parameter) and:
+
+1. saves it twice (the first save plans; the second reuses the plan), then
+2. restores the newest step into a fresh model on the same world size.
+
+Every rank reports what its ``Coordinator`` exchanged (``Coordinator.stats``: collectives,
+torch calls, bytes sent and received) and the CPU seconds of each save phase (the save
+pipeline's phase clock), for the first save, the second, and the restore. The summary
+prints rank 0 and the largest non-zero figure (the worst non-zero rank) per world size;
+``--json`` keeps every rank's numbers and ``--plot`` draws received bytes and coordination
+CPU against the world size (matplotlib).
+
+What to expect (the design, docs/design.md#what-each-rank-exchanges): a non-zero rank's
+bytes and collectives stay flat as the world grows; rank 0 receives one slot per rank.
+Timings on a 2-core machine running 16 processes measure contention, not the protocol:
+read the bytes and counts, and the CPU seconds only as a trend.
+
+    .venv/bin/python tools/scale_real.py --worlds 2 4 8 16 --json out.json --plot docs/scale.png
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tools"))
+
+from demo import run_ranks  # one launcher for every multi-rank tool  # noqa: E402
+
+
+def rank_main(args: argparse.Namespace) -> None:
+    """One rank: build, save twice, restore; write what its coordinator exchanged."""
+    import torch
+    import torch.distributed as dist
+    from torch import nn
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptstore import CheckpointManager
+
+    dist.init_process_group("gloo")
+    rank, world = dist.get_rank(), dist.get_world_size()
+
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        torch.manual_seed(0)
+        # Odd sizes: FSDP2's shards of dim 0 are uneven on most world sizes.
+        model = nn.Sequential(*(nn.Linear(24, 24) for _ in range(args.layers)))
+        mesh = init_device_mesh("cpu", (world,))
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(2, 24)).sum().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = build()
+    wire = Wire()
+    out: dict[str, Any] = {"rank": rank, "world": world}
+    with CheckpointManager(args.store, keep=None, barrier_timeout=120) as mgr:
+        stats = getattr(mgr.coord, "stats", None)  # the baseline's coordinator has none
+
+        def timed(tag: str, call: Any) -> None:
+            if stats is not None:
+                stats.clear()
+            wire.take()
+            wire.on = True
+            t0, c0 = time.perf_counter(), time.process_time()
+            call()
+            out[tag] = {
+                **wire.take(),
+                "wall": time.perf_counter() - t0,
+                "cpu": time.process_time() - c0,
+                "collectives": len(stats.records) if stats is not None else None,
+                "by_phase": _by_phase(stats.records) if stats is not None else {},
+            }
+            wire.on = False
+
+        timed("save1", lambda: mgr.save(1, {"model": model, "optimizer": opt}))
+        timed("save2", lambda: mgr.save(2, {"model": model, "optimizer": opt}))
+        fresh, fresh_opt = build()
+        timed("restore", lambda: mgr.restore({"model": fresh, "optimizer": fresh_opt}))
+        same = all(
+            torch.equal(a.full_tensor(), b.full_tensor())
+            for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
+        )
+        out["restored_equal"] = bool(same)
+    Path(f"{args.result}.rank{rank}").write_text(json.dumps(out))
+    dist.destroy_process_group()
+
+
+class Wire:
+    """Bytes and calls through ``torch.distributed`` while ``on``: what a rank put on the wire.
+
+    Counted at torch.distributed's functions (patched there and in ``distributed_c10d``, where
+    its own object collectives look them up), so the same count applies to any version of ckptstore,
+    the baseline included. Logical payloads, as ``ckptstore.dist.CollectiveStats`` counts
+    them: an all-gather brings a rank every other rank's tensor, a gather brings ``dst``
+    every other rank's, a broadcast brings its tensor to every rank but ``src``.
+    """
+
+    def __init__(self) -> None:
+        import torch.distributed as dist
+        import torch.distributed.distributed_c10d as c10d
+
+        self.on = False
+        self.sent = self.received = self.calls = 0
+        me = c10d.get_rank
+
+        def wrap(name: str, count: Any) -> None:
+            real = getattr(c10d, name)
+
+            def patched(*a: Any, **k: Any) -> Any:
+                if self.on:
+                    self.calls += 1
+                    sent, received = count(me(), *a, **k)
+                    self.sent += sent
+                    self.received += received
+                return real(*a, **k)
+
+            setattr(c10d, name, patched)  # torch's object collectives call these
+            setattr(dist, name, patched)  # ckptstore calls these
+
+        def nb(t: Any) -> int:
+            return int(t.numel() * t.element_size())
+
+        def all_gather(rank: int, out: list[Any], t: Any, *a: Any, **k: Any) -> tuple[int, int]:
+            return nb(t), sum(nb(x) for x in out) - nb(t)
+
+        def gather(rank: int, t: Any, gather_list: Any = None, *a: Any, **k: Any) -> Any:
+            if gather_list:
+                return 0, sum(nb(x) for x in gather_list) - nb(t)
+            return nb(t), 0
+
+        def broadcast(rank: int, t: Any, src: int = 0, *a: Any, **k: Any) -> tuple[int, int]:
+            return (nb(t), 0) if rank == k.get("src", src) else (0, nb(t))
+
+        def send(rank: int, t: Any, *a: Any, **k: Any) -> tuple[int, int]:
+            return nb(t), 0
+
+        def recv(rank: int, t: Any, *a: Any, **k: Any) -> tuple[int, int]:
+            return 0, nb(t)
+
+        def nothing(rank: int, *a: Any, **k: Any) -> tuple[int, int]:
+            return 0, 0
+
+        wrap("all_gather", all_gather)
+        wrap("gather", gather)
+        wrap("broadcast", broadcast)
+        wrap("send", send)
+        wrap("recv", recv)
+        for name in ("barrier", "monitored_barrier", "all_reduce"):
+            wrap(name, nothing)
+
+    def take(self) -> dict[str, int]:
+        """The counts so far, and start again from zero."""
+        out = {"sent": self.sent, "received": self.received, "calls": self.calls}
+        self.sent = self.received = self.calls = 0
+        return out
+
+
+def _by_phase(records: list[tuple[str, str, int, int, int, float]]) -> dict[str, list[Any]]:
+    """``{phase: [op, sent, received, calls]}`` summed over the phase's records."""
+    out: dict[str, list[Any]] = {}
+    for phase, op, sent, received, calls, _ in records:
+        row = out.setdefault(phase, [op, 0, 0, 0])
+        if op != "barrier":
+            row[0] = op
+        row[1] += sent
+        row[2] += received
+        row[3] += calls
+    return out
+
+
+def measure(
+    worlds: list[int], layers: int, timeout: float, code: Path | None = None
+) -> list[dict[str, Any]]:
+    """Every world size's per-rank results; ``code``: a tree whose ckptstore the ranks run."""
+    if code is not None:
+        os.environ["PYTHONPATH"] = str(code)
+    runs = []
+    for world in worlds:
+        with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as tmp:
+            work = Path(tmp)
+            cmd = [
+                sys.executable,
+                str(Path(__file__).resolve()),
+                "--rank-main",
+                "--store",
+                str(work / "store"),
+                "--result",
+                str(work / "result"),
+                "--layers",
+                str(layers),
+            ]
+            ranks = run_ranks(cmd, world, work / "result", timeout=timeout, prog="scale_real")
+            bad = [r for r in ranks if r.get("returncode") != 0 or not r.get("restored_equal")]
+            if bad:
+                sys.exit(f"scale_real: world {world}: a rank failed: {bad[:2]}")
+            runs.append({"world": world, "ranks": ranks})
+    os.environ.pop("PYTHONPATH", None)
+    return runs
+
+
+def extract(rev: str, into: Path) -> Path:
+    """The ckptstore package of commit ``rev`` of this repository, under ``into``."""
+    import subprocess
+
+    archive = subprocess.run(
+        ["git", "-C", str(ROOT), "archive", rev, "ckptstore"], check=True, capture_output=True
+    ).stdout
+    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
+    return into
+
+
+def summary(runs: list[dict[str, Any]]) -> str:
+    """A table: rank 0 and the worst non-zero rank, per world size and operation."""
+    head = (
+        f"{'ranks':>5} {'op':<8} {'coll':>4} {'calls':>5} | {'rank 0 recv':>11} "
+        f"{'sent':>8} {'cpu s':>6} | {'max other recv':>14} {'sent':>8} {'cpu s':>6}"
+    )
+    lines = [head, "-" * len(head)]
+    for run in runs:
+        ranks = run["ranks"]
+        for op in ("save1", "save2", "restore"):
+            r0 = ranks[0][op]
+            others = [r[op] for r in ranks[1:]] or [r0]
+            lines.append(
+                f"{run['world']:>5} {op:<8} {r0['collectives'] or '-':>4} {r0['calls']:>5} | "
+                f"{_b(r0['received']):>11} {_b(r0['sent']):>8} {r0['cpu']:>6.2f} | "
+                f"{_b(max(o['received'] for o in others)):>14} "
+                f"{_b(max(o['sent'] for o in others)):>8} {max(o['cpu'] for o in others):>6.2f}"
+            )
+    return "\n".join(lines)
+
+
+def _b(n: float) -> str:
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
+def plot(runs: list[dict[str, Any]], path: Path) -> None:
+    """Received bytes and CPU seconds of the first save against the world size."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    worlds = [r["world"] for r in runs]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    for op, style in (("save1", "-o"), ("restore", "--s")):
+        r0 = [r["ranks"][0][op]["received"] / 1024 for r in runs]
+        rn = [max(x[op]["received"] for x in r["ranks"][1:]) / 1024 for r in runs]
+        ax1.plot(worlds, r0, style, label=f"rank 0, {op}")
+        ax1.plot(worlds, rn, style, label=f"worst other rank, {op}")
+        c0 = [r["ranks"][0][op]["cpu"] for r in runs]
+        cn = [max(x[op]["cpu"] for x in r["ranks"][1:]) for r in runs]
+        ax2.plot(worlds, c0, style, label=f"rank 0, {op}")
+        ax2.plot(worlds, cn, style, label=f"worst other rank, {op}")
+    ax1.set(xlabel="ranks", ylabel="KB received by ckptstore's collectives", xscale="log")
+    ax2.set(xlabel="ranks", ylabel="CPU seconds (whole save / restore)", xscale="log")
+    for ax in (ax1, ax2):
+        ax.set_xticks(worlds, [str(w) for w in worlds])
+        ax.legend(fontsize=7)
+        ax.grid(alpha=0.3)
+    fig.suptitle("ckptstore sharded save/restore coordination, real gloo processes")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
+    p.add_argument("--layers", type=int, default=60)
+    p.add_argument("--timeout", type=float, default=600)
+    p.add_argument(
+        "--baseline",
+        metavar="REV",
+        help="also measure the ckptstore of this commit, side by side (e.g. 2f0f77c: before "
+        "issue 21's protocol)",
+    )
+    p.add_argument("--json", type=Path)
+    p.add_argument("--plot", type=Path)
+    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--store", help=argparse.SUPPRESS)
+    p.add_argument("--result", help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.rank_main:
+        os.environ.setdefault("OMP_NUM_THREADS", "1")
+        rank_main(args)
+        return
+    runs = measure(args.worlds, args.layers, args.timeout)
+    print("this tree:\n" + summary(runs))
+    doc: dict[str, Any] = {"current": runs}
+    if args.baseline:
+        with tempfile.TemporaryDirectory(prefix="ckpt-baseline-") as tmp:
+            code = extract(args.baseline, Path(tmp))
+            doc["baseline"] = measure(args.worlds, args.layers, args.timeout, code)
+        print(f"\nbaseline {args.baseline}:\n" + summary(doc["baseline"]))
+    if args.json:
+        args.json.write_text(json.dumps(doc, indent=1))
+    if args.plot:
+        plot(runs, args.plot)
+        print(f"plot: {args.plot}")
+
+
+if __name__ == "__main__":
+    main()
