@@ -107,6 +107,9 @@ HOSTILE = {
     "negative": json.dumps({"version": 1, "devices": {"k": {"read": {"direct": -1.0}}}}).encode(),
     "nan": b'{"version": 1, "devices": {"k": {"read": {"buffered": NaN}}}}',
     "unknown-mode": json.dumps({"version": 1, "devices": {"k": {"read": {"mmap": 1e9}}}}).encode(),
+    # issue 24 #8: math.isfinite raised OverflowError on this, out of every large save/load
+    "huge-int": b'{"version": 1, "devices": {"k": {"read": {"direct": 1' + b"0" * 400 + b"}}}}",
+    "huge-int-t": b'{"version": 1, "devices": {"k": {"t": 1' + b"0" * 400 + b', "read": {}}}}',
     "many-devices": json.dumps(
         {"version": 1, "devices": {str(i): {} for i in range(iocache.MAX_DEVICES + 1)}}
     ).encode(),
@@ -182,3 +185,24 @@ def test_a_forced_mode_wins_over_the_cache(
     LocalStorage(str(tmp_path))._stream("f", lambda o, v: None)
     assert iomode.decisions()[0]["mode"] == other
     assert twins == ["f"]  # one O_DIRECT read in all: the forced one or the cached one
+
+
+def test_a_planted_link_at_the_temp_path_is_neither_followed_nor_overwritten(
+    tmp_path: Path, cache: Path
+) -> None:
+    """issue 24 #8: the temp file is opened O_EXCL | O_NOFOLLOW."""
+    import threading
+
+    dev = os.stat(tmp_path).st_dev
+    cache.parent.mkdir(parents=True)
+    victim = tmp_path / "victim"
+    victim.write_text("precious")
+    tmp = f"{cache}.{os.getpid()}.{threading.get_ident()}.tmp"
+    os.symlink(victim, tmp)
+    iocache.store(dev, "read", {"direct": 1e9})
+    assert victim.read_text() == "precious"
+    assert os.path.islink(tmp)  # left where it is
+    assert not cache.exists()  # this update was skipped, nothing else happened
+    os.unlink(tmp)
+    iocache.store(dev, "read", {"direct": 1e9})
+    assert iocache.load(dev, "read") == {"direct": 1e9}

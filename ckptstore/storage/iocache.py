@@ -82,6 +82,10 @@ def device_key(dev: int) -> str:
     return key
 
 
+#: Latest time a cache entry may claim (the year 5138): beyond, or NaN, it is not a time.
+_MAX_TIME = 1e11
+
+
 def _warn(path: str, why: str) -> None:
     if why not in _warned:  # once per process and reason, not at every large file
         _warned.add(why)
@@ -120,7 +124,10 @@ def _read(path: str) -> dict[str, Any] | None:
     except (ValueError, RecursionError) as e:  # RecursionError: hostile nesting
         _warn(path, f"not JSON ({type(e).__name__})")
         return None
-    why = _invalid(doc)
+    try:
+        why = _invalid(doc)
+    except Exception as e:
+        why = f"not a valid cache ({type(e).__name__})"
     if why:
         _warn(path, why)
         return None
@@ -137,7 +144,8 @@ def _invalid(doc: Any) -> str:
     for key, entry in devices.items():
         if not isinstance(key, str) or len(key) > 512 or not isinstance(entry, dict):
             return "a device entry is malformed"
-        if not isinstance(entry.get("t", 0), int | float):
+        t = entry.get("t", 0)
+        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t <= _MAX_TIME:
             return f"device {key[:64]!r}: 't' is not a time"
         for op in _OPS:
             speeds = entry.get(op, {})
@@ -145,7 +153,9 @@ def _invalid(doc: Any) -> str:
                 return f"device {key[:64]!r}: {op!r} is not a table of modes"
             for mode, bps in speeds.items():
                 ok = isinstance(bps, int | float) and not isinstance(bps, bool)
-                if not ok or not math.isfinite(bps) or not 0 < bps <= _MAX_SPEED:
+                # The range first: math.isfinite raises OverflowError on a huge JSON
+                # integer, and comparing one to a float does not.
+                if not ok or not 0 < bps <= _MAX_SPEED or not math.isfinite(bps):
                     return f"device {key[:64]!r}: {op} {mode} speed {bps!r} is not a speed"
     return ""
 
@@ -187,7 +197,10 @@ def store(dev: int, op: str, speeds: dict[str, float]) -> None:
             for old in sorted(devices, key=lambda k: devices[k].get("t", 0))[:-MAX_DEVICES]:
                 del devices[old]
             os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-            fd = os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC, 0o644)
+            # O_EXCL | O_NOFOLLOW: a symlink (or anything) planted at the temp path is
+            # neither followed nor overwritten; the update is skipped instead.
+            flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_NOFOLLOW | os.O_CLOEXEC
+            fd = os.open(tmp, flags, 0o644)
             try:
                 os.write(fd, json.dumps(doc, indent=1, sort_keys=True).encode())
                 os.fsync(fd)
@@ -196,6 +209,8 @@ def store(dev: int, op: str, speeds: dict[str, float]) -> None:
             # The rename makes it whole or absent to a reader; the directory is not
             # fsynced: losing the last update in a crash costs one measurement.
             os.replace(tmp, path)
+    except FileExistsError as e:  # not ours: leave it where it is
+        log.debug("could not write the I/O mode cache %s: %s", path, e)
     except OSError as e:
         log.debug("could not write the I/O mode cache %s: %s", path, e)
         with contextlib.suppress(OSError):
