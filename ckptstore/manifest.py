@@ -27,6 +27,7 @@ __all__ = [
     "FileEntry",
     "Manifest",
     "validate_file_name",
+    "validate_payload_name",
 ]
 
 #: The format version written for replicated and per-rank checkpoints.
@@ -47,6 +48,28 @@ MAX_FILE_BYTES = 1 << 50
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 CODECS = ("safetensors", "torch", "json")
 COMPRESSIONS = (None, "zstd")
+
+
+#: Files a step directory holds beside its payloads, written by the store itself (see
+#: ``layout.py``): a manifest listing one could make a fetch or a copy plant a marker.
+MARKER_NAMES = frozenset({"pinned", "replicated", "local-ranks"})
+
+
+def validate_payload_name(name: object) -> str:
+    """:func:`validate_file_name`, and not the name of a marker the store writes itself.
+
+    Raises:
+        ManifestError: an unsafe name, or a marker's (``pinned``, ``replicated``,
+            ``local-ranks``).
+    """
+    validate_file_name(name)
+    if name in MARKER_NAMES:
+        msg = (
+            f"file name {name!r} in manifest is the name of a marker the store writes itself "
+            "(pinned, replicated, local-ranks), not a payload; the manifest is corrupt or hostile"
+        )
+        raise ManifestError(msg)
+    return str(name)
 
 
 def validate_file_name(name: object) -> str:
@@ -248,7 +271,7 @@ class Manifest:
         files: dict[str, FileEntry] = {}
         for name, row in files_raw.items():
             try:
-                validate_file_name(name)
+                validate_payload_name(name)
             except ManifestError as e:  # say which manifest holds the name
                 raise ManifestError(f"{where}: {e}") from None
             files[name] = _file_entry(row, f"{where}: file {name!r}")

@@ -308,3 +308,15 @@ def test_listing_cache_leaves_blocks_out() -> None:
     back = Manifest.from_cache(json.loads(json.dumps(m.to_cache())))
     assert back.files["model.safetensors"].blocks is None
     assert back.files["model.safetensors"].crc32c == m.files["model.safetensors"].crc32c
+
+
+@pytest.mark.parametrize("marker", ["pinned", "replicated", "local-ranks"])
+def test_a_payload_named_like_a_marker_is_refused(marker: str) -> None:
+    """issue 24 #10: a manifest cannot make a fetch or a copy plant a marker."""
+    from ckptstore.layout import LOCAL_RANKS_NAME, PIN_NAME, REPLICATED_NAME
+    from ckptstore.manifest import MARKER_NAMES
+
+    assert {PIN_NAME, REPLICATED_NAME, LOCAL_RANKS_NAME} == MARKER_NAMES
+    doc = json.loads(sample().to_bytes())
+    doc["files"][marker] = doc["files"]["state.json"]
+    refuse(resign(doc), f"file name {marker!r}", "marker the store writes itself")

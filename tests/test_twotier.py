@@ -65,3 +65,40 @@ def test_another_directory_is_a_replica(tmp_path: Path) -> None:
     assert CheckpointManager(other).steps() == [1, 2]
     assert not issubclass(ReplicaError, ValueError)
     assert os.path.isdir(other / step_dir(1))
+
+
+def test_a_replica_manifest_listing_a_marker_is_refused_and_plants_nothing(
+    tmp_path: Path,
+) -> None:
+    """issue 24 #10: the replica's step 2 lists a 'pinned' file; the fetch refuses it."""
+    import json
+
+    from _helpers import forge_manifest
+
+    from ckptstore.integrity import crc32c_of, format_crc
+
+    local, remote = tmp_path / "local", tmp_path / "replica"
+    state = make_state()
+    with CheckpointManager(local, replica=str(remote)) as mgr:
+        mgr.save(1, state)
+        mgr.save(2, state)
+    # The local copy of step 2 is gone; the replica's lists a planted marker.
+    import shutil
+
+    shutil.rmtree(local / step_dir(2))
+    (remote / step_dir(2) / "pinned").write_text("planted")
+    mpath = remote / step_dir(2) / "manifest.json"
+
+    def plant(d: dict[str, object]) -> None:
+        files = d["files"]
+        assert isinstance(files, dict)
+        crc = format_crc(crc32c_of(b"planted"))
+        files["pinned"] = {"bytes": 7, "crc32c": crc, "codec": "json"}
+
+    mpath.write_bytes(forge_manifest(mpath.read_bytes(), plant))
+    json.loads(mpath.read_text())  # still JSON, self-checksum forged to match
+    with CheckpointManager(local, replica=str(remote)) as mgr:
+        target = make_state()
+        assert mgr.restore(target) == 1  # the previous good step
+    assert not (local / step_dir(2)).exists()
+    assert not (local / step_dir(1) / "pinned").exists()

@@ -15,7 +15,7 @@ from typing import cast
 
 from ..errors import CommitError
 from ..integrity import CRCWriter
-from ..manifest import FileEntry, validate_file_name
+from ..manifest import FileEntry, validate_payload_name
 from .protocols import ChecksummingWriter, PendingStore
 
 __all__ = ["Pending"]
@@ -48,7 +48,7 @@ class Pending:
 
         The yielded writer checksums every byte on its way to the file.
         """
-        validate_file_name(name)
+        validate_payload_name(name)
         if name in self.files:
             raise CommitError(f"file {name!r} written twice into step {self.step}")
         rel = f"{self.dirname}/{name}"
