@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import logging
 import shutil
+import threading
 import time
 from pathlib import Path
 from typing import Any
@@ -444,6 +445,46 @@ def test_replica_every(
         assert 3 in got
         assert 2 not in got
         assert "retention deletes local step 2, which never reached the replica" in caplog.text
+
+
+def test_wait_wakes_when_the_uploader_skips_the_last_queued_steps(tmp_path: Path) -> None:
+    # CI hang in test_replica_every[latest]: the uploader skipped the older queued steps
+    # ("latest": a newer one is safe) without waking wait(), which slept on with an empty queue
+    # and an idle thread. Reproduced in order: wait() sleeps first, then only the worker wakes.
+    local = open_storage(tmp_path / "a")
+    up = Replicator(local, open_storage(tmp_path / "b"), retention=False, every="latest")
+    up._start()  # idle: nothing queued
+    cond = up._cond
+    waiters = cond._waiters  # type: ignore[attr-defined]
+    deadline = time.monotonic() + 10
+    while len(waiters) < 1 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(waiters) == 1  # the worker, asleep
+    with cond:
+        up.safe.add(3)
+        up._pending.update({1, 2})  # both older than the safe step 3: skipped, not uploaded
+    out: list[BaseException | None] = []
+
+    def waiter() -> None:
+        try:
+            up.wait(timeout=60)  # returns at once with an empty queue; never before the fix
+            out.append(None)
+        except BaseException as e:  # handed to the test thread
+            out.append(e)
+
+    t = threading.Thread(target=waiter, daemon=True)
+    t.start()
+    while len(waiters) < 2 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(waiters) == 2  # wait() sleeps behind the worker
+    with cond:
+        cond.notify(1)  # the first waiter: the worker alone
+    t.join(20)
+    assert not t.is_alive(), "wait() slept on after the queue drained"
+    assert out == [None]
+    assert up.pending() == []
+    assert up.uploaded == []  # both were skipped
+    up.close()
 
 
 def test_replica_every_and_timeout_are_checked(tmp_path: Path, url: str) -> None:

@@ -749,6 +749,9 @@ class Replicator:
                     return
                 step = max(self._pending)  # newest first: it is the one a restore wants
                 self._pending.discard(step)
+                # wait() sleeps until the queue drains: a step skipped below changes it too,
+                # and without this a wait() that began before the skip never woke up.
+                self._cond.notify_all()
                 newest_safe = max(self.safe, default=None)
                 if self.every == "latest" and newest_safe is not None and step < newest_safe:
                     # Uploads fell behind: a newer step is safe there, this one is skipped.
