@@ -173,3 +173,46 @@ def test_read_box_zero_d_and_bfloat16() -> None:
     )
     assert got.dtype == torch.bfloat16
     assert float(got) == 3.5
+
+
+def _columns(n: int, gap_at: int | None = None, overlap_at: int | None = None) -> ChunkIndex:
+    """A tensor of ``n`` one-column chunks (``Shard(1)`` over ``n`` ranks), each 4 bytes."""
+    chunks = []
+    for i in range(n):
+        col = i + 1 if gap_at is not None and i >= gap_at else i
+        col = 12_344 if overlap_at is not None and i == overlap_at else col
+        chunks.append(Chunk((0, col), (1, 1), "_shards.rank00000.safetensors", 0, 4, (0,)))
+    width = n + (1 if gap_at is not None else 0)
+    entry = TensorEntry("float32", (1, width), tuple(chunks), (n,), ("dp",), ("S(1)",))
+    return ChunkIndex({"model/w": entry}, block=4096)
+
+
+@pytest.mark.timeout(60)
+def test_column_chunks_are_checked_in_n_log_n() -> None:
+    """issue 24 #9: 20,000 Shard(1) chunks; a sweep along dim 0 compared every pair (~7 min)."""
+    files = {"_shards.rank00000.safetensors": FileEntry(1 << 20, 0, "safetensors")}
+    index = ChunkIndex.from_bytes(_columns(20_000).to_bytes(), files, "t")
+    assert len(index.tensors["model/w"].chunks) == 20_000
+    with pytest.raises(IntegrityError, match="cover the"):  # a gap is still found
+        ChunkIndex.from_bytes(_columns(20_000, gap_at=7_000).to_bytes(), files, "t")
+    # And an overlap: the last chunk moved onto column 12,344 (the volume is right, so only
+    # the overlap check can tell).
+    with pytest.raises(IntegrityError, match="cover the"):
+        ChunkIndex.from_bytes(_columns(20_000, overlap_at=19_999).to_bytes(), files, "t")
+
+
+def test_a_layout_that_would_not_end_is_refused_as_hostile(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Work on a hostile index is bounded: past the budget, a clear refusal."""
+    from ckptstore.sharded import chunks as chunks_mod
+
+    monkeypatch.setattr(chunks_mod, "_OVERLAP_BUDGET", 1000)
+    # A staircase swept along dim 0 (the first of equally varied dims): every box stays active.
+    n = 200
+    stairs = [
+        Chunk((i, n - 1 - i), (n - i, 1), "_shards.rank00000.safetensors", 0, 4 * (n - i), (0,))
+        for i in range(n)
+    ]
+    files = {"_shards.rank00000.safetensors": FileEntry(1 << 20, 0, "safetensors")}
+    with pytest.raises(IntegrityError, match="the index is hostile"):
+        chunks_mod._overlap(stairs)
+    assert files  # the layout, not the files, is what is refused
