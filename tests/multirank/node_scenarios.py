@@ -257,3 +257,18 @@ def nodes_commits(ctx: Ctx) -> dict[str, Any]:
     sync = nodes_fault(ctx)
     args = {**ctx.args, "roots": ctx.args["async_roots"], "url": ctx.args["async_url"]}
     return {"sync": sync, "async": nodes_async(dataclasses.replace(ctx, args=args))}
+
+
+def peers_probe(ctx: Ctx) -> dict[str, Any]:
+    """Construct a manager on this rank's root: which ranks share it, what init exchanged."""
+    with _mgr(ctx) as mgr:
+        init = [r for r in mgr.coord.stats.records if r[0].startswith("init:")]
+        dist.barrier()  # every rank's constructor returned: every probe is gone
+        return {
+            "peers": mgr._peers,
+            "split": mgr._split,
+            "phases": sorted({r[0] for r in init}),
+            "sent": sum(r[2] for r in init),
+            "received": sum(r[3] for r in init),
+            "left": sorted(n for n in os.listdir(_root(ctx)) if n.startswith(".ckptstore.probe")),
+        }
