@@ -170,5 +170,5 @@ def test_a_table_listing_a_name_twice_is_refused(store: Path) -> None:
     rows = [_signed_line(0, {name: entry(0).to_json()}), _signed_line(1, {})]
     assert max(len(x) for x in rows) < table.width
     data = b"".join(x.ljust(table.width - 1) + b"\n" for x in rows)
-    with pytest.raises(IntegrityError, match="x.rank00000.json is listed twice"):
+    with pytest.raises(IntegrityError, match=r"x\.rank00000\.json is listed twice"):
         expand(dataclasses.replace(head, files=files), data, "t")
