@@ -23,9 +23,13 @@ __all__ = [
     "DTENSOR_FORMAT_VERSION",
     "FORMAT_VERSION",
     "MAX_MANIFEST_BYTES",
+    "RANKS_FORMAT_VERSION",
+    "RANK_TABLE_NAME",
     "SPLIT_FORMAT_VERSION",
     "FileEntry",
     "Manifest",
+    "RankTable",
+    "file_entry_from_json",
     "validate_file_name",
     "validate_payload_name",
 ]
@@ -39,8 +43,18 @@ DTENSOR_FORMAT_VERSION = 2
 #: ``ckptstore.sharded.split_index``): a format-2 reader would find no chunk in
 #: ``dtensors.json``, so it must refuse them.
 SPLIT_FORMAT_VERSION = 3
+#: The format version of split-index DTensor checkpoints whose per-rank files are listed in
+#: the rank table (:data:`RANK_TABLE_NAME`, one fixed-width line a rank) instead of in the
+#: manifest, so a restoring rank reads the lines of the ranks it reads from, not a row per
+#: rank of the job (``ckptstore.ranktable``). A format-3 reader would see no rank's files.
+RANKS_FORMAT_VERSION = 4
 #: The newest format this ckptstore reads.
-READ_FORMAT_VERSION = 3
+READ_FORMAT_VERSION = 4
+#: The rank table of a format-4 checkpoint, a file of no rank listed in its manifest.
+RANK_TABLE_NAME = "_ranks.jsonl"
+#: Bounds a manifest puts on its rank table: lines (ranks) and bytes a line.
+MAX_RANKS = 1 << 24
+MAX_RANK_LINE = 1 << 20
 #: A manifest larger than this is refused unread (a hostile or corrupt file).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 #: Largest size a manifest may claim for one file (1 PiB): beyond it, it is lying.
@@ -144,6 +158,20 @@ def _metric_from_json(v: object, where: str) -> float:
 
 
 @dataclasses.dataclass(frozen=True)
+class RankTable:
+    """Where a format-4 manifest's per-rank files are listed (:data:`RANK_TABLE_NAME`).
+
+    Attributes:
+        count: lines in the table, one a rank of the job that saved (its world size).
+        width: bytes a line, padding and newline included: rank ``r``'s line starts at
+            ``r * width``.
+    """
+
+    count: int
+    width: int
+
+
+@dataclasses.dataclass(frozen=True)
 class Manifest:
     """The parsed ``manifest.json`` of one checkpoint.
 
@@ -160,6 +188,12 @@ class Manifest:
         metadata: free user metadata (JSON).
         versions: library versions of the writer.
         format_version: the on-disk format version.
+        rank_table: format 4: the per-rank files are listed in the rank table, and
+            ``manifest.json`` lists only the files of no rank (the table among them).
+            :meth:`~ckptstore.storage.Storage.read_manifest` reads the table, so ``files``
+            holds every file; a manifest parsed from bytes alone holds the files of no rank
+            until :func:`ckptstore.ranktable.expand` adds the table's (``complete`` False).
+        complete: whether ``files`` lists every file of the step.
     """
 
     step: int
@@ -173,6 +207,18 @@ class Manifest:
     metadata: Mapping[str, Any] = dataclasses.field(default_factory=dict)
     versions: Mapping[str, str] = dataclasses.field(default_factory=dict)
     format_version: int = FORMAT_VERSION
+    rank_table: RankTable | None = None
+    complete: bool = dataclasses.field(default=True, compare=False)
+
+    def plain_files(self) -> dict[str, FileEntry]:
+        """The files of no rank (the state, the chunk index, the rank table), never a rank's.
+
+        Reads nothing: a lazily read table (``files`` of a restore's manifest) stays unread.
+        """
+        head = getattr(self.files, "head", None)
+        if isinstance(head, Mapping):
+            return dict(head)
+        return {n: e for n, e in self.files.items() if e.rank is None}
 
     @property
     def total_bytes(self) -> int:
@@ -195,8 +241,12 @@ class Manifest:
             return None
 
     def body(self) -> dict[str, Any]:
-        """The manifest as a JSON object, without its self-checksum."""
-        return {
+        """The manifest as a JSON object, without its self-checksum.
+
+        With a rank table only the files of no rank are listed: the table lists the others.
+        """
+        files = self.files if self.rank_table is None else self.plain_files()
+        out = {
             "format_version": self.format_version,
             "step": self.step,
             "created": self.created,
@@ -204,10 +254,13 @@ class Manifest:
             "versions": dict(self.versions),
             "world_size": self.world_size,
             "sharding": {"kind": self.sharding_kind},
-            "files": {n: e.to_json() for n, e in sorted(self.files.items())},
+            "files": {n: e.to_json() for n, e in sorted(files.items())},
             "metrics": {k: _metric_to_json(v) for k, v in sorted(self.metrics.items())},
             "metadata": dict(self.metadata),
         }
+        if self.rank_table is not None:
+            out["rank_table"] = {"count": self.rank_table.count, "width": self.rank_table.width}
+        return out
 
     def to_bytes(self) -> bytes:
         """Serialize: readable JSON with a CRC32C of the canonical body under ``checksum``."""
@@ -302,6 +355,7 @@ class Manifest:
         created = doc.get("created", "")
         if not isinstance(created, str):
             raise ManifestError(f"{where}: 'created' must be a string")
+        table = _rank_table(doc, files, version, kind == "dtensor", world_size, where)
         return cls(
             step=step,
             files=files,
@@ -314,6 +368,8 @@ class Manifest:
             metadata=metadata,
             versions=versions,
             format_version=version,
+            rank_table=table,
+            complete=table is None,
         )
 
     def to_cache(self) -> list[Any]:
@@ -329,6 +385,7 @@ class Manifest:
             dict(self.metadata),
             dict(self.versions),
             self.format_version,
+            None if self.rank_table is None else [self.rank_table.count, self.rank_table.width],
         ]
 
     @classmethod
@@ -341,7 +398,10 @@ class Manifest:
         and they would make the cache about 1 KB per GB of checkpoint per step.
         Malformed rows raise ``ValueError``/``TypeError``/``KeyError``/``IndexError``.
         """
-        step, files, created, fmt, world, sharded, metrics, metadata, versions, fv = row
+        step, files, created, fmt, world, sharded, metrics, metadata, versions, fv = row[:10]
+        table = row[10] if len(row) > 10 else None
+        if table is None and int(fv) >= RANKS_FORMAT_VERSION:
+            raise ValueError("a cached format-4 manifest without its rank table")
         return cls(
             step=int(step),
             files={
@@ -357,7 +417,50 @@ class Manifest:
             metadata=dict(metadata),
             versions=dict(versions),
             format_version=int(fv),
+            rank_table=None if table is None else RankTable(int(table[0]), int(table[1])),
         )
+
+
+def _rank_table(  # noqa: PLR0917 - a private validator
+    doc: Mapping[str, Any],
+    files: Mapping[str, FileEntry],
+    version: int,
+    dtensor: bool,
+    world_size: int,
+    where: str,
+) -> RankTable | None:
+    """Validate a manifest's ``rank_table`` against its version and its file table."""
+    raw = doc.get("rank_table")
+    if raw is None:
+        if version >= RANKS_FORMAT_VERSION:
+            raise ManifestError(f"{where}: format version {version} without its 'rank_table'")
+        return None
+    if version < RANKS_FORMAT_VERSION or not dtensor:
+        raise ManifestError(f"{where}: a 'rank_table' in a format-{version} manifest")
+    if not isinstance(raw, dict) or set(raw) != {"count", "width"}:
+        raise ManifestError(f"{where}: 'rank_table' must be {{'count': N, 'width': W}}")
+    count, width = raw["count"], raw["width"]
+    for key, v, top in (("count", count, MAX_RANKS), ("width", width, MAX_RANK_LINE)):
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+            raise ManifestError(f"{where}: rank_table {key} must be an integer in [1, {top}]")
+    if count != world_size:
+        raise ManifestError(
+            f"{where}: rank table of {count} ranks in a step saved by {world_size}; the manifest "
+            "is corrupt or hostile"
+        )
+    entry = files.get(RANK_TABLE_NAME)
+    if entry is None or entry.rank is not None or entry.bytes != count * width:
+        raise ManifestError(
+            f"{where}: the rank table {RANK_TABLE_NAME} must be listed, of no rank, with "
+            f"{count} x {width} bytes; the manifest is corrupt or hostile"
+        )
+    ranked = sorted(n for n, e in files.items() if e.rank is not None)
+    if ranked:
+        raise ManifestError(
+            f"{where}: files of a rank ({ranked[:3]}) listed beside a rank table, which lists "
+            "them; the manifest is corrupt or hostile"
+        )
+    return RankTable(count, width)
 
 
 def _canonical(body: Mapping[str, Any]) -> bytes:
@@ -378,6 +481,15 @@ def _int(doc: Mapping[str, Any], key: str, where: str, *, minimum: int = 0) -> i
     if isinstance(v, bool) or not isinstance(v, int) or v < minimum:
         raise ManifestError(f"{where}: {key!r} must be an integer >= {minimum}, got {v!r}")
     return v
+
+
+def file_entry_from_json(row: object, where: str) -> FileEntry:
+    """Validate one row of a file table (as :meth:`FileEntry.to_json` writes it).
+
+    Raises:
+        ManifestError: anything malformed, named with ``where``.
+    """
+    return _file_entry(row, where)
 
 
 def _file_entry(row: object, where: str) -> FileEntry:

@@ -168,17 +168,45 @@ def forge_manifest(data: bytes, edit: Any) -> bytes:
     return json.dumps(doc, indent=1, sort_keys=True).encode()
 
 
+def edit_entry(step_path: Path, name: str, edit: Any) -> None:
+    """Apply ``edit(row)`` to the file-table row of ``name`` wherever it is listed (the
+    manifest, or in format 4 its rank's line of ``_ranks.jsonl``) and re-sign what holds it,
+    as an attacker would."""
+    mpath = step_path / MANIFEST
+    doc = json.loads(mpath.read_bytes())
+    if name in doc["files"] or "rank_table" not in doc:
+        mpath.write_bytes(forge_manifest(mpath.read_bytes(), lambda d: edit(d["files"][name])))
+        return
+    tpath = step_path / "_ranks.jsonl"
+    lines = []
+    for raw in tpath.read_bytes().splitlines():
+        line = json.loads(raw)
+        if name in line["files"]:
+            edit(line["files"][name])
+        body = {"files": line["files"], "rank": line["rank"]}
+        canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+        line = dict(body, crc32c=format_crc(crc32c_of(canon)))
+        lines.append(json.dumps(line, sort_keys=True, separators=(",", ":")).encode())
+    width = max(len(x) for x in lines) + 1
+    data = b"".join(x.ljust(width - 1) + b"\n" for x in lines)
+    tpath.write_bytes(data)
+
+    def fix(d: dict[str, Any]) -> None:
+        d["files"]["_ranks.jsonl"].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
+        d["rank_table"]["width"] = width
+
+    mpath.write_bytes(forge_manifest(mpath.read_bytes(), fix))
+
+
 def replace_payload(step_path: Path, name: str, data: bytes) -> None:
     """Replace a file of a committed step and forge its manifest entry (size, CRC32C) to
     match, as a buggy tool or an attacker would: only the content itself can tell."""
     (step_path / name).write_bytes(data)
-
-    def edit(doc: dict[str, Any]) -> None:
-        doc["files"][name]["bytes"] = len(data)
-        doc["files"][name]["crc32c"] = format_crc(crc32c_of(data))
-
-    manifest = step_path / MANIFEST
-    manifest.write_bytes(forge_manifest(manifest.read_bytes(), edit))
+    edit_entry(
+        step_path,
+        name,
+        lambda row: row.update(bytes=len(data), crc32c=format_crc(crc32c_of(data))),
+    )
 
 
 @functools.cache

@@ -808,7 +808,7 @@ def test_inspect_dtensor_text_and_json(mixed_store, capsys) -> None:
     )
 
     info = json.loads(run_cli(capsys, "inspect", root, "--step", "4", "--json")[1])
-    assert (info["world_size"], info["sharding"], info["format_version"]) == (1, "dtensor", 3)
+    assert (info["world_size"], info["sharding"], info["format_version"]) == (1, "dtensor", 4)
     by_name = {t["name"]: t for t in info["sharded_tensors"]}
     assert by_name["table/emb"] == {
         "name": "table/emb",

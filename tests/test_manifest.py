@@ -142,11 +142,12 @@ def test_bad_self_checksum() -> None:
 
 
 def test_newer_format_version() -> None:
-    msg = refuse(edited(format_version=4), "format version 4", "newer ckptstore")
+    msg = refuse(edited(format_version=5), "format version 5", "newer ckptstore")
     assert msg.endswith("Upgrade ckptstore to read it.")
     # Format 2 is the DTensor layout: a replicated manifest cannot claim it, nor the reverse.
     refuse(edited(format_version=2), "sharding kind 'sharded' in format version 2")
     refuse(edited(format_version=3), "sharding kind 'sharded' in format version 3")
+    refuse(edited(format_version=4), "sharding kind 'sharded' in format version 4")
     refuse(edited(sharding={"kind": "dtensor"}), "sharding kind 'dtensor' in format version 1")
     refuse(edited(format_version=0), "format_version missing or not a positive integer")
     refuse(edited(format_version=True), "format_version missing or not a positive integer")

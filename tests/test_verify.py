@@ -15,6 +15,7 @@ import zstandard
 from _helpers import (
     MANIFEST,
     deflated,
+    edit_entry,
     flip_byte,
     forge_manifest,
     index_chunks,
@@ -28,6 +29,7 @@ from _helpers import (
 from ckptstore import CheckpointManager, VerifyReport
 from ckptstore.integrity import crc32c_of, format_crc
 from ckptstore.ops.verify import verify_checkpoint
+from ckptstore.storage import open_storage
 
 FORMATS = [("safetensors", None), ("torch", None), ("safetensors", "zstd"), ("torch", "zstd")]
 
@@ -247,14 +249,19 @@ def index_of(root: Path, step: int) -> dict[str, Any]:
 def test_dtensor_checkpoint_verifies(mixed_store: tuple[Path, dict[str, Any]]) -> None:
     root, _ = mixed_store
     for step in (3, 4):
-        files = json.loads((root / step_dir(step) / MANIFEST).read_text())["files"]
-        assert "state.json" in files
-        assert "dtensors.json" in files
-        assert not [n for n in files if n.startswith("state.rank")]
+        on_disk = json.loads((root / step_dir(step) / MANIFEST).read_text())["files"]
+        assert "state.json" in on_disk
+        assert "dtensors.json" in on_disk
+        assert "_ranks.jsonl" in on_disk  # format 4: the ranks' files are listed there
+        assert not [n for n in on_disk if ".rank" in n]
+        files = open_storage(root).read_manifest(step).files  # every file, the table's too
+        in_dir = {p.name for p in (root / step_dir(step)).iterdir()} - {MANIFEST}
+        assert set(files) == in_dir
+        assert "_index.rank00000.json" in files
         deep = dtensor_verify(root, step)
         assert deep.ok, deep.problems
         assert deep.files == len(files)
-        assert deep.bytes_checked == sum(e["bytes"] for e in files.values())
+        assert deep.bytes_checked == sum(e.bytes for e in files.values())
         assert dtensor_verify(root, step, deep=False).ok
 
 
@@ -293,12 +300,11 @@ def forge_index(root: Path, step: int, edit: Any, name: str = "dtensors.json") -
     edit(doc)
     data = json.dumps(doc).encode()
     path.write_bytes(data)
-    mpath = root / step_dir(step) / MANIFEST
-
-    def fix(m: dict[str, Any]) -> None:
-        m["files"][name].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
-
-    mpath.write_bytes(forge_manifest(mpath.read_bytes(), fix))
+    edit_entry(
+        root / step_dir(step),
+        name,
+        lambda row: row.update(bytes=len(data), crc32c=format_crc(crc32c_of(data))),
+    )
 
 
 #: Rank 0's part of the split chunk index (format 3): where its chunks are listed.

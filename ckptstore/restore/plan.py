@@ -47,7 +47,8 @@ def layout_of(
             )
     want_rank = rank if per_rank else None
     groups: dict[str, list[str]] = {}
-    for name, fe in manifest.files.items():
+    # Files of no rank from the manifest itself: a lean manifest's rank table stays unread.
+    for name, fe in (manifest.files if per_rank else manifest.plain_files()).items():
         if fe.codec != "json" and fe.rank == want_rank:
             groups.setdefault(payload_codec.group_of(name), []).append(name)
     sname = state_file(want_rank)

@@ -17,6 +17,7 @@ from typing import Any
 
 import torch
 
+from .. import ranktable
 from ..codec import payload as payload_codec
 from ..codec.tree import STATE_FORMAT, TreeDecoder, stored_tensors
 from ..errors import IntegrityError, StateMismatchError
@@ -86,7 +87,12 @@ def decode_files(
     """
     explicit = rank is not None
     rank = session.coord.rank if rank is None else rank
-    manifest = session.storage.read_manifest(step) if blobs is None else _blob_manifest(blobs)
+    if blobs is None:
+        # The rank table (format 4) is read line by line: only the lines of the ranks whose
+        # files this rank reads, not a line per rank of the job.
+        manifest = ranktable.lean(session.storage, session.storage.read_manifest(step, table=False))
+    else:
+        manifest = _blob_manifest(blobs)
     where = session.storage.describe(step)
     sname, groups = layout_of(session, manifest, rank, explicit=explicit)
 

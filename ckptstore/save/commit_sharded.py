@@ -13,9 +13,10 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from .. import ranktable
 from ..dist import Coordinator
 from ..errors import BarrierTimeout, CommitError
-from ..manifest import FileEntry, Manifest
+from ..manifest import RANK_TABLE_NAME, FileEntry, Manifest
 from ..session import Session
 from ..sharded import plan as sharding
 from ..sharded import split_index
@@ -75,6 +76,15 @@ def finish_sharded(  # noqa: PLR0917 - private to the pipeline
                     index = _index(md, [t for _, t in tables], files, f"{where}/{INDEX_FILE}")
                     pending.write_bytes(INDEX_FILE, index, codec="json")
                     files[INDEX_FILE] = pending.files[INDEX_FILE]
+                table = None
+                if split:  # format 4: the ranks' files go in the rank table, a line a rank
+                    rows: dict[int, dict[str, FileEntry]] = {}
+                    for name, e in files.items():
+                        if e.rank is not None:
+                            rows.setdefault(e.rank, {})[name] = e
+                    data, table = ranktable.encode(rows, session.coord.world_size)
+                    pending.write_bytes(RANK_TABLE_NAME, data, codec="json")
+                    files[RANK_TABLE_NAME] = pending.files[RANK_TABLE_NAME]
                 manifest = make_manifest(
                     step,
                     files,
@@ -85,6 +95,7 @@ def finish_sharded(  # noqa: PLR0917 - private to the pipeline
                     sharded=True,
                     dtensor=dtensor,
                     split=split,
+                    rank_table=table,
                 )
                 mark(clock, "index")
                 if session.split:  # every node commits its copy: commit_split
@@ -154,6 +165,11 @@ def commit_split(
         raise value if isinstance(value, BaseException) else CommitError(str(value))
     body, blobs = value
     manifest = Manifest.from_bytes(body)
+    if manifest.rank_table is not None:  # every rank's files, for this node's copy
+        table = blobs.get(RANK_TABLE_NAME)
+        if table is None:
+            raise CommitError(f"{where}: rank 0 sent no {RANK_TABLE_NAME}")
+        manifest = ranktable.expand(manifest, table, f"{where}/{RANK_TABLE_NAME}")
     previous = session.previous(step)
     node_commit.commit_everywhere(
         session.storage,

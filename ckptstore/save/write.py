@@ -22,9 +22,11 @@ from ..layout import state_file
 from ..manifest import (
     DTENSOR_FORMAT_VERSION,
     FORMAT_VERSION,
+    RANKS_FORMAT_VERSION,
     SPLIT_FORMAT_VERSION,
     FileEntry,
     Manifest,
+    RankTable,
     utc_now,
 )
 from ..sharded import plan as sharding
@@ -122,8 +124,9 @@ def make_manifest(  # noqa: PLR0917 - private to the pipeline
     sharded: bool,
     dtensor: bool = False,
     split: bool = False,
+    rank_table: RankTable | None = None,
 ) -> Manifest:
-    """The manifest of a checkpoint holding ``files``."""
+    """The manifest of a checkpoint holding ``files`` (every rank's, with a ``rank_table``)."""
     return Manifest(
         step=step,
         files=dict(files),
@@ -136,8 +139,15 @@ def make_manifest(  # noqa: PLR0917 - private to the pipeline
         metadata=metadata,
         versions=versions(),
         format_version=(
-            SPLIT_FORMAT_VERSION if split else DTENSOR_FORMAT_VERSION if dtensor else FORMAT_VERSION
+            RANKS_FORMAT_VERSION
+            if rank_table is not None
+            else SPLIT_FORMAT_VERSION
+            if split
+            else DTENSOR_FORMAT_VERSION
+            if dtensor
+            else FORMAT_VERSION
         ),
+        rank_table=rank_table,
     )
 
 

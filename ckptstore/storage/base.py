@@ -15,6 +15,7 @@ import errno
 from collections.abc import Callable, Mapping
 from typing import IO, ClassVar
 
+from .. import ranktable
 from ..errors import (
     CommitError,
     IntegrityError,
@@ -313,8 +314,11 @@ class Storage(abc.ABC):
                 state.sample_text(),
             )
 
-    def read_manifest(self, step: int) -> Manifest:
-        """Read and validate the manifest of ``step``.
+    def read_manifest(self, step: int, *, table: bool = True) -> Manifest:
+        """Read and validate the manifest of ``step``, and its rank table (format 4).
+
+        ``table=False`` leaves a format-4 manifest's rank table unread (``files`` then lists
+        the files of no rank: see :func:`ckptstore.ranktable.lean`).
 
         Raises:
             NoCheckpointError-like ManifestError: absent, unreadable, malformed or hostile.
@@ -338,7 +342,7 @@ class Storage(abc.ABC):
         m = Manifest.from_bytes(data, where=where)
         if m.step != step:
             raise ManifestError(f"{where}: manifest says step {m.step}, directory says {step}")
-        return m
+        return ranktable.read_table(self, m) if table else m
 
     def read_manifests(
         self, steps: list[int], *, complete: bool = False

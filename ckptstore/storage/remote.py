@@ -246,10 +246,10 @@ class FsspecStorage(Storage):
             infos[p] = info
         return info
 
-    def read_manifest(self, step: int) -> Manifest:
+    def read_manifest(self, step: int, *, table: bool = True) -> Manifest:
         """As :meth:`Storage.read_manifest`, with one metadata request for the manifest."""
         with self._one_look():
-            return super().read_manifest(step)
+            return super().read_manifest(step, table=table)
 
     def stream_file(
         self,

@@ -364,7 +364,8 @@ def fsdp_die_in_restore(ctx: Ctx) -> dict[str, Any]:
 
 def golden_save(ctx: Ctx) -> None:
     """The state of ``tests/golden/v2-dtensor`` (format 2, written by ckptstore before the split
-    index) and ``tests/golden/v3-dtensor`` (format 3), saved by 2 ranks: fixed values."""
+    index), ``v3-dtensor`` (format 3) and ``v4-dtensor`` (format 4: the rank table), saved by
+    2 ranks: fixed values."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
@@ -382,7 +383,7 @@ def golden_save(ctx: Ctx) -> None:
         "step": 7,
     }
     with _mgr(ctx) as mgr:
-        note = ctx.args.get("note", "golden v3")
+        note = ctx.args.get("note", "golden v4")
         mgr.save(7, state, metrics={"loss": 0.25}, metadata={"note": note})
 
 

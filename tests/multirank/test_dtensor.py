@@ -52,6 +52,7 @@ def test_fsdp2_save_writes_each_rank_its_shards_and_plain_data_once(saved2):
     assert v["files"] == [
         "_index.rank00000.json",  # each rank's part of the chunk index (format 3)
         "_index.rank00001.json",
+        "_ranks.jsonl",  # each rank's files (format 4)
         "_shards.rank00000.safetensors",
         "_shards.rank00001.safetensors",
         INDEX_FILE,
@@ -63,8 +64,17 @@ def test_fsdp2_save_writes_each_rank_its_shards_and_plain_data_once(saved2):
     ]
     step = work / "store" / "step-000000000003"
     manifest = json.loads((step / "manifest.json").read_text())
-    assert manifest["format_version"] == 3
+    assert manifest["format_version"] == 4
     assert manifest["sharding"] == {"kind": "dtensor"}
+    # The manifest lists no rank's file: the rank table does, a line a rank.
+    assert not [n for n in manifest["files"] if ".rank" in n]
+    assert manifest["rank_table"]["count"] == 2
+    lines = (step / "_ranks.jsonl").read_bytes().splitlines()
+    assert [json.loads(x)["rank"] for x in lines] == [0, 1]
+    assert sorted(json.loads(lines[1])["files"]) == [
+        "_index.rank00001.json",
+        "_shards.rank00001.safetensors",
+    ]
     index = json.loads((step / INDEX_FILE).read_text())
     w = index["tensors"]["model/inp.weight"]
     assert w["shape"] == [7, 6]

@@ -1,12 +1,14 @@
-"""The golden DTensor checkpoints: they load exactly, and today's bytes are format 3's bytes.
+"""The golden DTensor checkpoints: they load exactly, and today's bytes are format 4's bytes.
 
-``tests/golden/v2-dtensor`` (format 2: every chunk in ``dtensors.json``) and
+``tests/golden/v2-dtensor`` (format 2: every chunk in ``dtensors.json``),
 ``tests/golden/v3-dtensor`` (format 3: the split index, each rank's chunks in its
-``_index.rankNNNNN.json``) were each written once by the ``dtensor_scenarios:golden_save``
-scenario on 2 ranks (``launch("dtensor_scenarios:golden_save", 2, dir)``, then its step
-directory copied). The expected values are written out by hand, and both must keep loading;
-saving the same state again must reproduce format 3's shard files, ``state.json``, index and
-parts byte for byte, so the format of sharded checkpoints cannot drift by accident.
+``_index.rankNNNNN.json``) and ``tests/golden/v4-dtensor`` (format 4: each rank's files listed
+in ``_ranks.jsonl``, not in the manifest) were each written once by the
+``dtensor_scenarios:golden_save`` scenario on 2 ranks (``launch("dtensor_scenarios:golden_save",
+2, dir)``, then its step directory copied). The expected values are written out by hand, and
+all must keep loading; saving the same state again must reproduce format 4's shard files,
+``state.json``, index, parts and rank table byte for byte, so the format of sharded
+checkpoints cannot drift by accident.
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from ckptstore import CheckpointManager
 from tests.multirank.launch import describe, launch
 
 GOLDENS = Path(__file__).parent.parent / "golden"
-GOLDEN = GOLDENS / "v3-dtensor"
+GOLDEN = GOLDENS / "v4-dtensor"
 STEP = "step-000000000007"
 PAYLOADS = [
     "_shards.rank00000.safetensors",
@@ -33,9 +35,10 @@ PAYLOADS = [
     "state.json",
 ]
 PARTS = ["_index.rank00000.json", "_index.rank00001.json"]
+TABLE = "_ranks.jsonl"
 
 
-@pytest.fixture(params=[2, 3], ids=["v2", "v3"])
+@pytest.fixture(params=[2, 3, 4], ids=["v2", "v3", "v4"])
 def golden(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
     shutil.copytree(GOLDENS / f"v{request.param}-dtensor", tmp_path / "store")
     return tmp_path / "store"
@@ -51,11 +54,16 @@ def test_manifest_and_deep_verify(golden: Path) -> None:
     v = _version(golden)
     assert (m.step, m.format_version, m.world_size) == (7, v, 2)
     assert m.sharding_kind == "dtensor"
-    assert sorted(m.files) == sorted(PAYLOADS + (PARTS if v == 3 else []))
+    extra = {2: [], 3: PARTS, 4: [*PARTS, TABLE]}[v]
+    assert sorted(m.files) == sorted(PAYLOADS + extra)
     assert m.files["_shards.rank00001.safetensors"].rank == 1
     assert m.files["state.json"].rank is None
-    if v == 3:
+    if v >= 3:
         assert m.files["_index.rank00001.json"].rank == 1
+    if v == 4:  # the manifest itself lists the files of no rank; the table lists the others
+        on_disk = json.loads((golden / STEP / "manifest.json").read_text())
+        assert sorted(on_disk["files"]) == sorted([*PAYLOADS[2:], TABLE])
+        assert on_disk["rank_table"] == {"count": 2, "width": 258}
     assert dict(m.metadata) == {"note": f"golden v{v}"}
     report = mgr.verify(deep=True)
     assert report.ok, report.problems
@@ -91,10 +99,19 @@ def test_restores_into_plain_targets_and_payloads_are_standard(golden: Path) -> 
 def test_saving_today_reproduces_the_golden_bytes(tmp_path: Path) -> None:
     results = launch("dtensor_scenarios:golden_save", 2, tmp_path, timeout=150)
     assert all(r.ok for r in results), describe(results)
-    for name in PAYLOADS + PARTS:
+    for name in [*PAYLOADS, *PARTS, TABLE]:
         got = (tmp_path / "store" / STEP / name).read_bytes()
         assert got == (GOLDEN / STEP / name).read_bytes(), name
     new = json.loads((tmp_path / "store" / STEP / "manifest.json").read_text())
     old = json.loads((GOLDEN / STEP / "manifest.json").read_text())
-    for key in ("files", "sharding", "format_version", "world_size", "metrics", "metadata"):
+    keys = (
+        "files",
+        "sharding",
+        "format_version",
+        "world_size",
+        "metrics",
+        "metadata",
+        "rank_table",
+    )
+    for key in keys:
         assert new[key] == old[key], key

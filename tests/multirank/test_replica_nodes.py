@@ -153,14 +153,19 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
             with injected(counted):
                 assert _plain_restore(mgr) == (3, saved[0]["digests3"])
             streamed = [op.target.rsplit("/", 1)[1] for op in counted.ops]
-            assert sorted(streamed) == sorted([PARTS[1], SHARDS[1]])
-            # The server's side: the objects of step 3 it served (GET), the manifest aside.
+            # and the replica's rank table, read with its manifest (format 4; twice: when the
+            # copy is chosen, and when the fill checks the replica's manifest)
+            table = [n for n in streamed if n == "_ranks.jsonl"]
+            assert 1 <= len(table) <= 2
+            assert sorted(n for n in streamed if n not in table) == sorted([PARTS[1], SHARDS[1]])
+            # The server's side: the objects of step 3 it served (GET), the manifest (and
+            # its rank table) aside.
             served = {
                 r.path.rsplit("/", 1)[1]
                 for r in ep.requests()
                 if r.method == "GET" and "/step-000000000003/" in r.path
             }
-            assert served - {"manifest.json"} == {PARTS[1], SHARDS[1]}
+            assert served - {"manifest.json", "_ranks.jsonl"} == {PARTS[1], SHARDS[1]}
             entry = mgr.manifest(3).files[SHARDS[1]]
             part = mgr.manifest(3).files[PARTS[1]]
             assert f"(2 file(s), {entry.bytes + part.bytes} bytes)" in caplog.text
