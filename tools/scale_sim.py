@@ -23,8 +23,8 @@ N padded copies and N sizes, ``gather_object`` first all-gathers the sizes,
 
 It also computes the index bytes a restoring rank reads to restore rank 1's shard on N/2
 and 2N ranks: the whole ``dtensors.json`` in format 2; the layout plus its writers' parts in
-format 3 (the parts are this run's). The manifest, which every restoring rank reads too, is
-reported on its own.
+format 3 (the parts are this run's); and what it reads of the manifest ("r-manifest"): the
+whole of it before format 4, the manifest and the rank table's lines of those writers since.
 
     .venv/bin/python tools/scale_sim.py --worlds 64 256 1024 4096 16384 --baseline 2f0f77c
 """
@@ -424,21 +424,29 @@ def _figures(world: int, r0: dict[str, Any], r1: dict[str, Any], baseline: bool)
     index = files0.get("dtensors.json", 0)
     parts = [v for k, v in files0.items() if k.startswith("_index.rank")]
     part = max([v for k, v in r1["files"].items() if k.startswith("_index.rank")] or [0])
+    manifest = files0.get("manifest.json", 0)
+    table = files0.get("_ranks.jsonl", 0)
     restore = {}
+    restore_manifest = {}
     for label, m in (("N/2", world // 2), ("2N", world * 2)):
+        writers = _writers(world, m)
         if parts or part:  # format 3: the layout plus the parts of the writers it overlaps
-            writers = _writers(world, m)
             restore[label] = index + writers * part
         else:  # format 2: the whole index
             restore[label] = index
+        # Format 4: the manifest and the rank table's lines of those writers; before, the
+        # whole manifest (a row per rank's file).
+        restore_manifest[label] = manifest + (writers * table // world if table else 0)
     return {
         "world": world,
         "baseline": baseline,
         "rank0": totals(r0),
         "rank1": totals(r1),
         "index_bytes": index,
-        "manifest_bytes": files0.get("manifest.json", 0),
+        "manifest_bytes": manifest,
+        "rank_table_bytes": table,
         "restore_index_read": restore,
+        "restore_manifest_read": restore_manifest,
     }
 
 
@@ -461,7 +469,7 @@ def table(results: list[dict[str, Any]]) -> str:
     head = (
         f"{'':9}{'ranks':>6} | {'r0 recv':>9} {'r0 cpu':>7} {'r0 serial':>9} | "
         f"{'r1 sent':>8} {'r1 recv':>8} {'r1 coord cpu':>12} {'coll':>4} | "
-        f"{'index':>9} {'manifest':>9} {'restore N/2':>11} {'2N':>9}"
+        f"{'index':>9} {'manifest':>9} {'restore N/2':>11} {'2N':>9} {'r-manifest':>10}"
     )
     lines = [head, "-" * len(head)]
     for r in results:
@@ -474,7 +482,8 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{a['serial_messages']:>9} | {_b(b['sent']):>8} {_b(b['received']):>8} "
             f"{b['coord_cpu']:>12.3f} {b['collectives']:>4} | {_b(r['index_bytes']):>9} "
             f"{_b(r['manifest_bytes']):>9} {_b(r['restore_index_read']['N/2']):>11} "
-            f"{_b(r['restore_index_read']['2N']):>9}"
+            f"{_b(r['restore_index_read']['2N']):>9} "
+            f"{_b(r.get('restore_manifest_read', {}).get('N/2', r['manifest_bytes'])):>10}"
         )
     return "\n".join(lines)
 

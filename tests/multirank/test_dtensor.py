@@ -391,3 +391,19 @@ def test_save_plans_are_reused_while_the_layout_stays(tmp_path):
     from tests.multirank.dtensor_scenarios import _sha
 
     assert _sha(state["extra"]) == saved["extra"]
+
+
+@pytest.mark.timeout(420)
+def test_fsdp2_on_16_ranks_restores_on_12(tmp_path):
+    # The largest job this 2-core machine holds in the suite: 16 gloo ranks save FSDP2 state
+    # (format 4: each rank's files on its line of the rank table), 12 restore it resharded.
+    saved = values(launch("dtensor_scenarios:fsdp_save", 16, tmp_path, timeout=300))
+    assert all(v["digests"] == saved[0]["digests"] for v in saved)
+    assert saved[0]["world"] == 16
+    step = tmp_path / "store" / "step-000000000003"
+    lines = (step / "_ranks.jsonl").read_bytes().splitlines()
+    assert [json.loads(x)["rank"] for x in lines] == list(range(16))
+    assert len({len(x) for x in lines}) == 1  # fixed width: rank r's line is at r * width
+    vals = values(launch("dtensor_scenarios:fsdp_restore", 12, tmp_path, timeout=300))
+    assert all(v["digests"] == saved[0]["digests"] for v in vals)
+    assert all(v["start"] == 4 for v in vals)
