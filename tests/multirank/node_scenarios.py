@@ -257,3 +257,46 @@ def nodes_commits(ctx: Ctx) -> dict[str, Any]:
     sync = nodes_fault(ctx)
     args = {**ctx.args, "roots": ctx.args["async_roots"], "url": ctx.args["async_url"]}
     return {"sync": sync, "async": nodes_async(dataclasses.replace(ctx, args=args))}
+
+
+def nodes_damaged(ctx: Ctx) -> dict[str, Any]:
+    """FSDP2 steps 1 and 2 on node-local roots, then step 2 damaged on some nodes; prune.
+
+    Each rank damages its own node's copy of step 2 as ``damage[rank]`` says: ``marker``
+    truncates its ``local-ranks`` marker, ``shard`` flips a byte of its rank's shard. Then
+    new managers with ``keep=1`` prune on every rank. Returns what ``verify_checkpoint`` says
+    of step 2 on this node (before the prune), what the prune deleted, the steps this node
+    kept and where a restore of a fresh model lands.
+    """
+    from ckptstore.ops.verify import verify_checkpoint
+
+    model, opt = _fsdp()
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
+    out: dict[str, Any] = {}
+    with _mgr(ctx) as mgr:
+        mgr.save(1, state)
+        out["digests1"] = digests(model, opt)
+        train(model, opt, 1, seed=2)
+        state["step"] = 2
+        mgr.save(2, state)
+    dist.barrier()  # every node committed both steps
+    step2 = _root(ctx) / "step-000000000002"
+    damage = ctx.args["damage"][ctx.rank]
+    if "marker" in damage:
+        marker = step2 / "local-ranks"
+        marker.write_bytes(marker.read_bytes()[:9])  # torn: not JSON any more
+    if "shard" in damage:
+        path = step2 / f"_shards.rank{ctx.rank:05d}.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF  # the last byte of the last box
+        path.write_bytes(bytes(data))
+    dist.barrier()
+    mgr = CheckpointManager(_root(ctx), keep=1, barrier_timeout=30)
+    rep = verify_checkpoint(mgr.storage, 2)
+    out["verify2"] = {"ok": rep.ok, "problems": rep.problems}
+    out["pruned"] = outcome(mgr.prune)
+    dist.barrier()  # every node pruned before any lists or restores
+    out["steps"] = mgr.steps()
+    out["restored"] = outcome(lambda: _restore_fresh(mgr))
+    mgr.close()
+    return out
