@@ -241,7 +241,7 @@ def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
     out: dict[str, object] = {}
     for k, v in pairs:
         if k in out:
-            raise ValueError(f"duplicate key {k!r}")
+            raise IntegrityError(f"duplicate key {k!r}")  # a ValueError: reported as not JSON
         out[k] = v
     return out
 
