@@ -266,7 +266,9 @@ def nodes_damaged(ctx: Ctx) -> dict[str, Any]:
     truncates its ``local-ranks`` marker, ``shard`` flips a byte of its rank's shard. Then
     new managers with ``keep=1`` prune on every rank. Returns what ``verify_checkpoint`` says
     of step 2 on this node (before the prune), what the prune deleted, the steps this node
-    kept and where a restore of a fresh model lands.
+    kept and where a restore of a fresh model lands. With ``more``: a second prune, then a
+    save of step 3 (the collectives it made), and the steps kept and restored after it.
+    With ``absent``: that rank does not call ``prune`` (the others must name it).
     """
     from ckptstore.ops.verify import verify_checkpoint
 
@@ -291,12 +293,32 @@ def nodes_damaged(ctx: Ctx) -> dict[str, Any]:
         data[-1] ^= 0xFF  # the last byte of the last box
         path.write_bytes(bytes(data))
     dist.barrier()
-    mgr = CheckpointManager(_root(ctx), keep=1, barrier_timeout=30)
+    absent = ctx.args.get("absent")
+    mgr = CheckpointManager(_root(ctx), keep=1, barrier_timeout=5 if absent is not None else 30)
     rep = verify_checkpoint(mgr.storage, 2)
     out["verify2"] = {"ok": rep.ok, "problems": rep.problems}
-    out["pruned"] = outcome(mgr.prune)
+    if absent == ctx.rank:
+        out["pruned"] = None
+    else:
+        out["pruned"] = outcome(mgr.prune)
     dist.barrier()  # every node pruned before any lists or restores
     out["steps"] = mgr.steps()
+    if absent is not None:
+        mgr.close()
+        return out
     out["restored"] = outcome(lambda: _restore_fresh(mgr))
+    if ctx.args.get("more"):
+        out["pruned_again"] = outcome(mgr.prune)
+        out["steps_again"] = mgr.steps()
+        train(model, opt, 1, seed=3)
+        state["step"] = 3
+        n = len(mgr.coord.stats.records)
+        mgr.save(3, state)
+        out["phases3"] = [r[0] for r in mgr.coord.stats.records[n:]]
+        out["digests3"] = digests(model, opt)
+        mgr.wait()
+        dist.barrier()
+        out["steps3"] = mgr.steps()
+        out["restored3"] = outcome(lambda: _restore_fresh(mgr))
     mgr.close()
     return out

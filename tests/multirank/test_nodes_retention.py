@@ -18,8 +18,8 @@ ROOTS = ["node0", "node1"]
 SHARDS = ["_shards.rank00000.safetensors", "_shards.rank00001.safetensors"]
 
 
-def _damaged(tmp_path: Path, damage: list[str]) -> list[dict]:
-    args = {"roots": ROOTS, "damage": damage}
+def _damaged(tmp_path: Path, damage: list[str], **more: object) -> list[dict]:
+    args = {"roots": ROOTS, "damage": damage, **more}
     return values(launch("node_scenarios:nodes_damaged", 2, tmp_path, timeout=150, args=args))
 
 
@@ -47,3 +47,47 @@ def test_a_damaged_marker_fails_verify_and_keeps_the_older_step(tmp_path: Path) 
         assert v["restored"]["value"] == [1, 1, got[0]["digests1"]]
     for node in ROOTS:
         assert (tmp_path / node / "step-000000000001").is_dir()
+
+
+@pytest.mark.timeout(200)
+def test_a_step_bad_on_one_node_is_not_good_for_retention(tmp_path: Path) -> None:
+    """Issue 24 #1: step 2's shard rots on node 1 only; new managers with ``keep=1`` prune.
+
+    Before: node 0 judged step 2 good from its own part and deleted step 1, node 1 kept it;
+    step 2 then failed on node 1, step 1 was gone from node 0: ``NoCheckpointError``. Now
+    the nodes agree that step 2 is not good everywhere, both keep step 1, and the restore
+    lands on it. A second prune keeps both (the nodes now agree on step 1); a save of step
+    3 makes no exchange for retention (the step every node committed is good everywhere)
+    and deletes steps 1 and 2 on both nodes.
+    """
+    got = _damaged(tmp_path, ["", "shard"], more=True)
+    assert got[0]["verify2"]["ok"]  # node 0's part of step 2 is fine
+    assert not got[1]["verify2"]["ok"]
+    assert any(SHARDS[1] in p and "crc32c" in p for p in got[1]["verify2"]["problems"])
+    for v in got:
+        assert v["pruned"]["ok"], v["pruned"]
+        assert v["pruned"]["value"] == []
+        assert v["steps"] == [1, 2]
+        assert v["restored"]["ok"], v["restored"]
+        assert v["restored"]["value"] == [1, 1, got[0]["digests1"]]
+        assert v["pruned_again"]["value"] == []
+        assert v["steps_again"] == [1, 2]
+        assert not any(p.startswith("prune:") for p in v["phases3"]), v["phases3"]
+        assert v["steps3"] == [3]
+        assert v["restored3"]["value"] == [3, 3, got[0]["digests3"]]
+    for rank, node in enumerate(ROOTS):
+        assert sorted(p.name for p in (tmp_path / node).glob("step-*")) == ["step-000000000003"]
+        assert (tmp_path / node / "step-000000000003" / SHARDS[rank]).is_file()
+
+
+@pytest.mark.timeout(120)
+def test_a_rank_missing_from_a_node_local_prune_is_named(tmp_path: Path) -> None:
+    """prune() on node-local roots is collective: a rank that does not call it is named in
+    a ``BarrierTimeout`` within ``barrier_timeout`` (5 s), and nothing is deleted."""
+    got = _damaged(tmp_path, ["", "shard"], absent=1)
+    pruned = got[0]["pruned"]
+    assert not pruned["ok"]
+    assert pruned["error_type"] == "BarrierTimeout"
+    assert (pruned["phase"], pruned["missing_ranks"]) == ("prune:agree", [1])
+    assert pruned["seconds"] < 30
+    assert [v["steps"] for v in got] == [[1, 2], [1, 2]]
