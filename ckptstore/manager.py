@@ -472,12 +472,14 @@ class CheckpointManager:
     def plan_prune(self) -> list[int]:
         """The steps :meth:`prune` would delete now.
 
+        On node-local roots (a disk per node) it is collective, as :meth:`prune`.
+
         Raises:
             ValueError: no committed step has the metric of a ``KeepBest`` policy (a typo
                 would otherwise make retention delete the best checkpoints); nothing is
                 deleted. The message lists the metrics the store has.
         """
-        return after_commit.plan_prune(self._session)
+        return after_commit.plan_prune(self._session, agree=True)
 
     def prune(self) -> list[int]:
         """Apply the retention policy now; returns the deleted steps.
@@ -486,12 +488,18 @@ class CheckpointManager:
         background. Never deletes the newest, a pinned one, or the newest that verifies.
         In a directory without checkpoints it does nothing and creates nothing.
 
+        On node-local roots (a disk per node) it is collective: call it on every rank. A
+        step counts as verifying only if it verifies on every node (each holds a part of
+        it); the nodes agree on that in one exchange, delete the same steps, and every rank
+        returns them.
+
         Raises:
             StoreLockedError: another process writes the store.
             ValueError: as :meth:`plan_prune`.
             CommitError: a checkpoint could not be deleted.
+            BarrierTimeout: node-local roots: a rank did not call it (named).
         """
-        return after_commit.prune(self._session)
+        return after_commit.prune(self._session, agree=True)
 
     def delete(self, step: int, *, force: bool = False) -> None:
         """Delete one committed checkpoint now, atomically (as retention does).

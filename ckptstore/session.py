@@ -42,6 +42,8 @@ class Session:
     replica: Replicator | None = None
     replica_storage: Storage | None = None
     mutex: threading.RLock = field(default_factory=threading.RLock)
+    #: Steps that verify (on node-local roots: on every node; committed by every node, read
+    #: by a restore on every rank, or agreed by ``prune``).
     known_good: set[int] = field(default_factory=set)
     #: Steps found not to verify (restore skipped them, verify or retention failed them).
     known_bad: set[int] = field(default_factory=set)
@@ -148,8 +150,14 @@ class Session:
         return planner
 
     def verified(self, step: int, ok: bool) -> None:
-        """A deep verification of ``step`` passed (``ok``) or failed."""
+        """A deep verification of ``step`` on this rank's store passed (``ok``) or failed.
+
+        On node-local roots a pass says nothing of the other nodes' parts of the step:
+        ``known_good`` holds only steps good on every node (see ``save/after_commit``).
+        """
         with self.mutex:
+            if ok and self.split:
+                return
             (self.known_good if ok else self.known_bad).add(step)
             (self.known_bad if ok else self.known_good).discard(step)
 

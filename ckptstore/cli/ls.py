@@ -91,6 +91,8 @@ def print_listing(res: StoreListing) -> None:
                 here = "all ranks"
                 if s.manifest is None:
                     here = "-"
+                elif s.error is not None:
+                    here = "BROKEN marker"
                 elif s.local_ranks is not None:
                     here = ranks_text(s.local_ranks, s.manifest.world_size)
                 where.insert(0, here)

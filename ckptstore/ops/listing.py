@@ -15,7 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._fmt import created_json, metric_json
-from ..errors import CkptStoreError
+from ..errors import CkptStoreError, IntegrityError
 from ..manifest import Manifest
 from ..storage import Storage, open_storage
 from ..tiers.nodes import local_ranks
@@ -27,7 +27,10 @@ __all__ = ["Listings", "StepInfo", "StoreListing", "list_store", "list_stores"]
 
 @dataclasses.dataclass
 class StepInfo:
-    """One committed step, or one whose manifest is broken (``error`` says why)."""
+    """One committed step, or one whose manifest is broken (``error`` says why).
+
+    ``error`` beside a ``manifest``: the step's ``local-ranks`` marker is damaged.
+    """
 
     step: int
     pinned: bool
@@ -124,8 +127,13 @@ def _listing(storage: Storage) -> StoreListing:
                 # Only a sharded step of several ranks on a local disk (an object store is
                 # shared by every rank) can be a node's partial copy: one lookup for those.
                 split = storage.atomic_rename and m.sharded and m.world_size > 1
-                ranks = local_ranks(storage, step) if split else None
-                infos.append(StepInfo(step, pinned, manifest=m, local_ranks=ranks))
+                ranks, error = None, None
+                if split:
+                    try:
+                        ranks = local_ranks(storage, step, m)
+                    except IntegrityError as e:  # a damaged marker: the step is corrupt
+                        ranks, error = [], _one_line(str(e))
+                infos.append(StepInfo(step, pinned, manifest=m, error=error, local_ranks=ranks))
     return StoreListing(storage.root, infos, garbage)
 
 

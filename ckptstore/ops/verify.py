@@ -29,7 +29,7 @@ from ..codec import safetensors as st
 from ..codec.payload import stored_tensors
 from ..errors import CkptStoreError, ConfigError, IntegrityError, ManifestError, NoCheckpointError
 from ..integrity import VerifyReport, crc32c_of, format_crc
-from ..layout import MANIFEST_NAME, STATE_NAME, parse_step_dirname, state_file
+from ..layout import LOCAL_RANKS_NAME, MANIFEST_NAME, STATE_NAME, parse_step_dirname, state_file
 from ..manifest import RANK_TABLE_NAME, FileEntry, Manifest
 from ..sharded import split_index
 from ..sharded.chunks import INDEX_FILE, ChunkIndex
@@ -113,7 +113,7 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
         if name not in manifest.files:
             report.add(f"{storage.describe(step)}: manifest lists no {name}")
     # A node's copy on node-local roots: the other nodes' ranks' files are checked there.
-    report.elsewhere = nodes.elsewhere(manifest, nodes.local_ranks(storage, step))
+    report.elsewhere = nodes.elsewhere(manifest, _present(storage, manifest, report))
     away = set(report.elsewhere)
     limits = _Limits(storage, manifest)
     index = _check_index(storage, manifest, report, away) if manifest.dtensor else None
@@ -125,6 +125,19 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
     # The index and state.json are read before the file loop too: say each problem once.
     report.problems[:] = list(dict.fromkeys(report.problems))
     return report
+
+
+def _present(storage: Storage, manifest: Manifest, report: VerifyReport) -> list[int] | None:
+    """The ranks whose files this copy holds (None: every rank's), from its ``local-ranks``.
+
+    A damaged marker is a problem of the step, and every file is checked (a file of another
+    node's rank is then reported missing): it never reduces what is checked.
+    """
+    try:
+        return nodes.local_ranks(storage, manifest.step, manifest)
+    except IntegrityError as e:
+        report.add(str(e))
+        return None
 
 
 def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's loop
@@ -429,6 +442,10 @@ def verify_stored_file(
     if name == MANIFEST_NAME:
         report.files = 1
         return report
+    if name == LOCAL_RANKS_NAME:  # checked on its own checksum, against the manifest
+        report.files = 1
+        _present(storage, manifest, report)
+        return report
     entry = manifest.files.get(name)
     if entry is None:
         report.add(
@@ -438,8 +455,9 @@ def verify_stored_file(
         return report
     index = None
     if deep and manifest.dtensor and name != INDEX_FILE:
-        away = nodes.elsewhere(manifest, nodes.local_ranks(storage, manifest.step))
-        index = _check_index(storage, manifest, VerifyReport(target=report.target), away)
+        aside = VerifyReport(target=report.target)  # problems of other files than this one
+        away = nodes.elsewhere(manifest, _present(storage, manifest, aside))
+        index = _check_index(storage, manifest, aside, away)
     blocks = _blocks_by_file(index) if index is not None else {}
     _check_entry(storage, manifest, name, entry, report, deep, _Limits(storage, manifest), blocks)
     return report

@@ -180,6 +180,7 @@ class Reader:
                 # A save of this step (or of one after it, once training resumed before
                 # it) replaces it; it does not count as the newest (see save()).
                 session.known_bad.add(s)
+                session.known_good.discard(s)
                 why = "; ".join(f"rank {r}: {v}" for r, v in soft)
                 log.warning("skipping step %d: %s", s, why)
                 skipped.append(f"step {s}: {why}")
@@ -270,10 +271,12 @@ class Reader:
                     raise
                 bad.add(s)
                 session.known_bad.add(s)
+                session.known_good.discard(s)
                 log.warning("skipping step %d: %s", s, e)
                 skipped.append(f"step {s}: {e}")
                 continue
-            session.known_good.add(s)
+            if not session.split:  # one process's read: on node-local roots, one node's
+                session.known_good.add(s)
             return out
         raise NoCheckpointError(
             f"{session.root}: no checkpoint verifies (`ckptstore verify --all` shows why); "

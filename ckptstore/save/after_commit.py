@@ -10,6 +10,8 @@ commit never fails the save.
 
 from __future__ import annotations
 
+from typing import Any
+
 from .._log import logger as log
 from ..errors import CkptStoreError, CommitError, StepProtectedError, UsageError
 from ..ops.verify import verify_checkpoint
@@ -47,18 +49,38 @@ def replica_safe(session: Session, step: int) -> None:
         prune(session)
 
 
-def plan_prune(session: Session) -> list[int]:
-    """The steps :func:`prune` would delete now (see ``CheckpointManager.plan_prune``)."""
+def plan_prune(session: Session, *, agree: bool = False) -> list[int]:
+    """The steps :func:`prune` would delete now (see ``CheckpointManager.plan_prune``).
+
+    ``agree``: called on every rank (``CheckpointManager.plan_prune``); on node-local roots
+    the nodes then agree on the newest step good on every node (:func:`_agreed`).
+    """
+    if agree and session.split:
+        return _agreed(session, delete=False)
     with session.mutex:
         known = session.known()
         if not len(known):
             return []
         _check_store_metrics(session, known)
+        if session.split:  # no exchange here: what every node already agreed on
+            last_good, floor = _agreed_good(session, known)
+        else:
+            last_good, floor = _last_good(session, known), None
+        return _plan(session, known, last_good, floor)
+
+
+def _plan(
+    session: Session, known: RetentionPlanner, last_good: int | None, floor: int | None
+) -> list[int]:
+    """The doomed steps, ``last_good`` kept; with a ``floor``, no step at or below it."""
+    with session.mutex:
         if not known.incremental:
             # A policy of the user's own may look at pins: give it every step's.
             for s in known:
                 known.set_pinned(s, session.storage.is_pinned(s))
-        doomed = known.plan(last_good=_last_good(session, known))
+        doomed = known.plan(last_good=last_good)
+        if floor is not None:
+            doomed = [s for s in doomed if s > floor]
         if session.replica is not None:  # a step not yet safe on the replica is held
             doomed = session.replica.deletable(doomed)
         # Built-in policies are planned without reading every step's pin (a pin only
@@ -103,15 +125,25 @@ def _last_good(session: Session, known: RetentionPlanner) -> int | None:
     return None
 
 
-def prune(session: Session) -> list[int]:
-    """Apply the retention policy now; returns the deleted steps (``CheckpointManager.prune``)."""
+def prune(session: Session, *, agree: bool = False) -> list[int]:
+    """Apply the retention policy now; returns the deleted steps (``CheckpointManager.prune``).
+
+    ``agree``: called on every rank; on node-local roots the nodes first agree on the newest
+    step good on every node (:func:`_agreed`), and every rank returns the same steps.
+    """
     session.check_open()
+    if agree and session.split:
+        return _agreed(session, delete=True)
     with session.mutex:
         if not session.claimed:
             if not session.storage.list_steps():
                 return []  # nothing to delete: take (create) no lock here
             session.acquire()
-        doomed = plan_prune(session)
+        return _delete(session, plan_prune(session))
+
+
+def _delete(session: Session, doomed: list[int]) -> list[int]:
+    with session.mutex:
         deleted = []
         for s in doomed:
             try:
@@ -126,6 +158,165 @@ def prune(session: Session) -> list[int]:
         if deleted:
             log.info("retention deleted steps %s", deleted)
         return deleted
+
+
+# ---- node-local roots: a step is good for retention only if it is good on every node ----
+#
+# Each node holds a part of every step, so "the newest step that verifies" is the newest one
+# that verifies on every node: one node's verdict on its own part says nothing of the
+# others'. ``known_good`` holds only steps good on every node (committed by every node, read
+# by a restore on every rank, or agreed below); ``known_bad`` steps found bad on any node.
+
+
+def _agreed_good(session: Session, known: RetentionPlanner) -> tuple[int | None, int | None]:
+    """``(last_good, floor)`` from what the nodes already agreed on; no exchange, no read.
+
+    For retention after a save (the step just committed everywhere is good everywhere)
+    and on the uploader's thread. The newest step not known bad anywhere that is known good
+    everywhere is the last good step; a step that is neither (not checked by every node)
+    stops the walk as the ``floor``: no step at or below it is deleted, since the newest step
+    good on every node may be any of them.
+    """
+    for s in reversed(known):
+        if s in session.known_bad:
+            continue
+        if s in session.known_good:
+            return s, None
+        log.info("retention deletes no step up to %d: not known good on every node yet", s)
+        return None, s
+    return None, None
+
+
+def _agreed(session: Session, *, delete: bool) -> list[int]:
+    """``plan_prune``/``prune`` on node-local roots, on every rank: two exchanges.
+
+    1. ``prune:agree``: each node's leader walks its steps newest first and stops at the
+       first one good here (known good everywhere, or verifying deep on this node), noting
+       the newer ones it found bad; rank 0 turns the reports into one verdict for every
+       rank: the last good step when every node stopped at the same one, else a floor (the
+       lowest stop: the newest step good on every node is at or below it, and nothing
+       there is deleted), and the steps bad on some node (bad on every node from then on).
+    2. ``prune:done``: each leader plans (and with ``delete`` deletes) with that verdict;
+       every rank returns the union of the nodes' steps, or raises the same error.
+
+    What a non-zero rank sends and receives is bounded by the steps checked, not the world.
+
+    Raises:
+        BarrierTimeout: a rank did not take part (it is named); nothing deleted before it.
+        CommitError: a node could not plan or delete (named with its error).
+        StoreLockedError, UsageError: as ``prune``, from the first node that raised it.
+    """
+    coord = session.coord
+    mine: tuple[str, Any] = ("none", None)
+    if session.node_leader:
+        try:
+            mine = ("ok", _walk(session, delete=delete))
+        except (CkptStoreError, OSError, ValueError) as e:
+            mine = ("error", e)
+    status, value = coord.reduce(mine, _verdict, "prune:agree")
+    if status == "error":
+        raise value
+    good, floor, bad = value
+    out: tuple[str, Any] = ("none", None)
+    if session.node_leader:
+        try:
+            with session.mutex:
+                for s in bad:
+                    session.known_bad.add(s)
+                    session.known_good.discard(s)
+                if good is not None:
+                    session.known_good.add(good)
+                    session.known_bad.discard(good)
+                known = session.known()
+                doomed = _plan(session, known, good, floor) if len(known) else []
+                if delete and not session.claimed:
+                    doomed = []  # the store had no step when this node walked it: no lock
+                if floor is not None:
+                    log.warning(
+                        "retention deletes no step up to %d: the nodes do not agree on the "
+                        "newest step that verifies on every node (found bad on some node: %s)",
+                        floor,
+                        bad,
+                    )
+                out = ("ok", _delete(session, doomed) if delete else doomed)
+        except (CkptStoreError, OSError, ValueError) as e:
+            out = ("error", e)
+    status, value = coord.reduce(out, _union, "prune:done")
+    if status == "error":
+        raise value
+    return value  # type: ignore[no-any-return]
+
+
+def _walk(session: Session, *, delete: bool) -> tuple[int | None, list[int]]:
+    """A node's report: the newest step good here (or None), and the newer ones found bad."""
+    with session.mutex:
+        if not session.claimed:
+            if not session.storage.list_steps():
+                return None, []  # nothing here: take (create) no lock
+            if delete:
+                session.acquire()
+        known = session.known()
+        if len(known):
+            _check_store_metrics(session, known)
+        bad: list[int] = []
+        for s in reversed(known):
+            if s in session.known_bad:
+                bad.append(s)
+                continue
+            if s in session.known_good:
+                return s, bad
+            report = verify_checkpoint(session.storage, s, deep=True)
+            if report.ok:
+                return s, bad  # good on this node: every node must say so too
+            bad.append(s)
+            log.warning(
+                "retention keeps an older step: step %d does not verify on this node: %s",
+                s,
+                "; ".join(report.problems),
+            )
+        return None, bad
+
+
+#: How many failing ranks a verdict names.
+_SHOWN = 8
+
+
+def _verdict(every: list[tuple[str, Any]]) -> tuple[str, Any]:
+    """Rank 0's verdict from every rank's report: ``("ok", (good, floor, bad))`` or an error."""
+    failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
+    if failed:
+        return "error", _failure(failed, "could not check its steps")
+    reports = [v for st, v in every if st == "ok"]
+    stops = [stop for stop, _ in reports]
+    bad = sorted({s for _, b in reports for s in b})
+    found = [s for s in stops if s is not None]
+    if not found:
+        return "ok", (None, None, bad)  # no step verifies on any node
+    if len(set(stops)) == 1:
+        return "ok", (found[0], None, bad)
+    # A node with no good step: nothing is good everywhere; keep what is good somewhere.
+    floor = max(found) if None in stops else min(found)
+    return "ok", (None, floor, bad)
+
+
+def _union(every: list[tuple[str, Any]]) -> tuple[str, Any]:
+    failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
+    if failed:
+        return "error", _failure(failed, "could not apply retention")
+    return "ok", sorted({s for st, v in every if st == "ok" for s in v})
+
+
+def _failure(failed: list[tuple[int, Any]], what: str) -> BaseException:
+    """The error every rank raises.
+
+    The first node's own when every failing node raised the same kind of error (a
+    ``StoreLockedError``, a ``UsageError``), else a ``CommitError`` naming each.
+    """
+    first = failed[0][1]
+    if isinstance(first, CkptStoreError) and all(type(e) is type(first) for _, e in failed):
+        return first
+    detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:_SHOWN])
+    return CommitError(f"retention: the local store of {len(failed)} node(s) {what} ({detail})")
 
 
 def delete(session: Session, step: int, *, force: bool) -> None:
@@ -179,7 +370,8 @@ def _another_good(session: Session, known: RetentionPlanner, step: int) -> bool:
         if s in session.known_good:
             return True
         if verify_checkpoint(session.storage, s, deep=True).ok:
-            session.known_good.add(s)
+            if not session.split:  # node-local roots: good on this node only
+                session.known_good.add(s)
             return True
         session.known_bad.add(s)
     return False

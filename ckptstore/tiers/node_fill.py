@@ -59,7 +59,11 @@ def fill(
             its manifest (nothing local changed).
         OSError: the local disk refused the files; the partial copy is left as it was.
     """
-    present = local_ranks(local, step)
+    try:
+        present = local_ranks(local, step)
+    except IntegrityError as e:  # a damaged marker: trust no rank's files to be here
+        log.warning("%s; taking every rank's files from the replica", e)
+        present = []
     if present is None or not local.atomic_rename:
         return None
     manifest = replica.read_manifest(step)

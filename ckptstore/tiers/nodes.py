@@ -10,13 +10,16 @@ retention); the ranks of a sharded save write into their own group's tmp directo
 A step committed on node-local roots holds, on each node, the ranks' files written there,
 every file of no rank (rank 0's plain state and chunk index, copied to every node at the
 save) and the full manifest; a :data:`LOCAL_RANKS_NAME` marker says which ranks' files are
-present. ``verify`` checks the files present and names the ranks whose files live elsewhere;
-a read that needs one of those fails with :func:`missing_error` (restore then takes the step
-from the replica, or passes over it), never with a silent partial result.
+present (it carries a CRC32C of its body; a damaged one makes the step fail ``verify``, and
+never reduces what is checked). ``verify`` checks the files present and names the ranks whose
+files live elsewhere; a read that needs one of those fails with :func:`missing_error`
+(restore then takes the step from the replica, or passes over it), never with a silent
+partial result.
 """
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import uuid
@@ -25,7 +28,7 @@ from typing import TYPE_CHECKING
 
 from .._log import logger as log
 from ..errors import ConfigError, IntegrityError
-from ..integrity import crc32c_of
+from ..integrity import crc32c_of, format_crc, parse_crc
 from ..layout import LOCAL_RANKS_NAME, step_dirname
 from ..manifest import FileEntry, Manifest
 from ..storage import Pending, Storage
@@ -36,6 +39,7 @@ if TYPE_CHECKING:  # torch-free at import: the CLI's reading commands load this 
 __all__ = [
     "elsewhere",
     "local_ranks",
+    "marker_bytes",
     "missing_error",
     "peers",
     "plain_blobs",
@@ -191,32 +195,110 @@ def write_plain(
             )
 
 
+def marker_bytes(ranks: Collection[int], world_size: int) -> bytes:
+    """The ``local-ranks`` marker of a copy holding the files of ``ranks``.
+
+    ``{"ranks": [...], "world_size": N, "checksum": "<crc32c>"}``: the checksum is the
+    CRC32C of the canonical body (sorted keys, no whitespace) without it, as a manifest's.
+    """
+    body = {"ranks": sorted(ranks), "world_size": world_size}
+    doc = dict(body, checksum=format_crc(crc32c_of(_canonical(body))))
+    return json.dumps(doc).encode() + b"\n"
+
+
 def write_marker(pending: Pending, ranks: Collection[int], world_size: int) -> None:
     """Mark ``pending`` as holding the files of ``ranks`` only (before its commit)."""
-    body = json.dumps({"ranks": sorted(ranks), "world_size": world_size}).encode() + b"\n"
+    body = marker_bytes(ranks, world_size)
     pending.storage._put_small(f"{pending.dirname}/{LOCAL_RANKS_NAME}", body)
 
 
-def local_ranks(storage: Storage, step: int) -> list[int] | None:
+#: More than any marker the writer makes (a rank list of a 16,384-rank node is ~100 KB).
+_MARKER_MAX = 1 << 22
+
+
+def local_ranks(storage: Storage, step: int, manifest: Manifest | None = None) -> list[int] | None:
     """The ranks whose files the committed ``step`` holds here; ``None``: every rank's.
 
-    A marker that cannot be read is taken as ``[]`` (only the files of no rank are trusted to
-    be there): reads then say which ranks' files are missing instead of guessing.
+    ``None`` only when the step has no marker. A marker that cannot be read, does not parse,
+    fails its checksum, or says something impossible (a rank outside the world, a world
+    size other than ``manifest``'s) raises: it is never taken as "no rank's files are here",
+    which would switch off the checks of every rank's files. Markers of older versions (no
+    checksum) are read strictly: exactly their two fields, well-formed.
+
+    Raises:
+        IntegrityError: the marker is damaged; the message names it and says why.
     """
     rel = f"{step_dirname(step)}/{LOCAL_RANKS_NAME}"
+    where = storage.describe(step, LOCAL_RANKS_NAME)
     try:
         if not storage._exists(rel):
             return None
         with storage._open_read(rel) as f:
-            data = json.loads(f.read(1 << 16))
-        ranks = data.get("ranks") if isinstance(data, dict) else None
-        if isinstance(ranks, list) and all(
-            isinstance(r, int) and not isinstance(r, bool) for r in ranks
-        ):
-            return sorted(ranks)
-    except (OSError, ValueError):
-        pass
-    return []
+            data = f.read(_MARKER_MAX + 1)
+    except OSError as e:
+        raise IntegrityError(f"{where}: the node-local marker is unreadable ({e})") from e
+    if len(data) > _MARKER_MAX:
+        raise IntegrityError(f"{where}: the node-local marker is over {_MARKER_MAX} bytes")
+    ranks, world = _parse_marker(data, where)
+    if manifest is not None and world != manifest.world_size:
+        raise IntegrityError(
+            f"{where}: the node-local marker is corrupt (a world of {world} ranks, the "
+            f"manifest's is of {manifest.world_size})"
+        )
+    return ranks
+
+
+def _parse_marker(data: bytes, where: str) -> tuple[list[int], int]:
+    """``(ranks, world_size)`` of a marker's bytes, checked; else ``IntegrityError``."""
+    bad = f"{where}: the node-local marker is corrupt"
+    try:
+        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_unique)
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise IntegrityError(f"{bad} (not valid JSON: {e})") from None
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{bad} (not a JSON object)")
+    keys = set(doc)
+    if keys not in ({"ranks", "world_size"}, {"ranks", "world_size", "checksum"}):
+        raise IntegrityError(f"{bad} (its fields are {sorted(keys)})")
+    if "checksum" in doc:
+        body = {"ranks": doc["ranks"], "world_size": doc["world_size"]}
+        try:
+            stored = parse_crc(doc["checksum"])
+            actual = crc32c_of(_canonical(body))
+        except ValueError as e:
+            raise IntegrityError(f"{bad} ({e})") from None
+        if stored != actual:
+            raise IntegrityError(
+                f"{bad} (its crc32c {format_crc(actual)} does not match its checksum "
+                f"{format_crc(stored)})"
+            )
+    ranks, world = doc["ranks"], doc["world_size"]
+    if not (isinstance(world, int) and not isinstance(world, bool) and world >= 1):
+        raise IntegrityError(f"{bad} (world_size {world!r})")
+    if not (
+        isinstance(ranks, list)
+        and ranks
+        and all(isinstance(r, int) and not isinstance(r, bool) and 0 <= r < world for r in ranks)
+        and all(a < b for a, b in itertools.pairwise(ranks))
+    ):
+        raise IntegrityError(
+            f"{bad} (ranks {str(ranks)[:80]}: not ascending ranks of a world of {world})"
+        )
+    return ranks, world
+
+
+def _canonical(body: Mapping[str, object]) -> bytes:
+    """The bytes a marker's checksum covers (as a manifest's: sorted keys, no whitespace)."""
+    return json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+
+
+def _unique(pairs: list[tuple[str, object]]) -> dict[str, object]:
+    out: dict[str, object] = {}
+    for k, v in pairs:
+        if k in out:
+            raise IntegrityError(f"duplicate key {k!r}")  # a ValueError: reported as not JSON
+        out[k] = v
+    return out
 
 
 def ranks_with_files(manifest: Manifest) -> list[int]:
@@ -238,9 +320,13 @@ def missing_error(
 
     On a node's partial copy: an ``IntegrityError`` naming the ranks whose files live on
     other nodes (restore passes over the step, or takes it from the replica); else ``cause``
-    (also for an ``IntegrityError`` that names no file of those ranks: a corrupt file).
+    (also for an ``IntegrityError`` that names no file of those ranks: a corrupt file). A
+    damaged marker makes it an ``IntegrityError`` naming the marker: the step is corrupt.
     """
-    present = local_ranks(storage, step)
+    try:
+        present = local_ranks(storage, step)
+    except IntegrityError as e:
+        return IntegrityError(f"{e}; the read found: {cause}")
     if present is None:
         return cause
     if manifest is None:

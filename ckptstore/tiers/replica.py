@@ -692,7 +692,7 @@ class Replicator:
         try:
             return nodes.local_ranks(self.local, step) is not None
         except (OSError, CkptStoreError):
-            return False  # unreadable: its upload says what is wrong with it
+            return True  # a damaged marker: only a node's copy has one
 
     def submit(self, step: int) -> None:
         """Queue the committed local ``step`` for upload."""

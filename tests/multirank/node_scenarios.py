@@ -272,3 +272,68 @@ def peers_probe(ctx: Ctx) -> dict[str, Any]:
             "received": sum(r[3] for r in init),
             "left": sorted(n for n in os.listdir(_root(ctx)) if n.startswith(".ckptstore.probe")),
         }
+
+
+def nodes_damaged(ctx: Ctx) -> dict[str, Any]:
+    """FSDP2 steps 1 and 2 on node-local roots, then step 2 damaged on some nodes; prune.
+
+    Each rank damages its own node's copy of step 2 as ``damage[rank]`` says: ``marker``
+    truncates its ``local-ranks`` marker, ``shard`` flips a byte of its rank's shard. Then
+    new managers with ``keep=1`` prune on every rank. Returns what ``verify_checkpoint`` says
+    of step 2 on this node (before the prune), what the prune deleted, the steps this node
+    kept and where a restore of a fresh model lands. With ``more``: a second prune, then a
+    save of step 3 (the collectives it made), and the steps kept and restored after it.
+    With ``absent``: that rank does not call ``prune`` (the others must name it).
+    """
+    from ckptstore.ops.verify import verify_checkpoint
+
+    model, opt = _fsdp()
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
+    out: dict[str, Any] = {}
+    with _mgr(ctx) as mgr:
+        mgr.save(1, state)
+        out["digests1"] = digests(model, opt)
+        train(model, opt, 1, seed=2)
+        state["step"] = 2
+        mgr.save(2, state)
+    dist.barrier()  # every node committed both steps
+    step2 = _root(ctx) / "step-000000000002"
+    damage = ctx.args["damage"][ctx.rank]
+    if "marker" in damage:
+        marker = step2 / "local-ranks"
+        marker.write_bytes(marker.read_bytes()[:9])  # torn: not JSON any more
+    if "shard" in damage:
+        path = step2 / f"_shards.rank{ctx.rank:05d}.safetensors"
+        data = bytearray(path.read_bytes())
+        data[-1] ^= 0xFF  # the last byte of the last box
+        path.write_bytes(bytes(data))
+    dist.barrier()
+    absent = ctx.args.get("absent")
+    mgr = CheckpointManager(_root(ctx), keep=1, barrier_timeout=5 if absent is not None else 30)
+    rep = verify_checkpoint(mgr.storage, 2)
+    out["verify2"] = {"ok": rep.ok, "problems": rep.problems}
+    if absent == ctx.rank:
+        out["pruned"] = None
+    else:
+        out["pruned"] = outcome(mgr.prune)
+    dist.barrier()  # every node pruned before any lists or restores
+    out["steps"] = mgr.steps()
+    if absent is not None:
+        mgr.close()
+        return out
+    out["restored"] = outcome(lambda: _restore_fresh(mgr))
+    if ctx.args.get("more"):
+        out["pruned_again"] = outcome(mgr.prune)
+        out["steps_again"] = mgr.steps()
+        train(model, opt, 1, seed=3)
+        state["step"] = 3
+        n = len(mgr.coord.stats.records)
+        mgr.save(3, state)
+        out["phases3"] = [r[0] for r in mgr.coord.stats.records[n:]]
+        out["digests3"] = digests(model, opt)
+        mgr.wait()
+        dist.barrier()
+        out["steps3"] = mgr.steps()
+        out["restored3"] = outcome(lambda: _restore_fresh(mgr))
+    mgr.close()
+    return out

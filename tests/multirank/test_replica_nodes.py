@@ -289,7 +289,8 @@ def test_two_ranks_per_node_on_two_nodes(
         assert [n for n in part if n.startswith("_shards.")] == [shards[rank]]
         assert ("state.json" in part) == (rank == 0)
     marker = json.loads((tmp_path / "nodeB" / "step-000000000001" / "local-ranks").read_text())
-    assert marker == {"ranks": [2, 3], "world_size": 4}
+    assert marker == {"ranks": [2, 3], "world_size": 4, "checksum": marker["checksum"]}
+    assert len(marker["checksum"]) == 8
 
     opts = {**s3.storage_options, "skip_instance_cache": True}
     with CheckpointManager(tmp_path / "nodeC", replica=url, replica_options=opts) as mgr:
