@@ -31,7 +31,15 @@ from typing import Any
 
 from ..errors import IntegrityError
 from ..manifest import SPLIT_FORMAT_VERSION, FileEntry, Manifest
-from .chunks import BLOCK, INDEX_FORMAT, MAX_INDEX_BYTES, Chunk, ChunkIndex, TensorEntry
+from .chunks import (
+    BLOCK,
+    INDEX_FORMAT,
+    MAX_INDEX_BYTES,
+    Chunk,
+    ChunkIndex,
+    TensorEntry,
+    check_disjoint,
+)
 
 __all__ = [
     "SPLIT_FORMAT",
@@ -323,11 +331,13 @@ class Layout:
                 want.setdefault(writer, set()).add((name, offsets))
                 sizes[(name, offsets)] = box
         found: dict[str, list[Chunk]] = {n: [] for n in targets}
+        read: list[tuple[str, Chunk]] = []
         for writer in sorted(want):
             pname = part_file(writer)
             if pname not in files:
                 raise IntegrityError(f"{where}: the manifest lists no {pname}")
             chunks = self._parse_part(read_part(writer), writer, files, f"{where}/{pname}")
+            read += ((name, c) for (name, _), c in chunks.items())
             for key in want[writer]:
                 chunk = chunks.get(key)
                 if chunk is None or chunk.sizes != sizes[key]:
@@ -336,6 +346,14 @@ class Layout:
                         f"{writer} wrote; the index part is not this save's"
                     )
                 found[key[0]].append(chunk)
+        # No two chunks of the parts read share a byte, whatever tensor they belong to. That
+        # covers every chunk this rank reads, against each other and against the rest of
+        # those parts, so what it allocates is bounded by bytes it reads (the boxes of a
+        # tensor tile it, and each chunk holds exactly its box's bytes). A chunk listed only
+        # in a part this rank does not read may still alias bytes it reads; that costs this
+        # rank nothing, and verify, inspect, export and consolidation, which read every
+        # part, refuse it (:meth:`merged`).
+        check_disjoint(read, where)
         tensors = {
             n: TensorEntry(
                 e.dtype,
@@ -401,6 +419,8 @@ class Layout:
                 chunks = self._parse_part(read_part(rank), rank, files, f"{where}/{pname}")
                 for (name, _), chunk in chunks.items():
                     found[name].append(chunk)
+            # The chunks here share no byte (those of the nodes away are theirs to check).
+            check_disjoint(((n, c) for n, cs in found.items() for c in cs), where)
             return ChunkIndex(
                 tensors={
                     n: dataclasses.replace(e, chunks=tuple(sorted(found[n], key=_offsets)))
