@@ -285,8 +285,6 @@ class Layout:
         self, name: str, lo: Sequence[int], hi: Sequence[int]
     ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
         """``(offsets, sizes, writer)`` of each non-empty saved box of ``name`` in ``[lo, hi)``."""
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
         entry = self.tensors[name]
         mesh = self.meshes[self.mesh_of[name]]
         objs = _placement_objects(entry.placements)
@@ -295,9 +293,7 @@ class Layout:
         shape = tuple(mesh["shape"])
         out = []
         for coord in _candidates(entry.shape, shape, objs, lo, hi):
-            sizes, offsets = _compute_local_shape_and_global_offset(
-                entry.shape, shape, list(coord), objs
-            )
+            offsets, sizes = _box(entry.shape, shape, coord, objs)
             if 0 in sizes and entry.shape:
                 continue
             if any(
@@ -511,6 +507,30 @@ def _writer(
             index = index * n + c
         return int(mesh["ranks"][index])
     return int(mesh["start"] + sum(c * s for c, s in zip(full, mesh["strides"], strict=True)))
+
+
+def _box(
+    tshape: Sequence[int], mshape: Sequence[int], coord: Sequence[int], objs: Sequence[Any]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of the box at mesh coordinate ``coord``: DTensor's arithmetic.
+
+    Each ``Shard(d)``, mesh dim after mesh dim, splits what is left of dim ``d`` like
+    ``torch.chunk`` (as :func:`_split` does). In integers: DTensor's own
+    ``_compute_local_shape_and_global_offset`` makes an index tensor of 8 bytes per element
+    of the shard's length, so a hostile layout's shape of 2**40 rows asked for 8 TiB before
+    any chunk was read (issue 24 #7).
+    """
+    base = [0] * len(tshape)
+    length = list(tshape)
+    for mdim, p in enumerate(objs):
+        if not p.is_shard():
+            continue
+        d, n, i = p.dim, mshape[mdim], coord[mdim]
+        size = -(-length[d] // n) if length[d] else 0
+        first = min(i * size, length[d])
+        base[d] += first
+        length[d] = max(0, min(length[d], (i + 1) * size) - first)
+    return tuple(base), tuple(length)
 
 
 def _candidates(
