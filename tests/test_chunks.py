@@ -181,7 +181,8 @@ def _columns(n: int, gap_at: int | None = None, overlap_at: int | None = None) -
     for i in range(n):
         col = i + 1 if gap_at is not None and i >= gap_at else i
         col = 12_344 if overlap_at is not None and i == overlap_at else col
-        chunks.append(Chunk((0, col), (1, 1), "_shards.rank00000.safetensors", 0, 4, (0,)))
+        # Each its own 4 bytes: chunks that share bytes are refused (issue 24 #7).
+        chunks.append(Chunk((0, col), (1, 1), "_shards.rank00000.safetensors", 4 * i, 4, (0,)))
     width = n + (1 if gap_at is not None else 0)
     entry = TensorEntry("float32", (1, width), tuple(chunks), (n,), ("dp",), ("S(1)",))
     return ChunkIndex({"model/w": entry}, block=4096)
@@ -216,3 +217,107 @@ def test_a_layout_that_would_not_end_is_refused_as_hostile(monkeypatch: pytest.M
     with pytest.raises(IntegrityError, match="the index is hostile"):
         chunks_mod._overlap(stairs)
     assert files  # the layout, not the files, is what is refused
+
+
+# ---- chunks that share bytes of a file (issue 24 #7) ---------------------------------------
+
+BIG = {
+    "_shards.rank00000.safetensors": FileEntry(1 << 20, 0, "safetensors"),
+    "_shards.rank00001.safetensors": FileEntry(1 << 20, 0, "safetensors"),
+}
+
+
+def _row(offsets: list[int], sizes: list[int], file: int, start: int) -> dict[str, Any]:
+    nbytes = 4 * sizes[0] * (sizes[1] if len(sizes) > 1 else 1)
+    return {
+        "offsets": offsets,
+        "sizes": sizes,
+        "file": f"_shards.rank{file:05d}.safetensors",
+        "start": start,
+        "bytes": nbytes,
+        "crc32c": ["00000000"] * max(1, -(-nbytes // 4096)) if nbytes else [],
+    }
+
+
+def _index(tensors: dict[str, tuple[list[int], list[dict[str, Any]]]]) -> bytes:
+    doc = {
+        "ckptstore_chunks": 1,
+        "block": 4096,
+        "tensors": {
+            n: {"dtype": "float32", "shape": shape, "chunks": rows}
+            for n, (shape, rows) in tensors.items()
+        },
+    }
+    return json.dumps(doc).encode()
+
+
+def test_chunks_of_one_tensor_that_share_bytes_are_refused() -> None:
+    """64 rows of a (64, 300) float32 tensor all pointing at row 0's 1,200 bytes: bounds,
+    sizes and exact cover hold, and the load read 64 x the payload (before: loaded)."""
+    rows = [_row([i, 0], [1, 300], 0, 100) for i in range(64)]
+    with pytest.raises(IntegrityError) as ei:
+        ChunkIndex.from_bytes(_index({"w": ([64, 300], rows)}), BIG, "step-2/dtensors.json")
+    msg = str(ei.value)
+    assert msg.startswith("step-2/dtensors.json: ")
+    assert "overlap in _shards.rank00000.safetensors: bytes [100, 1300) and [100, 1300)" in msg
+    assert "the chunk index is corrupt or hostile" in msg
+    # A partial overlap (one byte) is refused too, and a chunk that ends where the next
+    # starts is not.
+    rows = [_row([0, 0], [1, 300], 0, 100), _row([1, 0], [1, 300], 0, 1299)]
+    with pytest.raises(IntegrityError, match=r"bytes \[100, 1300\) and \[1299, 2499\)"):
+        ChunkIndex.from_bytes(_index({"w": ([2, 300], rows)}), BIG, "t")
+    rows[1]["start"] = 1300
+    ChunkIndex.from_bytes(_index({"w": ([2, 300], rows)}), BIG, "t")
+
+
+def test_chunks_of_two_tensors_that_share_bytes_are_refused() -> None:
+    a = [_row([0, 0], [4, 6], 0, 200), _row([4, 0], [3, 6], 1, 0)]
+    b = [_row([0], [10], 1, 80)]  # [80, 120) of rank 1's file: after a's [0, 72)
+    ChunkIndex.from_bytes(_index({"a": ([7, 6], a), "b": ([10], b)}), BIG, "t")
+    b[0]["start"] = 40  # [40, 80) meets a's [0, 72) in the file of rank 1
+    with pytest.raises(IntegrityError) as ei:
+        ChunkIndex.from_bytes(_index({"a": ([7, 6], a), "b": ([10], b)}), BIG, "step-2/x")
+    msg = str(ei.value)
+    assert "chunk [4, 0] of 'a' and chunk [0] of 'b' overlap" in msg
+    assert "in _shards.rank00001.safetensors: bytes [0, 72) and [40, 80)" in msg
+    assert "corrupt or hostile" in msg
+    # The same offsets in another file share nothing.
+    b[0]["file"] = "_shards.rank00000.safetensors"
+    ChunkIndex.from_bytes(_index({"a": ([7, 6], a), "b": ([10], b)}), BIG, "t")
+
+
+def test_real_layouts_share_no_bytes() -> None:
+    """Row chunks, Shard(1) column chunks, a zero-size tensor (its empty chunks may sit
+    anywhere, even at another chunk's start) and a 0-d tensor are all accepted."""
+    rows = [_row([4 * i, 0], [4, 6], i % 2, 96 * (i // 2)) for i in range(4)]
+    cols = [_row([0, 3 * i], [5, 3], 0, 4096 + 60 * i) for i in range(4)]
+    empty = [_row([0, 0], [0, 6], 0, 4096), _row([0, 0], [0, 6], 1, 0)]
+    scalar = [dict(_row([], [1], 1, 500), offsets=[], sizes=[])]
+    index = ChunkIndex.from_bytes(
+        _index(
+            {
+                "rows": ([16, 6], rows),
+                "cols": ([5, 12], cols),
+                "empty": ([0, 6], empty),
+                "scalar": ([], scalar),
+            }
+        ),
+        BIG,
+        "t",
+    )
+    assert len(index.tensors["cols"].chunks) == 4
+
+
+def test_the_byte_check_is_n_log_n() -> None:
+    """4M chunks is the budget: sorting them is the cost, never comparing every pair."""
+    from ckptstore.sharded.chunks import check_disjoint
+
+    n = 200_000
+    chunks = [
+        ("w", Chunk((i,), (1,), "_shards.rank00000.safetensors", 4 * ((i * 7919) % n), 4, (0,)))
+        for i in range(n)
+    ]
+    check_disjoint(chunks, "t")  # a shuffled order, no overlap
+    chunks.append(("v", Chunk((0,), (1,), "_shards.rank00000.safetensors", 4 * n - 2, 4, (0,))))
+    with pytest.raises(IntegrityError, match=r"\[799996, 800000\) and \[799998, 800002\)"):
+        check_disjoint(chunks, "t")

@@ -203,3 +203,166 @@ def test_a_layout_of_too_many_boxes_is_refused_before_they_are_made() -> None:
     lay = _layout((1 << 30,), (1 << 12, 1 << 12), [Shard(0), Shard(0)])
     with pytest.raises(IntegrityError, match="boxes to search for one tensor"):
         lay.boxes("t", [0], [1 << 30])
+
+
+# ---- chunks that share bytes of a file (issue 24 #7) ---------------------------------------
+
+
+def _layout_of(
+    tensors: dict[str, tuple[tuple[int, ...], str]], mesh: dict[str, Any] | None = None
+) -> si.Layout:
+    """Tensors ``name -> (shape, placement)``, float32 on one 1-D mesh of 4 ranks."""
+    mesh = mesh or {"shape": [4], "start": 0, "strides": [1]}
+    entries = {
+        n: TensorEntry("float32", shape, (), (4,), ("dp",), (p,))
+        for n, (shape, p) in tensors.items()
+    }
+    return si.Layout(entries, [mesh], dict.fromkeys(entries, 0), BLOCK)
+
+
+def _parts(lay: si.Layout, alias: Any = None) -> tuple[dict[int, bytes], dict[str, FileEntry]]:
+    """Every rank's part as a save writes it: each box its own bytes of its writer's file.
+
+    ``alias(name, offsets, writer) -> (file rank, start) | None`` moves a chunk elsewhere.
+    A zero-size tensor gets an empty chunk from rank 0, at the start of a real chunk, as
+    a safetensors file places a zero-byte entry.
+    """
+    rows: dict[int, dict[str, list[Any]]] = {r: {} for r in range(4)}
+    at = dict.fromkeys(range(4), 64)  # past a header
+    for name, entry in sorted(lay.tensors.items()):
+        if 0 in entry.shape:
+            zero = [0] * len(entry.shape)
+            chunk = {"offsets": zero, "sizes": list(entry.shape), "start": 64, "bytes": 0}
+            rows[0].setdefault(name, []).append(
+                {**chunk, "file": "_shards.rank00000.safetensors", "crc32c": []}
+            )
+            continue
+        for offsets, sizes, writer in lay.boxes(name, [0] * len(entry.shape), entry.shape):
+            nbytes = 4 * math.prod(sizes)
+            file_rank, start = writer, at[writer]
+            at[writer] += nbytes
+            moved = alias(name, offsets, writer) if alias is not None else None
+            if moved is not None:
+                file_rank, start = moved
+            rows[writer].setdefault(name, []).append(
+                {
+                    "offsets": list(offsets),
+                    "sizes": list(sizes),
+                    "file": f"_shards.rank{file_rank:05d}.safetensors",
+                    "start": start,
+                    "bytes": nbytes,
+                    "crc32c": [format_crc(0)] * -(-nbytes // BLOCK),
+                }
+            )
+    parts = {
+        r: json.dumps(
+            {"ckptstore_chunk_part": 1, "rank": r, "block": BLOCK, "chunks": rows[r]}
+        ).encode()
+        for r in range(4)
+    }
+    files = {}
+    for r in range(4):
+        files[f"_shards.rank{r:05d}.safetensors"] = FileEntry(at[r], 0, "safetensors", rank=r)
+        files[si.part_file(r)] = FileEntry(len(parts[r]), 0, "json", rank=r)
+    return parts, files
+
+
+REAL = {
+    "rows": ((40, 6), "S(0)"),
+    "cols": ((6, 40), "S(1)"),
+    "bias": ((6,), "R"),
+    "empty": ((0, 6), "S(0)"),
+}
+
+
+def _full(lay: si.Layout) -> dict[str, tuple[tuple[int, ...], tuple[int, ...]]]:
+    return {n: ((0,) * len(e.shape), e.shape) for n, e in lay.tensors.items()}
+
+
+def test_real_split_layouts_share_no_bytes() -> None:
+    """Row chunks, Shard(1) column chunks, a replicated and a zero-size tensor: restore
+    (every target, one rank's share) and the merged whole all pass."""
+    lay = _layout_of(REAL)
+    parts, files = _parts(lay)
+    index = lay.resolve(_full(lay), parts.__getitem__, files, "t")
+    assert len(index.tensors["cols"].chunks) == 4
+    lay.resolve({"rows": ((10, 0), (20, 6))}, parts.__getitem__, files, "t")
+    merged = lay.merged(parts.__getitem__, files, "t")
+    assert len(merged.tensors["rows"].chunks) == 4
+    lay.merged(parts.__getitem__, files, "t", away={1, 2})
+
+
+def _chunk_of(lay: si.Layout, name: str) -> tuple[int, dict[str, Any]]:
+    """The writer of ``name``'s first box, and that chunk's row, as a save writes them."""
+    parts, _ = _parts(lay)
+    for rank in range(4):
+        rows = json.loads(parts[rank])["chunks"].get(name)
+        if rows:
+            return rank, rows[0]
+    raise AssertionError(name)
+
+
+def _refused(lay: si.Layout, alias: Any, expected: list[str], away: int) -> None:
+    """Restore (every target), the merged whole, and a node's share (``away`` on another
+    node) all refuse the index, naming the file and both byte ranges."""
+    parts, files = _parts(lay, alias)
+    calls = [
+        lambda: lay.resolve(_full(lay), parts.__getitem__, files, "step-2/dtensors.json"),
+        lambda: lay.merged(parts.__getitem__, files, "step-2/dtensors.json"),
+        lambda: lay.merged(parts.__getitem__, files, "step-2/dtensors.json", away={away}),
+    ]
+    for call in calls:
+        with pytest.raises(IntegrityError) as ei:
+            call()
+        msg = str(ei.value)
+        assert msg.startswith("step-2/dtensors.json: "), msg
+        assert "the chunk index is corrupt or hostile" in msg
+        for e in expected:
+            assert e in msg, msg
+
+
+def test_chunks_of_one_tensor_that_share_bytes_are_refused() -> None:
+    """Rank 1's part points its box of 'rows' at rank 0's: each box is the right size and
+    inside a file, and the tensor loaded rank 0's rows twice (before: no error)."""
+    lay = _layout_of(REAL)
+    writer, row = _chunk_of(lay, "rows")
+    assert writer == 0
+    lo, hi = row["start"], row["start"] + row["bytes"]
+    _refused(
+        lay,
+        lambda name, offsets, w: (0, lo) if (name, w) == ("rows", 1) else None,
+        [
+            "chunk [0, 0] of 'rows' and chunk [10, 0] of 'rows' overlap in "
+            f"_shards.rank00000.safetensors: bytes [{lo}, {hi}) and [{lo}, {hi})"
+        ],
+        away=3,
+    )
+
+
+def test_a_mesh_of_one_writer_whose_boxes_share_bytes_is_refused() -> None:
+    """A hostile layout: a mesh whose stride is 0 makes rank 0 the writer of all 4 boxes,
+    and its part points all of them at the same 240 bytes."""
+    lay = _layout_of({"rows": ((40, 6), "S(0)")}, {"shape": [4], "start": 0, "strides": [0]})
+    _refused(
+        lay,
+        lambda name, offsets, writer: (0, 64),
+        ["_shards.rank00000.safetensors: bytes [64, 304) and [64, 304)"],
+        away=3,
+    )
+
+
+def test_chunks_of_two_tensors_that_share_bytes_are_refused() -> None:
+    """The writer of 'bias' points its box of 'cols' 12 bytes into the bias's 24."""
+    lay = _layout_of(REAL)
+    writer, row = _chunk_of(lay, "bias")
+    lo = row["start"]
+    _refused(
+        lay,
+        lambda name, offsets, w: (writer, lo + 12) if (name, w) == ("cols", writer) else None,
+        [
+            f"of 'bias' and chunk [0, {10 * writer}] of 'cols' overlap in "
+            f"_shards.rank{writer:05d}.safetensors: bytes [{lo}, {lo + 24}) and "
+            f"[{lo + 12}, {lo + 252})"
+        ],
+        away=(writer + 1) % 4,
+    )

@@ -284,12 +284,17 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         if isinstance(node, dict) and "owner" in node:
             owners[k] = node["owner"]
         dtensor_leaves(inner, (k,), index, leaves, where)
-    flat = sharding.restore_targets(leaves, targets, kinds, owners)
+    templates = sharding.restore_templates(leaves, targets, kinds, owners)
     if layout is not None:
-        # Only the parts of the ranks that wrote what overlaps this rank's targets.
+        # Only the parts of the ranks that wrote what overlaps this rank's targets. Read
+        # and checked before any tensor is made: the layout alone names the shapes, and
+        # a tensor is allocated only once the chunks that fill it were found, each the
+        # size of its box, inside its file and sharing no byte with another (issue 24 #7;
+        # a hostile shape made the allocator raise before any chunk was looked at).
         read_part = split_index.part_reader(session.storage, step, manifest.files)
-        boxes = {n: sharding.target_box(t) for n, t in flat.items()}
+        boxes = {n: sharding.template_box(templates[n], e.shape) for n, (_, e) in leaves.items()}
         index = layout.resolve(boxes, read_part, manifest.files, f"{where}/{INDEX_FILE}")
+    flat = sharding.fresh_targets(leaves, templates)
     with session.storage.range_reader(step, manifest.files) as reader:
         sharding.read_into(index, flat, reader.read, where)
     return flat

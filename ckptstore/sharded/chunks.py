@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..codec.dtypes import ITEMSIZE
@@ -40,6 +40,7 @@ __all__ = [
     "TensorEntry",
     "block_crcs",
     "box_byte_range",
+    "check_disjoint",
     "parse_chunk",
     "read_box",
     "shard_file",
@@ -161,6 +162,9 @@ class ChunkIndex:
         Every chunk must lie inside a safetensors file of the manifest, hold exactly the
         bytes its box needs, carry one CRC per block, and the chunks of a tensor must cover
         it exactly (no gap, no overlap): a full load can never return uninitialised memory.
+        No two chunks, of one tensor or of two, may share a byte of a file
+        (:func:`check_disjoint`): with exact cover and ``bytes`` equal to each box's size,
+        what a load allocates for a tensor is then bounded by the payload bytes.
 
         Raises:
             IntegrityError: the index is malformed, inconsistent or hostile.
@@ -184,6 +188,7 @@ class ChunkIndex:
             str(name): _tensor_entry(name, row, files, block, budget, where)
             for name, row in raw.items()
         }
+        check_disjoint(((n, c) for n, t in tensors.items() for c in t.chunks), where)
         return cls(tensors=tensors, block=block)
 
     def dcp_metadata(self) -> Any:
@@ -381,6 +386,43 @@ def _overlap(chunks: Sequence[Chunk]) -> bool:
                 return True
         active.append(b)
     return False
+
+
+def check_disjoint(chunks: Iterable[tuple[str, Chunk]], where: str) -> None:
+    """Refuse two chunks whose byte ranges ``[start, start + bytes)`` in one file intersect.
+
+    Bounds, the byte count of each box and exact cover all hold for an index whose chunks
+    point at the same bytes again and again: a 42 KB index over a 1 MiB shard loaded as a
+    300 MiB tensor, and the chunk budget allowed terabytes (issue 24 #7). A real save writes
+    every box as its own safetensors entry, so no two chunks share a byte (the safetensors
+    reader refuses overlapping entries of a file the same way). Zero-byte chunks overlap
+    nothing.
+
+    Sorted by ``(file, start)``, each chunk is compared with the one before it in its file
+    (while none overlap, that one reaches furthest): O(n log n), and one sort key per chunk
+    (the chunks are not copied).
+
+    Args:
+        chunks: ``(tensor name, chunk)`` pairs, across every tensor the caller read.
+        where: names the index in the message.
+
+    Raises:
+        IntegrityError: two chunks overlap in a file; the index is corrupt or hostile.
+    """
+    pairs = [(n, c) for n, c in chunks if c.nbytes]
+    pairs.sort(key=lambda nc: (nc[1].file, nc[1].start))
+    prev: tuple[str, Chunk] | None = None
+    for name, c in pairs:
+        if prev is not None and prev[1].file == c.file:
+            pname, p = prev
+            if c.start < p.start + p.nbytes:
+                raise IntegrityError(
+                    f"{where}: chunk {list(p.offsets)} of {pname!r} and chunk "
+                    f"{list(c.offsets)} of {name!r} overlap in {c.file}: bytes "
+                    f"[{p.start}, {p.start + p.nbytes}) and [{c.start}, {c.start + c.nbytes}); "
+                    "the chunk index is corrupt or hostile (no two chunks share a byte)"
+                )
+        prev = (name, c)
 
 
 def box_byte_range(

@@ -58,6 +58,7 @@ __all__ = [
     "build_index",
     "check_cover",
     "dedup_local",
+    "fresh_targets",
     "has_dtensors",
     "index_bytes",
     "indexed_optimizer_state",
@@ -69,11 +70,12 @@ __all__ = [
     "owner_of",
     "pack_table",
     "read_into",
-    "restore_targets",
+    "restore_templates",
     "save_plans",
     "shard_layout",
     "split_parts",
     "target_box",
+    "template_box",
     "tensor_meta",
     "write_shards",
     "writes_here",
@@ -791,13 +793,15 @@ def _fresh_like(template: Any, shape: tuple[int, ...], dtype: torch.dtype) -> to
     return torch.empty(shape, dtype=dtype)
 
 
-def restore_targets(
+def restore_templates(
     leaves: Mapping[str, tuple[tuple[Any, ...], TensorEntry]],
     targets: Mapping[Any, Any] | None,
     kinds: Mapping[Any, str | None],
     owners: Mapping[Any, Any],
-) -> dict[str, torch.Tensor]:
-    """A fresh tensor for every stored DTensor leaf, laid out like its target.
+) -> dict[str, Any]:
+    """The target each stored DTensor leaf is to be laid out like (``None``: a full tensor).
+
+    Nothing is allocated: see :func:`template_box` and :func:`fresh_targets`.
 
     Args:
         leaves: flat name -> (path in the state, index entry), for the leaves to read.
@@ -806,9 +810,8 @@ def restore_targets(
         owners: for ``optimizer`` entries, the key of the module that owns the parameters.
     """
     current: dict[Any, Any] = {}
-    out: dict[str, torch.Tensor] = {}
-    for name, (path, entry) in leaves.items():
-        shape, dtype = entry.shape, entry.torch_dtype
+    out: dict[str, Any] = {}
+    for name, (path, _) in leaves.items():
         template: Any = None
         if targets is not None and path and path[0] in targets:
             key = path[0]
@@ -820,8 +823,18 @@ def restore_targets(
                 # parameter (state/<param>/<moment>).
                 params = current[key].get("params", {})
                 template = params.get(path[2]) if path[1] == "state" else None
-        out[name] = _fresh_like(template, shape, dtype)
+        out[name] = template
     return out
+
+
+def fresh_targets(
+    leaves: Mapping[str, tuple[tuple[Any, ...], TensorEntry]], templates: Mapping[str, Any]
+) -> dict[str, torch.Tensor]:
+    """A fresh tensor for every stored DTensor leaf, laid out like its template."""
+    return {
+        name: _fresh_like(templates.get(name), entry.shape, entry.torch_dtype)
+        for name, (_, entry) in leaves.items()
+    }
 
 
 def _current(targets: Mapping[Any, Any], key: Any, kind: str | None, owner: Any) -> Any:
@@ -850,19 +863,26 @@ def target_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
 
     A DTensor holds its local shard's box on this rank; a plain tensor the whole.
     """
-    if is_dtensor(t):
+    return template_box(t, tuple(int(s) for s in t.shape))
+
+
+def template_box(template: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """:func:`target_box` of the tensor :func:`fresh_targets` makes of ``template``, unmade.
+
+    A DTensor template of the stored shape holds its local shard's box on this rank;
+    anything else (none, another shape, a plain tensor) makes a full tensor.
+    """
+    if is_dtensor(template) and tuple(template.shape) == shape:
         from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
-        dt: Any = t
+        dt: Any = template
         if dt.device_mesh.get_coordinate() is None:  # not in its mesh: holds nothing
-            zero = tuple(0 for _ in dt.shape)
+            zero = tuple(0 for _ in shape)
             return zero, zero
-        sizes, offsets = compute_local_shape_and_global_offset(
-            dt.shape, dt.device_mesh, dt.placements
-        )
+        sizes, offsets = compute_local_shape_and_global_offset(shape, dt.device_mesh, dt.placements)
         lo = tuple(int(o) for o in offsets)
         return lo, tuple(o + int(s) for o, s in zip(lo, sizes, strict=True))
-    return tuple(0 for _ in t.shape), tuple(int(s) for s in t.shape)
+    return tuple(0 for _ in shape), tuple(shape)
 
 
 def read_into(

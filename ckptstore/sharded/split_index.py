@@ -31,7 +31,15 @@ from typing import Any
 
 from ..errors import IntegrityError
 from ..manifest import SPLIT_FORMAT_VERSION, FileEntry, Manifest
-from .chunks import BLOCK, INDEX_FORMAT, MAX_INDEX_BYTES, Chunk, ChunkIndex, TensorEntry
+from .chunks import (
+    BLOCK,
+    INDEX_FORMAT,
+    MAX_INDEX_BYTES,
+    Chunk,
+    ChunkIndex,
+    TensorEntry,
+    check_disjoint,
+)
 
 __all__ = [
     "SPLIT_FORMAT",
@@ -277,8 +285,6 @@ class Layout:
         self, name: str, lo: Sequence[int], hi: Sequence[int]
     ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
         """``(offsets, sizes, writer)`` of each non-empty saved box of ``name`` in ``[lo, hi)``."""
-        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
-
         entry = self.tensors[name]
         mesh = self.meshes[self.mesh_of[name]]
         objs = _placement_objects(entry.placements)
@@ -287,9 +293,7 @@ class Layout:
         shape = tuple(mesh["shape"])
         out = []
         for coord in _candidates(entry.shape, shape, objs, lo, hi):
-            sizes, offsets = _compute_local_shape_and_global_offset(
-                entry.shape, shape, list(coord), objs
-            )
+            offsets, sizes = _box(entry.shape, shape, coord, objs)
             if 0 in sizes and entry.shape:
                 continue
             if any(
@@ -323,11 +327,13 @@ class Layout:
                 want.setdefault(writer, set()).add((name, offsets))
                 sizes[(name, offsets)] = box
         found: dict[str, list[Chunk]] = {n: [] for n in targets}
+        read: list[tuple[str, Chunk]] = []
         for writer in sorted(want):
             pname = part_file(writer)
             if pname not in files:
                 raise IntegrityError(f"{where}: the manifest lists no {pname}")
             chunks = self._parse_part(read_part(writer), writer, files, f"{where}/{pname}")
+            read += ((name, c) for (name, _), c in chunks.items())
             for key in want[writer]:
                 chunk = chunks.get(key)
                 if chunk is None or chunk.sizes != sizes[key]:
@@ -336,6 +342,14 @@ class Layout:
                         f"{writer} wrote; the index part is not this save's"
                     )
                 found[key[0]].append(chunk)
+        # No two chunks of the parts read share a byte, whatever tensor they belong to. That
+        # covers every chunk this rank reads, against each other and against the rest of
+        # those parts, so what it allocates is bounded by bytes it reads (the boxes of a
+        # tensor tile it, and each chunk holds exactly its box's bytes). A chunk listed only
+        # in a part this rank does not read may still alias bytes it reads; that costs this
+        # rank nothing, and verify, inspect, export and consolidation, which read every
+        # part, refuse it (:meth:`merged`).
+        check_disjoint(read, where)
         tensors = {
             n: TensorEntry(
                 e.dtype,
@@ -401,6 +415,8 @@ class Layout:
                 chunks = self._parse_part(read_part(rank), rank, files, f"{where}/{pname}")
                 for (name, _), chunk in chunks.items():
                     found[name].append(chunk)
+            # The chunks here share no byte (those of the nodes away are theirs to check).
+            check_disjoint(((n, c) for n, cs in found.items() for c in cs), where)
             return ChunkIndex(
                 tensors={
                     n: dataclasses.replace(e, chunks=tuple(sorted(found[n], key=_offsets)))
@@ -491,6 +507,30 @@ def _writer(
             index = index * n + c
         return int(mesh["ranks"][index])
     return int(mesh["start"] + sum(c * s for c, s in zip(full, mesh["strides"], strict=True)))
+
+
+def _box(
+    tshape: Sequence[int], mshape: Sequence[int], coord: Sequence[int], objs: Sequence[Any]
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """``(offsets, sizes)`` of the box at mesh coordinate ``coord``: DTensor's arithmetic.
+
+    Each ``Shard(d)``, mesh dim after mesh dim, splits what is left of dim ``d`` like
+    ``torch.chunk`` (as :func:`_split` does). In integers: DTensor's own
+    ``_compute_local_shape_and_global_offset`` makes an index tensor of 8 bytes per element
+    of the shard's length, so a hostile layout's shape of 2**40 rows asked for 8 TiB before
+    any chunk was read (issue 24 #7).
+    """
+    base = [0] * len(tshape)
+    length = list(tshape)
+    for mdim, p in enumerate(objs):
+        if not p.is_shard():
+            continue
+        d, n, i = p.dim, mshape[mdim], coord[mdim]
+        size = -(-length[d] // n) if length[d] else 0
+        first = min(i * size, length[d])
+        base[d] += first
+        length[d] = max(0, min(length[d], (i + 1) * size) - first)
+    return tuple(base), tuple(length)
 
 
 def _candidates(

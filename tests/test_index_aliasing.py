@@ -1,0 +1,196 @@
+"""A hostile chunk index whose chunks share bytes, end to end (issue 24 #7).
+
+A real DTensor checkpoint is saved by one process (a one-rank gloo group), then its index
+is rewritten so that the 64 rows of a tensor all point at the bytes of its first row, and
+the manifest forged to match: every bound, box size, exact cover and block CRC still holds,
+so before the fix ``restore`` and ``load`` returned the first row 64 times (a 42 KB index
+over a 1 MiB shard so loaded as a 300 MiB tensor). Both index formats: format 2 lists the
+chunks in ``dtensors.json``; format 3 (the split index) in rank 0's part, its layout made
+hostile too (a mesh of 64 coordinates whose stride 0 makes rank 0 the writer of all).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from _helpers import MANIFEST, forge_manifest, index_chunks, step_dir
+
+from ckptstore import CheckpointManager, IntegrityError
+from ckptstore.integrity import crc32c_of, format_crc
+from ckptstore.sharded import split_index
+
+pytestmark = pytest.mark.timeout(120)
+
+NAME = "model/w"
+ROWS, COLS = 64, 300
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():  # pragma: no cover - another module left one behind
+        yield init_device_mesh("cpu", (1,))
+        return
+    init = tmp_path_factory.mktemp("pg") / "rendezvous"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()
+
+
+def _rewrite(step: Path, name: str, data: bytes) -> None:
+    """Replace an index file and forge the manifest's entry to match, as an attacker would."""
+    (step / name).write_bytes(data)
+
+    def fix(m: dict[str, Any]) -> None:
+        m["files"][name].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
+
+    (step / MANIFEST).write_bytes(forge_manifest((step / MANIFEST).read_bytes(), fix))
+
+
+def _alias_rows(step: Path) -> int:
+    """Point every row of ``NAME`` at its first row's bytes; returns the index's format."""
+    (chunk,) = index_chunks(step, NAME)
+    assert chunk["sizes"] == [ROWS, COLS]
+    row_bytes = COLS * 4
+    shard = (step / chunk["file"]).read_bytes()
+    first = shard[chunk["start"] : chunk["start"] + row_bytes]
+    rows = [
+        dict(
+            chunk,
+            offsets=[i, 0],
+            sizes=[1, COLS],
+            bytes=row_bytes,
+            crc32c=[format_crc(crc32c_of(first))],
+        )
+        for i in range(ROWS)
+    ]
+    index = json.loads((step / "dtensors.json").read_text())
+    if "chunks" in index["tensors"][NAME]:  # format 2: the chunks are in dtensors.json
+        index["tensors"][NAME]["chunks"] = rows
+        _rewrite(step, "dtensors.json", json.dumps(index).encode())
+        return 2
+    # Format 3: the layout says 64 boxes of one row, all written by rank 0 (stride 0), and
+    # rank 0's part lists them.
+    mesh_id = index["tensors"][NAME]["mesh_id"]
+    index["meshes"].append({"shape": [ROWS], "start": 0, "strides": [0]})
+    index["tensors"][NAME].update(mesh=[ROWS], mesh_id=len(index["meshes"]) - 1)
+    assert index["meshes"][mesh_id]["shape"] == [1]
+    _rewrite(step, "dtensors.json", json.dumps(index).encode())
+    part = json.loads((step / split_index.part_file(0)).read_text())
+    part["chunks"][NAME] = rows
+    _rewrite(step, split_index.part_file(0), json.dumps(part).encode())
+    return 3
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_an_index_whose_chunks_share_bytes_is_refused_and_the_good_step_restores(
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
+) -> None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    if fmt == 2:  # what a save on sub-meshes writes: every chunk listed in dtensors.json
+        monkeypatch.setattr(split_index, "splittable", lambda *_: False)
+    gen = torch.Generator().manual_seed(7)
+    values = {s: torch.randn(ROWS, COLS, generator=gen) for s in (1, 2)}
+
+    def state(step: int) -> dict[str, Any]:
+        local = values[step].clone() if step else torch.zeros(ROWS, COLS)
+        w = DTensor.from_local(local, mesh, [Shard(0)])  # type: ignore[arg-type]
+        return {"model": {"w": w}, "step": step}
+
+    root = tmp_path / "store"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))
+    step2 = root / step_dir(2)
+    assert json.loads((step2 / MANIFEST).read_text())["format_version"] == fmt
+    assert _alias_rows(step2) == fmt
+
+    expected = [
+        f"overlap in {index_chunks(step2, NAME)[0]['file']}: bytes",
+        "the chunk index is corrupt or hostile",
+    ]
+    with CheckpointManager(root) as mgr:
+        # An explicit step raises (no replica to fall back on), naming the byte ranges.
+        for call in (
+            lambda: mgr.load(2),
+            lambda: mgr.restore(state(0), step=2),
+        ):
+            with pytest.raises(IntegrityError) as ei:
+                call()
+            for e in expected:
+                assert e in str(ei.value), str(ei.value)
+        report = mgr.verify(2, deep=True)
+        assert not report.ok
+        assert any(all(e in p for e in expected) for p in report.problems), report.problems
+        # The newest step is corrupt: restore() and load() fall back to step 1, whole.
+        target = state(0)
+        assert mgr.restore(target) == 1
+        assert torch.equal(target["model"]["w"].to_local(), values[1])
+        assert target["step"] == 1
+        loaded = mgr.load()
+        assert loaded["step"] == 1
+        assert torch.equal(loaded["model"]["w"], values[1])
+
+
+def _set_shapes(node: Any, name: str, shape: list[int]) -> int:
+    """Set the shape of the sharded tensor ``name`` wherever ``state.json`` refers to it."""
+    if isinstance(node, list):
+        return sum(_set_shapes(x, name, shape) for x in node)
+    if not isinstance(node, dict):
+        return 0
+    if node.get("t") == "dtensor" and node.get("name") == name:
+        node["shape"] = shape
+        return 1
+    return sum(_set_shapes(v, name, shape) for v in node.values())
+
+
+@pytest.mark.parametrize("fmt", [2, 3])
+def test_a_hostile_shape_is_refused_before_it_is_allocated(
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
+) -> None:
+    """The index and state.json say the tensor is 2**40 rows (1.3 PB), and its one chunk
+    claims that box. Format 3 made the tensor before reading the part that lists its
+    chunk: the allocator's RuntimeError left load() (before: no fallback to step 1). What
+    a load allocates comes after its chunks are found within the payload's bytes."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    if fmt == 2:
+        monkeypatch.setattr(split_index, "splittable", lambda *_: False)
+    w = torch.randn(ROWS, COLS)
+    root = tmp_path / "store"
+    with CheckpointManager(root) as mgr:
+        for s in (1, 2):
+            mgr.save(s, {"model": {"w": DTensor.from_local(w, mesh, [Shard(0)])}})  # type: ignore[arg-type]
+    step = root / step_dir(2)
+    huge = [1 << 40, COLS]
+    state = json.loads((step / "state.json").read_text())
+    assert _set_shapes(state, NAME, huge) == 1
+    _rewrite(step, "state.json", json.dumps(state).encode())
+    index = json.loads((step / "dtensors.json").read_text())
+    index["tensors"][NAME]["shape"] = huge
+    (chunk,) = index_chunks(step, NAME)
+    chunk.update(sizes=huge, bytes=4 * huge[0] * huge[1])
+    if fmt == 2:
+        index["tensors"][NAME]["chunks"] = [chunk]
+    else:
+        part = json.loads((step / split_index.part_file(0)).read_text())
+        part["chunks"][NAME] = [chunk]
+        _rewrite(step, split_index.part_file(0), json.dumps(part).encode())
+    _rewrite(step, "dtensors.json", json.dumps(index).encode())
+
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(IntegrityError, match="do not fit its box of float32 or its file"):
+            mgr.load(2)
+        assert torch.equal(mgr.load()["model"]["w"], w)  # step 1
