@@ -20,7 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from _helpers import MANIFEST, forge_manifest, index_chunks, step_dir
+from _helpers import MANIFEST, index_chunks, replace_payload, step_dir
 
 from ckptstore import CheckpointManager, IntegrityError
 from ckptstore.integrity import crc32c_of, format_crc
@@ -49,13 +49,9 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
 
 
 def _rewrite(step: Path, name: str, data: bytes) -> None:
-    """Replace an index file and forge the manifest's entry to match, as an attacker would."""
-    (step / name).write_bytes(data)
-
-    def fix(m: dict[str, Any]) -> None:
-        m["files"][name].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
-
-    (step / MANIFEST).write_bytes(forge_manifest((step / MANIFEST).read_bytes(), fix))
+    """Replace an index file and forge its entry to match (in the manifest, or in format 4
+    its rank's line of the rank table), as an attacker would."""
+    replace_payload(step, name, data)
 
 
 def _alias_rows(step: Path) -> int:
@@ -80,7 +76,7 @@ def _alias_rows(step: Path) -> int:
         index["tensors"][NAME]["chunks"] = rows
         _rewrite(step, "dtensors.json", json.dumps(index).encode())
         return 2
-    # Format 3: the layout says 64 boxes of one row, all written by rank 0 (stride 0), and
+    # Formats 3 and 4: the layout says 64 boxes of one row, all written by rank 0 (stride 0), and
     # rank 0's part lists them.
     mesh_id = index["tensors"][NAME]["mesh_id"]
     index["meshes"].append({"shape": [ROWS], "start": 0, "strides": [0]})
@@ -90,10 +86,10 @@ def _alias_rows(step: Path) -> int:
     part = json.loads((step / split_index.part_file(0)).read_text())
     part["chunks"][NAME] = rows
     _rewrite(step, split_index.part_file(0), json.dumps(part).encode())
-    return 3
+    return int(json.loads((step / MANIFEST).read_text())["format_version"])
 
 
-@pytest.mark.parametrize("fmt", [2, 3])
+@pytest.mark.parametrize("fmt", [2, 4])
 def test_an_index_whose_chunks_share_bytes_is_refused_and_the_good_step_restores(
     mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
 ) -> None:
@@ -156,7 +152,7 @@ def _set_shapes(node: Any, name: str, shape: list[int]) -> int:
     return sum(_set_shapes(v, name, shape) for v in node.values())
 
 
-@pytest.mark.parametrize("fmt", [2, 3])
+@pytest.mark.parametrize("fmt", [2, 4])
 def test_a_hostile_shape_is_refused_before_it_is_allocated(
     mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
 ) -> None:
