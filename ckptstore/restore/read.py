@@ -24,8 +24,8 @@ from ..errors import IntegrityError, StateMismatchError
 from ..integrity import crc32c_of
 from ..manifest import FileEntry, Manifest
 from ..session import Session
-from ..sharded import plan as sharding
 from ..sharded import split_index
+from ..sharded import targets as targets_mod
 from ..sharded.chunks import INDEX_FILE, ChunkIndex, TensorEntry
 from ..state.modules import rng_for_rank
 from ..tiers import nodes
@@ -284,7 +284,7 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         if isinstance(node, dict) and "owner" in node:
             owners[k] = node["owner"]
         dtensor_leaves(inner, (k,), index, leaves, where)
-    templates = sharding.restore_templates(leaves, targets, kinds, owners)
+    templates = targets_mod.restore_templates(leaves, targets, kinds, owners)
     if layout is not None:
         # Only the parts of the ranks that wrote what overlaps this rank's targets. Read
         # and checked before any tensor is made: the layout alone names the shapes, and
@@ -292,11 +292,11 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         # size of its box, inside its file and sharing no byte with another (issue 24 #7;
         # a hostile shape made the allocator raise before any chunk was looked at).
         read_part = split_index.part_reader(session.storage, step, manifest.files)
-        boxes = {n: sharding.template_box(templates[n], e.shape) for n, (_, e) in leaves.items()}
+        boxes = {n: targets_mod.template_box(templates[n], e.shape) for n, (_, e) in leaves.items()}
         index = layout.resolve(boxes, read_part, manifest.files, f"{where}/{INDEX_FILE}")
-    flat = sharding.fresh_targets(leaves, templates)
+    flat = targets_mod.fresh_targets(leaves, templates)
     with session.storage.range_reader(step, manifest.files) as reader:
-        sharding.read_into(index, flat, reader.read, where)
+        targets_mod.read_into(index, flat, reader.read, where)
     return flat
 
 

@@ -46,9 +46,9 @@ from ..manifest import Manifest
 from ..ops.single import fsync_path
 from ..storage.base import Storage
 from ..storage.ranges import RangeReader
-from . import plan as sharding
 from . import split_index
 from .chunks import INDEX_FILE, ChunkIndex
+from .targets import read_into
 
 __all__ = [
     "HF_CONFIG",
@@ -354,7 +354,7 @@ class StepTensors:
             )
         full = torch.empty(entry.shape, dtype=entry.torch_dtype)
         assert self.index is not None
-        sharding.read_into(self.index, {name: full}, self._read, self.where)
+        read_into(self.index, {name: full}, self._read, self.where)
         return full
 
     def _header(self, name: str) -> st.Header:

@@ -25,7 +25,6 @@ from __future__ import annotations
 import contextlib
 import itertools
 import json
-import math
 import zlib
 from collections.abc import Callable, Iterable, Mapping
 from typing import Any
@@ -33,11 +32,10 @@ from typing import Any
 import torch
 from torch import nn
 
-from .._log import logger as log
 from ..codec import safetensors as safetensors_codec
 from ..codec.tree import format_path
 from ..errors import CommitError, IntegrityError, StateMismatchError, UnsafeCheckpointError
-from ..state.modules import EMA, de_parallel, module_state
+from ..state.modules import EMA, de_parallel
 from ..storage import iomode
 from ..storage.directio import run_all
 from .chunks import (
@@ -48,7 +46,6 @@ from .chunks import (
     TensorEntry,
     block_crcs,
     dtype_name,
-    read_box,
 )
 from .chunks import shard_file as shard_file_name
 
@@ -58,7 +55,6 @@ __all__ = [
     "build_index",
     "check_cover",
     "dedup_local",
-    "fresh_targets",
     "has_dtensors",
     "index_bytes",
     "indexed_optimizer_state",
@@ -69,13 +65,9 @@ __all__ = [
     "named_optimizer_state",
     "owner_of",
     "pack_table",
-    "read_into",
-    "restore_templates",
     "save_plans",
     "shard_layout",
     "split_parts",
-    "target_box",
-    "template_box",
     "tensor_meta",
     "write_shards",
     "writes_here",
@@ -752,185 +744,3 @@ def build_index(
             placements=tuple(placements),
         )
     return ChunkIndex(tensors=tensors, block=BLOCK)
-
-
-# ---- restore: targets and reads ---------------------------------------------------------
-
-
-def _lookup(value: Any, path: tuple[Any, ...]) -> Any:
-    for p in path:
-        if (isinstance(value, Mapping) and p in value) or (
-            isinstance(value, list | tuple) and isinstance(p, int) and 0 <= p < len(value)
-        ):
-            value = value[p]
-        else:
-            return None
-    return value
-
-
-def _fresh_like(template: Any, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An empty tensor to read a stored tensor of ``shape`` into, laid out like ``template``.
-
-    A DTensor template gives a DTensor of the same mesh and placements (so each rank reads
-    only its part); a plain tensor a full tensor on its device; nothing a full CPU tensor.
-    """
-    if is_dtensor(template) and tuple(template.shape) == shape:
-        from torch.distributed.tensor import DTensor
-
-        local = template.to_local()
-        buf = torch.empty(local.shape, dtype=template.dtype, device=local.device)
-        stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
-        return DTensor.from_local(
-            buf,
-            template.device_mesh,
-            template.placements,
-            run_check=False,
-            shape=torch.Size(shape),
-            stride=stride,
-        )
-    if isinstance(template, torch.Tensor) and tuple(template.shape) == shape:
-        return torch.empty(shape, dtype=template.dtype, device=template.device)
-    return torch.empty(shape, dtype=dtype)
-
-
-def restore_templates(
-    leaves: Mapping[str, tuple[tuple[Any, ...], TensorEntry]],
-    targets: Mapping[Any, Any] | None,
-    kinds: Mapping[Any, str | None],
-    owners: Mapping[Any, Any],
-) -> dict[str, Any]:
-    """The target each stored DTensor leaf is to be laid out like (``None``: a full tensor).
-
-    Nothing is allocated: see :func:`template_box` and :func:`fresh_targets`.
-
-    Args:
-        leaves: flat name -> (path in the state, index entry), for the leaves to read.
-        targets: the state being restored, or ``None`` to load full tensors.
-        kinds: the kind each top-level entry was saved as.
-        owners: for ``optimizer`` entries, the key of the module that owns the parameters.
-    """
-    current: dict[Any, Any] = {}
-    out: dict[str, Any] = {}
-    for name, (path, _) in leaves.items():
-        template: Any = None
-        if targets is not None and path and path[0] in targets:
-            key = path[0]
-            if key not in current:
-                current[key] = _current(targets, key, kinds.get(key), owners.get(key))
-            template = _lookup(current[key], path[1:])
-            if template is None and kinds.get(key) == "optimizer" and len(path) == 4:
-                # A fresh optimizer has no state yet: its moments are laid out like their
-                # parameter (state/<param>/<moment>).
-                params = current[key].get("params", {})
-                template = params.get(path[2]) if path[1] == "state" else None
-        out[name] = template
-    return out
-
-
-def fresh_targets(
-    leaves: Mapping[str, tuple[tuple[Any, ...], TensorEntry]], templates: Mapping[str, Any]
-) -> dict[str, torch.Tensor]:
-    """A fresh tensor for every stored DTensor leaf, laid out like its template."""
-    return {
-        name: _fresh_like(templates.get(name), entry.shape, entry.torch_dtype)
-        for name, (_, entry) in leaves.items()
-    }
-
-
-def _current(targets: Mapping[Any, Any], key: Any, kind: str | None, owner: Any) -> Any:
-    """A target's present state, to lay restored tensors out like it."""
-    target = targets[key]
-    if isinstance(target, nn.Module):
-        return module_state(target)
-    if isinstance(target, EMA):
-        return {"weights": module_state(target.module)}
-    if kind == "optimizer" and isinstance(target, torch.optim.Optimizer):
-        model = targets.get(owner) if owner is not None else None
-        if isinstance(model, EMA):
-            model = model.module
-        if not isinstance(model, nn.Module):
-            return {}
-        state = named_optimizer_state(target, model)
-        state["params"] = dict(de_parallel(model).named_parameters())
-        return state
-    if kind is None:
-        return target  # plain data: DTensors in it are laid out as they are now
-    return None
-
-
-def target_box(t: torch.Tensor) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """``(lo, hi)`` of the part of the full tensor that ``t`` (a fresh restore target) holds.
-
-    A DTensor holds its local shard's box on this rank; a plain tensor the whole.
-    """
-    return template_box(t, tuple(int(s) for s in t.shape))
-
-
-def template_box(template: Any, shape: tuple[int, ...]) -> tuple[tuple[int, ...], tuple[int, ...]]:
-    """:func:`target_box` of the tensor :func:`fresh_targets` makes of ``template``, unmade.
-
-    A DTensor template of the stored shape holds its local shard's box on this rank;
-    anything else (none, another shape, a plain tensor) makes a full tensor.
-    """
-    if is_dtensor(template) and tuple(template.shape) == shape:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
-        dt: Any = template
-        if dt.device_mesh.get_coordinate() is None:  # not in its mesh: holds nothing
-            zero = tuple(0 for _ in shape)
-            return zero, zero
-        sizes, offsets = compute_local_shape_and_global_offset(shape, dt.device_mesh, dt.placements)
-        lo = tuple(int(o) for o in offsets)
-        return lo, tuple(o + int(s) for o, s in zip(lo, sizes, strict=True))
-    return tuple(0 for _ in shape), tuple(shape)
-
-
-def read_into(
-    index: ChunkIndex,
-    flat: Mapping[str, torch.Tensor],
-    read: Callable[[str, int, int], bytearray],
-    where: str,
-) -> int:
-    """Fill ``flat`` (fresh tensors or DTensors) from the saved chunks that overlap them.
-
-    Each rank reads only the byte ranges that overlap its own shards, and every block it
-    reads is checked against its CRC32C before a byte of it is copied.
-
-    Returns:
-        The number of bytes read.
-    """
-    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
-    from torch.distributed.checkpoint.utils import find_state_dict_object
-
-    if not flat:
-        return 0
-    md = index.dcp_metadata()
-    sub = dict(flat)
-    plan = create_default_local_load_plan(sub, md, True)
-    nread = [0]
-
-    def counted(file: str, offset: int, length: int) -> bytearray:
-        nread[0] += length
-        return read(file, offset, length)
-
-    with torch.no_grad():
-        for item in plan.items:
-            name = item.storage_index.fqn
-            entry = index.tensors[name]
-            chunk = index.chunk_at(name, item.storage_index.offset or ())
-            src = read_box(
-                counted,
-                chunk,
-                entry.torch_dtype,
-                item.storage_offsets,
-                item.lengths,
-                block=index.block,
-                where=f"{where}: tensor {name!r}",
-            )
-            dest = find_state_dict_object(sub, item.dest_index)
-            for dim, (off, n) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):
-                dest = dest.narrow(dim, int(off), int(n))
-            dest.copy_(src)
-            del src, dest  # the next chunk's buffer is allocated only after this one is freed
-    log.debug("%s: read %d bytes of sharded tensors", where, nread[0])
-    return nread[0]
