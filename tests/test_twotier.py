@@ -15,7 +15,8 @@ from _helpers import make_state, step_dir
 
 from ckptstore import CheckpointManager
 from ckptstore.errors import CkptStoreError
-from ckptstore.tiers.replica import ReplicaError, replicate
+from ckptstore.tiers.replica import ReplicaError
+from ckptstore.tiers.replicate import replicate
 
 pytestmark = pytest.mark.timeout(60)
 

@@ -12,7 +12,7 @@ import signal
 import threading
 
 from ..retention import KeepLast
-from ..tiers.replica import replicate
+from ..tiers.replicate import replicate
 from ._common import add_root, as_json, positive_arg, storage_options
 from ._output import print_json, steps_text
 

@@ -19,7 +19,7 @@ from ..errors import CkptStoreError, IntegrityError
 from ..manifest import Manifest
 from ..storage import Storage, open_storage
 from ..tiers.nodes import local_ranks
-from ..tiers.replica import read_replica_url, replicated_steps
+from ..tiers.safety import read_replica_url, replicated_steps
 from .stores import find_stores, open_store, reaching
 
 __all__ = ["Listings", "StepInfo", "StoreListing", "list_store", "list_stores"]

@@ -5,7 +5,7 @@ A step committed on node-local roots holds, on each node, that node's ranks' fil
 layout, one process reading everything) takes them from the replica. Fetching the whole
 step would move every byte again, the node's own files included; :func:`fill` fetches only
 the files of the ranks this copy lacks, each checked against the manifest as it streams in
-(:func:`ckptstore.tiers.replica.copy_files`), and makes a complete local copy with the local
+(:func:`ckptstore.tiers.copy.copy_files`), and makes a complete local copy with the local
 commit protocol: a new tmp directory holding hard links to the node's own files (checked
 first: a link to a corrupt file would keep it) and the fetched ones, committed in place of
 the partial copy (an atomic exchange). A crash at any point leaves the partial copy or the
@@ -21,8 +21,9 @@ from ..errors import IntegrityError
 from ..layout import step_dirname
 from ..manifest import FileEntry
 from ..storage import Storage
+from .copy import DEFAULT_THREADS, copy_files
 from .nodes import local_ranks
-from .replica import DEFAULT_THREADS, copy_files, mark_replicated
+from .safety import mark_replicated
 
 __all__ = ["Filled", "fill"]
 

@@ -3,7 +3,7 @@
 Under torch.distributed every rank's uploader uploads the files its rank wrote (rank 0 also
 the files of no rank: the plain state, the chunk index) into the step's pending area on the
 replica (``step-N/`` on an object store, a ``.tmp-step-N-<tag>/`` named for the manifest on a
-filesystem), each checked as :func:`~ckptstore.tiers.replica.copy_files` checks it. Then it puts a
+filesystem), each checked as :func:`~ckptstore.tiers.copy.copy_files` checks it. Then it puts a
 small "done" object there, ``upload.rankRRRRR.<tag>.done`` (the manifest's tag in its name,
 the table of the files it uploaded inside), and lists the done objects: the uploader whose
 listing shows one for every rank with files in the manifest reads them (each must list
@@ -104,7 +104,7 @@ def upload_part(
 ) -> bool:
     """Upload ``rank``'s files of ``step``, mark them done, and commit if every rank's are.
 
-    ``copy`` is :func:`~ckptstore.tiers.replica.copy_files` with the uploader's settings bound.
+    ``copy`` is :func:`~ckptstore.tiers.copy.copy_files` with the uploader's settings bound.
 
     Returns:
         Whether the step is now committed on the replica (by this call or another's).
