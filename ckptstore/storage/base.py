@@ -15,7 +15,6 @@ import errno
 from collections.abc import Callable, Mapping
 from typing import IO, ClassVar
 
-from .. import ranktable
 from ..errors import (
     CommitError,
     IntegrityError,
@@ -36,7 +35,8 @@ from ..layout import (
     tmp_dirname,
     trash_dirname,
 )
-from ..manifest import MAX_MANIFEST_BYTES, FileEntry, Manifest, validate_file_name
+from ..manifest import FileEntry, Manifest, validate_file_name
+from . import manifests
 from .blockgate import READ_CHUNK, BlockGate, Consumer
 from .deletion import _deleter, wait_for_deletions
 from .pending import Pending
@@ -323,26 +323,7 @@ class Storage(abc.ABC):
         Raises:
             NoCheckpointError-like ManifestError: absent, unreadable, malformed or hostile.
         """
-        rel = f"{step_dirname(step)}/{MANIFEST_NAME}"
-        where = self.describe(step, MANIFEST_NAME)
-        try:
-            if not self._is_regular_file(rel):
-                raise ManifestError(f"{where}: missing or not a regular file")
-            size = self._size(rel)
-            if size > MAX_MANIFEST_BYTES:
-                raise ManifestError(f"{where}: {size} bytes is larger than any real manifest")
-            with self._open_read(rel) as f:
-                # Ask for the size it has, not the most it may have: a raw read allocates
-                # all it is asked for (64 MiB a manifest); one that grew is read on.
-                data = f.read(size + 1)
-                if len(data) > size:
-                    data += f.read(MAX_MANIFEST_BYTES - size)
-        except OSError as e:
-            raise ManifestError(f"{where}: unreadable ({e})") from None
-        m = Manifest.from_bytes(data, where=where)
-        if m.step != step:
-            raise ManifestError(f"{where}: manifest says step {m.step}, directory says {step}")
-        return ranktable.read_table(self, m) if table else m
+        return manifests.read(self, step, table=table)
 
     def read_manifests(
         self, steps: list[int], *, complete: bool = False
