@@ -5,21 +5,20 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 from .. import ranktable
 from ..errors import ManifestError
 from ..layout import MANIFEST_NAME, step_dirname
 from ..manifest import MAX_MANIFEST_BYTES, Manifest
 
-if TYPE_CHECKING:
-    from .base import Storage
-
 __all__ = ["read"]
 
 
-def read(storage: Storage, step: int, *, table: bool = True) -> Manifest:
+def read(storage: Any, step: int, *, table: bool = True) -> Manifest:
     """The manifest of ``step`` in ``storage``, validated; with ``table`` its rank table too.
+
+    ``storage``: a :class:`~ckptstore.storage.base.Storage` (its primitives are what is used).
 
     Raises:
         ManifestError: absent, unreadable, malformed or hostile.
