@@ -124,29 +124,11 @@ class CheckpointManager:
         replica_every: str = "all",
         replica_timeout: float = tiers.DEFAULT_REPLICA_TIMEOUT,
     ) -> None:
-        if format not in ("safetensors", "torch"):
-            msg = f"format must be 'safetensors' or 'torch', got {format!r}"
-            raise ConfigError(msg)
-        if compression not in (None, "zstd"):
-            msg = f"compression must be None or 'zstd', got {compression!r}"
-            raise ConfigError(msg)
-        if (
-            isinstance(barrier_timeout, bool)
-            or not isinstance(barrier_timeout, int | float)
-            or not (math.isfinite(barrier_timeout) and barrier_timeout > 0)
-        ):
-            msg = f"barrier_timeout must be a positive number of seconds, got {barrier_timeout!r}"
-            raise ConfigError(msg)
-        if replica_every not in tiers.REPLICA_EVERY:
-            msg = f"replica_every must be 'all' or 'latest', got {replica_every!r}"
-            raise ConfigError(msg)
-        if (
-            isinstance(replica_timeout, bool)
-            or not isinstance(replica_timeout, int | float)
-            or not (math.isfinite(replica_timeout) and replica_timeout > 0)
-        ):
-            msg = f"replica_timeout must be a positive number of seconds, got {replica_timeout!r}"
-            raise ConfigError(msg)
+        _check_choice("format", format, ("safetensors", "torch"), "'safetensors' or 'torch'")
+        _check_choice("compression", compression, (None, "zstd"), "None or 'zstd'")
+        _check_seconds("barrier_timeout", barrier_timeout)
+        _check_choice("replica_every", replica_every, tiers.REPLICA_EVERY, "'all' or 'latest'")
+        _check_seconds("replica_timeout", replica_timeout)
         self.policy = as_policy(keep)
         self.format = format
         self.compression = compression
@@ -557,6 +539,20 @@ class CheckpointManager:
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, format={self.format!r}, policy={self.policy!r})"
+
+
+def _check_choice(name: str, value: object, allowed: Iterable[object], spelled: str) -> None:
+    if value not in tuple(allowed):
+        raise ConfigError(f"{name} must be {spelled}, got {value!r}")
+
+
+def _check_seconds(name: str, value: object) -> None:
+    if (
+        isinstance(value, bool)
+        or not isinstance(value, int | float)
+        or not (math.isfinite(value) and value > 0)
+    ):
+        raise ConfigError(f"{name} must be a positive number of seconds, got {value!r}")
 
 
 def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:

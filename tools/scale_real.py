@@ -253,32 +253,46 @@ def _b(n: float) -> str:
     return f"{n:.1f} GB"  # pragma: no cover
 
 
-def plot(runs: list[dict[str, Any]], path: Path) -> None:
-    """Received bytes and CPU seconds of the first save against the world size."""
+def plot(doc: dict[str, Any], path: Path) -> None:
+    """Received bytes and CPU seconds against the world size: this tree, and the baseline
+    (dashed) when it was measured. Rank 0 and the worst other rank, first save and restore."""
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    worlds = [r["world"] for r in runs]
-    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
-    for op, style in (("save1", "-o"), ("restore", "--s")):
-        r0 = [r["ranks"][0][op]["received"] / 1024 for r in runs]
-        rn = [max(x[op]["received"] for x in r["ranks"][1:]) / 1024 for r in runs]
-        ax1.plot(worlds, r0, style, label=f"rank 0, {op}")
-        ax1.plot(worlds, rn, style, label=f"worst other rank, {op}")
-        c0 = [r["ranks"][0][op]["cpu"] for r in runs]
-        cn = [max(x[op]["cpu"] for x in r["ranks"][1:]) for r in runs]
-        ax2.plot(worlds, c0, style, label=f"rank 0, {op}")
-        ax2.plot(worlds, cn, style, label=f"worst other rank, {op}")
-    ax1.set(xlabel="ranks", ylabel="KB received by ckptstore's collectives", xscale="log")
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4.5))
+    worlds: list[int] = []
+    for label, style in (("current", "-"), ("baseline", ":")):
+        runs = doc.get(label)
+        if not runs:
+            continue
+        worlds = [r["world"] for r in runs]
+        for op, mark in (("save1", "o"), ("restore", "s")):
+            for who, pick in (("rank 0", 0), ("worst other rank", 1)):
+
+                def fig_of(r: dict[str, Any], key: str, op: str = op, pick: int = pick) -> float:
+                    if pick == 0:
+                        return float(r["ranks"][0][op][key])
+                    return float(max(x[op][key] for x in r["ranks"][1:]))
+
+                name = f"{label}: {who}, {op}"
+                ax1.plot(
+                    worlds, [fig_of(r, "received") / 1024 for r in runs], style + mark, label=name
+                )
+                ax2.plot(worlds, [fig_of(r, "cpu") for r in runs], style + mark, label=name)
+    ax1.set(
+        xlabel="ranks", ylabel="KB received by ckptstore's collectives", xscale="log", yscale="log"
+    )
     ax2.set(xlabel="ranks", ylabel="CPU seconds (whole save / restore)", xscale="log")
     for ax in (ax1, ax2):
         ax.set_xticks(worlds, [str(w) for w in worlds])
-        ax.legend(fontsize=7)
+        ax.minorticks_off()
+        ax.legend(fontsize=6)
         ax.grid(alpha=0.3)
-    fig.suptitle("ckptstore sharded save/restore coordination, real gloo processes")
+    fig.suptitle("sharded save/restore coordination, real gloo processes (dotted: baseline)")
     fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, dpi=110)
 
 
@@ -295,6 +309,7 @@ def main() -> None:
     )
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
+    p.add_argument("--replot", type=Path, metavar="JSON", help="draw --plot from a saved --json")
     p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--store", help=argparse.SUPPRESS)
     p.add_argument("--result", help=argparse.SUPPRESS)
@@ -302,6 +317,9 @@ def main() -> None:
     if args.rank_main:
         os.environ.setdefault("OMP_NUM_THREADS", "1")
         rank_main(args)
+        return
+    if args.replot:
+        plot(json.loads(args.replot.read_text()), args.plot)
         return
     runs = measure(args.worlds, args.layers, args.timeout)
     print("this tree:\n" + summary(runs))
@@ -314,7 +332,7 @@ def main() -> None:
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
     if args.plot:
-        plot(runs, args.plot)
+        plot(doc, args.plot)
         print(f"plot: {args.plot}")
 
 
