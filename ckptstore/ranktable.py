@@ -24,10 +24,11 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
-from .errors import CkptStoreError, IntegrityError, ManifestError
+from .errors import CkptStoreError, CommitError, IntegrityError, ManifestError
 from .integrity import crc32c_of, format_crc, parse_crc
 from .layout import step_dirname
 from .manifest import (
+    MAX_RANK_LINE,
     RANK_TABLE_NAME,
     FileEntry,
     Manifest,
@@ -56,6 +57,7 @@ def encode(rows: Mapping[int, Mapping[str, FileEntry]], count: int) -> tuple[byt
 
     Raises:
         ValueError: a file listed under a rank that its entry or its name does not carry.
+        CommitError: a line longer than a reader accepts (:data:`MAX_RANK_LINE`).
     """
     lines = []
     for r in range(count):
@@ -67,6 +69,11 @@ def encode(rows: Mapping[int, Mapping[str, FileEntry]], count: int) -> tuple[byt
         line = dict(body, crc32c=format_crc(crc32c_of(_canonical(body))))
         lines.append(json.dumps(line, sort_keys=True, separators=(",", ":")).encode())
     width = max((len(x) for x in lines), default=0) + 1
+    if width > MAX_RANK_LINE:  # never commit a step that no reader would open
+        raise CommitError(
+            f"a rank's line of the rank table would take {width} bytes, more than the "
+            f"{MAX_RANK_LINE} a reader accepts: a rank wrote too many files or blocks"
+        )
     data = b"".join(x.ljust(width - 1) + b"\n" for x in lines)
     return data, RankTable(count, width)
 

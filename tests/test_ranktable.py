@@ -17,7 +17,7 @@ import torch
 from _helpers import forge_manifest
 
 from ckptstore import CheckpointManager
-from ckptstore.errors import IntegrityError, ManifestError
+from ckptstore.errors import CommitError, IntegrityError, ManifestError
 from ckptstore.manifest import RANK_TABLE_NAME, FileEntry, Manifest
 from ckptstore.ranktable import RankFiles, encode, expand, lean, parse_line, rank_of
 from ckptstore.storage import open_storage
@@ -49,6 +49,15 @@ def test_lines_round_trip_and_each_line_stands_alone() -> None:
         encode({0: {"_shards.rank00001.safetensors": entry(1)}}, 2)
     assert rank_of("_index.rank00012.json") == 12
     assert rank_of("state.json") is None
+
+
+def test_a_table_no_reader_would_open_is_never_written(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ckptstore.ranktable as rt
+
+    monkeypatch.setattr(rt, "MAX_RANK_LINE", 100)
+    blocks = FileEntry(40 << 20, 1, "safetensors", None, 0, tuple(range(10)))
+    with pytest.raises(CommitError, match="more than the 100 a reader accepts"):
+        encode({0: {"_shards.rank00000.safetensors": blocks}}, 1)
 
 
 def _signed_line(rank: int, files: dict[str, Any]) -> bytes:
@@ -138,7 +147,7 @@ def test_a_rotten_line_fails_its_rank_only_and_restore_falls_back(store: Path) -
     [
         (lambda d: d.update(rank_table={"count": 2}), "'rank_table' must be {'count': N"),
         (lambda d: d["rank_table"].update(count=3), "rank table of 3 ranks in a step saved by 2"),
-        (lambda d: d["rank_table"].update(width=2**21), "rank_table width must be an integer"),
+        (lambda d: d["rank_table"].update(width=2**25), "rank_table width must be an integer"),
         (lambda d: d["rank_table"].update(width=100), "must be listed, of no rank, with 2 x 100"),
         (lambda d: d.pop("rank_table"), "format version 4 without its 'rank_table'"),
         (lambda d: d.update(format_version=3), "a 'rank_table' in a format-3 manifest"),
