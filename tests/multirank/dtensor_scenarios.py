@@ -133,7 +133,7 @@ def fsdp_async_failure(ctx: Ctx) -> dict[str, Any]:
     mgr = _mgr(ctx, async_save=True)
     mgr.save(1, state).wait()
     if ctx.rank == 1:
-        import ckptstore.sharded.targets as sh
+        import ckptstore.sharded.plan as sh
 
         real = sh.write_shards
 
@@ -164,7 +164,7 @@ def fsdp_async_stage_failure(ctx: Ctx) -> dict[str, Any]:
     state = {"model": model, "optimizer": opt}
     mgr = step1_then_manager(ctx, state, async_save=True)
     if ctx.rank == 1:
-        import ckptstore.sharded.targets as sh
+        import ckptstore.sharded.plan as sh
 
         if ctx.args["where"] == "boxes":
             real_boxes = sh.local_boxes
@@ -296,7 +296,7 @@ def fsdp_die_in_save(ctx: Ctx) -> dict[str, Any]:
     phase = ctx.args["phase"]
     mgr = step1_then_manager(ctx, state)
     if ctx.rank == victim:
-        import ckptstore.sharded.targets as sh
+        import ckptstore.sharded.plan as sh
 
         if phase == "plan":
             orig_key = sh.layout_key  # runs in every save's planning, cached plan or not
