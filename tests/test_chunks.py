@@ -17,6 +17,7 @@ from ckptstore.sharded.chunks import (
     block_crcs,
     box_byte_range,
     read_box,
+    read_box_into,
 )
 
 FILES = {
@@ -173,6 +174,128 @@ def test_read_box_zero_d_and_bfloat16() -> None:
     )
     assert got.dtype == torch.bfloat16
     assert float(got) == 3.5
+
+
+def _scatter(raw: bytearray, reads: list[tuple[int, int]]) -> Any:
+    def read_to(name: str, off: int, bufs: list[memoryview]) -> None:
+        reads.append((off, sum(len(b) for b in bufs)))
+        for b in bufs:
+            b[:] = raw[off : off + len(b)]
+            off += len(b)
+
+    return read_to
+
+
+@pytest.mark.parametrize(
+    ("offsets", "lengths"),
+    [
+        ((0, 0), (64, 48)),
+        ((30, 0), (4, 48)),
+        ((1, 0), (62, 48)),
+        ((63, 0), (1, 48)),
+        ((5, 3), (1, 9)),
+    ],
+    ids=["whole", "rows-in-one-block", "rows-across-blocks", "last-row", "part-of-a-row"],
+)
+def test_read_box_into_reads_in_place_what_read_box_returns(
+    offsets: tuple[int, int], lengths: tuple[int, int]
+) -> None:
+    # Block 1000 bytes: boxes start and end inside blocks, whose other bytes go to side
+    # buffers; each block's CRC spans the side buffer and the target's memory.
+    t = torch.randn(64, 48)
+    raw, chunk = _stored(t, 1000)
+    want = read_box(
+        lambda n, o, k: raw[o : o + k],
+        chunk,
+        torch.float32,
+        offsets,
+        lengths,
+        block=1000,
+        where="s",
+    )
+    dest = torch.full(lengths, -1.0)
+    reads: list[tuple[int, int]] = []
+    got = read_box_into(
+        _scatter(raw, reads),
+        chunk,
+        torch.float32,
+        offsets,
+        lengths,
+        dest=dest,
+        block=1000,
+        where="s",
+    )
+    assert torch.equal(dest, want)
+    first, end = box_byte_range((64, 48), offsets, lengths, 4)
+    lo, hi = first // 1000 * 1000, min(-(-end // 1000) * 1000, 64 * 48 * 4)
+    assert reads == [(37 + lo, hi - lo)]  # one read of the covering blocks
+    assert got == hi - lo
+
+
+def test_read_box_into_writes_a_rows_range_of_a_bigger_target_in_place() -> None:
+    t = torch.randn(16, 8, dtype=torch.bfloat16)
+    raw, chunk = _stored(t, 64)
+    full = torch.zeros(40, 8, dtype=torch.bfloat16)
+    dest = full.narrow(0, 10, 16)  # contiguous rows of the target
+    assert read_box_into(
+        _scatter(raw, []), chunk, torch.bfloat16, (0, 0), (16, 8), dest=dest, block=64, where="s"
+    )
+    assert torch.equal(full[10:26], t)
+    assert not full[:10].any()
+    assert not full[26:].any()
+
+
+def test_read_box_into_declines_what_is_not_one_contiguous_range() -> None:
+    t = torch.randn(8, 6)
+    raw, chunk = _stored(t, 4096)
+    reads: list[tuple[int, int]] = []
+    read_to = _scatter(raw, reads)
+    cols = torch.zeros(8, 2)
+    # Columns of the chunk are not one byte range; a column slice of a target is not one either;
+    # nor is a target of another dtype.
+    assert (
+        read_box_into(
+            read_to, chunk, torch.float32, (0, 2), (8, 2), dest=cols, block=4096, where="s"
+        )
+        is None
+    )
+    wide = torch.zeros(8, 12)
+    half = wide.narrow(1, 0, 6)
+    assert (
+        read_box_into(
+            read_to, chunk, torch.float32, (0, 0), (8, 6), dest=half, block=4096, where="s"
+        )
+        is None
+    )
+    dbl = torch.zeros(8, 6, dtype=torch.float64)
+    assert (
+        read_box_into(
+            read_to, chunk, torch.float32, (0, 0), (8, 6), dest=dbl, block=4096, where="s"
+        )
+        is None
+    )
+    assert reads == []
+
+
+@pytest.mark.parametrize(
+    "at", [10, 1500, 64 * 48 * 4 - 3], ids=["head-block", "middle", "tail-block"]
+)
+def test_read_box_into_finds_a_flipped_byte_in_any_block(at: int) -> None:
+    t = torch.randn(64, 48)
+    raw, chunk = _stored(t, 1000)
+    raw[37 + at] ^= 4
+    dest = torch.empty(62, 48)
+    with pytest.raises(IntegrityError, match=f"block {at // 1000} of its chunk at"):
+        read_box_into(
+            _scatter(raw, []),
+            chunk,
+            torch.float32,
+            (1, 0),
+            (62, 48),
+            dest=dest,
+            block=1000,
+            where="s",
+        )
 
 
 def _columns(n: int, gap_at: int | None = None, overlap_at: int | None = None) -> ChunkIndex:

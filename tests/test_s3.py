@@ -860,3 +860,24 @@ def _conformance_tests() -> dict[str, Any]:
 
 
 globals().update(_conformance_tests())
+
+
+def test_range_reader_read_into_fills_the_callers_buffers_from_one_get(
+    s3: S3Endpoint, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What a resharded restore from an object store reads a chunk's blocks with: the bytes
+    # of one ranged GET, scattered into side buffers and the target's memory.
+    state = big_state()
+    with manager(s3, url) as mgr:
+        mgr.save(7, state)
+        files = mgr.storage.read_manifest(7).files
+        name = "model.safetensors"
+        with mgr.storage.range_reader(7, files) as reader:
+            want = reader.read(name, 1000, 9000)
+            bufs = [memoryview(bytearray(n)) for n in (24, 8000, 976)]
+            counter = GetCounter(monkeypatch)
+            reader.read_into(name, 1000, bufs)
+            assert (counter.calls, counter.bytes) == (1, 9000)
+            assert b"".join(bytes(b) for b in bufs) == bytes(want)
+            with pytest.raises(IntegrityError, match="run past the file"):
+                reader.read_into(name, files[name].bytes - 10, [memoryview(bytearray(20))])

@@ -296,7 +296,7 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         index = layout.resolve(boxes, read_part, manifest.files, f"{where}/{INDEX_FILE}")
     flat = targets_mod.fresh_targets(leaves, templates)
     with session.storage.range_reader(step, manifest.files) as reader:
-        targets_mod.read_into(index, flat, reader.read, where)
+        targets_mod.read_into(index, flat, reader.read, where, reader.read_into)
     return flat
 
 

@@ -21,7 +21,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..codec.dtypes import ITEMSIZE
@@ -496,6 +496,78 @@ def read_box(
     count = (end - first) // itemsize
     flat = torch.frombuffer(buf, dtype=dtype, offset=first - lo, count=count)
     return torch.as_strided(flat, list(lengths), _strides(chunk.sizes), 0)
+
+
+def read_box_into(
+    read_into: Callable[[str, int, list[memoryview]], None],
+    chunk: Chunk,
+    dtype: torch.dtype,
+    box_offsets: Sequence[int],
+    lengths: Sequence[int],
+    *,
+    dest: torch.Tensor,
+    block: int,
+    where: str,
+) -> int | None:
+    """Read a sub-box of a saved chunk straight into ``dest``'s memory, then check it.
+
+    Only where the box is one contiguous byte range of the chunk and ``dest`` is a
+    contiguous CPU tensor of the chunk's dtype (a dim-0 shard restored into a whole tensor
+    or into a row range of one, the common case); otherwise returns None and reads nothing,
+    and the caller goes through :func:`read_box`. The bytes of the blocks the box shares
+    with its neighbours are read into small side buffers, all of it in one pass over the
+    file, and each block's CRC32C is computed over the memory the bytes landed in: one copy
+    (the kernel's) and one CRC pass per byte. ``dest`` is then written even when a block
+    fails its CRC: callers pass fresh tensors, never the caller's state.
+
+    Returns:
+        The bytes read, or None where the box cannot be read in place.
+
+    Raises:
+        IntegrityError: a block does not match its CRC32C.
+    """
+    import ctypes
+
+    if dest.dtype != dtype:
+        return None
+    itemsize = dtype.itemsize
+    first, end = box_byte_range(chunk.sizes, box_offsets, lengths, itemsize)
+    count = math.prod(lengths)
+    if (
+        first == end
+        or (end - first) != count * itemsize
+        or dest.device.type != "cpu"
+        or not dest.is_contiguous()
+        or dest.numel() != count
+    ):
+        return None
+    b0, b1 = first // block, -(-end // block)
+    lo, hi = b0 * block, min(b1 * block, chunk.nbytes)
+    body = memoryview((ctypes.c_ubyte * (end - first)).from_address(dest.data_ptr())).cast("B")
+    pieces = [
+        (at, mv)
+        for at, mv in (
+            (lo, memoryview(bytearray(first - lo))),
+            (first, body),
+            (end, memoryview(bytearray(hi - end))),
+        )
+        if len(mv)
+    ]
+    read_into(chunk.file, chunk.start + lo, [mv for _, mv in pieces])
+    for k in range(b0, b1):
+        k_lo, k_hi = k * block, min((k + 1) * block, hi)
+        crc = 0
+        for at, mv in pieces:
+            a, b = max(k_lo, at), min(k_hi, at + len(mv))
+            if a < b:
+                crc = crc32c_of(mv[a - at : b - at], crc)
+        if crc != chunk.crcs[k]:
+            raise IntegrityError(
+                f"{where}: block {k} of its chunk at {list(chunk.offsets)} in {chunk.file} "
+                f"(bytes {chunk.start + k * block}..) does not match its crc32c; the file is "
+                "corrupt"
+            )
+    return hi - lo
 
 
 #: ``dtype_name``'s answers so far (``str(dtype)`` costs ~20 us; a save asks per tensor).

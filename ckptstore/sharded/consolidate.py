@@ -345,6 +345,10 @@ class StepTensors:
         self.bytes_read += length
         return self._reader().read(name, offset, length)
 
+    def _read_to(self, name: str, offset: int, bufs: list[memoryview]) -> None:
+        self.bytes_read += sum(len(b) for b in bufs)
+        self._reader().read_into(name, offset, bufs)
+
     def _full_dtensor(self, name: str, path: tuple[Any, ...]) -> torch.Tensor:
         """A DTensor leaf as one full CPU tensor, from every chunk of it."""
         entry = self.index.tensors.get(name) if self.index is not None else None
@@ -354,7 +358,7 @@ class StepTensors:
             )
         full = torch.empty(entry.shape, dtype=entry.torch_dtype)
         assert self.index is not None
-        read_into(self.index, {name: full}, self._read, self.where)
+        read_into(self.index, {name: full}, self._read, self.where, self._read_to)
         return full
 
     def _header(self, name: str) -> st.Header:

@@ -21,6 +21,7 @@ from .chunks import (
     ChunkIndex,
     TensorEntry,
     read_box,
+    read_box_into,
 )
 from .plan import is_dtensor, named_optimizer_state
 
@@ -166,11 +167,16 @@ def read_into(
     flat: Mapping[str, torch.Tensor],
     read: Callable[[str, int, int], bytearray],
     where: str,
+    read_to: Callable[[str, int, list[memoryview]], None] | None = None,
 ) -> int:
     """Fill ``flat`` (fresh tensors or DTensors) from the saved chunks that overlap them.
 
     Each rank reads only the byte ranges that overlap its own shards, and every block it
-    reads is checked against its CRC32C before a byte of it is copied.
+    reads is checked against its CRC32C. With ``read_to`` (``RangeReader.read_into``) a box
+    that is one contiguous range of its chunk and of its target is read straight into the
+    target's memory and checked there (``chunks.read_box_into``: ``flat`` holds fresh
+    tensors, so a block that fails leaves nothing of the caller's written); any other box is
+    read into a buffer, checked, then copied.
 
     Returns:
         The number of bytes read.
@@ -194,6 +200,23 @@ def read_into(
             name = item.storage_index.fqn
             entry = index.tensors[name]
             chunk = index.chunk_at(name, item.storage_index.offset or ())
+            dest = find_state_dict_object(sub, item.dest_index)
+            for dim, (off, n) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):
+                dest = dest.narrow(dim, int(off), int(n))
+            if read_to is not None:
+                got = read_box_into(
+                    read_to,
+                    chunk,
+                    entry.torch_dtype,
+                    item.storage_offsets,
+                    item.lengths,
+                    dest=dest,
+                    block=index.block,
+                    where=f"{where}: tensor {name!r}",
+                )
+                if got is not None:
+                    nread[0] += got
+                    continue
             src = read_box(
                 counted,
                 chunk,
@@ -203,9 +226,6 @@ def read_into(
                 block=index.block,
                 where=f"{where}: tensor {name!r}",
             )
-            dest = find_state_dict_object(sub, item.dest_index)
-            for dim, (off, n) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):
-                dest = dest.narrow(dim, int(off), int(n))
             dest.copy_(src)
             del src, dest  # the next chunk's buffer is allocated only after this one is freed
     log.debug("%s: read %d bytes of sharded tensors", where, nread[0])

@@ -77,6 +77,35 @@ class RangeReader:
         self.bytes_read += length
         return buf
 
+    def read_into(self, name: str, offset: int, bufs: list[memoryview]) -> None:
+        """Fill ``bufs``, one after another, with the bytes of ``name`` from ``offset`` on.
+
+        The bytes go straight into the caller's memory (a restore's target tensors), with no
+        buffer of our own in between.
+        """
+        where = self.storage.describe(self.step, name)
+        total = sum(len(b) for b in bufs)
+        got = 0
+        with self._lock:
+            try:
+                f = self._file(name)
+                f.seek(offset)
+                for b in bufs:
+                    done = 0
+                    while done < len(b):
+                        n = f.readinto(b[done:])  # type: ignore[attr-defined]
+                        if not n:
+                            break
+                        done += n
+                    got += done
+                    if done < len(b):
+                        break
+            except OSError as e:
+                raise IntegrityError(f"{where}: unreadable ({e})") from None
+        if got != total:
+            raise IntegrityError(f"{where}: {total} bytes at {offset} not there; it is truncated")
+        self.bytes_read += total
+
     def close(self) -> None:
         """Close every opened file."""
         for f in self._open.values():

@@ -143,6 +143,14 @@ class _RangeGets(RangeReader):
             self.bytes_read += length
         return bytearray(data)
 
+    def read_into(self, name: str, offset: int, bufs: list[memoryview]) -> None:
+        """Fill ``bufs``, one after another, from one ranged GET of their bytes."""
+        data = memoryview(self.read(name, offset, sum(len(b) for b in bufs)))
+        at = 0
+        for b in bufs:
+            b[:] = data[at : at + len(b)]
+            at += len(b)
+
 
 class _Upload:
     """A new object being written: ``close`` publishes it, ``abort`` throws it away."""

@@ -115,3 +115,32 @@ def test_saving_today_reproduces_the_golden_bytes(tmp_path: Path) -> None:
     )
     for key in keys:
         assert new[key] == old[key], key
+
+
+def test_a_load_reads_dim0_shards_straight_into_its_tensors(
+    golden: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A Shard(0) chunk is one byte range of its file and one of the full tensor: it is read
+    # into the tensor's memory and checked there; a Shard(1) one goes through a buffer.
+    from ckptstore.storage.ranges import RangeReader
+
+    paths: list[tuple[str, int]] = []
+    real_read, real_into = RangeReader.read, RangeReader.read_into
+
+    def read(self: RangeReader, name: str, offset: int, length: int) -> bytearray:
+        paths.append(("buffer", length))
+        return real_read(self, name, offset, length)
+
+    def read_into(self: RangeReader, name: str, offset: int, bufs: list[memoryview]) -> None:
+        paths.append(("in place", sum(len(b) for b in bufs)))
+        real_into(self, name, offset, bufs)
+
+    monkeypatch.setattr(RangeReader, "read", read)
+    monkeypatch.setattr(RangeReader, "read_into", read_into)
+    state = CheckpointManager(golden).load()
+    assert state["model"]["w"].tolist() == [[(3 * r + c) / 4 for c in range(3)] for r in range(7)]
+    kinds = {k for k, _ in paths}
+    assert kinds == {"in place", "buffer"}, paths
+    # w (7 x 3 float32, Shard(0) over 2 ranks): its two chunks, 4 and 3 rows, land in place.
+    assert ("in place", 4 * 3 * 4) in paths
+    assert ("in place", 3 * 3 * 4) in paths
