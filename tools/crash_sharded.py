@@ -596,7 +596,7 @@ def campaign(args: argparse.Namespace) -> int:
         for i in range(args.trials):
             world = rng.choice((2, 3))
             nodes = rng.random() < args.node_share
-            fault = rng.choice(FAULTS)
+            fault = rng.choice(args.faults)
             trial = os.path.join(base, f"t{i}")
             roots = [os.path.join(trial, f"node{r}") for r in range(world)]
             job: dict[str, Any] = {
@@ -676,7 +676,17 @@ def campaign(args: argparse.Namespace) -> int:
         print("VIOLATION", v)
     if args.json:
         Path(args.json).write_text(
-            json.dumps({"seed": args.seed, "trials": counts, "violations": violations}, indent=2)
+            json.dumps(
+                {
+                    "seed": args.seed,
+                    "faults": args.faults,
+                    "node_share": args.node_share,
+                    "elapsed_s": round(time.time() - t0),
+                    "trials": counts,
+                    "violations": violations,
+                },
+                indent=2,
+            )
         )
     return 1 if violations else 0
 
@@ -687,10 +697,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--node-share", type=float, default=0.4, help="share of node-local trials")
     p.add_argument("--wide-every", type=int, default=5, help="a 3-rank restore every N trials")
+    p.add_argument(
+        "--faults",
+        type=lambda v: v.split(","),
+        default=list(FAULTS),
+        help=f"comma list of the faults drawn from (default: {','.join(FAULTS)})",
+    )
     p.add_argument("--json", metavar="OUT")
     p.add_argument("--verbose", action="store_true")
     p.add_argument("--serve", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
+    if set(args.faults) - set(FAULTS):
+        p.error(f"--faults: unknown {sorted(set(args.faults) - set(FAULTS))}; known: {FAULTS}")
     if args.serve:
         return serve()
     return campaign(args)
