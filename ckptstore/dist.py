@@ -137,6 +137,7 @@ class Coordinator:
         self._uid = -1  # no coordination keys without a process group
         self._seq = 0
         self._broken: BarrierTimeout | None = None
+        self._t_exchange = 0.0  # when the data exchange of the current collective began
         #: Every collective this coordinator took part in (see :class:`CollectiveStats`).
         self.stats = CollectiveStats()
         if self.enabled:
@@ -314,8 +315,16 @@ class Coordinator:
         if in_exchange:
             # A rank that passed the barrier but hung inside the data exchange (frozen,
             # deadlocked, or dead on another host) is told apart from the survivors by
-            # silence: every survivor reports its own failure of this wait (_fail) within
-            # about the same timeout.
+            # silence: every survivor reports its own failure of this wait (_fail) by the
+            # time its own wait times out, at most ``timeout`` after it entered the
+            # exchange. This rank may fail much sooner (a dead peer's connection closes at
+            # once, while a survivor waiting on *this* rank learns nothing until its
+            # timeout): wait for the survivors that long, or it would name them too, and
+            # the survivors, finding no verdict, would blame this rank.
+            deadline = max(
+                deadline,
+                self._t_exchange + self.timeout + min(_VERDICT_WAIT_S, self.timeout) / 2,
+            )
             silent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
             missing += poll(silent, lambda r: store.check([self._failed_key(r)]))
         return sorted(missing)
@@ -382,6 +391,7 @@ class Coordinator:
 
     def _collective(self, phase: str, step: int | None, fn: Any) -> Any:
         self.barrier(phase, step)
+        self._t_exchange = time.monotonic()
         try:
             with gc_paused():  # unpickling every rank's save plan: many small objects
                 return fn()

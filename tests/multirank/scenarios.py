@@ -676,3 +676,25 @@ def replica_restore(ctx: Ctx) -> dict[str, Any]:
         "model": digest(fresh["model"]),
         "local_steps": steps,
     }
+
+
+def rank_dies_mid_reduce(ctx: Ctx) -> dict[str, Any]:
+    """The last rank passes a reduce's barrier, then dies (SIGKILL) before its slot is sent.
+
+    Rank 0 learns at once (the dead rank's connection closes), while the other survivors
+    wait on rank 0's verdict, which never comes, until their own timeout: every survivor
+    must still name the dead rank, not rank 0.
+    """
+    import signal
+
+    from ckptstore.dist import Coordinator
+
+    coord = Coordinator(ctx.args["timeout"])
+    assert coord.reduce(ctx.rank, sum, "warm-up") == sum(range(ctx.world))
+    if ctx.rank == ctx.world - 1:
+
+        def gather(self: Coordinator, data: bytes, dst: int) -> Any:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        Coordinator._gather_bytes = gather  # type: ignore[method-assign]
+    return outcome(lambda: coord.reduce(ctx.rank, sum, "save:ready", 7))
