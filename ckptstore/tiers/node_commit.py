@@ -22,8 +22,13 @@ never happens, so the replica never shows the step (``upload_parts.clean`` remov
 part once a newer step is committed there). When the step replaced a corrupt copy of
 itself, that copy is gone after a take-back (it was corrupt).
 
-A rank that does not arrive at an exchange raises :class:`BarrierTimeout` on the others;
-a leader that had already published takes its copy back before raising it too.
+A rank that does not arrive at an exchange raises :class:`BarrierTimeout` on the others.
+In the prepare round nothing is visible yet, and each leader aborts its copy. In the publish
+round a leader that had already published keeps its copy: the exchange may have broken
+after rank 0 told some ranks that every node published (and they returned from ``save``),
+so the outcome is not known, and a take-back could lose an acknowledged step. A step on
+some nodes and not others is never restored (a restore takes the newest step whole on
+every node) and never counted good by retention; the next save of that step replaces it.
 """
 
 from __future__ import annotations
@@ -121,9 +126,19 @@ def commit_everywhere(
             mine = ("error", say(e))
     try:
         failed = coord.reduce(mine, _failures, "save:commit", step)
-    except BarrierTimeout:
+    except BarrierTimeout as e:
+        # The outcome is not known here: rank 0 may have sent "every node published" to
+        # some ranks before the exchange broke (a rank dying while the verdict is on its
+        # way), and those ranks returned from save. Taking this copy back would then lose
+        # an acknowledged step on this node. It stays: a restore takes a step only where
+        # it is whole on every node, and retention never counts it good until then.
         if published:
-            _take_back(storage, step, "a rank did not report its commit")
+            log.warning(
+                "%s: a rank did not report its commit (%s); this node's copy stays, and the "
+                "step counts only where every node holds it",
+                where,
+                e.missing_ranks,
+            )
         raise
     if failed:
         if published:

@@ -28,7 +28,9 @@ def _root(ctx: Ctx) -> Path:
 def _mgr(ctx: Ctx, **kw: Any) -> CheckpointManager:
     if ctx.args.get("url"):
         kw.update(replica=ctx.args["url"], replica_options=ctx.args["options"])
-    return CheckpointManager(_root(ctx), keep=None, barrier_timeout=30, **kw)
+    return CheckpointManager(
+        _root(ctx), keep=None, barrier_timeout=ctx.args.get("timeout", 30), **kw
+    )
 
 
 def _fsdp() -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -336,4 +338,37 @@ def nodes_damaged(ctx: Ctx) -> dict[str, Any]:
         out["steps3"] = mgr.steps()
         out["restored3"] = outcome(lambda: _restore_fresh(mgr))
     mgr.close()
+    return out
+
+
+def nodes_die_in_commit(ctx: Ctx) -> dict[str, Any]:
+    """Step 1 commits; in step 2's publish round rank 1 dies after its node renamed its copy.
+
+    Rank 1 is SIGKILLed as it enters the ``save:commit`` exchange, so every node has
+    published step 2 and no survivor learns the outcome. The survivors raise
+    ``BarrierTimeout`` naming rank 1 and keep their copies: whether rank 0 had told some
+    rank "committed" is not known to them (the verdict may be on its way when a rank dies).
+    """
+    import signal
+
+    from ckptstore.dist import Coordinator
+
+    model, opt = _fsdp()
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "rng": RNGState(), "step": 1}
+    mgr = _mgr(ctx)
+    mgr.save(1, state)
+    train(model, opt, 1, seed=2)
+    state["step"] = 2
+    out: dict[str, Any] = {"digests2": digests(model, opt)}
+    if ctx.rank == 1:
+        real = Coordinator.reduce
+
+        def reduce(self: Coordinator, obj: Any, fn: Any, phase: str, step: Any = None) -> Any:
+            if phase == "save:commit":
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real(self, obj, fn, phase, step)
+
+        Coordinator.reduce = reduce  # type: ignore[method-assign]
+    out["save2"] = outcome(lambda: mgr.save(2, state) and None)
+    out["steps"] = sorted(int(n[5:]) for n in os.listdir(_root(ctx)) if n.startswith("step-"))
     return out

@@ -27,7 +27,7 @@ from ckptstore.ops.verify import verify_checkpoint
 from ckptstore.storage import open_storage
 from tests.faults import Injector, injected
 from tests.multirank.dtensor_scenarios import digests, make_net
-from tests.multirank.launch import launch, values
+from tests.multirank.launch import describe, launch, values
 
 if TYPE_CHECKING:
     from s3server import S3Endpoint
@@ -317,3 +317,29 @@ def test_two_ranks_per_node_on_two_nodes(
     assert "ranks" not in out
     assert main(["ls", "--json", str(tmp_path / "nodeC")]) == 0
     assert json.loads(capsys.readouterr().out)[0]["local_ranks"] is None
+
+
+@pytest.mark.timeout(240)
+def test_a_rank_dying_in_the_publish_round_leaves_the_published_copies(tmp_path: Path) -> None:
+    # Every node renamed its copy of step 2, then rank 1 died entering the exchange that
+    # reports it. The survivors used to take their copies back: when rank 0's verdict
+    # "committed" had reached some ranks first (they returned from save), that lost an
+    # acknowledged step on the nodes that took it back (the sharded crash campaign:
+    # "a node lost the acknowledged step"). The copies stay: step 2 is whole on every node
+    # and the next job resumes it.
+    roots = ["node0", "node1", "node2"]
+    args = {"roots": roots, "timeout": 3}
+    res = launch("node_scenarios:nodes_die_in_commit", 3, tmp_path, timeout=150, args=args)
+    assert res[1].returncode == -9, describe(res)
+    for r in (0, 2):
+        save2 = res[r].value["save2"]
+        assert save2["error_type"] == "BarrierTimeout", describe(res)
+        assert save2["missing_ranks"] == [1], describe(res)
+        assert res[r].value["steps"] == [1, 2], describe(res)
+    assert sorted(p.name for p in (tmp_path / "node1").glob("step-*")) == [
+        "step-000000000001",
+        "step-000000000002",
+    ]
+    got = values(launch("node_scenarios:nodes_resume", 3, tmp_path, timeout=150, args=args))
+    assert [g["step"] for g in got] == [2, 2, 2]
+    assert all(g["digests"] == res[0].value["digests2"] for g in got)
