@@ -100,6 +100,9 @@ def _check_order(session: Session, step: int, known: RetentionPlanner) -> None:
 def _claim_step(session: Session, step: int, known: RetentionPlanner) -> bool:
     """Make sure ``step`` may be written: absent, or committed but corrupt (replaced).
 
+    Corrupt means: a restore of this job skipped it (``known_bad``), or it fails a deep
+    verify here.
+
     After ``restore`` skipped a corrupt newest checkpoint, training reaches that step
     again; refusing the save then would stop the job for good. A committed step that
     verifies is never overwritten. A corrupt one is replaced only when the new save
@@ -114,6 +117,18 @@ def _claim_step(session: Session, step: int, known: RetentionPlanner) -> bool:
     """
     if step not in known:
         return False
+    if step in session.known_bad:
+        # A restore of this job skipped it (on node-local roots: it was whole on some
+        # nodes only, what a crash or a power cut between the nodes' renames leaves, and
+        # this node's part may well verify alone). Training resumed before it and reached
+        # it again: the save replaces it.
+        log.warning(
+            "%s was skipped by the restore (not whole or not verifying on every rank); this "
+            "save replaces it when it commits",
+            session.storage.describe(step),
+        )
+        session.known_good.discard(step)
+        return True
     report = verify_checkpoint(session.storage, step, deep=True)
     if report.ok:
         raise StepExistsError(step_exists_message(session.storage, step))

@@ -88,7 +88,8 @@ def power_resume(ctx: Ctx) -> list[dict[str, Any]]:
 
     ``args["cuts"]``: directories under the workdir, each a disk a cut left (its store roots
     under ``disks/``). For each: ``gc`` (a cut leaves tmp directories behind), ``resume``,
-    the digests of what was restored, and whether the next save committed and verifies.
+    the digests of what was restored, and whether the save of the next step (the one after
+    the step resumed) committed and verifies.
     """
     outs = []
     for cut in ctx.args["cuts"]:
@@ -100,10 +101,13 @@ def power_resume(ctx: Ctx) -> list[dict[str, Any]]:
         nxt = mgr.resume(state)
         out: dict[str, Any] = {"next": nxt, "step": state["step"], "steps": mgr.steps()}
         out["digests"] = digests(model, opt)
-        state["step"] = NEW + 1
-        mgr.save(NEW + 1, state)
-        rep = mgr.verify(NEW + 1, deep=True)
-        out["saved"] = {"ok": rep.ok, "problems": rep.problems}
+        # The step after the one resumed, as training does: step 3 again where a cut left it
+        # whole on some node only (that copy is replaced).
+        nxt = state["step"] + 1
+        state["step"] = nxt
+        mgr.save(nxt, state)
+        rep = mgr.verify(nxt, deep=True)
+        out["saved"] = {"step": nxt, "ok": rep.ok, "problems": rep.problems, "steps": mgr.steps()}
         mgr.close()
         outs.append(out)
     return outs
