@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import threading
+import time
 from typing import Any
 
 import pytest
@@ -444,3 +446,53 @@ def test_the_byte_check_is_n_log_n() -> None:
     chunks.append(("v", Chunk((0,), (1,), "_shards.rank00000.safetensors", 4 * n - 2, 4, (0,))))
     with pytest.raises(IntegrityError, match=r"\[799996, 800000\) and \[799998, 800002\)"):
         check_disjoint(chunks, "t")
+
+
+def _rows_index(t: torch.Tensor, parts: int) -> tuple[bytearray, ChunkIndex]:
+    """``t`` saved as ``parts`` row chunks, one after another in file ``f``."""
+    raw = bytearray()
+    chunks = []
+    rows = t.shape[0] // parts
+    for i in range(parts):
+        part = t[i * rows : (i + 1) * rows].contiguous()
+        data = bytearray(part.reshape(-1).view(torch.uint8).numpy())
+        crcs = tuple(block_crcs(data, 64))
+        chunks.append(Chunk((i * rows, 0), tuple(part.shape), "f", len(raw), len(data), crcs))
+        raw += data
+    entry = TensorEntry("float32", tuple(t.shape), tuple(chunks), (parts,), ("dp",), ("S(0)",))
+    return raw, ChunkIndex({"model/w": entry}, block=64)
+
+
+def test_read_into_reads_boxes_at_once_and_stops_every_read_on_a_failure() -> None:
+    from ckptstore.sharded.targets import READ_THREADS, read_into
+
+    t = torch.randn(32, 8)
+    raw, index = _rows_index(t, 16)
+    lock = threading.Lock()
+    state = {"running": 0, "most": 0}
+
+    def read_to(name: str, off: int, bufs: list[memoryview]) -> None:
+        with lock:
+            state["running"] += 1
+            state["most"] = max(state["most"], state["running"])
+        try:
+            time.sleep(0.02)
+            _scatter(raw, [])(name, off, bufs)
+        finally:
+            with lock:
+                state["running"] -= 1
+
+    out = torch.empty(32, 8)
+    assert read_into(index, {"model/w": out}, lambda n, o, k: raw[o : o + k], "s", read_to) == len(
+        raw
+    )
+    assert torch.equal(out, t)
+    assert 1 < state["most"] <= READ_THREADS
+    # A flipped byte in the 4th chunk: its error is raised, and by then no read is running
+    # (nothing writes into the targets after read_into gave up).
+    raw[index.tensors["model/w"].chunks[3].start + 5] ^= 1
+    with pytest.raises(IntegrityError, match="block 0 of its chunk at \\[6, 0\\]"):
+        read_into(
+            index, {"model/w": torch.empty(32, 8)}, lambda n, o, k: raw[o : o + k], "s", read_to
+        )
+    assert state["running"] == 0

@@ -8,6 +8,7 @@ read into.
 
 from __future__ import annotations
 
+import concurrent.futures
 import math
 from collections.abc import Callable, Mapping
 from typing import Any
@@ -26,12 +27,16 @@ from .chunks import (
 from .plan import is_dtensor, named_optimizer_state
 
 __all__ = [
+    "READ_THREADS",
     "fresh_targets",
     "read_into",
     "restore_templates",
     "target_box",
     "template_box",
 ]
+
+#: Boxes a restoring rank reads at once (see :func:`read_into`).
+READ_THREADS = 4
 
 
 def _lookup(value: Any, path: tuple[Any, ...]) -> Any:
@@ -189,17 +194,13 @@ def read_into(
     md = index.dcp_metadata()
     sub = dict(flat)
     plan = create_default_local_load_plan(sub, md, True)
-    nread = [0]
 
-    def counted(file: str, offset: int, length: int) -> bytearray:
-        nread[0] += length
-        return read(file, offset, length)
-
-    with torch.no_grad():
-        for item in plan.items:
-            name = item.storage_index.fqn
-            entry = index.tensors[name]
-            chunk = index.chunk_at(name, item.storage_index.offset or ())
+    def one(item: Any) -> int:
+        """Read and check one box, then put it in place; the bytes read."""
+        name = item.storage_index.fqn
+        entry = index.tensors[name]
+        chunk = index.chunk_at(name, item.storage_index.offset or ())
+        with torch.no_grad():  # grad mode is per thread
             dest = find_state_dict_object(sub, item.dest_index)
             for dim, (off, n) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):
                 dest = dest.narrow(dim, int(off), int(n))
@@ -215,8 +216,13 @@ def read_into(
                     where=f"{where}: tensor {name!r}",
                 )
                 if got is not None:
-                    nread[0] += got
-                    continue
+                    return got
+            nbytes = [0]
+
+            def counted(file: str, offset: int, length: int) -> bytearray:
+                nbytes[0] += length
+                return read(file, offset, length)
+
             src = read_box(
                 counted,
                 chunk,
@@ -227,6 +233,27 @@ def read_into(
                 where=f"{where}: tensor {name!r}",
             )
             dest.copy_(src)
-            del src, dest  # the next chunk's buffer is allocated only after this one is freed
+            return nbytes[0]
+
+    # READ_THREADS boxes in flight: the disk serves several requests at once (and an object
+    # store several GETs), the CRCs and copies of one box overlap the reads of the others,
+    # and at most READ_THREADS buffers of the fallback path exist at a time. Leaving the
+    # block waits for every running read, so no thread writes a target after we return.
+    nread = [0]
+    items = list(plan.items)
+    if len(items) <= 1:
+        nread[0] = sum(one(item) for item in items)
+    else:
+        with concurrent.futures.ThreadPoolExecutor(
+            min(READ_THREADS, len(items)), thread_name_prefix="ckptstore-read"
+        ) as pool:
+            futures = [pool.submit(one, item) for item in items]
+            try:
+                for f in futures:
+                    nread[0] += f.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
     log.debug("%s: read %d bytes of sharded tensors", where, nread[0])
     return nread[0]

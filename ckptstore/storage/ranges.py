@@ -9,6 +9,8 @@ caller checks each range against its block CRCs. Object stores subclass
 from __future__ import annotations
 
 import contextlib
+import io
+import os
 import threading
 from collections.abc import Mapping
 from typing import IO
@@ -86,25 +88,48 @@ class RangeReader:
         where = self.storage.describe(self.step, name)
         total = sum(len(b) for b in bufs)
         got = 0
-        with self._lock:
-            try:
+        try:
+            fd: int | None = None
+            with self._lock:
                 f = self._file(name)
-                f.seek(offset)
+                try:
+                    fd = f.fileno()
+                except (AttributeError, io.UnsupportedOperation):  # not an OS file
+                    got = self._read_seq(f, offset, bufs)
+            if fd is not None:
+                # pread: no shared file position, so several threads read one file at once.
                 for b in bufs:
                     done = 0
                     while done < len(b):
-                        n = f.readinto(b[done:])  # type: ignore[attr-defined]
+                        n = os.preadv(fd, [b[done:]], offset + got + done)
                         if not n:
                             break
                         done += n
                     got += done
                     if done < len(b):
                         break
-            except OSError as e:
-                raise IntegrityError(f"{where}: unreadable ({e})") from None
+        except OSError as e:
+            raise IntegrityError(f"{where}: unreadable ({e})") from None
         if got != total:
             raise IntegrityError(f"{where}: {total} bytes at {offset} not there; it is truncated")
         self.bytes_read += total
+
+    @staticmethod
+    def _read_seq(f: IO[bytes], offset: int, bufs: list[memoryview]) -> int:
+        """Fill ``bufs`` from ``f`` through its file position (callers hold the lock)."""
+        f.seek(offset)
+        got = 0
+        for b in bufs:
+            done = 0
+            while done < len(b):
+                n = f.readinto(b[done:])  # type: ignore[attr-defined]
+                if not n:
+                    break
+                done += n
+            got += done
+            if done < len(b):
+                break
+        return got
 
     def close(self) -> None:
         """Close every opened file."""
