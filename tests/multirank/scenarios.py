@@ -679,7 +679,8 @@ def replica_restore(ctx: Ctx) -> dict[str, Any]:
 
 
 def rank_dies_mid_reduce(ctx: Ctx) -> dict[str, Any]:
-    """The last rank passes a reduce's barrier, then dies (SIGKILL) before its slot is sent.
+    """The last rank passes a reduce's barrier, then dies (SIGKILL) before its slot is sent
+    (``args["where"] == "barrier"``: it dies before it arrives at the barrier).
 
     Rank 0 learns at once (the dead rank's connection closes), while the other survivors
     wait on rank 0's verdict, which never comes, until their own timeout: every survivor
@@ -693,8 +694,11 @@ def rank_dies_mid_reduce(ctx: Ctx) -> dict[str, Any]:
     assert coord.reduce(ctx.rank, sum, "warm-up") == sum(range(ctx.world))
     if ctx.rank == ctx.world - 1:
 
-        def gather(self: Coordinator, data: bytes, dst: int) -> Any:
+        def die(*a: Any, **k: Any) -> Any:
             os.kill(os.getpid(), signal.SIGKILL)
 
-        Coordinator._gather_bytes = gather  # type: ignore[method-assign]
+        if ctx.args.get("where") == "barrier":  # before it arrives at the reduce's barrier
+            Coordinator._barrier = die  # type: ignore[method-assign]
+        else:
+            Coordinator._gather_bytes = die  # type: ignore[method-assign]
     return outcome(lambda: coord.reduce(ctx.rank, sum, "save:ready", 7))

@@ -27,12 +27,14 @@ def test_frozen_rank_is_named_by_every_survivor(tmp_path: Path, world: int) -> N
 
 
 @pytest.mark.timeout(120)
-def test_a_rank_dying_in_a_reduce_is_named_by_every_survivor(tmp_path: Path) -> None:
+@pytest.mark.parametrize("where", ["exchange", "barrier"])
+def test_a_rank_dying_in_a_reduce_is_named_by_every_survivor(tmp_path: Path, where: str) -> None:
     # Rank 0 fails at once and used to give the others only half a timeout to report their
     # own failure: it counted rank 1 (still waiting on rank 0's verdict) as gone too, and
     # with no survivor left to wait for, exited; rank 1 then found no verdict and blamed
     # rank 0 ("rank(s) 0 did not arrive"), which the sharded crash campaign caught.
-    res = launch("rank_dies_mid_reduce", 3, tmp_path, timeout=60, args={"timeout": TIMEOUT})
+    args = {"timeout": TIMEOUT, "where": where}
+    res = launch("rank_dies_mid_reduce", 3, tmp_path, timeout=60, args=args)
     assert res[2].returncode == -9, describe(res)
     for v in timeouts_naming(res, 2):
         assert "rank(s) 2 did not arrive at 'save:ready' of step 7" in v["message"]
