@@ -661,6 +661,11 @@ def campaign(args: argparse.Namespace) -> int:
                 ]
             if args.verbose:
                 print(f"trial {i}: {key}: {problems if problems else 'OK'}", flush=True)
+                if problems:  # what the ranks said, for the diagnosis
+                    spec = {k: job[k] for k in ("victims", "kill_at", "kill_when", "async")}
+                    print(f"  job {json.dumps(spec)}; died at {out['died_at']}", flush=True)
+                    for t, x in out["lines"]:
+                        print(f"  {t:.3f} {x[:400]}", flush=True)
             shutil.rmtree(trial, ignore_errors=True)
     finally:
         server.close()
