@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import math
+import threading
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -194,6 +195,10 @@ def read_into(
     md = index.dcp_metadata()
     sub = dict(flat)
     plan = create_default_local_load_plan(sub, md, True)
+    # One box at a time through a buffer (the size of the blocks that cover it: nearly a
+    # whole chunk for a column range), as before the reads ran at once: the memory a
+    # restore takes beyond its targets stays one box.
+    buffered = threading.Lock()
 
     def one(item: Any) -> int:
         """Read and check one box, then put it in place; the bytes read."""
@@ -223,22 +228,23 @@ def read_into(
                 nbytes[0] += length
                 return read(file, offset, length)
 
-            src = read_box(
-                counted,
-                chunk,
-                entry.torch_dtype,
-                item.storage_offsets,
-                item.lengths,
-                block=index.block,
-                where=f"{where}: tensor {name!r}",
-            )
-            dest.copy_(src)
+            with buffered:
+                src = read_box(
+                    counted,
+                    chunk,
+                    entry.torch_dtype,
+                    item.storage_offsets,
+                    item.lengths,
+                    block=index.block,
+                    where=f"{where}: tensor {name!r}",
+                )
+                dest.copy_(src)
+                del src  # freed before the next buffered box is read
             return nbytes[0]
 
     # READ_THREADS boxes in flight: the disk serves several requests at once (and an object
-    # store several GETs), the CRCs and copies of one box overlap the reads of the others,
-    # and at most READ_THREADS buffers of the fallback path exist at a time. Leaving the
-    # block waits for every running read, so no thread writes a target after we return.
+    # store several GETs), and the CRCs of one box overlap the reads of the others. Leaving
+    # the block waits for every running read, so no thread writes a target after we return.
     nread = [0]
     items = list(plan.items)
     if len(items) <= 1:
