@@ -137,7 +137,7 @@ class Coordinator:
         self._uid = -1  # no coordination keys without a process group
         self._seq = 0
         self._broken: BarrierTimeout | None = None
-        self._t_exchange = 0.0  # when the data exchange of the current collective began
+        self._t_wait = 0.0  # when the current wait (a barrier, or the data exchange) began
         #: Every collective this coordinator took part in (see :class:`CollectiveStats`).
         self.stats = CollectiveStats()
         if self.enabled:
@@ -219,7 +219,7 @@ class Coordinator:
     def _key(self) -> str:
         return f"ckptstore/{self._uid}/{self._seq}/missing"
 
-    def _verdict(self, text: str, in_exchange: bool) -> list[int]:
+    def _verdict(self, text: str) -> list[int]:
         """The missing ranks: parsed on rank 0, fetched from rank 0's verdict elsewhere."""
         m = _RANKS_RE.search(text)
         store = _default_store()
@@ -228,7 +228,7 @@ class Coordinator:
             if m:
                 missing = sorted({int(x) for x in re.findall(r"\d+", m.group(1))})
             else:  # "connection closed by peer": gloo names an address, not a rank
-                missing = self._probe_missing(store, in_exchange)
+                missing = self._probe_missing(store)
             if store is not None:
                 # Publish, then wait until every survivor has read it: the store usually
                 # lives in this process, which is about to raise and may exit.
@@ -272,11 +272,11 @@ class Coordinator:
         helper.join(wait + 1.0)
         return found[0] if found and found[0] is not None else [0]
 
-    def _probe_missing(self, store: Any, in_exchange: bool) -> list[int]:
+    def _probe_missing(self, store: Any) -> list[int]:
         """Which ranks are gone.
 
-        Dead processes on this host, ranks that never arrived at this wait, and (when the
-        exchange after the barrier failed) ranks gone silent.
+        Dead processes on this host, ranks that never arrived at this wait, and ranks that
+        arrived but went silent in it (frozen inside the barrier or the data exchange).
         """
         if store is None:
             return []
@@ -312,21 +312,18 @@ class Coordinator:
         # missing only if it has not arrived by the deadline.
         absent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
         missing += poll(absent, arrived)
-        if in_exchange:
-            # A rank that passed the barrier but hung inside the data exchange (frozen,
-            # deadlocked, or dead on another host) is told apart from the survivors by
-            # silence: every survivor reports its own failure of this wait (_fail) by the
-            # time its own wait times out, at most ``timeout`` after it entered the
-            # exchange. This rank may fail much sooner (a dead peer's connection closes at
-            # once, while a survivor waiting on *this* rank learns nothing until its
-            # timeout): wait for the survivors that long, or it would name them too, and
-            # the survivors, finding no verdict, would blame this rank.
-            deadline = max(
-                deadline,
-                self._t_exchange + self.timeout + min(_VERDICT_WAIT_S, self.timeout) / 2,
-            )
-            silent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
-            missing += poll(silent, lambda r: store.check([self._failed_key(r)]))
+        # A rank that arrived but hung inside the barrier or the data exchange (frozen,
+        # deadlocked, or dead on another host) is told apart from the survivors by silence:
+        # every survivor reports its own failure of this wait (_fail) by the time its own
+        # wait times out, at most ``timeout`` after it began. This rank may fail much sooner
+        # (a dead peer's connection closes at once, while a survivor waiting on *this* rank
+        # learns nothing until its timeout): wait for the survivors that long, or it would
+        # name them too, and the survivors, finding no verdict, would blame this rank.
+        deadline = max(
+            deadline, self._t_wait + self.timeout + min(_VERDICT_WAIT_S, self.timeout) / 2
+        )
+        silent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
+        missing += poll(silent, lambda r: store.check([self._failed_key(r)]))
         return sorted(missing)
 
     def _failed_key(self, rank: int) -> str:
@@ -343,11 +340,9 @@ class Coordinator:
             with contextlib.suppress(Exception):
                 store.set(self._arrival_key(self.rank), str(self._seq))
 
-    def _fail(
-        self, e: BaseException, phase: str, step: int | None, *, in_exchange: bool = False
-    ) -> BarrierTimeout:
+    def _fail(self, e: BaseException, phase: str, step: int | None) -> BarrierTimeout:
         text = str(e)
-        missing = self._verdict(text, in_exchange)
+        missing = self._verdict(text)
         who = f"rank(s) {', '.join(map(str, missing))}" if missing else "some rank"
         at = f" of step {step}" if step is not None else ""
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
@@ -381,6 +376,7 @@ class Coordinator:
         self._check(phase, step)
         self._seq += 1
         self._arrive()
+        self._t_wait = time.monotonic()
         try:
             # gloo's dissemination barrier: log2(N) rounds of one empty message a rank, where
             # monitored_barrier had rank 0 answer every rank in turn. Who is missing comes
@@ -391,12 +387,12 @@ class Coordinator:
 
     def _collective(self, phase: str, step: int | None, fn: Any) -> Any:
         self.barrier(phase, step)
-        self._t_exchange = time.monotonic()
+        self._t_wait = time.monotonic()
         try:
             with gc_paused():  # unpickling every rank's save plan: many small objects
                 return fn()
         except RuntimeError as e:  # a rank died between the barrier and the data
-            raise self._fail(e, phase, step, in_exchange=True) from None
+            raise self._fail(e, phase, step) from None
 
     def broadcast(self, obj: Any, phase: str, step: int | None = None, src: int = 0) -> Any:
         """Send a small picklable object from ``src`` to every rank; returns it everywhere."""
@@ -564,7 +560,7 @@ class Coordinator:
                 try:
                     dist.broadcast(t, src=0, group=self.group)
                 except RuntimeError as e:
-                    raise self._fail(e, phase, step, in_exchange=True) from None
+                    raise self._fail(e, phase, step) from None
                 sent, received = (n, 0) if self.is_leader else (0, n)
                 self.stats.add(phase, "broadcast", sent, received, 1, _since(t0))
             out[name] = buf

@@ -608,7 +608,9 @@ def train_run(ctx: Ctx) -> dict[str, Any]:
 
 def rank_freezes_mid_exchange(ctx: Ctx) -> dict[str, Any]:
     """The last rank passes the 'save:write' wait, then freezes (SIGSTOP) before the data
-    exchange: only the timeout can tell, and the survivors must still name it."""
+    exchange: only the timeout can tell, and the survivors must still name it. With
+    ``args["in_barrier"] = k`` it freezes inside its k-th barrier of the save, once it has
+    arrived there (its arrival key set)."""
     import signal
 
     from ckptstore.dist import Coordinator
@@ -617,18 +619,33 @@ def rank_freezes_mid_exchange(ctx: Ctx) -> dict[str, Any]:
     mgr = step1_then_manager(ctx, {"model": model})
     if ctx.rank == ctx.world - 1:
         real = Coordinator.barrier
+        real_arrive = Coordinator._arrive
         me = os.getpid()
+
+        def freeze() -> None:
+            if os.fork() == 0:  # the undertaker: the frozen rank cannot end itself
+                wait_for_outcomes(ctx, list(range(ctx.world - 1)))  # the survivors'
+                os.kill(me, signal.SIGKILL)
+                os._exit(0)
+            os.kill(me, signal.SIGSTOP)
 
         def barrier(self: Coordinator, phase: str, step: int | None = None) -> None:
             real(self, phase, step)
             if phase == "save:write":
-                if os.fork() == 0:  # the undertaker: the frozen rank cannot end itself
-                    wait_for_outcomes(ctx, list(range(ctx.world - 1)))  # the survivors'
-                    os.kill(me, signal.SIGKILL)
-                    os._exit(0)
-                os.kill(me, signal.SIGSTOP)
+                freeze()
 
-        Coordinator.barrier = barrier  # type: ignore[method-assign]
+        arrivals = [0]  # counted from the save under test on
+
+        def arrive(self: Coordinator) -> None:  # arrived (its key is set), then frozen
+            real_arrive(self)
+            arrivals[0] += 1
+            if arrivals[0] == ctx.args["in_barrier"]:
+                freeze()
+
+        if ctx.args.get("in_barrier"):
+            Coordinator._arrive = arrive  # type: ignore[method-assign]
+        else:
+            Coordinator.barrier = barrier  # type: ignore[method-assign]
     return outcome(lambda: mgr.save(2, {"model": model}))
 
 

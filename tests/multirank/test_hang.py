@@ -14,11 +14,19 @@ SLACK = healthy(2.5)
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("world", [2, 3])
-def test_frozen_rank_is_named_by_every_survivor(tmp_path: Path, world: int) -> None:
-    res = launch(
-        "rank_freezes_mid_exchange", world, tmp_path, timeout=60, args={"timeout": TIMEOUT}
-    )
+@pytest.mark.parametrize(
+    ("world", "in_barrier"),
+    [(2, 0), (3, 0), (2, 1), (3, 2)],
+    ids=["2", "3", "2-barrier", "3-barrier"],
+)
+def test_frozen_rank_is_named_by_every_survivor(
+    tmp_path: Path, world: int, in_barrier: int
+) -> None:
+    # in_barrier: frozen inside a barrier after arriving; the arrival keys cannot tell it from
+    # a survivor, its silence does (the plain crash campaign's rank 0 named nobody and waited
+    # 9 s for the frozen rank's acknowledgement before).
+    args = {"timeout": TIMEOUT, "in_barrier": in_barrier}
+    res = launch("rank_freezes_mid_exchange", world, tmp_path, timeout=60, args=args)
     frozen = world - 1
     assert res[frozen].returncode == -9, describe(res)  # killed by its undertaker
     for v in timeouts_naming(res, frozen):
