@@ -216,8 +216,13 @@ class Coordinator:
         """Rank 0 (or the only process)."""
         return self.rank == 0
 
+    # The verdict and the failure reports are one per coordinator, not one per collective: a
+    # coordinator breaks at its first failure (every later call raises), and the ranks may
+    # fail one collective apart. A gather's senders have done their part when rank 0 finds a
+    # rank missing, and they fail at the next collective: they must find rank 0's verdict,
+    # and rank 0 must see that they are alive.
     def _key(self) -> str:
-        return f"ckptstore/{self._uid}/{self._seq}/missing"
+        return f"ckptstore/{self._uid}/missing"
 
     def _verdict(self, text: str) -> list[int]:
         """The missing ranks: parsed on rank 0, fetched from rank 0's verdict elsewhere."""
@@ -327,7 +332,7 @@ class Coordinator:
         return sorted(missing)
 
     def _failed_key(self, rank: int) -> str:
-        return f"ckptstore/{self._uid}/{self._seq}/failed/{rank}"
+        return f"ckptstore/{self._uid}/failed/{rank}"
 
     def _arrival_key(self, rank: int) -> str:
         # One key a rank, overwritten by each collective with its number: the store holds

@@ -718,4 +718,12 @@ def rank_dies_mid_reduce(ctx: Ctx) -> dict[str, Any]:
             Coordinator._barrier = die  # type: ignore[method-assign]
         else:
             Coordinator._gather_bytes = die  # type: ignore[method-assign]
+    if ctx.args.get("where") == "gather":
+        # A gather, then a broadcast: rank 0 fails in the gather, while the others have sent
+        # their slots and wait at the broadcast, one collective further on.
+        def gather_then_broadcast() -> Any:
+            coord.gather(ctx.rank, "save:gather", 7)
+            return coord.broadcast("manifest", "save:prepared", 7)
+
+        return outcome(gather_then_broadcast)
     return outcome(lambda: coord.reduce(ctx.rank, sum, "save:ready", 7))
