@@ -237,3 +237,39 @@ def test_two_uploaders_completing_one_step_on_a_filesystem_both_succeed(tmp_path
     assert plain.read_manifest(2).to_bytes() == manifest.to_bytes()
     assert verify_checkpoint(plain, 2).ok
     assert plain.list_garbage() == []
+
+
+def test_a_rank_whose_part_is_in_never_redoes_it(tmp_path: Path) -> None:
+    """Found by the sharded crash campaign: a job was killed while step 15 was on its way to
+    a filesystem replica (rank 0's part in, rank 2's not); in the next job rank 0's uploader
+    started its part afresh, removing its files, while rank 2's, finding every done object,
+    renamed the step into place: the replica showed step 15 without ``_ranks.jsonl``. A part
+    that is whole is now left alone (nothing of it removed), and the step completes with it."""
+    import os
+
+    local = open_storage(tmp_path / "local")
+    manifest = sharded_step(local, 2)
+    replica = open_storage(tmp_path / "replica")
+    replica.check_root(create=True)
+    ups = [Replicator(local, replica, rank=r, retention=False, read_back=False) for r in (0, 1)]
+    assert ups[0].upload_step(2)
+    assert replica.list_steps() == []  # rank 0's part is in; rank 1's is not
+    pending = tmp_path / "replica" / upload_parts.pending_dirname(replica, 2, manifest)
+    assert "state.rank00000.json" in os.listdir(pending)
+    # A new job's uploader of rank 0 (its first one was killed before the step completed).
+    removed: list[str] = []
+    real_remove = replica._remove
+
+    def remove(rel: str) -> None:
+        removed.append(rel)
+        real_remove(rel)
+
+    replica._remove = remove  # type: ignore[method-assign]
+    again = Replicator(local, replica, rank=0, retention=False, read_back=False)
+    again.upload_step(2)
+    assert removed == []
+    assert replica.list_steps() == []
+    assert ups[1].upload_step(2)
+    assert replica.list_steps() == [2]
+    assert verify_checkpoint(replica, 2, deep=True).ok
+    assert not os.path.exists(pending)

@@ -127,8 +127,15 @@ def upload_part(
         # all there (and must not be touched), only the rename may be left to do.
         return _commit_if_complete(replica, step, manifest, pending)
     mine = files_of(manifest, rank)
-    if replica.atomic_rename:  # a filesystem writes no file twice: a retry starts afresh
-        for name in [*mine, done_name(rank, manifest)]:
+    if replica.atomic_rename:
+        if _part_in(replica, dirname, rank, manifest):
+            # Done by an earlier run of this rank's uploader (a job killed before the step
+            # was complete): redoing it would remove files that another rank's uploader,
+            # which found every done object, may be renaming into place at this moment.
+            return _commit_if_complete(replica, step, manifest, pending)
+        # A filesystem writes no file twice: a retry starts afresh, its done object first
+        # (no uploader commits without it).
+        for name in [done_name(rank, manifest), *mine]:
             with contextlib.suppress(FileNotFoundError):
                 replica._remove(f"{dirname}/{name}")
     copy(local, replica, step, manifest, only=mine, into=pending)
@@ -220,6 +227,25 @@ def _done_ranks(
         if data.get("files") == want:
             out.add(r)
     return out
+
+
+def _part_in(replica: Storage, dirname: str, rank: int, manifest: Manifest) -> bool:
+    """Whether ``rank``'s part of this manifest is in ``dirname``, whole.
+
+    Its done object is there and says what the manifest says, and every file is at its size.
+    """
+    name = done_name(rank, manifest)
+    if not replica._exists(f"{dirname}/{name}"):
+        return False
+    if rank not in _done_ranks(replica, dirname, {rank: name}, manifest):
+        return False
+    for file, entry in files_of(manifest, rank).items():
+        try:
+            if replica._size(f"{dirname}/{file}") != entry.bytes:
+                return False
+        except FileNotFoundError:
+            return False
+    return True
 
 
 def _commit_if_complete(replica: Storage, step: int, manifest: Manifest, pending: Pending) -> bool:

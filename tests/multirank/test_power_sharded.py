@@ -108,6 +108,12 @@ def check_root(
     return steps, problems
 
 
+def _in_a_step(rel: str) -> bool:
+    """Whether ``rel`` (``ROOT/NAME/...``) lies in a committed step's directory."""
+    parts = rel.split("/")
+    return len(parts) > 1 and parts[1].startswith("step-")
+
+
 def check_every_cut(
     model: PowerModel, base: Path, job: dict[str, Any], saved: dict[int, Any]
 ) -> tuple[int, dict[tuple[Any, ...], Path], list[str]]:
@@ -122,6 +128,9 @@ def check_every_cut(
     stores = sorted(set(job["roots"]))
     doomed = set(BEFORE[: max(0, len(BEFORE) + 1 - job["keep"])]) if job["keep"] else set()
     seen: set[Any] = set()
+    # What the checks of a root read is its committed steps: disks that differ only in tmp
+    # and trash directories (a save's files growing, a deletion going on) are checked once.
+    checked: set[Any] = set()
     kept: dict[tuple[Any, ...], Path] = {}
     violations: list[str] = []
     for i, (label, snaps) in enumerate(model.snapshots):
@@ -134,6 +143,10 @@ def check_every_cut(
             if key in seen:
                 continue
             seen.add(key)
+            steps_key = (frozenset((k, v) for k, v in snap.items() if _in_a_step(k)), acked)
+            if steps_key in checked:
+                continue
+            checked.add(steps_key)
             d = base / f"cut-{uuid.uuid4().hex[:8]}"
             materialize(snap, str(disks(d)))
             visible = []
