@@ -123,8 +123,8 @@ def _claim_step(session: Session, step: int, known: RetentionPlanner) -> bool:
         # this node's part may well verify alone). Training resumed before it and reached
         # it again: the save replaces it.
         log.warning(
-            "%s was skipped by the restore (not whole or not verifying on every rank); this "
-            "save replaces it when it commits",
+            "%s was skipped by the restore (it does not verify, or is not whole on every "
+            "node); this save replaces it when it commits",
             session.storage.describe(step),
         )
         session.known_good.discard(step)
