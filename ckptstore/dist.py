@@ -327,8 +327,17 @@ class Coordinator:
         deadline = max(
             deadline, self._t_wait + self.timeout + min(_VERDICT_WAIT_S, self.timeout) / 2
         )
+
+        # A rank already at a later wait (a gather's sender waits at the next collective)
+        # is alive too.
+        def alive(r: int) -> bool:
+            if store.check([self._failed_key(r)]):
+                return True
+            key = self._arrival_key(r)
+            return bool(store.check([key])) and int(store.get(key)) > self._seq
+
         silent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
-        missing += poll(silent, lambda r: store.check([self._failed_key(r)]))
+        missing += poll(silent, alive)
         return sorted(missing)
 
     def _failed_key(self, rank: int) -> str:
