@@ -22,6 +22,7 @@ pytest.importorskip("moto.server")
 import torch
 from _helpers import assert_same, fresh_like, make_state, step_dir
 from s3server import S3Endpoint
+from timing import healthy
 
 from ckptstore import CheckpointManager
 from ckptstore.errors import IntegrityError, ReplicaUnavailableError
@@ -392,6 +393,15 @@ def test_a_replica_that_fails_later_keeps_every_local_step_and_close_is_bounded(
     timeout = 6.0
     with s3_server() as ep:
         url = ep.url("run")
+        # The first client in a process pays for imports and a session (over 6 s on a loaded
+        # CI host, where the probe below then refused the replica): a warm-up that is healthy
+        # work, so that the short timeout under test is only the one of the failure.
+        CheckpointManager(
+            tmp_path / "warm",
+            replica=ep.url("warm"),
+            replica_options=ep.storage_options,
+            replica_timeout=healthy(timeout),
+        ).close()
         mgr = CheckpointManager(
             root, keep=1, replica=url, replica_options=ep.storage_options, replica_timeout=timeout
         )
