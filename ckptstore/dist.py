@@ -138,6 +138,7 @@ class Coordinator:
         self._seq = 0
         self._broken: BarrierTimeout | None = None
         self._t_wait = 0.0  # when the current wait (a barrier, or the data exchange) began
+        self._in_barrier = False  # the current wait is a barrier (each rank began at its arrival)
         #: Every collective this coordinator took part in (see :class:`CollectiveStats`).
         self.stats = CollectiveStats()
         if self.enabled:
@@ -230,6 +231,9 @@ class Coordinator:
         store = _default_store()
         key = self._key()
         if self.rank == 0:
+            with contextlib.suppress(Exception):  # "deciding": the survivors wait for it
+                if store is not None:
+                    store.set(self._failed_key(0), "1")
             if m:
                 missing = sorted({int(x) for x in re.findall(r"\d+", m.group(1))})
             else:  # "connection closed by peer": gloo names an address, not a rank
@@ -249,18 +253,26 @@ class Coordinator:
             return missing
         if store is None:
             return [0]
-        wait = min(_VERDICT_WAIT_S, self.timeout)
+        half = min(_VERDICT_WAIT_S, self.timeout) / 2
+        # How long to wait for the verdict: the usual wait, or, once rank 0 is seen deciding
+        # (it failed too, and is looking for the silent ranks), as long as its decision may
+        # take from then: the arrivals (half), then the silent ranks (at most a timeout after
+        # their arrival, plus half). A rank that arrived long before rank 0 needs this.
+        until = [time.monotonic() + 2 * half]
 
         def fetch() -> list[int] | None:
-            deadline = time.monotonic() + wait
             with contextlib.suppress(Exception):  # "I am alive and failed too" (_probe_missing)
                 store.set(self._failed_key(self.rank), "1")
-            while time.monotonic() < deadline:
+            deciding = False
+            while time.monotonic() < until[0]:
                 try:
                     if store.check([key]):
                         missing = [int(r) for r in json.loads(store.get(key))]
                         store.add(key + "/acks", 1)
                         return missing
+                    if not deciding and store.check([self._failed_key(0)]):
+                        deciding = True
+                        until[0] = time.monotonic() + self.timeout + 2 * half + 1.0
                 except Exception:
                     return None  # the store lived in rank 0's process: rank 0 is gone
                 time.sleep(0.02)
@@ -268,13 +280,14 @@ class Coordinator:
 
         # A store call to a rank 0 that is alive but frozen (SIGSTOP, swapping, a hung
         # filesystem) blocks for the store's own timeout (30 min by default), not ours:
-        # ask from a helper thread and give up on it after the verdict wait.
+        # ask from a helper thread and give up on it a second after the verdict wait.
         found: list[list[int] | None] = []
         helper = threading.Thread(
             target=lambda: found.append(fetch()), name="ckptstore-verdict", daemon=True
         )
         helper.start()
-        helper.join(wait + 1.0)
+        while helper.is_alive() and time.monotonic() < until[0] + 1.0:
+            helper.join(0.05)
         return found[0] if found and found[0] is not None else [0]
 
     def _probe_missing(self, store: Any) -> list[int]:
@@ -298,35 +311,56 @@ class Coordinator:
             if rhost == host and pid.isdigit() and not _alive(int(pid)):
                 missing.append(r)
         # Half the verdict wait, so the survivors are still waiting for the verdict.
-        deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout) / 2
-
-        def poll(ranks: list[int], there: Any) -> list[int]:
-            while ranks and time.monotonic() < deadline:
-                with contextlib.suppress(Exception):
-                    ranks = [r for r in ranks if not there(r)]
-                if ranks:
-                    time.sleep(0.02)
-            return ranks
+        half = min(_VERDICT_WAIT_S, self.timeout) / 2
+        deadline = time.monotonic() + half
+        # When each rank began this wait, on this rank's clock (for the silent ranks below).
+        began: dict[int, float] = {}
 
         def arrived(r: int) -> bool:
+            if store.check([self._failed_key(r)]):
+                return True  # it failed here too: it was here
             key = self._arrival_key(r)
-            return bool(store.check([key])) and int(store.get(key)) >= self._seq
+            if not store.check([key]):
+                return False
+            seq, wall = _parse_arrival(store.get(key))
+            if seq < self._seq:
+                return False
+            now = time.monotonic()
+            # Its own clock's word for when it arrived, never later than now (when this rank
+            # saw it); clocks that differ by less than half a verdict wait are absorbed below.
+            began[r] = min(now, now - (time.time() - wall)) if seq == self._seq else now
+            return True
+
+        def poll(ranks: list[int], there: Any, until: Any) -> list[int]:
+            # Looks at least once: a deadline may have passed while an earlier poll waited
+            # (it named a live rank that had reported its failure).
+            while ranks:
+                with contextlib.suppress(Exception):
+                    ranks = [r for r in ranks if not there(r)]
+                now = time.monotonic()
+                if all(now >= until(r) for r in ranks):
+                    break
+                time.sleep(0.02)
+            return ranks
 
         # A dead peer breaks a wait at once ("connection closed"), while a survivor may
         # still be on its way to it (reading its part of a checkpoint, say): a rank is
         # missing only if it has not arrived by the deadline.
         absent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
-        missing += poll(absent, arrived)
+        missing += poll(absent, arrived, lambda r: deadline)
+
         # A rank that arrived but hung inside the barrier or the data exchange (frozen,
         # deadlocked, or dead on another host) is told apart from the survivors by silence:
         # every survivor reports its own failure of this wait (_fail) by the time its own
         # wait times out, at most ``timeout`` after it began. This rank may fail much sooner
         # (a dead peer's connection closes at once, while a survivor waiting on *this* rank
         # learns nothing until its timeout): wait for the survivors that long, or it would
-        # name them too, and the survivors, finding no verdict, would blame this rank.
-        deadline = max(
-            deadline, self._t_wait + self.timeout + min(_VERDICT_WAIT_S, self.timeout) / 2
-        )
+        # name them too, and the survivors, finding no verdict, would blame this rank. In a
+        # barrier each rank began at its own arrival (a rank that arrived late times out
+        # late); every rank began a data exchange when the barrier before it let them all go.
+        def until(r: int) -> float:
+            start = began.get(r, self._t_wait) if self._in_barrier else self._t_wait
+            return max(deadline, start + self.timeout + half)
 
         # A rank already at a later wait (a gather's sender waits at the next collective)
         # is alive too.
@@ -334,10 +368,10 @@ class Coordinator:
             if store.check([self._failed_key(r)]):
                 return True
             key = self._arrival_key(r)
-            return bool(store.check([key])) and int(store.get(key)) > self._seq
+            return bool(store.check([key])) and _parse_arrival(store.get(key))[0] > self._seq
 
         silent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
-        missing += poll(silent, alive)
+        missing += poll(silent, alive, until)
         return sorted(missing)
 
     def _failed_key(self, rank: int) -> str:
@@ -352,7 +386,8 @@ class Coordinator:
         store = _default_store()
         if store is not None:
             with contextlib.suppress(Exception):
-                store.set(self._arrival_key(self.rank), str(self._seq))
+                # Its number, and when it arrived (rank 0 waits for it to time out from then).
+                store.set(self._arrival_key(self.rank), f"{self._seq} {time.time():.3f}")
 
     def _fail(self, e: BaseException, phase: str, step: int | None) -> BarrierTimeout:
         text = str(e)
@@ -391,6 +426,7 @@ class Coordinator:
         self._seq += 1
         self._arrive()
         self._t_wait = time.monotonic()
+        self._in_barrier = True
         try:
             # gloo's dissemination barrier: log2(N) rounds of one empty message a rank, where
             # monitored_barrier had rank 0 answer every rank in turn. Who is missing comes
@@ -398,6 +434,8 @@ class Coordinator:
             dist.barrier(group=self.group)
         except RuntimeError as e:
             raise self._fail(e, phase, step) from None
+        finally:
+            self._in_barrier = False
 
     def _collective(self, phase: str, step: int | None, fn: Any) -> Any:
         self.barrier(phase, step)
@@ -571,6 +609,7 @@ class Coordinator:
             if n:
                 t0 = time.perf_counter()
                 t = torch.frombuffer(buf, dtype=torch.uint8)
+                self._t_wait = time.monotonic()
                 try:
                     dist.broadcast(t, src=0, group=self.group)
                 except RuntimeError as e:
@@ -613,6 +652,12 @@ class Coordinator:
 
 #: The most a pickled object may take to travel inside a gather's slot.
 _INLINE = SLOT - 8
+
+
+def _parse_arrival(value: bytes) -> tuple[int, float]:
+    """An arrival key's value: the collective's number, and the wall time of the arrival."""
+    seq, _, wall = value.decode().partition(" ")
+    return int(seq), float(wall) if wall else 0.0
 
 
 def _dumps(obj: Any) -> bytes:

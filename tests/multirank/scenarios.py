@@ -646,6 +646,19 @@ def rank_freezes_mid_exchange(ctx: Ctx) -> dict[str, Any]:
             Coordinator._arrive = arrive  # type: ignore[method-assign]
         else:
             Coordinator.barrier = barrier  # type: ignore[method-assign]
+    elif ctx.rank == ctx.args.get("late_rank", -1):
+        # A survivor that arrives ``late`` seconds after the others at that barrier (and so
+        # times out that much later than they do).
+        real_arrive = Coordinator._arrive
+        seen = [0]
+
+        def late_arrive(self: Coordinator) -> None:
+            seen[0] += 1
+            if seen[0] == ctx.args["in_barrier"]:
+                time.sleep(ctx.args["late"])
+            real_arrive(self)
+
+        Coordinator._arrive = late_arrive  # type: ignore[method-assign]
     return outcome(lambda: mgr.save(2, {"model": model}))
 
 

@@ -48,3 +48,22 @@ def test_a_rank_dying_in_a_reduce_is_named_by_every_survivor(tmp_path: Path, whe
     for v in timeouts_naming(res, 2):
         assert f"rank(s) 2 did not arrive at '{phase}" in v["message"]
         assert v["seconds"] < 2 * TIMEOUT + SLACK, describe(res)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("late_rank", [1, 0], ids=["survivor-late", "rank0-late"])
+def test_a_frozen_rank_is_named_when_the_survivors_arrive_apart(
+    tmp_path: Path, late_rank: int
+) -> None:
+    # Rank 2 freezes inside the save's second barrier; one survivor arrives there 2.5 s after
+    # the other. Each times out a timeout after its own arrival, so they fail 2.5 s apart:
+    # rank 0 waited for the survivors' reports only half a verdict wait (1.5 s) past its own
+    # timeout and named the late rank 1 too (the sharded campaign's "rank 1 blamed [0]"); an
+    # early rank 1 gave up on rank 0's verdict before rank 0 had even failed, and blamed it.
+    late = 2.5
+    args = {"timeout": TIMEOUT, "in_barrier": 2, "late_rank": late_rank, "late": late}
+    res = launch("rank_freezes_mid_exchange", 3, tmp_path, timeout=60, args=args)
+    assert res[2].returncode == -9, describe(res)  # killed by its undertaker
+    for v in timeouts_naming(res, 2):
+        assert "rank(s) 2 did not arrive" in v["message"], describe(res)
+        assert v["seconds"] < TIMEOUT + late + SLACK, describe(res)
