@@ -423,6 +423,22 @@ class LineReader:
                 return line
 
 
+def visible_problems(mgr: Any, must: set[int], may: set[int]) -> tuple[list[int], list[str]]:
+    """The steps ``mgr`` shows, and a line per violation: every step in ``must`` is visible,
+    nothing outside ``must | may`` is, and every visible step verifies deeply."""
+    problems: list[str] = []
+    steps: list[int] = mgr.steps()
+    if must - set(steps):
+        problems.append(f"committed step(s) {sorted(must - set(steps))} lost; have {steps}")
+    if set(steps) - must - may:
+        problems.append(f"step(s) {sorted(set(steps) - must - may)} visible; have {steps}")
+    for s in steps:
+        report = mgr.verify(s, deep=True)
+        if not report.ok:
+            problems.append(f"visible step {s} does not verify: {report.problems}")
+    return steps, problems
+
+
 def store_problems(
     url: str,
     fmt: str,
@@ -445,18 +461,9 @@ def store_problems(
     def model_of(step: int) -> dict[str, torch.Tensor]:
         return dict(state_of(step)["model"].state_dict())
 
-    problems: list[str] = []
     wait_for_deletions()
     with CheckpointManager(url, format=fmt) as mgr:
-        steps = mgr.steps()
-        if must - set(steps):
-            problems.append(f"committed step(s) {sorted(must - set(steps))} lost; have {steps}")
-        if set(steps) - must - may:
-            problems.append(f"step(s) {sorted(set(steps) - must - may)} visible; have {steps}")
-        for s in steps:
-            report = mgr.verify(s, deep=True)
-            if not report.ok:
-                problems.append(f"visible step {s} does not verify: {report.problems}")
+        steps, problems = visible_problems(mgr, must, may)
         if steps:
             try:
                 assert_same(dict(mgr.load(steps[-1])["model"]), model_of(steps[-1]))

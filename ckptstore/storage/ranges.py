@@ -58,25 +58,9 @@ class RangeReader:
         return f
 
     def read(self, name: str, offset: int, length: int) -> bytearray:
-        """``length`` bytes of ``name`` from ``offset``."""
-        where = self.storage.describe(self.step, name)
+        """``length`` bytes of ``name`` from ``offset``, in a new buffer."""
         buf = bytearray(length)
-        mv = memoryview(buf)
-        with self._lock:
-            try:
-                f = self._file(name)
-                f.seek(offset)
-                got = 0
-                while got < length:
-                    n = f.readinto(mv[got:])  # type: ignore[attr-defined]
-                    if not n:
-                        break
-                    got += n
-            except OSError as e:
-                raise IntegrityError(f"{where}: unreadable ({e})") from None
-        if got != length:
-            raise IntegrityError(f"{where}: {length} bytes at {offset} not there; it is truncated")
-        self.bytes_read += length
+        self.read_into(name, offset, [memoryview(buf)])
         return buf
 
     def read_into(self, name: str, offset: int, bufs: list[memoryview]) -> None:

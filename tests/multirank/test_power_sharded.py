@@ -35,6 +35,7 @@ import torch
 
 from ckptstore import CheckpointManager
 from ckptstore.storage import wait_for_deletions
+from tests._helpers import visible_problems
 from tests.multirank.dtensor_scenarios import digests, make_net
 from tests.multirank.launch import launch, values
 from tests.multirank.power_scenarios import BEFORE, NEW, disks
@@ -87,17 +88,8 @@ def check_root(
     root: Path, must: set[int], may: set[int], shared: bool, saved: dict[int, Any]
 ) -> tuple[list[int], list[str]]:
     """The steps visible in one store root after a cut, and what is wrong there."""
-    problems: list[str] = []
     with CheckpointManager(root) as mgr:
-        steps = mgr.steps()
-        if must - set(steps):
-            problems.append(f"committed step(s) {sorted(must - set(steps))} lost; have {steps}")
-        if set(steps) - must - may:
-            problems.append(f"step(s) {sorted(set(steps) - must - may)} visible; have {steps}")
-        for s in steps:
-            rep = mgr.verify(s, deep=True)
-            if not rep.ok:
-                problems.append(f"visible step {s} does not verify: {rep.problems}")
+        steps, problems = visible_problems(mgr, must, may)
     if shared and steps and not problems:
         try:
             if one_process_digests(root, steps[-1]) != saved[steps[-1]]:
