@@ -56,8 +56,14 @@ def encode(
     fmt: str,
     compression: str | None,
     staging: StagingPool | None,
+    device_staging: StagingPool | None = None,
 ) -> Encoded:
     """``state.json`` bytes and the tensor groups of a state (staged with ``staging``).
+
+    ``device_staging``: where a synchronous save copies the state when some of its tensors
+    live on a GPU: reused pinned buffers, so the device-to-host copies run at full speed
+    (``.cpu()`` copies each tensor into fresh pageable memory, about three times slower
+    for a model and AdamW on an H200). CPU tensors are then written from where they are.
 
     With ``dtensors`` (a sharded DTensor save) DTensor leaves are collected there instead
     of becoming payload tensors, and optimizers are stored keyed by parameter name.
@@ -96,7 +102,12 @@ def encode(
                 node["owner"] = owner
         keys.append(key)
         vals.append(node)
-    groups = enc.finish(tensor_key, contiguous=staging is None)
+    groups = enc.finish(tensor_key, contiguous=staging is None and device_staging is None)
+    if staging is None and device_staging is not None:
+        if any(t.device.type == "cuda" for g in groups.values() for t in g.values()):
+            staging = device_staging
+        else:
+            groups = {g: {k: _host(t) for k, t in ts.items()} for g, ts in groups.items()}
     if staging is not None:
         staging.begin()
         groups = {
@@ -106,6 +117,13 @@ def encode(
         staging.end()
     tree = {"ckptstore_state": STATE_FORMAT, "root": {"t": "dict", "keys": keys, "vals": vals}}
     return Encoded(json.dumps(tree, separators=(",", ":"), allow_nan=False).encode(), groups)
+
+
+def _host(t: torch.Tensor) -> torch.Tensor:
+    """``t`` as a contiguous CPU tensor (a copy only where it is not one)."""
+    if t.device.type != "cpu":
+        t = t.cpu()
+    return t if t.is_contiguous() else t.contiguous()
 
 
 def stage_group(

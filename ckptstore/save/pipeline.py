@@ -114,6 +114,7 @@ class Saver:
                     fmt=opts.fmt,
                     compression=opts.compression,
                     staging=self.staging if opts.async_save else None,
+                    device_staging=self.staging,
                 )
                 job = SaveJob(step, encoded, metrics_d, metadata_d, rank=None, replace=replace)
             except BaseException as e:  # reported to every rank below
