@@ -12,6 +12,7 @@ from __future__ import annotations
 import argparse
 import collections
 import copy
+import importlib
 import json
 import logging
 import math
@@ -34,6 +35,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError, atomic_save
+from ckptstore.errors import ConfigError
 from ckptstore.integrations.lightning import CkptStoreIO
 from ckptstore.storage import wait_for_deletions
 from ckptstore.storage.base import Storage
@@ -612,6 +614,61 @@ def test_arguments_are_checked() -> None:
 def test_standalone_lightning_package_accepts_the_plugin() -> None:
     fabric_io = pytest.importorskip("lightning_fabric.plugins.io.checkpoint_io")
     assert isinstance(CkptStoreIO(), fabric_io.CheckpointIO)
+
+
+# ---- strategies that never call a CheckpointIO (issue 23) -------------------------------
+
+
+def test_model_parallel_strategy_with_the_plugin_is_refused_at_construction(
+    tmp_path: Path,
+) -> None:
+    # Lightning accepted plugins=[CkptStoreIO()] here, then saved last.ckpt/ as DCP's
+    # .metadata and __0_0.distcp itself: nothing checksummed, `ckptstore ls` found no store.
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    for kwargs in ({}, {"save_distributed_checkpoint": False}):
+        with pytest.raises(ConfigError) as info:
+            pl.Trainer(
+                strategy=ModelParallelStrategy(**kwargs),
+                plugins=[CkptStoreIO()],
+                accelerator="cpu",
+                devices=2,
+                logger=False,
+                default_root_dir=tmp_path,
+            )
+        msg = str(info.value)
+        assert msg.startswith("CkptStoreIO cannot serve ModelParallelStrategy: it saves with ")
+        assert "bypassed" in msg
+        assert "Remove plugins=[CkptStoreIO()]" in msg
+    assert list(tmp_path.iterdir()) == []  # nothing was written anywhere
+
+
+@pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
+def test_fsdp_and_deepspeed_strategies_refuse_the_plugin(package: str) -> None:
+    # Their Trainer wants a GPU (FSDP) or deepspeed; the setter the Trainer hands the plugin
+    # through is what refuses, in either Lightning package.
+    strategies = pytest.importorskip(f"{package}.strategies")
+    CkptStoreIO()  # guards the package's Strategy (imported now)
+    for state_dict_type in ("full", "sharded"):
+        fsdp = strategies.FSDPStrategy(state_dict_type=state_dict_type)
+        with pytest.raises(ConfigError, match="CkptStoreIO cannot serve FSDPStrategy: it saves"):
+            fsdp.checkpoint_io = CkptStoreIO()
+    deepspeed = object.__new__(strategies.DeepSpeedStrategy)  # its constructor needs deepspeed
+    with pytest.raises(ConfigError, match="DeepSpeedStrategy: it saves and loads through"):
+        deepspeed.checkpoint_io = CkptStoreIO()
+    # A strategy that calls the plugin keeps it; any other CheckpointIO is left alone.
+    ddp = strategies.DDPStrategy()
+    plugin = CkptStoreIO()
+    ddp.checkpoint_io = plugin
+    assert ddp.checkpoint_io is plugin
+    other = strategies.FSDPStrategy()
+    io_module = importlib.import_module(
+        "lightning.fabric.plugins.io.torch_io"
+        if package == "lightning.pytorch"
+        else "lightning_fabric.plugins.io.torch_io"
+    )
+    other.checkpoint_io = io_module.TorchCheckpointIO()
+    assert isinstance(other.checkpoint_io, io_module.TorchCheckpointIO)
 
 
 # ---- DDP: 2 processes on gloo ---------------------------------------------------------

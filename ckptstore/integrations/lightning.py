@@ -72,6 +72,11 @@ every rank. The plugin's managers are therefore never collective
 at Lightning's own barrier, and each rank reads and verifies the files itself (shared storage).
 A fallback is chosen on each rank from the same files, so ranks land on the same checkpoint.
 
+**Strategies that bypass any CheckpointIO.** ``ModelParallelStrategy``, ``FSDPStrategy`` and
+``DeepSpeedStrategy`` save and load with their own code, whatever ``checkpoint_io`` holds:
+handing them the plugin raises :class:`~ckptstore.ConfigError` when the ``Trainer`` is built,
+instead of a run whose checkpoints silently never went through ckptstore.
+
 **Not covered.** ``LightningModule.load_from_checkpoint`` reads with ``torch.load`` itself,
 bypassing ``CheckpointIO``: use ``trainer.validate/test/predict(ckpt_path=...)``, or
 ``model.load_state_dict(CkptStoreIO().load_checkpoint(path)["state_dict"])``. Lightning's
@@ -198,6 +203,7 @@ class CkptStoreIO(CheckpointIO):
         self.storage_options = dict(storage_options) if storage_options else None
         #: monitor -> (global step, value) of the last top-k save seen (see _monitored).
         self._scores: dict[str, tuple[int | None, float]] = {}
+        _guard_strategies()  # the Trainer package is imported by now, whichever it is
 
     def __repr__(self) -> str:
         return (
@@ -514,6 +520,77 @@ with contextlib.suppress(ImportError):
 
     if not issubclass(CkptStoreIO, _StandaloneIO):
         _StandaloneIO.register(CkptStoreIO)
+
+
+# ---- strategies that never call a CheckpointIO --------------------------------------------
+
+#: Lightning strategies that save and load with their own code, whatever ``checkpoint_io``
+#: holds: given ``CkptStoreIO``, they would write around it (Lightning sets the plugin and
+#: says nothing). By class name, for both packages (``lightning``, ``pytorch_lightning``).
+_BYPASSING = {
+    "ModelParallelStrategy": (
+        "it saves with torch.distributed.checkpoint (a full checkpoint on rank 0 with "
+        "save_distributed_checkpoint=False) and loads with torch.distributed.checkpoint or "
+        "torch.load itself"
+    ),
+    "FSDPStrategy": (
+        "it saves sharded state with torch.distributed.checkpoint (state_dict_type='sharded') "
+        "and loads either kind with torch.distributed.checkpoint or torch.load itself"
+    ),
+    "DeepSpeedStrategy": "it saves and loads through the DeepSpeed engine",
+}
+_STRATEGY_MODULES = (
+    "lightning.pytorch.strategies.strategy",
+    "pytorch_lightning.strategies.strategy",
+)
+
+
+def _refuse_bypassing(strategy: object) -> None:
+    """Raise when ``strategy`` would never call the plugin (see :data:`_BYPASSING`)."""
+    for cls in type(strategy).__mro__:
+        why = _BYPASSING.get(cls.__name__)
+        if why is not None and cls.__module__.startswith(("lightning.", "pytorch_lightning.")):
+            name = type(strategy).__name__
+            msg = (
+                f"CkptStoreIO cannot serve {name}: {why}, never through a CheckpointIO, so "
+                "the plugin would be bypassed without a word and nothing would be checksummed "
+                "or committed atomically. Remove plugins=[CkptStoreIO()] (Lightning's own "
+                "format), or save the sharded model and optimizer with "
+                "ckptstore.CheckpointManager on every rank (docs/distributed.md, FSDP2)"
+            )
+            raise ConfigError(msg)
+
+
+def _guard_strategies() -> None:
+    """Make ``Strategy.checkpoint_io = CkptStoreIO(...)`` raise for a bypassing strategy.
+
+    Lightning hands the plugin to its strategy through that setter while the ``Trainer`` is
+    built (``_AcceleratorConnector``), so the refusal comes at construction, before any
+    training. Wrapped once per Lightning package that is imported.
+    """
+    import sys
+
+    for module in _STRATEGY_MODULES:
+        strategy_cls: Any = getattr(sys.modules.get(module), "Strategy", None)
+        if strategy_cls is None:
+            continue
+        prop = strategy_cls.__dict__.get("checkpoint_io")
+        if not isinstance(prop, property) or prop.fset is None:
+            continue
+        if getattr(prop.fset, "_ckptstore_guard", False):
+            continue
+        setter = prop.fset
+
+        def guarded(self: Any, io: Any, _set: Callable[[Any, Any], None] = setter) -> None:
+            if isinstance(io, CkptStoreIO):
+                _refuse_bypassing(self)
+            _set(self, io)
+
+        guarded._ckptstore_guard = True  # type: ignore[attr-defined]
+        strategy_cls.checkpoint_io = property(prop.fget, guarded, prop.fdel, prop.__doc__)
+
+
+_guard_strategies()
 
 
 # ---- paths ---------------------------------------------------------------------------
