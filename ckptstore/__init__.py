@@ -50,6 +50,7 @@ _LAZY = {
     "SaveHandle": ".save.staging",
     "atomic_save": ".ops.single",
     "diff_steps": ".ops.diff",
+    "export_dcp_step": ".ops.export",
     "export_hf_step": ".ops.export",
     "export_step": ".ops.export",
     "import_file": ".ops.importers",
@@ -58,7 +59,7 @@ _LAZY = {
 if TYPE_CHECKING:
     from .manager import CheckpointManager
     from .ops.diff import diff_steps
-    from .ops.export import export_hf_step, export_step
+    from .ops.export import export_dcp_step, export_hf_step, export_step
     from .ops.importers import import_file
     from .ops.single import atomic_save
     from .save.staging import SaveHandle
@@ -103,6 +104,7 @@ __all__ = [
     "atomic_save",
     "delete_steps",
     "diff_steps",
+    "export_dcp_step",
     "export_hf_step",
     "export_step",
     "gc_store",

@@ -1,4 +1,4 @@
-"""``ckptstore export ROOT --step N OUT`` or ``--hf OUT_DIR``: a checkpoint as standard files."""
+"""``ckptstore export ROOT --step N OUT``, ``--hf OUT_DIR`` or ``--dcp OUT_DIR``: standard files."""
 
 from __future__ import annotations
 
@@ -9,8 +9,9 @@ from ._output import Bar, human_bytes, plural, print_json
 
 NAME = "export"
 HELP = (
-    "write a checkpoint as one .safetensors or .pt file, or a Hugging Face directory (--hf); "
-    "DTensor (FSDP2/TP) checkpoints are consolidated into full tensors"
+    "write a checkpoint as one .safetensors or .pt file, a Hugging Face directory (--hf), or a "
+    "DCP directory (--dcp); DTensor (FSDP2/TP) checkpoints are consolidated into full "
+    "tensors, except that --dcp keeps their chunks"
 )
 
 
@@ -30,13 +31,20 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "out",
         metavar="OUT",
-        help="*.safetensors: model weights; with --hf a new directory; else the whole state",
+        help="*.safetensors: model weights; with --hf or --dcp a new directory; else the whole "
+        "state",
     )
     parser.add_argument(
         "--hf",
         action="store_true",
         help="write OUT as a Hugging Face checkpoint directory of the entry's weights "
         "(model.safetensors, or shards + model.safetensors.index.json), one tensor at a time",
+    )
+    parser.add_argument(
+        "--dcp",
+        action="store_true",
+        help="write OUT as a torch.distributed.checkpoint (DCP) directory of the whole state "
+        "(.metadata, __0_0.distcp), DTensor chunks kept, one chunk at a time",
     )
     parser.add_argument(
         "--max-shard-size",
@@ -67,6 +75,16 @@ def _consolidated_text(world: int | None) -> str:
 def run(args: argparse.Namespace) -> int:
     """Export one file, or with ``--hf`` a Hugging Face directory."""
     opts = storage_options(args, args.root)
+    if args.dcp:
+        if args.hf:
+            raise UsageError("--dcp and --hf are two formats: give one")
+        if args.force:
+            raise UsageError("--dcp never overwrites: OUT_DIR must not exist (or be empty)")
+        if args.key is not None or args.max_shard_size is not None or args.config is not None:
+            raise UsageError(
+                "--dcp writes the whole state: --key, --max-shard-size and --config do not apply"
+            )
+        return _run_dcp(args, opts)
     if args.hf:
         if args.force:
             raise UsageError("--hf never overwrites: OUT_DIR must not exist (or be empty)")
@@ -95,6 +113,22 @@ def run(args: argparse.Namespace) -> int:
             f"exported step {res.step} ({what}, {res.tensors} tensors"
             f"{_consolidated_text(res.consolidated_from)}) to {res.out} "
             f"({res.format}, {human_bytes(res.bytes)})"
+        )
+    return 0
+
+
+def _run_dcp(args: argparse.Namespace, opts: dict[str, object]) -> int:
+    from ..ops.export import export_dcp_step
+
+    res = export_dcp_step(args.root, args.step, args.out, storage_options=opts)
+    if as_json(args):
+        print_json(res.to_dict())
+    else:
+        world = res.world_size if res.sharding == "dtensor" else None
+        kept = f"; the DTensor chunks of {plural(world, 'rank')} kept" if world else ""
+        print(
+            f"exported step {res.step} ({res.tensors} tensors in {plural(res.items, 'DCP item')}"
+            f"{kept}) to {res.out} (DCP: .metadata, __0_0.distcp, {human_bytes(res.bytes)})"
         )
     return 0
 

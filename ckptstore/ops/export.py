@@ -21,11 +21,12 @@ from ..errors import CkptStoreError, ConfigError, PathExistsError, PathNotFoundE
 from ..manager import CheckpointManager
 from ..manifest import Manifest
 from ..sharded.consolidate import DEFAULT_MAX_SHARD, HFExportResult, choose_entry, export_hf
+from .export_dcp import DCPExportResult, export_dcp
 from .inspect import EntryInfo, read_state_entries
 from .single import atomic_save, atomic_write
 from .stores import committed_step, open_store, reaching
 
-__all__ = ["ExportResult", "export_hf_step", "export_step"]
+__all__ = ["ExportResult", "export_dcp_step", "export_hf_step", "export_step"]
 
 
 @dataclasses.dataclass
@@ -249,6 +250,32 @@ def export_hf_step(
         progress=advance,
         config=given,
     )
+
+
+def export_dcp_step(
+    root: str | os.PathLike[str],
+    step: int,
+    out_dir: str | os.PathLike[str],
+    *,
+    storage_options: Mapping[str, Any] | None = None,
+    allow_pickle: bool = False,
+) -> DCPExportResult:
+    """Write ``step`` as a plain DCP checkpoint directory (streaming, atomic).
+
+    See :func:`ckptstore.ops.export_dcp.export_dcp`: ``.metadata`` and ``__0_0.distcp``,
+    DTensor chunks kept as DCP items, one chunk in memory at a time.
+
+    Raises:
+        PathExistsError: ``out_dir`` exists and is not an empty directory.
+        NoCheckpointError: no store at ``root``, or no such step.
+        IntegrityError: the checkpoint is corrupt (nothing is left behind).
+        CkptStoreError: per-rank state of several ranks.
+    """
+    storage = open_store(root, storage_options)
+    with reaching(storage.root):
+        manifest = storage.read_manifest(committed_step(storage, step))
+    _refuse_per_rank(manifest, storage.describe(step))
+    return export_dcp(storage, step, out_dir, allow_pickle=allow_pickle)
 
 
 def _load_config(

@@ -568,6 +568,30 @@ def _check_out_dir(out_dir: str) -> str:
     return parent
 
 
+@contextlib.contextmanager
+def new_dir_aside(out: str) -> Iterator[str]:
+    """A hidden sibling of ``out`` to fill; renamed to ``out`` when the block ends well.
+
+    ``out`` must not exist, or be an empty directory (checked first). On success the sibling
+    is fsynced and renamed into place, and the parent fsynced: ``out`` appears whole or not
+    at all. On any error the sibling is removed and nothing is left.
+    """
+    parent = _check_out_dir(out)
+    tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex}")
+    os.mkdir(tmp)
+    try:
+        yield tmp
+        fsync_path(tmp, directory=True)
+        # rename(2) replaces an empty directory and fails on a non-empty one: a
+        # directory that gained files since the check above is never overwritten.
+        os.rename(tmp, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            shutil.rmtree(tmp)
+        raise
+    fsync_path(parent, directory=True)
+
+
 def _write_tensor(f: Any, t: torch.Tensor) -> None:
     mv = st.tensor_bytes(t)
     step = 64 << 20
@@ -623,7 +647,7 @@ def export_hf(
     """
     limit = parse_size(max_shard_size)
     out = os.path.abspath(os.fspath(out_dir))
-    parent = _check_out_dir(out)
+    _check_out_dir(out)  # before any work (new_dir_aside checks again)
     with StepTensors(storage, step, manifest=manifest) as src:
         k = choose_entry(src.kinds, key, src.where)
         refs = dict(src.state_dict(k))
@@ -634,9 +658,7 @@ def export_hf(
                     "equivalent; export to a .pt file instead"
                 )
         shards = plan_shards([(n, r.nbytes) for n, r in refs.items()], limit)
-        tmp = os.path.join(parent, f".{os.path.basename(out)}.tmp-{uuid.uuid4().hex}")
-        os.mkdir(tmp)
-        try:
+        with new_dir_aside(out) as tmp:
             weight_map: dict[str, str] = {}
             files = []
             for i, names in enumerate(shards):
@@ -683,15 +705,6 @@ def export_hf(
                     f.flush()
                     os.fsync(f.fileno())
                 files.append(HF_CONFIG)
-            fsync_path(tmp, directory=True)
-            # rename(2) replaces an empty directory and fails on a non-empty one: a
-            # directory that gained files since the check above is never overwritten.
-            os.rename(tmp, out)
-        except BaseException:
-            with contextlib.suppress(OSError):
-                shutil.rmtree(tmp)
-            raise
-        fsync_path(parent, directory=True)
         m = src.manifest
         return HFExportResult(
             out=out,

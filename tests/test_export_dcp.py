@@ -1,0 +1,155 @@
+"""``ckptstore export --dcp``: a step as a plain DCP checkpoint, read by DCP itself (issue 23)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed.checkpoint as dcp
+from _helpers import flip_byte, index_chunks, run_cli, step_dir
+from torch import nn
+from torch.distributed.checkpoint import FileSystemReader
+
+from ckptstore import CheckpointManager, CkptStoreError, IntegrityError
+from ckptstore.errors import PathExistsError
+from ckptstore.ops.export_dcp import DCP_DATA, export_dcp
+from ckptstore.storage import open_storage
+
+
+def sha(t: torch.Tensor) -> str:
+    from tests.multirank.dtensor_scenarios import _sha
+
+    return _sha(t)
+
+
+def dcp_load(out: Path, state: dict[str, Any]) -> dict[str, Any]:
+    """``state`` filled by DCP's own reader and planner, in this process."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "torch.distributed is disabled ... single process"
+        dcp.load(state, storage_reader=FileSystemReader(str(out)), no_dist=True)
+    return state
+
+
+def test_a_dtensor_step_keeps_its_chunks_and_dcp_loads_it_in_one_process(
+    mixed_store: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, digests = mixed_store
+    storage = open_storage(root)
+    full = CheckpointManager(root).load(3)
+    for step in (3, 4, 5):  # FSDP2 on 2 ranks, on 1 rank, and the same values replicated
+        out = tmp_path / f"dcp{step}"
+        res = export_dcp(storage, step, out)
+        assert sorted(p.name for p in out.iterdir()) == [".metadata", DCP_DATA]
+        md = FileSystemReader(str(out)).read_metadata()
+        chunks = md.state_dict_metadata["model.out.weight"].chunks
+        if step == 3:  # the chunks the 2 ranks saved, one DCP item each
+            saved = index_chunks(root / step_dir(3), "model/out.weight")
+            assert [list(c.offsets) for c in chunks] == [c["offsets"] for c in saved]
+            assert [list(c.sizes) for c in chunks] == [c["sizes"] for c in saved]
+            assert (res.sharding, res.world_size) == ("dtensor", 2)
+        else:
+            assert len(chunks) == 1  # one rank, or replicated: one chunk
+        assert md.planner_data["model.out.weight"] == ("model", "out.weight")
+        # DCP's own reader assembles the full tensors from the chunks.
+        model = {k: torch.zeros_like(v) for k, v in full["model"].items()}
+        emb = torch.zeros_like(full["table"]["emb"])
+        state = dcp_load(out, {"model": model, "table": {"emb": emb}})
+        assert {f"model/{k}": sha(v) for k, v in model.items()} == {
+            k: v for k, v in digests.items() if k.startswith("model/")
+        }, step
+        assert sha(state["table"]["emb"]) == digests["table/emb"]
+    # The optimizer's moments (stored by parameter name) and the plain values of step 3.
+    exp_avg = full["optimizer"]["state"]["inp.weight"]["exp_avg"]
+    state = dcp_load(
+        tmp_path / "dcp3",
+        {"optimizer": {"state": {"inp.weight": {"exp_avg": torch.zeros_like(exp_avg)}}}, "step": 0},
+    )
+    assert torch.equal(state["optimizer"]["state"]["inp.weight"]["exp_avg"], exp_avg)
+    assert state["step"] == 3
+
+
+def test_a_replicated_model_and_optimizer_load_back_through_dcp(
+    tmp_path: Path, capsys: Any
+) -> None:
+    def build() -> tuple[nn.Module, torch.optim.Optimizer]:
+        m = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 2)).to(torch.float64)
+        opt = torch.optim.AdamW(m.parameters(), lr=0.1)
+        m(torch.randn(3, 4, dtype=torch.float64)).sum().backward()
+        opt.step()
+        return m, opt
+
+    torch.manual_seed(0)
+    model, opt = build()
+    cfg = {"lr": 0.1, "names": ["a", "b"], "warmup": None}
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt, "step": 7, "cfg": cfg})
+    rc, out, _ = run_cli(capsys, "export", tmp_path / "s", "--step", 1, "--dcp", tmp_path / "d")
+    assert rc == 0
+    assert "exported step 1 (16 tensors in 32 DCP items) to " in out  # 4 + 3 x 4 in AdamW
+    torch.manual_seed(1)
+    fresh, fopt = build()  # other values; its optimizer state exists, as DCP needs
+    blank = {"lr": 0.0, "names": [], "warmup": 1}
+    sd = {"model": fresh.state_dict(), "optimizer": fopt.state_dict(), "step": 0, "cfg": blank}
+    dcp_load(tmp_path / "d", sd)
+    fresh.load_state_dict(sd["model"])
+    fopt.load_state_dict(sd["optimizer"])
+    for a, b in zip(model.state_dict().values(), fresh.state_dict().values(), strict=True):
+        assert torch.equal(a, b)
+    want, got = opt.state_dict(), fopt.state_dict()
+    for k, s in want["state"].items():
+        assert torch.equal(s["exp_avg_sq"], got["state"][k]["exp_avg_sq"])
+    assert got["param_groups"][0]["lr"] == 0.1
+    assert (sd["step"], sd["cfg"]) == (7, cfg)
+
+
+def test_a_corrupt_chunk_leaves_no_directory(
+    mixed_store: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    root, _ = mixed_store
+    chunk = index_chunks(root / step_dir(3), "model/out.weight")[-1]
+    path = root / step_dir(3) / chunk["file"]
+    path.write_bytes(flip_byte(path.read_bytes(), chunk["start"] + 5))
+    out = tmp_path / "dcp"
+    with pytest.raises(IntegrityError, match="does not match its crc32c"):
+        export_dcp(open_storage(root), 3, out)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [root.name]  # no tmp, no out
+
+
+def test_refusals(mixed_store: tuple[Path, dict[str, Any]], tmp_path: Path, capsys: Any) -> None:
+    root, _ = mixed_store
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    with pytest.raises(PathExistsError, match="exists and is not empty"):
+        export_dcp(open_storage(root), 4, busy)
+    assert [p.name for p in busy.iterdir()] == ["keep.txt"]
+    rc, _, err = run_cli(capsys, "export", root, "--step", 6, "--dcp", tmp_path / "x")
+    assert rc != 0
+    assert "per-rank state saved with sharded=True by 2 ranks" in err
+    for extra in (["--hf"], ["--force"], ["--key", "model"]):
+        rc, _, err = run_cli(capsys, "export", root, "--step", 4, "--dcp", tmp_path / "y", *extra)
+        assert rc == 2, extra
+        assert "--dcp" in err
+    assert not (tmp_path / "x").exists()
+    assert not (tmp_path / "y").exists()
+    # An empty directory is taken; --json reports what was written.
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    rc, out, _ = run_cli(capsys, "export", root, "--step", 4, "--dcp", empty, "--json")
+    assert rc == 0
+    doc = json.loads(out)
+    assert (doc["step"], doc["sharding"], doc["world_size"]) == (4, "dtensor", 1)
+    assert doc["items"] > doc["tensors"] > 0
+
+
+def test_colliding_dcp_names_are_refused(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"a": {"b.c": torch.ones(2), "b": {"c": torch.zeros(2)}}})
+    with pytest.raises(CkptStoreError, match=r"have the same DCP name 'a\.b\.c'"):
+        export_dcp(open_storage(tmp_path / "s"), 1, tmp_path / "d")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
