@@ -73,6 +73,25 @@ def test_a_dtensor_step_keeps_its_chunks_and_dcp_loads_it_in_one_process(
     assert state["step"] == 3
 
 
+@pytest.mark.timeout(180)
+def test_fsdp2_on_3_ranks_loads_the_export_of_a_2_rank_save(
+    mixed_store: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    # The chunks of 2 ranks, read by DCP's own planner on 3 (each rank reads its overlaps).
+    from tests.multirank.launch import describe, launch
+
+    root, digests = mixed_store
+    out = tmp_path / "dcp"
+    export_dcp(open_storage(root), 3, out)
+    res = launch(
+        "export_scenarios:dcp_load_fsdp", 3, tmp_path, timeout=150, args={"dcp_dir": str(out)}
+    )
+    assert all(r.ok for r in res), describe(res)
+    want = {k: v for k, v in digests.items() if k.startswith("model/")}
+    for r in res:
+        assert r.value["digests"] == want, describe(res)
+
+
 def test_a_replicated_model_and_optimizer_load_back_through_dcp(
     tmp_path: Path, capsys: Any
 ) -> None:

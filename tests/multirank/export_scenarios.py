@@ -93,3 +93,22 @@ def big_save(ctx: Ctx) -> dict[str, Any]:
     with CheckpointManager(ctx.root, barrier_timeout=120.0) as mgr:
         mgr.save(1, {"model": weights})
     return {"digests": digests}
+
+
+def dcp_load_fsdp(ctx: Ctx) -> dict[str, Any]:
+    """``dcp.load`` of an ``export --dcp`` directory into a fresh FSDP2 model on this world.
+
+    Every rank loads its own shards (DCP reads the chunks they overlap); returns the digests
+    of the full tensors.
+    """
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader
+
+    model = make_net(seed=99)
+    shard(model)
+    sd = model.state_dict()
+    reader = FileSystemReader(ctx.args["dcp_dir"])
+    dcp.load({"model": sd}, storage_reader=reader)
+    model.load_state_dict(sd)
+    full = {k: _full(v) for k, v in model.state_dict().items()}
+    return {"digests": {f"model/{k}": _sha(v) for k, v in full.items()}}
