@@ -1,8 +1,9 @@
-"""``ckptstore export --dcp``: a step as a plain DCP checkpoint, read by DCP itself (issue 23)."""
+"""DCP reads ckptstore steps: ``export --dcp`` directories and ``CkptStoreReader`` (issue 23)."""
 
 from __future__ import annotations
 
 import json
+import warnings
 from pathlib import Path
 from typing import Any
 
@@ -12,6 +13,7 @@ import torch.distributed.checkpoint as dcp
 from _helpers import flip_byte, index_chunks, run_cli, step_dir
 from torch import nn
 from torch.distributed.checkpoint import FileSystemReader
+from torch.distributed.checkpoint.api import CheckpointException
 
 from ckptstore import CheckpointManager, CkptStoreError, IntegrityError
 from ckptstore.errors import PathExistsError
@@ -172,3 +174,73 @@ def test_colliding_dcp_names_are_refused(tmp_path: Path) -> None:
     with pytest.raises(CkptStoreError, match=r"have the same DCP name 'a\.b\.c'"):
         export_dcp(open_storage(tmp_path / "s"), 1, tmp_path / "d")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
+
+
+# ---- CkptStoreReader: dcp.load straight from a store ------------------------------------------
+
+
+def quiet_load(state: dict[str, Any], reader: Any) -> None:
+    """``dcp.load`` in this process, without its "single process" warning."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(state, storage_reader=reader, no_dist=True)
+
+
+def test_dcp_loads_a_step_through_the_storage_reader_in_one_process(
+    mixed_store: tuple[Path, dict[str, Any]],
+) -> None:
+    from ckptstore.dcp import CkptStoreReader
+
+    root, digests = mixed_store
+    full = CheckpointManager(root).load(3)
+    want = {k: v for k, v in digests.items() if k.startswith("model/")}
+    for step in (3, 4, 5):  # DTensor of 2 ranks, of 1 rank, replicated
+        model = {k: torch.zeros_like(v) for k, v in full["model"].items()}
+        exp_avg = torch.zeros_like(full["optimizer"]["state"]["inp.weight"]["exp_avg"])
+        state = {
+            "model": model,
+            "table": {"emb": torch.zeros_like(full["table"]["emb"])},
+            "step": 0,
+        }
+        if step != 5:  # the replicated optimizer is keyed by index, as its state_dict() is
+            state["optimizer"] = {"state": {"inp.weight": {"exp_avg": exp_avg}}}
+        quiet_load(state, CkptStoreReader(root, step=step))
+        assert {f"model/{k}": sha(v) for k, v in model.items()} == want, step
+        assert sha(state["table"]["emb"]) == digests["table/emb"]
+        assert state["step"] == 3
+        if step != 5:
+            assert torch.equal(exp_avg, full["optimizer"]["state"]["inp.weight"]["exp_avg"])
+
+
+def test_a_flipped_byte_fails_the_dcp_load_naming_the_chunk(
+    mixed_store: tuple[Path, dict[str, Any]],
+) -> None:
+    from ckptstore.dcp import CkptStoreReader
+
+    root, _ = mixed_store
+    chunk = index_chunks(root / step_dir(3), "table/emb")[0]
+    path = root / step_dir(3) / chunk["file"]
+    path.write_bytes(flip_byte(path.read_bytes(), chunk["start"] + 4096 * 1024 + 9))
+    with pytest.raises(CheckpointException) as info:
+        quiet_load({"table": {"emb": torch.zeros(2560, 1024)}}, CkptStoreReader(root, step=3))
+    assert "IntegrityError" in str(info.value)
+    assert "does not match its crc32c; the file is corrupt" in str(info.value)
+    # The store's other steps still load.
+    emb4 = torch.zeros(2560, 1024)
+    quiet_load({"table": {"emb": emb4}}, CkptStoreReader(root, step=4))
+    assert emb4.abs().sum() > 0
+
+
+@pytest.mark.timeout(180)
+def test_fsdp2_on_3_ranks_loads_a_2_rank_step_through_the_storage_reader(
+    mixed_store: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    from tests.multirank.launch import describe, launch
+
+    root, digests = mixed_store
+    args = {"store": str(root), "step": 3}
+    res = launch("export_scenarios:dcp_load_fsdp", 3, tmp_path, timeout=150, args=args)
+    assert all(r.ok for r in res), describe(res)
+    want = {k: v for k, v in digests.items() if k.startswith("model/")}
+    for r in res:
+        assert r.value["digests"] == want, describe(res)

@@ -27,9 +27,7 @@ from typing import Any
 
 import torch
 
-from ..errors import CkptStoreError, IntegrityError
-from ..sharded.chunks import read_box
-from ..sharded.consolidate import StepTensors, TensorRef, _check_out_dir, new_dir_aside
+from ..sharded.consolidate import StepTensors, _check_out_dir, new_dir_aside
 from ..storage import Storage
 
 __all__ = ["DCP_DATA", "DCPExportResult", "export_dcp"]
@@ -68,14 +66,9 @@ def export_dcp(
         IntegrityError: the checkpoint is corrupt (nothing is left behind).
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
-    from torch.distributed.checkpoint.metadata import (
-        BytesStorageMetadata,
-        ChunkStorageMetadata,
-        Metadata,
-        MetadataIndex,
-        TensorProperties,
-        TensorStorageMetadata,
-    )
+    from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
+
+    from ..dcp import dcp_items, read_piece
 
     out = os.path.abspath(os.fspath(out_dir))
     _check_out_dir(out)  # before any work (new_dir_aside checks again)
@@ -86,7 +79,7 @@ def export_dcp(
     with StepTensors(storage, step, allow_pickle=allow_pickle) as src, new_dir_aside(out) as tmp:
         with open(os.path.join(tmp, DCP_DATA), "xb") as f:
 
-            def item(fqn: str, offsets: tuple[int, ...] | None, obj: Any) -> None:
+            def write(fqn: str, offsets: tuple[int, ...] | None, obj: Any) -> None:
                 nonlocal items
                 start = f.tell()
                 torch.save(obj, f)
@@ -94,32 +87,17 @@ def export_dcp(
                 storage_data[key] = _StorageInfo(DCP_DATA, start, f.tell() - start)
                 items += 1
 
-            for key in src.keys:
-                for path, leaf in src.leaves(key):
-                    fqn = ".".join(map(str, path))
-                    if fqn in planner_data:
-                        raise CkptStoreError(
-                            f"{src.where}: {path} and {planner_data[fqn]} have the same DCP "
-                            f"name {fqn!r}; DCP cannot hold both"
-                        )
-                    planner_data[fqn] = path
-                    if not isinstance(leaf, TensorRef) or leaf.node.get("t") == "ndarray":
-                        value = src.load(leaf) if isinstance(leaf, TensorRef) else leaf
-                        md[fqn] = BytesStorageMetadata()
-                        item(fqn, None, value)
-                        continue
-                    tensors += 1
-                    chunks = []
-                    for offsets, t in _chunks(src, leaf):
-                        chunks.append(
-                            ChunkStorageMetadata(torch.Size(offsets), torch.Size(t.shape))
-                        )
-                        item(fqn, offsets, t)
-                        del t
-                    dtype = _dtype_of(src, leaf)
-                    md[fqn] = TensorStorageMetadata(
-                        TensorProperties(dtype=dtype), torch.Size(leaf.shape), chunks
-                    )
+            for it in dcp_items(src):
+                planner_data[it.fqn] = it.path
+                md[it.fqn] = it.metadata()
+                if it.ref is None:
+                    write(it.fqn, None, it.value)
+                    continue
+                tensors += 1
+                for piece in it.chunks:  # one chunk in memory at a time
+                    t = read_piece(src, it, piece).contiguous()
+                    write(it.fqn, piece[0], t)
+                    del t
             f.flush()
             os.fsync(f.fileno())
             size = f.tell()
@@ -139,36 +117,3 @@ def export_dcp(
         sharding=m.sharding_kind,
         world_size=m.world_size,
     )
-
-
-def _dtype_of(src: StepTensors, ref: TensorRef) -> torch.dtype:
-    from ..codec.tree import SUPPORTED_DTYPES
-
-    dtype = SUPPORTED_DTYPES.get(ref.dtype)
-    if dtype is None:
-        raise IntegrityError(f"{src.where}: tensor at {ref.path} has an unknown dtype {ref.dtype}")
-    return dtype
-
-
-def _chunks(src: StepTensors, ref: TensorRef) -> Any:
-    """``(offsets, tensor)`` of each saved chunk of ``ref``, read and checked one at a time."""
-    if not ref.sharded:
-        t = src.load(ref)
-        yield (0,) * t.dim(), t.contiguous() if isinstance(t, torch.Tensor) else t
-        return
-    name = ref.node.get("name")
-    entry = src.index.tensors.get(name) if src.index is not None and name else None
-    if entry is None or src.index is None:
-        raise IntegrityError(f"{src.where}: sharded tensor {name!r} is not in the chunk index")
-    block = src.index.block
-    for chunk in sorted(entry.chunks, key=lambda c: c.offsets):
-        t = read_box(
-            src._read,
-            chunk,
-            entry.torch_dtype,
-            (0,) * len(chunk.sizes),
-            chunk.sizes,
-            block=block,
-            where=src.where,
-        )
-        yield chunk.offsets, t.contiguous()

@@ -96,7 +96,8 @@ def big_save(ctx: Ctx) -> dict[str, Any]:
 
 
 def dcp_load_fsdp(ctx: Ctx) -> dict[str, Any]:
-    """``dcp.load`` of an ``export --dcp`` directory into a fresh FSDP2 model on this world.
+    """``dcp.load`` of an ``export --dcp`` directory (or, with ``"store"``, of the ckptstore
+    step itself through ``CkptStoreReader``) into a fresh FSDP2 model on this world.
 
     Every rank loads its own shards (DCP reads the chunks they overlap); returns the digests
     of the full tensors.
@@ -107,7 +108,12 @@ def dcp_load_fsdp(ctx: Ctx) -> dict[str, Any]:
     model = make_net(seed=99)
     shard(model)
     sd = model.state_dict()
-    reader = FileSystemReader(ctx.args["dcp_dir"])
+    if "store" in ctx.args:  # straight from the ckptstore step
+        from ckptstore.dcp import CkptStoreReader
+
+        reader: Any = CkptStoreReader(ctx.args["store"], step=ctx.args["step"])
+    else:
+        reader = FileSystemReader(ctx.args["dcp_dir"])
     dcp.load({"model": sd}, storage_reader=reader)
     model.load_state_dict(sd)
     full = {k: _full(v) for k, v in model.state_dict().items()}
