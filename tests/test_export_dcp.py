@@ -244,3 +244,21 @@ def test_fsdp2_on_3_ranks_loads_a_2_rank_step_through_the_storage_reader(
     want = {k: v for k, v in digests.items() if k.startswith("model/")}
     for r in res:
         assert r.value["digests"] == want, describe(res)
+
+
+def test_checkpoint_id_names_the_store_and_the_newest_step_is_read(tmp_path: Path) -> None:
+    from ckptstore.dcp import CkptStoreReader
+
+    with CheckpointManager(tmp_path / "s") as mgr:
+        for step in (1, 2):
+            mgr.save(step, {"w": torch.full((3,), float(step)), "step": step})
+    assert CkptStoreReader.validate_checkpoint_id(tmp_path / "s")
+    assert not CkptStoreReader.validate_checkpoint_id(tmp_path / "nothing")
+    state = {"w": torch.zeros(3), "step": 0}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.load(
+            state, checkpoint_id=tmp_path / "s", storage_reader=CkptStoreReader(), no_dist=True
+        )
+    assert torch.equal(state["w"], torch.full((3,), 2.0))
+    assert state["step"] == 2
