@@ -96,25 +96,28 @@ def big_save(ctx: Ctx) -> dict[str, Any]:
 
 
 def dcp_load_fsdp(ctx: Ctx) -> dict[str, Any]:
-    """``dcp.load`` of an ``export --dcp`` directory (or, with ``"store"``, of the ckptstore
-    step itself through ``CkptStoreReader``) into a fresh FSDP2 model on this world.
+    """``dcp.load`` into a fresh FSDP2 model on this world, twice: from an ``export --dcp``
+    directory (``FileSystemReader``), and from the ckptstore step itself (``CkptStoreReader``).
 
     Every rank loads its own shards (DCP reads the chunks they overlap); returns the digests
-    of the full tensors.
+    of the full tensors of each load.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemReader
 
-    model = make_net(seed=99)
-    shard(model)
-    sd = model.state_dict()
-    if "store" in ctx.args:  # straight from the ckptstore step
-        from ckptstore.dcp import CkptStoreReader
+    from ckptstore.dcp import CkptStoreReader
 
-        reader: Any = CkptStoreReader(ctx.args["store"], step=ctx.args["step"])
-    else:
-        reader = FileSystemReader(ctx.args["dcp_dir"])
-    dcp.load({"model": sd}, storage_reader=reader)
-    model.load_state_dict(sd)
-    full = {k: _full(v) for k, v in model.state_dict().items()}
-    return {"digests": {f"model/{k}": _sha(v) for k, v in full.items()}}
+    readers = {
+        "export": FileSystemReader(ctx.args["dcp_dir"]),
+        "store": CkptStoreReader(ctx.args["store"], step=ctx.args["step"]),
+    }
+    out: dict[str, Any] = {}
+    for label, reader in readers.items():
+        model = make_net(seed=99)
+        shard(model)
+        sd = model.state_dict()
+        dcp.load({"model": sd}, storage_reader=reader)
+        model.load_state_dict(sd)
+        full = {k: _full(v) for k, v in model.state_dict().items()}
+        out[label] = {f"model/{k}": _sha(v) for k, v in full.items()}
+    return out
