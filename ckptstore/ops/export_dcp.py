@@ -28,6 +28,7 @@ from typing import Any
 import torch
 
 from ..sharded.consolidate import StepTensors, _check_out_dir, new_dir_aside
+from ..sharded.dcpview import dcp_items, read_piece
 from ..storage import Storage
 
 __all__ = ["DCP_DATA", "DCPExportResult", "export_dcp"]
@@ -67,8 +68,6 @@ def export_dcp(
     """
     from torch.distributed.checkpoint.filesystem import _StorageInfo
     from torch.distributed.checkpoint.metadata import Metadata, MetadataIndex
-
-    from ..dcp import dcp_items, read_piece
 
     out = os.path.abspath(os.fspath(out_dir))
     _check_out_dir(out)  # before any work (new_dir_aside checks again)
