@@ -345,3 +345,18 @@ def test_payloads_load_with_plain_safetensors(tmp_path: Path, compression: str |
     )
     for i, p in enumerate(model.parameters()):
         assert torch.equal(optim[f"state.{i}.exp_avg"], opt.state[p]["exp_avg"])
+
+
+def test_the_device_destination_puts_each_piece_at_its_byte_offset() -> None:
+    # _DeviceBytes copies the pieces of a stream into a GPU target (tools/gpu_check.py runs
+    # that path on a GPU); its byte arithmetic is the same for any device, so a CPU tensor
+    # shows it here. Pieces arrive in any split, including a byte in the middle of a float.
+    want = torch.arange(10, dtype=torch.float32)
+    data = memoryview(bytearray(want.numpy().tobytes()))
+    got = torch.zeros(10)
+    dest = st._DeviceBytes(got)
+    for a, b in ((0, 7), (7, 8), (8, 33), (33, 33), (33, 40)):
+        dest[a:b] = data[a:b]
+    assert torch.equal(got, want)
+    # Only contiguous tensors of the stored dtype and shape on a GPU are taken in place.
+    assert not st.fits_device(got, torch.float32, [10])  # on the CPU: the host path

@@ -80,6 +80,43 @@ def fits(t: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
     )
 
 
+def fits_device(t: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
+    """Whether bytes of a ``dtype`` tensor of ``shape`` can go straight into GPU tensor ``t``.
+
+    ``t`` must be contiguous and on a CUDA device: no host tensor in between.
+    """
+    return (
+        t.dtype == dtype
+        and list(t.shape) == shape
+        and t.device.type == "cuda"
+        and t.is_contiguous()
+    )
+
+
+class _DeviceBytes:
+    """A GPU tensor's bytes as a decoder's destination.
+
+    ``dest[a:b] = data`` copies ``data`` from host memory into the device tensor,
+    synchronously (the read buffer holding ``data`` is reused once it returns).
+    """
+
+    def __init__(self, t: torch.Tensor) -> None:
+        import torch
+
+        self.flat = t.detach().reshape(-1).view(torch.uint8)
+
+    def __setitem__(self, at: slice, data: memoryview) -> None:
+        import warnings
+
+        import torch
+
+        if len(data):
+            with warnings.catch_warnings():  # a read-only buffer (mmap): only read here
+                warnings.simplefilter("ignore", UserWarning)
+                src = torch.frombuffer(data, dtype=torch.uint8)
+            self.flat[at].copy_(src)
+
+
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without copying (valid while ``t`` lives)."""
     if not t.is_contiguous() or t.device.type != "cpu":
@@ -418,16 +455,21 @@ class StreamDecoder:
         if header is None:
             header = parse_header(self._head, self.file_size, self.where)
         self.header = header
-        ranges = []
+        ranges: list[tuple[int, int, Any]] = []
         for name, (dtype, shape, start, end) in header.entries.items():
             t = self.into.get(name)
+            dest: Any = None
             if t is not None and fits(t, dtype, shape):
                 self.reused += 1
+            elif t is not None and fits_device(t, dtype, shape):
+                self.reused += 1
+                dest = _DeviceBytes(t)
             else:
                 t = torch.empty(shape, dtype=dtype)
             self.tensors[name] = t
             if end > start:
-                ranges.append((header.data_start + start, header.data_start + end, tensor_bytes(t)))
+                dest = dest if dest is not None else tensor_bytes(t)
+                ranges.append((header.data_start + start, header.data_start + end, dest))
         ranges.sort(key=lambda r: r[0])
         self._ranges = ranges
 
