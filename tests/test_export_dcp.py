@@ -247,3 +247,16 @@ def test_checkpoint_id_names_the_store_and_the_newest_step_is_read(tmp_path: Pat
         )
     assert torch.equal(state["w"], torch.full((3,), 2.0))
     assert state["step"] == 2
+
+
+def test_the_storage_reader_reads_a_step_on_s3(s3: Any) -> None:
+    # An fsspec root: the chunks are ranged GETs, each checked like a local read.
+    from ckptstore.dcp import CkptStoreReader
+
+    url = s3.url(s3.unique_prefix())
+    with CheckpointManager(url, storage_options=s3.storage_options) as mgr:
+        mgr.save(4, {"model": {"w": torch.arange(12.0).reshape(3, 4)}, "epoch": 2})
+    state = {"model": {"w": torch.zeros(3, 4)}, "epoch": 0}
+    quiet_load(state, CkptStoreReader(url, storage_options=s3.storage_options))
+    assert torch.equal(state["model"]["w"], torch.arange(12.0).reshape(3, 4))
+    assert state["epoch"] == 2
