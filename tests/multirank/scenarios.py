@@ -637,9 +637,12 @@ def rank_freezes_mid_exchange(ctx: Ctx) -> dict[str, Any]:
         arrivals = [0]  # counted from the save under test on
 
         def arrive(self: Coordinator) -> None:  # arrived (its key is set), then frozen
-            real_arrive(self)
             arrivals[0] += 1
-            if arrivals[0] == ctx.args["in_barrier"]:
+            there = arrivals[0] == ctx.args["in_barrier"]
+            if there and ctx.args.get("late_rank") == ctx.rank:
+                time.sleep(ctx.args["late"])  # it arrives late, then freezes
+            real_arrive(self)
+            if there:
                 freeze()
 
         if ctx.args.get("in_barrier"):

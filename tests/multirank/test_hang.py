@@ -51,7 +51,9 @@ def test_a_rank_dying_in_a_reduce_is_named_by_every_survivor(tmp_path: Path, whe
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize("late_rank", [1, 0], ids=["survivor-late", "rank0-late"])
+@pytest.mark.parametrize(
+    "late_rank", [1, 0, 2], ids=["survivor-late", "rank0-late", "frozen-rank-late"]
+)
 def test_a_frozen_rank_is_named_when_the_survivors_arrive_apart(
     tmp_path: Path, late_rank: int
 ) -> None:
@@ -60,6 +62,9 @@ def test_a_frozen_rank_is_named_when_the_survivors_arrive_apart(
     # rank 0 waited for the survivors' reports only half a verdict wait (1.5 s) past its own
     # timeout and named the late rank 1 too (the sharded campaign's "rank 1 blamed [0]"); an
     # early rank 1 gave up on rank 0's verdict before rank 0 had even failed, and blamed it.
+    # frozen-rank-late: rank 2 arrives 2.5 s after the others, then freezes. Rank 0 waits
+    # for its report until its own arrival plus a timeout; rank 1 must wait that long for
+    # the verdict (rank 0 marks itself deciding) instead of blaming rank 0.
     late = 2.5
     args = {"timeout": TIMEOUT, "in_barrier": 2, "late_rank": late_rank, "late": late}
     res = launch("rank_freezes_mid_exchange", 3, tmp_path, timeout=60, args=args)
