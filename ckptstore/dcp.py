@@ -25,6 +25,10 @@ failure. To fall back to an older step by itself, use ``CheckpointManager.restor
 
 ``export --dcp`` (:func:`ckptstore.ops.export_dcp.export_dcp`) writes the same items as a
 plain DCP directory, for readers that know only DCP's files.
+
+Every rank reads the step's whole chunk index to describe it to DCP (DCP's metadata lists
+every chunk of every tensor), so this path costs each rank the index of every saving rank;
+``CheckpointManager.restore`` reads only the index parts its shards overlap.
 """
 
 from __future__ import annotations
@@ -85,7 +89,7 @@ class CkptStoreReader(StorageReader):
 
     @classmethod
     def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
-        """Whether ``checkpoint_id`` is a local ckptstore store with a committed step."""
+        """Whether ``checkpoint_id`` is a ckptstore store (a path or URL) with a committed step."""
         try:
             return bool(open_store(os.fspath(checkpoint_id)).list_steps())
         except Exception:  # not a store, unreachable: not ours to read
@@ -127,6 +131,15 @@ class CkptStoreReader(StorageReader):
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
         """Read each item of ``plan``: the overlap of a saved chunk, checked, into its target."""
         src = self._open()
+        try:
+            self._read_items(src, plan, planner)
+        finally:
+            self.close()  # the last call of a load: release the files on every rank
+        fut: Future[None] = Future()
+        fut.set_result(None)
+        return fut
+
+    def _read_items(self, src: StepTensors, plan: LoadPlan, planner: LoadPlanner) -> None:
         for req in plan.items:
             item = self._items.get(req.storage_index.fqn)
             if item is None:
@@ -150,9 +163,6 @@ class CkptStoreReader(StorageReader):
                 )
             target.copy_(t)
             planner.commit_tensor(req, target)
-        fut: Future[None] = Future()
-        fut.set_result(None)
-        return fut
 
     def close(self) -> None:
         """Close the files this reader opened."""
