@@ -80,6 +80,7 @@ class CkptStoreReader(StorageReader):
         self.allow_pickle = allow_pickle
         self._src: StepTensors | None = None
         self._items: dict[str, DCPItem] = {}
+        self._pieces: dict[tuple[str, tuple[int, ...]], Any] = {}
 
     def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
         """A new load begins; ``checkpoint_id`` (if given) is the store's root."""
@@ -104,6 +105,9 @@ class CkptStoreReader(StorageReader):
                 step = committed_step(storage, self.step)
             self._src = StepTensors(storage, step, allow_pickle=self.allow_pickle)
             self._items = {it.fqn: it for it in dcp_items(self._src)}
+            # A request names its chunk by offsets: one lookup, not a scan of the tensor's
+            # chunks (a one-process load of an N-rank save asks for all N of each tensor).
+            self._pieces = {(it.fqn, p[0]): p for it in self._items.values() for p in it.chunks}
         return self._src
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
@@ -151,7 +155,7 @@ class CkptStoreReader(StorageReader):
                 planner.load_bytes(req, buf)
                 continue
             want = tuple(req.storage_index.offset or ())
-            piece = next((p for p in item.chunks if p[0] == want), None)
+            piece = self._pieces.get((item.fqn, want))
             if piece is None:
                 raise IntegrityError(f"{src.where}: {item.fqn!r} has no chunk at {list(want)}")
             t = read_piece(src, item, piece, tuple(req.storage_offsets), tuple(req.lengths))
@@ -170,3 +174,4 @@ class CkptStoreReader(StorageReader):
             self._src.close()
             self._src = None
         self._items = {}
+        self._pieces = {}

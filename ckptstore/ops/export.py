@@ -275,7 +275,7 @@ def export_dcp_step(
     with reaching(storage.root):
         manifest = storage.read_manifest(committed_step(storage, step))
     _refuse_per_rank(manifest, storage.describe(step))
-    return export_dcp(storage, step, out_dir, allow_pickle=allow_pickle)
+    return export_dcp(storage, step, out_dir, manifest=manifest, allow_pickle=allow_pickle)
 
 
 def _load_config(

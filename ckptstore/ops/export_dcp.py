@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from ..manifest import Manifest
 from ..sharded.consolidate import StepTensors, _check_out_dir, new_dir_aside
 from ..sharded.dcpview import dcp_items, read_piece
 from ..storage import Storage
@@ -56,9 +57,16 @@ class DCPExportResult:
 
 
 def export_dcp(
-    storage: Storage, step: int, out_dir: str | os.PathLike[str], *, allow_pickle: bool = False
+    storage: Storage,
+    step: int,
+    out_dir: str | os.PathLike[str],
+    *,
+    manifest: Manifest | None = None,
+    allow_pickle: bool = False,
 ) -> DCPExportResult:
     """Write committed ``step`` of ``storage`` as a DCP checkpoint directory (streaming, atomic).
+
+    ``manifest``: the step's, where the caller has read it already.
 
     Raises:
         PathExistsError: ``out_dir`` exists and is not an empty directory.
@@ -75,7 +83,8 @@ def export_dcp(
     storage_data: dict[Any, Any] = {}
     planner_data: dict[str, tuple[Any, ...]] = {}
     items = tensors = 0
-    with StepTensors(storage, step, allow_pickle=allow_pickle) as src, new_dir_aside(out) as tmp:
+    src_step = StepTensors(storage, step, manifest=manifest, allow_pickle=allow_pickle)
+    with src_step as src, new_dir_aside(out) as tmp:
         with open(os.path.join(tmp, DCP_DATA), "xb") as f:
 
             def write(fqn: str, offsets: tuple[int, ...] | None, obj: Any) -> None:
