@@ -29,28 +29,64 @@ plain DCP directory, for readers that know only DCP's files.
 Every rank reads the step's whole chunk index to describe it to DCP (DCP's metadata lists
 every chunk of every tensor), so this path costs each rank the index of every saving rank;
 ``CheckpointManager.restore`` reads only the index parts its shards overlap.
+
+:class:`CkptStoreWriter` is the other way: a DCP ``StorageWriter`` whose ``write_data`` saves
+the state DCP's planner holds as a step of a :class:`~ckptstore.CheckpointManager`, through
+``mgr.save`` itself, so ``dcp.save`` and ``dcp.async_save`` write what ``mgr.save`` writes
+(DTensor state: each rank its own boxes in its ``_shards`` files, a CRC32C per 4 MiB block
+computed as they are written, the split JSON index; plain tensors: rank 0's payloads), with
+the same two-phase commit, manifest last, retention and replica upload::
+
+    mgr = CheckpointManager("ckpt", keep=3, barrier_timeout=600)
+    writer = CkptStoreWriter(mgr)
+    dcp.save(state, checkpoint_id="ckpt/step-1000", storage_writer=writer,
+             process_group=writer.process_group)
+
+The step is the number at the end of ``checkpoint_id`` (``.../step-1000``, torchtitan's
+naming; its parent must be the manager's root) or the writer's ``step``. Pass
+``process_group=writer.process_group`` (ckptstore's gloo group, whose timeout is the
+manager's ``barrier_timeout``) so that DCP's own collectives (its plan gather and scatter
+before the write, its result gather and broadcast after) are bounded as ckptstore's are;
+DCP waits on the default group otherwise. Nothing is written before ``write_data``, and the
+step is visible only once every rank's files are committed: a crash or an error on any rank
+in any phase leaves no step (every rank raises: ckptstore's error inside DCP's
+``CheckpointException``).
 """
 
 from __future__ import annotations
 
 import io
 import os
+import posixpath
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+from torch.distributed.checkpoint.default_planner import DefaultSavePlanner
 from torch.distributed.checkpoint.metadata import Metadata
-from torch.distributed.checkpoint.planner import LoadItemType, LoadPlan, LoadPlanner
-from torch.distributed.checkpoint.storage import StorageReader
+from torch.distributed.checkpoint.planner import (
+    LoadItemType,
+    LoadPlan,
+    LoadPlanner,
+    SavePlan,
+    SavePlanner,
+)
+from torch.distributed.checkpoint.storage import StorageReader, StorageWriter, WriteResult
 from torch.futures import Future
 
-from .errors import CkptStoreError, IntegrityError
+from ._log import logger
+from .errors import CkptStoreError, ConfigError, IntegrityError
 from .ops.stores import committed_step, open_store, reaching
 from .sharded.consolidate import StepTensors
 from .sharded.dcpview import DCPItem, dcp_items, read_piece
 from .storage import Storage
 
-__all__ = ["CkptStoreReader"]
+if TYPE_CHECKING:
+    from .manager import CheckpointManager
+    from .manifest import Manifest
+
+__all__ = ["CkptStoreReader", "CkptStoreWriter"]
 
 
 class CkptStoreReader(StorageReader):
@@ -175,3 +211,212 @@ class CkptStoreReader(StorageReader):
             self._src = None
         self._items = {}
         self._pieces = {}
+
+
+#: ``step-N`` as DCP users name a checkpoint (torchtitan: ``step-10``; ckptstore's own
+#: zero-padded directory names match too). [0-9], not \d: int() accepts other scripts' digits.
+_STEP_ID = re.compile(r"step-([0-9]{1,18})")
+
+
+def _id_step(checkpoint_id: str) -> int | None:
+    """The N of a ``.../step-N`` checkpoint_id, or ``None``."""
+    m = _STEP_ID.fullmatch(posixpath.basename(checkpoint_id.rstrip("/")))
+    return int(m.group(1)) if m else None
+
+
+def _same_root(a: str, b: str) -> bool:
+    """Whether two spellings of a root name one store (local paths resolved, URLs as text)."""
+    if "://" in a or "://" in b:
+        return a.rstrip("/") == b.rstrip("/")
+    return os.path.realpath(a) == os.path.realpath(b)
+
+
+def _step_of(checkpoint_id: str, root: str) -> int:
+    """The step that ``checkpoint_id`` (``ROOT/step-N``) names in the store at ``root``."""
+    parent = posixpath.dirname(checkpoint_id.rstrip("/"))
+    step = _id_step(checkpoint_id)
+    if step is None:
+        msg = (
+            f"CkptStoreWriter: checkpoint_id {checkpoint_id!r} does not end in step-N; "
+            f"name the step to save as {root.rstrip('/')}/step-N, or give the writer a step"
+        )
+        raise ConfigError(msg)
+    if not _same_root(parent, root):
+        msg = (
+            f"CkptStoreWriter: checkpoint_id {checkpoint_id!r} is not in the manager's store "
+            f"{root!r}; the step would be saved there, not under {parent!r}"
+        )
+        raise ConfigError(msg)
+    return step
+
+
+class CkptStoreWriter(StorageWriter):
+    """A DCP ``StorageWriter`` that saves through a :class:`~ckptstore.CheckpointManager`.
+
+    Args:
+        manager: the store to save into; under torch.distributed every rank constructs its
+            own (as for ``mgr.save``). The writer does not close it.
+        step: the step to save when ``checkpoint_id`` does not name one.
+        metrics: kept in the manifest, as ``mgr.save``'s (``KeepBest`` ranks by them).
+        metadata: free JSON-serializable data kept in the manifest.
+
+    ``write_data`` runs ``manager.save(step, state)`` on every rank, collectively, with the
+    state DCP's ``DefaultSavePlanner`` holds (unflattened to the caller's nesting, so
+    ``mgr.restore`` and ``CkptStoreReader`` give back the same names), and returns once the
+    step is committed (a manager made with ``async_save`` is waited for: DCP's
+    ``async_save`` already runs this in the background). Values that would need pickle are
+    refused as ``mgr.save`` refuses them (``UnsafeCheckpointError``) unless the manager
+    allows pickle; DCP's own pickled ``BytesIO`` items are never written. Dict keys come back
+    as DCP names them, as strings (DCP's own files keep no key types either), except an
+    optimizer's ``state`` keyed by parameter ids, whose int keys are given back, so
+    ``mgr.restore({"optim": optimizer})`` of a plain ``optimizer.state_dict()`` saved through
+    DCP loads every parameter's state. A planner that is not a ``DefaultSavePlanner`` is
+    refused: its ``resolve_data`` could change what is
+    written, and this writer saves the state, not the planner's items.
+
+    After a save, :attr:`manifest` is the committed step's manifest. After a failed one,
+    :attr:`error` is ckptstore's error on this rank (also logged): DCP raises it inside a
+    ``CheckpointException``, except when a rank died, where DCP's own gather of the results
+    fails first with gloo's error (bounded by ``barrier_timeout`` on :attr:`process_group`),
+    and :attr:`error` is the ``BarrierTimeout`` naming the dead rank.
+    """
+
+    def __init__(
+        self,
+        manager: CheckpointManager,
+        step: int | None = None,
+        *,
+        metrics: Mapping[str, float] | None = None,
+        metadata: Mapping[str, Any] | None = None,
+    ) -> None:
+        super().__init__()
+        self.manager = manager
+        self.step = step
+        self.metrics = dict(metrics) if metrics else None
+        self.metadata = dict(metadata) if metadata else None
+        self.manifest: Manifest | None = None
+        self.error: BaseException | None = None
+        self._step: int | None = step
+
+    @property
+    def process_group(self) -> Any:
+        """The manager's gloo group (timeout: barrier_timeout), for DCP's process_group."""
+        return self.manager.coord.group
+
+    @property
+    def checkpoint_id(self) -> str | None:
+        """``ROOT/step-N`` of the step this save writes (DCP's logs name it), if known."""
+        if self._step is None:
+            return None
+        return f"{self.manager.root.rstrip('/')}/step-{self._step}"
+
+    def reset(self, checkpoint_id: str | os.PathLike[str] | None = None) -> None:
+        """A new save begins; ``checkpoint_id`` (``ROOT/step-N``) names its step."""
+        self.manifest = None
+        if checkpoint_id is None:
+            self._step = self.step
+        else:
+            self._step = _step_of(os.fspath(checkpoint_id), self.manager.root)
+
+    @classmethod
+    def validate_checkpoint_id(cls, checkpoint_id: str | os.PathLike[str]) -> bool:
+        """Whether ``checkpoint_id`` has the form ``ROOT/step-N`` this writer saves."""
+        return _id_step(os.fspath(checkpoint_id)) is not None
+
+    def set_up_storage_writer(self, is_coordinator: bool, *args: Any, **kwargs: Any) -> None:
+        """Check that the save has a step (every rank raises the same error, in DCP's plan)."""
+        if self._step is None:
+            msg = (
+                "CkptStoreWriter: no step to save; pass checkpoint_id="
+                f"'{self.manager.root.rstrip('/')}/step-N' or CkptStoreWriter(mgr, step=N)"
+            )
+            raise ConfigError(msg)
+
+    def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
+        """The plan as DCP made it."""
+        return plan
+
+    def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
+        """The plans as DCP made them."""
+        return plans
+
+    def write_data(self, plan: SavePlan, planner: SavePlanner) -> Future[list[WriteResult]]:
+        """Save the planner's state as the step, on every rank; return when it is committed."""
+        if not isinstance(planner, DefaultSavePlanner):
+            msg = (
+                f"CkptStoreWriter saves the state a DefaultSavePlanner holds; "
+                f"{type(planner).__name__} is not one (its items could differ from the state)"
+            )
+            raise ConfigError(msg)
+        if self._step is None:  # set_up_storage_writer raised already
+            raise ConfigError("CkptStoreWriter: no step to save")
+        state = _unflatten(planner)
+        self.error = None
+        try:
+            handle = self.manager.save(
+                self._step, state, metrics=self.metrics, metadata=self.metadata
+            )
+            self.manifest = handle.wait()
+        except BaseException as e:
+            # DCP gathers this to its coordinator; when a rank is gone that gather fails
+            # with gloo's own error instead, so the cause is kept here and logged.
+            self.error = e
+            logger.error("dcp.save of step %d through ckptstore failed: %s", self._step, e)
+            raise
+        results = [
+            WriteResult(index=item.index, size_in_bytes=_item_bytes(item), storage_data=None)
+            for item in plan.items
+        ]
+        fut: Future[list[WriteResult]] = Future()
+        fut.set_result(results)
+        return fut
+
+    def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
+        """Nothing left: ``write_data`` committed the step on every rank."""
+
+
+def _unflatten(planner: DefaultSavePlanner) -> dict[str, Any]:
+    """The state the planner holds, nested as the caller gave it to ``dcp.save``."""
+    from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
+
+    state: dict[str, Any] = dict(planner.state_dict)
+    mappings = getattr(planner, "mappings", None)
+    if planner.flatten_state_dict and mappings:
+        state = unflatten_state_dict(state, mappings)
+    return _with_param_ids(state)  # type: ignore[no-any-return]
+
+
+def _with_param_ids(tree: Any) -> Any:
+    """``tree`` with the int keys of each optimizer ``state`` given back.
+
+    DCP's flattening names every dict key by its ``str`` (``optim.state.0.exp_avg``), so an
+    optimizer's ``state_dict()`` comes out of it keyed ``"0"``, ``"1"``, ...; loaded so,
+    ``Optimizer.load_state_dict`` would match none of them to its parameters and keep the
+    state under the wrong keys, silently. A dict ``{"state": {...}, "param_groups": [{"params":
+    [ints]}, ...]}`` is an optimizer's (its groups name its parameters by those ints): each key
+    of its ``state`` that is the ``str`` of one of them becomes that int again. Every other key
+    stays as DCP names it (DCP's own files keep no key types either).
+    """
+    if isinstance(tree, list):
+        return [_with_param_ids(v) for v in tree]
+    if not isinstance(tree, dict):
+        return tree
+    out = {k: _with_param_ids(v) for k, v in tree.items()}
+    groups, per_param = out.get("param_groups"), out.get("state")
+    if isinstance(groups, list) and isinstance(per_param, dict):
+        ids = {
+            str(i): i
+            for g in groups
+            if isinstance(g, dict) and isinstance(g.get("params"), list)
+            for i in g["params"]
+            if isinstance(i, int) and not isinstance(i, bool)
+        }
+        out["state"] = {ids.get(k, k) if isinstance(k, str) else k: v for k, v in per_param.items()}
+    return out
+
+
+def _item_bytes(item: Any) -> int:
+    """The bytes DCP counts for one write item (a tensor's storage; 0 for bytes items)."""
+    size = getattr(item, "tensor_storage_size", None)
+    value = size() if callable(size) else None
+    return int(value) if value is not None else 0
