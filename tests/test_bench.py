@@ -147,7 +147,7 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
     sh = json.loads(out.read_text())["sharded"]
     assert sh["state_bytes"] == sum(sh["per_rank_bytes"]) > 2_000_000
     rows = {(r["contender"], r["op"]): r for r in sh["rows"]}
-    contenders = ["dcp", "ckpt"] + (["raw"] if ("raw", "save-2") in rows else [])
+    contenders = ["dcp", "ckpt", "dcp-ckpt"] + (["raw"] if ("raw", "save-2") in rows else [])
     for c in contenders:
         for op in ("save-2", "restore-2to1", "restore-2to3"):
             r = rows[(c, op)]
@@ -158,6 +158,8 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
         "sharded save >= 1.5x DCP",
         "resharded restore 2->1 >= 1.5x DCP",
         "resharded restore 2->3 >= 1.5x DCP",
+        "DCP API over ckptstore: save >= 1.0x DCP",
+        "DCP API over ckptstore: load 2->3 >= 1.0x DCP",
     }
     assert len(sh["resident_after_drop"]) == 2 * len(contenders)  # before every restore
 

@@ -10,6 +10,10 @@ Three contenders, side by side, interleaved round-robin inside each job:
   ``FileSystemWriter(sync_files=True)`` (plus an fsync of ``.metadata`` and the directory);
   restore with ``get_state_dict``, ``dcp.load`` in place and ``set_state_dict``, into the
   same fresh targets.
+- ``dcp-ckpt``: DCP's API over ckptstore: ``get_state_dict`` then ``dcp.save`` with
+  ``ckptstore.dcp.CkptStoreWriter`` (``mgr.save`` inside DCP's planning; ckptstore's group
+  for DCP's collectives), first save of a fresh manager; restore with ``get_state_dict``,
+  ``dcp.load`` with ``CkptStoreReader`` and ``set_state_dict``, into the same fresh targets.
 - ``ckpt-again`` (save only): the second save of one manager (the first, untimed, planned
   the layout): what a training job sees from its second checkpoint on. ``ckpt`` is the
   first save of a fresh manager, planning included; both are reported.
@@ -62,7 +66,7 @@ from benchkit.units import GB, fmt, human
 TOOLS = Path(__file__).resolve().parent.parent
 REPO = TOOLS.parent
 
-CONTENDERS = ("raw", "dcp", "ckpt")
+CONTENDERS = ("raw", "dcp", "ckpt", "dcp-ckpt")
 #: Save-only rows, timed in the ``ckpt`` turn of each round (see ``save_job``).
 SAVE_ONLY = ("ckpt-again",)
 SAVE_WORLD = 2
@@ -77,6 +81,9 @@ DESCRIPTIONS = {
     "ckpt": "CheckpointManager.save on every rank (FSDP2 DTensor state), first save of a "
     "fresh manager; restore CheckpointManager.restore (1 process: no process group, plain "
     "model)",
+    "dcp-ckpt": "get_state_dict + dcp.save(storage_writer=ckptstore.dcp.CkptStoreWriter) on "
+    "every rank (a fresh manager's first save); restore get_state_dict + "
+    "dcp.load(CkptStoreReader) + set_state_dict",
     "ckpt-again": "the second CheckpointManager.save of one manager (same layout: the save "
     "plan is reused), the first one untimed",
 }
@@ -312,6 +319,22 @@ def save_op(
         ckpt.again = again  # type: ignore[attr-defined]
         ckpt.manager = mgr  # type: ignore[attr-defined]
         return ckpt, done
+    if c == "dcp-ckpt":
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_state_dict
+
+        from ckptstore import CheckpointManager
+        from ckptstore.dcp import CkptStoreWriter
+
+        mgr = CheckpointManager(d, keep=None, barrier_timeout=3600)  # collective, untimed
+        writer = CkptStoreWriter(mgr, step=1)
+
+        def dcp_ckpt_save() -> None:
+            msd, osd = get_state_dict(model, opt)
+            state = {"model": msd, "optim": osd}
+            dcp.save(state, storage_writer=writer, process_group=writer.process_group)
+
+        return dcp_ckpt_save, mgr.close
     if c == "dcp":
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
@@ -356,9 +379,11 @@ def restore_op(
             mgr.restore({"model": model, "optimizer": opt})
 
         return ckpt, mgr.close
-    if c == "dcp":
+    if c in ("dcp", "dcp-ckpt"):
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+        from ckptstore.dcp import CkptStoreReader
 
         assert model is not None
         assert opt is not None
@@ -366,7 +391,8 @@ def restore_op(
         def dcp_load() -> None:
             msd, osd = get_state_dict(model, opt)
             sd = {"model": msd, "optim": osd}
-            dcp.load(sd, storage_reader=dcp.FileSystemReader(str(d)))
+            reader = dcp.FileSystemReader(str(d)) if c == "dcp" else CkptStoreReader(d, step=1)
+            dcp.load(sd, storage_reader=reader)
             set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
         return dcp_load, nothing
@@ -642,6 +668,9 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ("resharded restore 2->1 >= 1.5x DCP", 1.5, "restore-2to1", "ckpt", "dcp"),
         ("resharded restore 2->3 >= 1.5x DCP", 1.5, "restore-2to3", "ckpt", "dcp"),
         ("repeated sharded save >= 0.8x raw (2nd save)", 0.8, "save-2", "ckpt-again", "raw"),
+        ("DCP API over ckptstore: save >= 1.0x DCP", 1.0, "save-2", "dcp-ckpt", "dcp"),
+        ("DCP API over ckptstore: load 2->1 >= 1.0x DCP", 1.0, "restore-2to1", "dcp-ckpt", "dcp"),
+        ("DCP API over ckptstore: load 2->3 >= 1.0x DCP", 1.0, "restore-2to3", "dcp-ckpt", "dcp"),
     ):
         ours, them = get(mine, op), get(theirs, op)
         if ours is None:
