@@ -18,10 +18,14 @@ model.state_dict()}``, ``optimizer.state.0.exp_avg`` for an optimizer's ``state_
 optimizers of DTensor steps are stored keyed by parameter name, as
 ``get_optimizer_state_dict`` keys them). A DTensor keeps the chunks it was saved in, so each
 rank reads only the chunks its shards overlap, and of those only the CRC blocks the overlap
-touches, each checked against its CRC32C before a byte is copied into the caller's tensor.
-A corrupt byte raises :class:`~ckptstore.IntegrityError` on the rank that read it (DCP
-raises it on every rank); the caller's tensors may then hold a partial load, as with any DCP
-failure. To fall back to an older step by itself, use ``CheckpointManager.restore``.
+touches, each checked against its CRC32C. A box that is one contiguous byte range of its
+chunk and of the caller's tensor (a dim-0 shard, the common case) is read straight into
+that tensor's memory and checked there (one copy and one CRC pass per byte); any other box
+is read into a buffer, checked, then copied. A corrupt byte raises
+:class:`~ckptstore.IntegrityError` on the rank that read it (DCP raises it on every rank);
+the caller's tensors then hold a partial load, with the failing block's bytes in place, as
+any failed DCP load leaves them undefined: load them again from a good step. To fall back to
+an older step by itself, use ``CheckpointManager.restore``.
 
 ``export --dcp`` (:func:`ckptstore.ops.export_dcp.export_dcp`) writes the same items as a
 plain DCP directory, for readers that know only DCP's files.
@@ -79,7 +83,7 @@ from ._log import logger
 from .errors import CkptStoreError, ConfigError, IntegrityError
 from .ops.stores import committed_step, open_store, reaching
 from .sharded.consolidate import StepTensors
-from .sharded.dcpview import DCPItem, dcp_items, read_piece
+from .sharded.dcpview import DCPItem, dcp_items, read_piece, read_piece_into
 from .storage import Storage
 
 if TYPE_CHECKING:
@@ -194,8 +198,13 @@ class CkptStoreReader(StorageReader):
             piece = self._pieces.get((item.fqn, want))
             if piece is None:
                 raise IntegrityError(f"{src.where}: {item.fqn!r} has no chunk at {list(want)}")
-            t = read_piece(src, item, piece, tuple(req.storage_offsets), tuple(req.lengths))
             target = planner.resolve_tensor(req).detach()
+            offsets, lengths = tuple(req.storage_offsets), tuple(req.lengths)
+            inplace = target.size() == lengths
+            if inplace and read_piece_into(src, item, piece, offsets, lengths, dest=target):
+                planner.commit_tensor(req, target)
+                continue
+            t = read_piece(src, item, piece, offsets, lengths)
             if target.size() != t.size():
                 raise IntegrityError(
                     f"{src.where}: {item.fqn!r}: read {list(t.size())} for a target of "

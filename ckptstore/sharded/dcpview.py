@@ -23,10 +23,10 @@ from torch.distributed.checkpoint.metadata import (
 
 from ..codec.tree import SUPPORTED_DTYPES
 from ..errors import CkptStoreError, IntegrityError
-from .chunks import Chunk, read_box
+from .chunks import Chunk, read_box, read_box_into
 from .consolidate import StepTensors, TensorRef
 
-__all__ = ["DCPItem", "dcp_items", "read_piece"]
+__all__ = ["DCPItem", "dcp_items", "read_piece", "read_piece_into"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -124,3 +124,36 @@ def read_piece(
     assert src.index is not None
     dtype = SUPPORTED_DTYPES[item.ref.dtype]
     return read_box(src._read, chunk, dtype, rel, size, block=src.index.block, where=src.where)
+
+
+def read_piece_into(
+    src: StepTensors,
+    item: DCPItem,
+    piece: tuple[tuple[int, ...], tuple[int, ...], Chunk | None],
+    offsets: tuple[int, ...],
+    lengths: tuple[int, ...],
+    *,
+    dest: torch.Tensor,
+) -> bool:
+    """Read a box of a saved DTensor chunk straight into ``dest``, then check its blocks.
+
+    Only where ``chunks.read_box_into`` can (the box one contiguous byte range of the chunk,
+    ``dest`` a contiguous CPU tensor of its dtype); returns False, having read nothing,
+    otherwise (and for plain tensors, read whole from their payloads by :func:`read_piece`).
+    A block that fails its CRC32C raises ``IntegrityError`` with its bytes already in
+    ``dest``.
+    """
+    _, _, chunk = piece
+    if chunk is None or item.ref is None or src.index is None:
+        return False
+    got = read_box_into(
+        src._read_to,
+        chunk,
+        SUPPORTED_DTYPES[item.ref.dtype],
+        offsets,
+        lengths,
+        dest=dest,
+        block=src.index.block,
+        where=src.where,
+    )
+    return got is not None
