@@ -27,6 +27,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--format", choices=("safetensors", "torch"), default="safetensors")
     parser.add_argument("--compression", choices=("zstd",), default=None)
     parser.add_argument(
+        "--sharded",
+        action="store_true",
+        help="a DCP directory: keep its chunks as a sharded step, one chunk in memory at a time "
+        "(restores on any world size; --key, --format and --compression do not apply)",
+    )
+    parser.add_argument(
         "--skip-unsafe",
         action="store_true",
         help="drop the entries that need code to load (listed) instead of refusing the source",
@@ -38,18 +44,36 @@ def run(args: argparse.Namespace) -> int:
     from ..ops.importers import import_file  # torch: imported only when this command runs
 
     opts = storage_options(args, args.root)
-    with Bar("import", unit="phase") as bar:
-        res = import_file(
-            args.file,
-            args.root,
-            args.step,
-            key=args.key,
-            format=args.format,
-            compression=args.compression,
-            skip_unsafe=args.skip_unsafe,
-            storage_options=opts,
-            progress=bar,
-        )
+    if args.sharded:
+        from ..errors import ConfigError
+        from ..ops.import_dcp import import_dcp_sharded
+
+        if args.format != "safetensors" or args.compression is not None or args.key != "model":
+            msg = "--sharded keeps DCP's chunks in safetensors shard files: drop --format, "
+            msg += "--compression and --key"
+            raise ConfigError(msg)
+        with Bar("import", unit="B") as bar:
+            res = import_dcp_sharded(
+                args.file,
+                args.root,
+                args.step,
+                skip_unsafe=args.skip_unsafe,
+                storage_options=opts,
+                progress=bar,
+            )
+    else:
+        with Bar("import", unit="phase") as bar:
+            res = import_file(
+                args.file,
+                args.root,
+                args.step,
+                key=args.key,
+                format=args.format,
+                compression=args.compression,
+                skip_unsafe=args.skip_unsafe,
+                storage_options=opts,
+                progress=bar,
+            )
     if as_json(args):
         print_json(res.to_dict())
     else:

@@ -130,3 +130,13 @@ def dcp_die_in_write(ctx: Ctx) -> dict[str, Any]:
     res["elapsed"] = time.monotonic() - t0
     res["steps"] = mgr.steps()
     return res
+
+
+def dcp_fs_save(ctx: Ctx) -> dict[str, Any]:
+    """``dcp.save`` with DCP's own ``FileSystemWriter`` into ``workdir/dcp`` (FSDP2 on this
+    world size, model, AdamW and a step count); the digests of the full tensors."""
+    model, opt = _model_opt(0)
+    train(model, opt, 2)
+    state = _state(model, opt, 3)
+    dcp.save(state, storage_writer=dcp.FileSystemWriter(str(ctx.workdir / "dcp")))
+    return _digests(state)
