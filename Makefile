@@ -15,6 +15,9 @@ $(STAMP): pyproject.toml
 	test -x $(BIN)/python || $(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install -q "torch==2.13.*"
 	$(BIN)/pip install -q -e ".[dev]"
+	# torchtitan's checkpointer (tests/test_torchtitan.py) without its training stack: its
+	# wheel requires wandb, tensorboard, datasets, torchdata, none of which that part imports.
+	$(BIN)/pip install -q --no-deps "torchtitan==0.3.0" "spmd_types==0.2.3"
 	touch $(STAMP)
 
 lint: $(STAMP)

@@ -514,3 +514,35 @@ def index_chunks(step: Path, name: str) -> list[dict[str, Any]]:
     for part in sorted(step.glob("_index.rank*.json")):
         rows += json.loads(part.read_text())["chunks"].get(name, [])
     return sorted(rows, key=lambda c: c["offsets"])
+
+
+def run_lightning_job(argv: list[str], log: Path, timeout: float, what: str) -> None:
+    """Run rank 0 of a Lightning job (Lightning starts the other ranks) in its own session,
+    logging to ``log``; the whole group is killed on timeout, and the test fails with the
+    log's tail unless it exits 0."""
+    import os
+    import signal
+
+    import pytest
+
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+        env.pop(key, None)
+    with open(log, "w") as f:
+        proc = subprocess.Popen(
+            [sys.executable, *argv],
+            env=env,
+            stdout=f,
+            stderr=subprocess.STDOUT,
+            start_new_session=True,
+        )
+        try:
+            rc = proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            pytest.fail(f"{what} hung for {timeout}s:\n{log.read_text()[-4000:]}")
+        finally:
+            if proc.poll() is None:
+                os.killpg(proc.pid, signal.SIGKILL)
+    assert rc == 0, log.read_text()[-4000:]

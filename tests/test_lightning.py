@@ -19,16 +19,13 @@ import math
 import os
 import pathlib
 import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 
 import lightning.pytorch as pl
 import pytest
 import torch
-from _helpers import REPO
+from _helpers import REPO, run_lightning_job
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
@@ -619,32 +616,35 @@ def test_standalone_lightning_package_accepts_the_plugin() -> None:
 # ---- strategies that never call a CheckpointIO (issue 23) -------------------------------
 
 
-def test_model_parallel_strategy_with_the_plugin_is_refused_at_construction(
-    tmp_path: Path,
-) -> None:
+def test_model_parallel_strategy_is_served_or_refused_at_construction(tmp_path: Path) -> None:
     # Lightning accepted plugins=[CkptStoreIO()] here, then saved last.ckpt/ as DCP's
     # .metadata and __0_0.distcp itself: nothing checksummed, `ckptstore ls` found no store.
+    # Its sharded save is now CkptStoreIO's (tests/test_lightning_sharded.py); the full one
+    # (save_distributed_checkpoint=False) is refused before anything runs.
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    for kwargs in ({}, {"save_distributed_checkpoint": False}):
-        with pytest.raises(ConfigError) as info:
-            pl.Trainer(
-                strategy=ModelParallelStrategy(**kwargs),
-                plugins=[CkptStoreIO()],
-                accelerator="cpu",
-                devices=2,
-                logger=False,
-                default_root_dir=tmp_path,
-            )
-        msg = str(info.value)
-        assert msg.startswith("CkptStoreIO cannot serve ModelParallelStrategy: it saves with ")
-        assert "bypassed" in msg
-        assert "Remove plugins=[CkptStoreIO()]" in msg
+    def build(strategy: ModelParallelStrategy, plugin: CkptStoreIO) -> pl.Trainer:
+        return pl.Trainer(
+            strategy=strategy,
+            plugins=[plugin],
+            accelerator="cpu",
+            devices=2,
+            logger=False,
+            default_root_dir=tmp_path,
+        )
+
+    plugin = CkptStoreIO()
+    assert build(ModelParallelStrategy(), plugin).strategy.checkpoint_io is plugin
+    with pytest.raises(ConfigError) as info:
+        build(ModelParallelStrategy(save_distributed_checkpoint=False), CkptStoreIO())
+    msg = str(info.value)
+    assert msg.startswith("CkptStoreIO cannot serve ModelParallelStrategy: with ")
+    assert "save_distributed_checkpoint=True" in msg
     assert list(tmp_path.iterdir()) == []  # nothing was written anywhere
 
 
 @pytest.mark.parametrize("package", ["lightning.pytorch", "pytorch_lightning"])
-def test_fsdp_and_deepspeed_strategies_refuse_the_plugin(package: str) -> None:
+def test_strategies_refuse_the_plugin_where_it_cannot_serve(package: str) -> None:
     # Their Trainer wants a GPU (FSDP) or deepspeed; the setter the Trainer hands the plugin
     # through is what refuses, in either Lightning package.
     strategies = pytest.importorskip(f"{package}.strategies")
@@ -656,6 +656,15 @@ def test_fsdp_and_deepspeed_strategies_refuse_the_plugin(package: str) -> None:
     deepspeed = object.__new__(strategies.DeepSpeedStrategy)  # its constructor needs deepspeed
     with pytest.raises(ConfigError, match="DeepSpeedStrategy: it saves and loads through"):
         deepspeed.checkpoint_io = CkptStoreIO()
+    # ModelParallelStrategy: served (its save and load routed through the plugin) in either
+    # package, except the full save it cannot serve.
+    model_parallel = strategies.ModelParallelStrategy
+    assert model_parallel.save_checkpoint._ckptstore_route
+    with pytest.raises(ConfigError, match="ModelParallelStrategy: with save_distributed"):
+        model_parallel(save_distributed_checkpoint=False).checkpoint_io = CkptStoreIO()
+    sharded = model_parallel()
+    sharded.checkpoint_io = plugin_mp = CkptStoreIO()
+    assert sharded.checkpoint_io is plugin_mp
     # A strategy that calls the plugin keeps it; any other CheckpointIO is left alone.
     ddp = strategies.DDPStrategy()
     plugin = CkptStoreIO()
@@ -676,28 +685,8 @@ def test_fsdp_and_deepspeed_strategies_refuse_the_plugin(package: str) -> None:
 
 def launch(out: Path, mode: str, epochs: int, timeout: float) -> None:
     """Rank 0 of the DDP job (Lightning starts rank 1); the whole group dies on timeout."""
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
-    log = out / f"{mode}.log"
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            [sys.executable, str(WORKER), str(out), mode, str(epochs)],
-            env=env,
-            stdout=f,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            pytest.fail(f"DDP {mode} hung for {timeout}s:\n{log.read_text()[-3000:]}")
-        finally:
-            if proc.poll() is None:
-                os.killpg(proc.pid, signal.SIGKILL)
-    assert rc == 0, log.read_text()[-3000:]
+    argv = [str(WORKER), str(out), mode, str(epochs)]
+    run_lightning_job(argv, out / f"{mode}.log", timeout, f"DDP {mode}")
 
 
 def calls(out: Path, rank: int) -> list[dict[str, Any]]:

@@ -4,7 +4,10 @@ Each lives in its own module and imports its framework only when that module is 
 so ``import ckptstore`` never needs them:
 
 - :mod:`ckptstore.integrations.lightning`: ``CkptStoreIO``, a Lightning ``CheckpointIO``
-  plugin (``Trainer(plugins=[CkptStoreIO()])``).
+  plugin (``Trainer(plugins=[CkptStoreIO()])``); with ``ModelParallelStrategy`` it also
+  takes over the strategy's sharded save and load (:mod:`.lightning_sharded`).
+- :mod:`ckptstore.integrations.torchtitan`: ``CkptStoreCheckpointManager``, torchtitan's
+  checkpointer saving through ``ckptstore.dcp.CkptStoreWriter`` (a config change).
 - :mod:`ckptstore.integrations.hf`: ``AcceleratorCheckpointer`` (accelerate) and
   ``CkptStoreCallback`` (the transformers ``Trainer``).
 """

@@ -72,10 +72,45 @@ every rank. The plugin's managers are therefore never collective
 at Lightning's own barrier, and each rank reads and verifies the files itself (shared storage).
 A fallback is chosen on each rank from the same files, so ranks land on the same checkpoint.
 
-**Strategies that bypass any CheckpointIO.** ``ModelParallelStrategy``, ``FSDPStrategy`` and
-``DeepSpeedStrategy`` save and load with their own code, whatever ``checkpoint_io`` holds:
-handing them the plugin raises :class:`~ckptstore.ConfigError` when the ``Trainer`` is built,
-instead of a run whose checkpoints silently never went through ckptstore.
+**Sharded strategies.** ``ModelParallelStrategy`` (FSDP2 ``fully_shard`` and tensor
+parallelism in ``configure_model``) never calls a ``CheckpointIO``: it saves with
+``torch.distributed.checkpoint``. Given this plugin, its ``save_checkpoint`` and
+``load_checkpoint`` go through ckptstore instead (Lightning's own code with any other
+``checkpoint_io``; nothing else to change in the ``Trainer``)::
+
+    trainer = Trainer(strategy=ModelParallelStrategy(), plugins=[CkptStoreIO()], devices=8)
+
+- Saving to ``P`` is collective (Lightning calls it on every rank): the checkpoint, its model
+  and optimizer state as this rank's DTensor shards, is committed as a new step of the store
+  ``P`` by ``CheckpointManager.save`` on every rank. Each rank writes its own shards
+  (``_shards.rankNNNNN.safetensors``, a CRC32C per block), rank 0 the rest, and the step
+  exists only once every rank's files are in: the same store, step numbers, pruning and
+  hidden-sibling rename as above (rank 0 renames), with no DCP ``.distcp`` or pickled
+  ``.metadata`` anywhere. ``P`` must be on storage every rank sees (shared disk), and local:
+  a URL raises :class:`~ckptstore.ConfigError`.
+- Loading (``fit(ckpt_path=...)``, ``"last"`` included) is collective too: every rank builds
+  its model and optimizer state dicts as *this* job shards them and ``restore`` fills them,
+  each rank reading only the byte ranges its shards overlap, every block checked: a
+  checkpoint saved by 2 ranks resumes on 1, 3 or 300. A corrupt ``P`` raises
+  :class:`~ckptstore.IntegrityError` on every rank; a ``last*`` path falls back, on every
+  rank alike, to an older version, else to the newest other ``*.ckpt`` beside it that loads.
+  The returned checkpoint holds no ``state_dict``/``optimizer_states`` (already loaded into
+  the model and optimizers, as Lightning's own sharded load does).
+- In one process, ``CkptStoreIO().load_checkpoint(P)`` gives the whole checkpoint with full
+  tensors (consolidation); ``ckptstore verify`` and ``ckptstore ls`` read ``P``.
+- Refused when the ``Trainer`` is built (:class:`~ckptstore.ConfigError`):
+  ``ModelParallelStrategy(save_distributed_checkpoint=False)`` (Lightning gathers the full
+  state on rank 0 and then refuses to save into an existing directory, and loads files with
+  ``torch.load``) and ``CkptStoreIO(compression="zstd")`` (shards are read by byte range).
+- A subclass of ``ModelParallelStrategy`` that overrides ``save_checkpoint`` or
+  ``load_checkpoint`` without calling ``super()`` bypasses the plugin, as it would bypass
+  Lightning's own code.
+
+``FSDPStrategy`` (FSDP1) and ``DeepSpeedStrategy`` also save and load with their own code,
+whatever ``checkpoint_io`` holds, and are not served: handing them the plugin raises
+:class:`~ckptstore.ConfigError` when the ``Trainer`` is built, instead of a run whose
+checkpoints silently never went through ckptstore (for FSDP, shard with FSDP2 under
+``ModelParallelStrategy``).
 
 **Not covered.** ``LightningModule.load_from_checkpoint`` reads with ``torch.load`` itself,
 bypassing ``CheckpointIO``: use ``trainer.validate/test/predict(ckpt_path=...)``, or
@@ -90,12 +125,13 @@ from __future__ import annotations
 import argparse
 import collections
 import contextlib
+import functools
 import os
 import pathlib
 import re
 import shutil
 import uuid
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -528,45 +564,77 @@ with contextlib.suppress(ImportError):
 #: holds: given ``CkptStoreIO``, they would write around it (Lightning sets the plugin and
 #: says nothing). By class name, for both packages (``lightning``, ``pytorch_lightning``).
 _BYPASSING = {
-    "ModelParallelStrategy": (
-        "it saves with torch.distributed.checkpoint (a full checkpoint on rank 0 with "
-        "save_distributed_checkpoint=False) and loads with torch.distributed.checkpoint or "
-        "torch.load itself"
-    ),
     "FSDPStrategy": (
         "it saves sharded state with torch.distributed.checkpoint (state_dict_type='sharded') "
         "and loads either kind with torch.distributed.checkpoint or torch.load itself"
     ),
     "DeepSpeedStrategy": "it saves and loads through the DeepSpeed engine",
 }
+#: Strategies whose save and load CkptStoreIO takes over (lightning_sharded.py).
+_SERVED = "ModelParallelStrategy"
 _STRATEGY_MODULES = (
     "lightning.pytorch.strategies.strategy",
     "pytorch_lightning.strategies.strategy",
 )
+_MODEL_PARALLEL_MODULES = (
+    "lightning.pytorch.strategies.model_parallel",
+    "pytorch_lightning.strategies.model_parallel",
+)
 
 
-def _refuse_bypassing(strategy: object) -> None:
-    """Raise when ``strategy`` would never call the plugin (see :data:`_BYPASSING`)."""
+def _lightning_class(strategy: object, names: Collection[str]) -> type | None:
+    """The first class of ``strategy``'s MRO that is Lightning's own and named in ``names``."""
     for cls in type(strategy).__mro__:
-        why = _BYPASSING.get(cls.__name__)
-        if why is not None and cls.__module__.startswith(("lightning.", "pytorch_lightning.")):
-            name = type(strategy).__name__
-            msg = (
-                f"CkptStoreIO cannot serve {name}: {why}, never through a CheckpointIO, so "
-                "the plugin would be bypassed without a word and nothing would be checksummed "
-                "or committed atomically. Remove plugins=[CkptStoreIO()] (Lightning's own "
-                "format), or save the sharded model and optimizer with "
-                "ckptstore.CheckpointManager on every rank (docs/distributed.md, FSDP2)"
-            )
-            raise ConfigError(msg)
+        if cls.__name__ in names and cls.__module__.startswith(
+            ("lightning.", "pytorch_lightning.")
+        ):
+            return cls
+    return None
+
+
+def _refuse_bypassing(strategy: object, io: CkptStoreIO) -> None:
+    """Raise when ``io`` cannot serve ``strategy``.
+
+    That is: ``strategy`` never calls a ``CheckpointIO`` (see :data:`_BYPASSING`), or it is a
+    ``ModelParallelStrategy`` with options the plugin cannot serve.
+    """
+    name = type(strategy).__name__
+    if _lightning_class(strategy, (_SERVED,)) is not None:
+        from .lightning_sharded import unserved_reason
+
+        why = unserved_reason(strategy, io)
+        if why is not None:
+            raise ConfigError(f"CkptStoreIO cannot serve {name}: {why}")
+        return
+    cls = _lightning_class(strategy, _BYPASSING)
+    if cls is None:
+        return
+    msg = (
+        f"CkptStoreIO cannot serve {name}: {_BYPASSING[cls.__name__]}, never through a "
+        "CheckpointIO, so the plugin would be bypassed without a word and nothing would be "
+        "checksummed or committed atomically. Remove plugins=[CkptStoreIO()] (Lightning's own "
+        "format); or shard with FSDP2 (fully_shard in configure_model) under "
+        "ModelParallelStrategy, which CkptStoreIO serves; or save the sharded model and "
+        "optimizer with ckptstore.CheckpointManager on every rank (docs/distributed.md, FSDP2)"
+    )
+    raise ConfigError(msg)
+
+
+def _serves(strategy: Any) -> CkptStoreIO | None:
+    """The ``CkptStoreIO`` that ``strategy`` holds, if any (never Lightning's default)."""
+    io = getattr(strategy, "_checkpoint_io", None)
+    return io if isinstance(io, CkptStoreIO) else None
 
 
 def _guard_strategies() -> None:
-    """Make ``Strategy.checkpoint_io = CkptStoreIO(...)`` raise for a bypassing strategy.
+    """Refuse the plugin where it cannot serve; route ``ModelParallelStrategy`` through it.
 
+    ``Strategy.checkpoint_io = CkptStoreIO(...)`` raises for a bypassing strategy, and
+    ``ModelParallelStrategy``'s save and load go through the plugin when it holds one.
     Lightning hands the plugin to its strategy through that setter while the ``Trainer`` is
     built (``_AcceleratorConnector``), so the refusal comes at construction, before any
-    training. Wrapped once per Lightning package that is imported.
+    training. Wrapped once per Lightning package that is imported; a strategy holding any
+    other ``CheckpointIO`` behaves exactly as before.
     """
     import sys
 
@@ -583,11 +651,55 @@ def _guard_strategies() -> None:
 
         def guarded(self: Any, io: Any, _set: Callable[[Any, Any], None] = setter) -> None:
             if isinstance(io, CkptStoreIO):
-                _refuse_bypassing(self)
+                _refuse_bypassing(self, io)
             _set(self, io)
 
         guarded._ckptstore_guard = True  # type: ignore[attr-defined]
         strategy_cls.checkpoint_io = property(prop.fget, guarded, prop.fdel, prop.__doc__)
+    for module in _MODEL_PARALLEL_MODULES:
+        _route_model_parallel(getattr(sys.modules.get(module), _SERVED, None))
+
+
+def _route_model_parallel(cls: Any) -> None:
+    """Wrap ``cls.save_checkpoint``/``load_checkpoint`` once.
+
+    Through ckptstore when the strategy holds a ``CkptStoreIO``, Lightning's own code otherwise.
+    """
+    if cls is None or getattr(cls.save_checkpoint, "_ckptstore_route", False):
+        return
+    save, load = cls.save_checkpoint, cls.load_checkpoint
+
+    @functools.wraps(save)
+    def save_checkpoint(
+        self: Any, checkpoint: dict[str, Any], filepath: Any, storage_options: Any = None
+    ) -> None:
+        io = _serves(self)
+        if io is None:
+            save(self, checkpoint, filepath, storage_options)
+            return
+        from .lightning_sharded import save_sharded
+
+        save_sharded(self, io, checkpoint, filepath, storage_options)
+
+    @functools.wraps(load)
+    def load_checkpoint(
+        self: Any, checkpoint_path: Any, weights_only: bool | None = None
+    ) -> dict[str, Any]:
+        io = _serves(self)
+        if io is None:
+            out: dict[str, Any] = load(self, checkpoint_path, weights_only=weights_only)
+            return out
+        from .lightning_sharded import load_sharded
+
+        def lightning_load(path: str, weights_only: bool | None) -> dict[str, Any]:
+            full: dict[str, Any] = load(self, path, weights_only=weights_only)
+            return full
+
+        return load_sharded(self, io, checkpoint_path, weights_only, lightning_load)
+
+    save_checkpoint._ckptstore_route = True  # type: ignore[attr-defined]
+    cls.save_checkpoint = save_checkpoint
+    cls.load_checkpoint = load_checkpoint
 
 
 _guard_strategies()

@@ -15,6 +15,7 @@ server (children it has forked keep running until they finish or are killed).
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import random
@@ -33,7 +34,17 @@ import torch.distributed.tensor  # noqa: F401
 
 import ckptstore
 import ckptstore.manager  # noqa: F401
-from tests.multirank import dtensor_scenarios, export_scenarios, scenarios, worker  # noqa: F401
+from tests.multirank import (  # noqa: F401
+    dcp_scenarios,
+    dtensor_scenarios,
+    export_scenarios,
+    scenarios,
+    worker,
+)
+
+# torchtitan's checkpointer: 2.5 s of CPU a rank to import; optional (tests skip without it).
+with contextlib.suppress(ImportError):
+    from tests.multirank import torchtitan_scenarios  # noqa: F401
 
 
 def _child(argv: list[str], log: str, cwd: str, fds: tuple[int, ...]) -> None:

@@ -1,0 +1,234 @@
+"""CkptStoreIO under Lightning's ModelParallelStrategy (FSDP2 on CPU, gloo): issue 23.
+
+A real ``Trainer(strategy=ModelParallelStrategy(...), plugins=[CkptStoreIO()])`` trains a
+small model sharded with ``fully_shard`` in ``configure_model`` on 2 ranks. One 2-rank job
+(tests/lightning_sharded_worker.py, started once: each run is a new Trainer in the same
+processes) fits 3 epochs, resumes from its epoch-1 checkpoint, loads a copy with a corrupt
+shard, resumes ``"last"`` from a copy whose newest checkpoints are corrupt, and saves a
+checkpoint holding an object only pickle could store; a 1-rank job resumes the 2-rank
+checkpoint. Each rank records digests of the full parameters and Adam
+state (and the learning rate) when training starts, at each epoch's end and at the end.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from _helpers import REPO, run_cli, run_lightning_job
+from lightning.pytorch.strategies import ModelParallelStrategy
+
+from ckptstore import CheckpointManager
+from ckptstore.errors import ConfigError
+from ckptstore.integrations.lightning import CkptStoreIO
+
+pytestmark = [
+    pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*"),
+]
+
+WORKER = REPO / "tests" / "lightning_sharded_worker.py"
+FIT = "fit"  # 3 epochs of 2 steps: epoch=1-step=4 and epoch=2-step=6 kept, and last
+
+
+def launch(out: Path, devices: int, plan: list[dict[str, Any]], timeout: float) -> None:
+    """Rank 0 of the job (Lightning starts the others); the whole group dies on timeout."""
+    name = f"job{devices}"
+    (out / f"{name}.json").write_text(json.dumps(plan))
+    argv = [str(WORKER), str(out), str(devices), str(out / f"{name}.json")]
+    run_lightning_job(argv, out / f"{name}.log", timeout, name)
+
+
+def rows(out: Path, name: str, ranks: int) -> list[dict[str, Any]]:
+    """What each rank recorded for run ``name``."""
+    found = [out / f"{name}.rank{r}.json" for r in range(ranks)]
+    missing = [p.name for p in found if not p.exists()]
+    assert not missing, f"no record {missing}:\n" + "".join(
+        p.read_text()[-3000:] for p in out.glob("job*.log")
+    )
+    return [json.loads(p.read_text()) for p in found]
+
+
+def trained(row: dict[str, Any]) -> dict[str, Any]:
+    assert "error" not in row, row["error"]
+    return row
+
+
+@pytest.fixture(scope="module")
+def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sharded")
+    bad = "bad/epoch=2-step=6.ckpt"
+    plan = [
+        {"name": FIT, "epochs": 3},
+        {"name": "resume", "epochs": 3, "ckpt": f"{FIT}/epoch=1-step=4.ckpt"},
+        {
+            "name": "explicit",
+            "epochs": 3,
+            "copy": [[f"{FIT}/epoch=2-step=6.ckpt", bad]],
+            "corrupt": [f"{bad}/step-*/_shards.rank00001.*"],
+            "ckpt": bad,
+        },
+        {
+            "name": "fallback",
+            "dir": "fb",
+            "epochs": 3,
+            "copy": [[FIT, "fb"]],
+            "corrupt": [
+                "fb/last.ckpt/step-*/_shards.rank00000.*",
+                "fb/epoch=2-step=6.ckpt/step-*/_shards.rank00001.*",
+            ],
+            "ckpt": "last",
+        },
+    ]
+    plan.append({"name": "unsafe", "epochs": 1, "unsafe": True})
+    launch(out, 2, plan, timeout=170)
+    return out
+
+
+@pytest.mark.timeout(240)
+def test_fit_saves_every_rank_shards_through_ckptstore(
+    job: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    fit = [trained(r) for r in rows(job, FIT, 2)]
+    assert [r["world_size"] for r in fit] == [2, 2]
+    assert [r["end_step"] for r in fit] == [6, 6]
+    ckpt = job / FIT
+    # epoch=0-step=2.ckpt was pruned by top-2 (remove_checkpoint): gone whole, no leftovers.
+    assert sorted(e.name for e in ckpt.iterdir()) == [
+        "epoch=1-step=4.ckpt",
+        "epoch=2-step=6.ckpt",
+        "last.ckpt",
+    ]
+    for store, step in (("epoch=1-step=4.ckpt", 4), ("epoch=2-step=6.ckpt", 6), ("last.ckpt", 6)):
+        with CheckpointManager(ckpt / store, distributed=False, create=False) as mgr:
+            assert mgr.steps() == [step]  # last.ckpt: steps 2 and 4 pruned after 6 committed
+            manifest = mgr.manifest()
+            assert manifest.world_size == 2
+            assert manifest.dtensor
+            assert manifest.metadata["lightning"]["global_step"] == step
+            report = mgr.verify()
+            assert report.ok, report.problems
+        names = {p.name for p in (ckpt / store).rglob("*") if p.is_file()}
+        for r in (0, 1):
+            assert any(n.startswith(f"_shards.rank0000{r}.") for n in names), names
+        assert not [n for n in names if n.endswith(".distcp") or n in (".metadata", "meta.pt")]
+    for store in ("epoch=1-step=4.ckpt", "epoch=2-step=6.ckpt", "last.ckpt"):
+        rc, stdout, stderr = run_cli(capsys, "verify", ckpt / store, "--all", "--json")
+        assert rc == 0, stdout + stderr
+        assert [r["ok"] for r in json.loads(stdout)] == [True]
+
+    # One process, no process group: the plugin gives the full tensors the ranks trained.
+    sys.path.insert(0, str(WORKER.parent))
+    from lightning_sharded_worker import _sha
+
+    full = CkptStoreIO().load_checkpoint(ckpt / "last.ckpt")
+    assert full["global_step"] == 6
+    end = fit[0]["end"]
+    params = {k.removeprefix("param/"): v for k, v in end.items() if k.startswith("param/")}
+    assert sorted(full["state_dict"]) == sorted(params)
+    for name, digest in params.items():
+        assert _sha(full["state_dict"][name].contiguous()) == digest, name
+
+
+@pytest.mark.timeout(240)
+def test_resume_continues_bit_identically(job: Path) -> None:
+    fit = [trained(r) for r in rows(job, FIT, 2)]
+    for rank, row in enumerate(rows(job, "resume", 2)):
+        trained(row)
+        assert (row["start_step"], row["start_epoch"]) == (4, 2)
+        # Parameters, Adam's moments and steps, and the scheduler's learning rate, as saved.
+        assert row["start"] == fit[rank]["epochs"]["1"]
+        assert any(k.endswith("/exp_avg_sq") for k in row["start"])
+        assert row["end_step"] == 6
+        assert row["end"] == fit[rank]["end"]  # the last epoch again: bit for bit the same
+
+
+@pytest.mark.timeout(240)
+def test_resume_on_another_world_size(job: Path) -> None:
+    fit = trained(rows(job, FIT, 2)[0])
+    launch(job, 1, [{"name": "one", "epochs": 3, "ckpt": f"{FIT}/epoch=1-step=4.ckpt"}], 120)
+    (one,) = rows(job, "one", 1)
+    trained(one)
+    assert one["world_size"] == 1
+    assert (one["start_step"], one["start_epoch"]) == (4, 2)
+    assert one["start"] == fit["epochs"]["1"]  # full tensors saved by 2 ranks, on 1
+    assert one["end_step"] == 6
+    with CheckpointManager(job / "one" / "last.ckpt", distributed=False, create=False) as mgr:
+        assert mgr.steps() == [6]
+        assert mgr.manifest().world_size == 1
+        assert mgr.verify().ok
+
+
+@pytest.mark.timeout(240)
+def test_corrupt_shard_fails_the_load_on_every_rank(job: Path) -> None:
+    for row in rows(job, "explicit", 2):
+        assert "start" not in row  # training never began from a corrupt checkpoint
+        assert row["error"]["type"] == "IntegrityError", row["error"]
+        assert "bad/epoch=2-step=6.ckpt" in row["error"]["message"]
+        assert "does not verify" in row["error"]["message"]
+
+
+@pytest.mark.timeout(240)
+def test_corrupt_last_falls_back_to_the_newest_checkpoint_that_verifies(job: Path) -> None:
+    fit = [trained(r) for r in rows(job, FIT, 2)]
+    for rank, row in enumerate(rows(job, "fallback", 2)):
+        trained(row)
+        # last.ckpt (6) and epoch=2-step=6 are corrupt: epoch=1-step=4 is loaded instead.
+        assert (row["start_step"], row["start_epoch"]) == (4, 2)
+        assert row["start"] == fit[rank]["epochs"]["1"]
+        assert row["end"] == fit[rank]["end"]
+
+
+@pytest.mark.timeout(240)
+def test_an_object_that_needs_pickle_fails_the_save_on_every_rank(job: Path) -> None:
+    for row in rows(job, "unsafe", 2):
+        assert row["error"]["type"] == "UnsafeCheckpointError", row["error"]
+        assert "checkpoint['opaque']" in row["error"]["message"]
+        assert "allow_pickle=True" in row["error"]["message"]
+    # Nothing was committed, and no hidden sibling is left beside the path.
+    assert [p.name for p in (job / "unsafe").iterdir()] == []
+
+
+# ---- what is served, what is refused, at construction ------------------------------------
+
+
+def test_model_parallel_options_ckptstore_cannot_serve_are_refused(tmp_path: Path) -> None:
+    def build(strategy: ModelParallelStrategy, io: CkptStoreIO) -> pl.Trainer:
+        return pl.Trainer(
+            strategy=strategy,
+            plugins=[io],
+            accelerator="cpu",
+            devices=2,
+            logger=False,
+            default_root_dir=tmp_path,
+        )
+
+    # save_distributed_checkpoint=False: tests/test_lightning.py
+    served = CkptStoreIO()
+    assert build(ModelParallelStrategy(), served).strategy.checkpoint_io is served
+    with pytest.raises(ConfigError, match="compression='zstd' cannot hold sharded"):
+        build(ModelParallelStrategy(), CkptStoreIO(compression="zstd"))
+    assert list(tmp_path.iterdir()) == []  # nothing was written anywhere
+
+
+def test_model_parallel_without_the_plugin_keeps_lightnings_own_checkpoints(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+
+    import ckptstore.integrations.lightning_sharded as sharded
+
+    def never(*args: Any, **kwargs: Any) -> Any:
+        raise AssertionError("ckptstore's path taken without CkptStoreIO")
+
+    monkeypatch.setattr(sharded, "save_sharded", never)
+    strategy = ModelParallelStrategy(save_distributed_checkpoint=False)
+    strategy.checkpoint_io = TorchCheckpointIO()
+    # Lightning's own full save: rank 0 (no process group here) writes one torch.save file.
+    strategy.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "x.ckpt")
+    assert (tmp_path / "x.ckpt").is_file()
