@@ -1,7 +1,10 @@
 """The Python snippets of README.md and docs/*.md run, so the docs cannot drift from the code.
 
-Every ```python block of those files is a test: it runs in a fresh interpreter, in a
-temporary directory of its own, with a hard timeout, and must exit 0. An HTML comment on the
+Every ```python block of those files is a test: it runs as ``python snippet.py`` would, in
+a temporary directory of its own, with a hard timeout, and must exit 0. Each process is
+forked from the multi-rank tests' fork server (``tests/multirank/zygote.py``: torch and
+ckptstore imported once, nothing run; the child takes the snippet's environment whole and
+runs it as ``__main__``), or is a fresh interpreter with ``CKPTSTORE_TEST_FORK=0``. An HTML comment on the
 line before a block changes how it runs:
 
 - ``<!-- docs-test: ranks=N -->``: on N processes, each with ``RANK``, ``LOCAL_RANK``,
@@ -33,6 +36,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+
+from tests.multirank.launch import _Forked, script_server
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -175,7 +180,8 @@ def _run(s: Snippet, cwd: Path, extra_env: dict[str, str]) -> None:
     base.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     base["PYTHONPATH"] = os.pathsep.join([str(REPO), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     store = _agent_store() if s.ranks > 1 else None
-    procs = []
+    server = script_server()
+    procs: list[tuple[Any, Any]] = []
     for rank in range(s.ranks):
         env = dict(base)
         if store is not None:
@@ -188,10 +194,19 @@ def _run(s: Snippet, cwd: Path, extra_env: dict[str, str]) -> None:
                 MASTER_PORT=str(store.port),
                 TORCHELASTIC_USE_AGENT_STORE="True",
             )
-        log = open(cwd / f"snippet_{s.line}.rank{rank}.log", "w+b")  # noqa: SIM115
-        p = subprocess.Popen(
-            [sys.executable, script.name], cwd=cwd, env=env, stdout=log, stderr=log
-        )
+        path = cwd / f"snippet_{s.line}.rank{rank}.log"
+        log = open(path, "w+b")  # noqa: SIM115
+        # Forked from the test server, which imported torch and ckptstore once (3-4 s of
+        # CPU a process otherwise); the child takes the snippet's environment whole, its
+        # directory and stdio, and runs it as __main__, as `python snippet.py` would.
+        pid = server.spawn_script(script, env, path, cwd) if server is not None else None
+        p: Any
+        if pid is not None:
+            p = _Forked(server, pid)
+        else:
+            p = subprocess.Popen(
+                [sys.executable, script.name], cwd=cwd, env=env, stdout=log, stderr=log
+            )
         procs.append((p, log))
     deadline = time.monotonic() + TIMEOUT
     hung = False

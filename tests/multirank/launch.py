@@ -99,12 +99,19 @@ class _ForkServer:
 
     def spawn(self, argv: list[str], log: Path) -> int | None:
         """Fork one rank; its pid, or None when the server is gone (start it fresh instead)."""
+        return self._request({"argv": argv, "log": str(log), "cwd": os.getcwd()})
+
+    def spawn_script(self, script: Path, env: dict[str, str], log: Path, cwd: Path) -> int | None:
+        """Fork ``python SCRIPT`` with ``env`` (all of it) in ``cwd``; its pid, or None."""
+        return self._request({"run": str(script), "env": env, "log": str(log), "cwd": str(cwd)})
+
+    def _request(self, req: dict[str, Any]) -> int | None:
         with self._cond:
             if self.dead:
                 return None
             self._next += 1
             rid = self._next
-        req = {"id": rid, "argv": argv, "log": str(log), "cwd": os.getcwd()}
+        req = {"id": rid, **req}
         assert self.proc.stdin is not None
         try:
             self.proc.stdin.write(json.dumps(req).encode() + b"\n")
@@ -172,6 +179,18 @@ def _fork_server(env: dict[str, str]) -> _ForkServer | None:
     return _server if _server.fits(env) else None
 
 
+def _launch_env() -> dict[str, str]:
+    env = dict(os.environ)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    return env
+
+
+def script_server() -> _ForkServer | None:
+    """The fork server (torch and ckptstore imported once), for ``python SCRIPT`` children
+    (``_ForkServer.spawn_script``: the docs snippets); None where they must start fresh."""
+    return _fork_server(_launch_env())
+
+
 def launch(
     scenario: str,
     world_size: int,
@@ -186,8 +205,7 @@ def launch(
     port_file = workdir / "store.port"
     port_file.unlink(missing_ok=True)
     procs: list[tuple[subprocess.Popen[bytes] | _Forked, Any]] = []
-    env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = _launch_env()
     server = _fork_server(env)
     for rank in range(world_size):
         out = workdir / f"rank{rank}.json"

@@ -19,9 +19,11 @@ import contextlib
 import json
 import os
 import random
+import runpy
 import select
 import sys
 import traceback
+from typing import Any
 
 # The heavy imports every rank needs, done once here. No tensor is created, no thread
 # started: a fork of this process is as clean as a fresh interpreter that imported them.
@@ -78,6 +80,39 @@ def _child(argv: list[str], log: str, cwd: str, fds: tuple[int, ...]) -> None:
         os._exit(code)
 
 
+def _run_script(req: dict[str, Any], fds: tuple[int, ...]) -> None:
+    """Become ``python SCRIPT`` (a docs snippet): its environment, directory and stdio."""
+    code = 1
+    try:
+        for fd in fds:
+            os.close(fd)
+        null = os.open(os.devnull, os.O_RDONLY)
+        os.dup2(null, 0)
+        os.close(null)
+        out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        os.dup2(out, 1)
+        os.dup2(out, 2)
+        os.close(out)
+        os.environ.clear()
+        os.environ.update(req["env"])
+        os.chdir(req["cwd"])
+        random.seed()
+        np.random.seed()
+        script = req["run"]
+        sys.argv = [script]
+        sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT`
+        runpy.run_path(script, run_name="__main__")
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
 def main() -> None:
     """Serve fork requests until stdin closes."""
     requests = sys.stdin.fileno()
@@ -97,6 +132,8 @@ def main() -> None:
             req = json.loads(line)
             pid = os.fork()
             if pid == 0:
+                if "run" in req:
+                    _run_script(req, (requests, replies))
                 _child(req["argv"], req["log"], req["cwd"], (requests, replies))
             children.add(pid)
             os.write(replies, json.dumps({"id": req["id"], "pid": pid}).encode() + b"\n")
