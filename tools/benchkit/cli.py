@@ -52,6 +52,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     )
     p.add_argument("--ls-timeout", type=float, default=60.0, help="seconds for `ckptstore ls`")
     p.add_argument(
+        "--rss-flavors",
+        default="ckpt-st,ckpt-st-copy,safetensors",
+        help="restores whose peak RSS 'restore-rss' measures, a child process each",
+    )
+    p.add_argument(
         "--s3",
         action="store_true",
         help="also restore from moto's S3 server on loopback vs s3fs cat of the same objects "

@@ -347,7 +347,11 @@ class RestoreRSS(Contender):
     def round(self, ctx: Ctx, r: int) -> None:
         if r:  # one measurement per flavor: memory does not vary like time does
             return
-        for flavor in self.FLAVORS:
+        wanted = [f for f in str(ctx.args.rss_flavors).split(",") if f]
+        unknown = sorted(set(wanted) - set(self.FLAVORS))
+        if unknown:
+            raise ValueError(f"--rss-flavors: unknown {unknown}; known: {self.FLAVORS}")
+        for flavor in [f for f in self.FLAVORS if f in wanted]:
             d = ctx.newdir(f"rss-{flavor}")
             try:
                 env = dict(os.environ)
