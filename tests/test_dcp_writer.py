@@ -43,6 +43,7 @@ def test_dcp_save_and_async_save_write_format_4_steps_that_verify(
 ) -> None:
     root, saved = dcp_store
     assert saved["steps"] == [3, 4]
+    assert saved["dcp_items"] == 0  # DCP's plan went without items: mgr.save plans its own
     assert saved["3"] != saved["4"]  # one more training step between them
     for step in (3, 4):
         path = root / step_dir(step)

@@ -61,7 +61,7 @@ def dcp_save(ctx: Ctx) -> dict[str, Any]:
             process_group=writer.process_group,
         )
         out["3"] = _digests(state)
-        out["dcp_items"] = len(meta.state_dict_metadata)
+        out["dcp_items"] = len(meta.state_dict_metadata)  # none: the writer drops them
         assert writer.manifest is not None
         assert writer.manifest.step == 3
         train(model, opt, 1, seed=2)
