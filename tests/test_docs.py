@@ -4,8 +4,8 @@ Every ```python block of those files is a test: it runs as ``python snippet.py``
 a temporary directory of its own, with a hard timeout, and must exit 0. Each process is
 forked from the multi-rank tests' fork server (``tests/multirank/zygote.py``: torch and
 ckptstore imported once, nothing run; the child takes the snippet's environment whole and
-runs it as ``__main__``), or is a fresh interpreter with ``CKPTSTORE_TEST_FORK=0``. An HTML comment on the
-line before a block changes how it runs:
+runs it as ``__main__``), or is a fresh interpreter with ``CKPTSTORE_TEST_FORK=0``. An
+HTML comment on the line before a block changes how it runs:
 
 - ``<!-- docs-test: ranks=N -->``: on N processes, each with ``RANK``, ``LOCAL_RANK``,
   ``WORLD_SIZE``, ``MASTER_ADDR`` and ``MASTER_PORT`` set as torchrun sets them (no torchrun,
