@@ -35,7 +35,8 @@ def _run(scenario: str, world: int, work: Path, **args: Any) -> list[Any]:
     res = launch(f"torchtitan_scenarios:{scenario}", world, work, timeout=120, args=args)
     assert all(r.ok for r in res), describe(res)
     values = [r.value for r in res]
-    assert all(v == values[0] for v in values), describe(res)  # every rank saw the same
+    same = all(v == values[0] for v in values)
+    assert same, [{k: x for k, x in v.items() if x != values[0].get(k)} for v in values]  # every rank saw the same
     return values
 
 
@@ -257,3 +258,14 @@ def test_one_process_without_a_process_group_saves_and_loads(tmp_path: Path) -> 
         ckpt.close()
     assert got.keys() == want.keys()
     assert [k for k in want if not torch.equal(want[k], got[k])] == []
+
+
+def test_resuming_the_newest_step_passes_over_a_corrupt_one(tmp_path: Path) -> None:
+    # load_step=-1 (a restarted job): step 6 does not verify, so step 4 is loaded, with a
+    # warning, and training saves step 6 anew; an explicit load_step=6 raises instead.
+    (v,) = _run("resume_past_a_corrupt_step", 2, tmp_path)[:1]
+    assert v["resumed_step"] == 4
+    assert _changed(v["saved"]["4"], v["resumed"]) == []
+    assert v["steps"] == [2, 4, 6]
+    assert v["verify_6"] is True  # the new step 6 replaced the corrupt one
+    assert v["explicit"] == "CheckpointException: integrity"

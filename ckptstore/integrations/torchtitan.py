@@ -54,7 +54,11 @@ How torchtitan's options map:
   adapter's ``fqn_to_index_mapping`` is not followed), consolidated from every rank's
   shards, with the ``config.json`` of ``hf_assets_path`` when there is one. It can be
   exported again any time later from the store.
-- Loading (``load_step``, ``-1`` for the newest committed step) reads the store; an
+- Loading (``load_step``, ``-1`` for the newest committed step) reads the store. With
+  ``-1`` (a restarted job) a newest step that does not verify is passed over, with a
+  warning, for the newest older one that does, as ``CheckpointManager.resume`` does, and
+  the next save of that step replaces it; an explicit ``load_step`` loads that step or
+  raises. An
   ``initial_load_path`` may be a ckptstore store (its newest step) or one of its step
   directories, besides torchtitan's own DCP and Hugging Face directories. A ``folder`` that
   holds torchtitan's own ``step-N`` DCP checkpoints (a run switched to ckptstore midway)
@@ -83,6 +87,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.api import CheckpointException
 from torch.distributed.checkpoint.staging import DefaultStager, StagingOptions
 from torch.distributed.checkpoint.state_dict_loader import load as dcp_load
 from torch.distributed.checkpoint.state_dict_saver import async_save, save
@@ -94,7 +99,7 @@ from torchtitan.tools.utils import GarbageCollection
 
 from .._log import logger
 from ..dcp import CkptStoreReader, CkptStoreWriter, _id_step
-from ..errors import ConfigError
+from ..errors import ConfigError, IntegrityError, ManifestError
 from ..layout import parse_step_dirname, step_dirname
 from ..manager import CheckpointManager
 from ..ops.stores import open_store
@@ -133,6 +138,7 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
 
     store: CheckpointManager | None
     hf_folder: str
+    _newest: tuple[int, list[int]] | None = None
     purge_thread: threading.Thread | None
     _saving_last: bool = False
 
@@ -240,6 +246,8 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
                 theirs,
             )
             return theirs
+        # Asked for the newest step (load_step=-1): dcp_load may fall back to older ones.
+        self._newest = (ours, [s for s in reversed(steps) if s >= 1]) if ours >= 1 else None
         return ours
 
     def _purge_stale_checkpoints(self) -> None:
@@ -365,7 +373,37 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
             return
         root, step = where
         group = self.store.coord.group if self.store is not None else None
-        dcp_load(state_dict, storage_reader=CkptStoreReader(root, step=step), process_group=group)
+        newest, self._newest = self._newest, None
+        # The newest step was asked for: one that does not verify is passed over for the
+        # newest older one that does, as CheckpointManager.resume does (every rank sees the
+        # same failure: DCP raises its CheckpointException on every rank). An explicit
+        # load_step loads that step or raises.
+        tries = newest[1] if newest is not None and step == newest[0] else [step]
+        tried: list[str] = []
+        for i, s in enumerate(tries):
+            try:
+                reader = CkptStoreReader(root, step=s)
+                dcp_load(state_dict, storage_reader=reader, process_group=group)
+            except CheckpointException as e:
+                if not _corrupt(e) or i + 1 == len(tries):
+                    if tried:
+                        raise IntegrityError(
+                            f"{root}: no step verifies; tried newest first: "
+                            + " | ".join([*tried, f"step {s}: {_first_line(e)}"])
+                        ) from e
+                    raise
+                tried.append(f"step {s}: {_first_line(e)}")
+                logger.warning(
+                    "%s: step %d does not verify (%s); loading step %d, the next older one",
+                    root,
+                    s,
+                    _first_line(e),
+                    tries[i + 1],
+                )
+                continue
+            if s != step and step is not None and self.store is not None:
+                self.store._session.known_bad.add(step)  # a save of it replaces it
+            break
         # As torchtitan: the model's entries are flattened into state_dict.
         if MODEL in self.states:
             self.states[MODEL].load_state_dict(state_dict)
@@ -386,6 +424,19 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
         if store is not None:
             self.store = None
             store.close()
+
+
+def _corrupt(e: CheckpointException) -> bool:
+    """Whether DCP's failure is a step that does not verify (not, say, a shape mismatch)."""
+    causes = [v[0] if isinstance(v, tuple) else v for v in e.failures.values()]
+    return bool(causes) and all(isinstance(c, IntegrityError | ManifestError) for c in causes)
+
+
+def _first_line(e: CheckpointException) -> str:
+    for v in e.failures.values():
+        cause = v[0] if isinstance(v, tuple) else v
+        return str(cause).splitlines()[0] if str(cause) else type(cause).__name__
+    return str(e).splitlines()[0]
 
 
 def _store_step(checkpoint_id: str) -> tuple[str, int | None] | None:

@@ -319,3 +319,46 @@ def switch_and_last_step(ctx: Ctx) -> dict[str, Any]:
         "switch": _switch_from_stock(ctx.workdir / "switch"),
         "hf": _last_step_hf(ctx.workdir / "hf"),
     }
+
+
+def resume_past_a_corrupt_step(ctx: Ctx) -> dict[str, Any]:
+    """Train 6 steps saving every 2 (keep all); flip a byte of step 6's shards; a fresh job
+    asked for the newest step resumes from step 4 and saves step 6 again; one asked for step
+    6 itself raises."""
+    out: dict[str, Any] = {"saved": {}}
+    job = Job(ctx.workdir, seed=0, steps=100, keep_latest_k=0)
+    job.run(6, out["saved"])
+    job.close()
+    dist.barrier()
+    if ctx.rank == 0:
+        step = ctx.workdir / "store" / "step-000000000006"
+        shard = step / "_shards.rank00001.safetensors"
+        raw = bytearray(shard.read_bytes())
+        raw[-5] ^= 0x20  # a byte of the last box (tensor data, not the header)
+        shard.write_bytes(bytes(raw))
+    dist.barrier()
+    job = Job(ctx.workdir, seed=7, steps=100, keep_latest_k=0)
+    assert job.checkpointer.load(step=-1) is True
+    out["resumed_step"] = job.train_state.step
+    out["resumed"] = job.digests()
+    job.run(6)  # saves step 6 again, over the corrupt one
+    out["steps"] = job.checkpointer.store.steps()
+    job.close()
+    dist.barrier()
+    with _store(ctx.workdir) as store:
+        out["verify_6"] = store.verify(6).ok
+    dist.barrier()  # every rank verified before rank 0 damages the step again
+    if ctx.rank == 0:
+        shard = ctx.workdir / "store" / "step-000000000006" / "_shards.rank00001.safetensors"
+        raw = bytearray(shard.read_bytes())
+        raw[-5] ^= 0x20
+        shard.write_bytes(bytes(raw))
+    dist.barrier()
+    job = Job(ctx.workdir, seed=7, steps=100, keep_latest_k=0)
+    try:
+        job.checkpointer.load(step=6)
+        out["explicit"] = "loaded"
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        out["explicit"] = type(e).__name__ + ": " + ("IntegrityError" in str(e)) * "integrity"
+    job.close()
+    return out
