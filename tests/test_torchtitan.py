@@ -35,8 +35,9 @@ def _run(scenario: str, world: int, work: Path, **args: Any) -> list[Any]:
     res = launch(f"torchtitan_scenarios:{scenario}", world, work, timeout=120, args=args)
     assert all(r.ok for r in res), describe(res)
     values = [r.value for r in res]
+    # Every rank saw the same (the message shows what differs).
     same = all(v == values[0] for v in values)
-    assert same, [{k: x for k, x in v.items() if x != values[0].get(k)} for v in values]  # every rank saw the same
+    assert same, [{k: x for k, x in v.items() if x != values[0].get(k)} for v in values]
     return values
 
 
