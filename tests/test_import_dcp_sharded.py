@@ -149,9 +149,35 @@ def test_a_corrupt_or_hostile_dcp_directory_commits_nothing(tmp_path: Path, caps
         f = d / data.name
         f.write_bytes(f.read_bytes()[:-100])
 
+    def edit_metadata(d: Path, change: Any) -> None:
+        import pickle
+
+        f = d / ".metadata"
+        md = pickle.loads(f.read_bytes())  # the test's own file: trusted
+        change(md)
+        f.write_bytes(pickle.dumps(md))
+
+    def same_place(d: Path) -> None:  # two items, one path: one would vanish
+        def change(md: Any) -> None:
+            md.planner_data["model.1.weight"] = md.planner_data["model.0.weight"]
+
+        edit_metadata(d, change)
+
+    def outside(d: Path) -> None:  # a chunk beyond its tensor's shape
+        import dataclasses
+
+        def change(md: Any) -> None:
+            item = md.state_dict_metadata["model.0.weight"]
+            c = item.chunks[0]
+            item.chunks[0] = dataclasses.replace(c, offsets=torch.Size([1, 0]))
+
+        edit_metadata(d, change)
+
     cases = [
         ("flip", flip, IntegrityError, "CRC-32 mismatch"),
         ("cut", cut, IntegrityError, "beyond the file"),
+        ("same-place", same_place, IntegrityError, "share their place in the state"),
+        ("outside", outside, IntegrityError, "outside its tensor"),
     ]
     for name, edit, err, text in cases:
         with pytest.raises(err) as info:

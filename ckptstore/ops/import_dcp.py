@@ -147,7 +147,7 @@ def import_dcp_sharded(
         )
     report = progress or (lambda done, total, what: None)
     md = _read_dcp_metadata(src)
-    pieces, values, notes = _plan(src, md, skip_unsafe)
+    items, pieces, values, notes = _plan(src, md, skip_unsafe)
     tree: dict[Any, Any] = {}
     planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
     for fqn in md.state_dict_metadata:
@@ -155,7 +155,7 @@ def import_dcp_sharded(
         path = tuple(where) if isinstance(where, tuple | list) and where else (fqn,)
         if not all(isinstance(p, str | int) and not isinstance(p, bool) for p in path):
             raise IntegrityError(f"{src}/{DCP_METADATA}: item {fqn!r} has a bad path {path!r}")
-        _set_element(tree, path, values[fqn] if fqn in values else pieces[fqn][0].item)
+        _set_element(tree, path, values[fqn] if fqn in values else items[fqn])
     dropped: list[str] = []
     pruned = _prune(tree, lambda v: v is _DROP, "", dropped, 0)
     notes += [f"dropped entry {p}: it needs code to load" for p in dropped]
@@ -172,6 +172,12 @@ def import_dcp_sharded(
         allow_nan=False,
     ).encode()
     names = {id(t): name for name, t in collector.flat.items()}
+    lost = [fqn for fqn, t in items.items() if id(t) not in names]
+    if lost:  # two items with one path in planner_data: one would vanish without a word
+        raise IntegrityError(
+            f"{src}/{DCP_METADATA}: items {lost[:5]} share their place in the state with "
+            "another item; refused"
+        )
 
     by_file: dict[str, list[_Piece]] = {}
     for ps in pieces.values():
@@ -235,8 +241,8 @@ def import_dcp_sharded(
 
 def _plan(
     src: str, md: Any, skip_unsafe: bool
-) -> tuple[dict[str, list[_Piece]], dict[str, Any], list[str]]:
-    """Every tensor item's chunks (checked against the metadata) and every value, loaded."""
+) -> tuple[dict[str, _Imported], dict[str, list[_Piece]], dict[str, Any], list[str]]:
+    """Every tensor item, its chunks (checked against the metadata), and every value, loaded."""
     from torch.distributed.checkpoint.metadata import (
         BytesStorageMetadata,
         MetadataIndex,
@@ -245,6 +251,7 @@ def _plan(
 
     meta_at = f"{src}/{DCP_METADATA}"
     sizes: dict[str, int] = {}
+    items: dict[str, _Imported] = {}
     pieces: dict[str, list[_Piece]] = {}
     values: dict[str, Any] = {}
     refused: list[str] = []
@@ -295,7 +302,7 @@ def _plan(
             dtype_name(dtype)
         except KeyError:
             raise UnsafeCheckpointError(f"{src}: item {fqn!r} has dtype {dtype}") from None
-        t = _Imported(fqn, dtype, shape)
+        t = items[fqn] = _Imported(fqn, dtype, shape)
         ps = []
         for c in item.chunks:
             offs = tuple(int(o) for o in c.offsets)
@@ -320,7 +327,7 @@ def _plan(
             "more than tensors and plain data, and ckptstore loads only with "
             "weights_only=True. Import the rest with --skip-unsafe (those entries are dropped)"
         )
-    return pieces, values, []
+    return items, pieces, values, []
 
 
 def _read_blob(src: str, rel: str, offset: int, length: int, fqn: str) -> bytes:
