@@ -23,6 +23,7 @@ import runpy
 import select
 import sys
 import traceback
+from collections.abc import Callable
 from typing import Any
 
 # The heavy imports every rank needs, done once here. No tensor is created, no thread
@@ -49,8 +50,17 @@ with contextlib.suppress(ImportError):
     from tests.multirank import torchtitan_scenarios  # noqa: F401
 
 
-def _child(argv: list[str], log: str, cwd: str, fds: tuple[int, ...]) -> None:
-    """Become one rank: stdio onto its log, fresh RNG seeds, then the worker's main()."""
+def _forked(
+    fds: tuple[int, ...],
+    log: str,
+    cwd: str,
+    body: Callable[[], None],
+    *,
+    env: dict[str, str] | None = None,
+    exit_none: int = 1,
+) -> None:
+    """Become a child: stdio onto ``log``, ``env`` (whole, if given), ``cwd``, fresh RNG
+    seeds; run ``body``; exit with its status (``exit_none`` for ``sys.exit(None)``)."""
     code = 1
     try:
         for fd in fds:
@@ -62,55 +72,46 @@ def _child(argv: list[str], log: str, cwd: str, fds: tuple[int, ...]) -> None:
         os.dup2(out, 1)
         os.dup2(out, 2)
         os.close(out)
+        if env is not None:
+            os.environ.clear()
+            os.environ.update(env)
         os.chdir(cwd)
         # A fresh interpreter seeds these from the OS: so must a fork, or every rank of every
         # launch would draw the same "random" numbers.
         random.seed()
         np.random.seed()
-        sys.argv = argv
-        worker.main()  # ends with os._exit(0)
+        body()
         code = 0
     except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else 1
+        code = e.code if isinstance(e.code, int) else (exit_none if e.code is None else 1)
     except BaseException:
         traceback.print_exc()
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def _child(argv: list[str], log: str, cwd: str, fds: tuple[int, ...]) -> None:
+    """Become one rank: the worker's main() with ``argv``."""
+
+    def rank() -> None:
+        sys.argv = argv
+        worker.main()  # ends with os._exit(0)
+
+    _forked(fds, log, cwd, rank)
 
 
 def _run_script(req: dict[str, Any], fds: tuple[int, ...]) -> None:
     """Become ``python SCRIPT`` (a docs snippet): its environment, directory and stdio."""
-    code = 1
-    try:
-        for fd in fds:
-            os.close(fd)
-        null = os.open(os.devnull, os.O_RDONLY)
-        os.dup2(null, 0)
-        os.close(null)
-        out = os.open(req["log"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        os.dup2(out, 1)
-        os.dup2(out, 2)
-        os.close(out)
-        os.environ.clear()
-        os.environ.update(req["env"])
-        os.chdir(req["cwd"])
-        random.seed()
-        np.random.seed()
-        script = req["run"]
+    script = req["run"]
+
+    def run() -> None:
         sys.argv = [script]
         sys.path.insert(0, os.path.dirname(os.path.abspath(script)))  # as `python SCRIPT`
         runpy.run_path(script, run_name="__main__")
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+
+    _forked(fds, req["log"], req["cwd"], run, env=req["env"], exit_none=0)
 
 
 def main() -> None:
