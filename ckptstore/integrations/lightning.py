@@ -294,11 +294,7 @@ class CkptStoreIO(CheckpointIO):
             else:
                 self._save_local(local, state, global_step, metadata, metrics)
         except UnsafeCheckpointError as e:
-            detail = e.message.replace("state[", "checkpoint[", 1)
-            raise UnsafeCheckpointError(
-                f"cannot save Lightning checkpoint {where}: {detail} (here: "
-                "CkptStoreIO(allow_pickle=True))"
-            ) from None
+            raise _unsafe_checkpoint(where, e) from None
 
     def _monitored(self, checkpoint: Mapping[str, Any], where: str) -> dict[str, float]:
         """The values of the metrics ``ModelCheckpoint`` monitors, for this checkpoint.
@@ -706,6 +702,14 @@ _guard_strategies()
 
 
 # ---- paths ---------------------------------------------------------------------------
+
+
+def _unsafe_checkpoint(where: str, e: UnsafeCheckpointError) -> UnsafeCheckpointError:
+    """``e`` (a state that needs pickle) as said of the Lightning checkpoint at ``where``."""
+    detail = e.message.replace("state[", "checkpoint[", 1)
+    return UnsafeCheckpointError(
+        f"cannot save Lightning checkpoint {where}: {detail} (here: CkptStoreIO(allow_pickle=True))"
+    )
 
 
 def _local_path(where: str) -> str | None:

@@ -58,6 +58,7 @@ from .lightning import (
     _remove_stale_siblings,
     _rename_into_place,
     _sibling,
+    _unsafe_checkpoint,
 )
 
 if TYPE_CHECKING:
@@ -184,11 +185,7 @@ def save_sharded(
             # A new path (or a file or link to replace) is completed aside, then renamed in.
             plan = (local if in_place else _sibling(parent, name, "tmp"), in_place)
     except UnsafeCheckpointError as e:
-        detail = e.message.replace("state[", "checkpoint[", 1)
-        error = UnsafeCheckpointError(
-            f"cannot save Lightning checkpoint {where}: {detail} (here: "
-            "CkptStoreIO(allow_pickle=True))"
-        )
+        error = _unsafe_checkpoint(where, e)
     except Exception as e:
         error = e
     _agree(error, f"saving {where}")
@@ -201,11 +198,7 @@ def save_sharded(
             mgr.save(step, state, metadata=metadata, metrics=metrics)
     except UnsafeCheckpointError as e:  # raised on every rank alike
         _discard(strategy, root, in_place)
-        detail = e.message.replace("state[", "checkpoint[", 1)
-        raise UnsafeCheckpointError(
-            f"cannot save Lightning checkpoint {where}: {detail} (here: "
-            "CkptStoreIO(allow_pickle=True))"
-        ) from None
+        raise _unsafe_checkpoint(where, e) from None
     except BaseException:
         _discard(strategy, root, in_place)
         raise
