@@ -72,7 +72,9 @@ def test_short_campaigns(tmp_path: Path) -> None:
         assert stats["store"] == "local"
         assert stats["kills"] == stats["trials"] == 16
         assert len(stats["configs"]) == 8  # sync/async x safetensors/torch x keep 1/2
-        assert stats["saves_returned"] > 16  # the kills came while saves were going on
+        # The second round of the 8 configurations kills each writer only after a save
+        # returned (on any host), the first at any moment from its start.
+        assert stats["saves_returned"] >= 8
         dist = doc["dist"]
         assert dist["trials"] == dist["kills"] == dist["survivor_timeouts"] == 2
         assert dist["max_exit_after_kill"] < 3.0 + healthy(5.0)

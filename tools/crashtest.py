@@ -6,7 +6,9 @@
 **Writers.** A writer process resumes from its store and saves step after step (sync or
 async, safetensors or torch payloads, retention ``keep=1`` or ``2`` pruning after every
 commit: 8 configurations, each with its own store, taken in turn). The campaign kills it
-with SIGKILL after a random delay, then checks the store from this process:
+with SIGKILL after a random delay (every other trial counts it from the first save that
+returned, so returned saves are checked however slow the host), then checks the store from
+this process:
 
 1. the newest visible checkpoint verifies deeply and loads, holding exactly its own data
    (every tensor of step N holds N);

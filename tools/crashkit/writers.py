@@ -171,6 +171,11 @@ def writer_trials(
             pid = int(server.line("pid ", 60, lines).split()[1])
             server.children = [pid]
             server.line("start ", 120, lines)
+            if (i // len(stores)) % 2:
+                # Every other round of the configurations kills only after a save has
+                # returned, so that the campaign checks returned saves on a host of any
+                # speed (a busy one may otherwise kill every writer inside its first save).
+                server.line("returned ", 120, lines)
             time.sleep(rng.uniform(0.0, KILL_WITHIN[kind]))
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
