@@ -104,16 +104,35 @@ _SCALER = "scaler.pt"
 Retention = int | RetentionPolicy | list[RetentionPolicy] | None
 
 
-def _refuse_sharded(accelerator: Any) -> None:
+def _refuse_sharded(accelerator: Any, *, fsdp2: bool = True) -> None:
+    """Raise for an accelerator whose engine shards state in a way ckptstore cannot serve.
+
+    FSDP2 (``fully_shard``: parameters and optimizer moments are ``DTensor`` shards) is
+    served when ``fsdp2`` (every process saves its own shards); FSDP1's flat parameters,
+    DeepSpeed and Megatron-LM keep their state inside their engines.
+    """
     dtype = getattr(accelerator, "distributed_type", None)
     name = str(getattr(dtype, "value", dtype))
-    if name in _SHARDED_ENGINES:
+    if name not in _SHARDED_ENGINES:
+        return
+    is_fsdp2 = name == "FSDP" and bool(getattr(accelerator, "is_fsdp2", False))
+    if is_fsdp2 and fsdp2:
+        return
+    if name == "FSDP" and not is_fsdp2:
         msg = (
-            f"accelerator: distributed_type {name} shards the model and optimizer state in its "
-            "own engine; ckptstore's Hugging Face integration covers replicated training "
-            "(one process, DDP, multi-CPU). Use accelerator.save_state for this run"
+            "accelerator: FSDP version 1 keeps parameters in flat buffers whose sharded state "
+            "is FSDP's own; ckptstore serves FSDP2. Use "
+            "FullyShardedDataParallelPlugin(fsdp_version=2) (each process then saves its "
+            "DTensor shards into one step, which restores on any number of processes), or "
+            "accelerator.save_state for this run"
         )
         raise ConfigError(msg)
+    msg = (
+        f"accelerator: distributed_type {name} shards the model and optimizer state in its "
+        "own engine; ckptstore's Hugging Face integration covers one process, DDP, "
+        "multi-CPU and FSDP2. Use accelerator.save_state for this run"
+    )
+    raise ConfigError(msg)
 
 
 def _replace_if_corrupt(mgr: CheckpointManager, step: int, *, skip_if_saved: bool) -> bool:

@@ -560,21 +560,23 @@ with contextlib.suppress(ImportError):
 #: holds: given ``CkptStoreIO``, they would write around it (Lightning sets the plugin and
 #: says nothing). By class name, for both packages (``lightning``, ``pytorch_lightning``).
 _BYPASSING = {
-    "FSDPStrategy": (
-        "it saves sharded state with torch.distributed.checkpoint (state_dict_type='sharded') "
-        "and loads either kind with torch.distributed.checkpoint or torch.load itself"
-    ),
     "DeepSpeedStrategy": "it saves and loads through the DeepSpeed engine",
 }
-#: Strategies whose save and load CkptStoreIO takes over (lightning_sharded.py).
-_SERVED = "ModelParallelStrategy"
+#: Strategies whose save and load CkptStoreIO takes over (lightning_sharded.py), and the
+#: modules (of both packages) that define each.
+_SERVED = {
+    "ModelParallelStrategy": (
+        "lightning.pytorch.strategies.model_parallel",
+        "pytorch_lightning.strategies.model_parallel",
+    ),
+    "FSDPStrategy": (
+        "lightning.pytorch.strategies.fsdp",
+        "pytorch_lightning.strategies.fsdp",
+    ),
+}
 _STRATEGY_MODULES = (
     "lightning.pytorch.strategies.strategy",
     "pytorch_lightning.strategies.strategy",
-)
-_MODEL_PARALLEL_MODULES = (
-    "lightning.pytorch.strategies.model_parallel",
-    "pytorch_lightning.strategies.model_parallel",
 )
 
 
@@ -595,10 +597,11 @@ def _refuse_bypassing(strategy: object, io: CkptStoreIO) -> None:
     ``ModelParallelStrategy`` with options the plugin cannot serve.
     """
     name = type(strategy).__name__
-    if _lightning_class(strategy, (_SERVED,)) is not None:
+    served = _lightning_class(strategy, _SERVED)
+    if served is not None:
         from .lightning_sharded import unserved_reason
 
-        why = unserved_reason(strategy, io)
+        why = unserved_reason(strategy, io, served.__name__)
         if why is not None:
             raise ConfigError(f"CkptStoreIO cannot serve {name}: {why}")
         return
@@ -623,10 +626,11 @@ def _serves(strategy: Any) -> CkptStoreIO | None:
 
 
 def _guard_strategies() -> None:
-    """Refuse the plugin where it cannot serve; route ``ModelParallelStrategy`` through it.
+    """Refuse the plugin where it cannot serve; route the sharded strategies through it.
 
-    ``Strategy.checkpoint_io = CkptStoreIO(...)`` raises for a bypassing strategy, and
-    ``ModelParallelStrategy``'s save and load go through the plugin when it holds one.
+    ``Strategy.checkpoint_io = CkptStoreIO(...)`` raises for a bypassing strategy, and the
+    save and load of ``ModelParallelStrategy`` and ``FSDPStrategy`` go through the plugin
+    when it holds one.
     Lightning hands the plugin to its strategy through that setter while the ``Trainer`` is
     built (``_AcceleratorConnector``), so the refusal comes at construction, before any
     training. Wrapped once per Lightning package that is imported; a strategy holding any
@@ -652,11 +656,12 @@ def _guard_strategies() -> None:
 
         guarded._ckptstore_guard = True  # type: ignore[attr-defined]
         strategy_cls.checkpoint_io = property(prop.fget, guarded, prop.fdel, prop.__doc__)
-    for module in _MODEL_PARALLEL_MODULES:
-        _route_model_parallel(getattr(sys.modules.get(module), _SERVED, None))
+    for served, modules in _SERVED.items():
+        for module in modules:
+            _route_sharded(getattr(sys.modules.get(module), served, None))
 
 
-def _route_model_parallel(cls: Any) -> None:
+def _route_sharded(cls: Any) -> None:
     """Wrap ``cls.save_checkpoint``/``load_checkpoint`` once.
 
     Through ckptstore when the strategy holds a ``CkptStoreIO``, Lightning's own code otherwise.

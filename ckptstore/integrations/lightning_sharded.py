@@ -72,9 +72,19 @@ __all__ = ["load_sharded", "save_sharded", "unserved_reason"]
 _TENSOR_KEYS = ("state_dict", "optimizer_states")
 
 
-def unserved_reason(strategy: Any, io: CkptStoreIO) -> str | None:
-    """Why ``io`` cannot serve this ``ModelParallelStrategy``, or ``None`` when it can."""
-    if getattr(strategy, "_save_distributed_checkpoint", True) is not True:
+def unserved_reason(strategy: Any, io: CkptStoreIO, kind: str) -> str | None:
+    """Why ``io`` cannot serve this strategy (``kind``: the Lightning class), or ``None``."""
+    if kind == "FSDPStrategy" and getattr(strategy, "_state_dict_type", "full") != "sharded":
+        return (
+            "with state_dict_type='full' (its default) it gathers the full state on rank 0, "
+            "and loads a checkpoint path with torch.load itself. Pass "
+            "FSDPStrategy(state_dict_type='sharded'): every rank then saves its shards into "
+            "one ckptstore step, which loads on any world size (and in one process: "
+            "CkptStoreIO().load_checkpoint(path) gives full tensors)"
+        )
+    if kind == "ModelParallelStrategy" and (
+        getattr(strategy, "_save_distributed_checkpoint", True) is not True
+    ):
         return (
             "with save_distributed_checkpoint=False it gathers the full state on rank 0, "
             "refuses to save again into an existing checkpoint directory and loads files with "
@@ -177,6 +187,8 @@ def save_sharded(
     plan: tuple[str, bool] | None = None
     error: BaseException | None = None
     try:
+        if _is_fsdp1(strategy):
+            checkpoint = _fsdp1_checkpoint(strategy, checkpoint)
         state = _encode_checkpoint(checkpoint)
         if strategy.is_global_zero:
             os.makedirs(parent, exist_ok=True)
@@ -211,6 +223,42 @@ def save_sharded(
             error = e
     _agree(error, f"saving {where}")
     log.debug("saved sharded Lightning checkpoint %s (step %d)", where, step)
+
+
+def _is_fsdp1(strategy: Any) -> bool:
+    """Whether ``strategy`` is Lightning's ``FSDPStrategy`` (FSDP1: ``ShardedTensor`` state)."""
+    from .lightning import _lightning_class
+
+    return _lightning_class(strategy, ("FSDPStrategy",)) is not None
+
+
+def _optimizers(strategy: Any) -> list[Any]:
+    return [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+
+
+def _fsdp1_checkpoint(strategy: Any, checkpoint: dict[str, Any]) -> dict[str, Any]:
+    """``checkpoint`` with FSDP1's sharded model and optimizer state as DTensors.
+
+    Lightning's ``FSDPStrategy`` put ``ShardedTensor``s there; they are taken again with
+    ``get_model_state_dict``/``get_optimizer_state_dict`` (FQN keys, as Lightning's own) and
+    viewed as ``Shard(0)`` DTensors (no copy), which every rank saves as FSDP2 state.
+    """
+    from torch.distributed.checkpoint.state_dict import (
+        get_model_state_dict,
+        get_optimizer_state_dict,
+    )
+
+    from ._sharded_tensor import as_dtensors
+
+    model = strategy.model
+    out = dict(checkpoint)
+    out["state_dict"] = as_dtensors(get_model_state_dict(model), "state_dict")
+    if "optimizer_states" in checkpoint:
+        out["optimizer_states"] = [
+            as_dtensors(get_optimizer_state_dict(model, o), f"optimizer_states[{i}]")
+            for i, o in enumerate(_optimizers(strategy))
+        ]
+    return out
 
 
 def _discard(strategy: Any, root: str, in_place: bool) -> None:
@@ -323,20 +371,28 @@ def _restore(
         StateDictOptions,
         get_model_state_dict,
         get_optimizer_state_dict,
+        set_model_state_dict,
         set_optimizer_state_dict,
     )
 
+    from ._sharded_tensor import as_dtensors, back_to_shards
+
     model = strategy.model
-    optimizers = [getattr(o, "_optimizer", o) for o in strategy.optimizers]
+    optimizers = _optimizers(strategy)
+    fsdp1 = _is_fsdp1(strategy)
     with _manager(io, root, allow_pickle=allow_pickle, create=False) as mgr:
         newest = mgr.latest_step()
         if newest is None:
             raise NoCheckpointError(f"{root} holds no committed checkpoint")
         # This job's own shards: restore reads into them whatever world size saved.
-        targets: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
+        own: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
         if optimizers:
-            targets["optimizer_states"] = [get_optimizer_state_dict(model, o) for o in optimizers]
+            own["optimizer_states"] = [get_optimizer_state_dict(model, o) for o in optimizers]
+        # FSDP1's ShardedTensors are filled through DTensor views of their shards.
+        targets = as_dtensors(own, "state") if fsdp1 else own
         step = mgr.restore(targets, None if newest_good else newest)
+        if fsdp1:
+            own = back_to_shards(own, targets)
         info = mgr.manifest(step).metadata.get("lightning")
         keys = info.get("keys") if isinstance(info, dict) else None
         if not isinstance(keys, list):
@@ -348,8 +404,11 @@ def _restore(
         raw = mgr.load(step, keys=rest) if rest else {}
     checkpoint = _decode_checkpoint(raw)
     strict = bool(getattr(strategy.lightning_module, "strict_loading", True))
-    model.load_state_dict(targets["state_dict"], strict=strict)
-    for optimizer, osd in zip(optimizers, targets.get("optimizer_states", []), strict=False):
+    if fsdp1:  # FSDP1 loads sharded state only through the state-dict API
+        set_model_state_dict(model, own["state_dict"], options=StateDictOptions(strict=strict))
+    else:
+        model.load_state_dict(own["state_dict"], strict=strict)
+    for optimizer, osd in zip(optimizers, own.get("optimizer_states", []), strict=False):
         set_optimizer_state_dict(
             model, optimizer, optim_state_dict=osd, options=StateDictOptions(cpu_offload=True)
         )
