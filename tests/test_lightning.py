@@ -649,10 +649,23 @@ def test_strategies_refuse_the_plugin_where_it_cannot_serve(package: str) -> Non
     # through is what refuses, in either Lightning package.
     strategies = pytest.importorskip(f"{package}.strategies")
     CkptStoreIO()  # guards the package's Strategy (imported now)
-    for state_dict_type in ("full", "sharded"):
-        fsdp = strategies.FSDPStrategy(state_dict_type=state_dict_type)
-        with pytest.raises(ConfigError, match="CkptStoreIO cannot serve FSDPStrategy: it saves"):
+    # FSDPStrategy: served with sharded state dicts (saved and loaded through the plugin),
+    # refused with full ones (its default), and with compression.
+    fsdp_cls = strategies.FSDPStrategy
+    assert fsdp_cls.save_checkpoint._ckptstore_route
+    assert fsdp_cls.load_checkpoint.__wrapped__.__qualname__ == "FSDPStrategy.load_checkpoint"
+    for fsdp in (fsdp_cls(), fsdp_cls(state_dict_type="full")):
+        with pytest.raises(ConfigError) as info:
             fsdp.checkpoint_io = CkptStoreIO()
+        assert str(info.value).startswith(
+            "CkptStoreIO cannot serve FSDPStrategy: with state_dict_type='full' (its default)"
+        )
+        assert "FSDPStrategy(state_dict_type='sharded')" in str(info.value)
+    with pytest.raises(ConfigError, match="FSDPStrategy: compression='zstd' cannot hold"):
+        fsdp_cls(state_dict_type="sharded").checkpoint_io = CkptStoreIO(compression="zstd")
+    fsdp = fsdp_cls(state_dict_type="sharded")
+    fsdp.checkpoint_io = plugin_fsdp = CkptStoreIO()
+    assert fsdp.checkpoint_io is plugin_fsdp
     deepspeed = object.__new__(strategies.DeepSpeedStrategy)  # its constructor needs deepspeed
     with pytest.raises(ConfigError, match="DeepSpeedStrategy: it saves and loads through"):
         deepspeed.checkpoint_io = CkptStoreIO()

@@ -73,10 +73,26 @@ class _Sink(Protocol):
     def write(self, data: Any, /) -> int: ...
 
 
+def has_own_bytes(t: torch.Tensor) -> bool:
+    """Whether ``t`` is a tensor with memory of its own (``data_ptr``), not a wrapper.
+
+    A ``DTensor`` (and any other wrapper subclass) reports its global shape, is
+    "contiguous" and has no storage: its ``data_ptr()`` is 0. Writing its bytes would
+    write to address 0 onwards, so no byte path may take one for a plain tensor.
+    """
+    from torch.utils._python_dispatch import is_traceable_wrapper_subclass
+
+    return not is_traceable_wrapper_subclass(t)
+
+
 def fits(t: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
     """Whether bytes of a ``dtype`` tensor of ``shape`` can be read straight into ``t``."""
     return (
-        t.dtype == dtype and list(t.shape) == shape and t.device.type == "cpu" and t.is_contiguous()
+        t.dtype == dtype
+        and list(t.shape) == shape
+        and t.device.type == "cpu"
+        and t.is_contiguous()
+        and has_own_bytes(t)
     )
 
 
@@ -90,6 +106,7 @@ def fits_device(t: torch.Tensor, dtype: torch.dtype, shape: list[int]) -> bool:
         and list(t.shape) == shape
         and t.device.type == "cuda"
         and t.is_contiguous()
+        and has_own_bytes(t)
     )
 
 
@@ -119,8 +136,8 @@ class _DeviceBytes:
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without copying (valid while ``t`` lives)."""
-    if not t.is_contiguous() or t.device.type != "cpu":
-        msg = "tensor_bytes needs a contiguous CPU tensor"
+    if not t.is_contiguous() or t.device.type != "cpu" or not has_own_bytes(t):
+        msg = "tensor_bytes needs a contiguous CPU tensor with memory of its own (not a DTensor)"
         raise ValueError(msg)
     n = t.numel() * t.element_size()
     if n == 0:

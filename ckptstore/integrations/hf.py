@@ -100,6 +100,11 @@ _WEIGHTS = "pytorch_model.bin"
 _OPTIMIZER = "optimizer.pt"
 _SCHEDULER = "scheduler.pt"
 _SCALER = "scaler.pt"
+#: Under FSDP2: the folders the Trainer recognises as an FSDP model and optimizer
+#: checkpoint (``pytorch_model_fsdp_0``, ``optimizer_0``), and the marker they hold.
+_FSDP_MODEL_DIR = "pytorch_model_fsdp_0"
+_FSDP_OPTIMIZER_DIR = "optimizer_0"
+_FSDP_MARKER = "ckptstore-restores-in-place.json"
 
 Retention = int | RetentionPolicy | list[RetentionPolicy] | None
 
@@ -519,26 +524,31 @@ class CkptStoreCallback(TrainerCallback):
         if not mgr.coord.broadcast(bool(mgr.steps()) if mgr.coord.is_leader else None, "hf:list"):
             yield None
             return
+        fsdp2 = _is_fsdp2(trainer)
         keys = ("model", "optimizer", "scheduler", "trainer_state", "rng", "scaler")
-        stored: dict[str, Any] = dict.fromkeys(keys)
+        # Under FSDP2 the model and optimizer are restored later, in place, shard by shard
+        # (_fsdp2_loads): never as full tensors in every process.
+        wanted = keys[2:] if fsdp2 else keys
+        stored: dict[str, Any] = dict.fromkeys(wanted)
         step = mgr.restore(stored, strict=False)  # plain targets: filled with the stored data
-        missing = [k for k in keys[:-1] if stored[k] is None]
+        missing = [k for k in wanted[:-1] if stored[k] is None]
         if missing:
             raise StateMismatchError(
                 f"{mgr.storage.describe(step)} holds no {', '.join(missing)}: it was not saved "
                 "by CkptStoreCallback",
                 missing=missing,
             )
-        if trainer is not None:
+        if trainer is not None and not fsdp2:
             where = f"{mgr.storage.describe(step)}['model']"
             load_module_state(trainer.model, stored["model"], strict=True, where=where)
         rank, world, distributed = _rank_and_world(trainer)
         path = tempfile.mkdtemp(prefix=f"ckptstore-resume-{step}-", dir=self.resume_dir)
         try:
-            _write_trainer_checkpoint(path, stored, rank, world, distributed)
+            _write_trainer_checkpoint(path, stored, rank, world, distributed, fsdp2=fsdp2)
             self.resumed_step = step
             log.info("resuming from %s via %s", mgr.storage.describe(step), path)
-            yield path
+            with _fsdp2_loads(mgr, step, path) if fsdp2 else contextlib.nullcontext():
+                yield path
         finally:
             shutil.rmtree(path, ignore_errors=True)
 
@@ -586,15 +596,94 @@ def _with_configs(
     return out
 
 
+def _is_fsdp2(trainer: Any | None) -> bool:
+    accelerator = getattr(trainer, "accelerator", None)
+    return getattr(accelerator, "is_fsdp2", False) is True
+
+
+def _ours(input_dir: Any, path: str) -> bool:
+    """Whether ``input_dir`` is (a folder of) the resume checkpoint at ``path``."""
+    if not isinstance(input_dir, (str, os.PathLike)):
+        return False
+    here: str = os.path.realpath(os.fspath(input_dir))
+    top = os.path.realpath(path)
+    return here == top or os.path.dirname(here) == top
+
+
+@contextlib.contextmanager
+def _fsdp2_loads(mgr: CheckpointManager, step: int, path: str) -> Iterator[None]:
+    """Serve the Trainer's FSDP loads of the resume checkpoint ``path`` from the store.
+
+    While it is open, under FSDP2, the Trainer's FSDP model and optimizer loads of ``path``
+    restore ``step`` of ``mgr`` in place instead (collective, as the Trainer's own loads
+    are): each process reads the byte ranges its shards overlap, every block checked,
+    whatever world size saved the step.
+
+    The Trainer calls ``load_fsdp_model`` and ``load_fsdp_optimizer`` (accelerate's, bound
+    in ``transformers.trainer``) once the model is sharded and the optimizer built; for any
+    other checkpoint they are accelerate's own.
+    """
+    import transformers.trainer
+
+    hf_trainer: Any = transformers.trainer
+    load_model, load_optimizer = hf_trainer.load_fsdp_model, hf_trainer.load_fsdp_optimizer
+
+    def fsdp_model(
+        plugin: Any, accelerator: Any, model: Any, input_dir: Any, *args: Any, **kwargs: Any
+    ) -> Any:
+        if not _ours(input_dir, path):
+            return load_model(plugin, accelerator, model, input_dir, *args, **kwargs)
+        mgr.restore({"model": model}, step)
+        return None
+
+    def fsdp_optimizer(
+        plugin: Any,
+        accelerator: Any,
+        optimizer: Any,
+        model: Any,
+        input_dir: Any,
+        *args: Any,
+        **kwargs: Any,
+    ) -> Any:
+        if not _ours(input_dir, path):
+            return load_optimizer(plugin, accelerator, optimizer, model, input_dir, *args, **kwargs)
+        mgr.restore({"optimizer": optimizer}, step)
+        return None
+
+    hf_trainer.load_fsdp_model = fsdp_model
+    hf_trainer.load_fsdp_optimizer = fsdp_optimizer
+    try:
+        yield
+    finally:
+        hf_trainer.load_fsdp_model = load_model
+        hf_trainer.load_fsdp_optimizer = load_optimizer
+
+
 def _write_trainer_checkpoint(
-    path: str, stored: Mapping[str, Any], rank: int, world: int, distributed: bool
+    path: str,
+    stored: Mapping[str, Any],
+    rank: int,
+    world: int,
+    distributed: bool,
+    *,
+    fsdp2: bool = False,
 ) -> None:
-    """Lay ``stored`` out as the files ``Trainer._load_from_checkpoint`` & co. read."""
+    """Lay ``stored`` out as the files ``Trainer._load_from_checkpoint`` & co. read.
+
+    With ``fsdp2``, the model and optimizer are two folders named as the Trainer's FSDP
+    checkpoints name them, holding only a marker: :func:`_fsdp2_loads` serves their loads.
+    """
     with open(os.path.join(path, _TRAINER_STATE), "w", encoding="utf-8") as f:
         f.write(json.dumps(stored["trainer_state"], indent=2, sort_keys=True) + "\n")
-    # torch.save keeps tied weights tied; the Trainer reads these with weights_only=True.
-    torch.save(stored["model"], os.path.join(path, _WEIGHTS))
-    torch.save(stored["optimizer"], os.path.join(path, _OPTIMIZER))
+    if fsdp2:
+        for folder in (_FSDP_MODEL_DIR, _FSDP_OPTIMIZER_DIR):
+            os.makedirs(os.path.join(path, folder))
+            with open(os.path.join(path, folder, _FSDP_MARKER), "w", encoding="utf-8") as f:
+                f.write(json.dumps({"ckptstore": path}) + "\n")
+    else:
+        # torch.save keeps tied weights tied; the Trainer reads these with weights_only=True.
+        torch.save(stored["model"], os.path.join(path, _WEIGHTS))
+        torch.save(stored["optimizer"], os.path.join(path, _OPTIMIZER))
     torch.save(stored["scheduler"], os.path.join(path, _SCHEDULER))
     if stored.get("scaler") is not None:
         torch.save(stored["scaler"], os.path.join(path, _SCALER))

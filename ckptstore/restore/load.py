@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..codec import safetensors as st
 from ..codec.tree import TreeDecoder
 from ..errors import StateMismatchError, UnsafeCheckpointError
 from ..sharded import plan as sharding
@@ -135,7 +136,8 @@ def collect_targets(node: Any, current: Any, out: dict[str, dict[str, torch.Tens
     if not isinstance(node, dict):
         return
     t = node.get("t")
-    if t == "tensor" and isinstance(current, torch.Tensor):
+    if t == "tensor" and isinstance(current, torch.Tensor) and st.has_own_bytes(current):
+        # A plain stored tensor never goes in place into a DTensor (it holds one shard).
         group, key = node.get("file"), node.get("key")
         if isinstance(group, str) and isinstance(key, str):
             out.setdefault(group, {})[key] = current

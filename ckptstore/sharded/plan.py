@@ -36,6 +36,8 @@ from ..codec import safetensors as safetensors_codec
 from ..codec.tree import format_path
 from ..errors import CommitError, IntegrityError, StateMismatchError, UnsafeCheckpointError
 from ..state.modules import EMA, de_parallel
+from ..state.redistribute import dtensor_type as _dtensor_type
+from ..state.redistribute import is_dtensor
 from ..storage import iomode
 from ..storage.directio import run_all
 from .chunks import (
@@ -74,27 +76,6 @@ __all__ = [
 ]
 
 _SCAN_LIMIT = 100_000
-
-
-_DTENSOR: list[type | None] = []  # the DTensor class, once looked up
-
-
-def _dtensor_type() -> type | None:
-    if _DTENSOR:
-        return _DTENSOR[0]
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        _DTENSOR.append(None)
-        return None
-    _DTENSOR.append(DTensor)
-    return DTensor
-
-
-def is_dtensor(v: object) -> bool:
-    """Whether ``v`` is a ``torch.distributed.tensor.DTensor``."""
-    cls = _DTENSOR[0] if _DTENSOR else _dtensor_type()
-    return cls is not None and isinstance(v, cls)
 
 
 def has_dtensors(state: Mapping[Any, Any]) -> bool:

@@ -21,6 +21,7 @@ from torch import nn
 from .._log import logger as log
 from ..errors import StateMismatchError
 from .modules import EMA, RNGState, load_module_state, module_state
+from .redistribute import optimizer_state
 
 __all__ = ["apply_state", "capture", "kind_of"]
 
@@ -115,7 +116,10 @@ def _load_stateful(state: Mapping[Any, Any], stored: Mapping[Any, Any], *, where
             continue
         try:
             before = target.state_dict()
-            target.load_state_dict(stored[key])
+            value = stored[key]
+            if isinstance(target, torch.optim.Optimizer):  # full moments, DTensor params
+                value = optimizer_state(target, value)
+            target.load_state_dict(value)
         except (ValueError, KeyError, RuntimeError, TypeError) as e:
             for k, t, sd in reversed(done):
                 try:

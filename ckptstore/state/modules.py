@@ -24,6 +24,7 @@ from torch import nn
 
 from .._log import logger as log
 from ..errors import ConfigTypeError, StateMismatchError
+from .redistribute import is_dtensor, local_part
 
 try:
     import numpy as _numpy
@@ -148,6 +149,9 @@ def load_module_state(
         else:
             mapped[tk] = v
     missing = [k for k in tsd if k not in mapped]
+    for k, v in mapped.items():  # a full stored tensor into a DTensor: this rank's part
+        if is_dtensor(tsd[k]) and isinstance(v, torch.Tensor):
+            mapped[k] = local_part(v, tsd[k])
     mismatched = []
     for k, v in mapped.items():
         t = tsd[k]

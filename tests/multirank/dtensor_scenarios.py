@@ -439,3 +439,34 @@ def fsdp_plan_cache(ctx: Ctx) -> dict[str, Any]:
             out[str(step)] = digests(model, opt)
         out["extra"] = _sha(state["extra"])
     return out
+
+
+def plain_into_fsdp(ctx: Ctx) -> dict[str, Any]:
+    """Restore a replicated step (saved by one process, no DTensor) into FSDP2 on this world.
+
+    Each rank takes its part of every whole stored tensor, parameters and AdamW moments
+    alike; then one more step of training. Returns the full digests after the restore and
+    after that step.
+    """
+    model = make_net(seed=5)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(ctx.args["root"], barrier_timeout=60.0) as mgr:
+        step = mgr.restore({"model": model, "optim": opt})
+    restored = digests(model, opt)
+    # Each moment is laid out as its parameter: this rank's part, not a whole tensor.
+    layouts = sorted(
+        {
+            f"{v.placements == p.placements}:{v.to_local().shape == p.to_local().shape}"
+            for p in model.parameters()
+            for v in opt.state[p].values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+    )
+    train(model, opt, 1, seed=9)
+    return {
+        "step": step,
+        "restored": restored,
+        "layouts": layouts,
+        "trained": digests(model, opt),
+    }

@@ -1,0 +1,108 @@
+"""Full (replicated) stored tensors restored into ``DTensor`` targets: each rank its part.
+
+A replicated checkpoint (a DDP job's, or one process's) holds whole tensors; a job that now
+shards its model (FSDP2 ``fully_shard``, tensor parallel) has ``DTensor`` parameters and
+optimizer moments. Every rank read the whole stored tensor itself, so each takes the part
+its own shard covers, with no communication. Placements other than ``Shard`` and
+``Replicate`` (a strided shard of FSDP2 over TP, ``Partial``) are not cut here: such a value
+stays as stored and the load refuses it with the framework's own error.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from itertools import chain
+from typing import Any
+
+import torch
+
+__all__ = ["dtensor_type", "is_dtensor", "local_part", "optimizer_state"]
+
+
+_DTENSOR: list[type | None] = []  # the DTensor class, once looked up
+
+
+def dtensor_type() -> type | None:
+    """``torch.distributed.tensor.DTensor``, or ``None`` in a torch without it."""
+    if _DTENSOR:
+        return _DTENSOR[0]
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover - torch built without distributed
+        _DTENSOR.append(None)
+        return None
+    _DTENSOR.append(DTensor)
+    return DTensor
+
+
+def is_dtensor(v: object) -> bool:
+    """Whether ``v`` is a ``torch.distributed.tensor.DTensor``."""
+    cls = _DTENSOR[0] if _DTENSOR else dtensor_type()
+    return cls is not None and isinstance(v, cls)
+
+
+def local_part(full: torch.Tensor, like: Any) -> Any:
+    """``full`` laid out as ``like`` (a ``DTensor`` of ``full``'s shape): this rank's part.
+
+    Returns ``full`` itself when it cannot be cut: another shape, or a placement other than
+    ``Shard``/``Replicate``.
+    """
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if is_dtensor(full) or tuple(full.shape) != tuple(like.shape):
+        return full
+    if any(type(p) not in (Shard, Replicate) for p in like.placements):
+        return full
+    shape, offset = compute_local_shape_and_global_offset(
+        like.shape, like.device_mesh, like.placements
+    )
+    index = tuple(slice(o, o + n) for o, n in zip(offset, shape, strict=True))
+    # A check's stand-ins live on the meta device, and stay there.
+    device = full.device if full.is_meta else like.to_local().device
+    local = full[index].to(device=device).contiguous()
+    return DTensor.from_local(
+        local,
+        like.device_mesh,
+        like.placements,
+        run_check=False,
+        shape=like.shape,
+        stride=like.stride(),
+    )
+
+
+def optimizer_state(optimizer: torch.optim.Optimizer, stored: Any) -> Any:
+    """``stored`` (an optimizer state dict) with full tensors cut for DTensor parameters.
+
+    Parameters are matched as ``Optimizer.load_state_dict`` matches them (the stored groups'
+    ids in order against this optimizer's parameters); a state tensor of its parameter's
+    shape becomes that parameter's layout. ``stored`` is returned as is when no parameter
+    is a ``DTensor`` or it is not an optimizer state dict.
+    """
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    if not any(is_dtensor(p) for p in params):
+        return stored
+    if not isinstance(stored, Mapping):
+        return stored
+    groups, state = stored.get("param_groups"), stored.get("state")
+    if not isinstance(groups, list) or not isinstance(state, Mapping):
+        return stored
+    ids = list(chain.from_iterable(g.get("params", []) for g in groups if isinstance(g, Mapping)))
+    if len(ids) != len(params):
+        return stored  # load_state_dict refuses it with its own message
+    by_id = dict(zip(ids, params, strict=True))
+    new_state: dict[Any, Any] = {}
+    for pid, entry in state.items():
+        param = by_id.get(pid)
+        if param is None or not is_dtensor(param) or not isinstance(entry, Mapping):
+            new_state[pid] = entry
+            continue
+        new_state[pid] = {
+            k: local_part(v, param)
+            if isinstance(v, torch.Tensor) and tuple(v.shape) == tuple(param.shape)
+            else v
+            for k, v in entry.items()
+        }
+    out = dict(stored)
+    out["state"] = new_state
+    return out
