@@ -251,7 +251,7 @@ def trainer_run(*, resume: bool) -> None:
     )  # fmt: skip
     model = GPT2LMHeadModel(config)
     fsdp: dict[str, Any] = (
-        {"use_cpu": True} if PLAIN else {"fsdp": "full_shard", "fsdp_config": {"fsdp_version": 2}}
+        {"use_cpu": True} if PLAIN else {"fsdp": True, "fsdp_config": {"version": 2}}
     )
     args = TrainingArguments(
         output_dir=str(OUT / ("hf-b" if resume else "hf-a")),

@@ -24,7 +24,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import REPO
+from _helpers import REPO, subprocess_env
 
 from ckptstore import CheckpointManager
 from tests.multirank.launch import describe, launch
@@ -46,7 +46,7 @@ def _free_port() -> int:
 
 def run(mode: str, out: Path, *, torchrun_env: bool, timeout: float = 240) -> dict[str, Any]:
     """One worker process; its JSON record. A hang kills its whole session and fails."""
-    env = dict(os.environ, PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    env = subprocess_env()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "NODE_RANK"):  # fmt: skip
         env.pop(key, None)

@@ -181,7 +181,8 @@ def _fork_server(env: dict[str, str]) -> _ForkServer | None:
 
 def _launch_env() -> dict[str, str]:
     env = dict(os.environ)
-    env.update(OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+    path = os.pathsep.join([str(REPO), env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    env.update(OMP_NUM_THREADS="1", PYTHONPATH=path, PYTHONUNBUFFERED="1")
     return env
 
 
