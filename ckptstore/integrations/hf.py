@@ -547,7 +547,7 @@ class CkptStoreCallback(TrainerCallback):
             _write_trainer_checkpoint(path, stored, rank, world, distributed, fsdp2=fsdp2)
             self.resumed_step = step
             log.info("resuming from %s via %s", mgr.storage.describe(step), path)
-            with _fsdp2_loads(mgr, step, path) if fsdp2 else contextlib.nullcontext():
+            with _fsdp2_loads(mgr, step, path, trainer) if fsdp2 else contextlib.nullcontext():
                 yield path
         finally:
             shutil.rmtree(path, ignore_errors=True)
@@ -610,14 +610,27 @@ def _ours(input_dir: Any, path: str) -> bool:
     return here == top or os.path.dirname(here) == top
 
 
+def _optimizes(optimizer: Any, model: Any) -> bool:
+    """Whether ``optimizer`` steps exactly the parameters of ``model`` (both set up)."""
+    groups = getattr(optimizer, "param_groups", None)
+    if not groups or not isinstance(model, torch.nn.Module):
+        return False
+    owned = {id(p) for p in model.parameters()}
+    params = [p for g in groups for p in g["params"]]
+    return bool(params) and all(id(p) in owned for p in params)
+
+
 @contextlib.contextmanager
-def _fsdp2_loads(mgr: CheckpointManager, step: int, path: str) -> Iterator[None]:
+def _fsdp2_loads(mgr: CheckpointManager, step: int, path: str, trainer: Any) -> Iterator[None]:
     """Serve the Trainer's FSDP loads of the resume checkpoint ``path`` from the store.
 
     While it is open, under FSDP2, the Trainer's FSDP model and optimizer loads of ``path``
     restore ``step`` of ``mgr`` in place instead (collective, as the Trainer's own loads
     are): each process reads the byte ranges its shards overlap, every block checked,
-    whatever world size saved the step.
+    whatever world size saved the step. The optimizer's state is keyed by parameter name,
+    so it is restored with its model: at the model's load when the Trainer's optimizer
+    already steps that model's parameters (one read of the step), else at its own load
+    (the model's bytes are then read a second time).
 
     The Trainer calls ``load_fsdp_model`` and ``load_fsdp_optimizer`` (accelerate's, bound
     in ``transformers.trainer``) once the model is sharded and the optimizer built; for any
@@ -627,13 +640,19 @@ def _fsdp2_loads(mgr: CheckpointManager, step: int, path: str) -> Iterator[None]
 
     hf_trainer: Any = transformers.trainer
     load_model, load_optimizer = hf_trainer.load_fsdp_model, hf_trainer.load_fsdp_optimizer
+    restored: list[int] = []  # ids of the optimizers restored with their model
 
     def fsdp_model(
         plugin: Any, accelerator: Any, model: Any, input_dir: Any, *args: Any, **kwargs: Any
     ) -> Any:
         if not _ours(input_dir, path):
             return load_model(plugin, accelerator, model, input_dir, *args, **kwargs)
-        mgr.restore({"model": model}, step)
+        optimizer = getattr(trainer, "optimizer", None)
+        if _optimizes(optimizer, model):
+            mgr.restore({"model": model, "optimizer": optimizer}, step)
+            restored.append(id(optimizer))
+        else:
+            mgr.restore({"model": model}, step)
         return None
 
     def fsdp_optimizer(
@@ -647,7 +666,8 @@ def _fsdp2_loads(mgr: CheckpointManager, step: int, path: str) -> Iterator[None]
     ) -> Any:
         if not _ours(input_dir, path):
             return load_optimizer(plugin, accelerator, optimizer, model, input_dir, *args, **kwargs)
-        mgr.restore({"optimizer": optimizer}, step)
+        if id(optimizer) not in restored:
+            mgr.restore({"model": model, "optimizer": optimizer}, step)
         return None
 
     hf_trainer.load_fsdp_model = fsdp_model
