@@ -169,3 +169,30 @@ def test_trainer_fsdp2_resumes_bit_identical(tmp_path: Path) -> None:
     assert b["final"] == a["final"]
     assert b["losses"] == a["losses"]  # the log history of steps 1-4 came back with it
     shutil.rmtree(tmp_path / "hf-a", ignore_errors=True)
+
+
+def test_the_docs_gpu_snippets_run(tmp_path: Path) -> None:
+    """The docs blocks marked ``skip needs a CUDA device`` run here, one process each."""
+    from tests.test_docs import SKIPPED
+
+    gpu = [s for s in SKIPPED if s.skip is not None and s.skip.startswith("needs a CUDA")]
+    assert len(gpu) == 2, [s.id for s in gpu]
+    if PLAIN:
+        pytest.skip("the snippets use FSDP, which needs the GPU")
+    for i, snippet in enumerate(gpu):
+        work = tmp_path / f"s{i}"
+        work.mkdir()
+        (work / "snippet.py").write_text(snippet.code)
+        env = subprocess_env()
+        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
+                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
+        proc = subprocess.run(
+            [sys.executable, "snippet.py"],
+            cwd=work,
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=240,
+            check=False,
+        )
+        assert proc.returncode == 0, f"{snippet.id}:\n{proc.stdout[-3000:]}{proc.stderr[-5000:]}"
