@@ -142,7 +142,15 @@ def decode_files(
     sharded_leaves: dict[str, torch.Tensor] = {}
     if manifest.dtensor:
         sharded_leaves = read_sharded(
-            session, manifest, fetch(INDEX_FILE), keys, vals, wanted_set, targets
+            session,
+            manifest,
+            fetch(INDEX_FILE),
+            keys,
+            vals,
+            wanted_set,
+            targets,
+            in_place=in_place is not False,
+            touched=touched,
         )
     cache: dict[str, dict[str, torch.Tensor]] = {}
     # What each group's tensors take, from state.json alone: a compressed payload never
@@ -255,12 +263,20 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
     vals: list[Any],
     wanted: set[Any] | None,
     targets: Mapping[Any, Any] | None,
+    *,
+    in_place: bool = False,
+    touched: dict[int, str] | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read this rank's part of every DTensor leaf of the entries to decode.
 
-    Each leaf is read into a fresh tensor laid out like its target (a DTensor with the
-    target's mesh and placements, so only the overlapping byte ranges are read) or, with
-    no target, a full CPU tensor. Every block is checked before its bytes are copied.
+    With ``in_place``, a leaf whose target is a module's, EMA's or optimizer's own tensor
+    of the stored shape and dtype with contiguous CPU local data is read straight into it
+    (``targets.live_targets``), each block copied in only once its CRC32C passed; the
+    address of every own target tensor this step holds a value for goes into ``touched``
+    before anything is read, so a step that fails counts them as written. Every other
+    leaf is read into a fresh tensor laid out like its target (a DTensor with the target's
+    mesh and placements, so only the overlapping byte ranges are read) or, with no target,
+    a full CPU tensor. Returns every leaf's tensor (a live target itself, or a fresh one).
     """
     step = manifest.step
     where = session.storage.describe(step)
@@ -284,7 +300,8 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         if isinstance(node, dict) and "owner" in node:
             owners[k] = node["owner"]
         dtensor_leaves(inner, (k,), index, leaves, where)
-    templates = targets_mod.restore_templates(leaves, targets, kinds, owners)
+    own: set[str] | None = set() if in_place and targets is not None else None
+    templates = targets_mod.restore_templates(leaves, targets, kinds, owners, own=own)
     if layout is not None:
         # Only the parts of the ranks that wrote what overlaps this rank's targets. Read
         # and checked before any tensor is made: the layout alone names the shapes, and
@@ -294,9 +311,18 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         read_part = split_index.part_reader(session.storage, step, manifest.files)
         boxes = {n: targets_mod.template_box(templates[n], e.shape) for n, (_, e) in leaves.items()}
         index = layout.resolve(boxes, read_part, manifest.files, f"{where}/{INDEX_FILE}")
-    flat = targets_mod.fresh_targets(leaves, templates)
+    live = targets_mod.live_targets(leaves, templates, own) if own else {}
+    if touched is not None and own:
+        # Every own tensor this step writes (in place here, or later by apply_state), by
+        # address, before a byte is read: a step that fails leaves them "dirty" (reader.py).
+        for name in own:
+            loc = targets_mod.local_of(templates[name])
+            if loc.numel():
+                touched[loc.data_ptr()] = name
+    flat = targets_mod.fresh_targets(leaves, templates, skip=live)
+    flat.update(live)
     with session.storage.range_reader(step, manifest.files) as reader:
-        targets_mod.read_into(index, flat, reader.read, where, reader.read_into)
+        targets_mod.read_into(index, flat, reader.read, where, reader.read_into, live=live)
     return flat
 
 

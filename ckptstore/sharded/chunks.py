@@ -508,17 +508,24 @@ def read_box_into(
     dest: torch.Tensor,
     block: int,
     where: str,
+    stage: bytearray | None = None,
 ) -> int | None:
-    """Read a sub-box of a saved chunk straight into ``dest``'s memory, then check it.
+    """Read a sub-box of a saved chunk into ``dest``'s memory, checking every block.
 
     Only where the box is one contiguous byte range of the chunk and ``dest`` is a
     contiguous CPU tensor of the chunk's dtype (a dim-0 shard restored into a whole tensor
     or into a row range of one, the common case); otherwise returns None and reads nothing,
-    and the caller goes through :func:`read_box`. The bytes of the blocks the box shares
-    with its neighbours are read into small side buffers, all of it in one pass over the
-    file, and each block's CRC32C is computed over the memory the bytes landed in: one copy
-    (the kernel's) and one CRC pass per byte. ``dest`` is then written even when a block
-    fails its CRC: callers pass fresh tensors, never the caller's state.
+    and the caller goes through :func:`read_box`. The covering blocks are read one after
+    another, each CRC32C computed right after its read, while its bytes are still in the
+    CPU's cache: one CRC pass per byte, never a second pass over memory.
+
+    Without ``stage`` the box's bytes land straight in ``dest`` (one copy, the kernel's) and
+    are checked there, the bytes of the blocks it shares with its neighbours in small side
+    buffers: a block that fails its CRC leaves its bytes in ``dest``, so callers pass fresh
+    tensors (or, for DCP's in-place load, tensors with no such promise). With ``stage`` (a
+    buffer of at least ``min(block, chunk.nbytes)`` bytes) each block is read into it,
+    checked, and only then copied into ``dest``: ``dest`` (a live restore target) never
+    holds a byte that failed its check, at the cost of a copy out of the cache.
 
     Returns:
         The bytes read, or None where the box cannot be read in place.
@@ -543,30 +550,39 @@ def read_box_into(
         return None
     b0, b1 = first // block, -(-end // block)
     lo, hi = b0 * block, min(b1 * block, chunk.nbytes)
-    body = memoryview((ctypes.c_ubyte * (end - first)).from_address(dest.data_ptr())).cast("B")
-    pieces = [
-        (at, mv)
-        for at, mv in (
-            (lo, memoryview(bytearray(first - lo))),
-            (first, body),
-            (end, memoryview(bytearray(hi - end))),
-        )
-        if len(mv)
-    ]
-    read_into(chunk.file, chunk.start + lo, [mv for _, mv in pieces])
+    if stage is not None and len(stage) < min(block, hi - lo):
+        return None
+    base = dest.data_ptr()
+    body = memoryview((ctypes.c_ubyte * (end - first)).from_address(base)).cast("B")
+    staged = memoryview(stage) if stage is not None else None
+    anchor = None if stage is None else (ctypes.c_char * len(stage)).from_buffer(stage)
+    stage_at = 0 if anchor is None else ctypes.addressof(anchor)
+    head = memoryview(bytearray(first - lo)) if staged is None and first > lo else None
+    tail = memoryview(bytearray(hi - end)) if staged is None and hi > end else None
     for k in range(b0, b1):
         k_lo, k_hi = k * block, min((k + 1) * block, hi)
+        a, b = max(k_lo, first), min(k_hi, end)  # the box's bytes in this block
+        if staged is not None:
+            pieces = [staged[: k_hi - k_lo]]
+        else:
+            pieces = [body[a - first : b - first]]
+            if head is not None and k_lo < first:
+                pieces.insert(0, head)
+            if tail is not None and k_hi > end:
+                pieces.append(tail)
+        read_into(chunk.file, chunk.start + k_lo, pieces)
         crc = 0
-        for at, mv in pieces:
-            a, b = max(k_lo, at), min(k_hi, at + len(mv))
-            if a < b:
-                crc = crc32c_of(mv[a - at : b - at], crc)
+        for mv in pieces:
+            crc = crc32c_of(mv, crc)
         if crc != chunk.crcs[k]:
             raise IntegrityError(
                 f"{where}: block {k} of its chunk at {list(chunk.offsets)} in {chunk.file} "
                 f"(bytes {chunk.start + k * block}..) does not match its crc32c; the file is "
                 "corrupt"
             )
+        if staged is not None:
+            # Checked: now, and only now, into the target (memmove releases the GIL).
+            ctypes.memmove(base + (a - first), stage_at + (a - k_lo), b - a)
     return hi - lo
 
 

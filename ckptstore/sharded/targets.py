@@ -11,7 +11,7 @@ from __future__ import annotations
 import concurrent.futures
 import math
 import threading
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from typing import Any
 
 import torch
@@ -29,7 +29,10 @@ from .plan import is_dtensor, named_optimizer_state
 
 __all__ = [
     "READ_THREADS",
+    "STAGE_MAX",
     "fresh_targets",
+    "live_targets",
+    "local_of",
     "read_into",
     "restore_templates",
     "target_box",
@@ -38,6 +41,10 @@ __all__ = [
 
 #: Boxes a restoring rank reads at once (see :func:`read_into`).
 READ_THREADS = 4
+#: The largest CRC block a read thread stages in a buffer of its own (:func:`read_into`);
+#: an index with bigger blocks (4 MiB is the format's) reads live targets through
+#: ``read_box``'s buffer instead.
+STAGE_MAX = 64 << 20
 
 
 def _lookup(value: Any, path: tuple[Any, ...]) -> Any:
@@ -81,6 +88,8 @@ def restore_templates(
     targets: Mapping[Any, Any] | None,
     kinds: Mapping[Any, str | None],
     owners: Mapping[Any, Any],
+    *,
+    own: set[str] | None = None,
 ) -> dict[str, Any]:
     """The target each stored DTensor leaf is to be laid out like (``None``: a full tensor).
 
@@ -91,8 +100,16 @@ def restore_templates(
         targets: the state being restored, or ``None`` to load full tensors.
         kinds: the kind each top-level entry was saved as.
         owners: for ``optimizer`` entries, the key of the module that owns the parameters.
+        own: if given, receives the names whose template is a tensor of a module, EMA or
+            optimizer of ``targets``, at the leaf's own place (not a stand-in such as a
+            parameter for a moment not created yet), that is the object's own memory: two
+            captures of the object, both held alive, hand out the same memory for it (as
+            ``restore.load.persistent_targets`` decides for plain tensors). Only those may
+            be read into in place (:func:`live_targets`): what is written into a copy is
+            gone with it, and plain values are replaced only when a restore succeeds.
     """
     current: dict[Any, Any] = {}
+    again: dict[Any, Any] = {}
     out: dict[str, Any] = {}
     for name, (path, _) in leaves.items():
         template: Any = None
@@ -100,23 +117,94 @@ def restore_templates(
             key = path[0]
             if key not in current:
                 current[key] = _current(targets, key, kinds.get(key), owners.get(key))
+                if own is not None and _persistent(targets[key], kinds.get(key)):
+                    again[key] = _current(targets, key, kinds.get(key), owners.get(key))
             template = _lookup(current[key], path[1:])
             if template is None and kinds.get(key) == "optimizer" and len(path) == 4:
                 # A fresh optimizer has no state yet: its moments are laid out like their
                 # parameter (state/<param>/<moment>).
                 params = current[key].get("params", {})
                 template = params.get(path[2]) if path[1] == "state" else None
+            elif own is not None and key in again and isinstance(template, torch.Tensor):
+                twin = _lookup(again[key], path[1:])
+                if isinstance(twin, torch.Tensor) and _span(twin) == _span(template):
+                    own.add(name)
         out[name] = template
     return out
 
 
-def fresh_targets(
-    leaves: Mapping[str, tuple[tuple[Any, ...], TensorEntry]], templates: Mapping[str, Any]
+def _persistent(target: Any, kind: str | None) -> bool:
+    """Whether ``target``'s tensors may be its own memory (a module, EMA or optimizer)."""
+    if isinstance(target, nn.Module | EMA):
+        return True
+    return kind == "optimizer" and isinstance(target, torch.optim.Optimizer)
+
+
+def local_of(t: torch.Tensor) -> torch.Tensor:
+    """A DTensor's local shard; a plain tensor itself."""
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
+
+
+def _span(t: torch.Tensor) -> tuple[int, int]:
+    """``(first, end)`` addresses of the memory of ``t``'s local data (contiguous or not)."""
+    loc = local_of(t)
+    if loc.numel() == 0:
+        return 0, 0
+    reach = sum((n - 1) * abs(st) for n, st in zip(loc.shape, loc.stride(), strict=True))
+    return loc.data_ptr(), loc.data_ptr() + (reach + 1) * loc.element_size()
+
+
+def live_targets(
+    leaves: Mapping[str, tuple[tuple[Any, ...], TensorEntry]],
+    templates: Mapping[str, Any],
+    own: set[str],
 ) -> dict[str, torch.Tensor]:
-    """A fresh tensor for every stored DTensor leaf, laid out like its template."""
+    """The leaves read straight into their targets' own tensors, and those tensors.
+
+    A leaf of ``own`` (see :func:`restore_templates`) qualifies when its template is a
+    tensor of the stored shape and dtype (a DTensor: of the stored global shape) whose local
+    data is a contiguous, non-empty CPU tensor sharing no byte with another qualifying
+    leaf's (two names tied to one tensor in the targets would write it twice, from two
+    threads: both are read into fresh tensors, and ``apply_state`` loads them in turn as
+    before). Every other leaf gets a fresh tensor (:func:`fresh_targets`).
+    """
+    found: dict[str, torch.Tensor] = {}
+    for name in own:
+        t = templates.get(name)
+        entry = leaves[name][1] if name in leaves else None
+        if not isinstance(t, torch.Tensor) or entry is None:
+            continue
+        loc = local_of(t)
+        if (
+            tuple(t.shape) == entry.shape
+            and t.dtype == entry.torch_dtype
+            and loc.device.type == "cpu"
+            and loc.numel() > 0
+            and loc.is_contiguous()
+        ):
+            found[name] = t
+    # By start address; a span that starts before the farthest end so far overlaps the span
+    # of that end (and every span that overlaps another is flagged this way, one or other).
+    clash: set[str] = set()
+    far, far_name = 0, ""
+    for (lo, hi), name in sorted((_span(t), name) for name, t in found.items()):
+        if lo < far:
+            clash.update((name, far_name))
+        if hi > far:
+            far, far_name = hi, name
+    return {n: t for n, t in found.items() if n not in clash}
+
+
+def fresh_targets(
+    leaves: Mapping[str, tuple[tuple[Any, ...], TensorEntry]],
+    templates: Mapping[str, Any],
+    skip: Mapping[str, Any] | None = None,
+) -> dict[str, torch.Tensor]:
+    """A fresh tensor for every stored DTensor leaf not in ``skip``, laid out like its template."""
     return {
         name: _fresh_like(templates.get(name), entry.shape, entry.torch_dtype)
         for name, (_, entry) in leaves.items()
+        if skip is None or name not in skip
     }
 
 
@@ -174,15 +262,20 @@ def read_into(
     read: Callable[[str, int, int], bytearray],
     where: str,
     read_to: Callable[[str, int, list[memoryview]], None] | None = None,
+    *,
+    live: Collection[str] = (),
 ) -> int:
-    """Fill ``flat`` (fresh tensors or DTensors) from the saved chunks that overlap them.
+    """Fill ``flat`` (tensors or DTensors) from the saved chunks that overlap them.
 
     Each rank reads only the byte ranges that overlap its own shards, and every block it
-    reads is checked against its CRC32C. With ``read_to`` (``RangeReader.read_into``) a box
-    that is one contiguous range of its chunk and of its target is read straight into the
-    target's memory and checked there (``chunks.read_box_into``: ``flat`` holds fresh
-    tensors, so a block that fails leaves nothing of the caller's written); any other box is
-    read into a buffer, checked, then copied.
+    reads is checked against its CRC32C once, right after it was read. With ``read_to``
+    (``RangeReader.read_into``) a box that is one contiguous range of its chunk and of its
+    target goes through ``chunks.read_box_into``: into a fresh tensor straight (checked
+    where it landed: a block that fails leaves nothing of the caller's written), into a
+    tensor named in ``live`` (the caller's own, see :func:`live_targets`) through a
+    block-sized buffer of the reading thread, each block copied in only once it passed, so
+    a live target never holds a byte that failed its check. Any other box is read into a
+    buffer, checked, then copied.
 
     Returns:
         The number of bytes read.
@@ -199,6 +292,15 @@ def read_into(
     # whole chunk for a column range), as before the reads ran at once: the memory a
     # restore takes beyond its targets stays one box.
     buffered = threading.Lock()
+    stages = threading.local()  # each read thread's block buffer, for live targets
+
+    def stage_of() -> bytearray | None:
+        if index.block > STAGE_MAX:
+            return None
+        buf: bytearray | None = getattr(stages, "buf", None)
+        if buf is None:
+            buf = stages.buf = bytearray(index.block)
+        return buf
 
     def one(item: Any) -> int:
         """Read and check one box, then put it in place; the bytes read."""
@@ -209,7 +311,8 @@ def read_into(
             dest = find_state_dict_object(sub, item.dest_index)
             for dim, (off, n) in enumerate(zip(item.dest_offsets, item.lengths, strict=True)):
                 dest = dest.narrow(dim, int(off), int(n))
-            if read_to is not None:
+            stage = stage_of() if name in live else None
+            if read_to is not None and (stage is not None or name not in live):
                 got = read_box_into(
                     read_to,
                     chunk,
@@ -219,6 +322,7 @@ def read_into(
                     dest=dest,
                     block=index.block,
                     where=f"{where}: tensor {name!r}",
+                    stage=stage,
                 )
                 if got is not None:
                     return got

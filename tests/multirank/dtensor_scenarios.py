@@ -210,6 +210,53 @@ def fsdp_restore(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def live_locals(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, int]:
+    """The address of every parameter's and AdamW moment's local data, by name."""
+
+    def loc(t: torch.Tensor) -> torch.Tensor:
+        return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined,no-any-return]
+
+    out = {n: loc(p).data_ptr() for n, p in model.named_parameters()}
+    names = {id(p): n for n, p in model.named_parameters()}
+    for p, st in opt.state.items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            out[f"{names[id(p)]}/{k}"] = loc(st[k]).data_ptr()
+    return {k: v for k, v in out.items() if v}  # an empty local shard has no memory
+
+
+def fsdp_restore_live(ctx: Ctx) -> dict[str, Any]:
+    """Restore into an FSDP2 model and an AdamW whose moments exist (a job that trained on).
+
+    Returns the digests, whether every parameter's and moment's memory stayed where it was,
+    and whether each was read straight into that memory (the addresses the read wrote to).
+    """
+    from ckptstore.sharded import targets as targets_mod
+
+    model = make_net(seed=99)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 1, seed=7)
+    before = live_locals(model, opt)
+    written: set[int] = set()
+    real = targets_mod.read_into
+
+    def read_into(index: Any, flat: Any, *a: Any, **k: Any) -> int:
+        written.update((t.to_local() if is_dtensor(t) else t).data_ptr() for t in flat.values())
+        return real(index, flat, *a, **k)
+
+    targets_mod.read_into = read_into  # type: ignore[assignment]
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "rng": RNGState(), "step": 0}
+    with _mgr(ctx) as mgr:
+        mgr.restore(state)
+    after = live_locals(model, opt)
+    return {
+        "digests": digests(model, opt),
+        "kept": after == before,
+        "read_in_place": sorted(k for k, v in before.items() if v in written),
+        "tensors": sorted(before),
+    }
+
+
 def fsdp_train_on(ctx: Ctx) -> dict[str, Any]:
     """Reference: train 3 steps, then 1 more with seed 7, without any checkpoint."""
     model = make_net()

@@ -118,6 +118,47 @@ def test_fsdp2_restores_on_any_world_size(saved2, tmp_path, world):
         assert vals[0]["rand"] == saved["rand"] or vals[1]["rand"] == saved["rand"]
 
 
+def test_a_resharded_restore_reads_into_the_live_parameters_and_moments(saved2, tmp_path):
+    # 2 -> 3 ranks, into a model and an AdamW that trained on (its moments exist): every
+    # parameter and moment is read straight into its own memory, bit-exact.
+    work, saved = saved2
+    copy_store(work, tmp_path)
+    vals = values(launch("dtensor_scenarios:fsdp_restore_live", 3, tmp_path, timeout=180))
+    for v in vals:
+        assert v["digests"] == saved["digests"]
+        assert v["kept"]
+        assert v["tensors"]
+        assert v["read_in_place"] == v["tensors"]
+
+
+def test_a_restore_in_one_process_reads_into_the_live_parameters_and_moments(
+    saved2, tmp_path, monkeypatch
+):
+    # 2 -> 1 process without a process group: plain parameters and moments, read in place.
+    from ckptstore.sharded import targets as targets_mod
+    from tests.multirank.dtensor_scenarios import live_locals, train
+
+    work, saved = saved2
+    copy_store(work, tmp_path)
+    model = make_net(seed=42)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 1, seed=7)
+    before = live_locals(model, opt)
+    written: list[int] = []
+    real = targets_mod.read_into
+
+    def read_into(index: Any, flat: Any, *a: Any, **k: Any) -> int:
+        written.extend(t.data_ptr() for t in flat.values())
+        return real(index, flat, *a, **k)
+
+    monkeypatch.setattr(targets_mod, "read_into", read_into)
+    with CheckpointManager(tmp_path / "store") as mgr:
+        assert mgr.restore({"model": model, "optimizer": opt, "step": 0}) == 3
+    assert digests(model, opt) == saved["digests"]
+    assert live_locals(model, opt) == before
+    assert sorted(written) == sorted(before.values())
+
+
 def test_fsdp2_checkpoint_loads_in_one_process_without_a_process_group(saved2, tmp_path):
     work, saved = saved2
     copy_store(work, tmp_path)
