@@ -59,8 +59,17 @@ is never overwritten (:class:`~ckptstore.StepExistsError`), except that the call
 second save of the step it has just saved (the Trainer saves twice when a save step ends an
 epoch).
 
-Only replicated training is covered (one process, DDP, multi-CPU): under FSDP, DeepSpeed or
-Megatron-LM the state is sharded by those engines, and the classes refuse to start.
+**FSDP2.** Under accelerate's FSDP2 plugin (``fsdp_version=2``; the Trainer's
+``fsdp=True``, ``fsdp_config={"version": 2}``) parameters and optimizer moments are
+``DTensor`` shards: both classes save them sharded (every process writes its own shards,
+the manifest goes last) and restore them in place on any number of processes.
+``AcceleratorCheckpointer.resume`` restores into the prepared objects; the callback's resume
+checkpoint holds the trainer state, scheduler and RNG files and two marker folders named as
+the Trainer's FSDP checkpoints (``pytorch_model_fsdp_0``, ``optimizer_0``), and while it is
+open the Trainer's FSDP loads of it (``load_fsdp_model``/``load_fsdp_optimizer``, as bound in
+``transformers.trainer``) restore the model and optimizer from the store instead, each
+process reading only what its shards overlap. FSDP version 1 (flat parameters), DeepSpeed and
+Megatron-LM keep their state in their own engines, and the classes refuse to start.
 """
 
 from __future__ import annotations
@@ -258,8 +267,8 @@ class AcceleratorCheckpointer:
             ``async_save``, ``barrier_timeout``, ``storage_options``, ``allow_pickle``).
 
     Raises:
-        ValueError: the accelerator shards its state (FSDP, DeepSpeed, Megatron-LM), or an
-            option is invalid.
+        ValueError: the accelerator shards its state in its own engine (FSDP version 1,
+            DeepSpeed, Megatron-LM), or an option is invalid.
     """
 
     def __init__(

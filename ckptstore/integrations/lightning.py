@@ -106,11 +106,15 @@ parallelism in ``configure_model``) never calls a ``CheckpointIO``: it saves wit
   ``load_checkpoint`` without calling ``super()`` bypasses the plugin, as it would bypass
   Lightning's own code.
 
-``FSDPStrategy`` (FSDP1) and ``DeepSpeedStrategy`` also save and load with their own code,
-whatever ``checkpoint_io`` holds, and are not served: handing them the plugin raises
+``FSDPStrategy(state_dict_type="sharded")`` (FSDP version 1) is served the same way: FSDP1's
+sharded state dicts hold ``ShardedTensor``s chunked along dim 0, which are saved as the
+equivalent ``Shard(0)`` DTensors (the same memory) and restored into them (any other layout
+raises :class:`~ckptstore.ConfigError`); its default ``state_dict_type="full"`` (the full
+state gathered on rank 0, loaded with ``torch.load``) is refused when the ``Trainer`` is
+built. ``DeepSpeedStrategy`` saves and loads through the DeepSpeed engine, whatever
+``checkpoint_io`` holds, and is not served: handing it the plugin raises
 :class:`~ckptstore.ConfigError` when the ``Trainer`` is built, instead of a run whose
-checkpoints silently never went through ckptstore (for FSDP, shard with FSDP2 under
-``ModelParallelStrategy``).
+checkpoints silently never went through ckptstore.
 
 **Not covered.** ``LightningModule.load_from_checkpoint`` reads with ``torch.load`` itself,
 bypassing ``CheckpointIO``: use ``trainer.validate/test/predict(ckpt_path=...)``, or
