@@ -238,18 +238,25 @@ class TokenData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
         return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
-def trainer_run(*, resume: bool) -> None:
-    from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainingArguments
+def tiny_gpt2(seed: int) -> Any:
+    """A 2-layer GPT-2 with eager attention (deterministic backward on a GPU)."""
+    from transformers import GPT2Config, GPT2LMHeadModel
 
-    from ckptstore.integrations.hf import CkptStoreCallback
-
-    deterministic()
-    torch.manual_seed(0 if not resume else 9)
+    torch.manual_seed(seed)
     config = GPT2Config(
         n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32,
         attn_implementation="eager",
     )  # fmt: skip
-    model = GPT2LMHeadModel(config)
+    return GPT2LMHeadModel(config)
+
+
+def trainer_run(*, resume: bool) -> None:
+    from transformers import Trainer, TrainingArguments
+
+    from ckptstore.integrations.hf import CkptStoreCallback
+
+    deterministic()
+    model = tiny_gpt2(seed=0 if not resume else 9)
     fsdp: dict[str, Any] = (
         {"use_cpu": True} if PLAIN else {"fsdp": True, "fsdp_config": {"version": 2}}
     )

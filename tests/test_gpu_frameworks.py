@@ -168,6 +168,17 @@ def test_trainer_fsdp2_resumes_bit_identical(tmp_path: Path) -> None:
     assert b["global_step"] == 6
     assert b["final"] == a["final"]
     assert b["losses"] == a["losses"]  # the log history of steps 1-4 came back with it
+    # Another world size: 2 CPU ranks (gloo) restore the GPU's last step into FSDP2 GPT-2.
+    res = launch(
+        "gpu_scenarios:restore_trainer",
+        2,
+        tmp_path / "cpu2",
+        timeout=180,
+        args={"root": str(store), "step": 6},
+    )
+    assert all(r.ok for r in res), describe(res)
+    for r in res:
+        assert r.value == {"step": 6, "model": a["final"]["model"]}
     shutil.rmtree(tmp_path / "hf-a", ignore_errors=True)
 
 

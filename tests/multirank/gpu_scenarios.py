@@ -35,3 +35,23 @@ def restore_accelerate(ctx: Ctx) -> dict[str, Any]:
         "model": w.model_digests(model),
         "optim": w.optimizer_digests(model, opt),
     }
+
+
+def restore_trainer(ctx: Ctx) -> dict[str, Any]:
+    """Restore the Trainer's FSDP2 GPT-2 step (saved on one GPU) into FSDP2 on these CPU ranks.
+
+    Returns the full tensors' digests of the model, by name.
+    """
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    import tests.gpu_frameworks_worker as w
+
+    model = w.tiny_gpt2(seed=13)
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    for block in model.transformer.h:
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    with CheckpointManager(ctx.args["root"], barrier_timeout=HEALTHY) as mgr:
+        step = mgr.restore({"model": model}, ctx.args["step"])
+    return {"step": step, "model": w.model_digests(model)}
