@@ -52,10 +52,10 @@ def _local_rows(full: torch.Tensor) -> torch.Tensor:
 
 
 def st_save(ctx: Ctx) -> dict[str, Any]:
-    """Every rank saves the sharded state of seed 1 as step 1."""
+    """Every rank saves the sharded state of seed 1 as step 1; then the refusal below."""
     with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
         mgr.save(1, as_dtensors(state(1, 0.1), "state"))
-    return {"saved": 1}
+    return {"saved": 1, "refused": st_refuse(ctx)}
 
 
 def st_restore(ctx: Ctx) -> dict[str, Any]:
