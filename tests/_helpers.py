@@ -546,3 +546,17 @@ def run_lightning_job(argv: list[str], log: Path, timeout: float, what: str) -> 
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
     assert rc == 0, log.read_text()[-4000:]
+
+
+class TokenData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
+    """Eight random sequences of 16 tokens (a Trainer's dataset): four steps per epoch at
+    batch size 2."""
+
+    def __init__(self) -> None:
+        self.x = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(0))
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
+        return {"input_ids": self.x[i], "labels": self.x[i]}

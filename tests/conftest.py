@@ -92,3 +92,21 @@ def s3() -> Iterator[Any]:
     with s3_server() as ep:
         yield ep
         wait_for_deletions()  # background deletions must not outlive the server
+
+
+@pytest.fixture(scope="module")
+def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
+    """A one-rank CPU mesh on a gloo group of this process (for DTensors in-process)."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    if dist.is_initialized():  # pragma: no cover - another module left one behind
+        yield init_device_mesh("cpu", (1,))
+        return
+    init = tmp_path_factory.mktemp("pg") / "rendezvous"
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
+    try:
+        yield init_device_mesh("cpu", (1,))
+    finally:
+        dist.destroy_process_group()

@@ -225,19 +225,6 @@ def lightning_run(*, resume: bool) -> None:
 # ---- transformers: Trainer with FSDP2 and CkptStoreCallback ------------------------------
 
 
-class TokenData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
-    """Eight sequences of 16 tokens: four steps an epoch at batch size 2."""
-
-    def __init__(self) -> None:
-        self.x = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.x[i], "labels": self.x[i]}
-
-
 def tiny_gpt2(seed: int) -> Any:
     """A 2-layer GPT-2 with eager attention (deterministic backward on a GPU)."""
     from transformers import GPT2Config, GPT2LMHeadModel
@@ -254,6 +241,7 @@ def trainer_run(*, resume: bool) -> None:
     from transformers import Trainer, TrainingArguments
 
     from ckptstore.integrations.hf import CkptStoreCallback
+    from tests._helpers import TokenData
 
     deterministic()
     model = tiny_gpt2(seed=0 if not resume else 9)

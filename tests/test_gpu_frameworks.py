@@ -69,6 +69,19 @@ def run(mode: str, out: Path, *, torchrun_env: bool, timeout: float = 240) -> di
     return dict(json.loads((out / f"{mode}.json").read_text()))
 
 
+def on_2_cpu_ranks(scenario: str, store: Path, step: int, tmp_path: Path) -> list[Any]:
+    """What each of 2 CPU ranks (gloo) returns from ``gpu_scenarios:SCENARIO`` (a restore)."""
+    res = launch(
+        f"gpu_scenarios:{scenario}",
+        2,
+        tmp_path / "cpu2",
+        timeout=180,
+        args={"root": str(store), "step": step},
+    )
+    assert all(r.ok for r in res), describe(res)
+    return [r.value for r in res]
+
+
 def test_accelerate_fsdp2_resumes_bit_identical_and_restores_on_2_cpu_ranks(
     tmp_path: Path,
 ) -> None:
@@ -95,18 +108,8 @@ def test_accelerate_fsdp2_resumes_bit_identical_and_restores_on_2_cpu_ranks(
     assert b["final"] == a["final"]
     assert b["lr"] == a["lr"]
     # Another world size: 2 CPU ranks (gloo) restore the GPU's step into their FSDP2 shards.
-    res = launch(
-        "gpu_scenarios:restore_accelerate",
-        2,
-        tmp_path / "cpu2",
-        timeout=180,
-        args={"root": str(store), "step": 3},
-    )
-    assert all(r.ok for r in res), describe(res)
-    for r in res:
-        assert r.value["step"] == 3
-        assert r.value["model"] == a["saved3"]["model"]
-        assert r.value["optim"] == a["saved3"]["optim"]
+    for value in on_2_cpu_ranks("restore_accelerate", store, 3, tmp_path):
+        assert value == {"step": 3, **a["saved3"]}
 
 
 def m_dir(store: Path, step: int) -> str:
@@ -169,16 +172,8 @@ def test_trainer_fsdp2_resumes_bit_identical(tmp_path: Path) -> None:
     assert b["final"] == a["final"]
     assert b["losses"] == a["losses"]  # the log history of steps 1-4 came back with it
     # Another world size: 2 CPU ranks (gloo) restore the GPU's last step into FSDP2 GPT-2.
-    res = launch(
-        "gpu_scenarios:restore_trainer",
-        2,
-        tmp_path / "cpu2",
-        timeout=180,
-        args={"root": str(store), "step": 6},
-    )
-    assert all(r.ok for r in res), describe(res)
-    for r in res:
-        assert r.value == {"step": 6, "model": a["final"]["model"]}
+    for value in on_2_cpu_ranks("restore_trainer", store, 6, tmp_path):
+        assert value == {"step": 6, "model": a["final"]["model"]}
     shutil.rmtree(tmp_path / "hf-a", ignore_errors=True)
 
 

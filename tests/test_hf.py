@@ -18,7 +18,7 @@ pytest.importorskip("accelerate")
 pytest.importorskip("transformers")
 
 import transformers
-from _helpers import step_dir
+from _helpers import TokenData, step_dir
 from accelerate import Accelerator
 from accelerate.utils import DataLoaderConfiguration
 from transformers import (
@@ -196,19 +196,6 @@ def test_accelerate_refuses_other_registered_objects(tmp_path: Path) -> None:
 
 
 # ---- transformers Trainer ----------------------------------------------------------------
-
-
-class TokenData(torch.utils.data.Dataset):
-    """Eight random sequences of 16 tokens: four steps per epoch at batch size 2."""
-
-    def __init__(self) -> None:
-        self.x = torch.randint(0, 100, (8, 16), generator=torch.Generator().manual_seed(0))
-
-    def __len__(self) -> int:
-        return len(self.x)
-
-    def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
-        return {"input_ids": self.x[i], "labels": self.x[i]}
 
 
 class StopAfter(TrainerCallback):

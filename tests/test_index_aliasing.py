@@ -12,14 +12,11 @@ hostile too (a mesh of 64 coordinates whose stride 0 makes rank 0 the writer of 
 from __future__ import annotations
 
 import json
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from _helpers import MANIFEST, index_chunks, replace_payload, step_dir
 
 from ckptstore import CheckpointManager, IntegrityError
@@ -30,22 +27,6 @@ pytestmark = pytest.mark.timeout(120)
 
 NAME = "model/w"
 ROWS, COLS = 64, 300
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():  # pragma: no cover - another module left one behind
-        yield init_device_mesh("cpu", (1,))
-        return
-    init = tmp_path_factory.mktemp("pg") / "rendezvous"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def _rewrite(step: Path, name: str, data: bytes) -> None:

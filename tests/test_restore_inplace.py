@@ -9,14 +9,11 @@ or the restore names the tensors it could not.
 
 from __future__ import annotations
 
-import os
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-import torch.distributed as dist
 from torch import nn
 
 from ckptstore import CheckpointManager
@@ -28,22 +25,6 @@ from tests._helpers import index_chunks, step_path
 pytestmark = pytest.mark.timeout(120)
 
 ROWS = 3 * BLOCK // (4 * 256)  # "big": 3 blocks of float32, 256 columns
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():  # pragma: no cover - another module left one behind
-        yield init_device_mesh("cpu", (1,))
-        return
-    init = tmp_path_factory.mktemp("pg") / "rendezvous"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 class Net(nn.Module):

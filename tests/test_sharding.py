@@ -10,13 +10,10 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import os
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import torch
-import torch.distributed as dist
 from safetensors.torch import load_file
 
 from ckptstore.codec import safetensors as st
@@ -145,22 +142,6 @@ def test_write_shards_spreads_a_large_rank_over_files_with_correct_chunks(
 
 
 # ---- the memoized save plan (DTensors on a one-rank mesh) ------------------------------------
-
-
-@pytest.fixture(scope="module")
-def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
-    from torch.distributed.device_mesh import init_device_mesh
-
-    if dist.is_initialized():  # pragma: no cover - another module left one behind
-        yield init_device_mesh("cpu", (1,))
-        return
-    init = tmp_path_factory.mktemp("pg") / "rendezvous"
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    dist.init_process_group("gloo", init_method=f"file://{init}", rank=0, world_size=1)
-    try:
-        yield init_device_mesh("cpu", (1,))
-    finally:
-        dist.destroy_process_group()
 
 
 def test_save_plans_equal_dcps_item_for_item(mesh: object) -> None:
