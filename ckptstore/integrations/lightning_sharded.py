@@ -1,7 +1,12 @@
-"""``ModelParallelStrategy`` (FSDP2, tensor parallel) saving and loading through ckptstore.
+"""``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` (FSDP1, sharded
+state dicts) saving and loading through ckptstore.
 
-Used by :mod:`ckptstore.integrations.lightning`: when a Lightning ``ModelParallelStrategy``
-holds a :class:`~ckptstore.integrations.lightning.CkptStoreIO`, its ``save_checkpoint`` and
+FSDP1's ``ShardedTensor`` state is taken with ``get_model_state_dict`` /
+``get_optimizer_state_dict`` and saved and restored through ``Shard(0)`` DTensor views of
+the same memory (:mod:`ckptstore.integrations._sharded_tensor`); the rest is as below.
+
+Used by :mod:`ckptstore.integrations.lightning`: when such a Lightning strategy holds a
+:class:`~ckptstore.integrations.lightning.CkptStoreIO`, its ``save_checkpoint`` and
 ``load_checkpoint`` (which never call a ``CheckpointIO``) run :func:`save_sharded` and
 :func:`load_sharded` instead of ``torch.distributed.checkpoint``; with any other
 ``checkpoint_io`` they are Lightning's own. Nothing here is public API: see the docstring
