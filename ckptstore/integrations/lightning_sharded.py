@@ -1,7 +1,7 @@
-"""``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` (FSDP1, sharded
-state dicts) saving and loading through ckptstore.
+"""Lightning's sharded strategies saving and loading through ckptstore.
 
-FSDP1's ``ShardedTensor`` state is taken with ``get_model_state_dict`` /
+``ModelParallelStrategy`` (FSDP2, tensor parallel) and ``FSDPStrategy`` (FSDP1, sharded
+state dicts). FSDP1's ``ShardedTensor`` state is taken with ``get_model_state_dict`` /
 ``get_optimizer_state_dict`` and saved and restored through ``Shard(0)`` DTensor views of
 the same memory (:mod:`ckptstore.integrations._sharded_tensor`); the rest is as below.
 
