@@ -184,6 +184,30 @@ def test_accelerate_falls_back_past_a_corrupt_step(
     assert same(again.params(), acc_reference.params())
 
 
+def test_engines_that_keep_their_own_state_are_refused_and_fsdp2_is_served(
+    tmp_path: Path,
+) -> None:
+    # accelerate sets FSDP, DeepSpeed and Megatron-LM only on accelerators: the accelerator's
+    # two attributes the checks read stand in for them (FSDP2 itself: test_gpu_frameworks).
+    from accelerate.utils import DistributedType
+
+    from ckptstore.errors import ConfigError
+
+    class Engine:
+        def __init__(self, dtype: DistributedType, fsdp2: bool) -> None:
+            self.distributed_type, self.is_fsdp2 = dtype, fsdp2
+
+    with pytest.raises(ConfigError, match="FSDP version 1 keeps parameters in flat buffers"):
+        AcceleratorCheckpointer(Engine(DistributedType.FSDP, False), tmp_path / "a")
+    for dtype in (DistributedType.DEEPSPEED, DistributedType.MEGATRON_LM):
+        with pytest.raises(ConfigError, match=f"distributed_type {dtype.value} shards"):
+            AcceleratorCheckpointer(Engine(dtype, False), tmp_path / "b")
+    assert not (tmp_path / "a").exists()
+    assert not (tmp_path / "b").exists()
+    with AcceleratorCheckpointer(Engine(DistributedType.FSDP, True), tmp_path / "c") as ckpt:
+        assert ckpt.manager.steps() == []
+
+
 def test_accelerate_refuses_other_registered_objects(tmp_path: Path) -> None:
     root = tmp_path / "ckpt"
     run = AccRun(0)

@@ -118,21 +118,20 @@ _FSDP_MARKER = "ckptstore-restores-in-place.json"
 Retention = int | RetentionPolicy | list[RetentionPolicy] | None
 
 
-def _refuse_sharded(accelerator: Any, *, fsdp2: bool = True) -> None:
+def _refuse_sharded(accelerator: Any) -> None:
     """Raise for an accelerator whose engine shards state in a way ckptstore cannot serve.
 
     FSDP2 (``fully_shard``: parameters and optimizer moments are ``DTensor`` shards) is
-    served when ``fsdp2`` (every process saves its own shards); FSDP1's flat parameters,
-    DeepSpeed and Megatron-LM keep their state inside their engines.
+    served (every process saves its own shards); FSDP1's flat parameters, DeepSpeed and
+    Megatron-LM keep their state inside their engines.
     """
     dtype = getattr(accelerator, "distributed_type", None)
     name = str(getattr(dtype, "value", dtype))
     if name not in _SHARDED_ENGINES:
         return
-    is_fsdp2 = name == "FSDP" and bool(getattr(accelerator, "is_fsdp2", False))
-    if is_fsdp2 and fsdp2:
+    if name == "FSDP" and getattr(accelerator, "is_fsdp2", False) is True:
         return
-    if name == "FSDP" and not is_fsdp2:
+    if name == "FSDP":
         msg = (
             "accelerator: FSDP version 1 keeps parameters in flat buffers whose sharded state "
             "is FSDP's own; ckptstore serves FSDP2. Use "
