@@ -516,18 +516,29 @@ def index_chunks(step: Path, name: str) -> list[dict[str, Any]]:
     return sorted(rows, key=lambda c: c["offsets"])
 
 
-def run_lightning_job(argv: list[str], log: Path, timeout: float, what: str) -> None:
-    """Run rank 0 of a Lightning job (Lightning starts the other ranks) in its own session,
-    logging to ``log``; the whole group is killed on timeout, and the test fails with the
-    log's tail unless it exits 0."""
+def run_rank0_job(
+    argv: list[str],
+    log: Path,
+    timeout: float,
+    what: str,
+    env: dict[str, str] | None = None,
+) -> None:
+    """Run ``python ARGV`` (rank 0 of a job: Lightning starts the other ranks itself) in its
+    own session, logging to ``log``; the whole group is killed on timeout, and the test
+    fails with the log's tail unless it exits 0.
+
+    ``env``: the child's whole environment; by default this one with the repository on
+    ``PYTHONPATH`` and none of torchrun's variables, as a Lightning job wants it.
+    """
     import os
     import signal
 
     import pytest
 
-    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
-    for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
-        env.pop(key, None)
+    if env is None:
+        env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(REPO), PYTHONUNBUFFERED="1")
+        for key in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT"):
+            env.pop(key, None)
     with open(log, "w") as f:
         proc = subprocess.Popen(
             [sys.executable, *argv],
@@ -545,7 +556,7 @@ def run_lightning_job(argv: list[str], log: Path, timeout: float, what: str) -> 
         finally:
             if proc.poll() is None:
                 os.killpg(proc.pid, signal.SIGKILL)
-    assert rc == 0, log.read_text()[-4000:]
+    assert rc == 0, f"{what} exited {rc}:\n{log.read_text()[-6000:]}"
 
 
 class TokenData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):

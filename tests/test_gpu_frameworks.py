@@ -15,7 +15,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import signal
 import socket
 import subprocess
 import sys
@@ -24,7 +23,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import REPO, subprocess_env
+from _helpers import REPO, run_rank0_job, subprocess_env
 
 from ckptstore import CheckpointManager
 from tests.multirank.launch import describe, launch
@@ -44,28 +43,22 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _one_process_torchrun() -> dict[str, str]:
+    """The variables torchrun sets for a job of one process (accelerate reads them)."""
+    return {"RANK": "0", "WORLD_SIZE": "1", "LOCAL_RANK": "0", "LOCAL_WORLD_SIZE": "1",
+            "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(_free_port())}  # fmt: skip
+
+
 def run(mode: str, out: Path, *, torchrun_env: bool, timeout: float = 240) -> dict[str, Any]:
     """One worker process; its JSON record. A hang kills its whole session and fails."""
     env = subprocess_env()
     for key in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                 "MASTER_PORT", "NODE_RANK"):  # fmt: skip
         env.pop(key, None)
-    if torchrun_env:  # as torchrun sets it for one process (accelerate reads it)
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
-    log = out / f"{mode}.log"
-    argv = [sys.executable, str(WORKER), mode, str(out), *(["--plain"] if PLAIN else [])]
-    with open(log, "w") as f:
-        proc = subprocess.Popen(
-            argv, env=env, stdout=f, stderr=subprocess.STDOUT, start_new_session=True
-        )
-        try:
-            rc = proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-            pytest.fail(f"{mode} hung for {timeout}s:\n{log.read_text()[-4000:]}")
-    assert rc == 0, f"{mode} exited {rc}:\n{log.read_text()[-6000:]}"
+    if torchrun_env:
+        env.update(_one_process_torchrun())
+    argv = [str(WORKER), mode, str(out), *(["--plain"] if PLAIN else [])]
+    run_rank0_job(argv, out / f"{mode}.log", timeout, mode, env=env)
     return dict(json.loads((out / f"{mode}.json").read_text()))
 
 
@@ -189,9 +182,7 @@ def test_the_docs_gpu_snippets_run(tmp_path: Path) -> None:
         work = tmp_path / f"s{i}"
         work.mkdir()
         (work / "snippet.py").write_text(snippet.code)
-        env = subprocess_env()
-        env.update(RANK="0", WORLD_SIZE="1", LOCAL_RANK="0", LOCAL_WORLD_SIZE="1",
-                   MASTER_ADDR="127.0.0.1", MASTER_PORT=str(_free_port()))  # fmt: skip
+        env = {**subprocess_env(), **_one_process_torchrun()}
         proc = subprocess.run(
             [sys.executable, "snippet.py"],
             cwd=work,

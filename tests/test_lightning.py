@@ -25,7 +25,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _helpers import REPO, run_lightning_job
+from _helpers import REPO, run_rank0_job
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
@@ -699,7 +699,7 @@ def test_strategies_refuse_the_plugin_where_it_cannot_serve(package: str) -> Non
 def launch(out: Path, mode: str, epochs: int, timeout: float) -> None:
     """Rank 0 of the DDP job (Lightning starts rank 1); the whole group dies on timeout."""
     argv = [str(WORKER), str(out), mode, str(epochs)]
-    run_lightning_job(argv, out / f"{mode}.log", timeout, f"DDP {mode}")
+    run_rank0_job(argv, out / f"{mode}.log", timeout, f"DDP {mode}")
 
 
 def calls(out: Path, rank: int) -> list[dict[str, Any]]:

@@ -20,7 +20,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _helpers import REPO, run_cli, run_lightning_job
+from _helpers import REPO, run_cli, run_rank0_job
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ckptstore import CheckpointManager
@@ -41,7 +41,7 @@ def launch(out: Path, devices: int, plan: list[dict[str, Any]], timeout: float) 
     name = f"job{devices}"
     (out / f"{name}.json").write_text(json.dumps(plan))
     argv = [str(WORKER), str(out), str(devices), str(out / f"{name}.json")]
-    run_lightning_job(argv, out / f"{name}.log", timeout, name)
+    run_rank0_job(argv, out / f"{name}.log", timeout, name)
 
 
 def rows(out: Path, name: str, ranks: int) -> list[dict[str, Any]]:
