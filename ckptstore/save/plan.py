@@ -83,6 +83,7 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
     mark(clock, "begin")
     key: Any = None
     split = False
+    digest: tuple[int, str, str] | None = None
     try:
         if opts.compression is not None:
             msg = (
@@ -103,6 +104,7 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
         mark(clock, "encode")
         key = sharding.layout_key(collector.flat)
         split = split_index.splittable(collector.flat, coord.world_size)
+        digest = sharding.state_digest(collector.flat)
         planned = ("ok", None)
     except BaseException as e:
         log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)
@@ -111,7 +113,9 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
     seq = coord.seq
     post_dirname(session, pending, step, seq)
     try:
-        verdict = coord.reduce((planned[0], told, split), _plan_verdict, "save:plan", step)
+        # Rank 0's first name goes into the verdict; the others' stay home (see _differs).
+        said = digest if digest is None or coord.is_leader else (digest[0], "", digest[2])
+        verdict = coord.reduce((planned[0], told, split, said), _plan_verdict, "save:plan", step)
     except BarrierTimeout:
         if pending is not None:
             session.storage.abort(pending)
@@ -120,7 +124,9 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
     pending = opened(session, pending, verdict, step, seq)
     if planned[0] != "ok":
         return pending, planned
-    if verdict["failed"]:
+    if verdict["differ"] and digest is not None and digest[2] != verdict["digest"][2]:
+        return pending, ("error", _differs(digest, verdict))
+    if verdict["failed"] or verdict["differ"]:
         return pending, ("aborted", None)
     try:
         job = _job(session, collector, key, verdict["split"], encoded, opts, cache, staging, clock)
@@ -130,18 +136,42 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
     return pending, ("ok", job)
 
 
-def _plan_verdict(every: list[tuple[str, tuple[str, Any], bool]]) -> dict[str, Any]:
+def _plan_verdict(every: list[tuple[str, tuple[str, Any], bool, Any]]) -> dict[str, Any]:
     """Rank 0's answer to the plan exchange: its directory, who failed, the index's form.
 
     ``every`` holds each rank's (plan status, :func:`open_here` answer, whether its DTensors
-    allow the split index). Only the first failure to open a directory is sent back (it is
-    raised everywhere), and the number of ranks that could not plan (each sends its own
-    error to rank 0 at the commit). The split index is used only where every rank can.
+    allow the split index, :func:`~ckptstore.sharded.plan.state_digest`). Only the first
+    failure to open a directory is sent back (it is raised everywhere), and the number of
+    ranks that could not plan (each sends its own error to rank 0 at the commit). The split
+    index is used only where every rank can. ``differ`` counts the ranks that planned
+    DTensors other than rank 0's; each of them refuses the save, naming rank 0's
+    (``digest``), and the others abort it.
     """
-    verdict = open_verdict([told for _, told, _ in every])
-    verdict["failed"] = sum(1 for st, _, _ in every if st != "ok")
-    verdict["split"] = all(split for _, _, split in every)
+    verdict = open_verdict([e[1] for e in every])
+    verdict["failed"] = sum(1 for e in every if e[0] != "ok")
+    verdict["split"] = all(e[2] for e in every)
+    ref = every[0][3]
+    verdict["digest"] = ref
+    verdict["differ"] = (
+        sum(1 for e in every if e[0] == "ok" and e[3][2] != ref[2]) if every[0][0] == "ok" else 0
+    )
+    verdict["ranks"] = len(every)
     return verdict
+
+
+def _differs(mine: tuple[int, str, str] | None, verdict: Mapping[str, Any]) -> Exception:
+    """The refusal of a rank whose DTensors differ from rank 0's (see ``_plan_verdict``)."""
+    assert mine is not None
+    assert verdict["digest"] is not None
+    count, first, _ = mine
+    count0, first0, _ = verdict["digest"]
+    return UnsafeCheckpointError(
+        f"it holds {count} DTensors (the first by name {first!r}) and rank 0 holds {count0} "
+        f"(the first {first0!r}), with other names, dtypes or shapes ({verdict['differ']} of "
+        f"{verdict['ranks']} ranks differ from rank 0): every rank must save the same "
+        "DTensors, each holding its shard or none; a pipeline-parallel job whose stages "
+        "hold different layers cannot be saved as one sharded checkpoint"
+    )
 
 
 def _job(  # noqa: PLR0917 - private to this stage

@@ -70,6 +70,7 @@ __all__ = [
     "save_plans",
     "shard_layout",
     "split_parts",
+    "state_digest",
     "tensor_meta",
     "write_shards",
     "writes_here",
@@ -420,6 +421,25 @@ def tensor_meta(flat: Mapping[str, Any]) -> dict[str, tuple[str, tuple[int, ...]
     each one's dtype and shape without asking the others.
     """
     return {n: (dtype_name(t.dtype), tuple(int(x) for x in t.shape)) for n, t in flat.items()}
+
+
+def state_digest(flat: Mapping[str, Any]) -> tuple[int, str, str]:
+    """What every rank of a save must hold alike: its DTensors' names, dtypes and shapes.
+
+    ``(count, first name, digest)``: a rank sends these 3 values to rank 0 whatever the
+    number of its DTensors or of the ranks, and rank 0 compares them with its own. Rank 0
+    writes ``state.json`` and indexes the tensors it holds (:func:`tensor_meta`), so a
+    rank that holds others (a pipeline stage's layers) would have its shards written and
+    never indexed: the save must refuse it instead.
+    """
+    import hashlib
+
+    h = hashlib.blake2b(digest_size=16)
+    for name in sorted(flat):
+        t = flat[name]
+        h.update(f"{name}\0{t.dtype}\0{tuple(int(x) for x in t.shape)}\n".encode())
+    first = min(flat) if flat else ""
+    return len(flat), first[:200], h.hexdigest()
 
 
 def _chunk_key(name: str, offsets: Iterable[int]) -> str:

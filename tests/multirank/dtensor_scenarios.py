@@ -452,6 +452,24 @@ def fsdp_refused(ctx: Ctx) -> dict[str, Any]:
         out["steps"] = mgr.steps()
         mgr.save(2, {"model": model, "optimizer": opt})  # the store is still usable
         out["after"] = mgr.steps()
+        saved = digests(model, opt)
+        # Pipeline stages: each rank holds other layers, FSDP2 on its own one-rank sub-mesh.
+        # Rank 0 indexes only the DTensors it holds: rank 1's used to be written and never
+        # indexed, and the step committed without them.
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import fully_shard
+
+        pp = init_device_mesh("cpu", (2, 1), mesh_dim_names=("pp", "dp"))
+        stage = nn.Sequential()
+        stage.add_module(f"layer{ctx.rank}", nn.Linear(4, 4))
+        fully_shard(stage, mesh=pp["dp"])
+        out["stages"] = outcome(lambda: mgr.save(3, {"model": stage}) and None)
+        out["after_stages"] = mgr.steps()
+        fresh = make_net(seed=9)
+        shard(fresh)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
+        out["restored"] = mgr.restore({"model": fresh, "optimizer": fresh_opt})
+        out["exact"] = digests(fresh, fresh_opt) == saved
     out["leftovers"] = sorted(n for n in os.listdir(ctx.root) if n.startswith(".tmp"))
     return out
 
