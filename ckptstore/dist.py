@@ -34,7 +34,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -571,6 +571,107 @@ class Coordinator:
         if status == "raise":
             raise value
         return value
+
+    def scatter(self, objs: Sequence[Any] | None, phase: str, step: int | None = None) -> Any:
+        """Rank 0's ``objs[r]`` on each rank ``r`` (``objs``: rank 0's list, None elsewhere).
+
+        Each object travels in one fixed-size slot (:data:`SLOT` bytes), so what a rank
+        receives does not grow with the world size.
+
+        Raises:
+            ValueError: on rank 0, before any rank is waited for, where an object does not
+                fit its slot.
+        """
+        if not self.enabled:
+            assert objs is not None
+            return objs[0]
+        import torch
+
+        t0 = time.perf_counter()
+        slots: list[Any] | None = None
+        if self.is_leader:
+            assert objs is not None
+            if len(objs) != self.world_size:
+                raise ValueError(f"{phase}: {len(objs)} objects for {self.world_size} ranks")
+            slots = []
+            for r, obj in enumerate(objs):
+                data = _dumps(obj)
+                if len(data) > _INLINE:
+                    raise ValueError(f"{phase}: rank {r}'s object takes {len(data)} bytes")
+                slot = torch.zeros(SLOT, dtype=torch.uint8)
+                body = len(data).to_bytes(8, "little") + data
+                slot[: len(body)] = torch.frombuffer(bytearray(body), dtype=torch.uint8)
+                slots.append(slot)
+        out = torch.empty(SLOT, dtype=torch.uint8)
+
+        def run() -> bytes:
+            dist.scatter(out, slots, src=0, group=self.group)
+            raw = out.numpy().tobytes()
+            return raw[8 : 8 + int.from_bytes(raw[:8], "little")]
+
+        got = self._collective(phase, step, run)
+        sent, received = ((self.world_size - 1) * SLOT, 0) if self.is_leader else (0, SLOT)
+        self.stats.add(phase, "scatter", sent, received, 1, _since(t0))
+        return _loads(got)
+
+    def broadcast_tree(
+        self,
+        obj: Any,
+        big: Any,
+        links: tuple[int | None, tuple[int, ...]] | None,
+        phase: str,
+        step: int | None = None,
+    ) -> tuple[Any, Any]:
+        """``obj`` from rank 0 to every rank, and ``big`` to the members of a tree only.
+
+        ``links``: this rank's parent and children in a tree of some ranks rooted at rank 0
+        (:func:`ckptstore.tiers.nodes.leader_links`), or None where this rank is not in it.
+        ``obj`` goes down gloo's broadcast; then each member receives ``big`` from its
+        parent (point to point) and sends it on to its children, so a rank outside the
+        tree receives only ``obj``, and a member sends ``big`` at most once per child.
+        One barrier first, as every collective here: a missing rank is named.
+
+        Returns:
+            ``(obj, big)`` on the members, ``(obj, None)`` on the other ranks.
+        """
+        if not self.enabled:
+            return obj, big
+        import torch
+
+        t0 = time.perf_counter()
+        data, exact = _packed(obj, phase, self.rank) if self.is_leader else (b"", True)
+        payload, whole = _packed(big, phase, self.rank) if self.is_leader else (b"", True)
+
+        def run() -> tuple[bytes, bytes | None]:
+            got = self._broadcast_bytes(data, 0)
+            if links is None:
+                return got, None
+            parent, children = links
+            body = payload
+            if parent is not None:
+                n = torch.zeros(1, dtype=torch.int64)
+                dist.recv(n, src=parent, group=self.group)
+                buf = torch.empty(int(n.item()), dtype=torch.uint8)
+                if buf.numel():
+                    dist.recv(buf, src=parent, group=self.group)
+                body = buf.numpy().tobytes()
+            if children:
+                n = torch.tensor([len(body)], dtype=torch.int64)
+                t = torch.frombuffer(bytearray(body), dtype=torch.uint8) if body else None
+                for child in children:
+                    dist.send(n, dst=child, group=self.group)
+                    if t is not None:
+                        dist.send(t, dst=child, group=self.group)
+            return got, body
+
+        got, body = self._collective(phase, step, run)
+        out = obj if self.is_leader and exact else _loads(got)
+        tree = None if body is None else (big if self.is_leader and whole else _loads(body))
+        kids = len(links[1]) if links is not None else 0
+        sent = (len(data) if self.is_leader else 0) + kids * len(body or b"")
+        received = 0 if self.is_leader else len(got) + (len(body) if links else 0)
+        self.stats.add(phase, "broadcast_tree", sent, received, 2 + 2 * kids, _since(t0))
+        return out, tree
 
     def all_gather(self, obj: Any, phase: str, step: int | None = None) -> list[Any]:
         """Every rank's object, on every rank: what each rank receives grows with N.

@@ -142,7 +142,7 @@ class CheckpointManager:
         self.storage.check_root(create=bool(create))
         self.coord = Coordinator(self.barrier_timeout, enabled=bool(distributed))
         # The ranks sharing this rank's store (a probe, collective): the lowest writes it.
-        peers = nodes.peers(self.storage, self.coord)
+        peers, links = nodes.peers(self.storage, self.coord)
         leader = self.coord.rank == min(peers)
         self._session = Session(
             storage=self.storage,
@@ -150,6 +150,7 @@ class CheckpointManager:
             policy=self.policy,
             peers=peers,
             split=len(peers) < self.coord.world_size,
+            links=links,
             lock=self.storage.writer_lock() if leader else None,
         )
         self._saver = Saver(

@@ -38,6 +38,9 @@ class Session:
     #: Node-local roots: the ranks of a sharded save commit a copy per store.
     split: bool
     lock: WriterLock | None
+    #: Node-local roots: this node leader's parent and children in the tree of node leaders
+    #: (``tiers.nodes.leader_links``); None on a shared store and on other ranks.
+    links: tuple[int | None, tuple[int, ...]] | None = None
     #: The replica tier (``replica=``): its uploader on the rank that uploads, else None.
     replica: Replicator | None = None
     replica_storage: Storage | None = None

@@ -148,28 +148,44 @@ def commit_split(
 ) -> Manifest:
     """Phase 3 on node-local roots: every node commits its copy of the step, or none.
 
-    Rank 0 sends the manifest and its files of no rank (the plain state, the chunk
-    index) to every rank. Then two rounds (:mod:`ckptstore.tiers.node_commit`): every node
-    leader prepares its copy (those files, the ``local-ranks`` marker, the manifest,
-    fsynced, still a ``.tmp-`` directory), and only once every node reports prepared
-    do they publish it (the rename). A node failing to prepare aborts every node's copy
-    (the previous step stays the newest everywhere); a node failing its rename makes
-    the nodes that renamed take their copy back. Either way every rank raises an error
-    naming the rank(s) whose store failed.
+    Rank 0 sends the outcome and the manifest trimmed to the files of no rank to every
+    rank, and the whole manifest with its files of no rank (the plain state, the chunk
+    index, the rank table) to the node leaders only, down their tree (``save:prepared``,
+    :meth:`~ckptstore.dist.Coordinator.broadcast_tree`): the rank table grows with the
+    world size, and only the nodes' copies need it. Then two rounds
+    (:mod:`ckptstore.tiers.node_commit`): every node leader prepares its copy (those
+    files, the ``local-ranks`` marker, the manifest, fsynced, still a ``.tmp-``
+    directory), and only once every node reports prepared do they publish it (the
+    rename). A node failing to prepare aborts every node's copy (the previous step stays
+    the newest everywhere); a node failing its rename makes the nodes that renamed take
+    their copy back. Either way every rank raises an error naming the rank(s) whose store
+    failed.
     """
     where = session.storage.describe(step)
-    status, value = coord.broadcast(prepared, "save:prepared", step)
+    said, whole = prepared, None
+    if coord.is_leader and prepared[0] == "ok":
+        body, blobs = prepared[1]
+        full = Manifest.from_bytes(body)
+        said = ("ok", outgoing(session, full, trim=True))
+        whole = (body, blobs)
+    (status, value), whole = coord.broadcast_tree(said, whole, session.links, "save:prepared", step)
     if status == "error":
         if session.node_leader and not coord.is_leader:
             session.storage.abort(pending)
         raise value if isinstance(value, BaseException) else CommitError(str(value))
-    body, blobs = value
-    manifest = Manifest.from_bytes(body)
-    if manifest.rank_table is not None:  # every rank's files, for this node's copy
-        table = blobs.get(RANK_TABLE_NAME)
-        if table is None:
-            raise CommitError(f"{where}: rank 0 sent no {RANK_TABLE_NAME}")
-        manifest = ranktable.expand(manifest, table, f"{where}/{RANK_TABLE_NAME}")
+    blobs = {}
+    if session.node_leader:  # this node's copy needs every file and the whole manifest
+        if whole is None:
+            raise CommitError(f"{where}: rank 0 sent no manifest to this node's leader")
+        body, blobs = whole
+        manifest = Manifest.from_bytes(body)
+        if manifest.rank_table is not None:  # every rank's files, for this node's copy
+            table = blobs.get(RANK_TABLE_NAME)
+            if table is None:
+                raise CommitError(f"{where}: rank 0 sent no {RANK_TABLE_NAME}")
+            manifest = ranktable.expand(manifest, table, f"{where}/{RANK_TABLE_NAME}")
+    else:
+        manifest = value if isinstance(value, Manifest) else Manifest.from_bytes(value)
     previous = session.previous(step)
     node_commit.commit_everywhere(
         session.storage,

@@ -23,7 +23,7 @@ import itertools
 import json
 import os
 import uuid
-from collections.abc import Collection, Mapping
+from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .._log import logger as log
@@ -37,7 +37,9 @@ if TYPE_CHECKING:  # torch-free at import: the CLI's reading commands load this 
     from ..dist import Coordinator
 
 __all__ = [
+    "Links",
     "elsewhere",
+    "leader_links",
     "local_ranks",
     "marker_bytes",
     "missing_error",
@@ -52,7 +54,32 @@ __all__ = [
 _PROBE = ".ckptstore.probe-"
 
 
-def peers(storage: Storage, coord: Coordinator) -> list[int]:
+#: A rank's place in the tree of node leaders: its parent (None for rank 0) and children.
+Links = tuple[int | None, tuple[int, ...]]
+
+
+def leader_links(leaders: Sequence[int]) -> dict[int, Links]:
+    """A binomial tree over ``leaders`` (ascending, rank 0 first): each one's parent and children.
+
+    The leader at index ``i > 0`` hangs under index ``i`` with its lowest set bit cleared,
+    so rank 0 has ``ceil(log2 M)`` children for ``M`` leaders, any other at most as many,
+    and a payload sent down the tree reaches every leader in ``ceil(log2 M)`` rounds.
+    """
+    out: dict[int, Links] = {}
+    m = len(leaders)
+    for i, rank in enumerate(leaders):
+        parent = leaders[i & (i - 1)] if i else None
+        low = i & -i if i else 1 << max(m - 1, 0).bit_length()
+        kids = []
+        bit = 1
+        while bit < low and i + bit < m:
+            kids.append(leaders[i + bit])
+            bit <<= 1
+        out[rank] = (parent, tuple(reversed(kids)))  # the largest subtree is sent first
+    return out
+
+
+def peers(storage: Storage, coord: Coordinator) -> tuple[list[int], Links | None]:
     """The ranks whose store is this rank's store (collective; this rank included).
 
     Rank 0 makes a probe directory in its root and sends its name; a rank that finds it in
@@ -67,15 +94,23 @@ def peers(storage: Storage, coord: Coordinator) -> list[int]:
     each rank looked for N probes and compared N views of N ranks: O(N) bytes a rank, N^2
     lookups on a shared filesystem, and O(N^3) CPU (hours at 16,384 ranks).
 
+    On node-local roots, rank 0 also sends each node's leader (its lowest rank) its place
+    in a tree of the leaders (:func:`leader_links`, ``init:tree``: one slot a rank), down
+    which a sharded save sends the files every node's copy needs (``save:prepared``).
+
+    Returns:
+        The ranks sharing this rank's store, and this rank's :data:`Links` in the tree of
+        node leaders (None on a shared store, and on a rank that leads no node).
+
     Raises:
         ConfigError: the views disagree (rank A sees rank B's probe, B does not see A's): the
             roots are neither one shared store nor disjoint ones.
         OSError: the probe could not be written (the root is read-only, say).
     """
     if not coord.enabled:
-        return [0]
+        return [0], None
     if not storage.atomic_rename:  # an object store (a local path is the only other kind)
-        return list(range(coord.world_size))
+        return list(range(coord.world_size)), None
     token = uuid.uuid4().hex
     first = f"{_PROBE}{token}"
     if coord.is_leader:
@@ -87,7 +122,7 @@ def peers(storage: Storage, coord: Coordinator) -> list[int]:
         if coord.is_leader:
             _remove_probe(storage, first)
     if shared:
-        return list(range(coord.world_size))
+        return list(range(coord.world_size)), None
     # Node-local roots: each rank's own probe, found by the ranks of its node.
     prefix = f"{first}-r"
     mine = f"{prefix}{coord.rank}"
@@ -100,10 +135,20 @@ def peers(storage: Storage, coord: Coordinator) -> list[int]:
             if n.startswith(prefix) and n[len(prefix) :].isdigit()
         )
         # Every rank has listed its root once the verdict arrives: the probes may go.
-        coord.reduce(view, _agreeing, "init:peers")
+        views: list[list[int]] = []  # rank 0's, from the check
+
+        def check(every: list[list[int]]) -> None:
+            _agreeing(every)
+            views.extend(every)
+
+        coord.reduce(view, check, "init:peers")
     finally:
         _remove_probe(storage, mine)
-    return view
+    tree = None
+    if coord.is_leader:
+        links = leader_links(sorted({min(v) for v in views}))
+        tree = [links.get(r) for r in range(coord.world_size)]
+    return view, coord.scatter(tree, "init:tree")
 
 
 def _make_probe(storage: Storage, name: str) -> None:

@@ -192,10 +192,13 @@ def nodes_shared(ctx: Ctx) -> dict[str, Any]:
     state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
     mgr = _mgr(ctx)
     out: dict[str, Any] = {"split": mgr._split, "peers": mgr._peers}
+    mgr.coord.stats.clear()
     mgr.save(1, state)
+    out["prepared"] = [list(r) for r in mgr.coord.stats.records if r[0] == "save:prepared"]
     out["digests"] = digests(model, opt)
     dist.barrier()  # every node committed before any lists its files
     out["files"] = _step_files(_root(ctx), 1)
+    out["table"] = (_root(ctx) / "step-000000000001" / "_ranks.jsonl").stat().st_size
     rep = mgr.verify(1)
     out["verify"] = {"ok": rep.ok, "problems": rep.problems, "elsewhere": rep.elsewhere}
     out["restored"] = _restore_fresh(mgr)
@@ -269,6 +272,7 @@ def peers_probe(ctx: Ctx) -> dict[str, Any]:
         return {
             "peers": mgr._peers,
             "split": mgr._split,
+            "links": mgr._session.links,
             "phases": sorted({r[0] for r in init}),
             "sent": sum(r[2] for r in init),
             "received": sum(r[3] for r in init),

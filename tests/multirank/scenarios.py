@@ -743,3 +743,53 @@ def rank_dies_mid_reduce(ctx: Ctx) -> dict[str, Any]:
 
         return outcome(gather_then_broadcast)
     return outcome(lambda: coord.reduce(ctx.rank, sum, "save:ready", 7))
+
+
+def tree_exchange(ctx: Ctx) -> dict[str, Any]:
+    """``Coordinator.scatter`` and ``broadcast_tree`` on 4 ranks, then a member dies in one.
+
+    Trees: every rank a member (rank 2 forwards to rank 3), then ranks 0, 2 and 3 only.
+    Last, rank 2 is SIGKILLed after it received the payload, before it forwards it: every
+    survivor must raise ``BarrierTimeout`` naming it (rank 3 there, the others at the next
+    exchange).
+    """
+    import random
+    import signal
+
+    from ckptstore.dist import Coordinator
+    from ckptstore.tiers.nodes import leader_links
+
+    coord = Coordinator(ctx.args["timeout"])
+    out: dict[str, Any] = {}
+    mine = [("slot", r, "x" * r) for r in range(ctx.world)] if ctx.rank == 0 else None
+    out["scatter"] = coord.scatter(mine, "t:scatter")
+    big = random.Random(7).randbytes(300_000)
+    for name, members in (("all", [0, 1, 2, 3]), ("some", [0, 2, 3])):
+        links = leader_links(members).get(ctx.rank)
+        small, got = coord.broadcast_tree(
+            {"small": name}, big if ctx.rank == 0 else None, links, f"t:{name}"
+        )
+        out[name] = {
+            "links": links,
+            "small": small,
+            "big": got == big if got is not None else None,
+            "record": list(coord.stats.records[-1]),
+        }
+    links = leader_links([0, 1, 2, 3]).get(ctx.rank)
+    if ctx.rank == 2:
+        real = dist.recv
+
+        def die(*a: Any, **k: Any) -> Any:
+            real(*a, **k)  # the payload arrives; the process dies before sending it on
+            os.kill(os.getpid(), signal.SIGKILL)
+
+        dist.recv = die  # type: ignore[assignment]
+
+    def dead() -> None:
+        # As in a save: the ranks that got the payload go on to the next exchange, where
+        # they find rank 2 missing; rank 3 waits for it here.
+        coord.broadcast_tree("s", big if ctx.rank == 0 else None, links, "t:dead", 9)
+        coord.reduce(0, sum, "t:after", 9)
+
+    out["dead"] = outcome(dead)
+    return out

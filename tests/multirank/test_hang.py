@@ -72,3 +72,39 @@ def test_a_frozen_rank_is_named_when_the_survivors_arrive_apart(
     for v in timeouts_naming(res, 2):
         assert "rank(s) 2 did not arrive" in v["message"], describe(res)
         assert v["seconds"] < TIMEOUT + late + SLACK, describe(res)
+
+
+@pytest.mark.timeout(120)
+def test_the_leaders_tree_carries_the_payload_to_its_members_only(tmp_path: Path) -> None:
+    # save:prepared on node-local roots: the rank table (O(N)) goes down the tree of node
+    # leaders, the outcome (O(1)) to every rank. Rank 2 forwards to rank 3; a rank outside
+    # the tree receives only the small object; a member that dies before forwarding is
+    # named by every survivor, including the child waiting on it.
+    res = launch("tree_exchange", 4, tmp_path, timeout=60, args={"timeout": TIMEOUT})
+    assert res[2].returncode == -9, describe(res)
+    for r in res:
+        if r.rank == 2:
+            continue
+        assert r.ok, describe(res)
+        v = r.value
+        assert v["scatter"] == ["slot", r.rank, "x" * r.rank]
+        assert v["all"]["small"] == {"small": "all"}
+        assert v["all"]["big"] is True  # rank 3 got it from rank 2, byte for byte
+        assert v["all"]["links"] == {0: [None, [2, 1]], 1: [0, []], 3: [2, []]}[r.rank]
+        assert v["some"]["small"] == {"small": "some"}
+        _, op, sent, received, _, _ = v["some"]["record"]
+        assert op == "broadcast_tree"
+        if r.rank == 1:  # ranks 0, 2 and 3 only: rank 1 is outside
+            assert v["some"]["big"] is None
+            assert v["some"]["links"] is None
+            assert received < 1_000, v["some"]
+        else:
+            assert v["some"]["big"] is True
+        if r.rank == 3:
+            assert received > 300_000, v["some"]
+        if r.rank == 0:  # one copy per child: ranks 2 and 3
+            assert 600_000 < sent < 601_000, v["some"]
+        dead = v["dead"]
+        assert dead["error_type"] == "BarrierTimeout", describe(res)
+        assert dead["missing_ranks"] == [2], describe(res)
+        assert dead["seconds"] < 2 * TIMEOUT + SLACK, describe(res)

@@ -284,6 +284,15 @@ def test_two_ranks_per_node_on_two_nodes(
         )
         assert v["verify"] == {"ok": True, "problems": [], "elsewhere": other}
         assert v["restored"] == [1, 1, want]
+        # The rank table (a line a rank) goes down the tree of node leaders (0 -> 2) only;
+        # ranks 1 and 3 receive the outcome and a manifest of the files of no rank.
+        ((sent, received),) = [(r[2], r[3]) for r in v["prepared"] if r[1] == "broadcast_tree"]
+        if rank == 2:
+            assert received > v["table"] > 4 * 200, v
+        elif rank in (1, 3):
+            assert received < v["table"], v
+        else:
+            assert sent > v["table"], v
         # Each rank uploaded its own shard (rank 0 also the files of no rank).
         part = v["parts"]["1"]
         assert [n for n in part if n.startswith("_shards.")] == [shards[rank]]
