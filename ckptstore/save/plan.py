@@ -196,7 +196,7 @@ def _job(  # noqa: PLR0917 - private to this stage
         _, mine, meta, specs, layout = cache.entry
     else:
         local = sharding.save_plans(collector.flat, coord.is_leader)
-        mine = sharding.dedup_local(local, collector.flat)
+        mine = sharding.dedup_local(local, collector.flat, split=split)
         meta = None
         if coord.is_leader:  # what rank 0 writes dtensors.json from
             meta = sharding.tensor_meta(collector.flat)

@@ -67,6 +67,7 @@ __all__ = [
     "named_optimizer_state",
     "owner_of",
     "pack_table",
+    "root_view",
     "save_plans",
     "shard_layout",
     "split_parts",
@@ -106,12 +107,17 @@ def has_dtensors(state: Mapping[Any, Any]) -> bool:
     return any(walk(v, 0) for v in state.values())
 
 
-def placement_names(t: Any) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
-    """``(mesh shape, mesh dim names, placements)`` of a DTensor, spelled for the index."""
-    mesh = t.device_mesh
+def placement_names(
+    t: Any, view: tuple[Any, tuple[Any, ...]] | None = None
+) -> tuple[tuple[int, ...], tuple[str, ...], tuple[str, ...]]:
+    """``(mesh shape, mesh dim names, placements)`` of a DTensor, spelled for the index.
+
+    ``view``: another ``(mesh, placements)`` to spell (:func:`root_view`'s).
+    """
+    mesh, placements = view if view is not None else (t.device_mesh, t.placements)
     names = tuple(mesh.mesh_dim_names or ())
     out = []
-    for p in t.placements:
+    for p in placements:
         if p.is_shard():
             out.append(f"S({p.dim})")
         elif p.is_replicate():
@@ -318,14 +324,21 @@ def _mesh_key(mesh: Any) -> tuple[Any, ...]:
 
     Not ``id(mesh)``: a mesh built after another was freed may get its address, and a
     different order of the same ranks gives every rank other offsets with equal shapes.
+    A sub-mesh's root mesh is part of it: which rank writes a box depends on it
+    (:func:`root_view`).
     """
-    return (
+    key = (
         mesh.device_type,
         tuple(mesh.mesh.shape),
         tuple(mesh.mesh.reshape(-1).tolist()),
         tuple(mesh.mesh_dim_names or ()),
         tuple(mesh.get_coordinate() or ()),
     )
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if get_root is not None else None
+    if root is not None and root is not mesh:
+        return (*key, _mesh_key(root))
+    return key
 
 
 def layout_key(flat: Mapping[str, Any]) -> tuple[Any, ...]:
@@ -366,7 +379,60 @@ def layout_key(flat: Mapping[str, Any]) -> tuple[Any, ...]:
     return tuple(out)
 
 
-def writes_here(t: Any, name: str) -> bool:
+def _root_of(mesh: Any) -> tuple[Any, tuple[int, ...]] | None:
+    """``mesh``'s root mesh and the root dims it keeps, if ``mesh`` is a slice of it by name.
+
+    ``init_device_mesh(...)["tp"]`` is one of the root's sub-meshes along ``"tp"``, one for
+    each coordinate of the other dims. None where the mesh is not such a slice of its root
+    (a flattened dim, a mesh built from a rank list) or this rank is not in it.
+    """
+    get_root = getattr(mesh, "_get_root_mesh", None)
+    root = get_root() if get_root is not None else None
+    if root is None or root is mesh:
+        return (mesh, tuple(range(len(mesh.shape)))) if mesh.get_coordinate() is not None else None
+    names, rnames = mesh.mesh_dim_names, root.mesh_dim_names
+    if not names or not rnames or any(n not in rnames for n in names):
+        return None
+    dims = tuple(rnames.index(n) for n in names)
+    at = root.get_coordinate()
+    if list(dims) != sorted(set(dims)) or at is None or mesh.get_coordinate() is None:
+        return None
+    index = tuple(slice(None) if d in dims else at[d] for d in range(root.mesh.dim()))
+    if not torch.equal(root.mesh[index], mesh.mesh):
+        return None
+    return root, dims
+
+
+def root_view(t: Any, cache: dict[int, Any] | None = None) -> tuple[Any, tuple[Any, ...]] | None:
+    """The mesh of every rank that holds the DTensor ``t`` alike, and ``t``'s placements on it.
+
+    A DTensor on a sub-mesh sliced by name (``mesh["tp"]`` of a ``("dp", "tp")`` mesh) is
+    held alike by the sub-meshes of the other dims, as under DDP: on the root mesh it is
+    ``Replicate`` over them, so its boxes are written once, like those of HSDP's replica
+    dim. ``(t.device_mesh, t.placements)`` where the mesh is its own root; None where
+    :func:`_root_of` finds no root. ``cache``: by ``id`` of the mesh, for one save's tensors.
+    """
+    from torch.distributed.tensor import Replicate
+
+    mesh = t.device_mesh
+    if cache is not None and id(mesh) in cache:
+        found = cache[id(mesh)]
+    else:
+        found = _root_of(mesh)
+        if cache is not None:
+            cache[id(mesh)] = found
+    if found is None:
+        return None
+    root, dims = found
+    if root is mesh:
+        return mesh, tuple(t.placements)
+    placements: list[Any] = [Replicate()] * len(root.shape)
+    for p, d in zip(t.placements, dims, strict=True):
+        placements[d] = p
+    return root, tuple(placements)
+
+
+def writes_here(t: Any, name: str, *, split: bool = False) -> bool:
     """Whether this rank writes its box of the DTensor ``t`` (flat name ``name``).
 
     Decided here, by a rule every rank applies alike, instead of by gathering every rank's
@@ -375,11 +441,21 @@ def writes_here(t: Any, name: str) -> bool:
     ``(crc32(name) + the box's index over the other dims) % replicas`` writes it, so one
     tensor's boxes, and a model's tensors, spread over the replicas. A DTensor with no
     ``Replicate`` placement has one holder per box: every rank writes its own.
+
+    ``split``: a save with the split index, where a DTensor on a sub-mesh is seen on its
+    root mesh (:func:`root_view`), as the index records it: its copies on the other
+    sub-meshes are replicas. Otherwise (format 2) each sub-mesh writes its copy and rank 0
+    keeps one of each box in the index.
     """
-    placements = t.placements
+    if split:
+        view = root_view(t)
+        if view is None:  # pragma: no cover - splittable() admits only tensors with a root
+            raise ValueError(f"{name!r}: its device mesh is not a named slice of a root mesh")
+        mesh, placements = view
+    else:
+        mesh, placements = t.device_mesh, tuple(t.placements)
     if not any(p.is_replicate() for p in placements):
         return True
-    mesh = t.device_mesh
     coord = mesh.get_coordinate()
     if coord is None:
         return False
@@ -394,7 +470,7 @@ def writes_here(t: Any, name: str) -> bool:
     return (zlib.crc32(name.encode()) + box) % replicas == replica
 
 
-def dedup_local(plan: Any, flat: Mapping[str, Any]) -> Any:
+def dedup_local(plan: Any, flat: Mapping[str, Any], *, split: bool = False) -> Any:
     """The items of this rank's local save plan that it writes (see :func:`writes_here`).
 
     Replaces DCP's ``dedup_save_plans``, which needs every rank's plan on every rank.
@@ -408,7 +484,7 @@ def dedup_local(plan: Any, flat: Mapping[str, Any]) -> Any:
         here = verdict.get(name)
         if here is None:
             t = flat[name]
-            here = verdict[name] = writes_here(t, name) if is_dtensor(t) else True
+            here = verdict[name] = writes_here(t, name, split=split) if is_dtensor(t) else True
         if here:
             items.append(item)
     return SavePlan(items)

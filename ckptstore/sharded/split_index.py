@@ -115,14 +115,20 @@ def splittable(flat: Mapping[str, Any], world_size: int) -> bool:
     """Whether a save of ``flat`` can use the split index.
 
     Every DTensor must lie on a mesh of every rank with plain ``Shard``/``Replicate``
-    placements: a DTensor on a sub-mesh (a mesh of some ranks only) is held by several
-    sub-meshes alike, which only an exchange of plans can deduplicate.
+    placements, or on a sub-mesh sliced by name from one (``mesh["tp"]``): its root mesh
+    and placements there are recorded (:func:`~ckptstore.sharded.plan.root_view`, the
+    other dims ``Replicate``), so the sub-meshes' copies are written once. Any other mesh
+    (a flattened dim, a mesh of some ranks only) needs format 2, where rank 0 gathers
+    every rank's chunks.
     """
-    from .plan import placement_names
+    from .plan import placement_names, root_view
 
+    cache: dict[int, Any] = {}
     for t in flat.values():
-        mesh = t.device_mesh
-        if mesh.size() != world_size or _placement_objects(placement_names(t)[2]) is None:
+        view = root_view(t, cache)
+        if view is None or view[0].size() != world_size:
+            return False
+        if _placement_objects(placement_names(t, view)[2]) is None:
             return False
     return True
 
@@ -130,14 +136,18 @@ def splittable(flat: Mapping[str, Any], world_size: int) -> bool:
 def global_bytes(flat: Mapping[str, Any]) -> bytes:
     """Rank 0's ``dtensors.json``: every tensor's layout and the meshes' rank maps."""
     from .chunks import dtype_name
-    from .plan import placement_names
+    from .plan import placement_names, root_view
 
     meshes: list[dict[str, Any]] = []
     seen: dict[int, int] = {}
     tensors: dict[str, Any] = {}
+    cache: dict[int, Any] = {}
     for name in sorted(flat):
         t = flat[name]
-        mesh = t.device_mesh
+        view = root_view(t, cache)
+        if view is None:  # pragma: no cover - splittable() admitted every tensor
+            raise ValueError(f"{name!r}: its device mesh is not a named slice of a root mesh")
+        mesh = view[0]
         mid = seen.get(id(mesh))
         if mid is None:
             spec = _mesh_spec(mesh)
@@ -146,7 +156,7 @@ def global_bytes(flat: Mapping[str, Any]) -> bytes:
                 meshes.append(spec)
                 mid = len(meshes) - 1
             seen[id(mesh)] = mid
-        shape, dims, placements = placement_names(t)
+        shape, dims, placements = placement_names(t, view)
         tensors[name] = {
             "dtype": dtype_name(t.dtype),
             "shape": [int(x) for x in t.shape],

@@ -268,11 +268,20 @@ def fsdp_train_on(ctx: Ctx) -> dict[str, Any]:
 
 
 def tp_save(ctx: Ctx) -> dict[str, Any]:
-    """Plain DTensors with tensor-parallel placements: Shard(0), Shard(1), Replicate()."""
+    """Plain DTensors with tensor-parallel placements: Shard(0), Shard(1), Replicate().
+
+    ``args["mesh"]`` (``[dp, tp]``): the DTensors lie on the ``"tp"`` sub-mesh of a
+    ``("dp", "tp")`` mesh, as tensor parallelism under DDP: each of the ``dp`` sub-meshes
+    holds a copy.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    if ctx.args.get("mesh"):
+        mesh = init_device_mesh("cpu", tuple(ctx.args["mesh"]), mesh_dim_names=("dp", "tp"))
+        mesh = mesh["tp"]
+    else:
+        mesh = init_device_mesh("cpu", (dist.get_world_size(),))
     torch.manual_seed(5)
     full = {
         "col": torch.randn(9, 6),

@@ -341,6 +341,34 @@ def test_tensor_parallel_placements_restore_into_other_placements(tmp_path, worl
     assert tuple(raw["weights"]["row"].shape) == (5, 11)
 
 
+def test_tensor_parallel_on_a_sub_mesh_is_written_once_with_the_split_index(tmp_path):
+    # TP on the "tp" sub-mesh of a ("dp", "tp") mesh: the 2 dp sub-meshes hold the same
+    # tensors. The split index records them on the root mesh, Replicate over "dp", so each
+    # box is written once and the replicas share the writing (it fell back to format 2,
+    # where every sub-mesh wrote its copy and rank 0 gathered every chunk).
+    saved = values(
+        launch("dtensor_scenarios:tp_save", 4, tmp_path, timeout=180, args={"mesh": [2, 2]})
+    )[0]
+    step = tmp_path / "store" / "step-000000000001"
+    assert json.loads((step / "manifest.json").read_text())["format_version"] == 4
+    layout = json.loads((step / "dtensors.json").read_text())
+    assert layout["meshes"] == [{"shape": [2, 2], "start": 0, "strides": [2, 1]}]
+    assert layout["tensors"]["weights/col"]["placements"] == ["R", "S(0)"]
+    assert layout["tensors"]["weights/rep"]["placements"] == ["R", "R"]
+    parts = [json.loads(p.read_text())["chunks"] for p in sorted(step.glob("_index.rank*"))]
+    boxes = {"col": 2, "row": 2, "rep": 1, "half": 2}  # Shard on tp=2, or one whole box
+    for name, n in boxes.items():
+        held = [c["offsets"] for part in parts for c in part.get(f"weights/{name}", [])]
+        assert len(held) == len(set(map(tuple, held))) == n, (name, held)
+    # Both dp sub-meshes (ranks 0-1 and 2-3) wrote some of it.
+    assert {r // 2 for r, part in enumerate(parts) if part} == {0, 1}
+    assert CheckpointManager(tmp_path / "store").verify(1).ok
+    vals = values(launch("dtensor_scenarios:tp_restore", 3, tmp_path, timeout=180))
+    for v in vals:
+        assert v["digests"] == saved
+        assert v["plain"] == list(range(6))
+
+
 def _flip_in_chunk(store: Path, step: int, tensor: str, rank_file: str) -> None:
     d = store / f"step-{step:012d}"
     chunk = next(c for c in index_chunks(d, tensor) if c["file"] == rank_file)
