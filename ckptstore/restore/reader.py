@@ -15,6 +15,7 @@ from __future__ import annotations
 from collections.abc import Callable, MutableMapping
 from typing import Any
 
+from .._gc import gc_paused
 from .._log import logger as log
 from ..codec.tree import STATE_FORMAT
 from ..errors import (
@@ -65,7 +66,24 @@ class Reader:
         broadcast: bool = False,
         in_place: bool | None = None,
     ) -> int:
-        """``CheckpointManager.restore`` once the manager is open and no save is in flight."""
+        """``CheckpointManager.restore`` once the manager is open and no save is in flight.
+
+        The cyclic garbage collector is paused meanwhile (and put back as it was): a
+        restore makes and frees many small objects (the index's chunks, the tree's nodes,
+        ``load_state_dict``'s), and a full collection walking every live object of the job
+        ran on them in every other sharded restore of the bench (0.24 s of 1.5 s).
+        """
+        with gc_paused():
+            return self._restore(state, step, strict, broadcast, in_place)
+
+    def _restore(
+        self,
+        state: MutableMapping[Any, Any],
+        step: int | None,
+        strict: bool,
+        broadcast: bool,
+        in_place: bool | None,
+    ) -> int:
         session = self.session
         session.coord.barrier("restore:enter", step)
         keys = list(state.keys())
@@ -237,7 +255,14 @@ class Reader:
         return self.restore(state, strict=strict, broadcast=broadcast, in_place=in_place) + 1
 
     def load(self, step: int | None, rank: int | None, wanted: list[Any] | None) -> dict[Any, Any]:
-        """``CheckpointManager.load``, its arguments checked (its docstring says what it reads)."""
+        """``CheckpointManager.load``, its arguments checked (its docstring says what it reads).
+
+        The cyclic garbage collector is paused meanwhile, as in :meth:`restore`.
+        """
+        with gc_paused():
+            return self._load(step, rank, wanted)
+
+    def _load(self, step: int | None, rank: int | None, wanted: list[Any] | None) -> dict[Any, Any]:
         session = self.session
         skipped: list[str] = []
         queue, bad, relists = candidates(session, step), set(), 0
