@@ -5,7 +5,8 @@ small model sharded with ``fully_shard`` in ``configure_model`` on 2 ranks. One 
 (tests/lightning_sharded_worker.py, started once: each run is a new Trainer in the same
 processes) fits 3 epochs, resumes from its epoch-1 checkpoint, loads a copy with a corrupt
 shard, resumes ``"last"`` from a copy whose newest checkpoints are corrupt, and saves a
-checkpoint holding an object only pickle could store; a 1-rank job resumes the 2-rank
+checkpoint holding an object only pickle could store (on both ranks, then on rank 1 only);
+a 1-rank job resumes the 2-rank
 checkpoint. Each rank records digests of the full parameters and Adam
 state (and the learning rate) when training starts, at each epoch's end and at the end.
 """
@@ -86,6 +87,7 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
         },
     ]
     plan.append({"name": "unsafe", "epochs": 1, "unsafe": True})
+    plan.append({"name": "unsafe1", "epochs": 1, "unsafe": "rank1"})
     launch(out, 2, plan, timeout=170)
     return out
 
@@ -192,6 +194,12 @@ def test_an_object_that_needs_pickle_fails_the_save_on_every_rank(job: Path) -> 
         assert "allow_pickle=True" in row["error"]["message"]
     # Nothing was committed, and no hidden sibling is left beside the path.
     assert [p.name for p in (job / "unsafe").iterdir()] == []
+    # Rank 1 alone holds it: rank 0 gets the same refusal, naming rank 1, and nothing lands.
+    zero, one = rows(job, "unsafe1", 2)
+    assert one["error"]["type"] == "UnsafeCheckpointError", one["error"]
+    assert zero["error"]["type"] == "UnsafeCheckpointError", zero["error"]
+    assert "refused by rank(s) 1 (rank 1: checkpoint['opaque']" in zero["error"]["message"]
+    assert [p.name for p in (job / "unsafe1").iterdir()] == []
 
 
 # ---- what is served, what is refused, at construction ------------------------------------
@@ -232,3 +240,26 @@ def test_model_parallel_without_the_plugin_keeps_lightnings_own_checkpoints(
     # Lightning's own full save: rank 0 (no process group here) writes one torch.save file.
     strategy.save_checkpoint({"state_dict": {"w": torch.ones(2)}}, tmp_path / "x.ckpt")
     assert (tmp_path / "x.ckpt").is_file()
+
+
+@pytest.mark.timeout(120)
+def test_a_failure_before_the_save_reaches_every_rank_with_who_failed(tmp_path: Path) -> None:
+    # _agree: an all-reduce (MIN) of one integer names the first rank that failed, which
+    # broadcasts its error's text; what each rank receives does not grow with the world.
+    from tests.multirank.launch import launch as launch_ranks
+    from tests.multirank.launch import values
+
+    got = values(launch_ranks("lightning_agree", 3, tmp_path, timeout=60))
+    named = "saving X failed on rank 1: ValueError: boom on 1; nothing was saved"
+    for rank, v in enumerate(got):
+        assert v["none"]["ok"], v["none"]
+        one, two = v["one"], v["two"]
+        if rank == 1:
+            assert (one["error_type"], one["message"]) == ("ValueError", "boom on 1")
+        else:
+            assert one["error_type"] == "CommitError", one
+            assert one["message"] == named
+        if rank in (1, 2):  # each failing rank raises its own
+            assert (two["error_type"], two["message"]) == ("ValueError", f"boom on {rank}")
+        else:  # the first of them is named
+            assert two["message"] == named

@@ -110,24 +110,29 @@ def _broadcast(strategy: Any, obj: Any) -> Any:
     return strategy.broadcast(obj, src=0)
 
 
-def _agree(error: BaseException | None, what: str) -> None:
+def _agree(strategy: Any, error: BaseException | None, what: str) -> None:
     """Raise on every rank when any rank failed (``error`` is this rank's): none waits on.
 
-    Collective over the default group. This rank raises its own error; the others a
-    ``CommitError`` naming the first rank that failed and its error.
+    Collective over the default group, what each rank sends and receives not growing with
+    the world size: an all-reduce (MIN) of one integer finds the first rank that failed,
+    which then broadcasts its error's text (``strategy.broadcast``). This rank raises its
+    own error; the others a ``CommitError`` naming the first rank that failed and its
+    error.
     """
     dist = torch.distributed
-    mine = None if error is None else f"{type(error).__name__}: {error}"
-    if dist.is_available() and dist.is_initialized():
-        found: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(found, mine)
-    else:
-        found = [mine]
+    text = None
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        world = dist.get_world_size()
+        device = getattr(strategy, "root_device", None) or torch.device("cpu")
+        first = torch.tensor([world if error is None else dist.get_rank()], device=device)
+        dist.all_reduce(first, op=dist.ReduceOp.MIN)
+        rank = int(first.item())
+        if rank < world:
+            mine = None if error is None else f"{type(error).__name__}: {error}"
+            text = strategy.broadcast(mine, src=rank)
     if error is not None:
         raise error
-    failed = [(r, m) for r, m in enumerate(found) if m is not None]
-    if failed:
-        rank, text = failed[0]
+    if text is not None:
         raise CommitError(f"{what} failed on rank {rank}: {text}; nothing was saved")
 
 
@@ -205,7 +210,7 @@ def save_sharded(
         error = _unsafe_checkpoint(where, e)
     except Exception as e:
         error = e
-    _agree(error, f"saving {where}")
+    _agree(strategy, error, f"saving {where}")
     root, in_place = _broadcast(strategy, plan)
     try:
         with _manager(io, root, allow_pickle=io.allow_pickle, create=True) as mgr:
@@ -226,7 +231,7 @@ def save_sharded(
         except Exception as e:
             shutil.rmtree(root, ignore_errors=True)
             error = e
-    _agree(error, f"saving {where}")
+    _agree(strategy, error, f"saving {where}")
     log.debug("saved sharded Lightning checkpoint %s (step %d)", where, step)
 
 

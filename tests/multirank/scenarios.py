@@ -793,3 +793,26 @@ def tree_exchange(ctx: Ctx) -> dict[str, Any]:
 
     out["dead"] = outcome(dead)
     return out
+
+
+def lightning_agree(ctx: Ctx) -> dict[str, Any]:
+    """``lightning_sharded._agree`` on every rank: nobody fails, rank 1 fails, ranks 1 and 2.
+
+    The strategy's ``broadcast`` is Lightning's own (``broadcast_object_list`` on the
+    default group), without a Trainer around it.
+    """
+    from ckptstore.integrations.lightning_sharded import _agree
+
+    class Strategy:
+        root_device = torch.device("cpu")
+
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            box = [obj]
+            dist.broadcast_object_list(box, src=src)
+            return box[0]
+
+    out: dict[str, Any] = {}
+    for case, failing in (("none", ()), ("one", (1,)), ("two", (2, 1))):
+        err = ValueError(f"boom on {ctx.rank}") if ctx.rank in failing else None
+        out[case] = outcome(lambda err=err: _agree(Strategy(), err, "saving X"))  # type: ignore[misc]
+    return out
