@@ -17,9 +17,11 @@ What a non-zero rank sends and receives does not grow with the world size in the
 collectives a save or restore uses: :meth:`Coordinator.gather` (one fixed-size slot per rank
 to rank 0, a point-to-point send only for a payload larger than the slot),
 :meth:`Coordinator.reduce` (a gather whose result rank 0 computes and broadcasts) and
-:meth:`Coordinator.broadcast` (gloo's binomial tree). :meth:`Coordinator.all_gather`, whose
-result grows with the world size on every rank, is left to the job's start. Every collective
-is counted in :attr:`Coordinator.stats`.
+:meth:`Coordinator.broadcast` (gloo's binomial tree), :meth:`Coordinator.scatter` (one
+fixed-size slot per rank from rank 0) and :meth:`Coordinator.broadcast_tree` (a small object
+to every rank, a larger one point to point down a tree of some ranks only: the node leaders
+of node-local roots). No all-gather is left. Every collective is counted in
+:attr:`Coordinator.stats`.
 """
 
 from __future__ import annotations
@@ -540,7 +542,7 @@ class Coordinator:
         """``fn`` of every rank's object, computed on rank 0, returned on every rank.
 
         What a non-zero rank sends is its own object and what it receives is ``fn``'s result
-        (keep it small): the replacement for an ``all_gather`` whose every rank reduces the
+        (keep it small): the replacement for an all-gather whose every rank reduces the
         whole list to the same verdict. An exception ``fn`` raises on rank 0 is raised on
         every rank.
         """
@@ -672,22 +674,6 @@ class Coordinator:
         received = 0 if self.is_leader else len(got) + (len(body) if links else 0)
         self.stats.add(phase, "broadcast_tree", sent, received, 2 + 2 * kids, _since(t0))
         return out, tree
-
-    def all_gather(self, obj: Any, phase: str, step: int | None = None) -> list[Any]:
-        """Every rank's object, on every rank: what each rank receives grows with N.
-
-        For the job's start only (which ranks share a node); a save or restore uses
-        :meth:`reduce` or :meth:`gather`.
-        """
-        if not self.enabled:
-            return [obj]
-        t0 = time.perf_counter()
-        obj = _sendable(obj, phase, self.rank)
-        out: list[Any] = [None] * self.world_size
-        self._collective(phase, step, lambda: dist.all_gather_object(out, obj, group=self.group))
-        size = len(_dumps(obj))
-        self.stats.add(phase, "all_gather", size, size * (self.world_size - 1), 2, _since(t0))
-        return out
 
     def broadcast_bytes(
         self, blobs: dict[str, bytearray] | None, phase: str, step: int | None = None
