@@ -134,6 +134,8 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
         "--sharded",
         "--size",
         "2MB",
+        "--layers",  # 2 blocks (112 tensors a state, not 784): each FSDP2 build is cheap
+        "2",
         "--repeats",
         "1",
         "--out",
@@ -146,7 +148,9 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "sharded targets:" in res.stdout
-    sh = json.loads(out.read_text())["sharded"]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["layers"] == 2
+    sh = doc["sharded"]
     assert sh["state_bytes"] == sum(sh["per_rank_bytes"]) > 2_000_000
     rows = {(r["contender"], r["op"]): r for r in sh["rows"]}
     contenders = ["dcp", "ckpt", "dcp-ckpt"] + (["raw"] if ("raw", "save-2") in rows else [])
