@@ -31,6 +31,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
         str(REPO / "tools" / "bench.py"),
         "--size",
         "4MB",
+        "--layers",  # 4 blocks: 208 tensors a state, not 784
+        "4",
         "--repeats",
         "1",
         "--only",
@@ -54,6 +56,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     assert "targets:" in res.stdout
     doc = json.loads(out.read_text())
+    assert doc["config"]["layers"] == 4
 
     for key in ("machine", "config", "state", "results", "targets", "extra", "ls", "odirect"):
         assert key in doc, key
