@@ -91,11 +91,11 @@ class RankServer:
                 line = self._next(deadline)
                 if line == "jobdone":
                     return codes
-                word, rank, value = line.split()
+                word, who, value = line.split()
                 if word == "pid":
-                    pids[int(rank)] = int(value)
+                    pids[int(who)] = int(value)
                 elif word == "exit":
-                    codes[int(rank)] = int(value)
+                    codes[int(who)] = int(value)
         except TimeoutError:
             for rank, pid in pids.items():
                 if rank not in codes:
