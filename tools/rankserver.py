@@ -4,7 +4,8 @@ A fresh interpreter spends about 5 s of CPU importing torch, torch.distributed, 
 ckptstore, and FSDP2's first DTensor imports torch._dynamo (1.6 s more) before a rank does
 any work. ``RankServer`` starts one process (``python tools/rankserver.py MODULE...``) that
 imports the modules it is given, without running a tensor op, starting a thread or joining
-a process group, and then forks the ranks of each job it is sent. Each rank is still a
+a process group, freezes what they made out of the garbage collector (``gc.freeze``), and
+then forks the ranks of each job it is sent. Each rank is still a
 separate process with its own gloo group over TCP, its own pid and its own exit status, and
 the environment torchrun would give it (``demo.env_for``; none of those variables for a
 1-process job).
@@ -20,6 +21,7 @@ their output to the server's stderr; its stdout carries only the protocol.
 from __future__ import annotations
 
 import contextlib
+import gc
 import importlib
 import json
 import os
@@ -159,8 +161,9 @@ def serve(preload: list[str]) -> int:
     torch.set_num_threads(1)  # before any op: no thread pool for the ranks to inherit
     for name in preload:
         importlib.import_module(name)
-    import gc
-
+    # Everything imported lives as long as a rank: frozen out of the collector, it is not
+    # walked by a rank's gc.collect() (the bench calls one before each timed operation) nor
+    # copied on write by the collector's bookkeeping.
     gc.freeze()
     replies = sys.stdout
     print("serving", file=replies, flush=True)
