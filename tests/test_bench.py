@@ -31,6 +31,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
         str(REPO / "tools" / "bench.py"),
         "--size",
         "4MB",
+        "--layers",  # 4 blocks: 208 tensors a state, not 784
+        "4",
         "--repeats",
         "1",
         "--only",
@@ -54,6 +56,7 @@ def test_bench_smoke(tmp_path: Path) -> None:
     assert res.returncode == 0, res.stderr[-3000:]
     assert "targets:" in res.stdout
     doc = json.loads(out.read_text())
+    assert doc["config"]["layers"] == 4
 
     for key in ("machine", "config", "state", "results", "targets", "extra", "ls", "odirect"):
         assert key in doc, key
@@ -134,6 +137,8 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
         "--sharded",
         "--size",
         "2MB",
+        "--layers",  # 2 blocks (112 tensors a state, not 784): each FSDP2 build is cheap
+        "2",
         "--repeats",
         "1",
         "--out",
@@ -146,7 +151,9 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
     )
     assert res.returncode == 0, res.stderr[-3000:]
     assert "sharded targets:" in res.stdout
-    sh = json.loads(out.read_text())["sharded"]
+    doc = json.loads(out.read_text())
+    assert doc["config"]["layers"] == 2
+    sh = doc["sharded"]
     assert sh["state_bytes"] == sum(sh["per_rank_bytes"]) > 2_000_000
     rows = {(r["contender"], r["op"]): r for r in sh["rows"]}
     contenders = ["dcp", "ckpt", "dcp-ckpt"] + (["raw"] if ("raw", "save-2") in rows else [])

@@ -1,6 +1,6 @@
 """Crash campaign: SIGKILL checkpoint writers at random moments and check every invariant.
 
-    python tools/crashtest.py [--store local|s3|both] [--trials N] [--seed S]
+    python tools/crashtest.py [--store local|s3|both] [--trials N] [--s3-trials N3] [--seed S]
                               [--dist-trials M] [--upload-trials U] [--json OUT] [--verbose]
 
 **Writers.** A writer process resumes from its store and saves step after step (sync or

@@ -1,6 +1,6 @@
 """Coordination of sharded saves and restores, measured with real processes (issue 21).
 
-For each world size (``--worlds 2 4 8 16``), spawns that many ranks (gloo on CPU, one
+For each world size (``--worlds 2 4 8 16``), forks that many ranks (gloo on CPU, one
 machine), each holding a small FSDP2 model (``--layers`` linear layers, ``fully_shard`` on a
 1-D mesh, AdamW state, so 3 DTensors a parameter) and:
 
@@ -36,7 +36,13 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from demo import run_ranks  # one launcher for every multi-rank tool  # noqa: E402
+import demo  # noqa: E402  (a free port)
+from rankserver import RankServer  # noqa: E402
+
+
+def rank_entry(store: str, result: str, layers: int) -> None:
+    """One rank, forked by ``measure``'s ``RankServer``: see ``rank_main``."""
+    rank_main(argparse.Namespace(store=store, result=result, layers=layers))
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -186,30 +192,41 @@ def _by_phase(records: list[tuple[str, str, int, int, int, float]]) -> dict[str,
 def measure(
     worlds: list[int], layers: int, timeout: float, code: Path | None = None
 ) -> list[dict[str, Any]]:
-    """Every world size's per-rank results; ``code``: a tree whose ckptstore the ranks run."""
+    """Every world size's per-rank results; ``code``: a tree whose ckptstore the ranks run.
+
+    The ranks are forked by a server (``tools/rankserver.py``) that imported, once, what a
+    rank imports before its first timed operation (torch, FSDP2 and the torch._dynamo its
+    first DTensor pulls in, ckptstore): a fresh interpreter a rank spent 5-7 s of CPU there.
+    """
+    env = dict(os.environ)
     if code is not None:
-        os.environ["PYTHONPATH"] = str(code)
+        env["PYTHONPATH"] = str(code)
+    preload = [
+        "scale_real",
+        "torch.distributed.device_mesh",
+        "torch.distributed.fsdp",
+        "torch._dynamo",
+        "ckptstore",
+    ]
     runs = []
-    for world in worlds:
-        with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as tmp:
-            work = Path(tmp)
-            cmd = [
-                sys.executable,
-                str(Path(__file__).resolve()),
-                "--rank-main",
-                "--store",
-                str(work / "store"),
-                "--result",
-                str(work / "result"),
-                "--layers",
-                str(layers),
-            ]
-            ranks = run_ranks(cmd, world, work / "result", timeout=timeout, prog="scale_real")
-            bad = [r for r in ranks if r.get("returncode") != 0 or not r.get("restored_equal")]
-            if bad:
-                sys.exit(f"scale_real: world {world}: a rank failed: {bad[:2]}")
-            runs.append({"world": world, "ranks": ranks})
-    os.environ.pop("PYTHONPATH", None)
+    with RankServer(preload, env) as server:
+        for world in worlds:
+            with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as tmp:
+                work = Path(tmp)
+                args = [str(work / "store"), str(work / "result"), layers]
+                codes = server.run("scale_real:rank_entry", args, world, demo.port(), timeout)
+                if None in codes.values():
+                    sys.exit(f"scale_real: world {world} hung past {timeout}s — this is a bug")
+                ranks = []
+                for rank in range(world):
+                    f = work / f"result.rank{rank}"
+                    res = json.loads(f.read_text()) if f.exists() else {}
+                    res["returncode"] = codes[rank]
+                    ranks.append(res)
+                bad = [r for r in ranks if r.get("returncode") != 0 or not r.get("restored_equal")]
+                if bad:
+                    sys.exit(f"scale_real: world {world}: a rank failed: {bad[:2]}")
+                runs.append({"world": world, "ranks": ranks})
     return runs
 
 
@@ -310,14 +327,7 @@ def main() -> None:
     p.add_argument("--json", type=Path)
     p.add_argument("--plot", type=Path)
     p.add_argument("--replot", type=Path, metavar="JSON", help="draw --plot from a saved --json")
-    p.add_argument("--rank-main", action="store_true", help=argparse.SUPPRESS)
-    p.add_argument("--store", help=argparse.SUPPRESS)
-    p.add_argument("--result", help=argparse.SUPPRESS)
     args = p.parse_args()
-    if args.rank_main:
-        os.environ.setdefault("OMP_NUM_THREADS", "1")
-        rank_main(args)
-        return
     if args.replot:
         plot(json.loads(args.replot.read_text()), args.plot)
         return

@@ -38,7 +38,7 @@ class Ctx:
         self.args = args
         self.work = work
         t0 = time.perf_counter()
-        self.model, self.opt, self.shape = build_state(param_bytes)
+        self.model, self.opt, self.shape = build_state(param_bytes, args.layers)
         self.build_s = time.perf_counter() - t0
         ts = state_tensors(self.model, self.opt)
         self.n_tensors = len(ts)

@@ -294,8 +294,8 @@ sys.path.insert(0, sys.argv[1])
 import torch
 from benchkit import disk, plain, state
 from pathlib import Path
-flavor, d, param_bytes = sys.argv[2], Path(sys.argv[3]), int(sys.argv[4])
-model, opt, _ = state.build_state(param_bytes)
+flavor, d = sys.argv[2], Path(sys.argv[3])
+model, opt, _ = state.build_state(int(sys.argv[4]), int(sys.argv[5]))
 state_bytes = sum(t.numel() * t.element_size() for _, t in state.state_tensors(model, opt))
 if flavor == "safetensors":
     from safetensors.torch import save_file
@@ -360,7 +360,7 @@ class RestoreRSS(Contender):
                 )
                 cmd = [sys.executable, "-c", _RSS_CHILD, str(REPO / "tools"), flavor, str(d)]
                 proc = subprocess.run(
-                    [*cmd, str(ctx.args.size)],
+                    [*cmd, str(ctx.args.size), str(ctx.args.layers)],
                     capture_output=True,
                     text=True,
                     timeout=1800,

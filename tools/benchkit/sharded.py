@@ -24,17 +24,20 @@ Three contenders, side by side, interleaved round-robin inside each job:
   restoring ranks as evenly as the files allow (1 process reads everything, each of 3
   ranks a third).
 
-A job is a set of fresh processes (``python -m benchkit.sharded JOBDIR`` with RANK,
-WORLD_SIZE, MASTER_ADDR, MASTER_PORT in the environment; no torchrun). Timings start after
-a barrier and stop after the barrier that follows the operation, so each is the time until
-the slowest rank is done; building the model and optimizer, constructing managers and
-dropping the page cache are untimed. Every process runs one intra-op thread
-(``OMP_NUM_THREADS=1``, as torchrun sets it). Before every restore, every file of the checkpoint is
-fsynced and evicted with ``posix_fadvise(DONTNEED)`` (checked with ``mincore``), as the
-rest of the bench does. After every restore, float64 sums of the model parameters and of
-both AdamW moments are compared with those of the saved state (the restore really loaded
-every byte, or the bench fails). Each ckptstore save's phases (``last_save_phases``: wall
-and CPU seconds per phase on each rank) are printed under the table, medians per rank.
+A job is a set of processes, one a rank, forked by a server (``tools/rankserver.py``)
+that imported torch, FSDP2, DCP, ckptstore and this module once for the whole run, as a
+fresh interpreter imports them before any timed operation (2 to 7 s of CPU a process);
+each has RANK, WORLD_SIZE, MASTER_ADDR, MASTER_PORT in its environment (no torchrun).
+Timings start after a barrier and stop after the barrier that follows the operation, so
+each is the time until the slowest rank is done; building the model and optimizer,
+constructing managers and dropping the page cache are untimed. Every process runs one
+intra-op thread (``OMP_NUM_THREADS=1``, as torchrun sets it). Before every restore, every
+file of the checkpoint is fsynced and evicted with ``posix_fadvise(DONTNEED)`` (checked
+with ``mincore``), as the rest of the bench does. After every restore, float64 sums of
+the model parameters and of both AdamW moments are compared with those of the saved state
+(the restore really loaded every byte, or the bench fails). Each ckptstore save's phases
+(``last_save_phases``: wall and CPU seconds per phase on each rank) are printed under the
+table, medians per rank.
 """
 
 from __future__ import annotations
@@ -45,9 +48,8 @@ import json
 import mmap
 import os
 import shutil
+import signal
 import statistics
-import subprocess
-import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -55,12 +57,13 @@ from typing import Any
 
 import demo  # tools/demo.py: a rank's environment, as torchrun sets it
 import torch
+from rankserver import RankServer
 from torch import nn
 
 from benchkit import harness
 from benchkit.disk import ALIGN, CHUNK, drop_cache, du, fsync_dir, fsync_tree
 from benchkit.harness import log
-from benchkit.state import GPT2Like, Shape
+from benchkit.state import N_LAYER, GPT2Like, Shape
 from benchkit.units import GB, fmt, human
 
 TOOLS = Path(__file__).resolve().parent.parent
@@ -94,14 +97,16 @@ DESCRIPTIONS = {
 # ---- the state ---------------------------------------------------------------------------------
 
 
-def build(param_bytes: int, world: int, *, init: bool) -> tuple[nn.Module, torch.optim.Optimizer]:
+def build(
+    param_bytes: int, world: int, *, init: bool, n_layer: int = N_LAYER
+) -> tuple[nn.Module, torch.optim.Optimizer]:
     """The bench's GPT-2-like model (``benchkit.state``), FSDP2-sharded when ``world > 1``,
     and a fresh AdamW.
 
     With ``init`` the weights are random and the optimizer has taken one real step (the
     state that is saved); without, the tensors are allocated but untouched (restore targets).
     """
-    shape = Shape.for_bytes(param_bytes)
+    shape = Shape.for_bytes(param_bytes, n_layer)
     with torch.device("meta"):
         model = GPT2Like(shape)
     if world > 1:
@@ -442,7 +447,7 @@ def record_phases(out: dict[str, Any], c: str, op: Any) -> None:
 def save_job(job: dict[str, Any]) -> dict[str, Any]:
     rank = rank_of()
     t0 = time.perf_counter()
-    model, opt = build(job["param_bytes"], SAVE_WORLD, init=True)
+    model, opt = build(job["param_bytes"], SAVE_WORLD, init=True, n_layer=job["n_layer"])
     tensors = local_tensors(model, opt)
     my_bytes = sum(t.numel() * t.element_size() for t in tensors)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "times": {}}
@@ -493,7 +498,7 @@ def restore_job(job: dict[str, Any]) -> dict[str, Any]:
             model: nn.Module | None = None
             opt: torch.optim.Optimizer | None = None
             if c != "raw":  # fresh targets each time, untimed
-                model, opt = build(job["param_bytes"], world, init=False)
+                model, opt = build(job["param_bytes"], world, init=False, n_layer=job["n_layer"])
             op, done = restore_op(c, dirs[c], model, opt, raw=raw, raw_bytes=out["raw_bytes"])
             if rank == 0:
                 out["resident"].append(drop_cache(dirs[c]))
@@ -523,9 +528,11 @@ def restore_job(job: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def worker(jobdir: Path) -> None:
+def worker(jobdir_name: str) -> None:
+    """One rank of the job in ``jobdir_name`` (forked by the run's ``RankServer``)."""
+    jobdir = Path(jobdir_name)
     job = json.loads((jobdir / "job.json").read_text())
-    torch.set_num_threads(1)  # as torchrun sets it (see launch)
+    torch.set_num_threads(1)  # as torchrun sets it (see start_server)
     import warnings
 
     warnings.filterwarnings("ignore")  # DCP warns when it runs without a process group
@@ -545,50 +552,57 @@ def worker(jobdir: Path) -> None:
 # ---- the parent ------------------------------------------------------------------------------
 
 
-def launch(jobdir: Path, job: dict[str, Any], timeout: float) -> list[dict[str, Any]]:
-    """Run ``job`` on ``job['world']`` fresh processes; their results, by rank."""
+def launch(
+    server: RankServer, jobdir: Path, job: dict[str, Any], timeout: float
+) -> list[dict[str, Any]]:
+    """Run ``job`` on ``job['world']`` processes forked by ``server``; their results, by rank."""
     jobdir.mkdir(parents=True, exist_ok=True)
     (jobdir / "job.json").write_text(json.dumps(job))
     world = job["world"]
-    port = demo.port()
-    procs = []
-    for rank in range(world):
-        # One intra-op thread per process, as torchrun sets it, for every contender and
-        # world size alike: on a loaded machine OpenMP threads spinning at their barriers
-        # made plain tensor copies ~10x slower in the 1-process restore.
-        env = dict(os.environ, OMP_NUM_THREADS="1")
-        if world > 1:
-            env = demo.env_for(rank, world, port)  # torchrun's variables, OMP_NUM_THREADS=1
-        else:
-            for k in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
-                env.pop(k, None)
-        # The checkout's ckptstore, tools/ (benchkit, demo) importable: as the parent has them.
-        env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TOOLS), env.get("PYTHONPATH", "")])
-        cmd = [sys.executable, "-m", "benchkit.sharded", str(jobdir)]
-        procs.append(subprocess.Popen(cmd, env=env))
-    deadline = time.monotonic() + timeout
-    failed = None
-    for rank, p in enumerate(procs):
-        try:
-            rc = p.wait(timeout=max(1.0, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            rc = None
-        if rc != 0:
-            failed = f"rank {rank} of the {job['kind']} job on {world} rank(s): exit {rc}"
-            break
+    codes = server.run("benchkit.sharded:worker", [str(jobdir)], world, demo.port(), timeout)
+    # A rank that failed first, rather than one the server killed after it (SIGKILL: -9).
+    bad = sorted(codes.items(), key=lambda kv: (kv[1] == -signal.SIGKILL, kv[0]))
+    failed = [(rank, rc) for rank, rc in bad if rc != 0]
     if failed:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-        raise RuntimeError(failed)
+        rank, rc = failed[0]
+        raise RuntimeError(f"rank {rank} of the {job['kind']} job on {world} rank(s): exit {rc}")
     return [json.loads((jobdir / f"result.rank{r}.json").read_text()) for r in range(world)]
 
 
+def start_server() -> RankServer:
+    """The fork server of a run's jobs: it imports what a rank imports outside its timed
+    operations (torch, FSDP2, torch._dynamo, DCP, ckptstore, this module), once.
+
+    Every process runs one intra-op thread (``OMP_NUM_THREADS=1``, as torchrun sets it) for
+    every contender and world size alike: on a loaded machine OpenMP threads spinning at
+    their barriers made plain tensor copies ~10x slower in the 1-process restore.
+    """
+    env = dict(os.environ)
+    # The checkout's ckptstore, tools/ (benchkit, demo) importable: as the parent has them.
+    env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TOOLS), env.get("PYTHONPATH", "")])
+    preload = [
+        "benchkit.sharded",
+        "torch.distributed.device_mesh",
+        "torch.distributed.fsdp",
+        "torch._dynamo",  # FSDP2's first DTensor imports it (1.6 s of CPU)
+        "torch.distributed.checkpoint",
+        "torch.distributed.checkpoint.state_dict",
+        "ckptstore.dcp",
+    ]
+    return RankServer(preload, env)
+
+
 def run(
-    param_bytes: int, work: Path, repeats: int, *, odirect: bool, timeout: float = 3600
+    param_bytes: int,
+    work: Path,
+    repeats: int,
+    *,
+    odirect: bool,
+    n_layer: int = N_LAYER,
+    timeout: float = 3600,
 ) -> dict[str, Any]:
-    """Save on 2 ranks, restore on 1 and on 3; every contender interleaved in each job."""
+    """Save on 2 ranks, restore on 1 and on 3; every contender interleaved in each job
+    (``n_layer``: the blocks of the model, ``benchkit.state``)."""
     contenders = [c for c in CONTENDERS if c != "raw" or odirect]
     base = work / "sharded"
     load = [os.getloadavg()[0]]
@@ -596,49 +610,54 @@ def run(
         f"sharded: FSDP2 save on {SAVE_WORLD} ranks, restore on "
         f"{' and '.join(map(str, RESTORE_WORLDS))}: {', '.join(contenders)}"
     )
-    saved = launch(
-        base / "job-save",
-        {
-            "kind": "save",
-            "world": SAVE_WORLD,
-            "param_bytes": param_bytes,
-            "repeats": repeats,
-            "contenders": contenders,
-            "dir": str(base / "ckpts"),
-            "odirect": odirect,
-        },
-        timeout,
-    )
-    times: dict[tuple[str, str], list[float]] = {}
-    cpu: dict[tuple[str, str], list[float]] = {}
-    for c, ts in saved[0]["times"].items():
-        times[(c, "save-2")] = ts
-    dirs = {c: str(base / "ckpts" / f"{c}-0") for c in contenders}
-    disk = {c: du(Path(p)) for c, p in dirs.items()}
-    resident: list[float | None] = []
-    raw_bytes: dict[int, int] = {}
-    for world in RESTORE_WORLDS:
-        res = launch(
-            base / f"job-restore-{world}",
+    with start_server() as server:
+        saved = launch(
+            server,
+            base / "job-save",
             {
-                "kind": "restore",
-                "world": world,
+                "kind": "save",
+                "world": SAVE_WORLD,
                 "param_bytes": param_bytes,
+                "n_layer": n_layer,
                 "repeats": repeats,
                 "contenders": contenders,
-                "dirs": dirs,
-                "sums": saved[0]["sums"],
+                "dir": str(base / "ckpts"),
+                "odirect": odirect,
             },
             timeout,
         )
-        load.append(os.getloadavg()[0])
-        for c, ts in res[0]["times"].items():
-            times[(c, f"restore-2to{world}")] = ts
-            # CPU seconds of each restore, all ranks together (barrier waits included).
-            per_rank = [r["cpu"][c] for r in res]
-            cpu[(c, f"restore-2to{world}")] = [sum(x) for x in zip(*per_rank, strict=True)]
-        resident += res[0]["resident"]
-        raw_bytes[world] = sum(r["raw_bytes"][0] for r in res) if res[0]["raw_bytes"] else 0
+        times: dict[tuple[str, str], list[float]] = {}
+        cpu: dict[tuple[str, str], list[float]] = {}
+        for c, ts in saved[0]["times"].items():
+            times[(c, "save-2")] = ts
+        dirs = {c: str(base / "ckpts" / f"{c}-0") for c in contenders}
+        disk = {c: du(Path(p)) for c, p in dirs.items()}
+        resident: list[float | None] = []
+        raw_bytes: dict[int, int] = {}
+        for world in RESTORE_WORLDS:
+            res = launch(
+                server,
+                base / f"job-restore-{world}",
+                {
+                    "kind": "restore",
+                    "world": world,
+                    "param_bytes": param_bytes,
+                    "n_layer": n_layer,
+                    "repeats": repeats,
+                    "contenders": contenders,
+                    "dirs": dirs,
+                    "sums": saved[0]["sums"],
+                },
+                timeout,
+            )
+            load.append(os.getloadavg()[0])
+            for c, ts in res[0]["times"].items():
+                times[(c, f"restore-2to{world}")] = ts
+                # CPU seconds of each restore, all ranks together (barrier waits included).
+                per_rank = [r["cpu"][c] for r in res]
+                cpu[(c, f"restore-2to{world}")] = [sum(x) for x in zip(*per_rank, strict=True)]
+            resident += res[0]["resident"]
+            raw_bytes[world] = sum(r["raw_bytes"][0] for r in res) if res[0]["raw_bytes"] else 0
     shutil.rmtree(base, ignore_errors=True)
     load.append(os.getloadavg()[0])
     state_bytes = sum(r["local_bytes"] for r in saved)
@@ -769,7 +788,3 @@ def print_report(res: dict[str, Any]) -> None:
         val = fmt(t["value"], ".3f")
         best = "" if t["value_min"] is None else f"; best-of-runs {t['value_min']:.3f}"
         print(f"  {verdict}  {t['target']:<44} {val:>7}  ({t['threshold']}; {t['detail']}{best})")
-
-
-if __name__ == "__main__":
-    worker(Path(sys.argv[1]))

@@ -13,6 +13,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
+#: Blocks of the state (``--layers`` of tools/bench.py): 196 parameter tensors at 16.
 N_LAYER = 16
 
 
@@ -26,16 +27,16 @@ class Shape:
     n_ctx: int
 
     @classmethod
-    def for_bytes(cls, param_bytes: int) -> Shape:
+    def for_bytes(cls, param_bytes: int, n_layer: int = N_LAYER) -> Shape:
         """Width from the budget (GPT-2's vocab:width ratio), then the vocab hits it exactly."""
         p = param_bytes / 4
-        per_d2 = 50257 / 1024 + 1 + 12 * N_LAYER  # embedding + positions + blocks, in d^2
+        per_d2 = 50257 / 1024 + 1 + 12 * n_layer  # embedding + positions + blocks, in d^2
         d_est = math.sqrt(p / per_d2)
         q = 64 if d_est >= 256 else 8
         d = max(8, round(d_est / q) * q)
-        rest = d * d + N_LAYER * (12 * d * d + 13 * d) + 2 * d
+        rest = d * d + n_layer * (12 * d * d + 13 * d) + 2 * d
         vocab = max(8, round((p - rest) / d))
-        return cls(d_model=d, n_layer=N_LAYER, vocab=vocab, n_ctx=d)
+        return cls(d_model=d, n_layer=n_layer, vocab=vocab, n_ctx=d)
 
 
 class Conv1D(nn.Module):
@@ -69,9 +70,11 @@ class GPT2Like(nn.Module):
         self.ln_f = nn.LayerNorm(shape.d_model)
 
 
-def build_state(param_bytes: int) -> tuple[nn.Module, torch.optim.Optimizer, Shape]:
+def build_state(
+    param_bytes: int, n_layer: int = N_LAYER
+) -> tuple[nn.Module, torch.optim.Optimizer, Shape]:
     """The model (random weights) and an AdamW after one real step on random gradients."""
-    shape = Shape.for_bytes(param_bytes)
+    shape = Shape.for_bytes(param_bytes, n_layer)
     with torch.device("meta"):
         model = GPT2Like(shape)
     model.to_empty(device="cpu")

@@ -44,21 +44,26 @@ def campaign(args: argparse.Namespace) -> int:
     t0 = time.monotonic()
     rng = random.Random(args.seed)
     stores = ["local", "s3"] if args.store == "both" else [args.store]
+    s3_trials = args.trials if args.s3_trials is None else args.s3_trials
+    trials = {"local": args.trials, "s3": s3_trials}
     print(
-        f"crashtest: seed {args.seed}; {args.trials} trials per store on {', '.join(stores)}; "
-        f"{args.dist_trials} distributed trials",
+        f"crashtest: seed {args.seed}; "
+        + ", ".join(f"{trials[k]} trials on {k}" for k in stores)
+        + f"; {args.dist_trials} distributed trials",
         flush=True,
     )
     results: list[StoreStats] = []
     dstats: DistStats | None = None
     ustats: UploadStats | None = None
-    server = Server()
+    server = Server(writers=any(trials[k] > 0 for k in stores) or args.dist_trials > 0)
     base = tempfile.mkdtemp(prefix="ckptstore-crashtest-")
     try:
-        checker = Checker()
+        checker: Checker | None = None
         for kind in stores:
-            if args.trials <= 0:
+            if trials[kind] <= 0:
                 continue
+            if checker is None:  # the writers' state (its optimizer imports torch._dynamo)
+                checker = Checker()
             if kind == "local":
 
                 def make_url() -> str:
@@ -67,7 +72,7 @@ def campaign(args: argparse.Namespace) -> int:
                 results.append(
                     writer_trials(
                         "local",
-                        args.trials,
+                        trials["local"],
                         rng=rng,
                         server=server,
                         checker=checker,
@@ -85,7 +90,7 @@ def campaign(args: argparse.Namespace) -> int:
                     results.append(
                         writer_trials(
                             "s3",
-                            args.trials,
+                            trials["s3"],
                             rng=rng,
                             server=server,
                             checker=checker,
@@ -193,6 +198,7 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n", 1)[0])
     p.add_argument("--store", choices=["local", "s3", "both"], default="both")
     p.add_argument("--trials", type=int, default=300, help="writer kills per store")
+    p.add_argument("--s3-trials", type=int, help="writer kills on S3 (default: --trials)")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dist-trials", type=int, default=20, help="2-rank jobs with a rank killed")
     p.add_argument(

@@ -171,8 +171,18 @@ def _child(fn: Any, kwargs: dict[str, Any]) -> None:
         os._exit(code)
 
 
-def _warm_up() -> None:
-    """Run once what imports lazily, so that each forked child starts in milliseconds."""
+def _warm_up(writers: bool) -> None:
+    """Run once what imports lazily, so that each forked child starts in milliseconds.
+
+    Without ``writers`` (a campaign of upload trials only) the children save nothing: the
+    writers' state, its optimizer (which imports torch._dynamo) and their saves are skipped.
+    """
+    with contextlib.suppress(ImportError):
+        import s3fs  # noqa: F401
+    import ckptstore.tiers.replica  # noqa: F401
+
+    if not writers:
+        return
     import crash_writer as cw
 
     from ckptstore import CheckpointManager
@@ -184,17 +194,15 @@ def _warm_up() -> None:
                 mgr.save(0, state)
                 mgr.save(1, state)
                 mgr.restore(state)
-    with contextlib.suppress(ImportError):
-        import s3fs  # noqa: F401
     import torch.distributed  # noqa: F401
 
 
-def serve() -> int:
+def serve(writers: bool = True) -> int:
     """Fork children for the JSON jobs read from stdin; report how each ended."""
     import torch
 
     torch.set_num_threads(1)  # before any op: no thread pool for the children to inherit
-    _warm_up()
+    _warm_up(writers)
     emit("serving")
     for line in sys.stdin:
         if not line.strip():
@@ -227,11 +235,13 @@ def serve() -> int:
 class Server:
     """The fork server, seen from the campaign."""
 
-    def __init__(self) -> None:
+    def __init__(self, *, writers: bool = True) -> None:
+        """``writers``: writers or ranks of distributed jobs will be forked (not only
+        uploaders), so the server warms their path up."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TOOLS), env.get("PYTHONPATH", "")])
         self.proc = subprocess.Popen(
-            [sys.executable, "-m", "crashkit.server"],
+            [sys.executable, "-m", "crashkit.server", *([] if writers else ["--uploads-only"])],
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -305,4 +315,4 @@ class Server:
 
 
 if __name__ == "__main__":
-    sys.exit(serve())
+    sys.exit(serve(writers="--uploads-only" not in sys.argv[1:]))

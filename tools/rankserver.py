@@ -1,0 +1,195 @@
+"""A fork server for the multi-rank tools: import torch once, fork every rank of every job.
+
+A fresh interpreter spends about 5 s of CPU importing torch, torch.distributed, FSDP2 and
+ckptstore, and FSDP2's first DTensor imports torch._dynamo (1.6 s more) before a rank does
+any work. ``RankServer`` starts one process (``python tools/rankserver.py MODULE...``) that
+imports the modules it is given, without running a tensor op, starting a thread or joining
+a process group, freezes what they made out of the garbage collector (``gc.freeze``), and
+then forks the ranks of each job it is sent. Each rank is still a
+separate process with its own gloo group over TCP, its own pid and its own exit status, and
+the environment torchrun would give it (``demo.env_for``; none of those variables for a
+1-process job).
+
+Protocol (one line each): the tool writes ``{"call": "module:function", "args": [...],
+"world": N, "port": P}`` on stdin; the server forks N ranks, each running
+``function(*args)`` (exit status 0 if it returns), answers ``pid RANK PID`` for each and
+``exit RANK CODE`` as each ends (``os.waitstatus_to_exitcode``), then ``jobdone``. When a rank
+fails, the server kills the others: they would wait for it in a collective. Ranks write
+their output to the server's stderr; its stdout carries only the protocol.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import gc
+import importlib
+import json
+import os
+import queue
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+import traceback
+from pathlib import Path
+from typing import Any
+
+TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+
+class RankServer:
+    """The tool's handle on a fork server that imported ``preload``.
+
+    ``env`` is the server's environment (and so every rank's before torchrun's variables);
+    ``OMP_NUM_THREADS=1`` is added, as torchrun sets it.
+    """
+
+    def __init__(self, preload: list[str], env: dict[str, str], timeout: float = 300) -> None:
+        env = dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), *preload],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.PIPE,
+            text=True,
+            env=env,
+        )
+        self._q: queue.Queue[str | None] = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+        deadline = time.monotonic() + timeout
+        if self._next(deadline) != "serving":  # pragma: no cover - a broken preload
+            raise RuntimeError("the rank server did not start")
+
+    def _read(self) -> None:
+        assert self.proc.stdout is not None
+        for line in self.proc.stdout:
+            self._q.put(line.rstrip("\n"))
+        self._q.put(None)
+
+    def _next(self, deadline: float) -> str:
+        try:
+            line = self._q.get(timeout=max(deadline - time.monotonic(), 0.001))
+        except queue.Empty:
+            raise TimeoutError from None
+        if line is None:
+            raise RuntimeError("the rank server died")
+        return line
+
+    def run(
+        self, call: str, args: list[Any], world: int, port: int, timeout: float
+    ) -> dict[int, int | None]:
+        """Run ``call(*args)`` on ``world`` forked ranks; each rank's exit code (None: it was
+        still running at the deadline, and was killed)."""
+        assert self.proc.stdin is not None
+        job = {"call": call, "args": args, "world": world, "port": port}
+        self.proc.stdin.write(json.dumps(job) + "\n")
+        self.proc.stdin.flush()
+        deadline = time.monotonic() + timeout
+        pids: dict[int, int] = {}
+        codes: dict[int, int | None] = {}
+        try:
+            while True:
+                line = self._next(deadline)
+                if line == "jobdone":
+                    return codes
+                word, who, value = line.split()
+                if word == "pid":
+                    pids[int(who)] = int(value)
+                elif word == "exit":
+                    codes[int(who)] = int(value)
+        except TimeoutError:
+            for rank, pid in pids.items():
+                if rank not in codes:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(pid, signal.SIGKILL)
+                    codes[rank] = None
+            with contextlib.suppress(TimeoutError):
+                while self._next(time.monotonic() + 30) != "jobdone":
+                    pass
+            return codes
+
+    def close(self) -> None:
+        with contextlib.suppress(OSError):
+            if self.proc.stdin is not None:
+                self.proc.stdin.close()
+        try:
+            self.proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> RankServer:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+def _rank(job: dict[str, Any], rank: int) -> None:
+    """Become rank ``rank`` of ``job``: its environment, fresh seeds, its call; exit."""
+    code = 1
+    try:
+        os.dup2(2, 1)  # the server's stdout carries the protocol
+        import demo  # tools/demo.py: a rank's environment, as torchrun sets it (preloaded)
+
+        if job["world"] > 1:
+            env = demo.env_for(rank, job["world"], job["port"])
+        else:
+            env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
+        os.environ.clear()
+        os.environ.update(env)
+        random.seed()  # a fresh interpreter seeds it from the OS: so must a fork
+        module, _, name = job["call"].partition(":")
+        getattr(importlib.import_module(module), name)(*job["args"])
+        code = 0
+    except SystemExit as e:
+        code = e.code if isinstance(e.code, int) else int(e.code is not None)
+    except BaseException:
+        traceback.print_exc()
+    finally:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(code)
+
+
+def serve(preload: list[str]) -> int:
+    """Import ``preload``, then fork the ranks of each job read from stdin."""
+    import demo  # noqa: F401  (tools/ is on sys.path: this script's directory)
+    import torch
+
+    torch.set_num_threads(1)  # before any op: no thread pool for the ranks to inherit
+    for name in preload:
+        importlib.import_module(name)
+    # Everything imported lives as long as a rank: frozen out of the collector, it is not
+    # walked by a rank's gc.collect() (the bench calls one before each timed operation) nor
+    # copied on write by the collector's bookkeeping.
+    gc.freeze()
+    replies = sys.stdout
+    print("serving", file=replies, flush=True)
+    for line in sys.stdin:
+        if not line.strip():
+            continue
+        job = json.loads(line)
+        pids: dict[int, int] = {}
+        for rank in range(job["world"]):
+            pid = os.fork()
+            if pid == 0:
+                _rank(job, rank)
+            pids[pid] = rank
+            print(f"pid {rank} {pid}", file=replies, flush=True)
+        while pids:
+            pid, status = os.wait()
+            rank = pids.pop(pid)
+            code = os.waitstatus_to_exitcode(status)
+            print(f"exit {rank} {code}", file=replies, flush=True)
+            if code != 0:
+                for other in pids:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.kill(other, signal.SIGKILL)
+        print("jobdone", file=replies, flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(serve(sys.argv[1:]))
