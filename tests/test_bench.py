@@ -125,7 +125,8 @@ def test_bench_smoke(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(400)
 def test_bench_sharded_smoke(tmp_path: Path) -> None:
-    """--sharded: FSDP2 save on 2 ranks, restore on 1 process and on 3 ranks, vs DCP and raw.
+    """--sharded: FSDP2 save on 2 ranks, restore on 1 process and on 3 ranks; save on 4, restore
+    on 2; vs DCP and raw.
 
     Every restore is checked by the bench itself (float64 sums of the parameters and both
     AdamW moments against the saved state), so a run that completes restored real data.
@@ -158,7 +159,7 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
     rows = {(r["contender"], r["op"]): r for r in sh["rows"]}
     contenders = ["dcp", "ckpt", "dcp-ckpt"] + (["raw"] if ("raw", "save-2") in rows else [])
     for c in contenders:
-        for op in ("save-2", "restore-2to1", "restore-2to3"):
+        for op in ("save-2", "save-4", "restore-2to1", "restore-2to3", "restore-4to2"):
             r = rows[(c, op)]
             assert r["n"] == 1
             assert r["median_s"] > 0
@@ -167,10 +168,11 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
         "sharded save >= 1.5x DCP",
         "resharded restore 2->1 >= 1.5x DCP",
         "resharded restore 2->3 >= 1.5x DCP",
+        "resharded restore 4->2 >= 1.5x DCP",
         "DCP API over ckptstore: save >= 1.0x DCP",
         "DCP API over ckptstore: load 2->3 >= 1.0x DCP",
     }
-    assert len(sh["resident_after_drop"]) == 2 * len(contenders)  # before every restore
+    assert len(sh["resident_after_drop"]) == 3 * len(contenders)  # before every restore
 
 
 @pytest.mark.timeout(200)

@@ -1,4 +1,8 @@
-"""The sharded part of tools/bench.py: FSDP2 save on 2 ranks, resharded restore 2 -> 1 and 2 -> 3.
+"""The sharded part of tools/bench.py: FSDP2 saves on 2 and 4 ranks, restores 2->1, 2->3, 4->2.
+
+Each save job's first round of checkpoints is kept and restored on other world sizes: the
+2-rank save on 1 process and on 3 ranks, the 4-rank save (one round: 4 ranks on this
+machine's cores are slow, and its save figures are a side product) on 2 ranks.
 
 Three contenders, side by side, interleaved round-robin inside each job:
 
@@ -74,9 +78,12 @@ CONTENDERS = ("raw", "dcp", "ckpt", "dcp-ckpt")
 SAVE_ONLY = ("ckpt-again",)
 SAVE_WORLD = 2
 RESTORE_WORLDS = (1, 3)
+#: A second save, on 4 ranks, restored on these world sizes (one round of saves).
+SAVE_WORLD_4 = 4
+RESTORE_WORLDS_4 = (2,)
 #: O_DIRECT reads a raw restore keeps in flight per process (ckptstore's READ_THREADS).
 RAW_READERS = 4
-OPS = ("save-2", "restore-2to1", "restore-2to3")
+OPS = ("save-2", "save-4", "restore-2to1", "restore-2to3", "restore-4to2")
 DESCRIPTIONS = {
     "raw": "each rank O_DIRECT-writes its local state bytes from one aligned buffer into as "
     "many files as ckptstore writes (concurrently) + fsync each + fsync dir; restore "
@@ -445,9 +452,9 @@ def record_phases(out: dict[str, Any], c: str, op: Any) -> None:
 
 
 def save_job(job: dict[str, Any]) -> dict[str, Any]:
-    rank = rank_of()
+    rank, world = rank_of(), job["world"]
     t0 = time.perf_counter()
-    model, opt = build(job["param_bytes"], SAVE_WORLD, init=True, n_layer=job["n_layer"])
+    model, opt = build(job["param_bytes"], world, init=True, n_layer=job["n_layer"])
     tensors = local_tensors(model, opt)
     my_bytes = sum(t.numel() * t.element_size() for t in tensors)
     out: dict[str, Any] = {"build_s": time.perf_counter() - t0, "times": {}}
@@ -471,11 +478,11 @@ def save_job(job: dict[str, Any]) -> dict[str, Any]:
                 record_phases(out, "ckpt-again", op)
                 out["times"].setdefault("ckpt-again", []).append(again)
                 if rank == 0:
-                    log(f"  sharded ckpt-again save-2     {again:8.3f} s")
+                    log(f"  sharded ckpt-again save-{world}     {again:8.3f} s")
             done()
             out["times"].setdefault(c, []).append(seconds)
             if rank == 0:
-                log(f"  sharded {c:<5} save-2         {seconds:8.3f} s")
+                log(f"  sharded {c:<5} save-{world}         {seconds:8.3f} s")
                 if r > 0:  # the first round's checkpoints are kept for the restores
                     shutil.rmtree(d, ignore_errors=True)
                     os.sync()
@@ -516,10 +523,13 @@ def restore_job(job: dict[str, Any]) -> dict[str, Any]:
                 )
                 out["checks"].append({"contender": c, "ok": ok, "sums": got})
                 if not ok:
-                    msg = f"{c} restore on {world} rank(s) loaded other values: {got} != {want}"
+                    msg = (
+                        f"{c} restore of the {job['saved']}-rank save on {world} rank(s) "
+                        f"loaded other values: {got} != {want}"
+                    )
                     raise RuntimeError(msg)
             if rank == 0:
-                log(f"  sharded {c:<5} restore-2to{world}   {seconds:8.3f} s")
+                log(f"  sharded {c:<5} restore-{job['saved']}to{world}   {seconds:8.3f} s")
             model = opt = op = done = None  # type: ignore[assignment]
             gc.collect()
             barrier()
@@ -601,66 +611,81 @@ def run(
     n_layer: int = N_LAYER,
     timeout: float = 3600,
 ) -> dict[str, Any]:
-    """Save on 2 ranks, restore on 1 and on 3; every contender interleaved in each job
-    (``n_layer``: the blocks of the model, ``benchkit.state``)."""
+    """Save on 2 ranks, restore on 1 and on 3; save on 4, restore on 2; every contender
+    interleaved in each job (``n_layer``: the blocks of the model, ``benchkit.state``)."""
     contenders = [c for c in CONTENDERS if c != "raw" or odirect]
     base = work / "sharded"
     load = [os.getloadavg()[0]]
     log(
         f"sharded: FSDP2 save on {SAVE_WORLD} ranks, restore on "
-        f"{' and '.join(map(str, RESTORE_WORLDS))}: {', '.join(contenders)}"
+        f"{' and '.join(map(str, RESTORE_WORLDS))}; save on {SAVE_WORLD_4}, restore on "
+        f"{' and '.join(map(str, RESTORE_WORLDS_4))}: {', '.join(contenders)}"
     )
+    times: dict[tuple[str, str], list[float]] = {}
+    cpu: dict[tuple[str, str], list[float]] = {}
+    disk: dict[str, int] = {}
+    resident: list[float | None] = []
+    raw_bytes: dict[str, int] = {}
+    per_save: dict[int, list[dict[str, Any]]] = {}
     with start_server() as server:
-        saved = launch(
-            server,
-            base / "job-save",
-            {
-                "kind": "save",
-                "world": SAVE_WORLD,
-                "param_bytes": param_bytes,
-                "n_layer": n_layer,
-                "repeats": repeats,
-                "contenders": contenders,
-                "dir": str(base / "ckpts"),
-                "odirect": odirect,
-            },
-            timeout,
-        )
-        times: dict[tuple[str, str], list[float]] = {}
-        cpu: dict[tuple[str, str], list[float]] = {}
-        for c, ts in saved[0]["times"].items():
-            times[(c, "save-2")] = ts
-        dirs = {c: str(base / "ckpts" / f"{c}-0") for c in contenders}
-        disk = {c: du(Path(p)) for c, p in dirs.items()}
-        resident: list[float | None] = []
-        raw_bytes: dict[int, int] = {}
-        for world in RESTORE_WORLDS:
-            res = launch(
+        for saving, worlds, rounds in (
+            (SAVE_WORLD, RESTORE_WORLDS, repeats),
+            (SAVE_WORLD_4, RESTORE_WORLDS_4, 1),
+        ):
+            saved = per_save[saving] = launch(
                 server,
-                base / f"job-restore-{world}",
+                base / f"job-save-{saving}",
                 {
-                    "kind": "restore",
-                    "world": world,
+                    "kind": "save",
+                    "world": saving,
                     "param_bytes": param_bytes,
                     "n_layer": n_layer,
-                    "repeats": repeats,
+                    "repeats": rounds,
                     "contenders": contenders,
-                    "dirs": dirs,
-                    "sums": saved[0]["sums"],
+                    "dir": str(base / f"ckpts-{saving}"),
+                    "odirect": odirect,
                 },
                 timeout,
             )
-            load.append(os.getloadavg()[0])
-            for c, ts in res[0]["times"].items():
-                times[(c, f"restore-2to{world}")] = ts
-                # CPU seconds of each restore, all ranks together (barrier waits included).
-                per_rank = [r["cpu"][c] for r in res]
-                cpu[(c, f"restore-2to{world}")] = [sum(x) for x in zip(*per_rank, strict=True)]
-            resident += res[0]["resident"]
-            raw_bytes[world] = sum(r["raw_bytes"][0] for r in res) if res[0]["raw_bytes"] else 0
+            for c, ts in saved[0]["times"].items():
+                times[(c, f"save-{saving}")] = ts
+            dirs = {c: str(base / f"ckpts-{saving}" / f"{c}-0") for c in contenders}
+            if saving == SAVE_WORLD:
+                disk = {c: du(Path(p)) for c, p in dirs.items()}
+            for world in worlds:
+                op = f"restore-{saving}to{world}"
+                res = launch(
+                    server,
+                    base / f"job-{op}",
+                    {
+                        "kind": "restore",
+                        "saved": saving,
+                        "world": world,
+                        "param_bytes": param_bytes,
+                        "n_layer": n_layer,
+                        "repeats": repeats,
+                        "contenders": contenders,
+                        "dirs": dirs,
+                        "sums": saved[0]["sums"],
+                    },
+                    timeout,
+                )
+                load.append(os.getloadavg()[0])
+                for c, ts in res[0]["times"].items():
+                    times[(c, op)] = ts
+                    # CPU seconds of each restore, all ranks together (barrier waits included).
+                    per_rank = [r["cpu"][c] for r in res]
+                    cpu[(c, op)] = [sum(x) for x in zip(*per_rank, strict=True)]
+                resident += res[0]["resident"]
+                raw_bytes[op] = sum(r["raw_bytes"][0] for r in res) if res[0]["raw_bytes"] else 0
+            shutil.rmtree(base / f"ckpts-{saving}", ignore_errors=True)
+    saved = per_save[SAVE_WORLD]
     shutil.rmtree(base, ignore_errors=True)
     load.append(os.getloadavg()[0])
     state_bytes = sum(r["local_bytes"] for r in saved)
+    # The 4-rank save holds the same model and optimizer, and AdamW's "step" scalar of
+    # every parameter on each rank: a few bytes more. Each op's GB/s uses its own save's.
+    bytes_of = {w: sum(r["local_bytes"] for r in per_save[w]) for w in (SAVE_WORLD, SAVE_WORLD_4)}
     phases: dict[str, list[dict[str, list[float]]]] = {}
     for r in saved:  # by rank: the median of each phase over the saves, wall and CPU
         for c, runs in r.get("phases", {}).items():
@@ -675,6 +700,7 @@ def run(
     med = {k: statistics.median(v) for k, v in times.items()}
     for (c, op), ts in times.items():
         m = med[(c, op)]
+        nbytes = bytes_of[int(op.removeprefix("save-").removeprefix("restore-").split("to")[0])]
         rows.append(
             {
                 "contender": c,
@@ -684,18 +710,20 @@ def run(
                 "median_s": m,
                 "min_s": min(ts),
                 "max_s": max(ts),
-                "gb_s": state_bytes / m / GB,
+                "gb_s": nbytes / m / GB,
                 "spread": max(ts) / min(ts),
                 "vs_raw": med[("raw", op)] / m if ("raw", op) in med else None,
                 "vs_dcp": med[("dcp", op)] / m if ("dcp", op) in med else None,
                 "cpu_s": cpu.get((c, op)),
                 "cpu_ns_per_byte": (
-                    statistics.median(cpu[(c, op)]) / state_bytes * 1e9 if (c, op) in cpu else None
+                    statistics.median(cpu[(c, op)]) / nbytes * 1e9 if (c, op) in cpu else None
                 ),
             }
         )
     return {
         "state_bytes": state_bytes,
+        "state_bytes_4": bytes_of[SAVE_WORLD_4],
+        "per_rank_bytes_4": [r["local_bytes"] for r in per_save[SAVE_WORLD_4]],
         "per_rank_bytes": [r["local_bytes"] for r in saved],
         "build_s": saved[0]["build_s"],
         "disk_bytes": disk,
@@ -722,6 +750,7 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
         ("sharded save >= 1.5x DCP", 1.5, "save-2", "ckpt", "dcp"),
         ("resharded restore 2->1 >= 1.5x DCP", 1.5, "restore-2to1", "ckpt", "dcp"),
         ("resharded restore 2->3 >= 1.5x DCP", 1.5, "restore-2to3", "ckpt", "dcp"),
+        ("resharded restore 4->2 >= 1.5x DCP", 1.5, "restore-4to2", "ckpt", "dcp"),
         ("repeated sharded save >= 0.8x raw (2nd save)", 0.8, "save-2", "ckpt-again", "raw"),
         ("DCP API over ckptstore: save >= 1.0x DCP", 1.0, "save-2", "dcp-ckpt", "dcp"),
         ("DCP API over ckptstore: load 2->1 >= 1.0x DCP", 1.0, "restore-2to1", "dcp-ckpt", "dcp"),
@@ -750,7 +779,8 @@ def print_report(res: dict[str, Any]) -> None:
     print(
         f"sharded (FSDP2): {human(res['state_bytes'])} of state (params + AdamW) saved by "
         f"2 ranks ({' + '.join(human(b) for b in res['per_rank_bytes'])}), restored "
-        "on 1 process (no process group) and on 3 ranks; GB/s = state bytes / s"
+        "on 1 process (no process group) and on 3 ranks; saved by 4 ranks, restored on 2; "
+        "GB/s = state bytes / s"
     )
     head = (
         f"{'contender':<11} {'op':<13} {'median s':>9} {'GB/s':>6} {'x raw':>6} {'x dcp':>6} "
