@@ -6,7 +6,7 @@
     .venv/bin/python tools/bench.py --only disk-odirect,ckpt-st,torch --size 300MB
     .venv/bin/python tools/bench.py --only scale --size 1MB --repeats 5   # save vs step count
     .venv/bin/python tools/bench.py --plot               # also sweep 10MB..--size, write a PNG
-    .venv/bin/python tools/bench.py --sharded --size 256MB  # FSDP2: 2 ranks, restore on 1, 3
+    .venv/bin/python tools/bench.py --sharded --size 256MB  # FSDP2: 2 ranks -> 1, 3; 4 -> 2
     .venv/bin/python tools/bench.py --replica --size 64MB   # two tiers: local + S3 (moto)
     .venv/bin/python tools/bench.py --s3 --only ckpt-st --size 64MB  # S3 (moto) vs s3fs cat
 
@@ -23,8 +23,9 @@ fraction still resident afterwards is checked with ``mincore`` and reported. Res
 ``--out`` (JSON) and a table on stdout; no number here is asserted by any test.
 
 The ``sharded`` contender (``--sharded``; not in the default run) measures FSDP2 state in
-real processes: a save on 2 ranks and a resharded restore on 1 process and on 3 ranks, for
-ckptstore, DCP and raw O_DIRECT side by side (see tools/benchkit/sharded.py).
+real processes: a save on 2 ranks and a resharded restore on 1 process and on 3 ranks, and
+a save on 4 ranks restored on 2, for ckptstore, DCP and raw O_DIRECT side by side (see
+tools/benchkit/sharded.py).
 
 This file is the entry point; the bench lives in tools/benchkit/: ``cli`` (arguments, the
 run, its JSON), ``harness`` (one size's context, the contender protocol, the rounds),
