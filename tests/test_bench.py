@@ -173,6 +173,10 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
         "DCP API over ckptstore: load 2->3 >= 1.0x DCP",
     }
     assert len(sh["resident_after_drop"]) == 3 * len(contenders)  # before every restore
+    if "raw" in contenders:  # the raw reads again, into fresh memory: a restore's floor
+        for op in ("restore-2to1", "restore-2to3", "restore-4to2"):
+            assert rows[("raw-fresh", op)]["median_s"] > 0
+            assert rows[("ckpt", op)]["vs_raw_fresh"] > 0
 
 
 @pytest.mark.timeout(200)
