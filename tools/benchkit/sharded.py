@@ -76,9 +76,9 @@ REPO = TOOLS.parent
 CONTENDERS = ("raw", "dcp", "ckpt", "dcp-ckpt")
 #: Save-only rows, timed in the ``ckpt`` turn of each round (see ``save_job``).
 SAVE_ONLY = ("ckpt-again",)
-#: Restore-only contenders, interleaved with the others in each restore round (the virtual
-#: disk's own cache serves a read of the same bytes faster right after another, so no
-#: contender may always follow the raw one).
+#: Restore-only contenders, interleaved with the others in each restore round, two places
+#: after raw: the virtual disk's own cache serves a read of the same bytes sooner right
+#: after another, so raw-fresh must not follow raw, nor raw follow it.
 RESTORE_ONLY = ("raw-fresh",)
 SAVE_WORLD = 2
 RESTORE_WORLDS = (1, 3)
@@ -529,7 +529,9 @@ def restore_job(job: dict[str, Any]) -> dict[str, Any]:
     if raw is not None:  # the raw reads into fresh memory: a contender of its own
         dirs["raw-fresh"] = dirs["raw"]
     out: dict[str, Any] = {"times": {}, "cpu": {}, "resident": [], "checks": [], "raw_bytes": []}
-    contenders = [c for c in [*job["contenders"], *RESTORE_ONLY] if c in dirs]
+    contenders = [c for c in job["contenders"] if c in dirs]
+    if raw is not None:  # never next to raw in the rotation (the same bytes, just read)
+        contenders.insert(contenders.index("raw") + 2, "raw-fresh")
     want = job["sums"]
     for r in range(job["repeats"]):
         k = r % len(contenders)
