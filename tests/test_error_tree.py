@@ -48,12 +48,17 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ),
     ("codec/zipcheck.py", "__call__", "ValueError"): "internal precondition: feed in order",
     ("codec/zipstream.py", "__call__", "ValueError"): "internal precondition: feed in order",
+    ("dist.py", "scatter", "ValueError"): "internal precondition (a bug), before any wait",
     ("integrity.py", "parse_crc", "ValueError"): "parse helper; callers raise ManifestError",
     ("integrity.py", "check_blocks", "ValueError"): "internal precondition (a bug)",
     ("integrity.py", "write", "OSError"): "an I/O failure (EIO short write); saves wrap it",
     ("ops/verify.py", "_dtensor_nodes", "RecursionError"): "caught by its caller",
     ("restore/partial.py", "read_some", "ValueError"): "internal: callers check first",
     ("sharded/chunks.py", "dtype_name", "KeyError"): "lookup; callers raise their own error",
+    ("sharded/plan.py", "writes_here", "ValueError"): "internal: splittable() checked first",
+    ("sharded/split_index.py", "global_bytes", "ValueError"): (
+        "internal: splittable() checked first"
+    ),
     ("manifest.py", "from_cache", "ValueError"): "a malformed cache row: the listing reads again",
     ("ranktable.py", "__getitem__", "KeyError"): "the Mapping protocol (a name not listed)",
     ("ranktable.py", "encode", "ValueError"): "internal precondition (a bug)",

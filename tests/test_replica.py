@@ -352,11 +352,14 @@ def test_unreachable_replica_is_refused_before_any_save(tmp_path: Path) -> None:
     opts = _dead_endpoint_options()
     endpoint = opts["client_kwargs"]["endpoint_url"]
     t0 = time.monotonic()
+    # A refused connection fails at once; the timeout only has to outlast the S3 client's
+    # first start (imports, service model) on a loaded 2-core host, where 6 s did not and
+    # the probe reported "no answer within 6s" instead of what happened.
     with pytest.raises(ReplicaUnavailableError) as info:
         CheckpointManager(
-            tmp_path / "a", replica="s3://nowhere/run", replica_options=opts, replica_timeout=6
+            tmp_path / "a", replica="s3://nowhere/run", replica_options=opts, replica_timeout=20
         )
-    assert time.monotonic() - t0 < 6 + 3
+    assert time.monotonic() - t0 < 20 + 3
     msg = str(info.value)
     assert "\n" not in msg
     assert msg.startswith("replica s3://nowhere/run: cannot reach the storage endpoint")

@@ -432,7 +432,9 @@ def root_view(t: Any, cache: dict[int, Any] | None = None) -> tuple[Any, tuple[A
     return root, tuple(placements)
 
 
-def writes_here(t: Any, name: str, *, split: bool = False) -> bool:
+def writes_here(
+    t: Any, name: str, *, split: bool = False, cache: dict[int, Any] | None = None
+) -> bool:
     """Whether this rank writes its box of the DTensor ``t`` (flat name ``name``).
 
     Decided here, by a rule every rank applies alike, instead of by gathering every rank's
@@ -445,10 +447,10 @@ def writes_here(t: Any, name: str, *, split: bool = False) -> bool:
     ``split``: a save with the split index, where a DTensor on a sub-mesh is seen on its
     root mesh (:func:`root_view`), as the index records it: its copies on the other
     sub-meshes are replicas. Otherwise (format 2) each sub-mesh writes its copy and rank 0
-    keeps one of each box in the index.
+    keeps one of each box in the index. ``cache``: :func:`root_view`'s.
     """
     if split:
-        view = root_view(t)
+        view = root_view(t, cache)
         if view is None:  # pragma: no cover - splittable() admits only tensors with a root
             raise ValueError(f"{name!r}: its device mesh is not a named slice of a root mesh")
         mesh, placements = view
@@ -478,13 +480,16 @@ def dedup_local(plan: Any, flat: Mapping[str, Any], *, split: bool = False) -> A
     from torch.distributed.checkpoint.planner import SavePlan
 
     verdict: dict[str, bool] = {}
+    roots: dict[int, Any] = {}  # root_view's, by mesh
     items = []
     for item in plan.items:
         name = item.index.fqn
         here = verdict.get(name)
         if here is None:
             t = flat[name]
-            here = verdict[name] = writes_here(t, name, split=split) if is_dtensor(t) else True
+            here = verdict[name] = (
+                writes_here(t, name, split=split, cache=roots) if is_dtensor(t) else True
+            )
         if here:
             items.append(item)
     return SavePlan(items)
