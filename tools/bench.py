@@ -33,8 +33,8 @@ run, its JSON), ``harness`` (one size's context, the contender protocol, the rou
 targets, the table, the plot), ``registry`` (every contender's name and description), and a
 module per contender group: ``plain`` (raw disk, torch.save, safetensors, DCP, ckptstore;
 restore RSS), ``memory`` (async save, copies, the training step), ``protocol`` (verify,
-few-KB saves, big stores, listing), ``sharded`` (FSDP2 vs DCP), ``replica`` (two tiers on
-S3), ``s3`` (restore from S3) and ``zstd_cpu``.
+few-KB saves, big stores, listing), ``sharded`` (FSDP2 vs DCP; ``sharded_raw``, its raw
+disk contender), ``replica`` (two tiers on S3), ``s3`` (restore from S3) and ``zstd_cpu``.
 """
 
 from __future__ import annotations
