@@ -17,6 +17,25 @@ ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses aligned to this
 CHUNK = 32 << 20  # raw writes and reads go in slices of this size
 
 
+def odirect_write(path: Path, buf: mmap.mmap, nbytes: int) -> None:
+    """Write ``nbytes`` (a multiple of :data:`ALIGN`) to a new file ``path`` with O_DIRECT,
+    :data:`CHUNK` at a time from the aligned buffer ``buf``, then fsync it."""
+    mv = memoryview(buf)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
+    try:
+        left = nbytes
+        while left:
+            n = os.write(fd, mv[: min(left, CHUNK)])
+            if n <= 0 or n % ALIGN:
+                msg = f"short O_DIRECT write ({n} bytes)"
+                raise OSError(msg)
+            left -= n
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+        mv.release()
+
+
 def fsync_file(path: Path) -> None:
     fd = os.open(path, os.O_RDONLY)
     try:

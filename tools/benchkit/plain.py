@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from benchkit.disk import ALIGN, CHUNK, fsync_dir, fsync_file, fsync_tree, remove
+from benchkit.disk import ALIGN, CHUNK, fsync_dir, fsync_file, fsync_tree, odirect_write, remove
 from benchkit.harness import Contender, Ctx, Pair, log
 from benchkit.state import tensor_bytes
 from benchkit.units import GB
@@ -91,20 +91,7 @@ class DiskODirect(Pair):
         self.buf.close()
 
     def save(self, ctx: Ctx, d: Path) -> None:
-        mv = memoryview(self.buf)
-        fd = os.open(d / "raw.bin", os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
-        try:
-            left = self.nbytes
-            while left:
-                n = os.write(fd, mv[: min(left, CHUNK)])
-                if n <= 0 or n % ALIGN:
-                    msg = f"short O_DIRECT write ({n} bytes)"
-                    raise OSError(msg)
-                left -= n
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            mv.release()
+        odirect_write(d / "raw.bin", self.buf, self.nbytes)
         fsync_dir(d)
 
     def restore(self, ctx: Ctx, d: Path) -> None:

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchkit.disk import ALIGN, CHUNK
+from benchkit.disk import ALIGN, CHUNK, odirect_write
 
 #: O_DIRECT reads a raw restore keeps in flight per process (ckptstore's READ_THREADS).
 RAW_READERS = 4
@@ -57,20 +57,7 @@ class Raw:
 
     def write(self, path: Path, nbytes: int) -> None:
         nbytes = -(-nbytes // ALIGN) * ALIGN
-        mv = memoryview(self.buf)
-        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_DIRECT, 0o644)
-        try:
-            left = nbytes
-            while left:
-                n = os.write(fd, mv[: min(left, CHUNK)])
-                if n <= 0 or n % ALIGN:
-                    msg = f"short O_DIRECT write ({n} bytes)"
-                    raise OSError(msg)
-                left -= n
-            os.fsync(fd)
-        finally:
-            os.close(fd)
-            mv.release()
+        odirect_write(path, self.buf, nbytes)
 
     def read(self, spans: list[tuple[Path, int, int]], *, fresh: bool = False) -> int:
         """Read ``(file, offset, length)`` spans (aligned) with O_DIRECT; bytes read.
