@@ -17,6 +17,25 @@ ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses aligned to this
 CHUNK = 32 << 20  # raw writes and reads go in slices of this size
 
 
+def fill_buffer(buf: mmap.mmap, tensors: Any) -> None:
+    """Fill the aligned buffer ``buf`` (:data:`CHUNK` bytes) with the bytes of ``tensors``,
+    random bytes after them: real state bytes, so nothing could compress zeros."""
+    import torch
+
+    dst = torch.frombuffer(buf, dtype=torch.uint8)
+    pos = 0
+    for t in tensors:
+        src = t.detach().contiguous().reshape(-1).view(torch.uint8)
+        n = min(len(src), CHUNK - pos)
+        dst[pos : pos + n].copy_(src[:n])
+        pos += n
+        if pos == CHUNK:
+            break
+    if pos < CHUNK:
+        dst[pos:].random_()
+    del dst
+
+
 def odirect_write(path: Path, buf: mmap.mmap, nbytes: int) -> None:
     """Write ``nbytes`` (a multiple of :data:`ALIGN`) to a new file ``path`` with O_DIRECT,
     :data:`CHUNK` at a time from the aligned buffer ``buf``, then fsync it."""

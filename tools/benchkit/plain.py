@@ -18,7 +18,16 @@ from typing import Any
 
 import torch
 
-from benchkit.disk import ALIGN, CHUNK, fsync_dir, fsync_file, fsync_tree, odirect_write, remove
+from benchkit.disk import (
+    ALIGN,
+    CHUNK,
+    fill_buffer,
+    fsync_dir,
+    fsync_file,
+    fsync_tree,
+    odirect_write,
+    remove,
+)
 from benchkit.harness import Contender, Ctx, Pair, log
 from benchkit.state import tensor_bytes
 from benchkit.units import GB
@@ -73,18 +82,7 @@ class DiskODirect(Pair):
     def setup(self, ctx: Ctx) -> None:
         self.buf = mmap.mmap(-1, CHUNK)  # page-aligned
         # Bytes of the real state, so nothing downstream could compress or dedupe zeros.
-        dst = torch.frombuffer(self.buf, dtype=torch.uint8)
-        pos = 0
-        for _, t in ctx.tensors():
-            src = t.detach().reshape(-1).view(torch.uint8)
-            n = min(len(src), CHUNK - pos)
-            dst[pos : pos + n].copy_(src[:n])
-            pos += n
-            if pos == CHUNK:
-                break
-        if pos < CHUNK:
-            dst[pos:].random_()
-        del dst
+        fill_buffer(self.buf, (t for _, t in ctx.tensors()))
         self.nbytes = -(-ctx.state_bytes // ALIGN) * ALIGN
 
     def teardown(self, ctx: Ctx) -> None:

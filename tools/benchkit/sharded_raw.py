@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchkit.disk import ALIGN, CHUNK, odirect_write
+from benchkit.disk import ALIGN, CHUNK, fill_buffer, odirect_write
 
 #: O_DIRECT reads a raw restore keeps in flight per process (ckptstore's READ_THREADS).
 RAW_READERS = 4
@@ -27,18 +27,7 @@ class Raw:
         self.buf = mmap.mmap(-1, CHUNK)  # page-aligned
         self.bufs: list[mmap.mmap] = []  # the readers' (see read)
         self.kept: list[mmap.mmap] = []  # what a fresh read filled (see read)
-        dst = torch.frombuffer(self.buf, dtype=torch.uint8)
-        pos = 0
-        for t in tensors or []:  # real state bytes, so nothing could compress zeros
-            src = t.detach().contiguous().reshape(-1).view(torch.uint8)
-            n = min(len(src), CHUNK - pos)
-            dst[pos : pos + n].copy_(src[:n])
-            pos += n
-            if pos == CHUNK:
-                break
-        if pos < CHUNK:
-            dst[pos:].random_()
-        del dst
+        fill_buffer(self.buf, tensors or [])
 
     def write_parts(self, d: Path, rank: int, nbytes: int) -> None:
         """``nbytes`` into as many files as ckptstore's shard parts, written concurrently."""
