@@ -46,16 +46,37 @@ def parse(d: dict[str, Any]) -> ChunkIndex:
     return ChunkIndex.from_bytes(json.dumps(d).encode(), FILES, "step-1/dtensors.json")
 
 
-def test_round_trip_and_dcp_metadata() -> None:
+def test_round_trip() -> None:
     idx = parse(doc())
     assert idx == two_chunks()
-    md = idx.dcp_metadata()
-    tmd = md.state_dict_metadata["model/w"]
-    assert tuple(tmd.size) == (7, 6)
-    assert [tuple(c.offsets) for c in tmd.chunks] == [(0, 0), (4, 0)]
-    assert idx.chunk_at("model/w", (4, 0)).file == "_shards.rank00001.safetensors"
-    with pytest.raises(IntegrityError, match="no chunk"):
-        idx.chunk_at("model/w", (1, 0))
+    assert [c.file for c in idx.tensors["model/w"].chunks] == [
+        "_shards.rank00000.safetensors",
+        "_shards.rank00001.safetensors",
+    ]
+
+
+def _dcp_metadata(idx: ChunkIndex) -> Any:
+    """The index as DCP's ``Metadata``, to compare ckptstore's read plan with DCP's planner's."""
+    from torch.distributed.checkpoint.metadata import (
+        ChunkStorageMetadata,
+        Metadata,
+        TensorProperties,
+        TensorStorageMetadata,
+    )
+
+    return Metadata(
+        state_dict_metadata={
+            name: TensorStorageMetadata(
+                properties=TensorProperties(dtype=t.torch_dtype),
+                size=torch.Size(t.shape),
+                chunks=[
+                    ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
+                    for c in t.chunks
+                ],
+            )
+            for name, t in idx.tensors.items()
+        }
+    )
 
 
 def _edit(path: list[Any], value: Any) -> dict[str, Any]:
@@ -497,3 +518,95 @@ def test_read_into_reads_boxes_at_once_and_stops_every_read_on_a_failure() -> No
             index, {"model/w": torch.empty(32, 8)}, lambda n, o, k: raw[o : o + k], "s", read_to
         )
     assert state["running"] == 0
+
+
+def test_read_items_are_the_overlaps_of_the_target_boxes_with_the_stored_chunks() -> None:
+    """The reads of a resharded restore, computed from the boxes (DCP's planner's answer)."""
+    from torch.distributed.checkpoint.default_planner import create_default_local_load_plan
+
+    from ckptstore.sharded.targets import read_items
+
+    index = two_chunks()  # rows 0..3 and 4..6 of a 7 x 6 tensor
+    a, b = index.tensors["model/w"].chunks
+    flat = {"model/w": torch.empty(7, 6)}
+    # Rows 2..5 of columns 1..4: part of each chunk, at offsets in the target's own data.
+    got = read_items(index, flat, {"model/w": ((2, 1), (6, 5))})
+    assert got == [
+        ("model/w", a, (2, 1), (0, 0), (2, 4)),
+        ("model/w", b, (0, 1), (2, 0), (2, 4)),
+    ]
+    # A box inside one chunk reads that chunk only; an empty box (a rank that holds no
+    # row of an uneven shard) reads nothing.
+    assert read_items(index, flat, {"model/w": ((5, 0), (7, 6))}) == [
+        ("model/w", b, (1, 0), (0, 0), (2, 6))
+    ]
+    assert read_items(index, flat, {"model/w": ((7, 0), (7, 6))}) == []
+    # No box given: the whole tensor, as DCP's planner reads it for a plain target.
+    whole = read_items(index, flat, {})
+    plan = create_default_local_load_plan(flat, _dcp_metadata(index), True)
+    assert [(n, c.offsets, s, d, k) for n, c, s, d, k in whole] == [
+        (
+            i.storage_index.fqn,
+            tuple(i.storage_index.offset),
+            tuple(i.storage_offsets),
+            tuple(i.dest_offsets),
+            tuple(i.lengths),
+        )
+        for i in plan.items
+    ]
+    # A 0-d tensor is one item of no dims.
+    scalar = Chunk((), (), "_shards.rank00000.safetensors", 0, 4, (3,))
+    sidx = ChunkIndex({"step": TensorEntry("float32", (), (scalar,))}, block=4096)
+    assert read_items(sidx, {"step": torch.empty(())}, {}) == [("step", scalar, (), (), ())]
+    # A target the index lacks, or of another shape, is refused before anything is read.
+    with pytest.raises(IntegrityError, match="holds no tensor 'model/v'"):
+        read_items(index, {"model/v": torch.empty(7, 6)}, {})
+    with pytest.raises(IntegrityError, match=r"holds \[7, 6\], the target is \[6, 7\]"):
+        read_items(index, {"model/w": torch.empty(6, 7)}, {})
+
+
+def test_template_box_is_computed_once_per_shape_mesh_and_placements(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A restore's boxes come from a cache: the layers of a model repeat a few layouts."""
+    import torch.distributed as dist
+    import torch.distributed.tensor._utils as dt_utils
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    from ckptstore.sharded.targets import _fresh_like, template_box
+
+    dist.init_process_group("fake", store=FakeStore(), rank=1, world_size=3)
+    try:
+        mesh = init_device_mesh("cpu", (3,))
+        ts = [
+            DTensor.from_local(torch.zeros(3, 4), mesh, [Shard(0)], shape=(7, 4), stride=(4, 1))
+            for _ in range(4)
+        ]
+        calls = []
+        real = dt_utils.compute_local_shape_and_global_offset
+
+        def counted(*a: Any, **k: Any) -> Any:
+            calls.append(a)
+            return real(*a, **k)
+
+        monkeypatch.setattr(dt_utils, "compute_local_shape_and_global_offset", counted)
+        cache: dict[Any, Any] = {}
+        # Rank 1 of 3 holds rows 3..5 of 7 (torch's uneven split: 3, 3, 1).
+        assert [template_box(t, (7, 4), cache) for t in ts] == [((3, 0), (6, 4))] * 4
+        assert len(calls) == 1
+        assert template_box(ts[0], (7, 4)) == ((3, 0), (6, 4))  # no cache: computed
+        assert len(calls) == 2
+        # Another stored shape: the target is made whole.
+        assert template_box(ts[0], (8, 4), cache) == ((0, 0), (8, 4))
+        # The fresh tensor made of such a template has its layout and a local part of its own.
+        fresh = _fresh_like(ts[0], (7, 4), torch.float32)
+        assert isinstance(fresh, DTensor)
+        assert fresh.placements == ts[0].placements
+        assert tuple(fresh.shape) == (7, 4)
+        assert tuple(fresh.to_local().shape) == (3, 4)
+        assert not fresh.requires_grad
+        assert fresh.to_local().data_ptr() != ts[0].to_local().data_ptr()
+    finally:
+        dist.destroy_process_group()

@@ -302,6 +302,12 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         dtensor_leaves(inner, (k,), index, leaves, where)
     own: set[str] | None = set() if in_place and targets is not None else None
     templates = targets_mod.restore_templates(leaves, targets, kinds, owners, own=own)
+    # The box of the tensor each leaf is read into (integers only, a cache per shape,
+    # mesh and placements): what the index is resolved for, and what read_into reads.
+    geometry: dict[Any, targets_mod.Box] = {}
+    boxes = {
+        n: targets_mod.template_box(templates[n], e.shape, geometry) for n, (_, e) in leaves.items()
+    }
     if layout is not None:
         # Only the parts of the ranks that wrote what overlaps this rank's targets. Read
         # and checked before any tensor is made: the layout alone names the shapes, and
@@ -309,7 +315,6 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         # size of its box, inside its file and sharing no byte with another (issue 24 #7;
         # a hostile shape made the allocator raise before any chunk was looked at).
         read_part = split_index.part_reader(session.storage, step, manifest.files)
-        boxes = {n: targets_mod.template_box(templates[n], e.shape) for n, (_, e) in leaves.items()}
         index = layout.resolve(boxes, read_part, manifest.files, f"{where}/{INDEX_FILE}")
     live = targets_mod.live_targets(leaves, templates, own) if own else {}
     if touched is not None and own:
@@ -322,7 +327,9 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
     flat = targets_mod.fresh_targets(leaves, templates, skip=live)
     flat.update(live)
     with session.storage.range_reader(step, manifest.files) as reader:
-        targets_mod.read_into(index, flat, reader.read, where, reader.read_into, live=live)
+        targets_mod.read_into(
+            index, flat, reader.read, where, reader.read_into, live=live, boxes=boxes
+        )
     return flat
 
 

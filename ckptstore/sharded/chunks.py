@@ -191,42 +191,6 @@ class ChunkIndex:
         check_disjoint(((n, c) for n, t in tensors.items() for c in t.chunks), where)
         return cls(tensors=tensors, block=block)
 
-    def dcp_metadata(self) -> Any:
-        """The index as ``torch.distributed.checkpoint.metadata.Metadata`` for DCP's planners."""
-        import torch
-        from torch.distributed.checkpoint.metadata import (
-            ChunkStorageMetadata,
-            Metadata,
-            TensorProperties,
-            TensorStorageMetadata,
-        )
-
-        md: dict[str, Any] = {}
-        for name, t in self.tensors.items():
-            md[name] = TensorStorageMetadata(
-                properties=TensorProperties(dtype=t.torch_dtype),
-                size=torch.Size(t.shape),
-                chunks=[
-                    ChunkStorageMetadata(offsets=torch.Size(c.offsets), sizes=torch.Size(c.sizes))
-                    for c in t.chunks
-                ],
-            )
-        return Metadata(state_dict_metadata=md)
-
-    def chunk_at(self, name: str, offsets: Sequence[int]) -> Chunk:
-        """The chunk of ``name`` that starts at ``offsets``.
-
-        Raises:
-            IntegrityError: no such chunk.
-        """
-        entry = self.tensors.get(name)
-        want = tuple(int(o) for o in offsets)
-        if entry is not None:
-            for c in entry.chunks:
-                if c.offsets == want:
-                    return c
-        raise IntegrityError(f"chunk index has no chunk of {name!r} at {list(want)}")
-
 
 def _ints(v: object, what: str, where: str, *, hi: int = _MAX_DIM) -> tuple[int, ...]:
     if not isinstance(v, list) or len(v) > _MAX_NDIM:

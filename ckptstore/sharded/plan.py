@@ -5,8 +5,9 @@ flag needed. Each DTensor leaf gets a flat name (its path in the state, ``model/
 and ``torch.distributed.checkpoint``'s planners decide who writes what: every rank's local
 plan lists the boxes it holds (``__create_write_items__``), ``dedup_save_plans`` keeps one
 copy of every replicated box (load-balanced over the ranks), ``create_default_global_save_plan``
-gives the global metadata. On restore, ``create_default_local_load_plan`` computes which
-saved boxes overlap each target shard, whatever the mesh, placement or world size.
+gives the global metadata. On restore, ``targets.read_items`` computes which saved boxes
+overlap each target shard (the boxes DCP's ``create_default_local_load_plan`` would find,
+whatever the mesh, placement or world size, without its per-tensor objects).
 
 ckptstore runs those planners itself instead of calling ``dcp.save``/``dcp.load``: their
 collectives would wait on a process group without naming the ranks that are missing, and
