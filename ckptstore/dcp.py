@@ -37,7 +37,7 @@ every chunk of every tensor), so this path costs each rank the index of every sa
 :class:`CkptStoreWriter` is the other way: a DCP ``StorageWriter`` whose ``write_data`` saves
 the state DCP's planner holds as a step of a :class:`~ckptstore.CheckpointManager`, through
 ``mgr.save`` itself, so ``dcp.save`` and ``dcp.async_save`` write what ``mgr.save`` writes
-(DTensor state: each rank its own boxes in its ``_shards`` files, a CRC32C per 4 MiB block
+(DTensor state: each rank its own boxes in its ``_shards`` files, a CRC32C per 256 KiB block
 computed as they are written, the split JSON index; plain tensors: rank 0's payloads), with
 the same two-phase commit, manifest last, retention and replica upload::
 

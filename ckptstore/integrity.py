@@ -29,8 +29,8 @@ __all__ = [
     "parse_crc",
 ]
 
-#: Bytes covered by one per-block CRC32C of a payload file (``FileEntry.blocks``) and of a
-#: DTensor chunk (``chunks.BLOCK`` is this value).
+#: Bytes covered by one per-block CRC32C of a payload file (``FileEntry.blocks``). A DTensor
+#: chunk's blocks are smaller (``chunks.BLOCK``).
 BLOCK = 4 << 20
 
 

@@ -485,8 +485,14 @@ def _rows_index(t: torch.Tensor, parts: int) -> tuple[bytearray, ChunkIndex]:
     return raw, ChunkIndex({"model/w": entry}, block=64)
 
 
-def test_read_into_reads_boxes_at_once_and_stops_every_read_on_a_failure() -> None:
+def test_read_into_reads_boxes_at_once_and_stops_every_read_on_a_failure(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    from ckptstore.sharded import targets
     from ckptstore.sharded.targets import READ_THREADS, read_into
+
+    # Boxes of 512 bytes: each a task of its own only with tasks this small.
+    monkeypatch.setattr(targets, "BATCH_BYTES", 512)
 
     t = torch.randn(32, 8)
     raw, index = _rows_index(t, 16)
@@ -518,6 +524,14 @@ def test_read_into_reads_boxes_at_once_and_stops_every_read_on_a_failure() -> No
             index, {"model/w": torch.empty(32, 8)}, lambda n, o, k: raw[o : o + k], "s", read_to
         )
     assert state["running"] == 0
+    # At the default task size the four small boxes go to one thread, in turn.
+    monkeypatch.undo()
+    raw[index.tensors["model/w"].chunks[3].start + 5] ^= 1
+    state["most"] = 0
+    out = torch.empty(32, 8)
+    read_into(index, {"model/w": out}, lambda n, o, k: raw[o : o + k], "s", read_to)
+    assert torch.equal(out, t)
+    assert state["most"] == 1
 
 
 def test_read_items_are_the_overlaps_of_the_target_boxes_with_the_stored_chunks() -> None:
@@ -610,3 +624,23 @@ def test_template_box_is_computed_once_per_shape_mesh_and_placements(
         assert fresh.to_local().data_ptr() != ts[0].to_local().data_ptr()
     finally:
         dist.destroy_process_group()
+
+
+def test_small_boxes_go_to_the_read_threads_together() -> None:
+    """Biases and norms share a task; a large box is a task of its own; order is kept."""
+    from ckptstore.sharded.targets import BATCH_BYTES, batches, read_items
+
+    small, big = 1024, BATCH_BYTES // 4  # float32 elements: 4 KiB and BATCH_BYTES
+    tensors = {}
+    start = 0
+    for name, n in [("a", small), ("b", small), ("w", big), ("c", small)] + [
+        (f"s{i}", BATCH_BYTES // 16) for i in range(5)
+    ]:
+        c = Chunk((0,), (n,), "f", start, 4 * n, (0,) * -(-4 * n // 4096))
+        start += 4 * n
+        tensors[name] = TensorEntry("float32", (n,), (c,))
+    index = ChunkIndex(tensors, block=4096)
+    items = read_items(index, {n: torch.empty(e.shape) for n, e in tensors.items()}, {})
+    got = [[item[0] for item in task] for task in batches(items, index.tensors)]
+    # s0..s3 fill one task (4 x BATCH_BYTES / 4); s4 starts the next.
+    assert got == [["w"], ["a", "b", "c", "s0", "s1", "s2", "s3"], ["s4"]]

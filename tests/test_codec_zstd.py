@@ -366,7 +366,7 @@ def _forge(step_path: Path, name: str, data: bytes) -> None:
     """Replace a payload, forging its manifest entry (size, CRC and block CRCs) to match."""
     from _helpers import forge_manifest
 
-    from ckptstore.integrity import crc32c_of, format_crc
+    from ckptstore.integrity import BLOCK, crc32c_of, format_crc
     from ckptstore.sharded.chunks import block_crcs
 
     (step_path / name).write_bytes(data)
@@ -376,7 +376,7 @@ def _forge(step_path: Path, name: str, data: bytes) -> None:
         entry["bytes"] = len(data)
         entry["crc32c"] = format_crc(crc32c_of(data))
         if entry.get("blocks") is not None:
-            entry["blocks"] = block_crcs(data)
+            entry["blocks"] = block_crcs(data, BLOCK)  # a file's blocks, not a chunk's
 
     manifest = step_path / "manifest.json"
     manifest.write_bytes(forge_manifest(manifest.read_bytes(), edit))

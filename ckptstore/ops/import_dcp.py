@@ -12,7 +12,7 @@ no longer sharded. :func:`import_dcp_sharded` instead keeps DCP's chunks and str
   chunk's place is known from the metadata), then the chunks one at a time, in the order
   they lie in the DCP file. A chunk is read (one ``torch.save`` item), its zip CRCs checked,
   loaded with ``weights_only=True``, checked against the metadata (dtype, box), written, and
-  its 4 MiB blocks' CRC32Cs computed from the same memory: one chunk in memory at a time;
+  its blocks' CRC32Cs computed from the same memory: one chunk in memory at a time;
 - non-tensor items (DCP's ``BytesIO`` items) are loaded with ``weights_only=True`` and
   stored typed in ``state.json``; one that needs code is refused, or dropped with
   ``skip_unsafe`` (named in the notes);

@@ -34,8 +34,13 @@ def check_targets(
     where_state: str,
     strict: bool,
     where: str,
+    pair: bool = True,
 ) -> dict[str, dict[str, torch.Tensor]]:
-    """Check ``targets`` against the tree; map payload entries to target tensors."""
+    """Check ``targets`` against the tree; map payload entries to target tensors.
+
+    Without ``pair`` only the check runs (a read that will not go in place, or a DTensor
+    save, whose leaves ``read_sharded`` pairs): no capture of the targets is made for it.
+    """
     nodes = dict(zip(keys, vals, strict=True))
     meta = TreeDecoder(None, allow_pickle=False, where=where_state, meta=True)
     shadow: dict[Any, Any] = {}
@@ -59,6 +64,8 @@ def check_targets(
             shadow[k] = None  # present; checked when loaded
     precheck(targets, shadow, kinds, strict=strict, where=where)
     into: dict[str, dict[str, torch.Tensor]] = {}
+    if not pair:
+        return into
     for k, target in targets.items():
         if k not in nodes or kind_of(target) in (None, "rng"):
             continue  # plain values are replaced, never written into in place

@@ -134,11 +134,10 @@ def decode_files(
             where_state=f"{where}/{sname}",
             strict=strict,
             where=where,
+            pair=in_place is not False and not manifest.dtensor,
         )
         if touched is not None:
             touched.update(persistent_targets(targets, keys, vals))
-        if in_place is False or manifest.dtensor:
-            into = {}
     sharded_leaves: dict[str, torch.Tensor] = {}
     if manifest.dtensor:
         sharded_leaves = read_sharded(

@@ -8,7 +8,10 @@ offset of its data and a CRC32C per :data:`BLOCK` bytes of it.
 
 Why per block: a rank that restores on another world size reads only the byte ranges that
 overlap its own shard, so it cannot check a whole-file CRC; it reads whole blocks around the
-range it needs and checks each one before any byte is used.
+range it needs and checks each one before any byte is used. Hence small blocks (256 KiB; the
+index records the size, and a reader takes any size the index gives: older stores have 4 MiB):
+a shard restored on 3 ranks from 2 cuts most chunks in the middle, and with 4 MiB blocks the
+ranks of a GPT-2-shaped state read 1.79x the bytes they needed (1.13x with 256 KiB).
 
 The index is typed JSON, validated as hostile input (names, bounds, exact cover of every
 tensor by its chunks), and turned into ``torch.distributed.checkpoint``'s ``Metadata`` so its
@@ -26,7 +29,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..codec.dtypes import ITEMSIZE
 from ..errors import IntegrityError
-from ..integrity import BLOCK, crc32c_of, format_crc, parse_crc
+from ..integrity import crc32c_of, format_crc, parse_crc
 from ..manifest import FileEntry, validate_file_name
 
 if TYPE_CHECKING:
@@ -49,6 +52,8 @@ __all__ = [
 # BLOCK (bytes covered by one CRC32C of a chunk) is integrity.BLOCK, the same block size as
 # the per-block CRCs of whole payload files (FileEntry.blocks).
 #: The chunk index of a DTensor checkpoint.
+#: Bytes covered by one CRC32C of a chunk, in the indexes this version writes.
+BLOCK = 256 << 10
 INDEX_FILE = "dtensors.json"
 #: The index format version.
 INDEX_FORMAT = 1

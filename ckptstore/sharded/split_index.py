@@ -292,27 +292,49 @@ class Layout:
     # ---- which boxes, written by whom ----------------------------------------------------
 
     def boxes(
-        self, name: str, lo: Sequence[int], hi: Sequence[int]
+        self,
+        name: str,
+        lo: Sequence[int],
+        hi: Sequence[int],
+        cache: dict[Any, list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]
+        | None = None,
     ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
-        """``(offsets, sizes, writer)`` of each non-empty saved box of ``name`` in ``[lo, hi)``."""
+        """``(offsets, sizes, writer)`` of each non-empty saved box of ``name`` in ``[lo, hi)``.
+
+        ``cache`` (one per restore) keeps the boxes and mesh coordinates of each shape, mesh,
+        placements and interval: the layers of a model repeat a few; only the writer of a
+        replicated box depends on the name.
+        """
         entry = self.tensors[name]
-        mesh = self.meshes[self.mesh_of[name]]
+        mid = self.mesh_of[name]
+        mesh = self.meshes[mid]
         objs = _placement_objects(entry.placements)
         if objs is None:  # pragma: no cover - splittable() admits plain placements only
             raise IntegrityError(f"{name!r}: placements {entry.placements} are not plain")
         shape = tuple(mesh["shape"])
-        out = []
-        for coord in _candidates(entry.shape, shape, objs, lo, hi):
-            offsets, sizes = _box(entry.shape, shape, coord, objs)
-            if 0 in sizes and entry.shape:
-                continue
-            if any(
-                o >= h or o + s <= low for o, s, low, h in zip(offsets, sizes, lo, hi, strict=True)
-            ):
-                continue
-            writer = _writer(name, coord, shape, objs, mesh)
-            out.append((tuple(int(o) for o in offsets), tuple(int(s) for s in sizes), writer))
-        return out
+        key = (entry.shape, mid, entry.placements, tuple(lo), tuple(hi))
+        found = cache.get(key) if cache is not None else None
+        if found is None:
+            found = []
+            for coord in _candidates(entry.shape, shape, objs, lo, hi):
+                offsets, sizes = _box(entry.shape, shape, coord, objs)
+                if 0 in sizes and entry.shape:
+                    continue
+                if any(
+                    o >= h or o + s <= low
+                    for o, s, low, h in zip(offsets, sizes, lo, hi, strict=True)
+                ):
+                    continue
+                found.append(
+                    (
+                        tuple(int(o) for o in offsets),
+                        tuple(int(s) for s in sizes),
+                        tuple(coord),
+                    )
+                )
+            if cache is not None:
+                cache[key] = found
+        return [(o, s, _writer(name, c, shape, objs, mesh)) for o, s, c in found]
 
     def resolve(
         self,
@@ -332,8 +354,9 @@ class Layout:
         """
         want: dict[int, set[tuple[str, tuple[int, ...]]]] = {}
         sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
+        cache: dict[Any, Any] = {}
         for name, (lo, hi) in targets.items():
-            for offsets, box, writer in self.boxes(name, lo, hi):
+            for offsets, box, writer in self.boxes(name, lo, hi, cache):
                 want.setdefault(writer, set()).add((name, offsets))
                 sizes[(name, offsets)] = box
         found: dict[str, list[Chunk]] = {n: [] for n in targets}

@@ -18,6 +18,7 @@ import torch
 from torch import nn
 
 from .._log import logger as log
+from ..codec.dtypes import ITEMSIZE
 from ..errors import IntegrityError
 from ..state.modules import EMA, de_parallel, module_state
 from .chunks import (
@@ -30,8 +31,10 @@ from .chunks import (
 from .plan import is_dtensor, named_optimizer_state
 
 __all__ = [
+    "BATCH_BYTES",
     "READ_THREADS",
     "STAGE_MAX",
+    "batches",
     "fresh_targets",
     "live_targets",
     "local_of",
@@ -42,11 +45,11 @@ __all__ = [
     "template_box",
 ]
 
-#: Boxes a restoring rank reads at once (see :func:`read_into`).
+#: Tasks (boxes, small ones together) a restoring rank reads at once (see :func:`read_into`).
 READ_THREADS = 4
 #: The largest CRC block a read thread stages in a buffer of its own (:func:`read_into`);
-#: an index with bigger blocks (4 MiB is the format's) reads live targets through
-#: ``read_box``'s buffer instead.
+#: an index with bigger blocks (saves write 256 KiB; older ones 4 MiB) reads live targets
+#: through ``read_box``'s buffer instead.
 STAGE_MAX = 64 << 20
 
 
@@ -325,6 +328,39 @@ def read_items(
     return out
 
 
+#: Boxes smaller than this go to a read thread together, up to this many bytes a task: a
+#: task handed to a thread costs ~100 us of CPU (the pool's queue and the GIL passed between
+#: threads), more than reading a bias of a few KB from the page cache.
+BATCH_BYTES = 1 << 20
+
+
+def batches(
+    items: list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]],
+    tensors: Mapping[str, TensorEntry],
+) -> list[list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]:
+    """``items`` (:func:`read_items`) in order, as the tasks of the read threads.
+
+    A box of :data:`BATCH_BYTES` or more is a task of its own; smaller ones that follow each
+    other share a task until it holds that many bytes.
+    """
+    out: list[list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = []
+    group: list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+    held = 0
+    for item in items:
+        size = math.prod(item[4]) * ITEMSIZE[tensors[item[0]].dtype]
+        if size >= BATCH_BYTES:
+            out.append([item])
+            continue
+        group.append(item)
+        held += size
+        if held >= BATCH_BYTES:
+            out.append(group)
+            group, held = [], 0
+    if group:
+        out.append(group)
+    return out
+
+
 def read_into(
     index: ChunkIndex,
     flat: Mapping[str, torch.Tensor],
@@ -372,56 +408,61 @@ def read_into(
         """Read and check one box, then put it in place; the bytes read."""
         name, chunk, src_at, dest_at, lengths = item
         dtype = index.tensors[name].torch_dtype  # the stored one: a target may differ
-        with torch.no_grad():  # grad mode is per thread
-            dest = local_of(flat[name])
+        dest = local_of(flat[name])
+        if tuple(dest.shape) != lengths:  # the box is part of the target's local data
             for dim, (off, n) in enumerate(zip(dest_at, lengths, strict=True)):
                 dest = dest.narrow(dim, off, n)
-            stage = stage_of() if name in live else None
-            if read_to is not None and (stage is not None or name not in live):
-                got = read_box_into(
-                    read_to,
-                    chunk,
-                    dtype,
-                    src_at,
-                    lengths,
-                    dest=dest,
-                    block=index.block,
-                    where=f"{where}: tensor {name!r}",
-                    stage=stage,
-                )
-                if got is not None:
-                    return got
-            nbytes = [0]
+        stage = stage_of() if name in live else None
+        if read_to is not None and (stage is not None or name not in live):
+            got = read_box_into(
+                read_to,
+                chunk,
+                dtype,
+                src_at,
+                lengths,
+                dest=dest,
+                block=index.block,
+                where=f"{where}: tensor {name!r}",
+                stage=stage,
+            )
+            if got is not None:
+                return got
+        nbytes = [0]
 
-            def counted(file: str, offset: int, length: int) -> bytearray:
-                nbytes[0] += length
-                return read(file, offset, length)
+        def counted(file: str, offset: int, length: int) -> bytearray:
+            nbytes[0] += length
+            return read(file, offset, length)
 
-            with buffered:
-                src = read_box(
-                    counted,
-                    chunk,
-                    dtype,
-                    src_at,
-                    lengths,
-                    block=index.block,
-                    where=f"{where}: tensor {name!r}",
-                )
-                dest.copy_(src)
-                del src  # freed before the next buffered box is read
-            return nbytes[0]
+        with buffered:
+            src = read_box(
+                counted,
+                chunk,
+                dtype,
+                src_at,
+                lengths,
+                block=index.block,
+                where=f"{where}: tensor {name!r}",
+            )
+            dest.copy_(src)
+            del src  # freed before the next buffered box is read
+        return nbytes[0]
 
-    # READ_THREADS boxes in flight: the disk serves several requests at once (and an object
+    def batch(group: list[Any]) -> int:
+        with torch.no_grad():  # grad mode is per thread
+            return sum(one(item) for item in group)
+
+    # READ_THREADS tasks in flight: the disk serves several requests at once (and an object
     # store several GETs), and the CRCs of one box overlap the reads of the others. Leaving
     # the block waits for every running read, so no thread writes a target after we return.
     nread = [0]
-    if len(items) <= 1:
-        nread[0] = sum(one(item) for item in items)
+    tasks = batches(items, index.tensors)
+    if len(tasks) <= 1:
+        nread[0] = sum(batch(t) for t in tasks)
     else:
         with concurrent.futures.ThreadPoolExecutor(
-            min(READ_THREADS, len(items)), thread_name_prefix="ckptstore-read"
+            min(READ_THREADS, len(tasks)), thread_name_prefix="ckptstore-read"
         ) as pool:
-            futures = [pool.submit(one, item) for item in items]
+            futures = [pool.submit(batch, t) for t in tasks]
             try:
                 for f in futures:
                     nread[0] += f.result()

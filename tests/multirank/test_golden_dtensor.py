@@ -3,12 +3,13 @@
 ``tests/golden/v2-dtensor`` (format 2: every chunk in ``dtensors.json``),
 ``tests/golden/v3-dtensor`` (format 3: the split index, each rank's chunks in its
 ``_index.rankNNNNN.json``) and ``tests/golden/v4-dtensor`` (format 4: each rank's files listed
-in ``_ranks.jsonl``, not in the manifest) were each written once by the
-``dtensor_scenarios:golden_save`` scenario on 2 ranks (``launch("dtensor_scenarios:golden_save",
-2, dir)``, then its step directory copied). The expected values are written out by hand, and
-all must keep loading; saving the same state again must reproduce format 4's shard files,
-``state.json``, index, parts and rank table byte for byte, so the format of sharded
-checkpoints cannot drift by accident.
+in ``_ranks.jsonl``, not in the manifest) and ``tests/golden/v4-dtensor-b256k`` (format 4 with
+the chunk CRC blocks of 256 KiB that saves write since; before, 4 MiB) were each written once by
+the ``dtensor_scenarios:golden_save`` scenario on 2 ranks
+(``launch("dtensor_scenarios:golden_save", 2, dir)``, then its step directory copied). The
+expected values are written out by hand, and all must keep loading; saving the same state
+again must reproduce the newest one's shard files, ``state.json``, index, parts and rank table
+byte for byte, so the format of sharded checkpoints cannot drift by accident.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from ckptstore import CheckpointManager
 from tests.multirank.launch import describe, launch
 
 GOLDENS = Path(__file__).parent.parent / "golden"
-GOLDEN = GOLDENS / "v4-dtensor"
+GOLDEN = GOLDENS / "v4-dtensor-b256k"
 STEP = "step-000000000007"
 PAYLOADS = [
     "_shards.rank00000.safetensors",
@@ -38,10 +39,13 @@ PARTS = ["_index.rank00000.json", "_index.rank00001.json"]
 TABLE = "_ranks.jsonl"
 
 
-@pytest.fixture(params=[2, 3, 4], ids=["v2", "v3", "v4"])
+@pytest.fixture(
+    params=["v2-dtensor", "v3-dtensor", "v4-dtensor", "v4-dtensor-b256k"],
+    ids=["v2", "v3", "v4", "v4-b256k"],
+)
 def golden(request: pytest.FixtureRequest, tmp_path: Path) -> Path:
-    shutil.copytree(GOLDENS / f"v{request.param}-dtensor", tmp_path / "store")
-    return tmp_path / "store"
+    shutil.copytree(GOLDENS / request.param, tmp_path / request.param)
+    return tmp_path / request.param
 
 
 def _version(golden: Path) -> int:
@@ -65,6 +69,9 @@ def test_manifest_and_deep_verify(golden: Path) -> None:
         assert sorted(on_disk["files"]) == sorted([*PAYLOADS[2:], TABLE])
         assert on_disk["rank_table"] == {"count": 2, "width": 258}
     assert dict(m.metadata) == {"note": f"golden v{v}"}
+    # Both chunk CRC block sizes load: 4 MiB (older stores) and 256 KiB (saved today).
+    block = json.loads((golden / STEP / "dtensors.json").read_text())["block"]
+    assert block == (256 << 10 if golden.name == "v4-dtensor-b256k" else 4 << 20)
     report = mgr.verify(deep=True)
     assert report.ok, report.problems
     assert report.files == len(m.files)
