@@ -166,7 +166,7 @@ def decode_files(
     # A partial load reads, of a file that holds more than it needs (a tensor shared
     # with an entry not asked for), only the ranges of the tensors it needs.
     needs: dict[str, set[str]] = {}
-    if wanted_set is not None and blobs is None:
+    if wanted_set is not None and blobs is None and not wanted_set.issuperset(keys):
         everything = partial.tensor_refs(vals)
         needs = partial.tensor_refs([v for k, v in zip(keys, vals, strict=True) if k in wanted_set])
         needs = {g: ks for g, ks in needs.items() if ks != everything.get(g)}
