@@ -7,8 +7,12 @@ rank failed, or ``("aborted", None)`` where another did. Every rank encodes the 
 and makes its local plan; which rank writes a box that several hold is decided locally, by
 one rule every rank applies (:func:`ckptstore.sharded.plan.writes_here`), so no rank sees
 another's plan. The one exchange is a :meth:`~ckptstore.dist.Coordinator.reduce`: each rank
-says whether it planned, rank 0 answers with its directory and who failed. What a non-zero
-rank sends and receives in it does not grow with the world size.
+says whether it planned, with a digest of its DTensors' names, dtypes and shapes
+(:func:`~ckptstore.sharded.plan.state_digest`, ~50 bytes); rank 0 answers with its directory,
+who failed, and its own digest. A rank whose DTensors differ from rank 0's (pipeline stages:
+rank 0 would index only its own) refuses the save with ``UnsafeCheckpointError``, naming both
+sides, and the others abort it. What a non-zero rank sends and receives in it does not grow
+with the world size.
 """
 
 from __future__ import annotations
