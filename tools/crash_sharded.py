@@ -38,22 +38,20 @@ import argparse
 import contextlib
 import json
 import os
-import queue
 import random
 import shutil
 import signal
 import socket
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
 REPO = Path(__file__).resolve().parent.parent
-sys.path[:0] = [str(REPO)]
+sys.path[:0] = [str(REPO), str(REPO / "tools")]
+from linechild import LineChild  # noqa: E402
 
 #: barrier_timeout of the jobs, and the slack allowed on top of it for a survivor to report.
 TIMEOUT = 3.0
@@ -336,37 +334,13 @@ def serve() -> int:
 # ---- the campaign --------------------------------------------------------------------------
 
 
-class Server:
+class Server(LineChild):
     """The fork server, seen from the campaign: submit a job, read its lines."""
 
     def __init__(self) -> None:
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, __file__, "--serve"],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self._q: queue.Queue[tuple[float, str | None]] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        super().__init__([sys.executable, __file__, "--serve"], env, merge_stderr=True)
         self.until("serving", 180)
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._q.put((time.time(), line.rstrip("\n")))
-        self._q.put((time.time(), None))
-
-    def next(self, timeout: float) -> tuple[float, str]:
-        try:
-            t, line = self._q.get(timeout=max(timeout, 0.001))
-        except queue.Empty:
-            raise TimeoutError(f"no output for {timeout:.0f}s") from None
-        if line is None:
-            raise EOFError("the fork server died")
-        return t, line
 
     def until(
         self, prefix: str, timeout: float, into: list[tuple[float, str]] | None = None
@@ -378,21 +352,6 @@ class Server:
                 into.append((t, line))
             if line.startswith(prefix):
                 return line
-
-    def submit(self, job: dict[str, Any]) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
 
 def _port() -> int:

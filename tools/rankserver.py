@@ -25,21 +25,20 @@ import gc
 import importlib
 import json
 import os
-import queue
 import random
 import signal
-import subprocess
 import sys
-import threading
 import time
 import traceback
 from pathlib import Path
 from typing import Any
 
+from linechild import LineChild
+
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
-class RankServer:
+class RankServer(LineChild):
     """The tool's handle on a fork server that imported ``preload``.
 
     ``env`` is the server's environment (and so every rank's before torchrun's variables);
@@ -48,43 +47,24 @@ class RankServer:
 
     def __init__(self, preload: list[str], env: dict[str, str], timeout: float = 300) -> None:
         env = dict(env, OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-        self.proc = subprocess.Popen(
-            [sys.executable, str(Path(__file__).resolve()), *preload],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            text=True,
-            env=env,
-        )
-        self._q: queue.Queue[str | None] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        cmd = [sys.executable, str(Path(__file__).resolve()), *preload]
+        super().__init__(cmd, env, merge_stderr=False)
         deadline = time.monotonic() + timeout
         if self._next(deadline) != "serving":  # pragma: no cover - a broken preload
             raise RuntimeError("the rank server did not start")
 
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._q.put(line.rstrip("\n"))
-        self._q.put(None)
-
     def _next(self, deadline: float) -> str:
         try:
-            line = self._q.get(timeout=max(deadline - time.monotonic(), 0.001))
-        except queue.Empty:
-            raise TimeoutError from None
-        if line is None:
-            raise RuntimeError("the rank server died")
-        return line
+            return self.next(deadline - time.monotonic())[1]
+        except EOFError:
+            raise RuntimeError("the rank server died") from None
 
     def run(
         self, call: str, args: list[Any], world: int, port: int, timeout: float
     ) -> dict[int, int | None]:
         """Run ``call(*args)`` on ``world`` forked ranks; each rank's exit code (None: it was
         still running at the deadline, and was killed)."""
-        assert self.proc.stdin is not None
-        job = {"call": call, "args": args, "world": world, "port": port}
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
+        self.submit({"call": call, "args": args, "world": world, "port": port})
         deadline = time.monotonic() + timeout
         pids: dict[int, int] = {}
         codes: dict[int, int | None] = {}
@@ -108,16 +88,6 @@ class RankServer:
                 while self._next(time.monotonic() + 30) != "jobdone":
                     pass
             return codes
-
-    def close(self) -> None:
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
 
     def __enter__(self) -> RankServer:
         return self

@@ -53,16 +53,18 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
         lines: list[str] = []
         problems: list[str] = []
         server.submit(
-            kind="dist",
-            port=free_port(),
-            root=root,
-            victim=victim,
-            kill_at=kill_at,
-            kill_when=kill_when,
-            fmt=fmt,
-            async_save=async_save,
-            seed=i,
-            freeze=freeze,
+            dict(
+                kind="dist",
+                port=free_port(),
+                root=root,
+                victim=victim,
+                kill_at=kill_at,
+                kill_when=kill_when,
+                fmt=fmt,
+                async_save=async_save,
+                seed=i,
+                freeze=freeze,
+            )
         )
         pids: dict[int, int] = {}
         exits: dict[int, tuple[float, str]] = {}

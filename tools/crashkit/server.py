@@ -10,15 +10,14 @@ from __future__ import annotations
 import contextlib
 import json
 import os
-import queue
 import signal
-import subprocess
 import sys
 import tempfile
-import threading
 import time
 import traceback
 from typing import Any
+
+from linechild import LineChild
 
 from crashkit.common import DIST_SLACK, DIST_TIMEOUT, REPO, TOOLS, emit
 
@@ -232,7 +231,7 @@ def serve(writers: bool = True) -> int:
     return 0
 
 
-class Server:
+class Server(LineChild):
     """The fork server, seen from the campaign."""
 
     def __init__(self, *, writers: bool = True) -> None:
@@ -240,47 +239,10 @@ class Server:
         uploaders), so the server warms their path up."""
         env = dict(os.environ, PYTHONUNBUFFERED="1", OMP_NUM_THREADS="1")
         env["PYTHONPATH"] = os.pathsep.join([str(REPO), str(TOOLS), env.get("PYTHONPATH", "")])
-        self.proc = subprocess.Popen(
-            [sys.executable, "-m", "crashkit.server", *([] if writers else ["--uploads-only"])],
-            stdin=subprocess.PIPE,
-            stdout=subprocess.PIPE,
-            stderr=subprocess.STDOUT,
-            text=True,
-            env=env,
-        )
-        self._q: queue.Queue[tuple[float, str | None]] = queue.Queue()
-        threading.Thread(target=self._read, daemon=True).start()
+        cmd = [sys.executable, "-m", "crashkit.server", *([] if writers else ["--uploads-only"])]
+        super().__init__(cmd, env, merge_stderr=True)
         self.line("serving", timeout=120)
         self.children: list[int] = []
-
-    def _read(self) -> None:
-        assert self.proc.stdout is not None
-        for line in self.proc.stdout:
-            self._q.put((time.time(), line.rstrip("\n")))
-        self._q.put((time.time(), None))
-
-    def next(self, timeout: float) -> tuple[float, str]:
-        """The next line and when it arrived; raises TimeoutError."""
-        try:
-            t, line = self._q.get(timeout=max(timeout, 0.001))
-        except queue.Empty:
-            raise TimeoutError(f"no output for {timeout:.0f}s") from None
-        if line is None:
-            raise EOFError("the fork server died")
-        return t, line
-
-    def drain(self) -> list[tuple[float, str]]:
-        """The lines already received (and when), without waiting."""
-        out = []
-        while True:
-            try:
-                t, line = self._q.get_nowait()
-            except queue.Empty:
-                return out
-            if line is None:
-                self._q.put((t, None))
-                return out
-            out.append((t, line))
 
     def line(self, prefix: str, timeout: float, into: list[str] | None = None) -> str:
         """Skip lines (keeping them in ``into``) until one starts with ``prefix``."""
@@ -292,26 +254,14 @@ class Server:
             if line.startswith(prefix):
                 return line
 
-    def submit(self, **job: Any) -> None:
-        assert self.proc.stdin is not None
-        self.proc.stdin.write(json.dumps(job) + "\n")
-        self.proc.stdin.flush()
-
     def kill_children(self) -> None:
         for pid in self.children:
             with contextlib.suppress(ProcessLookupError):
                 os.kill(pid, signal.SIGKILL)
 
-    def close(self) -> None:
+    def close(self, timeout: float = 20) -> None:
         self.kill_children()
-        with contextlib.suppress(OSError):
-            if self.proc.stdin is not None:
-                self.proc.stdin.close()
-        try:
-            self.proc.wait(timeout=20)
-        except subprocess.TimeoutExpired:
-            self.proc.kill()
-            self.proc.wait()
+        super().close(timeout)
 
 
 if __name__ == "__main__":

@@ -93,7 +93,7 @@ def upload_trials(
 
         def run(local: str, url: str, delay: float | None) -> tuple[list[str], float]:
             lines: list[str] = []
-            server.submit(kind="uploader", local=local, url=url, storage_options=opts)
+            server.submit({"kind": "uploader", "local": local, "url": url, "storage_options": opts})
             pid = int(server.line("pid ", 60, lines).split()[1])
             # The clock starts once the uploader has recovered and queued its steps (its
             # start, s3fs's client and the first listings come before): the kills land in

@@ -159,12 +159,14 @@ def writer_trials(
         stats.configs.add(store.name)
         lines: list[str] = []
         server.submit(
-            kind="writer",
-            root=store.url,
-            storage_options=options,
-            format=store.fmt,
-            async_save=store.async_save,
-            keep=store.keep,
+            dict(
+                kind="writer",
+                root=store.url,
+                storage_options=options,
+                format=store.fmt,
+                async_save=store.async_save,
+                keep=store.keep,
+            )
         )
         problems: list[str] = []
         try:
