@@ -37,6 +37,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import demo  # noqa: E402  (a free port)
+from benchkit.units import binary as _b  # noqa: E402
 from rankserver import RankServer  # noqa: E402
 
 
@@ -260,14 +261,6 @@ def summary(runs: list[dict[str, Any]]) -> str:
                 f"{_b(max(o['sent'] for o in others)):>8} {max(o['cpu'] for o in others):>6.2f}"
             )
     return "\n".join(lines)
-
-
-def _b(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"  # pragma: no cover
 
 
 def plot(doc: dict[str, Any], path: Path) -> None:

@@ -45,6 +45,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+from benchkit.units import binary as _b
+
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = 200  # x3 with AdamW's two moments: 600 DTensors a rank
 COLS = 16
@@ -486,14 +488,6 @@ def table(results: list[dict[str, Any]]) -> str:
             f"{_b(r.get('restore_manifest_read', {}).get('N/2', r['manifest_bytes'])):>10}"
         )
     return "\n".join(lines)
-
-
-def _b(n: float) -> str:
-    for unit in ("B", "KB", "MB", "GB"):
-        if n < 1024 or unit == "GB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return f"{n:.1f} GB"  # pragma: no cover
 
 
 def main() -> None:

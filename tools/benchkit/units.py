@@ -31,5 +31,14 @@ def human(n: float) -> str:
     return f"{n}"
 
 
+def binary(n: float) -> str:
+    """``n`` bytes in binary units, as the scale tools print them: ``1014 B``, ``6.5 KB``."""
+    for unit in ("B", "KB", "MB", "GB"):
+        if n < 1024 or unit == "GB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} GB"  # pragma: no cover
+
+
 def fmt(v: float | None, spec: str) -> str:
     return "-" if v is None else format(v, spec)
