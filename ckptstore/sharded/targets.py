@@ -34,6 +34,8 @@ __all__ = [
     "BATCH_BYTES",
     "READ_THREADS",
     "STAGE_MAX",
+    "Box",
+    "Item",
     "batches",
     "fresh_targets",
     "live_targets",
@@ -289,13 +291,17 @@ def template_box(template: Any, shape: tuple[int, ...], cache: dict[Any, Box] | 
     return tuple(0 for _ in shape), tuple(shape)
 
 
+#: One read of :func:`read_into`: ``(name, chunk, offsets in the chunk, offsets in the
+#: target's local data, lengths)``.
+Item = tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]
+
+
 def read_items(
     index: ChunkIndex, flat: Mapping[str, torch.Tensor], boxes: Mapping[str, Box]
-) -> list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]:
+) -> list[Item]:
     """What to read to fill ``flat``, one item per stored chunk a target's box overlaps.
 
-    An item is ``(name, chunk, offsets in the chunk, offsets in the target's local data,
-    lengths)``, for every non-empty overlap of a stored chunk with the box a target holds
+    An :data:`Item` for every non-empty overlap of a stored chunk with the box a target holds
     (``boxes``, else :func:`target_box`), in ``flat``'s order.
 
     The resharding DCP's ``create_default_local_load_plan`` computes, without its
@@ -304,7 +310,7 @@ def read_items(
     Raises:
         IntegrityError: a target the index does not hold, or of another shape.
     """
-    out: list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+    out: list[Item] = []
     for name, t in flat.items():
         entry = index.tensors.get(name)
         if entry is None:
@@ -337,17 +343,14 @@ def read_items(
 BATCH_BYTES = 1 << 20
 
 
-def batches(
-    items: list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]],
-    tensors: Mapping[str, TensorEntry],
-) -> list[list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]:
+def batches(items: list[Item], tensors: Mapping[str, TensorEntry]) -> list[list[Item]]:
     """``items`` (:func:`read_items`) in order, as the tasks of the read threads.
 
     A box of :data:`BATCH_BYTES` or more is a task of its own; smaller ones that follow each
     other share a task until it holds that many bytes.
     """
-    out: list[list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]] = []
-    group: list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]] = []
+    out: list[list[Item]] = []
+    group: list[Item] = []
     held = 0
     for item in items:
         size = math.prod(item[4]) * ITEMSIZE[tensors[item[0]].dtype]
@@ -407,7 +410,7 @@ def read_into(
             buf = stages.buf = bytearray(index.block)
         return buf
 
-    def one(item: tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]) -> int:
+    def one(item: Item) -> int:
         """Read and check one box, then put it in place; the bytes read."""
         name, chunk, src_at, dest_at, lengths = item
         dtype = index.tensors[name].torch_dtype  # the stored one: a target may differ
@@ -450,7 +453,7 @@ def read_into(
             del src  # freed before the next buffered box is read
         return nbytes[0]
 
-    def batch(group: list[Any]) -> int:
+    def batch(group: list[Item]) -> int:
         with torch.no_grad():  # grad mode is per thread
             return sum(one(item) for item in group)
 
