@@ -342,17 +342,6 @@ class Server(LineChild):
         super().__init__([sys.executable, __file__, "--serve"], env, merge_stderr=True)
         self.until("serving", 180)
 
-    def until(
-        self, prefix: str, timeout: float, into: list[tuple[float, str]] | None = None
-    ) -> str:
-        deadline = time.monotonic() + timeout
-        while True:
-            t, line = self.next(deadline - time.monotonic())
-            if into is not None:
-                into.append((t, line))
-            if line.startswith(prefix):
-                return line
-
 
 def _port() -> int:
     with socket.socket() as s:

@@ -21,7 +21,7 @@ __all__ = ["LineChild"]
 
 
 class LineChild:
-    """A started child process: :meth:`submit` a job, :meth:`next` reads a line.
+    """A started child process: :meth:`submit` a job, :meth:`next` or :meth:`until` reads.
 
     ``merge_stderr``: the child's stderr goes into the lines too (else it is inherited).
     """
@@ -59,6 +59,19 @@ class LineChild:
             self._q.put((t, None))  # every later call sees the end too
             raise EOFError("the fork server died")
         return t, line
+
+    def until(
+        self, prefix: str, timeout: float, into: list[tuple[float, str]] | None = None
+    ) -> str:
+        """Skip lines (keeping them, and when they came, in ``into``) until one starts with
+        ``prefix``; return it. Raises as :meth:`next` does, ``timeout`` counting for all."""
+        deadline = time.monotonic() + timeout
+        while True:
+            t, line = self.next(deadline - time.monotonic())
+            if into is not None:
+                into.append((t, line))
+            if line.startswith(prefix):
+                return line
 
     def drain(self) -> list[tuple[float, str]]:
         """The lines already received (and when), without waiting."""

@@ -14,9 +14,9 @@ a shard restored on 3 ranks from 2 cuts most chunks in the middle, and with 4 Mi
 ranks of a GPT-2-shaped state read 1.79x the bytes they needed (1.13x with 256 KiB).
 
 The index is typed JSON, validated as hostile input (names, bounds, exact cover of every
-tensor by its chunks), and turned into ``torch.distributed.checkpoint``'s ``Metadata`` so its
-planners compute which saved chunks overlap a target shard. DCP's own ``.metadata`` file is a
-pickle; ckptstore never reads or writes it.
+tensor by its chunks); which saved chunks overlap a target shard is computed from it
+(``targets.read_items``). DCP's own ``.metadata`` file is a pickle; a store never holds one
+(only ``ckptstore export --dcp`` writes one, and ``import`` reads one, outside any store).
 """
 
 from __future__ import annotations
@@ -49,11 +49,10 @@ __all__ = [
     "shard_file",
 ]
 
-# BLOCK (bytes covered by one CRC32C of a chunk) is integrity.BLOCK, the same block size as
-# the per-block CRCs of whole payload files (FileEntry.blocks).
-#: The chunk index of a DTensor checkpoint.
-#: Bytes covered by one CRC32C of a chunk, in the indexes this version writes.
+#: Bytes covered by one CRC32C of a chunk, in the indexes this version writes (smaller than
+#: the per-block CRCs of whole payload files, ``integrity.BLOCK``: see the module docstring).
 BLOCK = 256 << 10
+#: The chunk index of a DTensor checkpoint.
 INDEX_FILE = "dtensors.json"
 #: The index format version.
 INDEX_FORMAT = 1

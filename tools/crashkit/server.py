@@ -245,14 +245,13 @@ class Server(LineChild):
         self.children: list[int] = []
 
     def line(self, prefix: str, timeout: float, into: list[str] | None = None) -> str:
-        """Skip lines (keeping them in ``into``) until one starts with ``prefix``."""
-        deadline = time.monotonic() + timeout
-        while True:
-            _, line = self.next(deadline - time.monotonic())
+        """:meth:`until`, keeping the lines in ``into`` without when they came."""
+        seen: list[tuple[float, str]] = []
+        try:
+            return self.until(prefix, timeout, seen)
+        finally:
             if into is not None:
-                into.append(line)
-            if line.startswith(prefix):
-                return line
+                into.extend(line for _, line in seen)
 
     def kill_children(self) -> None:
         for pid in self.children:
