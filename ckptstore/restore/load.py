@@ -115,8 +115,8 @@ def persistent_targets(
     for k, target in targets.items():
         if k in nodes and isinstance(target, torch.nn.Module | torch.optim.Optimizer | EMA):
             node = unwrap(nodes[k])[1]
-            collect_targets(node, capture(target), out)
-            collect_targets(node, capture(target), again)
+            collect_targets(node, capture(target, keep_vars=True), out)
+            collect_targets(node, capture(target, keep_vars=True), again)
     own = _names_of(again)
     return {p: name for p, name in _names_of(out).items() if own.get(p) == name}
 

@@ -227,10 +227,12 @@ def fresh_targets(
 def _current(targets: Mapping[Any, Any], key: Any, kind: str | None, owner: Any) -> Any:
     """A target's present state, to lay restored tensors out like it."""
     target = targets[key]
+    # The module's own parameters (read into under no_grad, through their memory), without
+    # a detach per tensor
     if isinstance(target, nn.Module):
-        return module_state(target)
+        return module_state(target, keep_vars=True)
     if isinstance(target, EMA):
-        return {"weights": module_state(target.module)}
+        return {"weights": module_state(target.module, keep_vars=True)}
     if kind == "optimizer" and isinstance(target, torch.optim.Optimizer):
         model = targets.get(owner) if owner is not None else None
         if isinstance(model, EMA):

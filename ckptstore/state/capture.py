@@ -41,11 +41,14 @@ def kind_of(value: Any) -> str | None:
     return None
 
 
-def capture(value: Any) -> Any:
-    """The data to store for one top-level value of the state."""
+def capture(value: Any, *, keep_vars: bool = False) -> Any:
+    """The data to store for one top-level value of the state.
+
+    ``keep_vars``: a module's own parameters, not detached views (see :func:`module_state`).
+    """
     kind = kind_of(value)
     if kind == "module":
-        return module_state(value)
+        return module_state(value, keep_vars=keep_vars)
     if kind is not None:
         return value.state_dict()
     return value
@@ -294,7 +297,7 @@ class _Probe(nn.Module):
         super().__init__()
         from .modules import de_parallel
 
-        self._sd = de_parallel(target).state_dict()
+        self._sd = de_parallel(target).state_dict(keep_vars=True)  # compared, never written
 
     def state_dict(self, *args: Any, **kwargs: Any) -> Any:
         return self._sd
