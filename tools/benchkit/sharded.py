@@ -651,23 +651,30 @@ def run(
 
 
 def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """The issue's sharded targets, as speed ratios (median; and best run against best run)."""
+    """Issue 21's sharded targets: speed ratios (median; and best run against best run), and
+    the steadiness of each resharded restore (max/min of its rounds)."""
 
     def get(c: str, op: str) -> dict[str, Any] | None:
         return next((r for r in rows if r["contender"] == c and r["op"] == op), None)
 
     out = []
-    for name, need, op, mine, theirs in (
-        ("sharded save >= 0.8x raw O_DIRECT write", 0.8, "save-2", "ckpt", "raw"),
-        ("sharded save >= 1.5x DCP", 1.5, "save-2", "ckpt", "dcp"),
-        ("resharded restore 2->1 >= 1.5x DCP", 1.5, "restore-2to1", "ckpt", "dcp"),
-        ("resharded restore 2->3 >= 1.5x DCP", 1.5, "restore-2to3", "ckpt", "dcp"),
-        ("resharded restore 4->2 >= 1.5x DCP", 1.5, "restore-4to2", "ckpt", "dcp"),
-        ("repeated sharded save >= 0.8x raw (2nd save)", 0.8, "save-2", "ckpt-again", "raw"),
+    ratios: list[tuple[str, float, str, str, str]] = [
+        ("sharded save >= 0.9x raw O_DIRECT write", 0.9, "save-2", "ckpt", "raw"),
+        ("sharded save >= 3x DCP", 3.0, "save-2", "ckpt", "dcp"),
+    ]
+    for op in ("2->1", "2->3", "4->2"):
+        key = f"restore-{op.replace('->', 'to')}"
+        ratios += [
+            (f"resharded restore {op} >= 0.8x raw O_DIRECT read", 0.8, key, "ckpt", "raw"),
+            (f"resharded restore {op} >= 2x DCP", 2.0, key, "ckpt", "dcp"),
+        ]
+    ratios += [
+        ("repeated sharded save >= 0.9x raw (2nd save)", 0.9, "save-2", "ckpt-again", "raw"),
         ("DCP API over ckptstore: save >= 1.0x DCP", 1.0, "save-2", "dcp-ckpt", "dcp"),
         ("DCP API over ckptstore: load 2->1 >= 1.0x DCP", 1.0, "restore-2to1", "dcp-ckpt", "dcp"),
         ("DCP API over ckptstore: load 2->3 >= 1.0x DCP", 1.0, "restore-2to3", "dcp-ckpt", "dcp"),
-    ):
+    ]
+    for name, need, op, mine, theirs in ratios:
         ours, them = get(mine, op), get(theirs, op)
         if ours is None:
             continue
@@ -681,6 +688,22 @@ def targets(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
                 "threshold": f">= {need}",
                 "pass": None if value is None else value >= need,
                 "detail": f"{mine} {op} vs {theirs} {op} (speed ratio)",
+            }
+        )
+    for op in ("2->1", "2->3", "4->2"):
+        r = get("ckpt", f"restore-{op.replace('->', 'to')}")
+        if r is None:
+            continue
+        steady = r["n"] > 1  # one round says nothing of the spread between rounds
+        out.append(
+            {
+                "target": f"resharded restore {op} steady: max/min < 1.3",
+                "value": r["spread"] if steady else None,
+                "value_min": None,
+                "threshold": "< 1.3",
+                "pass": r["spread"] < 1.3 if steady else None,
+                "detail": f"ckpt restore-{op.replace('->', 'to')}: slowest / fastest of "
+                f"{r['n']} rounds",
             }
         )
     return out
