@@ -75,19 +75,30 @@ def is_part(name: str) -> bool:
     return name.startswith("_index.rank") and name.endswith(".json")
 
 
-def _placement_objects(placements: Sequence[str]) -> list[Any] | None:
+#: ``_placement_objects``' answers: a model's tensors share a few spellings, asked per box.
+_PLACEMENTS: dict[tuple[str, ...], tuple[Any, ...] | None] = {}
+
+
+def _placement_objects(placements: Sequence[str]) -> tuple[Any, ...] | None:
     """DTensor placements from their index spelling; ``None`` if any is not plain."""
+    key = tuple(placements)
+    if key in _PLACEMENTS:
+        return _PLACEMENTS[key]
     from torch.distributed.tensor import Replicate, Shard
 
-    out: list[Any] = []
-    for p in placements:
+    out: list[Any] | None = []
+    for p in key:
         if p == "R":
-            out.append(Replicate())
+            out.append(Replicate())  # type: ignore[union-attr]
         elif p.startswith("S(") and p.endswith(")") and p[2:-1].isdigit():
-            out.append(Shard(int(p[2:-1])))
+            out.append(Shard(int(p[2:-1])))  # type: ignore[union-attr]
         else:
-            return None
-    return out
+            out = None
+            break
+    found = None if out is None else tuple(out)  # placements are frozen: safe to share
+    if len(_PLACEMENTS) < 4096:  # spellings come from index files: bounded
+        _PLACEMENTS[key] = found
+    return found
 
 
 def _mesh_spec(mesh: Any) -> dict[str, Any]:
@@ -529,7 +540,7 @@ def _writer(
             rep_dims.append(dim)
         else:
             box = box * shape[dim] + coord[dim]
-    replica = (zlib.crc32(name.encode()) + box) % replicas
+    replica = (zlib.crc32(name.encode()) + box) % replicas if replicas > 1 else 0
     full = list(coord)
     for dim in reversed(rep_dims):
         full[dim] = replica % shape[dim]
