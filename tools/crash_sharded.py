@@ -81,7 +81,8 @@ def make_net() -> Any:
             self.register_buffer("scale", torch.tensor([0.5, 2.0, 1.5]))
 
         def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return self.out(torch.relu(self.mid(torch.relu(self.inp(x))))) * self.scale
+            y: torch.Tensor = self.out(torch.relu(self.mid(torch.relu(self.inp(x))))) * self.scale
+            return y
 
     torch.manual_seed(0)
     return Net()
@@ -364,8 +365,8 @@ def run_job(
     while len(pids) < job["world"]:
         line = server.until("", 120, lines)
         if line.startswith("ready "):
-            _, r, pid = line.split()
-            pids[int(r)] = int(pid)
+            _, r, pid_s = line.split()
+            pids[int(r)] = int(pid_s)
         if line.startswith(("error ", "jobdone")):
             return {"lines": lines, "pids": pids, "died_at": None}
     died_at = None

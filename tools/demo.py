@@ -18,6 +18,7 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "demo-run"
@@ -50,7 +51,7 @@ def env_for(rank: int, world: int, master_port: int) -> dict[str, str]:
 
 def run_ranks(
     cmd: list[str], world: int, results: Path, *, timeout: float, prog: str
-) -> list[dict]:
+) -> list[dict[str, Any]]:
     """Run ``cmd`` as ``world`` ranks; each rank's JSON result (``results.rankN``), by rank."""
     p = port()
     procs = [subprocess.Popen(cmd, env=env_for(r, world, p)) for r in range(world)]
@@ -71,7 +72,7 @@ def run_ranks(
     return out
 
 
-def launch(store: Path, tag: str, *extra: str, timeout: float = 120) -> list[dict]:
+def launch(store: Path, tag: str, *extra: str, timeout: float = 120) -> list[dict[str, Any]]:
     cmd = [
         sys.executable,
         str(ROOT / "tools" / "demo_train.py"),

@@ -59,7 +59,8 @@ class Net(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = torch.relu(self.norm(self.embed(x)))
         h = torch.relu(self.proj(torch.relu(self.hidden(h))))
-        return self.head(h) * self.scale
+        y: torch.Tensor = self.head(h) * self.scale
+        return y
 
 
 def make_model(seed: int) -> Net:
@@ -172,7 +173,7 @@ def run_distributed(args: argparse.Namespace) -> None:
             x, y = batch(step, rank, world)
             loss = nn.functional.mse_loss(model(x), y)
             opt.zero_grad()
-            loss.backward()
+            loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
             opt.step()
             total = loss.detach().clone()
             dist.all_reduce(total)

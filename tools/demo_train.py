@@ -51,7 +51,9 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING, format=f"  [rank {rank}] %(message)s")
     torch.manual_seed(0)  # same initial weights on every rank (DDP also broadcasts them)
     data = TensorDataset(torch.randn(512, 32), torch.randn(512, 8))
-    sampler = DistributedSampler(data, shuffle=True, seed=17)
+    sampler: DistributedSampler[tuple[torch.Tensor, ...]] = DistributedSampler(
+        data, shuffle=True, seed=17
+    )
     # The loader gets its own generator: a DataLoader draws a seed from the *global* RNG each
     # time an iterator is created, and a resumed run creates one mid-epoch, so it would
     # shift every random number after it (dropout masks) and break exact resumption.
@@ -61,7 +63,8 @@ def main() -> None:
     model = DDP(nn.Sequential(nn.Linear(32, 256), nn.GELU(), nn.Dropout(0.1), nn.Linear(256, 8)))
     opt = torch.optim.AdamW(model.parameters(), lr=3e-3, weight_decay=0.01)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.steps)
-    ema = AveragedModel(model.module, multi_avg_fn=get_ema_multi_avg_fn(0.95))
+    ema_avg = get_ema_multi_avg_fn(0.95)  # type: ignore[no-untyped-call]  # unannotated in torch
+    ema = AveragedModel(model.module, multi_avg_fn=ema_avg)
     torch.manual_seed(1000 + rank)  # per-rank streams (dropout) that RNGState restores
 
     mgr = CheckpointManager(args.store, keep=3, barrier_timeout=8.0)
@@ -96,7 +99,7 @@ def main() -> None:
                 )
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        payload.write_group = dying_write  # type: ignore[assignment]
+        payload.write_group = dying_write
 
     step = start
     try:
@@ -108,7 +111,7 @@ def main() -> None:
                     continue  # fast-forward the data order to where the checkpoint was
                 loss = nn.functional.mse_loss(model(x), y)
                 opt.zero_grad()
-                loss.backward()
+                loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
                 opt.step()
                 sched.step()
                 ema.update_parameters(model.module)

@@ -95,21 +95,21 @@ def main() -> int:
     out["torch_save_model_s"] = timed(torch_save)
     # The synchronous save before it staged GPU tensors in reused pinned buffers: .cpu()
     # per tensor, into fresh pageable memory (measured here side by side, same run).
-    from ckptstore.save import pipeline
+    from unittest import mock
 
-    real_encode = pipeline.encode
+    from ckptstore.save import pipeline
+    from ckptstore.save.encode import encode as real_encode
 
     def cpu_copies(*a: Any, **kw: Any) -> Any:
         return real_encode(*a, **dict(kw, device_staging=None))
 
-    pipeline.encode = cpu_copies  # type: ignore[assignment]
-    mgr = CheckpointManager(base / "sync-cpu", keep=1)
-    for i in (1, 2):
-        out[f"ckpt_save_model_opt_cpu_copies_{i}_s"] = timed(
-            lambda i=i: mgr.save(i, {"model": model, "optimizer": opt})
-        )
-    mgr.close()
-    pipeline.encode = real_encode  # type: ignore[assignment]
+    with mock.patch.object(pipeline, "encode", cpu_copies):
+        mgr = CheckpointManager(base / "sync-cpu", keep=1)
+        for i in (1, 2):
+            out[f"ckpt_save_model_opt_cpu_copies_{i}_s"] = timed(
+                lambda i=i: mgr.save(i, {"model": model, "optimizer": opt})
+            )
+        mgr.close()
     # The first save pins its staging buffers; the next ones of the same layout reuse them.
     mgr = CheckpointManager(base / "sync", keep=None)
     out["ckpt_save_model_opt_s"] = timed(lambda: mgr.save(1, {"model": model, "optimizer": opt}))

@@ -75,7 +75,7 @@ class LineChild:
 
     def drain(self) -> list[tuple[float, str]]:
         """The lines already received (and when), without waiting."""
-        out = []
+        out: list[tuple[float, str]] = []
         while True:
             try:
                 t, line = self._q.get_nowait()

@@ -53,6 +53,7 @@ def rank_main(args: argparse.Namespace) -> None:
     from torch import nn
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import DTensor
 
     from ckptstore import CheckpointManager
 
@@ -98,8 +99,13 @@ def rank_main(args: argparse.Namespace) -> None:
         timed("save2", lambda: mgr.save(2, {"model": model, "optimizer": opt}))
         fresh, fresh_opt = build()
         timed("restore", lambda: mgr.restore({"model": fresh, "optimizer": fresh_opt}))
+
+        def full(p: torch.Tensor) -> torch.Tensor:
+            assert isinstance(p, DTensor)  # fully_shard's parameters
+            return p.full_tensor()
+
         same = all(
-            torch.equal(a.full_tensor(), b.full_tensor())
+            torch.equal(full(a), full(b))
             for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
         )
         out["restored_equal"] = bool(same)

@@ -190,7 +190,9 @@ def main(argv: list[str] | None = None) -> int:
             print_report(ctx, rows, targets, ls)
         if changed:
             print("warning: ckptstore's source changed during this run; rerun for clean numbers")
-        sweep = [{"param_bytes": ctx.param_bytes, "state_bytes": ctx.state_bytes, "rows": rows}]
+        sweep: list[dict[str, Any]] = [
+            {"param_bytes": ctx.param_bytes, "state_bytes": ctx.state_bytes, "rows": rows}
+        ]
         odirect = ctx.odirect_ok
         del ctx
         gc.collect()

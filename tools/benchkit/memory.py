@@ -155,7 +155,7 @@ class StepSlowdown(Contender):
     def work(self) -> None:
         """One training-like step: forward, backward, gradients dropped."""
         loss = torch.mm(torch.mm(self.x, self.w1).relu_(), self.w2).square().mean()
-        loss.backward()
+        loss.backward()  # type: ignore[no-untyped-call]  # unannotated in torch
         self.w1.grad = self.w2.grad = None
 
     def step(self) -> float:

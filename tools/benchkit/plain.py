@@ -203,19 +203,21 @@ class DCPSave(Pair):
     name = "dcp"
 
     def save(self, ctx: Ctx, d: Path) -> None:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
+        from torch.distributed.checkpoint.state_dict_saver import save as save_dcp
 
         sd = {"model": ctx.model.state_dict(), "optimizer": ctx.opt.state_dict()}
-        dcp.save(sd, storage_writer=dcp.FileSystemWriter(str(d), sync_files=True))
+        save_dcp(sd, storage_writer=FileSystemWriter(str(d), sync_files=True))
         fsync_tree(d)  # .metadata and the directory too: durable like every other contender
 
     def restore(self, ctx: Ctx, d: Path) -> None:
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
+        from torch.distributed.checkpoint.state_dict_loader import load as load_dcp
 
         osd = ctx.opt.state_dict()
-        dcp.load(
+        load_dcp(
             {"model": ctx.model.state_dict(), "optimizer": osd},
-            storage_reader=dcp.FileSystemReader(str(d)),
+            storage_reader=FileSystemReader(str(d)),
         )
         ctx.opt.load_state_dict(osd)  # tensors were filled in place; this applies the groups
 

@@ -20,7 +20,7 @@ import torch
 from benchkit import harness
 from benchkit.disk import fsync_dir, remove
 from benchkit.harness import Contender, Ctx, log
-from ckptstore import CheckpointManager, KeepBest, KeepEvery, KeepLast
+from ckptstore import CheckpointManager, KeepBest, KeepEvery, KeepLast, RetentionPolicy
 from ckptstore.layout import MANIFEST_NAME, step_dirname
 
 
@@ -101,7 +101,11 @@ class Scale(Contender):
 
     def setup(self, ctx: Ctx) -> None:
         self.count = ctx.args.scale_count
-        self.keep = [KeepLast(3), KeepEvery(self.stride), KeepBest(3, "val_loss")]
+        self.keep: list[RetentionPolicy] = [
+            KeepLast(3),
+            KeepEvery(self.stride),
+            KeepBest(3, "val_loss"),
+        ]
         self.tiny = {"w": torch.randn(256), "b": torch.zeros(16), "step": 0, "lr": 1e-4}
         empty, big = ctx.newdir("scale-empty") / "store", ctx.newdir("scale-big") / "store"
         t0 = time.perf_counter()
@@ -179,7 +183,7 @@ def time_ls_subprocess(root: Path, timeout: float) -> dict[str, Any]:
     wall = time.perf_counter() - t0
     if res.returncode != 0:
         return {"seconds": None, "error": res.stderr.strip().splitlines()[-1:]}
-    out = json.loads(res.stdout.strip().splitlines()[-1])
+    out: dict[str, Any] = json.loads(res.stdout.strip().splitlines()[-1])
     out["process_wall_s"] = wall
     return out
 

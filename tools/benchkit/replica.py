@@ -278,13 +278,13 @@ def print_report(res: dict[str, Any]) -> None:
             f"{s['local_s'] * 1e3:.1f} ms without{label}: {s['ratio']:.2f}x (goal <= 1.1x; "
             f"{s['state_bytes'] / 1e6:.0f} MB state, median of {res['repeats']})"
         )
-    rows = (
+    step_rows = (
         ("", res["train_step"]),
         (" before S3Upload", res["train_step_legacy"]),
         (" (S3 server niced)", res["train_step_server_niced"]),
         (" (S3 server niced) before S3Upload", res["train_step_server_niced_legacy"]),
     )
-    for label, t in rows:
+    for label, t in step_rows:
         if t is None or t["ratio"] is None:
             continue
         print(

@@ -66,7 +66,9 @@ def _row(rows: list[dict[str, Any]], name: str, op: str) -> dict[str, Any] | Non
     return None
 
 
-def evaluate_targets(ctx: Ctx, rows: list[dict[str, Any]], ls: dict[str, Any] | None) -> list:
+def evaluate_targets(
+    ctx: Ctx, rows: list[dict[str, Any]], ls: dict[str, Any] | None
+) -> list[dict[str, Any]]:
     """The issue's targets; ``pass`` is None when a contender needed for it did not run."""
     base = "disk-odirect" if ctx.odirect_ok else "disk-buffered"
     out: list[dict[str, Any]] = []
@@ -252,7 +254,9 @@ def evaluate_targets(ctx: Ctx, rows: list[dict[str, Any]], ls: dict[str, Any] | 
     return out
 
 
-def print_report(ctx: Ctx, rows: list[dict[str, Any]], targets: list, ls: Any) -> None:
+def print_report(
+    ctx: Ctx, rows: list[dict[str, Any]], targets: list[dict[str, Any]], ls: Any
+) -> None:
     base = "disk-odirect" if ctx.odirect_ok else "disk-buffered"
     print()
     print(

@@ -45,7 +45,7 @@ def _paths() -> None:
 def run(param_bytes: int, repeats: int) -> dict[str, Any]:
     """Save once, then time the contenders ``repeats`` times each, interleaved."""
     _paths()
-    from s3server import s3_server  # type: ignore[import-not-found]
+    from s3server import s3_server
 
     from ckptstore import CheckpointManager
 

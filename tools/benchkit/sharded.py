@@ -145,7 +145,7 @@ def build(
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    return t.to_local() if hasattr(t, "to_local") else t  # type: ignore[no-any-return]
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def local_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
@@ -247,8 +247,8 @@ def save_op(
         ckpt.manager = mgr  # type: ignore[attr-defined]
         return ckpt, done
     if c == "dcp-ckpt":
-        import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict_saver import save as save_dcp
 
         from ckptstore import CheckpointManager
         from ckptstore.dcp import CkptStoreWriter
@@ -259,17 +259,18 @@ def save_op(
         def dcp_ckpt_save() -> None:
             msd, osd = get_state_dict(model, opt)
             state = {"model": msd, "optim": osd}
-            dcp.save(state, storage_writer=writer, process_group=writer.process_group)
+            save_dcp(state, storage_writer=writer, process_group=writer.process_group)
 
         return dcp_ckpt_save, mgr.close
     if c == "dcp":
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.filesystem import FileSystemWriter
         from torch.distributed.checkpoint.state_dict import get_state_dict
+        from torch.distributed.checkpoint.state_dict_saver import save as save_dcp
 
         def dcp_save() -> None:
             msd, osd = get_state_dict(model, opt)
-            writer = dcp.FileSystemWriter(str(d), sync_files=True)
-            dcp.save({"model": msd, "optim": osd}, storage_writer=writer)
+            writer = FileSystemWriter(str(d), sync_files=True)
+            save_dcp({"model": msd, "optim": osd}, storage_writer=writer)
             barrier()
             if rank == 0:
                 fsync_tree(d)  # .metadata and the directory: durable
@@ -307,8 +308,9 @@ def restore_op(
 
         return ckpt, mgr.close
     if c in ("dcp", "dcp-ckpt"):
-        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.filesystem import FileSystemReader
         from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+        from torch.distributed.checkpoint.state_dict_loader import load as load_dcp
 
         from ckptstore.dcp import CkptStoreReader
 
@@ -318,8 +320,8 @@ def restore_op(
         def dcp_load() -> None:
             msd, osd = get_state_dict(model, opt)
             sd = {"model": msd, "optim": osd}
-            reader = dcp.FileSystemReader(str(d)) if c == "dcp" else CkptStoreReader(d, step=1)
-            dcp.load(sd, storage_reader=reader)
+            reader = FileSystemReader(str(d)) if c == "dcp" else CkptStoreReader(d, step=1)
+            load_dcp(sd, storage_reader=reader)
             set_state_dict(model, opt, model_state_dict=msd, optim_state_dict=osd)
 
         return dcp_load, nothing
@@ -599,11 +601,11 @@ def run(
         for c, runs in r.get("phases", {}).items():
             names = list(dict.fromkeys(k for run in runs for k in run))
             zero = [0.0, 0.0]
-            med = {
+            phase_med = {
                 k: [statistics.median(x.get(k, zero)[i] for x in runs) for i in (0, 1)]
                 for k in names
             }
-            phases.setdefault(c, []).append(med)
+            phases.setdefault(c, []).append(phase_med)
     rows = []
     med = {k: statistics.median(v) for k, v in times.items()}
     for (c, op), ts in times.items():

@@ -106,7 +106,7 @@ def state_tensors(model: nn.Module, opt: torch.optim.Optimizer) -> list[tuple[st
 
 def tensor_bytes(t: torch.Tensor) -> memoryview:
     """The bytes of a contiguous CPU tensor, without a copy."""
-    return memoryview(t.detach().reshape(-1).view(torch.uint8).numpy())
+    return t.detach().reshape(-1).view(torch.uint8).numpy().data
 
 
 def file_mapped(tensors: list[torch.Tensor]) -> list[bool]:

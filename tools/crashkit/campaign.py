@@ -85,7 +85,8 @@ def campaign(args: argparse.Namespace) -> int:
                 with s3() as ep:
 
                     def make_url_s3() -> str:
-                        return ep.url(ep.unique_prefix("crash"))
+                        url: str = ep.url(ep.unique_prefix("crash"))
+                        return url
 
                     results.append(
                         writer_trials(

@@ -81,8 +81,8 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
                 _, line = server.next(deadline - time.monotonic())
                 lines.append(line)
                 if line.startswith("rank "):
-                    _, r, _, pid = line.split()
-                    pids[int(r)] = int(pid)
+                    _, r, _, pid_s = line.split()
+                    pids[int(r)] = int(pid_s)
                     server.children = list(pids.values())
                 elif line.startswith("ready "):
                     ready += 1
