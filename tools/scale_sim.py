@@ -43,9 +43,12 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from benchkit.units import binary as _b
+
+if TYPE_CHECKING:
+    from ckptstore.dist import Coordinator
 
 ROOT = Path(__file__).resolve().parents[1]
 PARAMS = 200  # x3 with AdamW's two moments: 600 DTensors a rank
@@ -122,11 +125,13 @@ class Peers:
         if isinstance(obj, tuple) and not hasattr(obj, "_fields"):
             return tuple(self.of(x, r) for x in obj)
         if dataclasses.is_dataclass(obj) and not isinstance(obj, type):
-            kind = type(obj).__name__
+            # matched by name: a baseline's classes are those of its own checkout
+            dc: Any = obj
+            kind = type(dc).__name__
             if kind == "FileEntry":
-                return dataclasses.replace(obj, rank=r if obj.rank == self.me else obj.rank)
+                return dataclasses.replace(dc, rank=r if dc.rank == self.me else dc.rank)
             if kind == "SavePlan":
-                return dataclasses.replace(obj, items=[self._item(it, r) for it in obj.items])
+                return dataclasses.replace(dc, items=[self._item(it, r) for it in dc.items])
         return obj
 
     def _volumes(self, r: int) -> bytes:
@@ -177,8 +182,8 @@ def _pickled(obj: Any) -> int:
 
 
 def make_sim(  # noqa: PLR0917 - the simulated rank's whole setting
-    real: type, world: int, rank: int, peers: Peers, tape: Path, root: Path
-) -> type:
+    real: type[Coordinator], world: int, rank: int, peers: Peers, tape: Path, root: Path
+) -> type[Coordinator]:
     """A Coordinator subclass that plays the other ranks (see the module docstring)."""
     replay: list[Any] = json.loads(tape.read_text()) if rank and tape.exists() else []
     recorded: list[Any] = []
@@ -308,8 +313,8 @@ def make_sim(  # noqa: PLR0917 - the simulated rank's whole setting
         def post(self, tag: str, value: str) -> None:  # pragma: no cover - node-local roots
             raise NotImplementedError
 
-    Sim.log = log  # type: ignore[attr-defined]
-    Sim.recorded = recorded  # type: ignore[attr-defined]
+    Sim.log = log
+    Sim.recorded = recorded
     return Sim
 
 
@@ -365,14 +370,74 @@ def one(world: int, rank: int, out: Path, tape: Path, baseline: bool) -> None:
 # ---- the driver --------------------------------------------------------------------------
 
 
-def run_world(world: int, work: Path, code: Path | None, timeout: float) -> dict[str, Any] | None:
-    """Rank 0 then rank 1 of a ``world``-rank job; None if it did not finish in time."""
+def preload() -> None:
+    """``--fork``: import, once, what every simulated rank of this tree imports.
+
+    Nothing runs a tensor op or starts a thread here: a fork of this process is as clean as
+    the fresh interpreter ``--one`` is (whose imports cost 5 s of CPU, most of a small run).
+    """
+    os.environ["OMP_NUM_THREADS"] = "1"  # before torch, as run_world gives its children
+    sys.path.insert(0, str(ROOT))  # this tree's ckptstore, as PYTHONPATH gives them
+    import torch._dynamo  # DTensor.from_local's first call imports it
+    import torch.distributed.checkpoint
+    import torch.distributed.tensor  # noqa: F401
+    from torch.testing._internal.distributed import fake_pg  # noqa: F401
+
+    import ckptstore.dist
+    import ckptstore.manager
+    import ckptstore.save.pipeline  # noqa: F401
+
+
+def run_forked(world: int, rank: int, out: Path, tape: Path, timeout: float) -> int | None:
+    """:func:`one` in a fork of this process (``--fork``); its exit status, None on timeout."""
+    pid = os.fork()
+    if pid == 0:
+        code = 1
+        try:
+            one(world, rank, out, tape, False)
+            code = 0
+        except BaseException:
+            import traceback
+
+            traceback.print_exc()
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while True:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        if time.monotonic() > deadline:
+            os.kill(pid, 9)
+            os.waitpid(pid, 0)
+            return None
+        time.sleep(0.02)
+
+
+def run_world(
+    world: int, work: Path, code: Path | None, timeout: float, fork: bool = False
+) -> dict[str, Any] | None:
+    """Rank 0 then rank 1 of a ``world``-rank job; None if it did not finish in time.
+
+    ``fork``: this tree's ranks run as forks of this process (see :func:`preload`); a
+    baseline's always in fresh interpreters, which import its own ckptstore.
+    """
     # The ckptstore of this tree (or the baseline's), whatever the environment installed.
     env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(code or ROOT))
     tape = work / f"tape-{world}.json"
     res = {}
     for rank in (0, 1):
         out = work / f"figures-{world}-{rank}.json"
+        if fork and code is None:
+            status = run_forked(world, rank, out, tape, timeout)
+            if status is None:
+                return None
+            if status != 0:
+                sys.exit(f"scale_sim: {world} ranks, rank {rank} failed (exit {status})")
+            res[rank] = json.loads(out.read_text())
+            continue
         cmd = [
             sys.executable,
             str(Path(__file__).resolve()),
@@ -497,6 +562,12 @@ def main() -> None:
     p.add_argument("--baseline-max", type=int, default=4096, help="largest N for the baseline")
     p.add_argument("--timeout", type=float, default=900, help="seconds a simulated rank may take")
     p.add_argument("--json", type=Path)
+    p.add_argument(
+        "--fork",
+        action="store_true",
+        help="fork this tree's simulated ranks from this process, which imports torch and "
+        "ckptstore once, instead of a fresh interpreter each (the baseline's never)",
+    )
     p.add_argument("--one", type=int, nargs=2, help=argparse.SUPPRESS)
     p.add_argument("--out", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--tape", type=Path, help=argparse.SUPPRESS)
@@ -506,6 +577,8 @@ def main() -> None:
         one(args.one[0], args.one[1], args.out, args.tape, args.baseline_mode)
         return
     results: list[dict[str, Any]] = []
+    if args.fork:
+        preload()
     with tempfile.TemporaryDirectory(prefix="ckpt-scale-sim-") as tmp:
         work = Path(tmp)
         code = None
@@ -525,7 +598,7 @@ def main() -> None:
                 if label == "baseline" and world > args.baseline_max:
                     results.append({"label": label, "world": world, "skipped": "--baseline-max"})
                     continue
-                got = run_world(world, work, tree, args.timeout)
+                got = run_world(world, work, tree, args.timeout, args.fork)
                 if got is None:
                     results.append({"label": label, "world": world, "skipped": "timed out"})
                 else:

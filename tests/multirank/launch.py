@@ -55,6 +55,15 @@ class _ForkServer:
 
     # Variables pytest changes between tests; the ranks do not read them.
     VOLATILE = frozenset({"PYTEST_CURRENT_TEST"})
+    # Variables read only when they are used, never on import, that the test process sets
+    # as it goes: the inductor's cache directory (torch writes its default into os.environ
+    # the first time anything asks for it: a DTensor op in the test process is enough),
+    # MASTER_ADDR (conftest's ``mesh``) and the proxy exemption of moto's server
+    # (s3server.py). A forked rank is given the launcher's values of these (or has them
+    # unset), as a fresh interpreter would, so they need not match the server's. Compared,
+    # they made every later launch of that pytest process start fresh interpreters, each
+    # importing torch again.
+    PASSED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "MASTER_ADDR", "NO_PROXY", "no_proxy"})
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
@@ -79,7 +88,7 @@ class _ForkServer:
 
     def fits(self, env: dict[str, str]) -> bool:
         def strip(e: dict[str, str]) -> dict[str, str]:
-            return {k: v for k, v in e.items() if k not in self.VOLATILE}
+            return {k: v for k, v in e.items() if k not in self.VOLATILE | self.PASSED}
 
         return not self.dead and strip(env) == strip(self.env)
 
@@ -97,9 +106,11 @@ class _ForkServer:
             self.dead = True
             self._cond.notify_all()
 
-    def spawn(self, argv: list[str], log: Path) -> int | None:
-        """Fork one rank; its pid, or None when the server is gone (start it fresh instead)."""
-        return self._request({"argv": argv, "log": str(log), "cwd": os.getcwd()})
+    def spawn(self, argv: list[str], log: Path, env: dict[str, str]) -> int | None:
+        """Fork one rank with ``env``'s values of :attr:`PASSED`; its pid, or None when the
+        server is gone (start it fresh instead)."""
+        passed = {k: env.get(k) for k in sorted(self.PASSED)}
+        return self._request({"argv": argv, "log": str(log), "cwd": os.getcwd(), "set": passed})
 
     def spawn_script(self, script: Path, env: dict[str, str], log: Path, cwd: Path) -> int | None:
         """Fork ``python SCRIPT`` with ``env`` (all of it) in ``cwd``; its pid, or None."""
@@ -223,7 +234,7 @@ def launch(
             str(workdir),
             json.dumps(args or {}),
         ]
-        pid = server.spawn(cmd[1:], workdir / f"rank{rank}.log") if server else None
+        pid = server.spawn(cmd[1:], workdir / f"rank{rank}.log", env) if server else None
         if pid is not None:
             procs.append((_Forked(server, pid), log))  # type: ignore[arg-type]
         else:

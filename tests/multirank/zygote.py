@@ -7,8 +7,9 @@ torch.distributed and ckptstore before it did anything; on the two cores CI has,
 child per rank. Each child is still a real, separate process: it joins its own gloo group over
 TCP, writes its own files, can be killed by pid, and its exit status is what ``waitpid`` says.
 
-Protocol (one JSON object a line): the launcher writes ``{"id", "argv", "log", "cwd"}`` on
-stdin; the server answers ``{"id", "pid"}`` when the child is forked and
+Protocol (one JSON object a line): the launcher writes ``{"id", "argv", "log", "cwd", "set"}``
+on stdin (``set``: the launcher's values of the few variables a rank may differ in, None for
+unset); the server answers ``{"id", "pid"}`` when the child is forked and
 ``{"pid", "status"}`` (``os.waitstatus_to_exitcode``) when it ends. EOF on stdin ends the
 server (children it has forked keep running until they finish or are killed).
 """
@@ -48,6 +49,12 @@ from tests.multirank import (  # noqa: F401
 # torchtitan's checkpointer: 2.5 s of CPU a rank to import; optional (tests skip without it).
 with contextlib.suppress(ImportError):
     from tests.multirank import torchtitan_scenarios  # noqa: F401
+
+# s3fs (with aiobotocore and aiohttp: 1 to 2 s of CPU a rank) for the ranks whose replica is
+# moto's S3 server, and the docs snippets that use one; optional like torchtitan. An import
+# starts no thread and no event loop (fsspec makes its loop on first use, in the child).
+with contextlib.suppress(ImportError):
+    import s3fs  # noqa: F401
 
 
 def _forked(
@@ -92,10 +99,18 @@ def _forked(
         os._exit(code)
 
 
-def _child(argv: list[str], log: str, cwd: str, fds: tuple[int, ...]) -> None:
-    """Become one rank: the worker's main() with ``argv``."""
+def _child(
+    argv: list[str], log: str, cwd: str, fds: tuple[int, ...], passed: dict[str, str | None]
+) -> None:
+    """Become one rank: the worker's main() with ``argv``, and the launcher's values of the
+    variables in ``passed`` (None: unset; see ``launch._ForkServer.PASSED``)."""
 
     def rank() -> None:
+        for key, value in passed.items():
+            if value is None:
+                os.environ.pop(key, None)
+            else:
+                os.environ[key] = value
         sys.argv = argv
         worker.main()  # ends with os._exit(0)
 
@@ -135,7 +150,7 @@ def main() -> None:
             if pid == 0:
                 if "run" in req:
                     _run_script(req, (requests, replies))
-                _child(req["argv"], req["log"], req["cwd"], (requests, replies))
+                _child(req["argv"], req["log"], req["cwd"], (requests, replies), req["set"])
             children.add(pid)
             os.write(replies, json.dumps({"id": req["id"], "pid": pid}).encode() + b"\n")
         for pid in list(children):
