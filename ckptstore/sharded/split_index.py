@@ -86,16 +86,17 @@ def _placement_objects(placements: Sequence[str]) -> tuple[Any, ...] | None:
         return _PLACEMENTS[key]
     from torch.distributed.tensor import Replicate, Shard
 
-    out: list[Any] | None = []
+    objs: list[Any] = []
+    found: tuple[Any, ...] | None = None
     for p in key:
         if p == "R":
-            out.append(Replicate())  # type: ignore[union-attr]
+            objs.append(Replicate())
         elif p.startswith("S(") and p.endswith(")") and p[2:-1].isdigit():
-            out.append(Shard(int(p[2:-1])))  # type: ignore[union-attr]
+            objs.append(Shard(int(p[2:-1])))
         else:
-            out = None
             break
-    found = None if out is None else tuple(out)  # placements are frozen: safe to share
+    else:
+        found = tuple(objs)  # placements are frozen: safe to share
     if len(_PLACEMENTS) < 4096:  # spellings come from index files: bounded
         _PLACEMENTS[key] = found
     return found
