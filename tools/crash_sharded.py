@@ -47,21 +47,17 @@ import tempfile
 import time
 import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
+from forkchild import emit, finish  # noqa: E402
 from linechild import LineChild  # noqa: E402
 
 #: barrier_timeout of the jobs, and the slack allowed on top of it for a survivor to report.
 TIMEOUT = 3.0
 SLACK = 6.0 * float(os.environ.get("CKPTSTORE_TEST_SLOWDOWN", "1"))
 FAULTS = ("kill-one", "kill-all", "stop-one")
-
-
-def emit(line: str) -> None:
-    """One line on stdout in one write(2), so lines of concurrent children never mix."""
-    os.write(1, (line + "\n").encode())
 
 
 # ---- the job's state -------------------------------------------------------------------------
@@ -284,16 +280,10 @@ def run_wide_restore(rank: int, job: dict[str, Any]) -> int:
     return 0
 
 
-def _child(fn: Any, rank: int, job: dict[str, Any]) -> None:
-    code = 1
-    try:
-        code = fn(rank, job)
-    except BaseException:
-        emit("error " + traceback.format_exc().replace("\n", " | "))
-    finally:
-        # A survivor of a dead peer exits without destroying the process group: its
-        # collectives would wait for the dead rank (torch's, not ckptstore's).
-        os._exit(code)
+def _child(fn: Any, rank: int, job: dict[str, Any]) -> NoReturn:
+    # A survivor of a dead peer exits without destroying the process group: its
+    # collectives would wait for the dead rank (torch's, not ckptstore's).
+    finish(lambda: fn(rank, job), lambda tb: emit("error " + tb.replace("\n", " | ")))
 
 
 def serve() -> int:

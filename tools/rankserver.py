@@ -29,10 +29,10 @@ import random
 import signal
 import sys
 import time
-import traceback
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
+from forkchild import finish
 from linechild import LineChild
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
@@ -96,10 +96,10 @@ class RankServer(LineChild):
         self.close()
 
 
-def _rank(job: dict[str, Any], rank: int) -> None:
+def _rank(job: dict[str, Any], rank: int) -> NoReturn:
     """Become rank ``rank`` of ``job``: its environment, fresh seeds, its call; exit."""
-    code = 1
-    try:
+
+    def body() -> None:
         os.dup2(2, 1)  # the server's stdout carries the protocol
         import demo  # tools/demo.py: a rank's environment, as torchrun sets it (preloaded)
 
@@ -112,15 +112,8 @@ def _rank(job: dict[str, Any], rank: int) -> None:
         random.seed()  # a fresh interpreter seeds it from the OS: so must a fork
         module, _, name = job["call"].partition(":")
         getattr(importlib.import_module(module), name)(*job["args"])
-        code = 0
-    except SystemExit as e:
-        code = e.code if isinstance(e.code, int) else int(e.code is not None)
-    except BaseException:
-        traceback.print_exc()
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        os._exit(code)
+
+    finish(body)
 
 
 def serve(preload: list[str]) -> int:

@@ -390,20 +390,11 @@ def preload() -> None:
 
 def run_forked(world: int, rank: int, out: Path, tape: Path, timeout: float) -> int | None:
     """:func:`one` in a fork of this process (``--fork``); its exit status, None on timeout."""
+    from forkchild import finish
+
     pid = os.fork()
     if pid == 0:
-        code = 1
-        try:
-            one(world, rank, out, tape, False)
-            code = 0
-        except BaseException:
-            import traceback
-
-            traceback.print_exc()
-        finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os._exit(code)
+        finish(lambda: one(world, rank, out, tape, False))
     deadline = time.monotonic() + timeout
     while True:
         done, status = os.waitpid(pid, os.WNOHANG)

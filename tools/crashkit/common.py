@@ -1,5 +1,5 @@
 """What every part of the crash campaign shares: the configurations, the kill windows and
-the distributed timeouts, one-write output lines, moto's S3 server and a free port.
+the distributed timeouts, moto's S3 server and a free port.
 
 Importing it puts the checkout, tools/ (crash_writer.py) and tests/ (s3server.py) on
 ``sys.path``, for the campaign and for the fork server's children alike.
@@ -30,11 +30,6 @@ KILL_WITHIN = {"local": 0.25, "s3": 1.5}
 #: since on a busy host a survivor takes longer to report and exit once its wait ran out.
 DIST_TIMEOUT = 3.0
 DIST_SLACK = 5.0 * float(os.environ.get("CKPTSTORE_TEST_SLOWDOWN", "1"))
-
-
-def emit(line: str) -> None:
-    """One line on stdout in one write(2), so lines of concurrent children never mix."""
-    os.write(1, (line + "\n").encode())
 
 
 @contextlib.contextmanager

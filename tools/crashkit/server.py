@@ -15,11 +15,12 @@ import sys
 import tempfile
 import time
 import traceback
-from typing import Any
+from typing import Any, NoReturn
 
+from forkchild import emit, finish
 from linechild import LineChild
 
-from crashkit.common import DIST_SLACK, DIST_TIMEOUT, REPO, TOOLS, emit
+from crashkit.common import DIST_SLACK, DIST_TIMEOUT, REPO, TOOLS
 
 
 def run_writer(
@@ -156,18 +157,10 @@ def run_rank(
     return 0
 
 
-def _child(fn: Any, kwargs: dict[str, Any]) -> None:
-    code = 1
-    try:
-        code = fn(**kwargs)
-    except BaseException:
-        emit("error " + traceback.format_exc().replace("\n", " | "))
-    finally:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        # A survivor of a dead peer exits without destroying the default process group:
-        # its collectives would wait for the dead rank (torch, not ckptstore).
-        os._exit(code)
+def _child(fn: Any, kwargs: dict[str, Any]) -> NoReturn:
+    # A survivor of a dead peer exits without destroying the default process group: its
+    # collectives would wait for the dead rank (torch, not ckptstore).
+    finish(lambda: fn(**kwargs), lambda tb: emit("error " + tb.replace("\n", " | ")))
 
 
 def _warm_up(writers: bool) -> None:
