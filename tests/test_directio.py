@@ -16,7 +16,7 @@ from torch import nn
 
 from ckptstore import CheckpointManager, IntegrityError, StateMismatchError
 from ckptstore.codec.safetensors import StreamDecoder, write_safetensors
-from ckptstore.integrity import crc32c_of
+from ckptstore.integrity import SubBlocks, crc32c_of
 from ckptstore.storage import directio
 from ckptstore.storage.directio import ALIGN, DirectWriter
 from ckptstore.storage.local import LocalStorage
@@ -334,12 +334,14 @@ def test_write_segment_bytes_and_crc(tmp_path: Path, size: int, prefix: int, shi
     view, address, keep = _placed(data, shift)
     w = DirectWriter(str(tmp_path / "f"), buffer_size=SEG // 2)  # several direct requests
     w.write(head)
-    assert w.write_segment(view, address) == size
+    sub = SubBlocks(7_777)  # the segment's own block CRCs, from the same pass
+    assert w.write_segment(view, address, sub) == size
     w.write(b"tail")
     w.finish()
     assert (tmp_path / "f").read_bytes() == head + data + b"tail"
     assert w.nbytes == prefix + size + 4
     assert w.crc == crc32c_of(head + data + b"tail")
+    assert sub.close() == [crc32c_of(data[i : i + 7_777]) for i in range(0, size, 7_777)]
     # Memory congruent with the file offset (mod the block size): only the partial blocks
     # at the ends were copied; anything else went through the bounce buffer whole.
     congruent = (shift - prefix) % ALIGN == 0
@@ -375,6 +377,15 @@ def test_write_segment_falls_back_where_o_direct_is_refused(
     assert not w.direct
     assert (tmp_path / "f").read_bytes() == data
     assert w.crc == crc32c_of(data)
+    # Through the page cache from the start (buffered chosen): the same CRCs, block by block.
+    w = DirectWriter(str(tmp_path / "g"), direct=False, buffer_size=SEG)
+    w.write(b"h")
+    sub = SubBlocks(SEG // 3)
+    w.write_segment(view, address, sub)
+    w.finish()
+    assert (tmp_path / "g").read_bytes() == b"h" + data
+    assert w.crc == crc32c_of(b"h" + data)
+    assert sub.close() == [crc32c_of(data[i : i + SEG // 3]) for i in range(0, len(data), SEG // 3)]
     view.release()
     del keep
 

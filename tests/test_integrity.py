@@ -16,6 +16,7 @@ from ckptstore.integrity import (
     BLOCK,
     BlockCRC,
     CRCWriter,
+    SubBlocks,
     check_blocks,
     crc32c_combine,
     crc32c_of,
@@ -27,6 +28,41 @@ from ckptstore.storage import LocalStorage
 def test_combine_equals_the_crc_of_the_concatenation(la: int, lb: int) -> None:
     a, b = os.urandom(la), os.urandom(lb)
     assert crc32c_combine(crc32c_of(a), crc32c_of(b), lb) == crc32c_of(a + b)
+
+
+def test_combine_is_exact_for_any_length_and_associative() -> None:
+    # Shifts by each power of two of the length, composed: lengths with many bits set, a
+    # block and a byte either side, and lengths far past any file (checked by associativity).
+    for lb in (255, 256, 257, (1 << 18) - 1, 1 << 18, (1 << 18) + 1, 3_333_333, 9_999_991):
+        a, b = os.urandom(100), os.urandom(lb)
+        assert crc32c_combine(crc32c_of(a), crc32c_of(b), lb) == crc32c_of(a + b), lb
+    c = crc32c_of(b"x")
+    huge = (1 << 40) + 12_345
+    split = crc32c_combine(crc32c_combine(c, 0, 1 << 40), 0, 12_345)
+    assert crc32c_combine(c, 0, huge) == split
+    assert crc32c_combine(c, 7, 0) == c
+
+
+@pytest.mark.parametrize("sub_block", [1000, 1 << 18, 3 * BLOCK])
+def test_sub_blocks_come_from_the_same_pass_as_the_file_blocks(sub_block: int) -> None:
+    # A tensor in the middle of a file, fed in pieces that straddle both grids: the file's
+    # block CRCs and whole CRC are those of a plain pass, the tensor's those of its bytes.
+    head, tensor, tail = os.urandom(12_345), os.urandom(2 * BLOCK + 777), os.urandom(99)
+    plain, mixed = BlockCRC(), BlockCRC()
+    plain.update(head + tensor + tail)
+    mixed.update(head)
+    sub = SubBlocks(sub_block)
+    for i in range(0, len(tensor), 1_000_003):
+        mixed.update(tensor[i : i + 1_000_003], sub)
+    mixed.update(tail)
+    assert (mixed.crc, mixed.block_crcs(), mixed.nbytes) == (
+        plain.crc,
+        plain.block_crcs(),
+        plain.nbytes,
+    )
+    want = [crc32c_of(tensor[i : i + sub_block]) for i in range(0, len(tensor), sub_block)]
+    assert sub.close() == want
+    assert SubBlocks(sub_block).close() == []  # an empty tensor has no blocks
 
 
 @pytest.mark.parametrize("size", [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17])

@@ -201,3 +201,38 @@ def _entry(shape: tuple[int, ...]) -> Any:
     from ckptstore.sharded.chunks import TensorEntry
 
     return TensorEntry(dtype="float32", shape=shape, chunks=())
+
+
+def test_a_sharded_save_reads_each_byte_once_for_all_its_crcs(
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The chunks' block CRCs (the index) and the file's own (the manifest) come from one
+    # pass over each byte; before, a second thread computed the chunk CRCs over them again.
+    import crc32c as real
+
+    from ckptstore import integrity
+
+    hashed = [0]
+
+    class Counting:
+        @staticmethod
+        def crc32c(data: Any, crc: int = 0) -> int:
+            hashed[0] += memoryview(data).nbytes
+            return int(real.crc32c(data, crc))
+
+    monkeypatch.setattr(integrity, "_crc32c", Counting)
+    model, opt = _build(mesh, 3)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+        written = sum(p.stat().st_size for p in step_path(tmp_path, 1).iterdir())
+        shards = sum(p.stat().st_size for p in step_path(tmp_path, 1).glob("_shards.*"))
+        assert shards > 3 * BLOCK
+        # every byte once (the small files are also read back when committed, checked)
+        assert shards <= hashed[0] <= written + (written - shards), (hashed[0], written)
+        monkeypatch.undo()
+        assert mgr.verify().ok  # the files' CRCs, from the pieces, are the bytes' CRCs
+    d = step_path(tmp_path, 1)
+    for chunk in index_chunks(d, "model/big") + index_chunks(d, "optimizer/state/big/exp_avg"):
+        data = (d / chunk["file"]).read_bytes()[chunk["start"] : chunk["start"] + chunk["bytes"]]
+        want = [f"{real.crc32c(data[i : i + BLOCK]):08x}" for i in range(0, len(data), BLOCK)]
+        assert chunk["crc32c"] == want

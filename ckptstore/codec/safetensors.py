@@ -27,6 +27,8 @@ from .dtypes import ITEMSIZE, SAFETENSORS_CODES
 if TYPE_CHECKING:
     import torch
 
+    from ..integrity import SubBlocks
+
     #: safetensors dtype code <-> torch dtype (built on first use: see ``__getattr__``).
     ST_TO_DTYPE: dict[str, torch.dtype]
     DTYPE_TO_ST: dict[torch.dtype, str]
@@ -224,8 +226,17 @@ def write_safetensors(
     return write_laid_out(sink, head, order)
 
 
-def write_laid_out(sink: _Sink, head: bytes, order: list[tuple[str, torch.Tensor]]) -> int:
+def write_laid_out(
+    sink: _Sink,
+    head: bytes,
+    order: list[tuple[str, torch.Tensor]],
+    subs: Mapping[str, SubBlocks] | None = None,
+) -> int:
     """Stream a safetensors file whose header ``head`` lists ``order`` (see :func:`encode_header`).
+
+    ``subs``: for a sink that checksums block by block as it writes (``sub_blocks``: a
+    ``DirectWriter``), the tensors whose own blocks need CRCs too, each fed from the same
+    pass over its bytes (see ``DirectWriter.write_segment``).
 
     Returns:
         The number of bytes written.
@@ -235,9 +246,14 @@ def write_laid_out(sink: _Sink, head: bytes, order: list[tuple[str, torch.Tensor
     # A DirectWriter takes a tensor whole and, where its memory lines up with its place in
     # the file (async staging arranges that), sends it to the disk without copying it.
     segment = getattr(sink, "write_segment", None)
-    for _, t in order:
+    if not getattr(sink, "sub_blocks", False):
+        subs = None
+    for key, t in order:
         mv = tensor_bytes(t)
-        if segment is not None:
+        sub = subs.get(key) if subs is not None else None
+        if sub is not None and segment is not None:
+            segment(mv, t.data_ptr(), sub)
+        elif segment is not None:
             segment(mv, t.data_ptr())
         else:
             # Large tensors go in slices so a file-like sink never needs one giant write.

@@ -36,6 +36,7 @@ from torch import nn
 from ..codec import safetensors as safetensors_codec
 from ..codec.tree import format_path
 from ..errors import CommitError, IntegrityError, StateMismatchError, UnsafeCheckpointError
+from ..integrity import SubBlocks
 from ..state.modules import EMA, de_parallel
 from ..state.redistribute import dtensor_type as _dtensor_type
 from ..state.redistribute import is_dtensor
@@ -675,8 +676,9 @@ def write_shards(
     """Write this rank's boxes (see :func:`local_boxes`) into its shard files, durably.
 
     The boxes go into one or more files (:func:`split_parts`), each laid out by
-    :func:`shard_layout` so large tensors are written without a copy; the files and the
-    per-block CRC32Cs of each are written and computed concurrently (all release the GIL).
+    :func:`shard_layout` so large tensors are written without a copy; the files are
+    written concurrently (the I/O and the CRCs release the GIL), each checksummed once, the
+    chunks' per-block CRC32Cs computed in the same pass as the file's.
     ``also`` (rank 0's plain part of the state) runs alongside them.
 
     Returns:
@@ -696,17 +698,24 @@ def write_shards(
         head, order, starts = shard_layout(group)
         placed.update((k, (fname, starts[k])) for k in group)
 
-        def write(fname: str = fname, head: bytes = head, order: Any = order) -> None:
+        def write(
+            fname: str = fname, head: bytes = head, order: Any = order, group: Any = group
+        ) -> None:
             with pending.open(fname, codec="safetensors", rank=rank) as w:
-                safetensors_codec.write_laid_out(w, head, order)
-
-        def checksum(group: dict[str, torch.Tensor] = group) -> None:
+                # The chunk CRCs come from the writer's own pass over the bytes, which
+                # checksums the file: one CRC pass per byte (a writer that cannot, e.g. an
+                # object store's, leaves them to a second pass below).
+                subs = {k: SubBlocks(BLOCK) for k in group} if getattr(w, "sub_blocks", 0) else None
+                safetensors_codec.write_laid_out(w, head, order, subs)
             for k, t in group.items():
-                crcs[k] = block_crcs(safetensors_codec.tensor_bytes(t)) if t.numel() else []
+                if subs is not None:
+                    crcs[k] = subs[k].close()
+                else:
+                    crcs[k] = block_crcs(safetensors_codec.tensor_bytes(t)) if t.numel() else []
 
-        calls += [write, checksum]
+        calls.append(write)
     # Files written side by side: none of them tries the other write mode (iomode).
-    alone = len(calls) <= 2
+    alone = len(calls) <= 1
     with contextlib.nullcontext() if alone else iomode.side_by_side():
         errors = run_all(calls, max_workers=len(calls))
     first = next((e for e in errors if e is not None), None)

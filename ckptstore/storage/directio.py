@@ -26,7 +26,7 @@ import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from ..integrity import BlockCRC, BlockSums, crc32c_of
+from ..integrity import BlockCRC, BlockSums, SubBlocks, crc32c_of
 
 __all__ = ["ALIGN", "DirectWriter", "open_direct_read", "read_into", "stream_pipelined"]
 
@@ -194,6 +194,9 @@ class DirectWriter(BlockSums):
     fsync. ``crc``, ``blocks`` and ``nbytes`` describe what was written.
     """
 
+    #: :meth:`write_segment` takes ``sub=`` (``safetensors.write_laid_out`` asks).
+    sub_blocks = True
+
     def __init__(
         self,
         path: str,
@@ -239,6 +242,11 @@ class DirectWriter(BlockSums):
     def write(self, data: Any) -> int:
         """Copy ``data`` into the bounce buffer, writing out full buffers."""
         mv = memoryview(data).cast("B")
+        self._sum.update(mv)  # where the bytes are now: the caller's memory
+        return self._copy_in(mv)
+
+    def _copy_in(self, mv: memoryview) -> int:
+        """Copy ``mv`` (checksummed already) into the bounce buffer, writing out full ones."""
         n = len(mv)
         self.bounced += n
         done = 0
@@ -253,7 +261,7 @@ class DirectWriter(BlockSums):
         self.nbytes += n
         return n
 
-    def write_segment(self, data: Any, address: int) -> int:
+    def write_segment(self, data: Any, address: int, sub: SubBlocks | None = None) -> int:
         """Write ``data``, whose first byte is at memory ``address``, without a bounce copy.
 
         Where the memory and the file offset are congruent modulo the block size (async
@@ -262,25 +270,30 @@ class DirectWriter(BlockSums):
         the next is checksummed; the partial blocks at both ends (shared with neighbouring
         data) take the ordinary :meth:`write` path. Otherwise all of it does. ``data`` must
         stay unchanged until :meth:`finish` returns.
+
+        ``sub`` receives the CRC32C of every ``sub.block`` bytes of ``data`` (a shard's
+        chunk CRCs), from the same single pass that checksums the file.
         """
         mv = memoryview(data).cast("B")
         n = len(mv)
         if n >= _SEGMENT_MIN and self._buffered(n):
-            return self._write_through(mv)
+            return self._write_through(mv, sub)
         start = self._offset + self._pos  # the file offset of mv[0]
         if n < _SEGMENT_MIN or not self._can_direct or (address - start) % ALIGN:
-            return self.write(mv)
+            self._sum.update(mv, sub)
+            return self._copy_in(mv)
         head = -start % ALIGN
         body = (n - head) - (n - head) % ALIGN
         if head:
-            self.write(mv[:head])
+            self._sum.update(mv[:head], sub)
+            self._copy_in(mv[:head])
         if self._pos:  # the bounce buffer now ends on a block boundary: send it first
             self._flush_buffer()
         done = head
         while done < head + body:
             k = min(self._size, head + body - done)
             view = mv[done : done + k]
-            self._sum.update(view)
+            self._sum.update(view, sub)
             self._wait()
             if not self.direct:
                 self.direct = self._set_direct(True)
@@ -291,7 +304,8 @@ class DirectWriter(BlockSums):
             self.nbytes += k
             done += k
         if done < n:
-            self.write(mv[done:])
+            self._sum.update(mv[done:], sub)
+            self._copy_in(mv[done:])
         return n
 
     def _buffered(self, n: int) -> bool:
@@ -307,7 +321,7 @@ class DirectWriter(BlockSums):
             if not choose():
                 self._can_direct = False
 
-    def _write_through(self, mv: memoryview) -> int:
+    def _write_through(self, mv: memoryview, sub: SubBlocks | None = None) -> int:
         """Buffered writes straight from the caller's memory (no bounce copy), in slices.
 
         Any offset and length will do through the page cache; one slice is written by the
@@ -318,7 +332,7 @@ class DirectWriter(BlockSums):
         n = len(mv)
         for i in range(0, n, self._size):
             view = mv[i : i + self._size]
-            self._sum.update(view)
+            self._sum.update(view, sub)
             self._wait()
             self._pending = Call(self._pwrite_all, view, self._offset)
             self._offset += len(view)
@@ -363,8 +377,7 @@ class DirectWriter(BlockSums):
         return set_direct(self.fd, on)
 
     def _flush_buffer(self) -> None:
-        view = self._views[self._cur][: self._pos]
-        self._sum.update(view)
+        view = self._views[self._cur][: self._pos]  # checksummed as it was copied in
         self._wait()  # the other buffer must be on disk before we reuse it next
         if self._can_direct and not self.direct:
             self.direct = self._set_direct(True)
@@ -385,8 +398,7 @@ class DirectWriter(BlockSums):
         try:
             self._wait()
             if self._pos:
-                view = self._views[self._cur][: self._pos]
-                self._sum.update(view)
+                view = self._views[self._cur][: self._pos]  # checksummed already
                 if self.direct and self._pos % ALIGN:
                     self._set_direct(False)  # an unaligned tail goes through the cache
                 self._pwrite_all(view, self._offset)
