@@ -154,12 +154,14 @@ class SubBlocks:
         self.block = block
         self.crcs: list[int] = []
         self.fill = 0  # bytes of the current block
+        self.nbytes = 0  # bytes folded in
         self._cur = 0
 
     def fold(self, crc: int, nbytes: int) -> None:
         """Append a piece of ``nbytes`` (at most what the current block lacks) and its CRC."""
         self._cur = crc32c_combine(self._cur, crc, nbytes) if self.fill else crc
         self.fill += nbytes
+        self.nbytes += nbytes
         if self.fill == self.block:
             self.crcs.append(self._cur)
             self.fill = 0

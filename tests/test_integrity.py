@@ -61,6 +61,7 @@ def test_sub_blocks_come_from_the_same_pass_as_the_file_blocks(sub_block: int) -
         plain.nbytes,
     )
     want = [crc32c_of(tensor[i : i + sub_block]) for i in range(0, len(tensor), sub_block)]
+    assert sub.nbytes == len(tensor)
     assert sub.close() == want
     assert SubBlocks(sub_block).close() == []  # an empty tensor has no blocks
 

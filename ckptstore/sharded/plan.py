@@ -708,10 +708,11 @@ def write_shards(
                 subs = {k: SubBlocks(BLOCK) for k in group} if getattr(w, "sub_blocks", 0) else None
                 safetensors_codec.write_laid_out(w, head, order, subs)
             for k, t in group.items():
-                if subs is not None:
+                data = safetensors_codec.tensor_bytes(t)
+                if subs is not None and subs[k].nbytes == len(data):  # fed every byte
                     crcs[k] = subs[k].close()
                 else:
-                    crcs[k] = block_crcs(safetensors_codec.tensor_bytes(t)) if t.numel() else []
+                    crcs[k] = block_crcs(data) if t.numel() else []
 
         calls.append(write)
     # Files written side by side: none of them tries the other write mode (iomode).
