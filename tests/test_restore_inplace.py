@@ -107,11 +107,16 @@ def test_restore_reads_every_parameter_and_moment_into_its_own_memory(
     held = _saved(mesh, tmp_path / "s", {1: 1}, big_in=(1,))
     model, opt = _build(mesh, 5)
     before = {k: v.data_ptr() for k, v in _locals(model, opt).items()}
+    params = list(model.parameters())
     seen = _spy(monkeypatch)
     with CheckpointManager(tmp_path / "s") as mgr:
         assert mgr.restore({"model": model, "optimizer": opt}) == 1
     now = _locals(model, opt)
     assert {k: v.data_ptr() for k, v in now.items()} == before
+    # The load is the identity (load_state_dict with assign: the same objects registered
+    # again, not copied onto themselves): the optimizer still holds the model's parameters.
+    assert all(a is b for a, b in zip(model.parameters(), params, strict=True))
+    assert all(a is b for a, b in zip(opt.param_groups[0]["params"], params, strict=True))
     for k, v in held[1].items():
         assert torch.equal(now[k], v), k
     # Each leaf was read into the target's own memory, not into a fresh tensor copied later.
