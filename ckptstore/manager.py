@@ -83,9 +83,10 @@ class CheckpointManager:
             local). ``"latest"``: when uploads fall behind only the newest step is uploaded,
             and a local step may be deleted once a newer one is safe there (logged).
         replica_timeout: seconds (default 60) the constructor waits for the replica to
-            answer, and about the longest ``wait``/``close`` keep trying one that cannot be
-            reached before ``ReplicaUnavailableError`` (on S3 it also bounds botocore's
-            connect timeout and attempts unless ``replica_options`` set them).
+            answer (once its client is made: an S3 client's start-up is not counted), and
+            about the longest ``wait``/``close`` keep trying one that cannot be reached
+            before ``ReplicaUnavailableError`` (on S3 it also bounds botocore's connect
+            timeout and attempts unless ``replica_options`` set them).
 
     Under torch.distributed each rank may pass its own local ``root`` (a disk per node):
     the constructor finds which ranks share a store (a probe, see ``nodes.peers``), and

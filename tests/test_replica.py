@@ -373,6 +373,31 @@ def test_unreachable_replica_is_refused_before_any_save(tmp_path: Path) -> None:
         mgr.save(1, make_state(1))
 
 
+def test_the_probe_does_not_count_the_s3_clients_start_up(
+    s3: S3Endpoint, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A replica that answers at once must not be refused because its client was slow to
+    # start (imports, a session, the service model: seconds on a loaded host, where a replica
+    # probed with replica_timeout=6 was refused with "no answer within 6s").
+    import s3fs
+
+    timeout = healthy(1.0)
+    real = s3fs.S3FileSystem.connect
+    started: list[float] = []
+
+    def slow_start(self: Any, *a: Any, **k: Any) -> Any:
+        time.sleep(timeout + 1.0)  # a start-up slower than the whole timeout
+        started.append(time.monotonic())
+        return real(self, *a, **k)
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "connect", slow_start)
+    mgr = CheckpointManager(
+        tmp_path / "a", replica=url, replica_options=s3.storage_options, replica_timeout=timeout
+    )
+    assert started  # the probe made the client first, then asked within the timeout
+    mgr.close()
+
+
 def test_a_replica_bucket_that_does_not_exist_is_refused(s3: S3Endpoint, tmp_path: Path) -> None:
     url = "s3://no-such-bucket-here/run"
     with pytest.raises(ReplicaUnavailableError) as info:

@@ -48,6 +48,9 @@ REPLICA_EVERY = ("all", "latest")
 #: with back-off): with the connect timeout below, one request that cannot connect fails
 #: within about ``replica_timeout / 3``.
 _S3_ATTEMPTS = 2
+#: Seconds the probe allows an S3 replica's client to be made (imports, a session, the
+#: service model: local work, seconds on a loaded host) before ``replica_timeout`` starts.
+CLIENT_START_MAX = 120.0
 
 
 def bounded_options(url: str, options: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:
@@ -90,8 +93,23 @@ def probe_replica(replica: Storage, url: str, timeout: float) -> None:
     from ..ops.stores import missing_bucket  # ops imports the tiers; not the other way
 
     box: list[BaseException | str | None] = []
+    # The timeout is for the replica's answer: an S3 client is made first (s3fs's connect:
+    # a session and its client, local work unless credentials must be fetched), and its
+    # start-up, which a loaded host slows down, is not counted against it.
+    connect = None
+    if url.partition("://")[0] in ("s3", "s3a"):
+        connect = getattr(getattr(replica, "fs", None), "connect", None)
+    started = threading.Event()
 
     def look() -> None:
+        try:
+            if callable(connect):
+                connect()
+        except BaseException as e:
+            box.append(e)
+            return
+        finally:
+            started.set()
         try:
             replica.list_steps()
             bucket = missing_bucket(replica)
@@ -101,10 +119,15 @@ def probe_replica(replica: Storage, url: str, timeout: float) -> None:
 
     t = threading.Thread(target=look, name="ckptstore-replica-probe", daemon=True)
     t.start()
-    t.join(timeout)
     hint = (
         "nothing was saved; fix it, or construct the manager without replica= to save locally only"
     )
+    if not started.wait(max(timeout, CLIENT_START_MAX)):
+        raise ReplicaUnavailableError(
+            f"replica {url}: its client did not start within {max(timeout, CLIENT_START_MAX):g}s; "
+            f"check the storage options; {hint}"
+        )
+    t.join(timeout)
     if not box:
         raise ReplicaUnavailableError(
             f"replica {url}: no answer within {timeout:g}s (replica_timeout); check the "
