@@ -398,6 +398,34 @@ def test_the_probe_does_not_count_the_s3_clients_start_up(
     mgr.close()
 
 
+def test_a_client_that_never_starts_is_refused_and_the_local_store_still_loads(
+    s3: S3Endpoint, url: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import s3fs
+
+    from ckptstore.tiers import twotier
+
+    root = tmp_path / "a"
+    state = make_state(1)
+    expect = snapshot(state)
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state)
+    monkeypatch.setattr(twotier, "CLIENT_START_MAX", 0.5)
+    monkeypatch.setattr(s3fs.S3FileSystem, "connect", lambda self, *a, **k: time.sleep(3))
+    with pytest.raises(ReplicaUnavailableError) as info:
+        CheckpointManager(
+            root, replica=url, replica_options=s3.storage_options, replica_timeout=1.0
+        )
+    msg = str(info.value)
+    assert msg.startswith(f"replica {url}: its client did not start within 1s; ")
+    assert "nothing was saved" in msg
+    with CheckpointManager(root) as mgr:  # the local store is as it was
+        assert mgr.steps() == [1]
+        fresh = fresh_like(make_state(2))
+        assert mgr.restore(fresh) == 1
+        assert_same(snapshot(fresh), expect)
+
+
 def test_a_replica_bucket_that_does_not_exist_is_refused(s3: S3Endpoint, tmp_path: Path) -> None:
     url = "s3://no-such-bucket-here/run"
     with pytest.raises(ReplicaUnavailableError) as info:

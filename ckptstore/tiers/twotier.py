@@ -122,9 +122,10 @@ def probe_replica(replica: Storage, url: str, timeout: float) -> None:
     hint = (
         "nothing was saved; fix it, or construct the manager without replica= to save locally only"
     )
-    if not started.wait(max(timeout, CLIENT_START_MAX)):
+    start_max = max(timeout, CLIENT_START_MAX)
+    if not started.wait(start_max):
         raise ReplicaUnavailableError(
-            f"replica {url}: its client did not start within {max(timeout, CLIENT_START_MAX):g}s; "
+            f"replica {url}: its client did not start within {start_max:g}s; "
             f"check the storage options; {hint}"
         )
     t.join(timeout)
