@@ -188,22 +188,27 @@ class BlockCRC:
         self._cur = 0  # CRC of the current, incomplete block
         self._fill = 0  # bytes in the current block
 
-    def update(self, data: Any, sub: SubBlocks | None = None) -> None:
+    def update(self, data: Any, sub: SubBlocks | tuple[SubBlocks, ...] | None = None) -> None:
         """Fold ``data`` (any bytes-like object) into the checksums.
 
-        ``sub``: ``data`` continues a stretch of the stream (a tensor in a shard file) whose
-        own blocks need CRCs too. Each byte is still read once: in pieces cut at both grids,
-        each piece's CRC combined into the stream's block and into the stretch's.
+        ``sub``: ``data`` continues one or more stretches of the stream whose own blocks need
+        CRCs too (a tensor in a shard file, an object store's part). Each byte is still read
+        once: in pieces cut at every grid, each piece's CRC combined into the stream's block
+        and into each stretch's.
         """
         mv = memoryview(data).cast("B")
         done = 0
         n = len(mv)
-        if sub is not None:
+        subs = () if sub is None else (sub,) if isinstance(sub, SubBlocks) else sub
+        if subs:
             while done < n:
-                k = min(n - done, self.block - self._fill, sub.block - sub.fill)
+                k = min(n - done, self.block - self._fill)
+                for s in subs:
+                    k = min(k, s.block - s.fill)
                 c = int(_crc32c.crc32c(mv[done : done + k]))
                 self._cur = crc32c_combine(self._cur, c, k) if self._fill else c
-                sub.fold(c, k)
+                for s in subs:
+                    s.fold(c, k)
                 self._fill += k
                 done += k
                 if self._fill == self.block:
@@ -336,10 +341,13 @@ class CRCWriter(BlockSums):
         """Bytes written."""
         return self._sum.nbytes
 
-    def write(self, data: Any) -> int:
-        """Write ``data`` and fold it into the checksum."""
+    #: :meth:`write` takes ``sub=`` (``safetensors.write_laid_out`` asks).
+    sub_blocks = True
+
+    def write(self, data: Any, sub: SubBlocks | None = None) -> int:
+        """Write ``data`` and fold it into the checksum (and into ``sub``'s blocks)."""
         mv = memoryview(data).cast("B")
-        self._sum.update(mv)
+        self._sum.update(mv, sub)
         # A raw file may write less than asked (write(2) near a full disk, or after a
         # signal): write the rest, or fail; a short file must never be committed.
         done = 0

@@ -571,3 +571,21 @@ class TokenData(torch.utils.data.Dataset[dict[str, torch.Tensor]]):
 
     def __getitem__(self, i: int) -> dict[str, torch.Tensor]:
         return {"input_ids": self.x[i], "labels": self.x[i]}
+
+
+class HashCounter:
+    """Stands in for ``ckptstore.integrity._crc32c``: counts the bytes every CRC32C pass reads.
+
+    Every checksum of ckptstore goes through that module attribute; install it with
+    ``monkeypatch.setattr(integrity, "_crc32c", HashCounter())``.
+    """
+
+    def __init__(self) -> None:
+        self.hashed = 0
+
+    def crc32c(self, data: Any, crc: int = 0) -> int:
+        """The real CRC32C, counted."""
+        import crc32c as real
+
+        self.hashed += memoryview(data).nbytes
+        return int(real.crc32c(data, crc))

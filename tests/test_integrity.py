@@ -66,6 +66,26 @@ def test_sub_blocks_come_from_the_same_pass_as_the_file_blocks(sub_block: int) -
     assert SubBlocks(sub_block).close() == []  # an empty tensor has no blocks
 
 
+def test_two_stretches_get_their_blocks_from_the_same_pass() -> None:
+    # An object store's part (a grid of its own over the whole stream) and a tensor's blocks
+    # at once: pieces cut at three grids, each byte hashed once.
+    head, tensor = os.urandom(3_333), os.urandom(3 * BLOCK + 5)
+    data = head + tensor
+    plain, mixed = BlockCRC(), BlockCRC()
+    plain.update(data)
+    part, sub = SubBlocks(5_000_011), SubBlocks(1 << 18)
+    mixed.update(head, part)
+    for i in range(0, len(tensor), 999_999):
+        mixed.update(tensor[i : i + 999_999], (sub, part))
+    assert (mixed.crc, mixed.block_crcs()) == (plain.crc, plain.block_crcs())
+    assert part.close() == [
+        crc32c_of(data[i : i + 5_000_011]) for i in range(0, len(data), 5_000_011)
+    ]
+    assert sub.close() == [
+        crc32c_of(tensor[i : i + (1 << 18)]) for i in range(0, len(tensor), 1 << 18)
+    ]
+
+
 @pytest.mark.parametrize("size", [0, 1, BLOCK - 1, BLOCK, BLOCK + 1, 3 * BLOCK + 17])
 @pytest.mark.parametrize("piece", [1 << 20, 3 * BLOCK + 5, 999_983])
 def test_block_crc_splits_at_block_boundaries(size: int, piece: int) -> None:

@@ -20,7 +20,7 @@ from ckptstore import CheckpointManager
 from ckptstore.errors import IntegrityError
 from ckptstore.sharded import targets as targets_mod
 from ckptstore.sharded.chunks import BLOCK
-from tests._helpers import index_chunks, step_path
+from tests._helpers import HashCounter, index_chunks, step_path
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -28,19 +28,21 @@ ROWS = 3 * BLOCK // (4 * 256)  # "big": 3 blocks of float32, 256 columns
 
 
 class Net(nn.Module):
-    def __init__(self, *, big: bool = True) -> None:
+    def __init__(self, *, big: bool = True, rows: int = ROWS) -> None:
         super().__init__()
         self.small = nn.Linear(8, 8)
         if big:
-            self.big = nn.Parameter(torch.zeros(ROWS, 256))
+            self.big = nn.Parameter(torch.zeros(rows, 256))
 
 
-def _build(mesh: object, seed: int, *, big: bool = True) -> tuple[Net, torch.optim.Optimizer]:
+def _build(
+    mesh: object, seed: int, *, big: bool = True, rows: int = ROWS
+) -> tuple[Net, torch.optim.Optimizer]:
     """An FSDP2 Net whose parameters and AdamW moments all exist (one step taken)."""
     from torch.distributed.fsdp import fully_shard
 
     torch.manual_seed(seed)
-    model = Net(big=big)
+    model = Net(big=big, rows=rows)
     with torch.no_grad():
         for p in model.parameters():
             p.normal_()
@@ -202,6 +204,55 @@ def test_tied_targets_are_read_into_fresh_tensors(mesh: object) -> None:
     assert targets_mod.live_targets(leaves, odd, {"a", "b"}) == {}
 
 
+@pytest.mark.parametrize("store", ["s3", "memory"])
+def test_a_sharded_save_to_an_object_store_hashes_each_byte_once(
+    mesh: object, request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch, store: str
+) -> None:
+    # Through the S3 writer, in 5 MiB parts: the file's CRC32C (the manifest), each part's
+    # (checked by the store) and the chunks' block CRCs (the index) from one pass per byte.
+    # Through any other fsspec store (the CRCWriter around its file): the file's and the
+    # chunks'. Before, the parts and the chunks each took a pass of their own.
+    import uuid
+
+    import fsspec
+
+    from ckptstore import integrity
+
+    counter = HashCounter()
+
+    model, opt = _build(mesh, 5, rows=8 * ROWS)  # 3 x 6 MiB: each tensor in 2 parts
+    want = {k: v.clone() for k, v in _locals(model, opt).items()}
+    if store == "s3":
+        s3 = request.getfixturevalue("s3")
+        prefix = s3.unique_prefix()
+        url, root, fs = s3.url(prefix), f"{s3.bucket}/{prefix}", s3.client
+        opts = dict(s3.storage_options, default_block_size=5 << 20)
+    else:
+        name = f"ckptstore-ri-{uuid.uuid4().hex}"
+        url, root, fs, opts = f"memory://{name}", f"/{name}", fsspec.filesystem("memory"), {}
+    with CheckpointManager(url, storage_options=opts) as mgr:
+        mgr.save(1, {"model": nn.Linear(2, 2).state_dict()})  # the store probed, untimed
+        monkeypatch.setattr(integrity, "_crc32c", counter)
+        mgr.save(2, {"model": model, "optimizer": opt})
+        monkeypatch.undo()
+        sizes = {
+            p.rsplit("/", 1)[1]: int(info["size"])
+            for p, info in fs.find(root, detail=True).items()
+            if "step-000000000002" in p
+        }
+        shards = sum(n for name, n in sizes.items() if name.startswith("_shards."))
+        written = sum(sizes.values())
+        assert shards > 3 * (5 << 20)  # more than one part (S3)
+        assert shards <= counter.hashed <= written + (written - shards), (counter.hashed, sizes)
+        assert mgr.verify(2).ok  # the files' and every chunk block's CRCs are the bytes'
+        fresh, fresh_opt = _build(mesh, 6, rows=8 * ROWS)
+        mgr.restore({"model": fresh, "optimizer": fresh_opt}, step=2)
+    got = _locals(fresh, fresh_opt)
+    assert got.keys() == want.keys()
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
 def _entry(shape: tuple[int, ...]) -> Any:
     from ckptstore.sharded.chunks import TensorEntry
 
@@ -217,15 +268,8 @@ def test_a_sharded_save_reads_each_byte_once_for_all_its_crcs(
 
     from ckptstore import integrity
 
-    hashed = [0]
-
-    class Counting:
-        @staticmethod
-        def crc32c(data: Any, crc: int = 0) -> int:
-            hashed[0] += memoryview(data).nbytes
-            return int(real.crc32c(data, crc))
-
-    monkeypatch.setattr(integrity, "_crc32c", Counting)
+    counter = HashCounter()
+    monkeypatch.setattr(integrity, "_crc32c", counter)
     model, opt = _build(mesh, 3)
     with CheckpointManager(tmp_path) as mgr:
         mgr.save(1, {"model": model, "optimizer": opt})
@@ -233,7 +277,7 @@ def test_a_sharded_save_reads_each_byte_once_for_all_its_crcs(
         shards = sum(p.stat().st_size for p in step_path(tmp_path, 1).glob("_shards.*"))
         assert shards > 3 * BLOCK
         # every byte once (the small files are also read back when committed, checked)
-        assert shards <= hashed[0] <= written + (written - shards), (hashed[0], written)
+        assert shards <= counter.hashed <= written + (written - shards), (counter.hashed, written)
         monkeypatch.undo()
         assert mgr.verify().ok  # the files' CRCs, from the pieces, are the bytes' CRCs
     d = step_path(tmp_path, 1)

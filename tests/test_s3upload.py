@@ -21,7 +21,7 @@ pytest.importorskip("s3fs")
 pytest.importorskip("moto.server")
 
 import crc32c
-from _helpers import make_state, step_dir
+from _helpers import HashCounter, make_state, step_dir
 from s3server import S3Endpoint
 
 from ckptstore import CheckpointManager, IntegrityError
@@ -414,3 +414,42 @@ def test_a_large_put_goes_as_it_is_written_and_a_short_one_leaves_nothing(
     with pytest.raises(IntegrityError, match="5242880 bytes were written, 12582912 said"):
         w2.close()
     assert not s3.client.exists(key + "2")
+
+
+@pytest.mark.parametrize("checks", [s3upload.COMPUTES, s3upload.MD5])
+def test_each_byte_is_hashed_once_for_the_object_and_every_part(
+    s3: S3Endpoint, key: str, monkeypatch: pytest.MonkeyPatch, checks: str
+) -> None:
+    # The object's CRC32C (the manifest's) and each part's (sent with it, checked by the
+    # store) come from one pass over the buffer: held bytes sent as parts when the object
+    # outgrows one PUT, parts that straddle the writes, and parts that grow.
+    from ckptstore import integrity
+
+    monkeypatch.setattr(s3upload, "GROW_EVERY", 3)
+    monkeypatch.setattr(S3Upload, "_store_checks", lambda self: checks)
+    part = 5 * MiB + 12_345  # no multiple of the 4 MiB blocks nor of the 1 MiB copies
+    data = os.urandom(7 * part + 3 * MiB + 7)
+    bodies: list[int] = []
+    submit = S3Upload._submit
+
+    def sizes(w: S3Upload, method: str, **kw: Any) -> Any:
+        if method == "upload_part":
+            bodies.append(len(kw["Body"]))
+        return submit(w, method, **kw)
+
+    monkeypatch.setattr(S3Upload, "_submit", sizes)
+    counting = HashCounter()
+    monkeypatch.setattr(integrity, "_crc32c", counting)
+    w = S3Upload(s3.client, key, part=part, single_put=2 * part)
+    upload(w, data, 3 * MiB + 1)
+    assert counting.hashed == len(data)  # before: twice (the parts hashed again)
+    monkeypatch.undo()
+    assert w.crc == crc32c.crc32c(data)
+    assert w.verified
+    # 2 held for one PUT, then the 3rd; parts 4 and 5 twice as large; the tail
+    assert bodies == [part, part, part, 2 * part, 2 * part, len(data) - 7 * part]
+    assert s3.client.cat_file(key) == data
+    bucket, _, k = key.partition("/")
+    head = s3.client.call_s3("head_object", Bucket=bucket, Key=k, ChecksumMode="ENABLED")
+    assert head["ChecksumCRC32C"] == b64crc(data)
+    assert head["ETag"].strip('"').endswith("-6")

@@ -235,8 +235,9 @@ def write_laid_out(
     """Stream a safetensors file whose header ``head`` lists ``order`` (see :func:`encode_header`).
 
     ``subs``: for a sink that checksums block by block as it writes (``sub_blocks``: a
-    ``DirectWriter``), the tensors whose own blocks need CRCs too, each fed from the same
-    pass over its bytes (see ``DirectWriter.write_segment``).
+    ``DirectWriter``, ``S3Upload``, ``CRCWriter``), the tensors whose own blocks need CRCs
+    too, each fed from the same pass over its bytes (``write_segment(data, address, sub)``
+    where the sink has it, else ``write(data, sub)``).
 
     Returns:
         The number of bytes written.
@@ -258,8 +259,12 @@ def write_laid_out(
         else:
             # Large tensors go in slices so a file-like sink never needs one giant write.
             step = 64 << 20
+            put: Any = sink.write  # a ``sub_blocks`` sink's takes ``sub`` too
             for i in range(0, len(mv), step):
-                sink.write(mv[i : i + step])
+                if sub is not None:
+                    put(mv[i : i + step], sub)
+                else:
+                    put(mv[i : i + step])
         total += len(mv)
     return total
 

@@ -703,8 +703,8 @@ def write_shards(
         ) -> None:
             with pending.open(fname, codec="safetensors", rank=rank) as w:
                 # The chunk CRCs come from the writer's own pass over the bytes, which
-                # checksums the file: one CRC pass per byte (a writer that cannot, e.g. an
-                # object store's, leaves them to a second pass below).
+                # checksums the file: one CRC pass per byte (every writer of ours can: a
+                # writer without ``sub_blocks`` would leave them to a second pass below).
                 subs = {k: SubBlocks(BLOCK) for k in group} if getattr(w, "sub_blocks", 0) else None
                 safetensors_codec.write_laid_out(w, head, order, subs)
             for k, t in group.items():

@@ -69,8 +69,9 @@ lowest CPU priority, through an s3fs instance bound to that loop: the HTTP and s
 of uploads never competes at normal priority with the training thread (fsspec's own loop
 thread, which serves reads, keeps its priority). CRC32C (and MD5 where needed) are computed
 on each slice as it is copied into the buffer (hashlib and crc32c release the GIL for large
-buffers); bytes are copied into the buffers 1 MiB at a time (a copy holds the GIL): a few
-Python calls per MiB.
+buffers), in one pass per byte for the object's CRC32C, each part's and, for a shard file,
+its chunks' block CRCs (``write(data, sub)``; see ``integrity.SubBlocks``); bytes are copied
+into the buffers 1 MiB at a time (a copy holds the GIL): a few Python calls per MiB.
 """
 
 from __future__ import annotations
@@ -87,7 +88,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from ..errors import IntegrityError
-from ..integrity import BlockCRC, BlockSums, crc32c_combine, crc32c_of
+from ..integrity import BlockCRC, BlockSums, SubBlocks, crc32c_combine, crc32c_of
 from ..tiers.uploadgate import UploadGate
 from .s3client import _asking_crc32c, is_s3, upload_fs, upload_loop
 
@@ -284,6 +285,10 @@ class S3Upload(BlockSums):
         self.single_put = -(-max(single_put, part) // part) * part  # whole parts
         self.in_flight = max(1, in_flight)
         self._sum = BlockCRC()
+        #: The CRC32C of each part, from the same pass as ``_sum`` (fed by :meth:`write`):
+        #: every part-sized block of the object held before the multipart upload starts,
+        #: then the part filling (a new one per part: the part size may grow).
+        self._part_sum = SubBlocks(self.part)
         #: The object so far (before the multipart upload starts), then the part filling.
         self._cur = bytearray()
         self._upload_id: str | None = None
@@ -312,6 +317,9 @@ class S3Upload(BlockSums):
         self._streaming: concurrent.futures.Future[Any] | None = None
 
     # ---- the checksumming-writer interface -------------------------------------------
+
+    #: :meth:`write` takes ``sub=`` (``safetensors.write_laid_out`` asks).
+    sub_blocks = True
 
     @property
     def nbytes(self) -> int:
@@ -364,26 +372,28 @@ class S3Upload(BlockSums):
         self._md5 = hashlib.md5(usedforsecurity=False)
         return digest
 
-    def write(self, data: Any) -> int:
+    def write(self, data: Any, sub: SubBlocks | None = None) -> int:
         """Buffer ``data`` (checksummed in the buffer); send the parts it fills.
 
-        The bytes are copied once, into the buffer that is sent, and checksummed there: the
-        CRC32C the caller compares with the manifest is that of the bytes sent.
+        The bytes are copied once, into the buffer that is sent, and checksummed there in one
+        pass: the CRC32C the caller compares with the manifest, each part's (sent with it),
+        and ``sub``'s blocks (a shard's tensor: its chunk CRCs) are those of the bytes sent.
         """
         if self._closed:
             raise ValueError(f"write to a closed upload of {self.path}")
         mv = memoryview(data).cast("B")
         n = len(mv)
         if self._streamed is not None:
-            return self._write_streamed(mv)
+            return self._write_streamed(mv, sub)
         done = 0
         while done < n:
             room = (self.single_put if self._upload_id is None else self.part) - len(self._cur)
             k = min(n - done, room, _COPY_SLICE)
             start = len(self._cur)
             self._cur += mv[done : done + k]
+            grids = (self._part_sum,) if sub is None else (sub, self._part_sum)
             with memoryview(self._cur) as whole, whole[start:] as piece:
-                self._sum.update(piece)
+                self._sum.update(piece, grids)
                 if self._md5 is not None:
                     self._md5.update(piece)
             done += k
@@ -393,10 +403,15 @@ class S3Upload(BlockSums):
                 self._go_multipart()
             else:
                 full, self._cur = self._cur, bytearray()
-                self._send(full, crc32c_of(full), self._take_md5())
+                self._send(full, self._part_crc(), self._take_md5())
         return n
 
-    def _write_streamed(self, mv: memoryview) -> int:
+    def _part_crc(self) -> int:
+        """The CRC32C of the part filling (full, or the last); :meth:`_send` starts the next."""
+        crcs = self._part_sum.close()
+        return crcs[-1] if crcs else 0
+
+    def _write_streamed(self, mv: memoryview, sub: SubBlocks | None) -> int:
         """``write`` for a PUT sent as it is written: into its buffer, then counted ready."""
         assert self._streamed is not None
         n = len(mv)
@@ -410,7 +425,7 @@ class S3Upload(BlockSums):
             at = self._filled
             self._streamed[at : at + k] = mv[done : done + k]
             with memoryview(self._streamed) as whole, whole[at : at + k] as piece:
-                self._sum.update(piece)
+                self._sum.update(piece, sub)
             self._filled = at + k  # the body may send them now
         return n
 
@@ -424,13 +439,12 @@ class S3Upload(BlockSums):
         )
         self._upload_id = str(out["UploadId"])
         held, self._cur = self._cur, bytearray()
-        mv = memoryview(held)
-        try:
-            for i in range(0, len(held), self.part):
-                body = bytes(mv[i : i + self.part])  # copies: checked below by their CRCs
-                self._send(body, crc32c_of(body))
-        finally:
-            mv.release()
+        # Whole parts (single_put is), each sent as a slice of the buffer its CRC32C was
+        # computed in (the part grid of the same pass): no copy. ``held`` is never resized.
+        crcs = self._part_sum.close()
+        cut = range(0, len(held), self.part)
+        for i, crc in zip(cut, crcs, strict=True):
+            self._send(memoryview(held)[i : i + cut.step], crc)
         self._check_sent()
         if self._md5 is not None:  # the held bytes' MD5 is no part's: start the next part's
             self._md5 = hashlib.md5(usedforsecurity=False)
@@ -446,7 +460,7 @@ class S3Upload(BlockSums):
                 self._put_whole()
             else:
                 if self._cur or not self._number:
-                    self._send(self._cur, crc32c_of(self._cur), self._take_md5())
+                    self._send(self._cur, self._part_crc(), self._take_md5())
                 self._cur = bytearray()
                 self._complete()
         except BaseException:
@@ -619,7 +633,9 @@ class S3Upload(BlockSums):
         )
         self._check_reply(out, self._sum.crc, md5, "the object")
 
-    def _send(self, body: bytes | bytearray, crc: int, md5: bytes | None = None) -> None:
+    def _send(
+        self, body: bytes | bytearray | memoryview, crc: int, md5: bytes | None = None
+    ) -> None:
         """Send ``body`` (whose CRC32C is ``crc``, MD5 ``md5`` where known) as the next part.
 
         Waits first while :attr:`in_flight` parts are unanswered.
@@ -646,6 +662,7 @@ class S3Upload(BlockSums):
         self._done_crc.append(_b64crc(crc))
         self._sent_crc = crc32c_combine(self._sent_crc, crc, len(body))
         self._sent_bytes += len(body)
+        self._part_sum = SubBlocks(self.part)  # the next part's, of the size it will have
 
     def _check_sent(self) -> None:
         """The parts sent are, in order, the bytes checksummed (none lost, none copied wrong)."""
