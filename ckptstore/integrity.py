@@ -123,12 +123,10 @@ def _power(k: int) -> tuple[tuple[int, ...], ...]:
 
 def _shift(crc: int, nbytes: int) -> int:
     """The register ``crc`` after ``nbytes`` zero bytes (one table lookup per set bit)."""
-    k = 0
     while nbytes:
-        if nbytes & 1:
-            crc = _apply(_power(k), crc)
-        nbytes >>= 1
-        k += 1
+        low = nbytes & -nbytes
+        crc = _apply(_power(low.bit_length() - 1), crc)
+        nbytes ^= low
     return crc
 
 

@@ -7,8 +7,10 @@ buffers, offsets and lengths, so bytes are copied into two page-aligned bounce b
 copy into existing memory runs at 7-20 GB/s) while the other buffer is being written by a
 helper thread; the CRC32C is computed on each buffer as it fills (the ``crc32c`` package
 releases the GIL). Memory that already lines up with its place in the file (async staging
-arranges that) is written straight from where it is (``DirectWriter.write_segment``). The
-last partial block goes through the page cache, so no padding or truncation is needed.
+and the shard layout arrange that) is written straight from where it is
+(``DirectWriter.write_segment``), in the same requests as the bounce buffer's bytes around
+it: one ``pwritev`` per buffer's worth, not two requests a tensor. The last partial block
+goes through the page cache, so no padding or truncation is needed.
 Where ``O_DIRECT`` is refused (tmpfs, some network filesystems: ``EINVAL``) the same code
 runs with ordinary buffered writes and ``fsync``.
 """
@@ -185,6 +187,8 @@ def run_all(calls: Sequence[Callable[[], Any]], max_workers: int = 3) -> list[Ba
 
 #: Segments shorter than this are copied through the bounce buffer (not worth a request).
 _SEGMENT_MIN = 256 << 10
+#: Pieces of one request at most (Linux's IOV_MAX is 1024).
+_IOV_MAX = 256
 
 
 class DirectWriter(BlockSums):
@@ -233,7 +237,12 @@ class DirectWriter(BlockSums):
         self._views = [memoryview(self._bufs[0])]
         self._cur = 0
         self._pos = 0  # bytes filled in the current buffer
-        self._offset = 0  # file offset of the current buffer
+        self._mark = 0  # bytes of the current buffer queued (in ``_vec``) or sent
+        # What is queued for the next request, in file order from ``_offset``: the bounce
+        # buffer's stretches and the caller's memory between them (see :meth:`_queue`).
+        self._vec: list[memoryview] = []
+        self._vec_bytes = 0
+        self._offset = 0  # file offset of ``_vec[0]`` (of ``_mark`` while it is empty)
         self._pending: Call | None = None
         self._closed = False
 
@@ -257,7 +266,7 @@ class DirectWriter(BlockSums):
             self._pos += k
             done += k
             if self._pos == self._size:
-                self._flush_buffer()
+                self._send()
         self.nbytes += n
         return n
 
@@ -278,7 +287,7 @@ class DirectWriter(BlockSums):
         n = len(mv)
         if n >= _SEGMENT_MIN and self._buffered(n):
             return self._write_through(mv, sub)
-        start = self._offset + self._pos  # the file offset of mv[0]
+        start = self._offset + self._vec_bytes + self._pos - self._mark  # mv[0]'s offset
         if n < _SEGMENT_MIN or not self._can_direct or (address - start) % ALIGN:
             self._sum.update(mv, sub)
             return self._copy_in(mv)
@@ -287,20 +296,12 @@ class DirectWriter(BlockSums):
         if head:
             self._sum.update(mv[:head], sub)
             self._copy_in(mv[:head])
-        if self._pos:  # the bounce buffer now ends on a block boundary: send it first
-            self._flush_buffer()
-        done = head
+        done = head  # the bounce buffer now ends on a block boundary: the middle follows it
         while done < head + body:
             k = min(self._size, head + body - done)
             view = mv[done : done + k]
             self._sum.update(view, sub)
-            self._wait()
-            if not self.direct:
-                self.direct = self._set_direct(True)
-                if not self.direct:  # refused (tmpfs): the rest through the page cache
-                    self._can_direct = False
-            self._pending = Call(self._pwrite_all, view, self._offset)
-            self._offset += k
+            self._queue(view)
             self.nbytes += k
             done += k
         if done < n:
@@ -324,18 +325,14 @@ class DirectWriter(BlockSums):
     def _write_through(self, mv: memoryview, sub: SubBlocks | None = None) -> int:
         """Buffered writes straight from the caller's memory (no bounce copy), in slices.
 
-        Any offset and length will do through the page cache; one slice is written by the
-        I/O thread while the next is checksummed.
+        Any offset and length will do through the page cache; one request is written by
+        the I/O thread while the next slice is checksummed.
         """
-        if self._pos:
-            self._flush_buffer()  # the bytes before it, at their offset
         n = len(mv)
         for i in range(0, n, self._size):
             view = mv[i : i + self._size]
             self._sum.update(view, sub)
-            self._wait()
-            self._pending = Call(self._pwrite_all, view, self._offset)
-            self._offset += len(view)
+            self._queue(view)
         self.nbytes += n
         return n
 
@@ -361,13 +358,22 @@ class DirectWriter(BlockSums):
             fut, self._pending = self._pending, None
             fut.result()
 
-    def _pwrite_all(self, view: memoryview, offset: int) -> None:
-        while len(view):
-            n = os.pwrite(self.fd, view, offset)
+    def _pwrite_all(self, views: list[memoryview], offset: int) -> None:
+        """Write ``views`` one after the other from ``offset``: one ``pwritev`` where it can."""
+        i = 0
+        while i < len(views):
+            if i == len(views) - 1:
+                n = os.pwrite(self.fd, views[i], offset)
+            else:
+                n = os.pwritev(self.fd, views[i : i + _IOV_MAX], offset)
             if n <= 0:
                 raise OSError(errno.EIO, f"short write to {self.path}")
-            view = view[n:]
             offset += n
+            while i < len(views) and n >= len(views[i]):
+                n -= len(views[i])
+                i += 1
+            if n:
+                views[i] = views[i][n:]
 
     def _set_direct(self, on: bool) -> bool:
         if on and self._choose is not None:
@@ -376,19 +382,54 @@ class DirectWriter(BlockSums):
             return False
         return set_direct(self.fd, on)
 
-    def _flush_buffer(self) -> None:
-        view = self._views[self._cur][: self._pos]  # checksummed as it was copied in
-        self._wait()  # the other buffer must be on disk before we reuse it next
+    def _queue(self, view: memoryview) -> None:
+        """Queue ``view`` (the caller's memory, checksummed) after the bounce bytes before it.
+
+        What is queued goes as one request (``pwritev``) once it holds a buffer's worth:
+        a shard of hundreds of tensors is written in requests of :data:`BUFFER` bytes, each
+        tensor's block-aligned middle straight from its memory and the blocks it shares
+        with its neighbours from the bounce buffer, not in two requests a tensor.
+        """
+        self._seal()
+        self._vec.append(view)
+        self._vec_bytes += len(view)
+        if self._vec_bytes >= self._size or len(self._vec) >= _IOV_MAX:
+            self._send()
+
+    def _seal(self) -> None:
+        """Queue the bounce buffer's bytes not queued yet (checksummed as they were copied)."""
+        if self._pos > self._mark:
+            self._vec.append(self._views[self._cur][self._mark : self._pos])
+            self._vec_bytes += self._pos - self._mark
+            self._mark = self._pos
+
+    def _send(self) -> None:
+        """Hand what is queued to the I/O thread, after the request in flight is done.
+
+        The bounce buffer sent is not touched until that request is done: the next bytes go
+        into the other one, free since the request before was waited for.
+        """
+        self._seal()
+        if not self._vec:
+            return
+        self._dispatch()
+        if self._pos:
+            if len(self._bufs) == 1:
+                self._bufs.append(_take_buffer(self._size))
+                self._views.append(memoryview(self._bufs[1]))
+            self._cur ^= 1
+            self._pos = self._mark = 0
+
+    def _dispatch(self) -> None:
+        """Send the queue as one request (O_DIRECT switched on where it may be)."""
+        self._wait()
         if self._can_direct and not self.direct:
             self.direct = self._set_direct(True)
-            self._can_direct = self.direct
-        self._pending = Call(self._pwrite_all, view, self._offset)
-        self._offset += self._pos
-        if len(self._bufs) == 1:
-            self._bufs.append(_take_buffer(self._size))
-            self._views.append(memoryview(self._bufs[1]))
-        self._cur ^= 1
-        self._pos = 0
+            self._can_direct = self.direct  # refused (tmpfs): the rest through the page cache
+        vec, self._vec = self._vec, []
+        self._pending = Call(self._pwrite_all, vec, self._offset)
+        self._offset += self._vec_bytes
+        self._vec_bytes = 0
 
     def finish(self) -> None:
         """Write the tail (buffered where it is not whole blocks), fsync and close.
@@ -396,14 +437,16 @@ class DirectWriter(BlockSums):
         Nothing is truncated: the file is written exactly as long as the data, never padded.
         """
         try:
+            if self._vec:  # the caller's memory queued: as any request (O_DIRECT where it may)
+                self._dispatch()  # not the tail after it, nor the buffer it lies in
             self._wait()
-            if self._pos:
-                view = self._views[self._cur][: self._pos]  # checksummed already
-                if self.direct and self._pos % ALIGN:
+            if self._pos > self._mark:
+                view = self._views[self._cur][self._mark : self._pos]  # checksummed already
+                if self.direct and len(view) % ALIGN:
                     self._set_direct(False)  # an unaligned tail goes through the cache
-                self._pwrite_all(view, self._offset)
-                self._offset += self._pos
-                self._pos = 0
+                self._pwrite_all([view], self._offset)
+                self._offset += len(view)
+                self._mark = self._pos
             os.fsync(self.fd)
             if self._chosen and self._report is not None:
                 self._report(self._can_direct, self.nbytes, time.perf_counter() - self._t_open)
