@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed.checkpoint as dcp
-from _helpers import run_cli, step_dir, subprocess_env
+from _helpers import HashCounter, run_cli, step_dir, subprocess_env
 from torch import nn
 
 from ckptstore import CheckpointManager, CkptStoreError, IntegrityError
@@ -122,6 +122,32 @@ def test_a_one_process_dcp_save_imports_with_its_values_and_int_optimizer_keys(
         assert torch.equal(model.state_dict()[k], v), k
     for i, st in state["optim"]["state"].items():
         assert torch.equal(opt.state_dict()["state"][i]["exp_avg"], st["exp_avg"])
+
+
+def test_the_import_hashes_each_byte_it_writes_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The shard's chunk CRCs (the index) come from the pass that checksums the file (the
+    # manifest); before, each chunk was hashed again on its own.
+    from ckptstore import integrity
+
+    torch.manual_seed(1)
+    big = {"w": torch.randn(768, 512), "b": torch.randn(512)}  # 1.5 MB: 6 blocks
+    src = _dcp_dir(tmp_path / "dcp", {"model": big})
+    counter = HashCounter()
+    monkeypatch.setattr(integrity, "_crc32c", counter)
+    import_dcp_sharded(src, tmp_path / "s", 1)
+    monkeypatch.undo()
+    files = list((tmp_path / "s" / step_dir(1)).iterdir())
+    shards = sum(p.stat().st_size for p in files if p.name.startswith("_shards."))
+    written = sum(p.stat().st_size for p in files)
+    assert shards > 6 * (256 << 10)
+    # every byte once (the small files are also read back when committed, checked)
+    assert shards <= counter.hashed <= written + (written - shards), (counter.hashed, written)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        assert mgr.verify(1).ok  # the chunk CRCs are those of the bytes
+        got = mgr.load(1)["model"]
+    assert all(torch.equal(got[k], v) for k, v in big.items())
 
 
 def test_a_corrupt_or_hostile_dcp_directory_commits_nothing(tmp_path: Path, capsys: Any) -> None:

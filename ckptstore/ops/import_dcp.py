@@ -45,8 +45,10 @@ from ..codec import safetensors as safetensors_codec
 from ..codec.torchzip import check_stored
 from ..codec.tree import STATE_FORMAT, TreeEncoder
 from ..errors import CkptStoreError, IntegrityError, UnsafeCheckpointError
+from ..integrity import SubBlocks
 from ..layout import STATE_NAME
 from ..sharded.chunks import (
+    BLOCK,
     INDEX_FILE,
     Chunk,
     ChunkIndex,
@@ -392,8 +394,16 @@ def _write_file(
             p = piece
             t = _load_chunk(src, p)
             mv = safetensors_codec.tensor_bytes(t)
-            crcs = block_crcs(mv) if n else []
-            w.write(mv)
+            # Copied by the writer (``t`` is dropped below), the chunk's block CRCs from the
+            # pass that checksums the file where the writer can (every writer of ours).
+            if getattr(w, "sub_blocks", False):
+                sub = SubBlocks(BLOCK)
+                put: Any = w.write  # a ``sub_blocks`` writer's takes ``sub`` too
+                put(mv, sub)
+                crcs = sub.close()
+            else:
+                crcs = block_crcs(mv) if n else []
+                w.write(mv)
             out.append((p, Chunk(p.offsets, p.sizes, fname, at, n, tuple(crcs))))
             at += n
             del t, mv

@@ -248,10 +248,14 @@ class DirectWriter(BlockSums):
 
     # -- file-object protocol (what torch.save and our encoders use) --
 
-    def write(self, data: Any) -> int:
-        """Copy ``data`` into the bounce buffer, writing out full buffers."""
+    def write(self, data: Any, sub: SubBlocks | None = None) -> int:
+        """Copy ``data`` into the bounce buffer, writing out full buffers.
+
+        ``sub`` receives the CRC32C of every ``sub.block`` bytes of ``data``, from the same
+        pass (see :meth:`write_segment`).
+        """
         mv = memoryview(data).cast("B")
-        self._sum.update(mv)  # where the bytes are now: the caller's memory
+        self._sum.update(mv, sub)  # where the bytes are now: the caller's memory
         return self._copy_in(mv)
 
     def _copy_in(self, mv: memoryview) -> int:
