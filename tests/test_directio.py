@@ -500,6 +500,31 @@ def test_write_segment_error_propagates(tmp_path: Path, monkeypatch: pytest.Monk
     del keep
 
 
+@pytest.mark.parametrize("nth", [1, 3])
+def test_a_full_disk_in_a_request_of_many_pieces_is_raised(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, nth: int
+) -> None:
+    # A request that gathers several tensors and the blocks between them (pwritev) fails as
+    # a whole: its errno reaches the caller, on a later call or at finish, never lost.
+    real = os.pwritev
+    calls = [0]
+
+    def full(fd: int, views: list[memoryview], offset: int) -> int:
+        calls[0] += 1
+        if calls[0] >= nth:
+            raise OSError(errno.ENOSPC, "No space left on device")
+        return real(fd, views, offset)
+
+    monkeypatch.setattr(directio.os, "pwritev", full)
+    w = DirectWriter(str(tmp_path / "f"), buffer_size=1 << 20)
+    with pytest.raises(OSError) as ei:  # noqa: PT012 - the error surfaces on a later call
+        _, _keep = _shard_like(w, 3)
+        w.finish()
+    assert ei.value.errno == errno.ENOSPC
+    assert calls[0] == nth  # nothing more was sent after the failed request
+    w.abort()
+
+
 def test_async_safetensors_files_are_byte_identical_to_sync(tmp_path: Path) -> None:
     """Staged tensors placed for zero-copy writes give exactly the synchronous bytes."""
     torch.manual_seed(0)

@@ -253,6 +253,55 @@ def test_a_sharded_save_to_an_object_store_hashes_each_byte_once(
         assert torch.equal(got[k], v), k
 
 
+def test_a_full_disk_under_a_sharded_save_leaves_the_previous_step(
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # ENOSPC from the write system calls themselves, in the I/O thread, in the middle of the
+    # requests that gather several tensors (pwritev): the save fails with one clear error,
+    # leaves nothing, and the step before restores bit for bit.
+    import errno
+    import os
+
+    from ckptstore.errors import CommitError
+    from ckptstore.storage import directio
+
+    model, opt = _build(mesh, 7, rows=8 * ROWS)
+    want = {k: v.clone() for k, v in _locals(model, opt).items()}
+    sent = [0]
+    real_v, real_1 = os.pwritev, os.pwrite
+
+    def full(real: Any) -> Any:
+        def call(fd: int, data: Any, offset: int) -> int:
+            sent[0] += 1
+            if sent[0] > 2:  # the first requests of the save go through
+                raise OSError(errno.ENOSPC, "No space left on device")
+            return int(real(fd, data, offset))
+
+        return call
+
+    with CheckpointManager(tmp_path, barrier_timeout=60) as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1.0)
+        monkeypatch.setattr(directio.os, "pwritev", full(real_v))
+        monkeypatch.setattr(directio.os, "pwrite", full(real_1))
+        with pytest.raises(CommitError) as ei:
+            mgr.save(2, {"model": model, "optimizer": opt})
+        monkeypatch.undo()
+        assert sent[0] > 2
+        msg = str(ei.value)
+        assert "rank(s) 0 failed to write their shard (rank 0: the disk is full" in msg, msg
+        assert "step 1 is still the newest checkpoint" in msg
+        assert mgr.steps() == [1]
+        assert sorted(p.name for p in tmp_path.iterdir() if p.name.startswith(".tmp")) == []
+        fresh, fresh_opt = _build(mesh, 8, rows=8 * ROWS)
+        assert mgr.restore({"model": fresh, "optimizer": fresh_opt}) == 1
+    got = _locals(fresh, fresh_opt)
+    for k, v in want.items():
+        assert torch.equal(got[k], v), k
+
+
 def _entry(shape: tuple[int, ...]) -> Any:
     from ckptstore.sharded.chunks import TensorEntry
 

@@ -21,16 +21,25 @@ def plain_oserror(e: BaseException) -> bool:
     return isinstance(e, OSError) and not isinstance(e, CkptStoreError)
 
 
+#: What the errors a save meets most often mean, in words.
+_REASONS = {
+    errno.ENOSPC: "the disk is full",
+    errno.EDQUOT: "the disk quota is exceeded",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.EROFS: "the filesystem is read-only",
+    errno.EIO: "an I/O error",
+}
+
+
+def _reason(e: Any) -> str | None:
+    """``e``'s errno in words (:data:`_REASONS`), for an ``OSError`` of the system."""
+    return _REASONS.get(getattr(e, "errno", None) or 0) if plain_oserror(e) else None
+
+
 def commit_error(e: BaseException, where: str, previous: int | None) -> CommitError:
     """The error of a save that failed for ``e`` (an ``OSError``): what, and what is left."""
-    reason = {
-        errno.ENOSPC: "the disk is full",
-        errno.EDQUOT: "the disk quota is exceeded",
-        errno.EACCES: "permission denied",
-        errno.EPERM: "operation not permitted",
-        errno.EROFS: "the filesystem is read-only",
-        errno.EIO: "an I/O error",
-    }.get(getattr(e, "errno", None) or 0, type(e).__name__)
+    reason = _reason(e) or type(e).__name__
     prev = (
         f"step {previous} is still the newest checkpoint"
         if previous is not None
@@ -61,7 +70,11 @@ def shard_error(
         else "nothing was committed"
     )
     # Bounded whatever the world size: the message travels to every rank.
-    detail = "; ".join(f"rank {r}: {e}" for r, e in failed[:_DETAILS])
+    # A rank's OSError arrives whole (it pickles with its errno): said in words too.
+    detail = "; ".join(
+        f"rank {r}: {why} ({e})" if (why := _reason(e)) else f"rank {r}: {e}"
+        for r, e in failed[:_DETAILS]
+    )
     ranks = ", ".join(str(r) for r, _ in failed[:_RANKS])
     if len(failed) > _DETAILS:
         detail += f"; ... ({len(failed)} ranks in all)"
