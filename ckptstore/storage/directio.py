@@ -256,10 +256,6 @@ class DirectWriter(BlockSums):
         """
         mv = memoryview(data).cast("B")
         self._sum.update(mv, sub)  # where the bytes are now: the caller's memory
-        return self._copy_in(mv)
-
-    def _copy_in(self, mv: memoryview) -> int:
-        """Copy ``mv`` (checksummed already) into the bounce buffer, writing out full ones."""
         n = len(mv)
         self.bounced += n
         done = 0
@@ -293,13 +289,11 @@ class DirectWriter(BlockSums):
             return self._write_through(mv, sub)
         start = self._offset + self._vec_bytes + self._pos - self._mark  # mv[0]'s offset
         if n < _SEGMENT_MIN or not self._can_direct or (address - start) % ALIGN:
-            self._sum.update(mv, sub)
-            return self._copy_in(mv)
+            return self.write(mv, sub)
         head = -start % ALIGN
         body = (n - head) - (n - head) % ALIGN
         if head:
-            self._sum.update(mv[:head], sub)
-            self._copy_in(mv[:head])
+            self.write(mv[:head], sub)
         done = head  # the bounce buffer now ends on a block boundary: the middle follows it
         while done < head + body:
             k = min(self._size, head + body - done)
@@ -309,8 +303,7 @@ class DirectWriter(BlockSums):
             self.nbytes += k
             done += k
         if done < n:
-            self._sum.update(mv[done:], sub)
-            self._copy_in(mv[done:])
+            self.write(mv[done:], sub)
         return n
 
     def _buffered(self, n: int) -> bool:
