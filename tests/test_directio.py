@@ -384,10 +384,12 @@ class _Requests:
 
     def __init__(self, monkeypatch: pytest.MonkeyPatch, short: int | None = None) -> None:
         self.pieces: list[int] = []
+        self.sizes: list[int] = []  # the bytes each call asked to write
         real_v, real_1 = os.pwritev, os.pwrite
 
         def pwritev(fd: int, views: list[memoryview], offset: int) -> int:
             self.pieces.append(len(views))
+            self.sizes.append(sum(len(v) for v in views))
             if short is not None:  # as a kernel may: less than asked, whole blocks
                 cut, left = [], short
                 for v in views:
@@ -400,6 +402,7 @@ class _Requests:
 
         def pwrite(fd: int, view: memoryview, offset: int) -> int:
             self.pieces.append(1)
+            self.sizes.append(len(view))
             return real_1(fd, view if short is None else view[:short], offset)
 
         monkeypatch.setattr(directio.os, "pwritev", pwritev)
@@ -407,12 +410,16 @@ class _Requests:
 
 
 def _check_shard_like(
-    path: Path, monkeypatch: pytest.MonkeyPatch, seed: int, short: int | None = None
+    path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    seed: int,
+    short: int | None = None,
+    buffer_size: int = 1 << 20,
 ) -> tuple[DirectWriter, bytes, _Requests]:
     """:func:`_shard_like` into a new file at ``path``, the writes counted (or cut short);
     the file holds exactly the bytes written, and the writer their CRC32C."""
     requests = _Requests(monkeypatch, short)
-    w = DirectWriter(str(path), buffer_size=1 << 20)
+    w = DirectWriter(str(path), buffer_size=buffer_size)
     data, keep = _shard_like(w, seed)
     w.finish()
     monkeypatch.undo()
@@ -432,6 +439,24 @@ def test_a_file_of_many_tensors_goes_to_the_disk_in_a_few_large_requests(
     assert w.bounced < 40 * 5 * ALIGN  # the tensors themselves were not copied
     assert len(requests.pieces) <= len(data) // (1 << 20) + 2, requests.pieces  # not 80
     assert max(requests.pieces) > 4  # several tensors and the blocks between them at once
+
+
+def test_a_file_starts_with_a_small_request_and_each_next_one_doubles_up_to_a_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The disk starts on a file once the first few MB are checksummed, not a whole buffer
+    # (with the first request at a buffer's worth, this file's first request held 4 MiB).
+    monkeypatch.setattr(directio, "_FIRST_REQUEST", SEG)
+    _, data, requests = _check_shard_like(tmp_path / "f", monkeypatch, 3, buffer_size=4 << 20)
+    piece = SEG + 3 * ALIGN  # what one tensor adds to a request at most
+    *sent, rest, tail = requests.sizes  # then what finish sends, and the unaligned tail
+    limits = [min(SEG << k, 4 << 20) for k in range(len(sent) + 1)]
+    assert all(lim <= n < lim + piece for lim, n in zip(limits, sent, strict=False)), sent
+    assert len(sent) >= 5  # 256 KiB, 512 KiB, 1 MiB, 2 MiB, then 4 MiB
+    assert sent[0] < 2 * SEG
+    assert rest < limits[len(sent)] + piece
+    assert tail < ALIGN
+    assert sum(requests.sizes) == len(data)
 
 
 @pytest.mark.parametrize("fault", ["short", "pieces"])

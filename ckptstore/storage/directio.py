@@ -189,6 +189,9 @@ def run_all(calls: Sequence[Callable[[], Any]], max_workers: int = 3) -> list[Ba
 _SEGMENT_MIN = 256 << 10
 #: Pieces of one request at most (Linux's IOV_MAX is 1024).
 _IOV_MAX = 256
+#: A file's first request is sent once it holds this many bytes, each next one at twice as
+#: many as the one before, up to a buffer's worth (see :meth:`DirectWriter._queue`).
+_FIRST_REQUEST = 4 << 20
 
 
 class DirectWriter(BlockSums):
@@ -245,6 +248,7 @@ class DirectWriter(BlockSums):
         self._offset = 0  # file offset of ``_vec[0]`` (of ``_mark`` while it is empty)
         self._pending: Call | None = None
         self._closed = False
+        self._limit = min(self._size, _FIRST_REQUEST)  # what the next request is sent at
 
     # -- file-object protocol (what torch.save and our encoders use) --
 
@@ -386,11 +390,18 @@ class DirectWriter(BlockSums):
         a shard of hundreds of tensors is written in requests of :data:`BUFFER` bytes, each
         tensor's block-aligned middle straight from its memory and the blocks it shares
         with its neighbours from the bounce buffer, not in two requests a tensor.
+
+        Except at the start: the first request goes at :data:`_FIRST_REQUEST` bytes, and
+        each next one at twice the one before, so the disk starts on a file within a few
+        milliseconds of its opening. Checksumming a whole buffer first took 5-8 ms of CPU
+        and, with 4 writers a rank on 2 busy cores, 10-45 ms before the first request of a
+        sharded save's files went out (the disk idle meanwhile); the ramp made a 2-rank
+        save of 384 MB a rank 10-14 ms faster (2-3%, paired in 10 rounds).
         """
         self._seal()
         self._vec.append(view)
         self._vec_bytes += len(view)
-        if self._vec_bytes >= self._size or len(self._vec) >= _IOV_MAX:
+        if self._vec_bytes >= self._limit or len(self._vec) >= _IOV_MAX:
             self._send()
 
     def _seal(self) -> None:
@@ -425,6 +436,7 @@ class DirectWriter(BlockSums):
             self._can_direct = self.direct  # refused (tmpfs): the rest through the page cache
         vec, self._vec = self._vec, []
         self._pending = Call(self._pwrite_all, vec, self._offset)
+        self._limit = min(self._size, self._limit * 2)
         self._offset += self._vec_bytes
         self._vec_bytes = 0
 
