@@ -44,9 +44,12 @@ class PlanCache:
 
     ``entry``: (DTensor layout key, this rank's part of the global save plan, its metadata,
     the box specs of that part, the DTensors' layouts), or None.
+    ``checks``: (layout key, whether its DTensors allow the split index, their digest), or
+    None: both depend on nothing but what the key holds, so an equal key skips them.
     """
 
     entry: tuple[Any, Any, Any, Any, Any] | None = None
+    checks: tuple[Any, bool, tuple[int, str, str]] | None = None
 
 
 def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
@@ -107,8 +110,12 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
         )
         mark(clock, "encode")
         key = sharding.layout_key(collector.flat)
-        split = split_index.splittable(collector.flat, coord.world_size)
-        digest = sharding.state_digest(collector.flat)
+        if cache.checks is not None and cache.checks[0] == key:
+            _, split, digest = cache.checks  # every save of one layout: ~3 ms a rank less
+        else:
+            split = split_index.splittable(collector.flat, coord.world_size)
+            digest = sharding.state_digest(collector.flat)
+            cache.checks = (key, split, digest)
         planned = ("ok", None)
     except BaseException as e:
         log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)

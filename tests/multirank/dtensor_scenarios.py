@@ -491,16 +491,22 @@ def fsdp_plan_cache(ctx: Ctx) -> dict[str, Any]:
     mesh = shard(model)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state: dict[str, Any] = {"model": model, "optimizer": opt}
-    out: dict[str, Any] = {"planned": 0}
+    out: dict[str, Any] = {"planned": 0, "checked": 0}
     import ckptstore.sharded.plan as sh
+    import ckptstore.sharded.split_index as si
 
-    real = sh.save_plans
+    real, real_split = sh.save_plans, si.splittable
 
     def counted(*a: Any, **k: Any) -> Any:
         out["planned"] += 1
         return real(*a, **k)
 
+    def checked(*a: Any, **k: Any) -> Any:
+        out["checked"] += 1
+        return real_split(*a, **k)
+
     sh.save_plans = counted  # type: ignore[assignment]
+    si.splittable = checked  # type: ignore[assignment]
     with _mgr(ctx) as mgr:
         for step in (1, 2, 3, 4):
             train(model, opt, 1, seed=step)

@@ -450,6 +450,9 @@ def test_save_plans_are_reused_while_the_layout_stays(tmp_path):
     # plan: who writes which box is decided locally, so rank 0 keeps its own); step 4
     # changed the layout. Without the cache: 4 plans a rank.
     assert [v["planned"] for v in vals] == [2, 3]
+    # Whether the split index can be used (and the DTensors' digest) is checked at steps 1
+    # and 4 only: the lost plan kept its checks, the layout key is the same.
+    assert [v["checked"] for v in vals] == [2, 2]
     mgr = CheckpointManager(tmp_path / "store")
     for step in (1, 2, 3, 4):
         model = make_net(seed=42)
