@@ -352,14 +352,25 @@ def run_job(
     lines: list[tuple[float, str]] = []
     server.submit(job)
     pids: dict[int, int] = {}
+    died_at = None
+    stopped = False
+
+    def dying(line: str) -> None:
+        nonlocal died_at, stopped
+        if line.startswith("dying "):
+            died_at = float(line.split()[2])
+            stopped = fault == "stop-one"
+
     while len(pids) < job["world"]:
         line = server.until("", 120, lines)
+        # A victim may reach its fault before the last rank is ready (kill_at 1: its first
+        # wait): a frozen one is killed below only if its "dying" line was seen.
+        dying(line)
         if line.startswith("ready "):
             _, r, pid_s = line.split()
             pids[int(r)] = int(pid_s)
         if line.startswith(("error ", "jobdone")):
             return {"lines": lines, "pids": pids, "died_at": None}
-    died_at = None
     if fault == "kill-all":
         time.sleep(rng.uniform(0.0, 1.5))
         died_at = time.time()
@@ -370,7 +381,6 @@ def run_job(
         died_at = time.time()
         _kill(pids[job["victims"][0]], signal.SIGKILL)
     deadline = time.monotonic() + TIMEOUT + SLACK + 60
-    stopped = False
     while True:
         try:
             t, line = server.next(max(deadline - time.monotonic(), 0.001))
@@ -381,10 +391,7 @@ def run_job(
             server.until("jobdone", 60, lines)
             break
         lines.append((t, line))
-        if line.startswith("dying "):
-            died_at = float(line.split()[2])
-            if fault == "stop-one":
-                stopped = True
+        dying(line)
         if line == "jobdone":
             break
         # A frozen rank is killed once every survivor has reported (or the deadline ends).

@@ -86,6 +86,9 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
                     server.children = list(pids.values())
                 elif line.startswith("ready "):
                     ready += 1
+                elif line.startswith("dying "):  # the victim's first wait came first
+                    killed_at = float(line.split()[1])
+                    killed_in = line.split(maxsplit=3)[3]
                 elif line.startswith(("exit ", "error ")):
                     raise RuntimeError(f"a rank ended before it was ready: {line}")
             backlog: list[tuple[float, str]] = []
