@@ -487,16 +487,42 @@ def check_trial(job: dict[str, Any], fault: str, out: dict[str, Any]) -> list[st
             problems.append(f"{root}: newest step {top} but step {last_acked} was acknowledged")
         if top is not None and in_flight is not None and top > in_flight:
             problems.append(f"{root}: step {top} newer than any save ({in_flight})")
-    # A node whose rank was killed between its rename and the take-back of the publish round
-    # may keep a step the others lack (documented in tiers/node_commit.py; the next job
-    # agrees on the older one); the survivors' nodes took theirs back and must agree.
+    # A node may keep the step in flight where others lack it (tiers/node_commit.py): its
+    # rank was killed between its rename and the take-back, or it published and then found
+    # a rank missing at the publish round's exchange, where the outcome is not known (rank 0
+    # may have told others that every node published) and it keeps its copy. Such a step
+    # was acknowledged by no rank, is never restored (the next job resumes the newest step
+    # every node holds, checked bit for bit) and is replaced by the next save of it. So the
+    # surviving nodes may differ by that one step, never by more, nor by an acknowledged one.
     if job["nodes"]:
         kept = {n for r, n in enumerate(newest) if r not in victims or fault == "kill-all"}
-        if fault != "kill-all" and len(kept) > 1:
+        steps = sorted(n for n in kept if n is not None)
+        if (
+            fault != "kill-all"
+            and len(kept) > 1
+            and (
+                None in kept
+                or len(kept) > 2
+                or steps[-1] != in_flight
+                or (last_acked is not None and steps[-1] <= last_acked)
+            )
+        ):
             problems.append(f"surviving node roots disagree on the newest step: {newest}")
         if any(n is not None and last_acked is not None and n < last_acked for n in newest):
             problems.append(f"a node lost the acknowledged step {last_acked}: {newest}")
     return problems
+
+
+def newest_whole(job: dict[str, Any]) -> int | None:
+    """The newest step that every root of ``job`` holds (one root unless node-local)."""
+    from ckptstore import CheckpointManager
+
+    held: set[int] | None = None
+    for root in job["roots"] if job["nodes"] else job["roots"][:1]:
+        with CheckpointManager(root) as mgr:
+            steps = set(mgr.steps())
+        held = steps if held is None else held & steps
+    return max(held) if held else None
 
 
 def _orphan(job: dict[str, Any], step: int) -> bool:
@@ -577,7 +603,9 @@ def campaign(args: argparse.Namespace) -> int:
             out = run_job(server, job, fault, rng)
             problems = [f"clean run: {p[:300]}" for p in pre_problems]
             problems += check_trial(job, fault, out)
-            # The next job resumes the newest step (checked bit for bit) and saves on.
+            # The next job resumes the newest step every root holds (checked bit for bit),
+            # and saves on.
+            whole = newest_whole(job)
             nxt = dict(
                 job, port=_port(), steps=1, victims=[], kill_at=0, fault=None, check_resume=True
             )
@@ -588,6 +616,11 @@ def campaign(args: argparse.Namespace) -> int:
                     if bad:
                         problems.append(
                             f"the next job resumed step {x.split()[2]} with wrong values: {bad[:4]}"
+                        )
+                    if int(x.split()[2]) != whole:
+                        problems.append(
+                            f"the next job resumed step {x.split()[2]}, not {whole}, the newest "
+                            "step whole on every root"
                         )
                 if x.startswith(("error ", "trace ", "outcome ")):
                     problems.append(f"the next job failed: {x[:300]}")
