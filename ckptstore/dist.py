@@ -36,7 +36,7 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -50,6 +50,9 @@ __all__ = ["CollectiveStats", "Coordinator"]
 _RANKS_RE = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 #: How long a survivor waits for rank 0's verdict on who is missing.
 _VERDICT_WAIT_S = 10.0
+#: Up to this many ranks, a rank other than 0 without torchrun's LOCAL_WORLD_SIZE looks at
+#: every rank for a dead process of its host (see ``Coordinator._host_ranks``).
+_PROBE_ALL = 64
 #: Numbers the enabled coordinators of this process, in construction order. The number names
 #: the coordination keys, so it must be the same on every rank: a coordinator that takes part
 #: in no collective (``enabled=False``, built on one rank only) never takes one.
@@ -190,6 +193,9 @@ class Coordinator:
                 with contextlib.suppress(Exception):
                     if not store.check([self._host_key(r)]):
                         missing.append(r)
+            # A rank that came (its key is set) and died in the group's creation: gloo's
+            # error names no rank, and rank 0 must not wait for it to look at the verdict.
+            missing = sorted({*missing, *self._dead_ranks(store, self._host_ranks())})
             acks = f"ckptstore/{self._uid}/init/acks"
             if self.rank == 0:
                 # The store usually lives in this process, which is about to raise and may
@@ -261,6 +267,7 @@ class Coordinator:
         # take from then: the arrivals (half), then the silent ranks (at most a timeout after
         # their arrival, plus half). A rank that arrived long before rank 0 needs this.
         until = [time.monotonic() + 2 * half]
+        dead: list[int] = []  # ranks of this host whose process exited (when no verdict came)
 
         def fetch() -> list[int] | None:
             with contextlib.suppress(Exception):  # "I am alive and failed too" (_probe_missing)
@@ -278,6 +285,11 @@ class Coordinator:
                 except Exception:
                     return None  # the store lived in rank 0's process: rank 0 is gone
                 time.sleep(0.02)
+            # No verdict: rank 0 is alive but decides no failure of this wait (it is at
+            # another one: still finishing an async save's commit, say). It is named, and so
+            # is any rank of this host whose process has exited (the one that broke it).
+            with contextlib.suppress(Exception):
+                dead.extend(self._dead_ranks(store, self._host_ranks()))
             return None
 
         # A store call to a rank 0 that is alive but frozen (SIGSTOP, swapping, a hung
@@ -290,7 +302,9 @@ class Coordinator:
         helper.start()
         while helper.is_alive() and time.monotonic() < until[0] + 1.0:
             helper.join(0.05)
-        return found[0] if found and found[0] is not None else [0]
+        if found and found[0] is not None:
+            return found[0]
+        return sorted({0, *dead})
 
     def _probe_missing(self, store: Any) -> list[int]:
         """Which ranks are gone.
@@ -300,18 +314,7 @@ class Coordinator:
         """
         if store is None:
             return []
-        missing = []
-        host = socket.gethostname()
-        for r in range(self.world_size):
-            if r == self.rank:
-                continue
-            try:
-                where = store.get(self._host_key(r)).decode()
-            except Exception:
-                continue
-            rhost, _, pid = where.rpartition(":")
-            if rhost == host and pid.isdigit() and not _alive(int(pid)):
-                missing.append(r)
+        missing = self._dead_ranks(store, range(self.world_size))
         # Half the verdict wait, so the survivors are still waiting for the verdict.
         half = min(_VERDICT_WAIT_S, self.timeout) / 2
         deadline = time.monotonic() + half
@@ -375,6 +378,41 @@ class Coordinator:
         silent = [r for r in range(self.world_size) if r != self.rank and r not in missing]
         missing += poll(silent, alive, until)
         return sorted(missing)
+
+    def _dead_ranks(self, store: Any, ranks: Iterable[int]) -> list[int]:
+        """The other ``ranks`` whose process, on this host, has exited (by their host keys)."""
+        dead = []
+        host = socket.gethostname()
+        for r in ranks:
+            if r == self.rank:
+                continue
+            key = self._host_key(r)
+            try:
+                # get() of a key never set waits for it (the store's timeout: 30 min)
+                where = store.get(key).decode() if store.check([key]) else ""
+            except Exception:
+                continue
+            rhost, _, pid = where.rpartition(":")
+            if rhost == host and pid.isdigit() and not _alive(int(pid)):
+                dead.append(r)
+        return dead
+
+    def _host_ranks(self) -> range:
+        """The ranks that may run on this host, for a rank other than 0 to look at.
+
+        torchrun's block of ``LOCAL_WORLD_SIZE`` ranks around this one; without it, every
+        rank of a job of at most :data:`_PROBE_ALL` ranks, else none: a rank's failure must
+        not cost it (and the store) a request per rank of a large job.
+        """
+        try:
+            local = int(os.environ["LOCAL_RANK"])
+            size = int(os.environ["LOCAL_WORLD_SIZE"])
+        except (KeyError, ValueError):
+            return range(self.world_size if self.world_size <= _PROBE_ALL else 0)
+        start = self.rank - local
+        if not 0 <= local < size or start < 0:
+            return range(0)
+        return range(start, min(start + size, self.world_size))
 
     def _failed_key(self, rank: int) -> str:
         return f"ckptstore/{self._uid}/failed/{rank}"

@@ -472,6 +472,33 @@ def manager_on_some_ranks(ctx: Ctx) -> dict[str, Any]:
     return outcome(lambda: CheckpointManager(ctx.root, barrier_timeout=timeout))
 
 
+def rank_dies_in_group_creation(ctx: Ctx) -> dict[str, Any]:
+    """The last rank dies inside ``new_group`` while the manager's coordinator is built: it
+    had announced itself (its host key is set), so only the others' group waits for it."""
+    timeout = float(ctx.args["timeout"])
+    if ctx.rank == ctx.world - 1:
+        from ckptstore import dist as cdist
+
+        def die(*a: Any, **k: Any) -> Any:
+            os._exit(3)
+
+        cdist.dist.new_group = die  # type: ignore[assignment]
+    return outcome(lambda: CheckpointManager(ctx.root, barrier_timeout=timeout))
+
+
+def rank0_elsewhere_when_a_rank_dies(ctx: Ctx) -> dict[str, Any]:
+    """Rank 2 dies before a save, and rank 0 comes to it only after rank 1 gave up (rank 0
+    was at another wait: still finishing an async save's commit, say): no verdict of rank 0
+    reaches rank 1, which must still name the rank whose process exited."""
+    model = make_model()
+    mgr = step1_then_manager(ctx, {"model": model})
+    if ctx.rank == 2:
+        os._exit(3)
+    if ctx.rank == 0:
+        wait_for_outcomes(ctx, [1])
+    return outcome(lambda: mgr.save(2, {"model": model}))
+
+
 def exporter_then_rank_dies(ctx: Ctx) -> dict[str, Any]:
     """Rank 0 alone builds a manager with distributed=False first (an exporter, Lightning's
     CheckpointIO); then a rank dies in a save, and every survivor must name that rank."""
