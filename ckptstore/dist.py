@@ -195,7 +195,7 @@ class Coordinator:
                         missing.append(r)
             # A rank that came (its key is set) and died in the group's creation: gloo's
             # error names no rank, and rank 0 must not wait for it to look at the verdict.
-            missing = sorted({*missing, *self._dead_ranks(store, self._host_ranks())})
+            missing = sorted({*missing, *self._dead_ranks(store, self._host_ranks(), unset=True)})
             acks = f"ckptstore/{self._uid}/init/acks"
             if self.rank == 0:
                 # The store usually lives in this process, which is about to raise and may
@@ -379,8 +379,13 @@ class Coordinator:
         missing += poll(silent, alive, until)
         return sorted(missing)
 
-    def _dead_ranks(self, store: Any, ranks: Iterable[int]) -> list[int]:
-        """The other ``ranks`` whose process, on this host, has exited (by their host keys)."""
+    def _dead_ranks(self, store: Any, ranks: Iterable[int], *, unset: bool = False) -> list[int]:
+        """The other ``ranks`` whose process, on this host, has exited (by their host keys).
+
+        ``unset``: some host keys may not be set (the coordinator is being constructed), and
+        ``get`` of such a key would wait for it (the store's timeout: 30 min): each is
+        checked first. Once constructed, every rank's is set.
+        """
         dead = []
         host = socket.gethostname()
         for r in ranks:
@@ -388,8 +393,7 @@ class Coordinator:
                 continue
             key = self._host_key(r)
             try:
-                # get() of a key never set waits for it (the store's timeout: 30 min)
-                where = store.get(key).decode() if store.check([key]) else ""
+                where = store.get(key).decode() if not unset or store.check([key]) else ""
             except Exception:
                 continue
             rhost, _, pid = where.rpartition(":")
