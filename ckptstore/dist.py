@@ -189,6 +189,8 @@ class Coordinator:
     def _init_timeout(self, store: Any, e: BaseException) -> BarrierTimeout:
         missing: list[int] = []
         if store is not None:
+            with contextlib.suppress(Exception):  # alive, and failed too (see _dead_ranks)
+                store.set(self._failed_key(self.rank), "1")
             for r in range(self.world_size):
                 with contextlib.suppress(Exception):
                     if not store.check([self._host_key(r)]):
@@ -398,6 +400,11 @@ class Coordinator:
                 continue
             rhost, _, pid = where.rpartition(":")
             if rhost == host and pid.isdigit() and not _alive(int(pid)):
+                # A survivor that reported failing this wait may have exited since: not the
+                # rank that broke it.
+                with contextlib.suppress(Exception):
+                    if store.check([self._failed_key(r)]):
+                        continue
                 dead.append(r)
         return dead
 

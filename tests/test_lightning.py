@@ -172,6 +172,9 @@ def ckdir(run: dict[str, Any]) -> Path:
     Restored in place rather than copied elsewhere: ModelCheckpoint reloads its state only
     when its dirpath is the one it saved.
     """
+    # The test before may have left trash that retention frees in the background: the
+    # deleter would race this rmtree (FileNotFoundError on a .trash-step directory).
+    wait_for_deletions()
     shutil.rmtree(run["dir"])
     shutil.copytree(run["pristine"], run["dir"], symlinks=True)
     return Path(run["dir"])
