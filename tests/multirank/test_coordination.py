@@ -57,8 +57,8 @@ def test_unpicklable_exception_reaches_every_rank_as_the_same_error(tmp_path: Pa
     [
         "manager_on_some_ranks",  # rank 2 never constructs it
         # Rank 2 set its host key and died in the group's creation: no key is missing, so
-        # the survivors name it as a dead process of this host, within the timeout (before,
-        # "some rank", after gloo's own connect timeout).
+        # the survivors name it as a dead process of this host, within the timeout (before:
+        # "some rank", and rank 0 waited out the verdict wait for it, 8 s in all).
         "rank_dies_in_group_creation",
     ],
 )
