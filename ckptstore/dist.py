@@ -191,13 +191,17 @@ class Coordinator:
         if store is not None:
             with contextlib.suppress(Exception):  # alive, and failed too (see _dead_ranks)
                 store.set(self._failed_key(self.rank), "1")
+            came: set[int] = set()
             for r in range(self.world_size):
                 with contextlib.suppress(Exception):
-                    if not store.check([self._host_key(r)]):
+                    if store.check([self._host_key(r)]):
+                        came.add(r)
+                    else:
                         missing.append(r)
             # A rank that came (its key is set) and died in the group's creation: gloo's
             # error names no rank, and rank 0 must not wait for it to look at the verdict.
-            missing = sorted({*missing, *self._dead_ranks(store, self._host_ranks(), unset=True)})
+            here = [r for r in self._host_ranks() if r in came]
+            missing = sorted({*missing, *self._dead_ranks(store, here)})
             acks = f"ckptstore/{self._uid}/init/acks"
             if self.rank == 0:
                 # The store usually lives in this process, which is about to raise and may
@@ -381,21 +385,19 @@ class Coordinator:
         missing += poll(silent, alive, until)
         return sorted(missing)
 
-    def _dead_ranks(self, store: Any, ranks: Iterable[int], *, unset: bool = False) -> list[int]:
+    def _dead_ranks(self, store: Any, ranks: Iterable[int]) -> list[int]:
         """The other ``ranks`` whose process, on this host, has exited (by their host keys).
 
-        ``unset``: some host keys may not be set (the coordinator is being constructed), and
-        ``get`` of such a key would wait for it (the store's timeout: 30 min): each is
-        checked first. Once constructed, every rank's is set.
+        Every one of ``ranks`` must have set its host key: ``get`` of a key never set waits
+        for it (the store's timeout: 30 min).
         """
         dead = []
         host = socket.gethostname()
         for r in ranks:
             if r == self.rank:
                 continue
-            key = self._host_key(r)
             try:
-                where = store.get(key).decode() if not unset or store.check([key]) else ""
+                where = store.get(self._host_key(r)).decode()
             except Exception:
                 continue
             rhost, _, pid = where.rpartition(":")
