@@ -435,10 +435,22 @@ def _restore_single(roots: list[str], nodes: bool, replica: str | None, step: in
     return problems
 
 
-def check_trial(job: dict[str, Any], fault: str, out: dict[str, Any]) -> list[str]:
-    """The invariants after one trial; each violation as a line."""
+def visible_steps(job: dict[str, Any]) -> list[list[int]]:
+    """The committed steps of each root of ``job`` (one root unless node-local)."""
     from ckptstore import CheckpointManager
 
+    visible: list[list[int]] = []
+    for root in job["roots"] if job["nodes"] else job["roots"][:1]:
+        with CheckpointManager(root) as mgr:
+            visible.append(mgr.steps())
+    return visible
+
+
+def check_trial(
+    job: dict[str, Any], fault: str, out: dict[str, Any], visible: list[list[int]]
+) -> list[str]:
+    """The invariants after one trial (``visible``: :func:`visible_steps` after it); each
+    violation as a line."""
     lines = [x for _, x in out["lines"]]
     problems = []
     if any(x.startswith("campaign: the job hung") for x in lines):
@@ -476,10 +488,6 @@ def check_trial(job: dict[str, Any], fault: str, out: dict[str, Any]) -> list[st
             missing = sorted(expected_survivors - survivors)
             problems.append(f"survivors {missing} never reported an error")
     roots = job["roots"] if job["nodes"] else job["roots"][:1]
-    visible: list[list[int]] = []
-    for root in roots:
-        with CheckpointManager(root) as mgr:
-            visible.append(mgr.steps())
     newest = [v[-1] if v else None for v in visible]
     for root, v in zip(roots, visible, strict=True):
         top = v[-1] if v else None
@@ -513,15 +521,9 @@ def check_trial(job: dict[str, Any], fault: str, out: dict[str, Any]) -> list[st
     return problems
 
 
-def newest_whole(job: dict[str, Any]) -> int | None:
-    """The newest step that every root of ``job`` holds (one root unless node-local)."""
-    from ckptstore import CheckpointManager
-
-    held: set[int] | None = None
-    for root in job["roots"] if job["nodes"] else job["roots"][:1]:
-        with CheckpointManager(root) as mgr:
-            steps = set(mgr.steps())
-        held = steps if held is None else held & steps
+def newest_whole(visible: list[list[int]]) -> int | None:
+    """The newest step that every root holds (``visible``: :func:`visible_steps`)."""
+    held = set.intersection(*map(set, visible)) if visible else set()
     return max(held) if held else None
 
 
@@ -602,10 +604,11 @@ def campaign(args: argparse.Namespace) -> int:
             ]
             out = run_job(server, job, fault, rng)
             problems = [f"clean run: {p[:300]}" for p in pre_problems]
-            problems += check_trial(job, fault, out)
+            visible = visible_steps(job)
+            problems += check_trial(job, fault, out, visible)
             # The next job resumes the newest step every root holds (checked bit for bit),
             # and saves on.
-            whole = newest_whole(job)
+            whole = newest_whole(visible)
             nxt = dict(
                 job, port=_port(), steps=1, victims=[], kill_at=0, fault=None, check_resume=True
             )
