@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from ckptstore.integrity import crc32c_of, format_crc
+from ckptstore.sharded.chunks import Chunk, TensorEntry, block_crcs
 
 REPO = Path(__file__).resolve().parent.parent
 MANIFEST = "manifest.json"
@@ -589,3 +590,21 @@ class HashCounter:
 
         self.hashed += memoryview(data).nbytes
         return int(real.crc32c(data, crc))
+
+
+def row_chunks(
+    t: torch.Tensor, parts: int, block: int, at: int = 0
+) -> tuple[bytearray, TensorEntry]:
+    """``t`` (float32) saved as ``parts`` row chunks, one after another from offset ``at``
+    of a file ``"f"``: their bytes, and the index entry, with block CRCs of ``block``."""
+    raw = bytearray()
+    chunks = []
+    rows = t.shape[0] // parts
+    for i in range(parts):
+        part = t[i * rows : (i + 1) * rows].contiguous()
+        data = bytearray(part.reshape(-1).view(torch.uint8).numpy())
+        crcs = tuple(block_crcs(data, block))
+        chunks.append(Chunk((i * rows, 0), tuple(part.shape), "f", at + len(raw), len(data), crcs))
+        raw += data
+    shape = tuple(t.shape)
+    return raw, TensorEntry("float32", shape, tuple(chunks), (parts,), ("dp",), ("S(0)",))

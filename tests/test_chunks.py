@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import row_chunks
 
 from ckptstore.errors import IntegrityError
 from ckptstore.manifest import FileEntry
@@ -472,16 +473,7 @@ def test_the_byte_check_is_n_log_n() -> None:
 
 def _rows_index(t: torch.Tensor, parts: int) -> tuple[bytearray, ChunkIndex]:
     """``t`` saved as ``parts`` row chunks, one after another in file ``f``."""
-    raw = bytearray()
-    chunks = []
-    rows = t.shape[0] // parts
-    for i in range(parts):
-        part = t[i * rows : (i + 1) * rows].contiguous()
-        data = bytearray(part.reshape(-1).view(torch.uint8).numpy())
-        crcs = tuple(block_crcs(data, 64))
-        chunks.append(Chunk((i * rows, 0), tuple(part.shape), "f", len(raw), len(data), crcs))
-        raw += data
-    entry = TensorEntry("float32", tuple(t.shape), tuple(chunks), (parts,), ("dp",), ("S(0)",))
+    raw, entry = row_chunks(t, parts, 64)
     return raw, ChunkIndex({"model/w": entry}, block=64)
 
 

@@ -9,6 +9,7 @@ read into.
 from __future__ import annotations
 
 import concurrent.futures
+import contextlib
 import math
 import threading
 from collections.abc import Callable, Collection, Mapping
@@ -18,6 +19,7 @@ import torch
 from torch import nn
 
 from .._log import logger as log
+from .._prefault import Prefaulter
 from ..codec.dtypes import ITEMSIZE
 from ..errors import IntegrityError
 from ..state.modules import EMA, de_parallel, module_state
@@ -32,6 +34,7 @@ from .plan import is_dtensor, named_optimizer_state
 
 __all__ = [
     "BATCH_BYTES",
+    "PREFAULT",
     "READ_THREADS",
     "STAGE_MAX",
     "Box",
@@ -49,6 +52,9 @@ __all__ = [
 
 #: Tasks (boxes, small ones together) a restoring rank reads at once (see :func:`read_into`).
 READ_THREADS = 4
+#: Whether :func:`read_into` faults the targets' pages in on a thread of its own first
+#: (``_prefault.Prefaulter``).
+PREFAULT = True
 #: The largest CRC block a read thread stages in a buffer of its own (:func:`read_into`);
 #: an index with bigger blocks (saves write 256 KiB; older ones 4 MiB) reads live targets
 #: through ``read_box``'s buffer instead.
@@ -369,6 +375,26 @@ def batches(items: list[Item], tensors: Mapping[str, TensorEntry]) -> list[list[
     return out
 
 
+def _spans_in_order(
+    tasks: list[list[Item]], flat: Mapping[str, torch.Tensor]
+) -> list[tuple[int, int]]:
+    """``(address, nbytes)`` of each CPU target's local memory, in the order ``tasks`` read."""
+    out: list[tuple[int, int]] = []
+    seen: set[str] = set()
+    for task in tasks:
+        for item in task:
+            name = item[0]
+            if name in seen:
+                continue
+            seen.add(name)
+            t = flat[name]
+            if t.device.type == "cpu":
+                first, end = _span(t)
+                if end > first:
+                    out.append((first, end - first))
+    return out
+
+
 def read_into(
     index: ChunkIndex,
     flat: Mapping[str, torch.Tensor],
@@ -464,19 +490,23 @@ def read_into(
     # the block waits for every running read, so no thread writes a target after we return.
     nread = [0]
     tasks = batches(items, index.tensors)
-    if len(tasks) <= 1:
-        nread[0] = sum(batch(t) for t in tasks)
-    else:
-        with concurrent.futures.ThreadPoolExecutor(
-            min(READ_THREADS, len(tasks)), thread_name_prefix="ckptstore-read"
-        ) as pool:
-            futures = [pool.submit(batch, t) for t in tasks]
-            try:
-                for f in futures:
-                    nread[0] += f.result()
-            except BaseException:
-                for f in futures:
-                    f.cancel()
-                raise
+    # The pages of the targets faulted in by a thread of their own, in the order the reads
+    # fill them (``_prefault``); stopped and joined after the last read, as the reads are.
+    prefault = Prefaulter(_spans_in_order(tasks, flat)) if PREFAULT else None
+    with prefault or contextlib.nullcontext():
+        if len(tasks) <= 1:
+            nread[0] = sum(batch(t) for t in tasks)
+        else:
+            with concurrent.futures.ThreadPoolExecutor(
+                min(READ_THREADS, len(tasks)), thread_name_prefix="ckptstore-read"
+            ) as pool:
+                futures = [pool.submit(batch, t) for t in tasks]
+                try:
+                    for f in futures:
+                        nread[0] += f.result()
+                except BaseException:
+                    for f in futures:
+                        f.cancel()
+                    raise
     log.debug("%s: read %d bytes of sharded tensors", where, nread[0])
     return nread[0]
