@@ -7,7 +7,6 @@ from __future__ import annotations
 import contextlib
 import json
 import math
-import mmap
 import os
 import subprocess
 import sys
@@ -21,6 +20,7 @@ import torch
 from benchkit.disk import (
     ALIGN,
     CHUNK,
+    dma_buffer,
     fill_buffer,
     fsync_dir,
     fsync_file,
@@ -80,7 +80,7 @@ class DiskODirect(Pair):
     name = "disk-odirect"
 
     def setup(self, ctx: Ctx) -> None:
-        self.buf = mmap.mmap(-1, CHUNK)  # page-aligned
+        self.buf = dma_buffer(CHUNK)  # page-aligned, on huge pages where given (see there)
         # Bytes of the real state, so nothing downstream could compress or dedupe zeros.
         fill_buffer(self.buf, (t for _, t in ctx.tensors()))
         self.nbytes = -(-ctx.state_bytes // ALIGN) * ALIGN

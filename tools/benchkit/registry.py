@@ -51,7 +51,8 @@ ALL = PAIRS + OTHERS
 APART = ("sharded", "replica")
 
 DESCRIPTIONS = {
-    "disk-odirect": "raw O_DIRECT write/read of state-bytes from one aligned mmap buffer "
+    "disk-odirect": "raw O_DIRECT write/read of state-bytes from one aligned buffer on huge "
+    "pages where the kernel gives them "
     f"({CHUNK >> 20} MB syscalls), fsync: the disk's ceiling",
     "disk-buffered": "raw buffered write of every tensor's bytes into one file + fsync; read "
     f"back into a reused {CHUNK >> 20} MB buffer",

@@ -64,7 +64,7 @@ from rankserver import RankServer
 from torch import nn
 
 from benchkit import harness
-from benchkit.disk import drop_cache, du, fsync_dir, fsync_tree
+from benchkit.disk import drop_cache, du, fsync_dir, fsync_tree, huge_share
 from benchkit.harness import log
 from benchkit.sharded_raw import Raw, raw_spans
 from benchkit.state import N_LAYER, GPT2Like, Shape
@@ -87,9 +87,10 @@ SAVE_WORLD_4 = 4
 RESTORE_WORLDS_4 = (2,)
 OPS = ("save-2", "save-4", "restore-2to1", "restore-2to3", "restore-4to2")
 DESCRIPTIONS = {
-    "raw": "each rank O_DIRECT-writes its local state bytes from one aligned buffer into as "
-    "many files as ckptstore writes (concurrently) + fsync each + fsync dir; restore "
-    "O_DIRECT-reads the same bytes split over the restoring ranks",
+    "raw": "each rank O_DIRECT-writes its local state bytes from one aligned buffer (on huge "
+    "pages where the kernel gives them: the disk's best) into as many files as ckptstore "
+    "writes (concurrently) + fsync each + fsync dir; restore O_DIRECT-reads the same bytes "
+    "split over the restoring ranks, into such buffers",
     "dcp": "get_state_dict + dcp.save(FileSystemWriter(sync_files=True)) + fsync of "
     ".metadata and directory; restore get_state_dict + dcp.load in place + set_state_dict",
     "ckpt": "CheckpointManager.save on every rank (FSDP2 DTensor state), first save of a "
@@ -358,6 +359,7 @@ def save_job(job: dict[str, Any]) -> dict[str, Any]:
     out["local_bytes"] = my_bytes
     out["sums"] = sums(model, opt)
     raw = Raw(tensors) if job["odirect"] else None
+    out["raw_huge_share"] = huge_share(raw.buf) if raw is not None else None
     base = Path(job["dir"])
     contenders = [c for c in job["contenders"] if c != "raw" or raw is not None]
     for r in range(job["repeats"]):
@@ -639,6 +641,8 @@ def run(
         "build_s": saved[0]["build_s"],
         "disk_bytes": disk,
         "raw_restore_bytes": raw_bytes,
+        # The share of each saving rank's raw buffer on huge pages (benchkit.disk.dma_buffer).
+        "raw_huge_share": [r.get("raw_huge_share") for r in saved],
         "resident_after_drop": resident,
         "loadavg_1min_seen": load,
         "threads_per_process": 1,

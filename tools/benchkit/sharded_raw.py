@@ -14,7 +14,7 @@ from pathlib import Path
 
 import torch
 
-from benchkit.disk import ALIGN, CHUNK, fill_buffer, odirect_write
+from benchkit.disk import ALIGN, CHUNK, dma_buffer, fill_buffer, odirect_write
 
 #: O_DIRECT reads a raw restore keeps in flight per process (ckptstore's READ_THREADS).
 RAW_READERS = 4
@@ -24,7 +24,7 @@ class Raw:
     """O_DIRECT writes and reads of the same byte counts, from one aligned buffer."""
 
     def __init__(self, tensors: list[torch.Tensor] | None) -> None:
-        self.buf = mmap.mmap(-1, CHUNK)  # page-aligned
+        self.buf = dma_buffer(CHUNK)  # page-aligned, on huge pages where given (see there)
         self.bufs: list[mmap.mmap] = []  # the readers' (see read)
         self.kept: list[mmap.mmap] = []  # what a fresh read filled (see read)
         fill_buffer(self.buf, tensors or [])
@@ -68,7 +68,7 @@ class Raw:
             for pos in range(off, off + length, CHUNK)
         ]
         while len(self.bufs) < RAW_READERS:
-            self.bufs.append(mmap.mmap(-1, CHUNK))  # page-aligned
+            self.bufs.append(dma_buffer(CHUNK))
         free = list(self.bufs)
 
         def one(piece: tuple[Path, int, int]) -> int:
