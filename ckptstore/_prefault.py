@@ -27,10 +27,12 @@ from types import TracebackType
 
 from ._log import logger as log
 
-__all__ = ["MIN_BYTES", "STEP", "Prefaulter", "populate", "supported"]
+__all__ = ["MIN_BYTES", "STEP", "Prefaulter", "advise_huge", "populate", "supported"]
 
 #: ``MADV_POPULATE_WRITE`` (``<asm-generic/mman-common.h>``, Linux 5.14).
 _MADV_POPULATE_WRITE = 23
+#: ``MADV_HUGEPAGE`` (Linux 2.6.38).
+_MADV_HUGEPAGE = 14
 #: Ranges under this many bytes are left to the reads: a thread's start costs more.
 MIN_BYTES = 1 << 20
 #: One ``madvise`` covers at most this many bytes, so a stop is seen within one step.
@@ -40,10 +42,11 @@ _PAGE = mmap.PAGESIZE
 _lock = threading.Lock()
 _madvise: Callable[[int, int, int], int] | None = None  # libc's madvise, once probed
 _probed = False
+_libc: Callable[[int, int, int], int] | None = None  # for advise_huge
 
 
-def _probe() -> Callable[[int, int, int], int] | None:
-    """The C library's madvise where ``MADV_POPULATE_WRITE`` works (one probe page), else None."""
+def _libc_madvise() -> Callable[[int, int, int], int] | None:
+    """The C library's ``madvise`` (Linux only), or None."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -52,6 +55,14 @@ def _probe() -> Callable[[int, int, int], int] | None:
         return None
     fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
     fn.restype = ctypes.c_int
+    return fn
+
+
+def _probe() -> Callable[[int, int, int], int] | None:
+    """The C library's madvise where ``MADV_POPULATE_WRITE`` works (one probe page), else None."""
+    fn = _libc_madvise()
+    if fn is None:
+        return None
     page = mmap.mmap(-1, _PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     try:
         anchor = ctypes.c_char.from_buffer(page)
@@ -65,6 +76,28 @@ def _probe() -> Callable[[int, int, int], int] | None:
         log.debug("madvise(MADV_POPULATE_WRITE) unsupported here (errno %d)", ctypes.get_errno())
         return None
     return fn
+
+
+def advise_huge(buf: mmap.mmap) -> bool:
+    """Ask for transparent huge pages under ``buf`` (``MADV_HUGEPAGE``); whether it was taken.
+
+    Call it before the first touch. True says the kernel took the advice, not that it will
+    find free huge pages. For buffers the disk reads or writes with ``O_DIRECT``: a request
+    holds at most ``max_segments`` physically contiguous runs, so from 4 KiB pages it is
+    capped at ~1 MiB on a disk that takes 4 MiB (see ``storage.directio``). ``buf`` must be a
+    private anonymous mapping (``MAP_PRIVATE | MAP_ANONYMOUS``): shared ones follow the
+    shmem setting.
+    """
+    global _libc  # loaded once
+    with _lock:
+        if _libc is None:
+            _libc = _libc_madvise() or (lambda a, n, k: -1)
+        fn = _libc
+    anchor = ctypes.c_char.from_buffer(buf)
+    try:
+        return fn(ctypes.addressof(anchor), len(buf), _MADV_HUGEPAGE) == 0
+    finally:
+        del anchor
 
 
 def supported() -> bool:

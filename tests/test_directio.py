@@ -414,10 +414,15 @@ def _check_shard_like(
     monkeypatch: pytest.MonkeyPatch,
     seed: int,
     short: int | None = None,
+    *,
     buffer_size: int = 1 << 20,
+    bounce: str = "never",
 ) -> tuple[DirectWriter, bytes, _Requests]:
     """:func:`_shard_like` into a new file at ``path``, the writes counted (or cut short);
-    the file holds exactly the bytes written, and the writer their CRC32C."""
+    the file holds exactly the bytes written, and the writer their CRC32C. ``bounce`` is
+    ``directio.BOUNCE`` (``"never"``: the tensors' memory goes to the disk straight, on any
+    device)."""
+    monkeypatch.setattr(directio, "BOUNCE", bounce)
     requests = _Requests(monkeypatch, short)
     w = DirectWriter(str(path), buffer_size=buffer_size)
     data, keep = _shard_like(w, seed)
@@ -583,10 +588,18 @@ def test_async_safetensors_files_are_byte_identical_to_sync(tmp_path: Path) -> N
     assert torch.equal(loaded["strided"], state["model"]["strided"])
 
 
-def test_async_staging_places_tensors_for_zero_copy(tmp_path: Path) -> None:
+@pytest.mark.parametrize("bounce", ["never", "always"])
+def test_async_staging_places_tensors_for_zero_copy(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, bounce: str
+) -> None:
     """Each staged tensor's address is congruent with its file offset (mod the block size),
-    and the big ones reach the file without going through the bounce buffer."""
+    and the big ones reach the file without going through the bounce buffer. Where every
+    byte is copied into the writer's buffers (``"always"``, or ``"auto"`` on a device that
+    cuts requests from 4 KiB pages short), a staged tensor on huge pages (2 MiB or more)
+    still goes straight from its staging memory, and a smaller one is copied."""
     import ckptstore.storage.local as local_mod
+
+    monkeypatch.setattr(directio, "BOUNCE", bounce)
     from ckptstore.codec.safetensors import build_header
 
     writers: list[DirectWriter] = []
@@ -617,7 +630,11 @@ def test_async_staging_places_tensors_for_zero_copy(tmp_path: Path) -> None:
     assert (
         model.nbytes == (tmp_path / "s" / "step-000000000001" / "model.safetensors").stat().st_size
     )
-    assert model.bounced < 3 * ALIGN + len(head)  # headers and partial blocks only
+    small = 99_999 * 4  # "u": under 2 MiB, staged in memory of 4 KiB pages
+    if bounce == "never":
+        assert model.bounced < 3 * ALIGN + len(head)  # headers and partial blocks only
+    else:
+        assert small <= model.bounced < small + 3 * ALIGN + len(head)  # not "w"'s 2 MiB
     assert model.direct
 
 
@@ -1080,3 +1097,137 @@ def test_pace_runs_on_the_caller_before_every_read(
     assert bytes(out) == data
     assert len(paces) == len(reads)  # one pace per read issued (some past the end: empty)
     assert sorted(reads)[:6] == [i << 16 for i in range(6)]
+
+
+# ---- requests as large as the device takes: huge-page buffers, copies where it pays -------------
+
+
+def test_where_requests_from_small_pages_are_cut_short_every_byte_goes_through_the_buffers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # "always" (what "auto" does where segment_capped): the tensors lined up with the file
+    # are copied too, into buffers on huge pages; the bytes and requests are the same.
+    w, data, requests = _check_shard_like(
+        tmp_path / "f", monkeypatch, 4, buffer_size=4 << 20, bounce="always"
+    )
+    assert w.bounced == len(data)
+    assert w.direct
+    assert max(requests.pieces) <= 2  # a buffer (and its neighbour at a wrap), no tensors
+    # "never": the same shard, its tensors straight from their memory.
+    w, data, _ = _check_shard_like(tmp_path / "g", monkeypatch, 4, buffer_size=4 << 20)
+    assert w.bounced < 40 * 5 * ALIGN
+
+
+def test_memory_marked_as_on_huge_pages_is_written_from_where_it_is(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import ctypes
+
+    monkeypatch.setattr(directio, "BOUNCE", "always")
+    buf = directio.new_buffer(4 << 20)
+    anchor = ctypes.c_char.from_buffer(buf)
+    address = ctypes.addressof(anchor)
+    del anchor
+    payload = os.urandom(4 << 20)
+    buf[:] = payload
+    head = os.urandom(ALIGN)
+
+    def write(name: str) -> DirectWriter:
+        w = DirectWriter(str(tmp_path / name), buffer_size=4 << 20)
+        w.write(head)
+        w.write_segment(memoryview(buf), address)
+        w.finish()
+        assert (tmp_path / name).read_bytes() == head + payload
+        return w
+
+    directio.mark_huge(address, len(buf))
+    try:
+        assert directio.on_huge_pages(address + ALIGN, 1 << 20)
+        assert not directio.on_huge_pages(address - ALIGN, 1 << 20)  # starts before it
+        assert not directio.on_huge_pages(address, len(buf) + 1)  # ends after it
+        assert write("marked").bounced == ALIGN  # the header only
+    finally:
+        directio.unmark_huge(address)
+    assert not directio.on_huge_pages(address, 1)
+    assert write("unmarked").bounced == ALIGN + len(payload)
+    buf.close()
+
+
+def _fake_queue(root: Path, name: str, segments: int, sectors_kb: int) -> Path:
+    queue = root / name / "queue"
+    queue.mkdir(parents=True)
+    (queue / "max_segments").write_text(f"{segments}\n")
+    (queue / "max_sectors_kb").write_text(f"{sectors_kb}\n")
+    return root / name
+
+
+def test_segment_capped_reads_the_devices_own_limits(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sysfs = tmp_path / "sys"
+    monkeypatch.setattr(directio, "_SYSFS_BLOCK", str(sysfs / "dev" / "block"))
+    directio.segment_capped.cache_clear()
+    (sysfs / "dev" / "block").mkdir(parents=True)
+    virtio = _fake_queue(sysfs / "devices", "vda", 254, 4096)  # 254 x 4 KiB < 4 MiB
+    nvme = _fake_queue(sysfs / "devices", "nvme0n1", 1024, 1024)  # 4 MiB >= 1 MiB
+    (virtio / "vda1").mkdir()  # a partition: no queue of its own, its disk's
+    for dev, target in [("253:0", virtio), ("253:1", virtio / "vda1"), ("259:0", nvme)]:
+        (sysfs / "dev" / "block" / dev).symlink_to(target)
+    try:
+        assert directio.segment_capped(os.makedev(253, 0))
+        assert directio.segment_capped(os.makedev(253, 1))
+        assert not directio.segment_capped(os.makedev(259, 0))
+        assert not directio.segment_capped(os.makedev(7, 3))  # not listed: unknown
+    finally:
+        directio.segment_capped.cache_clear()
+
+
+def _thp_madvise() -> bool:
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[always]" in mode or "[madvise]" in mode
+
+
+@pytest.mark.skipif(not _thp_madvise(), reason="transparent huge pages are off here")
+def test_new_buffers_are_on_huge_pages() -> None:
+    buf = directio.new_buffer(8 << 20)
+    for off in range(0, len(buf), 4096):
+        buf[off] = 1
+    import ctypes
+
+    anchor = ctypes.c_char.from_buffer(buf)
+    address = ctypes.addressof(anchor)
+    del anchor
+    huge = 0
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, _, hi = head.partition("-")
+            inside = int(lo, 16) <= address < int(hi, 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            huge = int(line.split()[1]) << 10
+    assert huge >= len(buf) // 2, huge  # 2 MiB pages under most of it
+    buf.close()
+
+
+def test_async_staging_of_large_tensors_is_marked_until_freed(tmp_path: Path) -> None:
+    import gc
+
+    state = {"w": torch.randn(1 << 20), "b": torch.randn(5)}
+    with CheckpointManager(tmp_path / "s", async_save=True) as mgr:
+        mgr.save(1, state).wait()
+        big, small = mgr._staging._bufs["w/_"], mgr._staging._bufs["b/_"]
+        assert directio.on_huge_pages(big.data_ptr(), big.numel())
+        assert not directio.on_huge_pages(small.data_ptr(), small.numel())
+        address = big.data_ptr()
+        del big, small
+        mgr.save(2, {"b": state["b"]}).wait()  # "w" unused: its staging buffer is dropped
+    gc.collect()
+    assert not directio.on_huge_pages(address, 1)
+    into = {"w": torch.zeros(1 << 20), "b": torch.zeros(5)}
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.restore(into, step=1)
+    assert torch.equal(into["w"], state["w"])

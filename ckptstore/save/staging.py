@@ -11,13 +11,21 @@ from __future__ import annotations
 import atexit
 import concurrent.futures
 import threading
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from ..storage.directio import ALIGN, lower_priority
+from ..storage.directio import (
+    ALIGN,
+    HUGE_MIN,
+    lower_priority,
+    mark_huge,
+    new_buffer,
+    unmark_huge,
+)
 
 __all__ = ["BackgroundWriter", "SaveHandle", "StagingPool"]
 
@@ -51,7 +59,10 @@ class StagingPool:
         buf = self._bufs.get(key)
         if buf is None or buf.numel() != room:
             pin = torch.cuda.is_available()
-            buf = torch.empty(room, dtype=torch.uint8, pin_memory=pin)
+            if pin or room < HUGE_MIN:
+                buf = torch.empty(room, dtype=torch.uint8, pin_memory=pin)
+            else:
+                buf = _huge_buffer(room)
             self._bufs[key] = buf
             self.allocated_bytes += room
         self._used.add(key)
@@ -77,6 +88,22 @@ class StagingPool:
 
 #: O_DIRECT's alignment unit (directio.ALIGN).
 _BLOCK = ALIGN
+
+
+def _huge_buffer(nbytes: int) -> torch.Tensor:
+    """A new CPU byte tensor on memory of its own advised onto huge pages (``new_buffer``).
+
+    The writer sends staged bytes to the disk straight from here, in requests as large as
+    the device takes (``directio.segment_capped``); the range is recorded (``mark_huge``)
+    until the tensor is freed.
+    """
+    mapping = new_buffer(nbytes)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "non-writable buffer": this one is writable
+        t = torch.frombuffer(mapping, dtype=torch.uint8)  # keeps the mapping alive
+    mark_huge(t.data_ptr(), nbytes)
+    weakref.finalize(t, unmark_huge, t.data_ptr())
+    return t
 
 
 class SaveHandle:
