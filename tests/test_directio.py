@@ -385,11 +385,18 @@ class _Requests:
     def __init__(self, monkeypatch: pytest.MonkeyPatch, short: int | None = None) -> None:
         self.pieces: list[int] = []
         self.sizes: list[int] = []  # the bytes each call asked to write
+        self.direct: list[bool] = []  # whether each went with O_DIRECT
         real_v, real_1 = os.pwritev, os.pwrite
+
+        def is_direct(fd: int) -> bool:
+            import fcntl
+
+            return bool(fcntl.fcntl(fd, fcntl.F_GETFL) & getattr(os, "O_DIRECT", 0))
 
         def pwritev(fd: int, views: list[memoryview], offset: int) -> int:
             self.pieces.append(len(views))
             self.sizes.append(sum(len(v) for v in views))
+            self.direct.append(is_direct(fd))
             if short is not None:  # as a kernel may: less than asked, whole blocks
                 cut, left = [], short
                 for v in views:
@@ -403,6 +410,7 @@ class _Requests:
         def pwrite(fd: int, view: memoryview, offset: int) -> int:
             self.pieces.append(1)
             self.sizes.append(len(view))
+            self.direct.append(is_direct(fd))
             return real_1(fd, view if short is None else view[:short], offset)
 
         monkeypatch.setattr(directio.os, "pwritev", pwritev)
@@ -1113,6 +1121,12 @@ def test_where_requests_from_small_pages_are_cut_short_every_byte_goes_through_t
     assert w.bounced == len(data)
     assert w.direct
     assert max(requests.pieces) <= 2  # a buffer (and its neighbour at a wrap), no tensors
+    # Only the last partial block goes through the page cache: the whole blocks of the last
+    # buffer went with O_DIRECT too (before, the whole last buffer went buffered).
+    *whole, last = zip(requests.sizes, requests.direct, strict=True)
+    assert all(direct and n % ALIGN == 0 for n, direct in whole), whole
+    assert last[0] < ALIGN
+    assert not last[1]
     # "never": the same shard, its tensors straight from their memory.
     w, data, _ = _check_shard_like(tmp_path / "g", monkeypatch, 4, buffer_size=4 << 20)
     assert w.bounced < 40 * 5 * ALIGN

@@ -483,7 +483,16 @@ class DirectWriter(BlockSums):
             if self._pos > self._mark:
                 view = self._views[self._cur][self._mark : self._pos]  # checksummed already
                 if self.direct and len(view) % ALIGN:
-                    self._set_direct(False)  # an unaligned tail goes through the cache
+                    # The whole blocks of the last buffer still with O_DIRECT, and only the
+                    # partial block after them through the cache: a last buffer of a file
+                    # written all buffered took up to 32 MiB a file through the page cache
+                    # (and its flush at fsync), once every byte went through the buffers.
+                    whole = len(view) - len(view) % ALIGN
+                    if whole:
+                        self._pwrite_all([view[:whole]], self._offset)
+                        self._offset += whole
+                        view = view[whole:]
+                    self._set_direct(False)
                 self._pwrite_all([view], self._offset)
                 self._offset += len(view)
                 self._mark = self._pos
