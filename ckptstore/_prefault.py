@@ -1,4 +1,4 @@
-"""Faulting in a restore's target memory on a thread of its own, ahead of the reads.
+"""Memory advice: a restore's targets faulted in ahead of the reads; buffers on huge pages.
 
 A restore into new tensors (a fresh optimizer's moments, a model made with ``to_empty``)
 makes the kernel fault in every page it fills, 4 KiB at a time: 0.27-0.5 s of kernel CPU
@@ -12,6 +12,9 @@ find their pages mapped, and the faults run on a core the reads leave idle.
 memory's contents never change, so any range of a live tensor may be given. Where the
 kernel lacks it (``EINVAL`` on a probe page), or outside Linux, nothing is done. A range
 that fails (unmapped since, locked, poisoned) is skipped: the reads fault it as before.
+
+:func:`advise_huge` asks for transparent huge pages under a new buffer
+(``MADV_HUGEPAGE``): the ``O_DIRECT`` buffers of ``storage.directio``.
 """
 
 from __future__ import annotations

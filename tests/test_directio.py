@@ -1245,3 +1245,48 @@ def test_async_staging_of_large_tensors_is_marked_until_freed(tmp_path: Path) ->
     with CheckpointManager(tmp_path / "s") as mgr:
         mgr.restore(into, step=1)
     assert torch.equal(into["w"], state["w"])
+
+
+def test_reads_take_their_buffers_from_the_pool_and_give_them_back(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    data = os.urandom(3 * directio.BUFFER // 2)
+    (tmp_path / "f").write_bytes(data)
+    made: list[int] = []
+    real = directio.new_buffer
+
+    def counted(size: int) -> object:
+        made.append(size)
+        return real(size)
+
+    monkeypatch.setattr(directio, "new_buffer", counted)
+    monkeypatch.setattr(directio, "_pool", [])
+    got = bytearray()
+
+    def keep(offset: int, view: memoryview) -> None:
+        got.extend(view)
+
+    for _ in range(2):
+        got.clear()
+        fd = os.open(tmp_path / "f", os.O_RDONLY)
+        try:
+            assert directio.stream_pipelined(fd, keep) == (len(data), crc32c_of(data))
+        finally:
+            os.close(fd)
+        assert bytes(got) == data
+    # The first read mapped its READ_DEPTH + 1 buffers, the second took them from the pool.
+    assert made == [directio.BUFFER] * (directio.READ_DEPTH + 1)
+    assert len(directio._pool) == directio.READ_DEPTH + 1
+
+    # A read whose consumer fails gives nothing back (a view may outlive it).
+    def fail(offset: int, view: memoryview) -> None:
+        raise ValueError("consumer")
+
+    directio._pool.clear()
+    fd = os.open(tmp_path / "f", os.O_RDONLY)
+    try:
+        with pytest.raises(ValueError, match="consumer"):
+            directio.stream_pipelined(fd, fail)
+    finally:
+        os.close(fd)
+    assert directio._pool == []

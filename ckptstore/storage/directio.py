@@ -11,6 +11,12 @@ and the shard layout arrange that) is written straight from where it is
 (``DirectWriter.write_segment``), in the same requests as the bounce buffer's bytes around
 it: one ``pwritev`` per buffer's worth, not two requests a tensor. The last partial block
 goes through the page cache, so no padding or truncation is needed.
+
+The buffers sit on transparent huge pages (:func:`new_buffer`), a pool of them kept per
+process: a request holds at most ``max_segments`` physically contiguous runs of memory, so
+from scattered 4 KiB pages it is cut short on a disk that takes larger ones. Where the
+device's own limits say so (:func:`segment_capped`), memory that lines up is copied into
+the buffers too, unless it is known to sit on huge pages itself (:func:`mark_huge`).
 Where ``O_DIRECT`` is refused (tmpfs, some network filesystems: ``EINVAL``) the same code
 runs with ordinary buffered writes and ``fsync``.
 """
@@ -706,7 +712,8 @@ def stream_pipelined(
     """Read a file front to back, :data:`READ_DEPTH` slices in flight; ``(bytes, crc32c)``.
 
     Each slice is read by an I/O thread into one of ``READ_DEPTH + 1`` page-aligned buffers
-    of :data:`BUFFER` bytes, then checksummed (with ``crc``; else 0 is returned) and passed
+    of :data:`BUFFER` bytes (the writers' pool: kept ones first, given back after a read
+    that finished), then checksummed (with ``crc``; else 0 is returned) and passed
     to ``consume(offset, view)`` in order on the calling thread (the view is valid only
     during the call). ``fd`` may be opened with ``O_DIRECT`` or not.
 
@@ -715,10 +722,11 @@ def stream_pipelined(
     no new read of it competes with the save for the disk.
     """
     nbuf = READ_DEPTH + 1
-    bufs = [new_buffer(BUFFER) for _ in range(nbuf)]
+    bufs = [_take_buffer(BUFFER) for _ in range(nbuf)]  # kept ones first (_pool)
     views = [memoryview(b) for b in bufs]
     futs: dict[int, Call] = {}
     done = False  # a short read was seen: no more submissions
+    ok = False  # the buffers go back to the pool only after a read that finished
     try:
         for i in range(READ_DEPTH):
             if pace is not None:
@@ -751,6 +759,7 @@ def stream_pipelined(
             i += 1
             if done:
                 break
+        ok = True
         return offset, total_crc
     finally:
         for f in futs.values():  # never free a buffer an I/O thread is still reading into
@@ -759,6 +768,9 @@ def stream_pipelined(
         for v in views:
             v.release()
         for b in bufs:
+            if ok:
+                _give_back(b, BUFFER)
+                continue
             # A view a failed consumer still holds (in its traceback) would turn the real
             # error into a BufferError; the mapping is then freed with the view.
             with contextlib.suppress(BufferError):
