@@ -1184,13 +1184,20 @@ def test_segment_capped_reads_the_devices_own_limits(
     (sysfs / "dev" / "block").mkdir(parents=True)
     virtio = _fake_queue(sysfs / "devices", "vda", 254, 4096)  # 254 x 4 KiB < 4 MiB
     nvme = _fake_queue(sysfs / "devices", "nvme0n1", 1024, 1024)  # 4 MiB >= 1 MiB
+    near = _fake_queue(sysfs / "devices", "nvme1n1", 127, 512)  # 508 KiB: nearly 512
     (virtio / "vda1").mkdir()  # a partition: no queue of its own, its disk's
-    for dev, target in [("253:0", virtio), ("253:1", virtio / "vda1"), ("259:0", nvme)]:
+    for dev, target in [
+        ("253:0", virtio),
+        ("253:1", virtio / "vda1"),
+        ("259:0", nvme),
+        ("259:1", near),
+    ]:
         (sysfs / "dev" / "block" / dev).symlink_to(target)
     try:
         assert directio.segment_capped(os.makedev(253, 0))
         assert directio.segment_capped(os.makedev(253, 1))
         assert not directio.segment_capped(os.makedev(259, 0))
+        assert not directio.segment_capped(os.makedev(259, 1))  # a copy would not pay
         assert not directio.segment_capped(os.makedev(7, 3))  # not listed: unknown
     finally:
         directio.segment_capped.cache_clear()
