@@ -1297,3 +1297,35 @@ def test_reads_take_their_buffers_from_the_pool_and_give_them_back(
     finally:
         os.close(fd)
     assert directio._pool == []
+
+
+def test_a_forked_child_never_writes_through_its_parents_buffers(tmp_path: Path) -> None:
+    """A child forked after a save maps buffers of its own; the parent's keep their bytes."""
+    w = DirectWriter(str(tmp_path / "parent"), buffer_size=directio.BUFFER)
+    w.write(b"p" * (directio.BUFFER + ALIGN))  # two buffers, kept at finish
+    w.finish()
+    kept = list(directio._pool)
+    assert kept
+    before = [bytes(b[:ALIGN]) for b in kept]
+    r, wfd = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: save something of its own, say what its pool held
+        code = 1
+        try:
+            os.close(r)
+            empty = directio._pool == []
+            c = DirectWriter(str(tmp_path / "child"), buffer_size=directio.BUFFER)
+            c.write(b"c" * (directio.BUFFER + ALIGN))
+            c.finish()
+            os.write(wfd, b"empty" if empty else b"inherited")
+            code = 0
+        finally:
+            os._exit(code)
+    os.close(wfd)
+    said = os.read(r, 64)
+    os.close(r)
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    assert said == b"empty"
+    assert [bytes(b[:ALIGN]) for b in kept] == before  # nothing of the child's "c" here
+    assert (tmp_path / "child").read_bytes() == b"c" * (directio.BUFFER + ALIGN)

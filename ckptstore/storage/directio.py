@@ -123,11 +123,17 @@ _idle: dict[int, list[_Worker]] = {}
 
 
 def _forget_workers() -> None:
-    """In a forked child the workers' threads do not exist: never hand them a task."""
+    """In a forked child the workers' threads do not exist: never hand them a task.
+
+    Nor take the parent's kept buffers: the child maps its own. (They were shared mappings
+    until session 20, so a child and its parent saving at once wrote through the same
+    memory; private ones are copied on write, but the child need not hold them either.)
+    """
     global _idle_lock, _pool_lock  # a lock held at fork time stays held in the child
     _idle_lock = threading.Lock()
     _idle.clear()
     _pool_lock = threading.Lock()
+    _pool.clear()
 
 
 if hasattr(os, "register_at_fork"):
