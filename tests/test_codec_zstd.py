@@ -168,9 +168,10 @@ def test_decompress_stops_where_the_safetensors_header_says_the_file_ends() -> N
 
     assert zstd.decompress(compressed(raw), where, declared=declared) == raw
     # Declared small, inflating to 1 GiB: no limit is given, the header alone bounds it.
-    err, peak = peak_bytes(
-        lambda: zstd.decompress(compressed(raw) + zeros_frame(), where, declared=declared)
-    )
+    # (The bomb is built before the count starts: zeros_frame's first call, in a worker
+    # where no test before made it, allocates a 64 MiB block of zeros to compress.)
+    bomb = compressed(raw) + zeros_frame()
+    err, peak = peak_bytes(lambda: zstd.decompress(bomb, where, declared=declared))
     assert isinstance(err, IntegrityError)
     assert str(err).startswith(
         f"{where}: zstd stream inflates past the {len(raw)} bytes its own header declares; "

@@ -553,8 +553,10 @@ def _take_buffer(size: int) -> mmap.mmap:
     """A page-aligned buffer of ``size`` bytes: a kept one where it fits, else a new one."""
     if size == BUFFER:
         with _pool_lock:
-            if _pool:
-                return _pool.pop()
+            while _pool:
+                buf = _pool.pop()
+                if len(buf) == size:  # kept when BUFFER was another size (tests set it)
+                    return buf
     return new_buffer(size)
 
 
@@ -646,7 +648,7 @@ def segment_capped(dev: int) -> bool:
 
 def _give_back(buf: mmap.mmap, size: int) -> None:
     """Keep ``buf`` for the next writer, or unmap it. No I/O uses it any more."""
-    if size == BUFFER and not buf.closed:
+    if size == BUFFER and not buf.closed and len(buf) == size:
         with _pool_lock:
             if len(_pool) < _POOL_MAX:
                 _pool.append(buf)
