@@ -1115,12 +1115,18 @@ def test_where_requests_from_small_pages_are_cut_short_every_byte_goes_through_t
 ) -> None:
     # "always" (what "auto" does where segment_capped): the tensors lined up with the file
     # are copied too, into buffers on huge pages; the bytes and requests are the same.
+    monkeypatch.setattr(directio, "_FIRST_REQUEST", SEG)
     w, data, requests = _check_shard_like(
         tmp_path / "f", monkeypatch, 4, buffer_size=4 << 20, bounce="always"
     )
     assert w.bounced == len(data)
     assert w.direct
-    assert max(requests.pieces) <= 2  # a buffer (and its neighbour at a wrap), no tensors
+    assert max(requests.pieces) == 1  # one stretch of one buffer, no tensors
+    # The ramp as for memory sent from where it is: 256 KiB, 512 KiB, 1, 2, then 4 MiB (the
+    # buffer) each; before, a file copied into the buffers waited for a whole one.
+    ramp = [SEG, 2 * SEG, 4 * SEG, 8 * SEG]
+    assert requests.sizes[: len(ramp)] == ramp
+    assert set(requests.sizes[len(ramp) : -2]) == {4 << 20}
     # Only the last partial block goes through the page cache: the whole blocks of the last
     # buffer went with O_DIRECT too (before, the whole last buffer went buffered).
     *whole, last = zip(requests.sizes, requests.direct, strict=True)

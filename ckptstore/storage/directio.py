@@ -291,7 +291,13 @@ class DirectWriter(BlockSums):
     # -- file-object protocol (what torch.save and our encoders use) --
 
     def write(self, data: Any, sub: SubBlocks | None = None) -> int:
-        """Copy ``data`` into the bounce buffer, writing out full buffers.
+        """Copy ``data`` into the bounce buffer, writing out each request's worth.
+
+        A request goes once the buffer holds what the next one is sent at (the ramp of
+        :meth:`_queue`: 4 MiB, then twice the one before, up to the whole buffer), so the
+        disk starts on a file whose every byte is copied (``segment_capped``) as soon as
+        its first 4 MiB are in, not its first 32: with four such files a rank on two busy
+        cores, the first requests left 22-38 ms after their files were opened.
 
         ``sub`` receives the CRC32C of every ``sub.block`` bytes of ``data``, from the same
         pass (see :meth:`write_segment`).
@@ -302,12 +308,16 @@ class DirectWriter(BlockSums):
         self.bounced += n
         done = 0
         while done < n:
-            room = self._size - self._pos
+            fill = min(self._size, self._limit)  # a multiple of ALIGN: the ramp's sizes
+            room = max(0, fill - self._pos)
+            if not room:
+                self._send()
+                continue
             k = min(room, n - done)
             self._views[self._cur][self._pos : self._pos + k] = mv[done : done + k]
             self._pos += k
             done += k
-            if self._pos == self._size:
+            if self._pos == fill:
                 self._send()
         self.nbytes += n
         return n
