@@ -309,11 +309,9 @@ class DirectWriter(BlockSums):
         done = 0
         while done < n:
             fill = min(self._size, self._limit)  # a multiple of ALIGN: the ramp's sizes
-            room = max(0, fill - self._pos)
-            if not room:
-                self._send()
-                continue
-            k = min(room, n - done)
+            if self._pos >= fill:  # (a request goes at ``fill``) whole buffers, as before
+                fill = self._size
+            k = min(fill - self._pos, n - done)
             self._views[self._cur][self._pos : self._pos + k] = mv[done : done + k]
             self._pos += k
             done += k
