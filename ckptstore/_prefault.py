@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import mmap
 import os
 import sys
@@ -43,13 +44,13 @@ STEP = 8 << 20
 
 _PAGE = mmap.PAGESIZE
 _lock = threading.Lock()
-_madvise: Callable[[int, int, int], int] | None = None  # libc's madvise, once probed
+_madvise: Callable[[int, int, int], int] | None = None  # where MADV_POPULATE_WRITE works
 _probed = False
-_libc: Callable[[int, int, int], int] | None = None  # for advise_huge
 
 
+@functools.cache
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
-    """The C library's ``madvise`` (Linux only), or None."""
+    """The C library's ``madvise`` (Linux only), or None; looked up once."""
     if not sys.platform.startswith("linux"):
         return None
     try:
@@ -91,11 +92,9 @@ def advise_huge(buf: mmap.mmap) -> bool:
     private anonymous mapping (``MAP_PRIVATE | MAP_ANONYMOUS``): shared ones follow the
     shmem setting.
     """
-    global _libc  # loaded once
-    with _lock:
-        if _libc is None:
-            _libc = _libc_madvise() or (lambda a, n, k: -1)
-        fn = _libc
+    fn = _libc_madvise()
+    if fn is None:
+        return False
     anchor = ctypes.c_char.from_buffer(buf)
     try:
         return fn(ctypes.addressof(anchor), len(buf), _MADV_HUGEPAGE) == 0

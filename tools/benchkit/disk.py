@@ -17,13 +17,10 @@ ALIGN = 4096  # O_DIRECT: offsets, lengths and buffer addresses aligned to this
 CHUNK = 32 << 20  # raw writes and reads go in slices of this size
 
 
-#: ``madvise(MADV_HUGEPAGE)`` (``<asm-generic/mman-common.h>``).
-_MADV_HUGEPAGE = 14
-
-
 def dma_buffer(size: int = CHUNK) -> mmap.mmap:
     """A page-aligned buffer for the raw O_DIRECT contenders, on transparent huge pages
-    where the kernel gives them (``MADV_HUGEPAGE``), every page touched.
+    where the kernel gives them (ckptstore's own ``directio.new_buffer``), every page
+    touched.
 
     The raw contenders are the disk's best. A request's size is capped by the device's
     segment count (``/sys/block/*/queue/max_segments``: 254 on the test VM's virtio disk),
@@ -33,15 +30,9 @@ def dma_buffer(size: int = CHUNK) -> mmap.mmap:
     3.8-3.9 MiB, 0.24 s and 0.28 s. Which pages a plain buffer got was decided once per
     process: the "fast and slow modes of the disk" that earlier runs saw between jobs.
     """
-    buf = mmap.mmap(-1, size, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    with contextlib.suppress(OSError, AttributeError, ValueError):
-        madvise = ctypes.CDLL(None, use_errno=True).madvise
-        madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-        anchor = ctypes.c_char.from_buffer(buf)
-        try:
-            madvise(ctypes.addressof(anchor), size, _MADV_HUGEPAGE)
-        finally:
-            del anchor
+    from ckptstore.storage.directio import new_buffer
+
+    buf = new_buffer(size)
     for off in range(0, size, mmap.PAGESIZE):
         buf[off] = 0
     return buf
