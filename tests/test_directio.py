@@ -55,6 +55,28 @@ def test_direct_writer_bytes_size_and_crc(tmp_path: Path, sizes: list[int], dire
         assert not w.direct  # small files go through the page cache
 
 
+@pytest.mark.parametrize("piece", [4_099, 3 * ALIGN, 1 << 20])
+def test_copied_bytes_are_checksummed_piece_by_piece_in_the_buffer(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, piece: int
+) -> None:
+    """write() copies and checksums in pieces: the file's, its blocks' and a stretch's CRCs
+    stay exact wherever the pieces, the requests, the blocks and the stretch's blocks cut."""
+    monkeypatch.setattr(directio, "_PIECE", piece)
+    head, data = os.urandom(ALIGN + 3), os.urandom(5 * (1 << 20) + 12_345)
+    sub = SubBlocks(70_001)
+    w = DirectWriter(str(tmp_path / "f"), buffer_size=1 << 20)  # a request every MiB
+    w.write(head)
+    assert w.write(data, sub) == len(data)
+    w.finish()
+    whole = head + data
+    assert (tmp_path / "f").read_bytes() == whole
+    assert w.nbytes == len(whole) == w.bounced
+    assert w.crc == crc32c_of(whole)
+    step = 4 << 20  # integrity.BLOCK: the file has two blocks
+    assert w.blocks == tuple(crc32c_of(whole[i : i + step]) for i in range(0, len(whole), step))
+    assert sub.close() == [crc32c_of(data[i : i + 70_001]) for i in range(0, len(data), 70_001)]
+
+
 def test_direct_writer_falls_back_when_o_direct_is_refused(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

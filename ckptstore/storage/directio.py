@@ -217,6 +217,9 @@ _SEGMENT_MIN = 256 << 10
 #: ``"auto"`` where the device cuts requests from 4 KiB pages short (:func:`segment_capped`),
 #: ``"always"`` or ``"never"``.
 BOUNCE = "auto"
+#: :meth:`DirectWriter.write` copies and checksums in pieces of this many bytes (half of
+#: the 2 MiB L2 cache a core of the VM has: a piece is checksummed where it was just copied).
+_PIECE = 1 << 20
 #: Pieces of one request at most (Linux's IOV_MAX is 1024).
 _IOV_MAX = 256
 #: A file's first request is sent once it holds this many bytes, each next one at twice as
@@ -301,9 +304,14 @@ class DirectWriter(BlockSums):
 
         ``sub`` receives the CRC32C of every ``sub.block`` bytes of ``data``, from the same
         pass (see :meth:`write_segment`).
+
+        The bytes are checksummed in the buffer, each :data:`_PIECE` right after it is
+        copied there, while it is still in the CPU's cache: the bytes checksummed are the
+        bytes written, and the caller's memory is read once. Checksumming all of ``data``
+        first and copying it after read it twice: 384 MB took 87 ms of CPU against 56 ms,
+        two processes side by side on the 2-core VM (session 21).
         """
         mv = memoryview(data).cast("B")
-        self._sum.update(mv, sub)  # where the bytes are now: the caller's memory
         n = len(mv)
         self.bounced += n
         done = 0
@@ -311,10 +319,15 @@ class DirectWriter(BlockSums):
             fill = min(self._size, self._limit)  # a multiple of ALIGN: the ramp's sizes
             if self._pos >= fill:  # (a request goes at ``fill``) whole buffers, as before
                 fill = self._size
-            k = min(fill - self._pos, n - done)
-            self._views[self._cur][self._pos : self._pos + k] = mv[done : done + k]
-            self._pos += k
-            done += k
+            end = done + min(fill - self._pos, n - done)
+            buf = self._views[self._cur]
+            while done < end:
+                k = min(_PIECE, end - done)
+                piece = buf[self._pos : self._pos + k]
+                piece[:] = mv[done : done + k]
+                self._sum.update(piece, sub)
+                self._pos += k
+                done += k
             if self._pos == fill:
                 self._send()
         self.nbytes += n
