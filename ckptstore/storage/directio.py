@@ -310,8 +310,9 @@ class DirectWriter(BlockSums):
         bytes written, and the caller's memory is read once. Checksumming all of ``data``
         first and copying it after read it twice: one 384 MB tensor took 87 ms of CPU
         against 56 ms, two processes side by side on the 2-core VM (session 21). With the
-        sharded bench's 1-4 MB tensors, which the L3 cache held between the two passes,
-        two saves took 6% less CPU and the same time.
+        sharded bench's shards (three quarters of the bytes in tensors of 0.5-2.1 MB, which
+        the L3 cache held between the two passes), two saves took 6% less CPU and the same
+        time.
         """
         mv = memoryview(data).cast("B")
         n = len(mv)
