@@ -50,6 +50,10 @@ __all__ = ["CollectiveStats", "Coordinator"]
 _RANKS_RE = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 #: How long a survivor waits for rank 0's verdict on who is missing.
 _VERDICT_WAIT_S = 10.0
+#: What a coordinator's group creation may take beyond ``barrier_timeout`` before this rank
+#: gives up on it (:meth:`Coordinator._new_group`): its store rendezvous is bounded by the
+#: timeout itself, and a healthy gloo connect takes milliseconds.
+_GROUP_MARGIN_S = 1.0
 #: Up to this many ranks, a rank other than 0 without torchrun's LOCAL_WORLD_SIZE looks at
 #: every rank for a dead process of its host (see ``Coordinator._host_ranks``).
 _PROBE_ALL = 64
@@ -105,6 +109,16 @@ def _default_store() -> Any:
         return None
 
 
+def _own_client(store: Any) -> Any:
+    """A new client of ``store`` (``Store.clone``: same keys, a connection of its own)."""
+    if store is None:
+        return None
+    try:
+        return store.clone()
+    except Exception:  # an old torch, or a store that cannot be cloned: the shared one
+        return store
+
+
 def _alive(pid: int) -> bool:
     """Whether a local process runs (a zombie, exited but not yet reaped, does not)."""
     try:
@@ -158,12 +172,50 @@ class Coordinator:
                 # manager surfaces from it as a raw DistStoreError that names no one. Wait for
                 # the others' keys first, so the error names the missing ranks.
                 self._await_ranks(store)
+            # A client of the store with a connection of its own, made before the group's
+            # creation starts: an abandoned creation (see _new_group) may hold the shared
+            # client in a wait (TCPStore serializes its calls, ``clone`` included), and the
+            # failure must still read the store to name the missing ranks.
+            own = _own_client(store)
             try:
-                self.group = dist.new_group(
+                self.group = self._new_group()
+            except (RuntimeError, TimeoutError) as e:  # DistStoreError and gloo's errors alike
+                raise self._init_timeout(own, e) from None
+
+    def _new_group(self) -> Any:
+        """The private gloo group, created on a thread of its own and waited for ``timeout``.
+
+        gloo's full-mesh connect does not take the group's timeout: where a rank died inside
+        ``new_group`` while another was still coming to it, rank 0 waited 15.8 s for gloo's
+        own connect timeout with ``barrier_timeout=3`` (rank 1: 0.8 s, refused), before it
+        could name the dead rank (``rank_dies_inside_group_creation``). A creation still
+        running after ``timeout`` (and a small margin, for a loaded host) is left to finish
+        or fail on its own thread (a daemon; its outcome is dropped) and counts as this
+        rank's timeout: the store then says which rank never came or has died.
+
+        Raises:
+            TimeoutError: the group was not made within the timeout.
+            RuntimeError: ``new_group`` failed (``DistStoreError``, gloo's errors).
+        """
+        made: dict[str, Any] = {}
+
+        def run() -> None:
+            try:
+                made["group"] = dist.new_group(
                     backend="gloo", timeout=datetime.timedelta(seconds=self.timeout)
                 )
-            except RuntimeError as e:  # DistStoreError and gloo's errors alike
-                raise self._init_timeout(store, e) from None
+            except BaseException as e:  # handed to the caller, or dropped once abandoned
+                made["error"] = e
+
+        t = threading.Thread(target=run, name="ckptstore-new-group", daemon=True)
+        t.start()
+        t.join(self.timeout + _GROUP_MARGIN_S)
+        if t.is_alive():
+            raise TimeoutError(f"the process group was not made within {self.timeout:g}s")
+        error = made.get("error")
+        if error is not None:
+            raise error
+        return made["group"]
 
     def _host_key(self, rank: int) -> str:
         return f"ckptstore/{self._uid}/host/{rank}"
@@ -205,9 +257,12 @@ class Coordinator:
             acks = f"ckptstore/{self._uid}/init/acks"
             if self.rank == 0:
                 # The store usually lives in this process, which is about to raise and may
-                # exit: wait (bounded) until the other ranks that came have looked too.
+                # exit: wait (bounded) until the other ranks that came have looked too. One
+                # may give up on its group only the timeout and the margin after it started
+                # (_new_group), where this rank's own creation failed at once (refused).
                 others = self.world_size - 1 - len(missing)
-                deadline = time.monotonic() + min(_VERDICT_WAIT_S, self.timeout)
+                wait = min(_VERDICT_WAIT_S, self.timeout + 2 * _GROUP_MARGIN_S)
+                deadline = time.monotonic() + wait
                 with contextlib.suppress(Exception):
                     while store.add(acks, 0) < others and time.monotonic() < deadline:
                         time.sleep(0.02)

@@ -486,6 +486,32 @@ def rank_dies_in_group_creation(ctx: Ctx) -> dict[str, Any]:
     return outcome(lambda: CheckpointManager(ctx.root, barrier_timeout=timeout))
 
 
+def rank_dies_inside_group_creation(ctx: Ctx) -> dict[str, Any]:
+    """The last rank dies inside the real ``new_group`` (``after`` seconds into it), waiting
+    there for the others, who come ``late`` seconds after every rank has announced itself:
+    its part of the group's rendezvous is in the store already."""
+    timeout = float(ctx.args["timeout"])
+    from ckptstore import dist as cdist
+
+    real = cdist.dist.new_group
+    if ctx.rank == ctx.world - 1:
+
+        def die_inside(*a: Any, **k: Any) -> Any:
+            threading.Timer(float(ctx.args["after"]), os._exit, (3,)).start()
+            return real(*a, **k)
+
+        cdist.dist.new_group = die_inside  # type: ignore[assignment]
+    else:
+        waited = cdist.Coordinator._await_ranks
+
+        def late(self: Any, store: Any) -> None:  # every key is set: then a while elsewhere
+            waited(self, store)
+            time.sleep(float(ctx.args["late"]))
+
+        cdist.Coordinator._await_ranks = late  # type: ignore[method-assign]
+    return outcome(lambda: CheckpointManager(ctx.root, barrier_timeout=timeout).close())
+
+
 def rank0_elsewhere_when_a_rank_dies(ctx: Ctx) -> dict[str, Any]:
     """Rank 2 dies before a save, and rank 0 comes to it only after rank 1 gave up (rank 0
     was at another wait: still finishing an async save's commit, say): no verdict of rank 0
