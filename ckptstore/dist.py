@@ -109,16 +109,6 @@ def _default_store() -> Any:
         return None
 
 
-def _own_client(store: Any) -> Any:
-    """A new client of ``store`` (``Store.clone``: same keys, a connection of its own)."""
-    if store is None:
-        return None
-    try:
-        return store.clone()
-    except Exception:  # an old torch, or a store that cannot be cloned: the shared one
-        return store
-
-
 def _alive(pid: int) -> bool:
     """Whether a local process runs (a zombie, exited but not yet reaped, does not)."""
     try:
@@ -172,15 +162,10 @@ class Coordinator:
                 # manager surfaces from it as a raw DistStoreError that names no one. Wait for
                 # the others' keys first, so the error names the missing ranks.
                 self._await_ranks(store)
-            # A client of the store with a connection of its own, made before the group's
-            # creation starts: an abandoned creation (see _new_group) may hold the shared
-            # client in a wait (TCPStore serializes its calls, ``clone`` included), and the
-            # failure must still read the store to name the missing ranks.
-            own = _own_client(store)
             try:
                 self.group = self._new_group()
             except (RuntimeError, TimeoutError) as e:  # DistStoreError and gloo's errors alike
-                raise self._init_timeout(own, e) from None
+                raise self._init_timeout(store, e) from None
 
     def _new_group(self) -> Any:
         """The private gloo group, created on a thread of its own and waited for ``timeout``.
