@@ -49,6 +49,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
     ("codec/zipcheck.py", "__call__", "ValueError"): "internal precondition: feed in order",
     ("codec/zipstream.py", "__call__", "ValueError"): "internal precondition: feed in order",
     ("dist.py", "scatter", "ValueError"): "internal precondition (a bug), before any wait",
+    ("dist.py", "_new_group", "TimeoutError"): (
+        "internal: Coordinator.__init__ turns it into BarrierTimeout naming the missing ranks"
+    ),
     ("integrity.py", "parse_crc", "ValueError"): "parse helper; callers raise ManifestError",
     ("integrity.py", "check_blocks", "ValueError"): "internal precondition (a bug)",
     ("integrity.py", "write", "OSError"): "an I/O failure (EIO short write); saves wrap it",
