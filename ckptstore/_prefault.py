@@ -21,14 +21,13 @@ from __future__ import annotations
 
 import ctypes
 import errno
-import functools
 import mmap
 import os
-import sys
 import threading
 from collections.abc import Callable, Iterable
 from types import TracebackType
 
+from ._libc import libc_function
 from ._log import logger as log
 
 __all__ = ["MIN_BYTES", "STEP", "Prefaulter", "advise_huge", "populate", "supported"]
@@ -48,18 +47,9 @@ _madvise: Callable[[int, int, int], int] | None = None  # where MADV_POPULATE_WR
 _probed = False
 
 
-@functools.cache
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
     """The C library's ``madvise`` (Linux only), or None; looked up once."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).madvise
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    fn.restype = ctypes.c_int
-    return fn
+    return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
 
 
 def _probe() -> Callable[[int, int, int], int] | None:

@@ -10,12 +10,12 @@ import json
 import os
 import shutil
 import stat
-import sys
 import time
 from collections.abc import Callable
 from typing import IO, Any, ClassVar
 
 from .._gc import gc_paused
+from .._libc import libc_function
 from .._log import logger as log
 from ..errors import CommitError, ConfigError, ManifestError, StoreLockedError
 from ..integrity import crc32c_of, format_crc
@@ -504,15 +504,9 @@ _RENAME_EXCHANGE = 2  # linux/fs.h
 
 def _renameat2() -> Any:
     """The C library's ``renameat2`` (glibc 2.28+), or ``None`` (not Linux, old glibc)."""
-    if not sys.platform.startswith("linux"):
-        return None
-    try:
-        fn = ctypes.CDLL(None, use_errno=True).renameat2
-    except (OSError, AttributeError):
-        return None
-    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint]
-    fn.restype = ctypes.c_int
-    return fn
+    return libc_function(
+        "renameat2", (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+    )
 
 
 #: A listing cache larger than this is ignored (about 600 bytes per checkpoint).
