@@ -126,8 +126,9 @@ def test_restore_reads_every_parameter_and_moment_into_its_own_memory(
     assert sorted(read.values()) == sorted(before.values())
 
 
+@pytest.mark.parametrize("io", ["direct", "buffered"])  # by extent (extents.py), box by box
 def test_a_corrupt_block_never_reaches_a_live_target(
-    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, io: str
 ) -> None:
     root = tmp_path / "s"
     held = _saved(mesh, root, {1: 1, 2: 2}, big_in=(1, 2))
@@ -135,7 +136,10 @@ def test_a_corrupt_block_never_reaches_a_live_target(
     model, opt = _build(mesh, 5)
     old = {k: v.clone() for k, v in _locals(model, opt).items()}
     seen = _spy(monkeypatch)
-    with CheckpointManager(root) as mgr, pytest.raises(IntegrityError, match="block 1 ") as ei:
+    with (
+        CheckpointManager(root, storage_options={"io": io}) as mgr,
+        pytest.raises(IntegrityError, match="tensor 'model/big': block 1 ") as ei,
+    ):
         mgr.restore({"model": model, "optimizer": opt}, step=2)
     assert "_shards.rank00000" in str(ei.value)
     big = _locals(model, opt)["big"]

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import functools
 import math
 import threading
 from collections.abc import Callable, Collection, Mapping
@@ -23,6 +24,7 @@ from .._prefault import Prefaulter
 from ..codec.dtypes import ITEMSIZE
 from ..errors import IntegrityError
 from ..state.modules import EMA, de_parallel, module_state
+from . import extents
 from .chunks import (
     Chunk,
     ChunkIndex,
@@ -404,6 +406,7 @@ def read_into(
     *,
     live: Collection[str] = (),
     boxes: Mapping[str, Box] | None = None,
+    direct_fd: Callable[[str], int | None] | None = None,
 ) -> int:
     """Fill ``flat`` (tensors or DTensors) from the saved chunks that overlap them.
 
@@ -418,12 +421,28 @@ def read_into(
     buffer, checked, then copied. ``boxes`` holds the box each target holds where the caller
     knows it (:func:`template_box`); :func:`target_box` computes the others.
 
+    With ``direct_fd`` (a file's ``O_DIRECT`` descriptor, or None where it has none), the
+    files whose every box is one contiguous range of its chunk and of its CPU target are
+    read by extent instead (``extents``): runs of their boxes, one request each, into a
+    stage, each block checked there and then copied into its target, fresh or live.
+
     Returns:
         The number of bytes read.
     """
     if not flat:
         return 0
     items = read_items(index, flat, boxes or {})
+    runs: list[extents.Run] = []
+    tasks: list[Callable[[], int]] = []
+    if direct_fd is not None and read_to is not None:
+        fd_of = direct_fd
+        runs, items = extents.plan(
+            items, extents.dests_of(flat, local_of), index, lambda f: fd_of(f) is not None
+        )
+        tasks = [
+            functools.partial(extents.read_run, run, index.block, fd_of, read_to, where)
+            for run in runs
+        ]
     # One box at a time through a buffer (the size of the blocks that cover it: nearly a
     # whole chunk for a column range), as before the reads ran at once: the memory a
     # restore takes beyond its targets stays one box.
@@ -489,18 +508,19 @@ def read_into(
     # store several GETs), and the CRCs of one box overlap the reads of the others. Leaving
     # the block waits for every running read, so no thread writes a target after we return.
     nread = [0]
-    tasks = batches(items, index.tensors)
+    groups = batches(items, index.tensors)
+    tasks += [functools.partial(batch, g) for g in groups]
     # The pages of the targets faulted in by a thread of their own, in the order the reads
     # fill them (``_prefault``); stopped and joined after the last read, as the reads are.
-    prefault = Prefaulter(_spans_in_order(tasks, flat)) if PREFAULT else None
+    prefault = Prefaulter(extents.spans(runs) + _spans_in_order(groups, flat)) if PREFAULT else None
     with prefault or contextlib.nullcontext():
         if len(tasks) <= 1:
-            nread[0] = sum(batch(t) for t in tasks)
+            nread[0] = sum(t() for t in tasks)
         else:
             with concurrent.futures.ThreadPoolExecutor(
                 min(READ_THREADS, len(tasks)), thread_name_prefix="ckptstore-read"
             ) as pool:
-                futures = [pool.submit(batch, t) for t in tasks]
+                futures = [pool.submit(t) for t in tasks]
                 try:
                     for f in futures:
                         nread[0] += f.result()

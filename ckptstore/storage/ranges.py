@@ -115,6 +115,27 @@ class RangeReader:
                 break
         return got
 
+    def read_mode(self) -> str | None:
+        """How a restore reads its runs of a file (``sharded/extents.py``); once a restore.
+
+        ``"direct"`` (through :meth:`direct_fd`), ``"buffered"``, or None where the store
+        offers no choice (object stores: every read is a ranged GET).
+        """
+        return None
+
+    def direct_fd(self, name: str) -> int | None:
+        """An ``O_DIRECT`` descriptor of ``name``, kept open until :meth:`close`; or None.
+
+        The file's size is checked against the manifest first.
+        """
+        return None
+
+    def record_read(self, mode: str, nbytes: int, seconds: float) -> None:
+        """Note that a restore read ``nbytes`` in ``mode`` in ``seconds``.
+
+        The measurement a store that chooses between the modes by speed keeps (``iomode``).
+        """
+
     def close(self) -> None:
         """Close every opened file."""
         for f in self._open.values():

@@ -1,0 +1,375 @@
+"""Restore reads by file extent (``sharded/extents.py``): real files, real ``O_DIRECT``.
+
+A file's boxes go in runs of at most ``EXTENT`` bytes, one aligned ``O_DIRECT`` request a
+run, into a stage where every block is checked before a byte of it reaches its target. A
+file with any box that is not one contiguous range goes box by box through the page cache
+instead, whole. The manager's restores choose between the two as the store's ``io`` says
+(``"auto"``: by the speeds measured, ``storage/iomode.py``).
+"""
+
+from __future__ import annotations
+
+import errno
+import os
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from ckptstore import CheckpointManager
+from ckptstore.errors import IntegrityError
+from ckptstore.sharded import extents, targets
+from ckptstore.sharded.chunks import Chunk, ChunkIndex, TensorEntry
+from ckptstore.storage import iomode
+from ckptstore.storage.directio import ALIGN, open_direct_read
+from tests._helpers import row_chunks
+
+pytestmark = pytest.mark.timeout(120)
+
+BLOCK = 4096
+
+
+class Files:
+    """Real files in ``root`` read as a restore reads them: an ``O_DIRECT`` descriptor per
+    file, and the buffered ``pread`` of the reader (``read_to``), each call recorded."""
+
+    def __init__(self, root: Path) -> None:
+        self.root = root
+        self.fds: dict[str, int] = {}
+        self.buffered: list[tuple[str, int, int]] = []
+
+    def write(self, name: str, data: bytes) -> None:
+        (self.root / name).write_bytes(data)
+
+    def direct_fd(self, name: str) -> int | None:
+        if name not in self.fds:
+            fd, direct = open_direct_read(str(self.root / name))
+            assert direct, "the test's filesystem takes O_DIRECT"
+            self.fds[name] = fd
+        return self.fds[name]
+
+    def read_to(self, name: str, offset: int, bufs: list[memoryview]) -> None:
+        self.buffered.append((name, offset, sum(len(b) for b in bufs)))
+        with open(self.root / name, "rb") as f:
+            f.seek(offset)
+            for b in bufs:
+                assert f.readinto(b) == len(b)  # type: ignore[attr-defined]
+
+    def read(self, name: str, offset: int, length: int) -> bytearray:
+        buf = bytearray(length)
+        self.read_to(name, offset, [memoryview(buf)])
+        return buf
+
+    def close(self) -> None:
+        for fd in self.fds.values():
+            os.close(fd)
+
+
+@pytest.fixture
+def files(tmp_path: Path) -> Iterator[Files]:
+    f = Files(tmp_path)
+    yield f
+    f.close()
+
+
+@pytest.fixture
+def requests(monkeypatch: pytest.MonkeyPatch) -> list[tuple[int, int]]:
+    """Every ``O_DIRECT`` request of the runs: ``(offset, length)``."""
+    seen: list[tuple[int, int]] = []
+    real = extents.read_into
+
+    def read_into(fd: int, dest: memoryview, offset: int) -> int:
+        seen.append((offset, len(dest)))
+        return real(fd, dest, offset)
+
+    monkeypatch.setattr(extents, "read_into", read_into)
+    return seen
+
+
+def _stored(files: Files, t: torch.Tensor, parts: int, at: int = 0, name: str = "f") -> ChunkIndex:
+    """``t`` saved as ``parts`` row chunks from offset ``at`` of file ``name``."""
+    raw, entry = row_chunks(t, parts, BLOCK, at)
+    chunks = tuple(Chunk(c.offsets, c.sizes, name, c.start, c.nbytes, c.crcs) for c in entry.chunks)
+    files.write(name, bytes(at) + bytes(raw) + bytes(123))  # a tail: the file is no run's end
+    return ChunkIndex({"model/w": TensorEntry("float32", tuple(t.shape), chunks)}, block=BLOCK)
+
+
+def _read(files: Files, index: ChunkIndex, flat: dict[str, torch.Tensor], **kw: Any) -> int:
+    return targets.read_into(
+        index, flat, files.read, "s", files.read_to, direct_fd=files.direct_fd, **kw
+    )
+
+
+def test_a_file_is_read_in_aligned_runs_of_at_most_extent_bytes(
+    files: Files, requests: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(extents, "EXTENT", 64 << 10)
+    t = torch.randn(1024, 64)  # 256 KiB in 16 chunks of 16 KiB, from byte 1000 of the file
+    index = _stored(files, t, 16, at=1000)
+    out = torch.full((1024, 64), -7.0)
+    assert _read(files, index, {"model/w": out}) > t.numel() * 4
+    assert torch.equal(out, t)
+    assert files.buffered == []  # nothing through the page cache
+    # Runs of whole boxes (16 KiB chunks from byte 1000 + 16 KiB x i): three to a run, the
+    # fourth would end past 64 KiB of the run's aligned start; each run one request, from
+    # its first box's block rounded down to 4 KiB, its length rounded up.
+    starts = [1000 + (16 << 10) * i for i in range(0, 16, 3)]
+    ends = [min(a + 3 * (16 << 10), 1000 + (256 << 10)) for a in starts]
+    want = [
+        (a - a % ALIGN, -(-(b - a + a % ALIGN) // ALIGN) * ALIGN)
+        for a, b in zip(starts, ends, strict=True)
+    ]
+    assert sorted(requests) == want
+    assert all(n <= 64 << 10 for _, n in requests)
+
+
+def test_a_box_larger_than_an_extent_is_cut_at_its_blocks(
+    files: Files, requests: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(extents, "EXTENT", 3 * BLOCK)
+    t = torch.randn(40, 1000)  # one chunk of 160,000 bytes: 40 blocks, the last partial
+    index = _stored(files, t, 1)
+    runs, rest = extents.plan(
+        targets.read_items(index, {"model/w": t}, {}),
+        extents.dests_of({"model/w": t}, targets.local_of),
+        index,
+        lambda f: True,
+    )
+    assert rest == []
+    assert [(p.k0, p.k1) for r in runs for p in r.pieces] == [
+        (k, min(k + 3, 40)) for k in range(0, 40, 3)
+    ]
+    assert all(r.end - r.start <= 3 * BLOCK for r in runs)
+    out = torch.empty(40, 1000)
+    _read(files, index, {"model/w": out})
+    assert torch.equal(out, t)
+    assert len(requests) == 14
+
+
+def test_boxes_further_apart_than_the_gap_are_separate_runs(files: Files) -> None:
+    t = torch.randn(64, 64)
+    index = _stored(files, t, 2)
+    a, b = index.tensors["model/w"].chunks
+    gap = extents.GAP + 1  # the second chunk moved past the gap
+    far = Chunk(b.offsets, b.sizes, "f", b.start + gap, b.nbytes, b.crcs)
+    moved = ChunkIndex({"model/w": TensorEntry("float32", (64, 64), (a, far))}, block=BLOCK)
+    data = (files.root / "f").read_bytes()
+    files.write("f", data[: b.start] + bytes(gap) + data[b.start :])
+    flat = {"model/w": torch.empty(64, 64)}
+    runs, _ = extents.plan(
+        targets.read_items(moved, flat, {}),
+        extents.dests_of(flat, targets.local_of),
+        moved,
+        lambda f: True,
+    )
+    assert [len(r.pieces) for r in runs] == [1, 1]
+    _read(files, moved, flat)
+    assert torch.equal(flat["model/w"], t)
+    # Within the gap, one run reads both boxes and the bytes between them.
+    runs, _ = extents.plan(
+        targets.read_items(index, flat, {}),
+        extents.dests_of(flat, targets.local_of),
+        index,
+        lambda f: True,
+    )
+    assert [len(r.pieces) for r in runs] == [2]
+
+
+def test_a_file_with_a_box_that_is_not_one_range_is_read_box_by_box_whole(
+    files: Files, requests: list[tuple[int, int]]
+) -> None:
+    t = torch.randn(64, 64)
+    u = torch.randn(64, 64)
+    index = _stored(files, t, 4, name="f")
+    other = _stored(files, u, 4, name="g")
+    both = ChunkIndex(
+        {"model/w": index.tensors["model/w"], "model/u": other.tensors["model/w"]}, block=BLOCK
+    )
+    # A column range of w: its boxes are not one range of their chunks, so all of file f
+    # goes box by box; u's file g still goes by runs.
+    flat = {"model/w": torch.full((64, 64), -7.0), "model/u": torch.empty(64, 64)}
+    boxes = {"model/w": ((0, 0), (64, 32))}
+    runs, rest = extents.plan(
+        targets.read_items(both, flat, boxes),
+        extents.dests_of(flat, targets.local_of),
+        both,
+        lambda f: True,
+    )
+    assert {r.file for r in runs} == {"g"}
+    assert {item[1].file for item in rest} == {"f"}
+    targets.read_into(
+        both, flat, files.read, "s", files.read_to, boxes=boxes, direct_fd=files.direct_fd
+    )
+    assert torch.equal(flat["model/w"][:, :32], t[:, :32])
+    assert bool((flat["model/w"][:, 32:] == -7.0).all())
+    assert torch.equal(flat["model/u"], u)
+    assert {name for name, _, _ in files.buffered} == {"f"}
+    assert requests  # g's runs
+    # A file that has no O_DIRECT descriptor goes box by box too.
+    runs, rest = extents.plan(
+        targets.read_items(both, flat, {}),
+        extents.dests_of(flat, targets.local_of),
+        both,
+        lambda f: f != "g",
+    )
+    assert {r.file for r in runs} == {"f"}
+    assert {item[1].file for item in rest} == {"g"}
+
+
+def test_a_corrupt_block_stops_its_run_before_a_byte_of_it_reaches_the_target(
+    files: Files,
+) -> None:
+    t = torch.randn(64, 64)  # 4 chunks of 4 KiB rows: one block each
+    index = _stored(files, t, 4)
+    bad = index.tensors["model/w"].chunks[2]
+    data = bytearray((files.root / "f").read_bytes())
+    data[bad.start + 100] ^= 0x10
+    files.write("f", bytes(data))
+    out = torch.full((64, 64), -7.0)
+    with pytest.raises(
+        IntegrityError, match=r"tensor 'model/w': block 0 of its chunk at \[32, 0\] in f"
+    ) as ei:
+        _read(files, index, {"model/w": out})
+    assert "does not match its crc32c" in str(ei.value)
+    assert bool((out[32:48] == -7.0).all())  # the failed block: nothing of it copied
+    assert torch.equal(out[:32], t[:32])  # the run's blocks before it were
+
+
+def test_a_file_shorter_than_its_runs_is_an_integrity_error(files: Files) -> None:
+    t = torch.randn(64, 64)
+    index = _stored(files, t, 4)
+    data = (files.root / "f").read_bytes()
+    files.write("f", data[: 3 * 4096 + 10])
+    out = torch.full((64, 64), -7.0)
+    with pytest.raises(IntegrityError, match="not there; it is truncated"):
+        _read(files, index, {"model/w": out})
+
+
+def test_a_request_the_kernel_refuses_goes_through_the_page_cache(
+    files: Files, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def refuse(fd: int, dest: memoryview, offset: int) -> int:
+        raise OSError(errno.EINVAL, "Invalid argument")  # an alignment the fs does not take
+
+    monkeypatch.setattr(extents, "read_into", refuse)
+    t = torch.randn(64, 64)
+    index = _stored(files, t, 4)
+    out = torch.empty(64, 64)
+    _read(files, index, {"model/w": out})
+    assert torch.equal(out, t)
+    assert files.buffered  # every run through read_to
+
+    def fail(fd: int, dest: memoryview, offset: int) -> int:
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(extents, "read_into", fail)
+    with pytest.raises(IntegrityError, match=r"f unreadable \(\[Errno 5\]"):
+        _read(files, index, {"model/w": torch.empty(64, 64)})
+
+
+def test_stages_are_kept_for_the_next_restore(
+    files: Files, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    made: list[int] = []
+    real = extents.new_buffer
+
+    def new_buffer(size: int) -> Any:
+        made.append(size)
+        return real(size)
+
+    monkeypatch.setattr(extents, "new_buffer", new_buffer)
+    monkeypatch.setattr(extents, "EXTENT", 2 * BLOCK)  # kept stages of another size: dropped
+    t = torch.randn(512, 64)  # 32 runs
+    index = _stored(files, t, 8)
+    for _ in range(3):
+        out = torch.empty(512, 64)
+        _read(files, index, {"model/w": out})
+        assert torch.equal(out, t)
+    assert 1 <= len(made) <= targets.READ_THREADS  # the first read's, reused since
+    assert len(extents._stages) <= targets.READ_THREADS
+
+
+# ---- the manager's restores: which way, and both restore the same bytes --------------------
+
+
+def _build(mesh: object, seed: int) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64))
+    fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for p in model.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()
+    return model, opt
+
+
+def _values(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Tensor]:
+    out = [p.to_local().clone() for p in model.parameters()]  # type: ignore[operator]
+    for st in opt.state.values():
+        out += [st[k].to_local().clone() for k in ("exp_avg", "exp_avg_sq")]
+    return out
+
+
+@pytest.fixture
+def runs_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The file of every run a restore read by extent."""
+    seen: list[str] = []
+    real = extents.read_run
+
+    def read_run(run: extents.Run, *a: Any) -> int:
+        seen.append(run.file)
+        return real(run, *a)
+
+    monkeypatch.setattr(extents, "read_run", read_run)
+    return seen
+
+
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_both_ways_restore_the_same_bytes_and_io_chooses_the_way(
+    mesh: object, tmp_path: Path, runs_read: list[str], io: str
+) -> None:
+    model, opt = _build(mesh, 1)
+    want = _values(model, opt)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+    for live in (True, False):  # into the targets' own tensors, and into fresh ones
+        model, opt = _build(mesh, 2)
+        if not live:
+            opt = torch.optim.AdamW(model.parameters(), lr=1e-2)  # no moments yet
+        with CheckpointManager(tmp_path / "s", storage_options={"io": io}) as mgr:
+            assert mgr.restore({"model": model, "optimizer": opt}) == 1
+        got = _values(model, opt)
+        assert len(got) == len(want)
+        assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
+    if io == "direct":
+        assert runs_read
+        assert all(f.startswith("_shards.") for f in runs_read)
+    else:
+        assert runs_read == []
+
+
+def test_auto_tries_each_way_then_keeps_the_faster(
+    mesh: object, tmp_path: Path, runs_read: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(iomode, "MEASURED_BYTES", 1)  # this small restore is a measurement
+    model, opt = _build(mesh, 1)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+    iomode.forget()
+    modes: list[str] = []
+    for _ in range(3):
+        before = len(runs_read)
+        with CheckpointManager(tmp_path / "s") as mgr:
+            mgr.restore({"model": model, "optimizer": opt})
+        modes.append("direct" if len(runs_read) > before else "buffered")
+    reads = [d for d in iomode.decisions() if d["op"] == "read"]
+    # Each way tried once, each measured, then the faster one (as measured) is used.
+    assert modes[:2] == ["direct", "buffered"]
+    assert [d["mode"] for d in reads] == modes
+    stats = {d["mode"]: d["bytes_per_s"] for d in reads[:2]}
+    faster = "direct" if stats["direct"] > stats["buffered"] * 1.05 else "buffered"
+    assert modes[2] == faster
