@@ -133,7 +133,8 @@ def test_a_box_larger_than_an_extent_is_cut_at_its_blocks(
     index = _stored(files, t, 1)
     runs, rest = extents.plan(
         targets.read_items(index, {"model/w": t}, {}),
-        extents.dests_of({"model/w": t}, targets.local_of),
+        {"model/w": t},
+        targets.local_of,
         index,
         lambda f: True,
     )
@@ -160,7 +161,8 @@ def test_boxes_further_apart_than_the_gap_are_separate_runs(files: Files) -> Non
     flat = {"model/w": torch.empty(64, 64)}
     runs, _ = extents.plan(
         targets.read_items(moved, flat, {}),
-        extents.dests_of(flat, targets.local_of),
+        flat,
+        targets.local_of,
         moved,
         lambda f: True,
     )
@@ -170,7 +172,8 @@ def test_boxes_further_apart_than_the_gap_are_separate_runs(files: Files) -> Non
     # Within the gap, one run reads both boxes and the bytes between them.
     runs, _ = extents.plan(
         targets.read_items(index, flat, {}),
-        extents.dests_of(flat, targets.local_of),
+        flat,
+        targets.local_of,
         index,
         lambda f: True,
     )
@@ -193,7 +196,8 @@ def test_a_file_with_a_box_that_is_not_one_range_is_read_box_by_box_whole(
     boxes = {"model/w": ((0, 0), (64, 32))}
     runs, rest = extents.plan(
         targets.read_items(both, flat, boxes),
-        extents.dests_of(flat, targets.local_of),
+        flat,
+        targets.local_of,
         both,
         lambda f: True,
     )
@@ -210,7 +214,8 @@ def test_a_file_with_a_box_that_is_not_one_range_is_read_box_by_box_whole(
     # A file that has no O_DIRECT descriptor goes box by box too.
     runs, rest = extents.plan(
         targets.read_items(both, flat, {}),
-        extents.dests_of(flat, targets.local_of),
+        flat,
+        targets.local_of,
         both,
         lambda f: f != "g",
     )
@@ -373,3 +378,21 @@ def test_auto_tries_each_way_then_keeps_the_faster(
     stats = {d["mode"]: d["bytes_per_s"] for d in reads[:2]}
     faster = "direct" if stats["direct"] > stats["buffered"] * 1.05 else "buffered"
     assert modes[2] == faster
+
+
+def test_one_range_is_box_byte_range_where_the_box_is_one_range() -> None:
+    from ckptstore.sharded.chunks import box_byte_range
+
+    gen = torch.Generator().manual_seed(3)
+    for _ in range(3000):
+        dims = int(torch.randint(0, 5, (1,), generator=gen))
+        sizes = [int(torch.randint(1, 5, (1,), generator=gen)) for _ in range(dims)]
+        at = [int(torch.randint(0, n, (1,), generator=gen)) for n in sizes]
+        lengths = [
+            int(torch.randint(0, n - a + 1, (1,), generator=gen))
+            for n, a in zip(sizes, at, strict=True)
+        ]
+        first, end = box_byte_range(sizes, at, lengths, 2)
+        count = 2 * int(torch.tensor(lengths, dtype=torch.int64).prod())
+        want = (first, end) if first != end and end - first == count else None
+        assert extents._one_range(sizes, at, lengths, 2) == want, (sizes, at, lengths)

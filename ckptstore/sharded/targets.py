@@ -436,9 +436,7 @@ def read_into(
     tasks: list[Callable[[], int]] = []
     if direct_fd is not None and read_to is not None:
         fd_of = direct_fd
-        runs, items = extents.plan(
-            items, extents.dests_of(flat, local_of), index, lambda f: fd_of(f) is not None
-        )
+        runs, items = extents.plan(items, flat, local_of, index, lambda f: fd_of(f) is not None)
         tasks = [
             functools.partial(extents.read_run, run, index.block, fd_of, read_to, where)
             for run in runs
