@@ -174,8 +174,12 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
         "DCP API over ckptstore: save >= 1.0x DCP",
         "DCP API over ckptstore: load 2->3 >= 1.0x DCP",
     }
-    # Before every restore: each contender's, and raw-fresh's where raw runs.
-    assert len(sh["resident_after_drop"]) == 3 * (len(contenders) + ("raw" in contenders))
+    # Before every restore: each contender's, raw-fresh's where raw runs, and ckpt-live's.
+    assert len(sh["resident_after_drop"]) == 3 * (len(contenders) + ("raw" in contenders) + 1)
+    for op in ("restore-2to1", "restore-2to3", "restore-4to2"):  # into live targets
+        assert rows[("ckpt-live", op)]["median_s"] > 0
+        assert rows[("ckpt-live", op)]["vs_dcp"] > 0
+    assert ("ckpt-live", "save-2") not in rows
     if "raw" in contenders:  # the raw reads again, into fresh memory: a restore's floor
         for op in ("restore-2to1", "restore-2to3", "restore-4to2"):
             assert rows[("raw-fresh", op)]["median_s"] > 0

@@ -80,6 +80,9 @@ SAVE_ONLY = ("ckpt-again",)
 #: of their own (the raw save's bytes, written again untimed): the virtual disk's own cache
 #: serves a read of bytes just read sooner, so no two contenders share files.
 RESTORE_ONLY = ("raw-fresh",)
+#: Restore-only contenders of ckptstore, read from files of their own (the ckpt save's
+#: state written again untimed), interleaved with the others where ``ckpt`` runs.
+CKPT_RESTORE_ONLY = ("ckpt-live",)
 SAVE_WORLD = 2
 RESTORE_WORLDS = (1, 3)
 #: A second save, on 4 ranks, restored on these world sizes (one round of saves).
@@ -102,6 +105,10 @@ DESCRIPTIONS = {
     "raw-fresh": "the raw restore's O_DIRECT reads, each into new untouched memory (the "
     "floor of a restore into new tensors: the kernel faults in every page); a restore "
     "contender of its own, interleaved with the others",
+    "ckpt-live": "CheckpointManager.restore into a model that is already initialized and an "
+    "optimizer that has taken a step (every target exists and is touched: the resume of a "
+    "job that built its model first), from files of its own (the same state saved again, "
+    "untimed)",
     "ckpt-again": "the second CheckpointManager.save of one manager (same layout: the save "
     "plan is reused), the first one untimed",
 }
@@ -299,7 +306,7 @@ def restore_op(
 ) -> tuple[Callable[[], None], Callable[[], None]]:
     """The timed part of contender ``c``'s restore from ``d`` (run on every rank), and its
     untimed clean-up."""
-    if c == "ckpt":
+    if c in ("ckpt", "ckpt-live"):
         from ckptstore import CheckpointManager
 
         mgr = CheckpointManager(d, keep=None, barrier_timeout=3600)  # collective, untimed
@@ -379,6 +386,15 @@ def save_job(job: dict[str, Any]) -> dict[str, Any]:
                 if rank == 0:
                     log(f"  sharded ckpt-again save-{world}     {again:8.3f} s")
             done()
+            if c == "ckpt" and r == 0:
+                # Untimed: the same state again, in files of their own, for ckpt-live.
+                live = base / "ckpt-live-0"
+                if rank == 0:
+                    live.mkdir(parents=True)
+                barrier()
+                live_op, _ = save_op(c, live, model, opt, raw=raw, nbytes=my_bytes)
+                live_op()
+                live_op.manager.close()  # type: ignore[attr-defined]
             if c == "raw" and r == 0:
                 # Untimed: the same bytes again, in files of their own, for raw-fresh's reads
                 # (each contender reads its own files; the virtual disk's cache serves a
@@ -407,17 +423,23 @@ def restore_job(job: dict[str, Any]) -> dict[str, Any]:
     if raw is not None:  # the raw reads into fresh memory, of files of their own
         dirs["raw-fresh"] = dirs["raw"].parent / "raw-fresh-0"
     out: dict[str, Any] = {"times": {}, "cpu": {}, "resident": [], "checks": [], "raw_bytes": []}
+    if "ckpt" in dirs:  # into live targets, from files of its own
+        dirs["ckpt-live"] = dirs["ckpt"].parent / "ckpt-live-0"
     contenders = [c for c in job["contenders"] if c in dirs]
     if raw is not None:  # never next to raw in the rotation (the same bytes, just read)
         contenders.insert(contenders.index("raw") + 2, "raw-fresh")
+    if "ckpt" in contenders:
+        contenders.append("ckpt-live")
     want = job["sums"]
     for r in range(job["repeats"]):
         k = r % len(contenders)
         for c in contenders[k:] + contenders[:k]:
             model: nn.Module | None = None
             opt: torch.optim.Optimizer | None = None
-            if not c.startswith("raw"):  # fresh targets each time, untimed
-                model, opt = build(job["param_bytes"], world, init=False, n_layer=job["n_layer"])
+            if not c.startswith("raw"):  # fresh targets each time (ckpt-live: live), untimed
+                model, opt = build(
+                    job["param_bytes"], world, init=c == "ckpt-live", n_layer=job["n_layer"]
+                )
             op, done = restore_op(c, dirs[c], model, opt, raw=raw, raw_bytes=out["raw_bytes"])
             if rank == 0:
                 out["resident"].append(drop_cache(dirs[c]))
@@ -651,7 +673,12 @@ def run(
         "targets": targets(rows),
         "descriptions": {
             c: DESCRIPTIONS[c]
-            for c in [*contenders, *SAVE_ONLY, *(RESTORE_ONLY if "raw" in contenders else ())]
+            for c in [
+                *contenders,
+                *SAVE_ONLY,
+                *(RESTORE_ONLY if "raw" in contenders else ()),
+                *(CKPT_RESTORE_ONLY if "ckpt" in contenders else ()),
+            ]
         },
     }
 
@@ -729,7 +756,7 @@ def print_report(res: dict[str, Any]) -> None:
     )
     print(head)
     print("-" * len(head))
-    order = {c: i for i, c in enumerate(CONTENDERS + SAVE_ONLY + RESTORE_ONLY)}
+    order = {c: i for i, c in enumerate(CONTENDERS + SAVE_ONLY + RESTORE_ONLY + CKPT_RESTORE_ONLY)}
     for r in sorted(res["rows"], key=lambda r: (OPS.index(r["op"]), order[r["contender"]])):
         print(
             f"{r['contender']:<11} {r['op']:<13} {r['median_s']:>9.3f} {r['gb_s']:>6.2f} "
