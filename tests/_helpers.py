@@ -608,3 +608,34 @@ def row_chunks(
         raw += data
     shape = tuple(t.shape)
     return raw, TensorEntry("float32", shape, tuple(chunks), (parts,), ("dp",), ("S(0)",))
+
+
+def thp_at_first_touch() -> bool:
+    """Whether a ``MADV_HUGEPAGE`` region gets huge pages at its first touch here (the
+    kernel compacts memory for it then, where free 2 MiB blocks are short)."""
+    try:
+        base = Path("/sys/kernel/mm/transparent_hugepage")
+        mode, defrag = (base / "enabled").read_text(), (base / "defrag").read_text()
+    except OSError:
+        return False
+    on = "[always]" in mode or "[madvise]" in mode
+    return on and any(f"[{d}]" in defrag for d in ("always", "madvise", "defer+madvise"))
+
+
+def huge_share(buf: Any) -> float:
+    """The share of the mapping ``buf`` (an ``mmap``) on huge pages: its ``AnonHugePages``
+    in ``/proc/self/smaps`` over its length; 0.0 where unknown."""
+    import ctypes
+
+    anchor = ctypes.c_char.from_buffer(buf)
+    address = ctypes.addressof(anchor)
+    del anchor
+    inside = False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split(" ", 1)[0]
+        if "-" in head and ":" not in head:
+            lo, _, hi = head.partition("-")
+            inside = int(lo, 16) <= address < int(hi, 16)
+        elif inside and line.startswith("AnonHugePages:"):
+            return int(line.split()[1]) * 1024 / len(buf)
+    return 0.0

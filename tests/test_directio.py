@@ -20,6 +20,7 @@ from ckptstore.integrity import SubBlocks, crc32c_of
 from ckptstore.storage import directio
 from ckptstore.storage.directio import ALIGN, DirectWriter
 from ckptstore.storage.local import LocalStorage
+from tests._helpers import huge_share, thp_at_first_touch
 
 
 def _write(path: Path, chunks: list[bytes], **kw: object) -> DirectWriter:
@@ -1231,38 +1232,12 @@ def test_segment_capped_reads_the_devices_own_limits(
         directio.segment_capped.cache_clear()
 
 
-def _thp_madvise() -> bool:
-    """Whether a ``MADV_HUGEPAGE`` region gets huge pages at its first touch here (the
-    kernel compacts memory for it then, where free 2 MiB blocks are short)."""
-    try:
-        base = Path("/sys/kernel/mm/transparent_hugepage")
-        mode, defrag = (base / "enabled").read_text(), (base / "defrag").read_text()
-    except OSError:
-        return False
-    on = "[always]" in mode or "[madvise]" in mode
-    return on and any(f"[{d}]" in defrag for d in ("always", "madvise", "defer+madvise"))
-
-
-@pytest.mark.skipif(not _thp_madvise(), reason="no huge pages at first touch here")
+@pytest.mark.skipif(not thp_at_first_touch(), reason="no huge pages at first touch here")
 def test_new_buffers_are_on_huge_pages() -> None:
     buf = directio.new_buffer(8 << 20)
     for off in range(0, len(buf), 4096):
         buf[off] = 1
-    import ctypes
-
-    anchor = ctypes.c_char.from_buffer(buf)
-    address = ctypes.addressof(anchor)
-    del anchor
-    huge = 0
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(" ", 1)[0]
-        if "-" in head and ":" not in head:
-            lo, _, hi = head.partition("-")
-            inside = int(lo, 16) <= address < int(hi, 16)
-        elif inside and line.startswith("AnonHugePages:"):
-            huge = int(line.split()[1]) << 10
-    assert huge > 0, huge  # 2 MiB pages under it (4 KiB pages only, without the advice)
+    assert huge_share(buf) > 0  # 2 MiB pages under it (4 KiB pages only, without the advice)
     buf.close()
 
 

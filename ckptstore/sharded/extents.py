@@ -45,8 +45,11 @@ from .chunks import Chunk, ChunkIndex
 
 __all__ = ["EXTENT", "GAP", "Piece", "Run", "plan", "read_run", "spans"]
 
-#: The most bytes of a file one run reads (one request). 8 MiB requests from huge pages
-#: read the bench's 768 MB at 2.29-2.33 GB/s, as fast as 16 or 32 MiB (4 in flight).
+#: The size of a stage, and the most bytes one run reads (one request) from its first
+#: block rounded down to 4 KiB to its last rounded up. 8 MiB requests from huge pages read
+#: the bench's 768 MB at 2.3-2.5 GB/s, as fast as 16 or 32 MiB (4 in flight). A multiple
+#: of 2 MiB: the kernel places such a mapping on a huge-page boundary, so every page of the
+#: stage is a huge one; at 8 MiB + 8 KiB a quarter of it was on 4 KiB pages.
 EXTENT = 8 << 20
 #: Two boxes of a file at most this far apart share a run: the bytes between are read
 #: and dropped (safetensors headers, padding, another rank's rows of a resharded chunk).
@@ -142,7 +145,8 @@ def plan(
         ``(runs, rest)``: runs in file order, each file's by offset; the other items.
     """
     block = index.block
-    per = EXTENT // block if 0 < block <= EXTENT else 0
+    span = EXTENT - ALIGN  # a run's bytes from its rounded-down start: whole blocks fit
+    per = span // block if 0 < block <= span else 0
     by_file: dict[str, list[Piece]] = {}
     items = list(items)
     refused: set[str] = set()
@@ -174,7 +178,7 @@ def plan(
         start = last = 0
         for p in pieces:
             lo, hi = p.lo(block), p.hi(block)
-            if group and (hi - start > EXTENT or lo - last > GAP):
+            if group and (hi - start > span or lo - last > GAP):
                 runs.append(Run(file, start, last, tuple(group)))
                 group = []
             if not group:
@@ -208,7 +212,7 @@ _stages: list[mmap.mmap] = []
 
 
 def _take_stage() -> mmap.mmap:
-    size = EXTENT + 2 * ALIGN
+    size = EXTENT
     with _stage_lock:
         while _stages:
             buf = _stages.pop()
@@ -220,7 +224,7 @@ def _take_stage() -> mmap.mmap:
 
 def _give_stage(buf: mmap.mmap) -> None:
     with _stage_lock:
-        if len(_stages) < _STAGES_MAX and len(buf) == EXTENT + 2 * ALIGN:
+        if len(_stages) < _STAGES_MAX and len(buf) == EXTENT:
             _stages.append(buf)
             return
     with contextlib.suppress(BufferError):  # a failed run's traceback may hold a view
