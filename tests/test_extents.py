@@ -224,6 +224,42 @@ def test_a_file_with_a_box_that_is_not_one_range_is_read_box_by_box_whole(
     assert {item[1].file for item in rest} == {"g"}
 
 
+def test_requests_in_flight_are_capped_while_other_runs_are_checked(
+    files: Files, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """READ_THREADS requests at most, and the checks and copies of other runs meanwhile."""
+    import threading
+    import time
+
+    lock = threading.Lock()
+    now = {"reads": 0, "checks": 0}
+    most = {"reads": 0, "both": 0}
+    real_read, real_crc = extents.read_into, extents.crc32c_of
+
+    def count(kind: str, fn: Any, *a: Any) -> Any:
+        with lock:
+            now[kind] += 1
+            most["reads"] = max(most["reads"], now["reads"])
+            most["both"] = max(most["both"], now["reads"] + now["checks"])
+        try:
+            time.sleep(0.003)
+            return fn(*a)
+        finally:
+            with lock:
+                now[kind] -= 1
+
+    monkeypatch.setattr(extents, "read_into", lambda *a: count("reads", real_read, *a))
+    monkeypatch.setattr(extents, "crc32c_of", lambda *a: count("checks", real_crc, *a))
+    monkeypatch.setattr(extents, "EXTENT", 4 * BLOCK)
+    t = torch.randn(1024, 64)  # 64 blocks: 22 runs of 3
+    index = _stored(files, t, 16)
+    out = torch.empty(1024, 64)
+    _read(files, index, {"model/w": out})
+    assert torch.equal(out, t)
+    assert most["reads"] == targets.READ_THREADS
+    assert most["both"] > targets.READ_THREADS  # reads went on while runs were checked
+
+
 def test_a_corrupt_block_stops_its_run_before_a_byte_of_it_reaches_the_target(
     files: Files,
 ) -> None:
@@ -293,8 +329,9 @@ def test_stages_are_kept_for_the_next_restore(
         out = torch.empty(512, 64)
         _read(files, index, {"model/w": out})
         assert torch.equal(out, t)
-    assert 1 <= len(made) <= targets.READ_THREADS  # the first read's, reused since
-    assert len(extents._stages) <= targets.READ_THREADS
+    # The first read's (one a thread: twice READ_THREADS at most), reused since.
+    assert 1 <= len(made) <= 2 * targets.READ_THREADS
+    assert len(extents._stages) <= 2 * targets.READ_THREADS
 
 
 # ---- the manager's restores: which way, and both restore the same bytes --------------------
@@ -326,9 +363,9 @@ def runs_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     seen: list[str] = []
     real = extents.read_run
 
-    def read_run(run: extents.Run, *a: Any) -> int:
+    def read_run(run: extents.Run, *a: Any, **kw: Any) -> int:
         seen.append(run.file)
-        return real(run, *a)
+        return real(run, *a, **kw)
 
     monkeypatch.setattr(extents, "read_run", read_run)
     return seen

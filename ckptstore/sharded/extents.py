@@ -55,8 +55,9 @@ EXTENT = 8 << 20
 #: and dropped (safetensors headers, padding, another rank's rows of a resharded chunk).
 GAP = 128 << 10
 #: Idle stages kept for the next restore (a fresh huge-page buffer costs ~2 ns a byte to
-#: touch on the test VM): one per read thread.
-_STAGES_MAX = 4
+#: touch on the test VM): one per thread of a restore's reads (``targets.read_into`` runs
+#: twice ``READ_THREADS`` of them: as many reading as checking and copying).
+_STAGES_MAX = 8
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -248,12 +249,16 @@ def read_run(
     direct_fd: Callable[[str], int | None],
     read_to: Callable[[str, int, list[memoryview]], None],
     where: str,
+    *,
+    gate: threading.Semaphore | None = None,
 ) -> int:
     """Read ``run`` into a stage with one request, check every block, copy the boxes out.
 
     The request goes through ``direct_fd(run.file)`` (an ``O_DIRECT`` descriptor); where
     that is None or the kernel refuses the request (``EINVAL``: an alignment the
     filesystem does not take), through ``read_to`` (the reader's buffered ``pread``).
+    ``gate``, where given, is held for the request only, not for the checks and copies
+    after it: the caller's cap on the requests in flight.
 
     Returns:
         The bytes read.
@@ -270,7 +275,8 @@ def read_run(
         anchor = ctypes.c_char.from_buffer(stage)
         base = ctypes.addressof(anchor)
         try:
-            _fill(run, view, direct_fd, read_to, where)
+            with gate or contextlib.nullcontext():
+                _fill(run, view, direct_fd, read_to, where)
             for p in run.pieces:
                 chunk = p.chunk
                 for k in range(p.k0, p.k1):
