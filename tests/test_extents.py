@@ -459,3 +459,29 @@ def test_a_stage_is_on_huge_pages() -> None:
         assert huge_share(stage) >= 1.0
     finally:
         extents._give_stage(stage)
+
+
+def test_a_store_that_refuses_o_direct_is_read_box_by_box(
+    mesh: object, tmp_path: Path, runs_read: list[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A filesystem that refuses ``O_DIRECT`` (tmpfs before Linux 6.6, some network
+    filesystems): with ``io="direct"`` the restore reads every file box by box through the
+    page cache and restores the same bytes. The refusal is simulated: this kernel's tmpfs
+    takes ``O_DIRECT``."""
+    from ckptstore.storage import local
+
+    real = local.open_direct_read
+
+    def refused(path: str, *, dir_fd: int | None = None, direct: bool = True) -> tuple[int, bool]:
+        return real(path, dir_fd=dir_fd, direct=False)  # what EINVAL at open falls back to
+
+    model, opt = _build(mesh, 1)
+    want = _values(model, opt)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+    monkeypatch.setattr(local, "open_direct_read", refused)
+    model, opt = _build(mesh, 2)
+    with CheckpointManager(tmp_path / "s", storage_options={"io": "direct"}) as mgr:
+        assert mgr.restore({"model": model, "optimizer": opt}) == 1
+    assert all(torch.equal(a, b) for a, b in zip(_values(model, opt), want, strict=True))
+    assert runs_read == []
