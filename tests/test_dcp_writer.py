@@ -135,17 +135,24 @@ def test_a_rank_killed_in_the_write_under_dcp_save_leaves_no_step(tmp_path: Path
     assert full["step"] == 1
 
 
-def test_a_flipped_byte_in_a_dcp_saved_step_fails_both_loads(
-    dcp_store: tuple[Path, dict[str, Any]], tmp_path: Path
-) -> None:
+def _corrupt_copy(src: Path, tmp_path: Path) -> tuple[Path, dict[str, Any]]:
+    """A copy of the store with a byte of step 4's first ``mid.weight`` chunk flipped; the
+    copy's root and that chunk's index row."""
     import shutil
 
-    src, _ = dcp_store
     root = tmp_path / "copy"
     shutil.copytree(src, root)
     chunk = index_chunks(root / step_dir(4), "model/mid.weight")[0]
     path = root / step_dir(4) / chunk["file"]
     path.write_bytes(flip_byte(path.read_bytes(), chunk["start"] + 3))
+    return root, chunk
+
+
+def test_a_flipped_byte_in_a_dcp_saved_step_fails_both_loads(
+    dcp_store: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    src, _ = dcp_store
+    root, _ = _corrupt_copy(src, tmp_path)
     full3 = CheckpointManager(src).load(3)
     target = {"model": {"mid.weight": torch.zeros_like(full3["model"]["mid.weight"])}}
     with pytest.raises(CheckpointException) as info:
@@ -158,6 +165,54 @@ def test_a_flipped_byte_in_a_dcp_saved_step_fails_both_loads(
     assert restored == 3
     assert state["step"] == 3
     assert torch.equal(state["model"]["mid.weight"], full3["model"]["mid.weight"])
+
+
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_dcp_load_reads_by_extent_where_the_store_reads_direct(
+    dcp_store: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, io: str
+) -> None:
+    """With O_DIRECT (``io``), CkptStoreReader reads the DTensor chunks in runs of their
+    files on the read threads (``sharded/extents.py``); either way the same bytes."""
+    from ckptstore.sharded import extents
+
+    root, _ = dcp_store
+    full = CheckpointManager(root).load(4)["model"]
+    runs: list[str] = []
+    real = extents.read_run
+
+    def read_run(run: extents.Run, *a: Any, **kw: Any) -> int:
+        runs.append(run.file)
+        return real(run, *a, **kw)
+
+    monkeypatch.setattr(extents, "read_run", read_run)
+    target = {"model": {k: torch.zeros_like(v) for k, v in full.items()}}
+    reader = CkptStoreReader(root, step=4, storage_options={"io": io})
+    quiet(dcp.load, target, storage_reader=reader, no_dist=True)
+    for k, v in full.items():
+        assert torch.equal(target["model"][k], v), k
+    if io == "direct":
+        assert {f for f in runs} == {
+            "_shards.rank00000.safetensors",
+            "_shards.rank00001.safetensors",
+        }
+    else:
+        assert runs == []
+
+
+def test_a_corrupt_block_read_by_extent_never_reaches_the_dcp_target(
+    dcp_store: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    src, _ = dcp_store
+    root, chunk = _corrupt_copy(src, tmp_path)
+    full = CheckpointManager(src).load(4)["model"]["mid.weight"]
+    target = {"model": {"mid.weight": torch.full_like(full, -7.0)}}
+    reader = CkptStoreReader(root, step=4, storage_options={"io": "direct"})
+    with pytest.raises(CheckpointException) as info:
+        quiet(dcp.load, target, storage_reader=reader, no_dist=True)
+    assert "does not match its crc32c" in str(info.value)
+    got = target["model"]["mid.weight"]
+    rows = chunk["sizes"][0]  # the corrupt chunk (one block): nothing of it was copied
+    assert bool((got[chunk["offsets"][0] : chunk["offsets"][0] + rows] == -7.0).all())
 
 
 # One process, no process group: dcp.save runs without collectives.

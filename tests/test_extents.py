@@ -136,8 +136,9 @@ def test_a_box_larger_than_an_extent_is_cut_at_its_blocks(
         targets.read_items(index, {"model/w": t}, {}),
         {"model/w": t},
         targets.local_of,
-        index,
-        lambda f: True,
+        block=index.block,
+        dtype_of=lambda n: index.tensors[n].torch_dtype,
+        files=lambda f: True,
     )
     assert rest == []
     assert [(p.k0, p.k1) for r in runs for p in r.pieces] == [
@@ -164,8 +165,9 @@ def test_boxes_further_apart_than_the_gap_are_separate_runs(files: Files) -> Non
         targets.read_items(moved, flat, {}),
         flat,
         targets.local_of,
-        moved,
-        lambda f: True,
+        block=moved.block,
+        dtype_of=lambda n: moved.tensors[n].torch_dtype,
+        files=lambda f: True,
     )
     assert [len(r.pieces) for r in runs] == [1, 1]
     _read(files, moved, flat)
@@ -175,8 +177,9 @@ def test_boxes_further_apart_than_the_gap_are_separate_runs(files: Files) -> Non
         targets.read_items(index, flat, {}),
         flat,
         targets.local_of,
-        index,
-        lambda f: True,
+        block=index.block,
+        dtype_of=lambda n: index.tensors[n].torch_dtype,
+        files=lambda f: True,
     )
     assert [len(r.pieces) for r in runs] == [2]
 
@@ -199,8 +202,9 @@ def test_a_file_with_a_box_that_is_not_one_range_is_read_box_by_box_whole(
         targets.read_items(both, flat, boxes),
         flat,
         targets.local_of,
-        both,
-        lambda f: True,
+        block=both.block,
+        dtype_of=lambda n: both.tensors[n].torch_dtype,
+        files=lambda f: True,
     )
     assert {r.file for r in runs} == {"g"}
     assert {item[1].file for item in rest} == {"f"}
@@ -217,8 +221,9 @@ def test_a_file_with_a_box_that_is_not_one_range_is_read_box_by_box_whole(
         targets.read_items(both, flat, {}),
         flat,
         targets.local_of,
-        both,
-        lambda f: f != "g",
+        block=both.block,
+        dtype_of=lambda n: both.tensors[n].torch_dtype,
+        files=lambda f: f != "g",
     )
     assert {r.file for r in runs} == {"f"}
     assert {item[1].file for item in rest} == {"g"}

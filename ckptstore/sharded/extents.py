@@ -41,7 +41,7 @@ import torch
 from ..errors import IntegrityError
 from ..integrity import crc32c_of
 from ..storage.directio import ALIGN, new_buffer, read_into
-from .chunks import Chunk, ChunkIndex
+from .chunks import Chunk
 
 __all__ = ["EXTENT", "GAP", "Piece", "Run", "plan", "read_run", "spans"]
 
@@ -130,13 +130,16 @@ def plan(
     items: Iterable[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]],
     flat: Mapping[str, torch.Tensor],
     local_of: Callable[[torch.Tensor], torch.Tensor],
-    index: ChunkIndex,
+    *,
+    block: int,
+    dtype_of: Callable[[str], torch.dtype],
     files: Callable[[str], bool],
 ) -> tuple[list[Run], list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]:
     """The runs that read every box of the files that can be read by extent, and the rest.
 
     ``items`` are ``targets.read_items``'s for the targets ``flat`` (``local_of`` gives a
-    target's local data); ``files(name)`` says whether a file can be read with
+    target's local data), of chunks checked in blocks of ``block`` bytes, ``dtype_of(name)``
+    the stored dtype of a target; ``files(name)`` says whether a file can be read with
     ``O_DIRECT``. A file goes by runs when it can and every box of it is one contiguous
     range of its chunk and of its target's memory (see the module's doc); all of its items
     go to the rest otherwise, in their order. Integers only, per box: a target's memory is
@@ -145,7 +148,6 @@ def plan(
     Returns:
         ``(runs, rest)``: runs in file order, each file's by offset; the other items.
     """
-    block = index.block
     span = EXTENT - ALIGN  # a run's bytes from its rounded-down start: whole blocks fit
     per = span // block if 0 < block <= span else 0
     by_file: dict[str, list[Piece]] = {}
@@ -157,7 +159,7 @@ def plan(
         if file in refused:
             continue
         if name not in memory:
-            memory[name] = _memory(local_of(flat[name]), index.tensors[name].torch_dtype)
+            memory[name] = _memory(local_of(flat[name]), dtype_of(name))
         mem = memory[name]
         src = dst = None
         if per and mem is not None:

@@ -48,6 +48,8 @@ __all__ = [
     "read_into",
     "read_items",
     "restore_templates",
+    "run_reads",
+    "run_tasks",
     "target_box",
     "template_box",
 ]
@@ -437,15 +439,15 @@ def read_into(
     gate = threading.BoundedSemaphore(READ_THREADS)
     if direct_fd is not None and read_to is not None:
         fd_of = direct_fd
-        runs, items = extents.plan(items, flat, local_of, index, lambda f: fd_of(f) is not None)
-        # Twice READ_THREADS threads, READ_THREADS requests in flight (``gate``): while
-        # some threads check and copy a run, others have the next requests at the disk. With
-        # one thread a request, reads that finished together left the disk idle while their
-        # threads shared the two cores (no request in flight for 10-43 ms of a 370 ms read).
-        tasks = [
-            functools.partial(extents.read_run, run, index.block, fd_of, read_to, where, gate=gate)
-            for run in runs
-        ]
+        runs, items = extents.plan(
+            items,
+            flat,
+            local_of,
+            block=index.block,
+            dtype_of=lambda n: index.tensors[n].torch_dtype,
+            files=lambda f: fd_of(f) is not None,
+        )
+        tasks = run_tasks(runs, index.block, fd_of, read_to, where, gate)
     # One box at a time through a buffer (the size of the blocks that cover it: nearly a
     # whole chunk for a column range), as before the reads ran at once: the memory a
     # restore takes beyond its targets stays one box.
@@ -514,24 +516,55 @@ def read_into(
     nread = [0]
     groups = batches(items, index.tensors)
     tasks += [functools.partial(batch, g) for g in groups]
-    # The pages of the targets faulted in by a thread of their own, in the order the reads
-    # fill them (``_prefault``); stopped and joined after the last read, as the reads are.
-    prefault = Prefaulter(extents.spans(runs) + _spans_in_order(groups, flat)) if PREFAULT else None
-    with prefault or contextlib.nullcontext():
-        if len(tasks) <= 1:
-            nread[0] = sum(t() for t in tasks)
-        else:
-            threads = READ_THREADS * (2 if runs else 1)
-            with concurrent.futures.ThreadPoolExecutor(
-                min(threads, len(tasks)), thread_name_prefix="ckptstore-read"
-            ) as pool:
-                futures = [pool.submit(t) for t in tasks]
-                try:
-                    for f in futures:
-                        nread[0] += f.result()
-                except BaseException:
-                    for f in futures:
-                        f.cancel()
-                    raise
+    spans = extents.spans(runs) + _spans_in_order(groups, flat)
+    nread[0] = run_reads(tasks, READ_THREADS * (2 if runs else 1), spans)
     log.debug("%s: read %d bytes of sharded tensors", where, nread[0])
     return nread[0]
+
+
+def run_tasks(  # noqa: PLR0917 - read_run's arguments
+    runs: list[extents.Run],
+    block: int,
+    direct_fd: Callable[[str], int | None],
+    read_to: Callable[[str, int, list[memoryview]], None],
+    where: str,
+    gate: threading.Semaphore,
+) -> list[Callable[[], int]]:
+    """The tasks that read ``runs`` (``extents.read_run``), their requests through ``gate``.
+
+    Run on twice as many threads as ``gate`` lets requests through (:func:`run_reads`):
+    while some threads check and copy a run, others have the next requests at the disk.
+    With one thread a request, reads that finished together left the disk idle while their
+    threads shared the two cores (no request in flight for 10-43 ms of a 370 ms read).
+    """
+    return [
+        functools.partial(extents.read_run, run, block, direct_fd, read_to, where, gate=gate)
+        for run in runs
+    ]
+
+
+def run_reads(tasks: list[Callable[[], int]], threads: int, spans: list[tuple[int, int]]) -> int:
+    """Run ``tasks`` (reads into targets) on up to ``threads`` threads; the bytes they read.
+
+    The pages of ``spans`` (the targets' memory, in the order the tasks fill it) are faulted
+    in by a thread of their own meanwhile (``_prefault``; with :data:`PREFAULT`), stopped
+    and joined after the last read. The first failure is raised once every running task
+    ended (those not started are cancelled): no thread writes a target after this returns.
+    """
+    total = 0
+    prefault = Prefaulter(spans) if PREFAULT else None
+    with prefault or contextlib.nullcontext():
+        if len(tasks) <= 1:
+            return sum(t() for t in tasks)
+        with concurrent.futures.ThreadPoolExecutor(
+            min(threads, len(tasks)), thread_name_prefix="ckptstore-read"
+        ) as pool:
+            futures = [pool.submit(t) for t in tasks]
+            try:
+                for f in futures:
+                    total += f.result()
+            except BaseException:
+                for f in futures:
+                    f.cancel()
+                raise
+    return total
