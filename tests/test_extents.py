@@ -24,7 +24,7 @@ from ckptstore.sharded import extents, targets
 from ckptstore.sharded.chunks import Chunk, ChunkIndex, TensorEntry
 from ckptstore.storage import iomode
 from ckptstore.storage.directio import ALIGN, open_direct_read
-from tests._helpers import huge_share, row_chunks, thp_at_first_touch
+from tests._helpers import huge_share, row_chunks, step_path, thp_at_first_touch
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -490,3 +490,27 @@ def test_a_store_that_refuses_o_direct_is_read_box_by_box(
         assert mgr.restore({"model": model, "optimizer": opt}) == 1
     assert all(torch.equal(a, b) for a, b in zip(_values(model, opt), want, strict=True))
     assert runs_read == []
+
+
+def test_a_step_deleted_before_its_read_is_an_integrity_error_not_a_crash(
+    mesh: object, tmp_path: Path
+) -> None:
+    """Retention may delete a step between its manifest and its payloads: the reader's
+    choice of mode must not fail on the missing directory (``restore`` skips a step that
+    fails with ``IntegrityError`` and goes on to the next); the reads then say so."""
+    import shutil
+
+    from ckptstore.storage.local import LocalStorage
+
+    model, opt = _build(mesh, 1)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+    storage = LocalStorage(str(tmp_path / "s"))
+    manifest = storage.read_manifest(1)
+    shutil.rmtree(step_path(tmp_path / "s", 1))
+    with storage.range_reader(1, manifest.files) as reader:
+        assert reader.read_mode() == "buffered"
+        name = next(n for n in manifest.files if n.startswith("_shards."))
+        with pytest.raises(IntegrityError, match="truncated, missing or replaced"):
+            reader.direct_fd(name)
+        reader.record_read("buffered", 1 << 30, 1.0)  # nothing to record it against

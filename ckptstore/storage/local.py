@@ -419,7 +419,11 @@ class _LocalRanges(RangeReader):
             return "buffered"
         if store.io == "direct":
             return "direct"
-        return iomode.read_mode(self._device())
+        try:
+            dev = self._device()
+        except OSError:  # the step is gone (retention): its reads say so, as IntegrityError
+            return "buffered"
+        return iomode.read_mode(dev)
 
     def direct_fd(self, name: str) -> int | None:
         with self._lock:
@@ -436,8 +440,8 @@ class _LocalRanges(RangeReader):
             return fd
 
     def record_read(self, mode: str, nbytes: int, seconds: float) -> None:
-        if self.storage.io == "auto" and self.storage.direct_io:
-            iomode.record_read(self._device(), mode, nbytes, seconds)
+        if self.storage.io == "auto" and self.storage.direct_io and self._dev is not None:
+            iomode.record_read(self._dev, mode, nbytes, seconds)
 
     def close(self) -> None:
         with self._lock:
