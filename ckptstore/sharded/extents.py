@@ -15,7 +15,13 @@ dropped). A box larger than :data:`EXTENT` is cut at its CRC blocks. Each run is
 a stage from a small pool of huge-page buffers (``directio.new_buffer``; a stage of 4 KiB
 pages splits a request into ~0.6 MiB segments on a ``segment_capped`` disk), its blocks
 are checked there while still in cache, and ``memmove`` copies each box's bytes into its
-target (the GIL released).
+target (the GIL released). The runs go on twice ``targets.READ_THREADS`` threads, with
+``READ_THREADS`` requests at the disk at once (``targets.run_tasks``): the checks and copies
+of the runs that just landed never leave the disk idle.
+
+Used by a sharded restore (``targets.read_into``) and by DCP's ``dcp.load`` through
+``CkptStoreReader`` (``dcp.py``), where the store reads with ``O_DIRECT`` (``io``, or
+``"auto"`` as the device measured).
 
 Only a box that is one contiguous byte range of its chunk and of its contiguous CPU target
 of the stored dtype goes this way (FSDP2's row shards restored on any world size: every
