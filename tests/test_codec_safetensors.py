@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import io
+import itertools
 import json
 import struct
 from pathlib import Path
@@ -360,3 +361,83 @@ def test_the_device_destination_puts_each_piece_at_its_byte_offset() -> None:
     assert torch.equal(got, want)
     # Only contiguous tensors of the stored dtype and shape on a GPU are taken in place.
     assert not st.fits_device(got, torch.float32, [10])  # on the CPU: the host path
+
+
+@pytest.mark.parametrize("readonly", [False, True], ids=["memmove", "read-only-chunks"])
+def test_stream_decoder_fills_targets_from_chunks_of_any_split(readonly: bool) -> None:
+    """Writable chunks are copied by ``memmove`` (the GIL dropped), read-only ones through
+    a view of the destination; either way, each byte lands at its place, in the caller's
+    tensor where it fits and in a fresh one otherwise."""
+    tensors = {"a": torch.randn(1000), "b": torch.arange(77, dtype=torch.int64), "c": torch.ones(0)}
+    buf = io.BytesIO()
+    st.write_safetensors(buf, tensors)
+    data = buf.getvalue()
+    into = {"a": torch.zeros(1000)}
+    dec = st.StreamDecoder(len(data), "f", into)
+    cuts = [0, 5, 8, 9, 300, 301, 4100, len(data)]
+    for x, y in itertools.pairwise(cuts):
+        piece = bytes(data[x:y]) if readonly else bytearray(data[x:y])
+        dec(x, memoryview(piece))
+    out = dec.result()
+    assert out["a"] is into["a"]
+    for k, t in tensors.items():
+        assert torch.equal(out[k], t), k
+
+
+def test_read_group_faults_targets_in_file_order_and_joins_its_thread(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import threading
+
+    from ckptstore import _prefault
+    from ckptstore.codec import payload
+    from ckptstore.storage.local import LocalStorage
+
+    made: list[Any] = []
+    real = st.Prefaulter
+
+    def recorded(ranges: Any) -> Any:
+        pf = real(ranges)
+        made.append(pf)
+        return pf
+
+    monkeypatch.setattr(st, "Prefaulter", recorded)
+    monkeypatch.setattr(_prefault, "MIN_BYTES", 4096)
+    # Over 4 MiB (BLOCK): streamed, not read whole first.
+    state = {"w": torch.randn(2048, 1024), "v": torch.randn(512, 1024), "s": torch.tensor(3)}
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": state})
+    storage = LocalStorage(str(tmp_path / "s"))
+    manifest = storage.read_manifest(1)
+    (name,) = [n for n in manifest.files if n.endswith(".safetensors")]
+    entry = manifest.files[name]
+    into = {"w": torch.empty(2048, 1024)}
+    got = payload.read_group(storage, 1, name, entry, into)
+    assert torch.equal(got["w"], state["w"])
+    assert torch.equal(got["v"], state["v"])
+    (pf,) = made
+    # The targets of at least 4 KiB, by their place in the file (the caller's "w", a fresh
+    # "v"); the thread joined once the stream ended.
+    (path,) = (tmp_path / "s").glob(f"*/{name}")
+    header = st.parse_header(path.read_bytes(), entry.bytes, "f")
+    order = sorted((header.entries[k][2], k) for k in ("w", "v"))
+    assert pf.ranges == [(got[k].data_ptr(), got[k].numel() * 4) for _, k in order]
+    assert pf._thread is None
+    assert not any(t.name == "ckptstore-prefault" for t in threading.enumerate())
+    # A corrupt block past the stream's first 32 MiB slice (the slice before it, with the
+    # header, was consumed and the thread started): the stream fails, the thread is stopped
+    # and joined all the same.
+    big = {"x": torch.randn(12 << 20)}  # 48 MiB
+    with CheckpointManager(tmp_path / "b") as mgr:
+        mgr.save(1, {"model": big})
+    storage = LocalStorage(str(tmp_path / "b"))
+    entry = storage.read_manifest(1).files[name]
+    (path,) = (tmp_path / "b").glob(f"*/{name}")
+    data = bytearray(path.read_bytes())
+    data[-100] ^= 1
+    path.write_bytes(bytes(data))
+    with pytest.raises(IntegrityError, match="does not match"):
+        payload.read_group(storage, 1, name, entry, {"x": torch.empty(12 << 20)})
+    assert len(made) == 2
+    assert made[1]._thread is None
+    assert not any(t.name == "ckptstore-prefault" for t in threading.enumerate())

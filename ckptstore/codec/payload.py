@@ -223,7 +223,7 @@ def read_group(
                 return _decode_buffer(data, entry, where, into)
             into = None  # an old manifest: fresh tensors, trusted once the file checks out
         if entry.codec == "safetensors":
-            dec: Any = st.StreamDecoder(entry.bytes, where, into)
+            dec: Any = st.StreamDecoder(entry.bytes, where, into, prefault=True)
         else:
             dec = zipstream.open_stream(storage, step, name, entry, into)
             if dec is None:  # not laid out as torch.save writes: the whole-file path
@@ -234,6 +234,9 @@ def read_group(
         except zipstream.NotStreamable:  # found out while streaming: read it whole
             data = storage.read_file(step, name, entry)
             return decode_payload(data, entry, where, limit=limit)
+        finally:
+            if isinstance(dec, st.StreamDecoder):
+                dec.close()  # its prefault thread, joined before a tensor it fills may go
         return dict(dec.result())
     if entry.compression == "zstd" and entry.codec in ("safetensors", "torch"):
         if checked and entry.blocks is None and entry.bytes > BLOCK:

@@ -21,6 +21,7 @@ import struct
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, Protocol
 
+from .._prefault import Prefaulter
 from ..errors import IntegrityError
 from .dtypes import ITEMSIZE, SAFETENSORS_CODES
 
@@ -456,6 +457,18 @@ def read_tensors(buf: bytearray, where: str) -> dict[str, torch.Tensor]:
     return out
 
 
+def _address(chunk: memoryview) -> tuple[int | None, Any]:
+    """The address of ``chunk``'s first byte, and the object that holds its buffer exported.
+
+    Drop that object before the buffer is given back. ``(None, None)`` for a read-only (or
+    empty) buffer, which has no address to copy from.
+    """
+    if chunk.readonly or not len(chunk):
+        return None, None
+    anchor = ctypes.c_char.from_buffer(chunk)
+    return ctypes.addressof(anchor), anchor
+
+
 class StreamDecoder:
     """Decodes a safetensors file from the chunks of a verified stream, without a file copy.
 
@@ -465,6 +478,16 @@ class StreamDecoder:
     be trusted until the stream's checksum has been checked (``Storage.stream_file``).
     ``header``, where the caller validated it already (:func:`declared_header`), is taken
     as it is: the header bytes that stream by are then skipped.
+
+    Bytes go into CPU memory by ``memmove``, which releases the GIL: the stream's read
+    threads issue their next requests meanwhile. (A memoryview slice assignment held the
+    GIL through each copy, up to 32 MiB into new memory, so a restore into new tensors had
+    one read in flight most of the time.) With ``prefault``, once the header is known a
+    thread of its own faults the destinations' pages in, in file order, ahead of the bytes
+    (``_prefault.Prefaulter``); :meth:`close` stops and joins it, and callers close the
+    decoder once the stream ended or failed. Both together: the first restore of the plain
+    bench's 768 MB in a new process, into a ``to_empty`` model and a fresh AdamW, 0.72 ->
+    0.58 s (medians of 8, alternating); into touched targets no change.
     """
 
     def __init__(
@@ -474,14 +497,18 @@ class StreamDecoder:
         into: Mapping[str, torch.Tensor] | None = None,
         *,
         header: Header | None = None,
+        prefault: bool = False,
     ) -> None:
+        self._prefault: Prefaulter | None = None
+        self._wants_prefault = prefault
         self.file_size = file_size
         self.where = where
         self.into = dict(into or {})
         self._head = bytearray()
         self.header: Header | None = None
         self.tensors: dict[str, torch.Tensor] = {}
-        self._ranges: list[tuple[int, int, memoryview]] = []  # file start, end, dest bytes
+        # File start, end, and where the bytes go: a CPU address, or a device's bytes.
+        self._ranges: list[tuple[int, int, Any]] = []
         self._i = 0
         self.reused = 0
         if header is not None:  # validated already, for a file of ``file_size`` bytes
@@ -506,10 +533,26 @@ class StreamDecoder:
                 t = torch.empty(shape, dtype=dtype)
             self.tensors[name] = t
             if end > start:
-                dest = dest if dest is not None else tensor_bytes(t)
+                if dest is None:
+                    tensor_bytes(t)  # a contiguous CPU tensor with bytes of its own
+                    dest = t.data_ptr()
                 ranges.append((header.data_start + start, header.data_start + end, dest))
         ranges.sort(key=lambda r: r[0])
         self._ranges = ranges
+        if self._wants_prefault:
+            spans = sorted(
+                (start, t.data_ptr(), t.numel() * t.element_size())
+                for name, (_, _, start, _) in header.entries.items()
+                if (t := self.tensors[name]).device.type == "cpu" and t.numel()
+            )
+            self._prefault = Prefaulter((a, n) for _, a, n in spans)
+            self._prefault.__enter__()
+
+    def close(self) -> None:
+        """Stop and join the prefault thread (see the class's doc), if one runs."""
+        pre, self._prefault = self._prefault, None
+        if pre is not None:
+            pre.__exit__(None, None, None)
 
     def __call__(self, offset: int, chunk: memoryview) -> None:
         """Consume the bytes ``chunk`` found at ``offset`` of the file."""
@@ -537,14 +580,24 @@ class StreamDecoder:
         while i < len(ranges) and ranges[i][1] <= offset:
             i += 1
         self._i = i
-        while i < len(ranges) and ranges[i][0] < end:
-            start, stop, dest = ranges[i]
-            a = max(start, offset)
-            b = min(stop, end)
-            dest[a - start : b - start] = chunk[a - offset : b - offset]
-            if stop > end:
-                break
-            i += 1
+        base, anchor = _address(chunk)
+        try:
+            while i < len(ranges) and ranges[i][0] < end:
+                start, stop, dest = ranges[i]
+                a = max(start, offset)
+                b = min(stop, end)
+                if not isinstance(dest, int):  # a device's bytes
+                    dest[a - start : b - start] = chunk[a - offset : b - offset]
+                elif base is not None:  # the GIL dropped for the copy
+                    ctypes.memmove(dest + (a - start), base + (a - offset), b - a)
+                else:  # a read-only buffer: copied through a view of the destination
+                    view = memoryview((ctypes.c_char * (b - a)).from_address(dest + a - start))
+                    view.cast("B")[:] = chunk[a - offset : b - offset]
+                if stop > end:
+                    break
+                i += 1
+        finally:
+            del anchor
 
     def result(self) -> dict[str, torch.Tensor]:
         """The decoded tensors (call after the stream verified)."""
