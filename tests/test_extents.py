@@ -102,6 +102,24 @@ def _read(files: Files, index: ChunkIndex, flat: dict[str, torch.Tensor], **kw: 
     )
 
 
+def _plan(
+    index: ChunkIndex,
+    flat: dict[str, torch.Tensor],
+    boxes: dict[str, Any] | None = None,
+    files: Any = lambda f: True,
+) -> tuple[list[extents.Run], list[Any]]:
+    """``extents.plan`` of the reads of ``flat`` from ``index``, as ``targets.read_into``
+    calls it (every file readable with ``O_DIRECT`` unless ``files`` says otherwise)."""
+    return extents.plan(
+        targets.read_items(index, flat, boxes or {}),
+        flat,
+        targets.local_of,
+        block=index.block,
+        dtype_of=lambda n: index.tensors[n].torch_dtype,
+        files=files,
+    )
+
+
 def test_a_file_is_read_in_aligned_runs_of_at_most_extent_bytes(
     files: Files, requests: list[tuple[int, int]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -132,14 +150,7 @@ def test_a_box_larger_than_an_extent_is_cut_at_its_blocks(
     # A run holds whole blocks within EXTENT - 4 KiB of its rounded-down start: 2 here.
     t = torch.randn(40, 1000)  # one chunk of 160,000 bytes: 40 blocks, the last partial
     index = _stored(files, t, 1)
-    runs, rest = extents.plan(
-        targets.read_items(index, {"model/w": t}, {}),
-        {"model/w": t},
-        targets.local_of,
-        block=index.block,
-        dtype_of=lambda n: index.tensors[n].torch_dtype,
-        files=lambda f: True,
-    )
+    runs, rest = _plan(index, {"model/w": t})
     assert rest == []
     assert [(p.k0, p.k1) for r in runs for p in r.pieces] == [
         (k, min(k + 2, 40)) for k in range(0, 40, 2)
@@ -161,26 +172,12 @@ def test_boxes_further_apart_than_the_gap_are_separate_runs(files: Files) -> Non
     data = (files.root / "f").read_bytes()
     files.write("f", data[: b.start] + bytes(gap) + data[b.start :])
     flat = {"model/w": torch.empty(64, 64)}
-    runs, _ = extents.plan(
-        targets.read_items(moved, flat, {}),
-        flat,
-        targets.local_of,
-        block=moved.block,
-        dtype_of=lambda n: moved.tensors[n].torch_dtype,
-        files=lambda f: True,
-    )
+    runs, _ = _plan(moved, flat)
     assert [len(r.pieces) for r in runs] == [1, 1]
     _read(files, moved, flat)
     assert torch.equal(flat["model/w"], t)
     # Within the gap, one run reads both boxes and the bytes between them.
-    runs, _ = extents.plan(
-        targets.read_items(index, flat, {}),
-        flat,
-        targets.local_of,
-        block=index.block,
-        dtype_of=lambda n: index.tensors[n].torch_dtype,
-        files=lambda f: True,
-    )
+    runs, _ = _plan(index, flat)
     assert [len(r.pieces) for r in runs] == [2]
 
 
@@ -198,14 +195,7 @@ def test_a_file_with_a_box_that_is_not_one_range_is_read_box_by_box_whole(
     # goes box by box; u's file g still goes by runs.
     flat = {"model/w": torch.full((64, 64), -7.0), "model/u": torch.empty(64, 64)}
     boxes = {"model/w": ((0, 0), (64, 32))}
-    runs, rest = extents.plan(
-        targets.read_items(both, flat, boxes),
-        flat,
-        targets.local_of,
-        block=both.block,
-        dtype_of=lambda n: both.tensors[n].torch_dtype,
-        files=lambda f: True,
-    )
+    runs, rest = _plan(both, flat, boxes=boxes)
     assert {r.file for r in runs} == {"g"}
     assert {item[1].file for item in rest} == {"f"}
     targets.read_into(
@@ -217,14 +207,7 @@ def test_a_file_with_a_box_that_is_not_one_range_is_read_box_by_box_whole(
     assert {name for name, _, _ in files.buffered} == {"f"}
     assert requests  # g's runs
     # A file that has no O_DIRECT descriptor goes box by box too.
-    runs, rest = extents.plan(
-        targets.read_items(both, flat, {}),
-        flat,
-        targets.local_of,
-        block=both.block,
-        dtype_of=lambda n: both.tensors[n].torch_dtype,
-        files=lambda f: f != "g",
-    )
+    runs, rest = _plan(both, flat, files=lambda f: f != "g")
     assert {r.file for r in runs} == {"f"}
     assert {item[1].file for item in rest} == {"g"}
 

@@ -513,13 +513,12 @@ def read_into(
     # READ_THREADS tasks in flight: the disk serves several requests at once (and an object
     # store several GETs), and the CRCs of one box overlap the reads of the others. Leaving
     # the block waits for every running read, so no thread writes a target after we return.
-    nread = [0]
     groups = batches(items, index.tensors)
     tasks += [functools.partial(batch, g) for g in groups]
     spans = extents.spans(runs) + _spans_in_order(groups, flat)
-    nread[0] = run_reads(tasks, READ_THREADS * (2 if runs else 1), spans)
-    log.debug("%s: read %d bytes of sharded tensors", where, nread[0])
-    return nread[0]
+    nread = run_reads(tasks, READ_THREADS * (2 if runs else 1), spans)
+    log.debug("%s: read %d bytes of sharded tensors", where, nread)
+    return nread
 
 
 def run_tasks(  # noqa: PLR0917 - read_run's arguments
