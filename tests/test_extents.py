@@ -107,6 +107,7 @@ def _plan(
     flat: dict[str, torch.Tensor],
     boxes: dict[str, Any] | None = None,
     files: Any = lambda f: True,
+    host: bool = True,
 ) -> tuple[list[extents.Run], list[Any]]:
     """``extents.plan`` of the reads of ``flat`` from ``index``, as ``targets.read_into``
     calls it (every file readable with ``O_DIRECT`` unless ``files`` says otherwise)."""
@@ -117,6 +118,7 @@ def _plan(
         block=index.block,
         dtype_of=lambda n: index.tensors[n].torch_dtype,
         files=files,
+        host=host,
     )
 
 
@@ -267,6 +269,76 @@ def test_a_corrupt_block_stops_its_run_before_a_byte_of_it_reaches_the_target(
     assert torch.equal(out[:32], t[:32])  # the run's blocks before it were
 
 
+@pytest.fixture
+def device_way(monkeypatch: pytest.MonkeyPatch) -> None:
+    """CPU targets taken the way GPU targets go (``extents.DEVICES``): each piece copied
+    with ``Tensor.copy_`` once all of its blocks passed, not block by block by address."""
+    monkeypatch.setattr(extents, "DEVICES", frozenset({"cpu"}))
+
+
+@pytest.mark.usefixtures("device_way")
+def test_a_device_target_gets_a_piece_only_once_every_block_of_it_passed(files: Files) -> None:
+    t = torch.randn(256, 64)  # 4 chunks of 64 rows, 16 KiB: 4 blocks each
+    index = _stored(files, t, 4)
+    runs, rest = _plan(index, {"model/w": t})
+    assert rest == []
+    assert all(p.device is not None for r in runs for p in r.pieces)
+    assert extents.spans(runs) == []  # device memory is never prefaulted
+    out = torch.empty(256, 64)
+    _read(files, index, {"model/w": out})
+    assert torch.equal(out, t)
+    # A corrupt third block of chunk 1: none of chunk 1 reaches the target (the CPU way
+    # copies its first two blocks), chunk 0 does.
+    bad = index.tensors["model/w"].chunks[1]
+    data = bytearray((files.root / "f").read_bytes())
+    data[bad.start + 2 * BLOCK + 5] ^= 0x01
+    files.write("f", bytes(data))
+    out = torch.full((256, 64), -7.0)
+    with pytest.raises(IntegrityError, match=r"block 2 of its chunk at \[64, 0\] in f"):
+        _read(files, index, {"model/w": out})
+    assert torch.equal(out[:64], t[:64])
+    assert bool((out[64:128] == -7.0).all())
+
+
+@pytest.mark.usefixtures("device_way")
+def test_device_targets_go_by_runs_through_the_page_cache_too(
+    files: Files, requests: list[tuple[int, int]]
+) -> None:
+    """Without ``O_DIRECT`` (``io="buffered"``), files whose every box goes to a device are
+    read by runs all the same, one buffered read a run; a file with a box for a CPU target
+    goes box by box, as CPU targets do through the page cache."""
+    t = torch.randn(256, 64)
+    index = _stored(files, t, 4)
+    out = torch.empty(256, 64)
+    targets.read_into(index, {"model/w": out}, files.read, "s", files.read_to)
+    assert torch.equal(out, t)
+    assert requests == []  # no O_DIRECT request
+    # One read of the run (4 chunks of 16 KiB in one 64 KiB run), not one per box.
+    assert files.buffered == [("f", 0, 256 * 64 * 4)]
+    runs, _ = _plan(index, {"model/w": t}, host=False)
+    assert runs  # a device target goes by runs where CPU targets may not
+
+
+def test_cpu_targets_go_by_runs_only_with_o_direct(
+    files: Files, requests: list[tuple[int, int]]
+) -> None:
+    """Through the page cache a CPU target is read box by box, straight into it (one copy,
+    the kernel's): runs would add the stage's copy."""
+    t = torch.randn(256, 64)
+    index = _stored(files, t, 4)
+    out = torch.empty(256, 64)
+    targets.read_into(index, {"model/w": out}, files.read, "s", files.read_to)
+    assert torch.equal(out, t)
+    assert requests == []
+    assert len(files.buffered) == 4 * 4  # box by box, a read a block
+    runs, rest = _plan(index, {"model/w": t}, host=False)
+    assert runs == []
+    assert len(rest) == 4
+    runs, rest = _plan(index, {"model/w": t})
+    assert len(runs) == 1
+    assert rest == []
+
+
 def test_a_file_shorter_than_its_runs_is_an_integrity_error(files: Files) -> None:
     t = torch.randn(64, 64)
     index = _stored(files, t, 4)
@@ -359,9 +431,17 @@ def runs_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
     return seen
 
 
+@pytest.fixture(params=[False, True], ids=["cpu-way", "device-way"])
+def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
+    """Whether CPU targets are taken as a GPU's are (by runs either way, a copy_ a piece)."""
+    if request.param:
+        monkeypatch.setattr(extents, "DEVICES", frozenset({"cpu"}))
+    return bool(request.param)
+
+
 @pytest.mark.parametrize("io", ["direct", "buffered"])
 def test_both_ways_restore_the_same_bytes_and_io_chooses_the_way(
-    mesh: object, tmp_path: Path, runs_read: list[str], io: str
+    mesh: object, tmp_path: Path, runs_read: list[str], io: str, way: bool
 ) -> None:
     model, opt = _build(mesh, 1)
     want = _values(model, opt)
@@ -376,7 +456,7 @@ def test_both_ways_restore_the_same_bytes_and_io_chooses_the_way(
         got = _values(model, opt)
         assert len(got) == len(want)
         assert all(torch.equal(a, b) for a, b in zip(got, want, strict=True))
-    if io == "direct":
+    if io == "direct" or way:
         assert runs_read
         assert all(f.startswith("_shards.") for f in runs_read)
     else:
@@ -497,3 +577,50 @@ def test_a_step_deleted_before_its_read_is_an_integrity_error_not_a_crash(
         with pytest.raises(IntegrityError, match="truncated, missing or replaced"):
             reader.direct_fd(name)
         reader.record_read("buffered", 1 << 30, 1.0)  # nothing to record it against
+
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@needs_cuda
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_a_sharded_step_restores_into_gpu_tensors_in_place_by_runs(
+    mesh: object, tmp_path: Path, runs_read: list[str], io: str
+) -> None:
+    """FSDP2 shards saved on the CPU, restored into a model on the GPU: by runs through
+    either way of reading, straight into the model's own GPU memory, every byte."""
+    model, opt = _build(mesh, 1)
+    want = [p.full_tensor() for p in model.parameters()]  # type: ignore[operator]
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+    gpu = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 64)).cuda()
+    ptrs = [p.data_ptr() for p in gpu.parameters()]
+    with CheckpointManager(tmp_path / "s", storage_options={"io": io}) as mgr:
+        assert mgr.restore({"model": gpu}) == 1
+    assert [p.data_ptr() for p in gpu.parameters()] == ptrs
+    got = [p.detach() for p in gpu.parameters()]
+    assert all(g.device.type == "cuda" for g in got)
+    assert all(torch.equal(g.cpu(), w) for g, w in zip(got, want, strict=True))
+    assert runs_read
+    assert all(f.startswith("_shards.") for f in runs_read)
+
+
+@needs_cuda
+@pytest.mark.parametrize("direct", [True, False])
+def test_a_corrupt_block_never_reaches_a_gpu_target(files: Files, direct: bool) -> None:
+    t = torch.randn(256, 64)  # 4 chunks of 64 rows, 4 blocks each
+    index = _stored(files, t, 4)
+    out = torch.empty(256, 64, device="cuda")
+    fd = files.direct_fd if direct else None
+    targets.read_into(index, {"model/w": out}, files.read, "s", files.read_to, direct_fd=fd)
+    assert torch.equal(out.cpu(), t)
+    bad = index.tensors["model/w"].chunks[1]
+    data = bytearray((files.root / "f").read_bytes())
+    data[bad.start + 3 * BLOCK + 5] ^= 0x01
+    files.write("f", bytes(data))
+    out = torch.full((256, 64), -7.0, device="cuda")
+    with pytest.raises(IntegrityError, match=r"block 3 of its chunk at \[64, 0\] in f"):
+        targets.read_into(index, {"model/w": out}, files.read, "s", files.read_to, direct_fd=fd)
+    host = out.cpu()
+    assert torch.equal(host[:64], t[:64])
+    assert bool((host[64:128] == -7.0).all())

@@ -10,7 +10,11 @@ Not part of ``make test`` (CI has no GPU). On one GPU, with a model and AdamW st
 2. restore into a fresh model and optimizer on the GPU: every tensor bit-exact, on its own
    device;
 3. an FSDP2 save on a one-rank NCCL process group (DTensors on the GPU), restored in the same
-   process into a plain GPU model: the resharded read path with CUDA targets.
+   process into a plain GPU model: the resharded read path with CUDA targets;
+4. an FSDP2 model + AdamW saved from the GPU and restored into FSDP2 on the GPU, the old way
+   (box by box into fresh GPU tensors) beside reads by runs into the targets' own memory
+   (``fsdp_into_fsdp``), each restore from a dropped page cache, ``cat`` of the files as
+   the disk's figure.
 
 Prints one JSON document (also written to ``--json``); exits 1 if a value differs.
 """
@@ -26,7 +30,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-sys.path[:0] = [str(Path(__file__).resolve().parent.parent)]
+sys.path[:0] = [str(Path(__file__).resolve().parent.parent), str(Path(__file__).resolve().parent)]
 
 
 def build(gb: float, seed: int) -> tuple[Any, Any]:
@@ -62,6 +66,76 @@ def opt_same(a: Any, b: Any) -> bool:
             if isinstance(sa[k], torch.Tensor) and not torch.equal(sa[k].cpu(), sb[k].cpu()):
                 return False
     return True
+
+
+def fsdp_into_fsdp(out: dict[str, Any], base: Path, gb: float, mesh: Any) -> bool:
+    """FSDP2 model + AdamW saved from the GPU, restored into a fresh FSDP2 model + AdamW
+    on the GPU (DTensor targets on CUDA), the page cache dropped before each restore.
+
+    Side by side, alternating: ``old`` (GPU targets read box by box into fresh GPU tensors,
+    then copied: ``extents.DEVICES`` empty), and by runs with ``io="direct"`` and
+    ``io="buffered"`` (into the targets' own memory); ``raw``: ``cat`` of the step's files
+    at the same cache state. Every restore is checked bit-exact."""
+    import subprocess
+
+    import torch
+    from benchkit.disk import drop_cache
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptstore import CheckpointManager
+    from ckptstore.sharded import extents
+
+    def fsdp(seed: int) -> tuple[Any, Any]:
+        model, opt = build(min(gb, 0.5), seed)
+        for layer in model:
+            fully_shard(layer, mesh=mesh)
+        fully_shard(model, mesh=mesh)
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        model(torch.randn(4, 4096, device="cuda")).sum().backward()
+        opt.step()
+        return model, opt
+
+    model, opt = fsdp(4)
+    root = base / "fsdp-opt"
+    with CheckpointManager(root, keep=None) as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+    want = [t.to_local().clone() for t in model.state_dict().values()]
+    want += [v.to_local().clone() for st in opt.state.values() for v in st.values() if v.dim() > 0]
+    files = sorted(str(f) for f in root.rglob("*") if f.is_file())
+    out["fsdp_opt_bytes"] = sum(Path(f).stat().st_size for f in files)
+    times: dict[str, list[float]] = {"old": [], "direct": [], "buffered": [], "raw": []}
+    bad: list[str] = []
+    devices = extents.DEVICES
+    into, iopt = fsdp(5)
+    for _ in range(3):
+        for way, took in times.items():
+            drop_cache(root)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            if way == "raw":
+                subprocess.run(["cat", *files], stdout=subprocess.DEVNULL, check=True)
+            else:
+                extents.DEVICES = frozenset() if way == "old" else devices
+                io = "buffered" if way == "old" else way
+                with CheckpointManager(root, storage_options={"io": io}) as mgr:
+                    mgr.restore({"model": into, "optimizer": iopt})
+                torch.cuda.synchronize()
+            took.append(time.perf_counter() - t0)
+            extents.DEVICES = devices
+            if way != "raw":
+                got = [t.to_local() for t in into.state_dict().values()]
+                got += [v.to_local() for st in iopt.state.values() for v in st.values() if v.dim()]
+                if len(got) != len(want) or not all(
+                    torch.equal(a, b) and a.device.type == "cuda"
+                    for a, b in zip(got, want, strict=True)
+                ):
+                    bad.append(way)
+                with torch.no_grad():
+                    for t in got:  # the next restore must write every byte again
+                        t.fill_(-1.0)
+    out["fsdp_opt_restore_s"] = times
+    out["fsdp_opt_restore_mismatches"] = bad
+    return not bad
 
 
 def main() -> int:
@@ -157,6 +231,7 @@ def main() -> int:
     out["fsdp_save_s"] = timed(lambda: dmgr.save(1, {"model": sharded}))
     dmgr.close()
     want = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
+    ok = fsdp_into_fsdp(out, base, args.gb, mesh) and ok
     dist.destroy_process_group()
     plain, _ = build(min(args.gb, 0.5), 3)
     with CheckpointManager(base / "fsdp") as fmgr:

@@ -23,12 +23,15 @@ Used by a sharded restore (``targets.read_into``) and by DCP's ``dcp.load`` thro
 ``CkptStoreReader`` (``dcp.py``), where the store reads with ``O_DIRECT`` (``io``, or
 ``"auto"`` as the device measured).
 
-Only a box that is one contiguous byte range of its chunk and of its contiguous CPU target
-of the stored dtype goes this way (FSDP2's row shards restored on any world size: every
-box). A file with any other box is read as before, box by box through the page cache, so
-no file is read partly with ``O_DIRECT`` and partly buffered: on the test VM such a mix
-made the kernel's readahead read the ``O_DIRECT`` ranges a second time (970-981 MB read
-for 806, session 21).
+Only a box that is one contiguous byte range of its chunk and of its contiguous target of
+the stored dtype goes this way (FSDP2's row shards restored on any world size: every box),
+a target on the CPU or on a GPU (:data:`DEVICES`): a GPU target's pieces are copied from
+the stage with ``Tensor.copy_``, each once all of its blocks passed. A file with any
+other box is read as before, box by box through the page cache, so no file is read
+partly with ``O_DIRECT`` and partly buffered: on the test VM such a mix made the kernel's
+readahead read the ``O_DIRECT`` ranges a second time (970-981 MB read for 806, session
+21). Where the store reads through the page cache, the files whose every box goes to a
+GPU are read by runs too, each with one buffered ``pread`` (``targets.read_into``).
 """
 
 from __future__ import annotations
@@ -70,7 +73,8 @@ _STAGES_MAX = 8
 class Piece:
     """Blocks ``k0 .. k1 - 1`` of a chunk of tensor ``name``, read to fill one box.
 
-    The box's bytes ``first .. end`` of the chunk go to the memory at ``address``.
+    The box's bytes ``first .. end`` of the chunk go to the memory at ``address``; for a
+    target on a GPU, to byte ``address`` of ``device`` (its local data as bytes).
     """
 
     name: str
@@ -80,6 +84,7 @@ class Piece:
     first: int
     end: int
     address: int
+    device: torch.Tensor | None = dataclasses.field(default=None, compare=False)
 
     def lo(self, block: int) -> int:
         """The file offset of the piece's first block."""
@@ -100,14 +105,30 @@ class Run:
     pieces: tuple[Piece, ...]
 
 
-def _memory(t: torch.Tensor, dtype: torch.dtype) -> tuple[int, tuple[int, ...], int] | None:
-    """``(address, shape, itemsize)`` of a target's local data where runs may copy into it.
+#: The devices whose targets runs copy into from the stage (``Tensor.copy_``); CPU targets
+#: take a ``memmove``. Others (and ``meta``) are read box by box. Tests add ``"cpu"`` to
+#: run the device way on CPU tensors.
+DEVICES = frozenset({"cuda"})
 
-    Runs copy into a contiguous CPU tensor of the stored ``dtype`` only; None for others.
+_Memory = tuple[int, tuple[int, ...], int, torch.Tensor | None]
+
+
+def _memory(t: torch.Tensor, dtype: torch.dtype) -> _Memory | None:
+    """``(address, shape, itemsize, device)`` of a target's local data for runs to fill.
+
+    Runs copy into a contiguous tensor of the stored ``dtype`` only, on the CPU (by its
+    address) or on a device of :data:`DEVICES` (``device``: its data as bytes, ``address``
+    0); None for others.
     """
-    if t.dtype != dtype or t.device.type != "cpu" or not t.is_contiguous():
+    if t.dtype != dtype or not t.is_contiguous():
         return None
-    return t.data_ptr(), tuple(t.shape), dtype.itemsize
+    if t.device.type in DEVICES:  # first: tests put "cpu" in DEVICES to take this way
+        if not t.numel():
+            return None
+        return 0, tuple(t.shape), dtype.itemsize, t.reshape(-1).view(torch.uint8)
+    if t.device.type == "cpu":
+        return t.data_ptr(), tuple(t.shape), dtype.itemsize, None
+    return None
 
 
 def _one_range(
@@ -140,6 +161,7 @@ def plan(
     block: int,
     dtype_of: Callable[[str], torch.dtype],
     files: Callable[[str], bool],
+    host: bool = True,
 ) -> tuple[list[Run], list[tuple[str, Chunk, tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]:
     """The runs that read every box of the files that can be read by extent, and the rest.
 
@@ -147,9 +169,9 @@ def plan(
     target's local data), of chunks checked in blocks of ``block`` bytes, ``dtype_of(name)``
     the stored dtype of a target; ``files(name)`` says whether a file can be read with
     ``O_DIRECT``. A file goes by runs when it can and every box of it is one contiguous
-    range of its chunk and of its target's memory (see the module's doc); all of its items
-    go to the rest otherwise, in their order. Integers only, per box: a target's memory is
-    looked at once.
+    range of its chunk and of its target's memory (see the module's doc), on the CPU only
+    with ``host``; all of its items go to the rest otherwise, in their order. Integers
+    only, per box: a target's memory is looked at once.
 
     Returns:
         ``(runs, rest)``: runs in file order, each file's by offset; the other items.
@@ -159,13 +181,14 @@ def plan(
     by_file: dict[str, list[Piece]] = {}
     items = list(items)
     refused: set[str] = set()
-    memory: dict[str, tuple[int, tuple[int, ...], int] | None] = {}
+    memory: dict[str, _Memory | None] = {}
     for name, chunk, src_at, dest_at, lengths in items:
         file = chunk.file
         if file in refused:
             continue
         if name not in memory:
-            memory[name] = _memory(local_of(flat[name]), dtype_of(name))
+            found = _memory(local_of(flat[name]), dtype_of(name))
+            memory[name] = found if host or found is None or found[3] is not None else None
         mem = memory[name]
         src = dst = None
         if per and mem is not None:
@@ -179,7 +202,9 @@ def plan(
         b0, b1 = first // block, -(-end // block)
         pieces = by_file.setdefault(file, [])
         for k in range(b0, b1, per):
-            pieces.append(Piece(name, chunk, k, min(b1, k + per), first, end, mem[0] + dst[0]))
+            pieces.append(
+                Piece(name, chunk, k, min(b1, k + per), first, end, mem[0] + dst[0], mem[3])
+            )
     runs: list[Run] = []
     for file, pieces in by_file.items():
         pieces.sort(key=lambda p: p.lo(block))
@@ -203,12 +228,14 @@ def plan(
 def spans(runs: Iterable[Run]) -> list[tuple[int, int]]:
     """``(address, nbytes)`` of each box's target memory, in the order the runs fill them.
 
-    What ``_prefault.Prefaulter`` faults in ahead of the reads.
+    What ``_prefault.Prefaulter`` faults in ahead of the reads: CPU memory only.
     """
     out: list[tuple[int, int]] = []
     seen: set[tuple[int, int]] = set()
     for run in runs:
         for p in run.pieces:
+            if p.device is not None:
+                continue
             key = (p.address, p.end - p.first)
             if key not in seen:
                 seen.add(key)
@@ -282,6 +309,7 @@ def read_run(
         view = memoryview(stage)
         anchor = ctypes.c_char.from_buffer(stage)
         base = ctypes.addressof(anchor)
+        host: torch.Tensor | None = None  # the stage as a tensor, for copies to a device
         try:
             with gate or contextlib.nullcontext():
                 _fill(run, view, direct_fd, read_to, where)
@@ -296,11 +324,22 @@ def read_run(
                             f"{list(chunk.offsets)} in {run.file} (bytes {chunk.start + k_lo}..) "
                             "does not match its crc32c; the file is corrupt"
                         )
-                    a, b = max(k_lo, p.first), min(k_hi, p.end)
-                    # Checked: now, and only now, into the target (memmove drops the GIL).
-                    ctypes.memmove(p.address + (a - p.first), base + at + (a - k_lo), b - a)
+                    if p.device is None:
+                        a, b = max(k_lo, p.first), min(k_hi, p.end)
+                        # Checked: now, and only now, into the target (memmove drops the GIL).
+                        ctypes.memmove(p.address + (a - p.first), base + at + (a - k_lo), b - a)
+                if p.device is not None:
+                    # Every block of the piece checked: its bytes to the device in one copy
+                    # (a copy a block cost ~10 us each in launches), synchronous, so the
+                    # stage is free to reuse once it returns.
+                    if host is None:
+                        host = torch.frombuffer(stage, dtype=torch.uint8)
+                    a, b = max(p.k0 * block, p.first), min(p.k1 * block, p.end)
+                    at = chunk.start + a - run.start
+                    dest = p.address + (a - p.first)
+                    p.device[dest : dest + b - a].copy_(host[at : at + b - a])
         finally:
-            del anchor, view
+            del anchor, view, host
     finally:
         _give_stage(stage)
     return size

@@ -189,7 +189,9 @@ def live_targets(
 
     A leaf of ``own`` (see :func:`restore_templates`) qualifies when its template is a
     tensor of the stored shape and dtype (a DTensor: of the stored global shape) whose local
-    data is a contiguous, non-empty CPU tensor sharing no byte with another qualifying
+    data is a contiguous, non-empty tensor on the CPU or a GPU (``extents.DEVICES``: read
+    into in place rather than into a fresh tensor on the device and then copied, which took
+    the state's size again in device memory) sharing no byte with another qualifying
     leaf's (two names tied to one tensor in the targets would write it twice, from two
     threads: both are read into fresh tensors, and ``apply_state`` loads them in turn as
     before). Every other leaf gets a fresh tensor (:func:`fresh_targets`).
@@ -204,7 +206,7 @@ def live_targets(
         if (
             tuple(t.shape) == entry.shape
             and t.dtype == entry.torch_dtype
-            and loc.device.type == "cpu"
+            and (loc.device.type == "cpu" or loc.device.type in extents.DEVICES)
             and loc.numel() > 0
             and loc.is_contiguous()
         ):
@@ -424,9 +426,11 @@ def read_into(
     knows it (:func:`template_box`); :func:`target_box` computes the others.
 
     With ``direct_fd`` (a file's ``O_DIRECT`` descriptor, or None where it has none), the
-    files whose every box is one contiguous range of its chunk and of its CPU target are
-    read by extent instead (``extents``): runs of their boxes, one request each, into a
-    stage, each block checked there and then copied into its target, fresh or live.
+    files whose every box is one contiguous range of its chunk and of its target (on the
+    CPU or a GPU) are read by extent instead (``extents``): runs of their boxes, one request
+    each, into a stage, each block checked there and then copied into its target, fresh or
+    live. Without it, the files whose every box goes to a GPU target so are read by extent
+    too, each run with one buffered ``read_to``.
 
     Returns:
         The number of bytes read.
@@ -437,15 +441,21 @@ def read_into(
     runs: list[extents.Run] = []
     tasks: list[Callable[[], int]] = []
     gate = threading.BoundedSemaphore(READ_THREADS)
-    if direct_fd is not None and read_to is not None:
-        fd_of = direct_fd
+    # GPU targets go by runs either way: through the page cache too, a run a request on
+    # READ_THREADS threads beats one box at a time, each read into a buffer and then copied.
+    on_device = direct_fd is None and any(
+        local_of(t).device.type in extents.DEVICES for t in flat.values()
+    )
+    if read_to is not None and (direct_fd is not None or on_device):
+        fd_of: Callable[[str], int | None] = direct_fd or (lambda f: None)
         runs, items = extents.plan(
             items,
             flat,
             local_of,
             block=index.block,
             dtype_of=lambda n: index.tensors[n].torch_dtype,
-            files=lambda f: fd_of(f) is not None,
+            files=lambda f: direct_fd is None or fd_of(f) is not None,
+            host=direct_fd is not None,
         )
         tasks = run_tasks(runs, index.block, fd_of, read_to, where, gate)
     # One box at a time through a buffer (the size of the blocks that cover it: nearly a
