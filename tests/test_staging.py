@@ -13,7 +13,15 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import STORE_FILES, assert_same, make_state, module_bytes, run_python, step_dir
+from _helpers import (
+    STORE_FILES,
+    assert_same,
+    make_state,
+    module_bytes,
+    run_python,
+    step_dir,
+    step_path,
+)
 
 from ckptstore import CheckpointManager, CommitError, SaveHandle, StepExistsError
 from ckptstore.integrity import CRCWriter
@@ -359,3 +367,41 @@ def test_staging_waits_for_the_copies_of_every_source_device(
     pool.stage("c", torch.ones(3))
     pool.end()
     assert synced == []  # nothing came from a GPU: nothing to wait for
+
+
+def test_a_synchronous_sharded_save_of_gpu_state_goes_through_the_staging_buffers(
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """GPU boxes of a synchronous DTensor save are copied out into the reused (pinned)
+    staging buffers, as an async save's are, not ``.cpu()`` per box; CPU boxes are written
+    from where they lie. The GPU is played (``_on_gpu``) where there is none: what is
+    checked here is that the staged way writes the same step."""
+    from torch.distributed.fsdp import fully_shard
+
+    from ckptstore.save import plan as save_plan
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(64, 96), torch.nn.Linear(96, 8))
+    fully_shard(model, mesh=mesh)  # type: ignore[arg-type]
+    want = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model})
+        assert mgr._staging.allocated_bytes == 0  # CPU state: nothing staged, nothing held
+        monkeypatch.setattr(save_plan, "_on_gpu", lambda boxes, groups: True)
+        mgr.save(2, {"model": model})
+        pool: StagingPool = mgr._staging
+        ptrs = {k: b.data_ptr() for k, b in pool._bufs.items()}
+        # One buffer a box ("name@offsets"): every box of the model.
+        assert sorted(k.split("@")[0] for k in ptrs) == sorted(f"_shards/model/{k}" for k in want)
+        mgr.save(3, {"model": model})
+        assert {k: b.data_ptr() for k, b in pool._bufs.items()} == ptrs  # reused
+        # The shard files staged and not staged: the same bytes.
+        shards = sorted(p.name for p in step_path(tmp_path / "s", 1).glob("_shards*"))
+        assert shards
+        for name in shards:
+            one = (step_path(tmp_path / "s", 1) / name).read_bytes()
+            assert one == (step_path(tmp_path / "s", 3) / name).read_bytes()
+        for step in (2, 3):
+            got = mgr.load(step)["model"]
+            assert sorted(got) == sorted(want)
+            assert all(torch.equal(got[k], want[k]) for k in want)  # full tensors

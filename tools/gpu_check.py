@@ -68,6 +68,98 @@ def opt_same(a: Any, b: Any) -> bool:
     return True
 
 
+def build_fsdp(gb: float, seed: int, mesh: Any) -> tuple[Any, Any]:
+    """An FSDP2 model of ``min(gb, 0.5)`` GiB on ``mesh`` and an AdamW that took a step."""
+    import torch
+    from torch.distributed.fsdp import fully_shard
+
+    model, _ = build(min(gb, 0.5), seed)
+    for layer in model:
+        fully_shard(layer, mesh=mesh)
+    fully_shard(model, mesh=mesh)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    model(torch.randn(4, 4096, device="cuda")).sum().backward()
+    opt.step()
+    return model, opt
+
+
+def fsdp_save_ab(out: dict[str, Any], base: Path, gb: float, mesh: Any) -> bool:
+    """Synchronous saves of an FSDP2 model + AdamW from the GPU, side by side, alternating.
+
+    ``old``: each box copied out with ``.cpu()`` into fresh pageable memory (the save before
+    session 23: ``save.plan._on_gpu`` made to say no); ``new``: through the manager's reused
+    pinned staging buffers; ``dcp``: ``torch.distributed.checkpoint.save`` of the model's
+    and optimizer's state dicts; ``raw``: ``dd`` of as many bytes with ``O_DIRECT`` and an
+    fsync. A first round warms each (the staging buffers pinned: ``new_first_s``), three
+    are timed. The last ``new`` and ``old`` steps are restored and checked bit-exact.
+    """
+    import shutil
+    import subprocess
+
+    import torch
+    from torch.distributed.checkpoint.state_dict_saver import save as save_dcp
+
+    from ckptstore import CheckpointManager
+    from ckptstore.save import plan as save_plan
+
+    model, opt = build_fsdp(gb, 6, mesh)
+    state = {"model": model, "optimizer": opt}
+    real = save_plan._on_gpu
+    ways = ("old", "new", "dcp", "raw")
+    roots = {way: base / f"save-{way}" for way in ways}
+    for r in roots.values():
+        r.mkdir(parents=True, exist_ok=True)
+    mgrs = {w: CheckpointManager(roots[w], keep=None) for w in ("old", "new")}
+    times: dict[str, list[float]] = {w: [] for w in ways}
+    count = 0
+    try:
+        for rnd in range(4):
+            for way in ways:
+                torch.cuda.synchronize()
+                t0 = time.perf_counter()
+                if way in mgrs:
+                    never = lambda boxes, groups: False  # noqa: E731 - the save before
+                    save_plan._on_gpu = real if way == "new" else never
+                    try:
+                        mgrs[way].save(rnd + 1, state)
+                    finally:
+                        save_plan._on_gpu = real
+                elif way == "dcp":
+                    sd = {"model": model.state_dict(), "optim": opt.state_dict()}
+                    save_dcp(sd, checkpoint_id=str(roots["dcp"] / f"r{rnd}"))
+                else:
+                    argv = ["dd", "if=/dev/zero", f"of={roots['raw'] / f'r{rnd}'}", "bs=8M"]
+                    argv += [f"count={count}", "oflag=direct", "conv=fsync", "status=none"]
+                    subprocess.run(argv, check=True)
+                took = time.perf_counter() - t0
+                if rnd:
+                    times[way].append(took)
+                elif way == "new":
+                    out["fsdp_opt_save_new_first_s"] = took
+                    files = [f for f in roots["new"].rglob("*") if f.is_file()]
+                    count = -(-sum(f.stat().st_size for f in files) // (8 << 20))
+            for way in ("dcp", "raw"):  # their files go: what is written stays on the disk
+                for f in roots[way].iterdir():
+                    shutil.rmtree(f) if f.is_dir() else f.unlink()
+        out["fsdp_opt_save_s"] = times
+        out["fsdp_opt_save_raw_bytes"] = count << 23
+        want = [t.to_local().clone() for t in model.state_dict().values()]
+        bad = []
+        for way, mgr in mgrs.items():
+            into, iopt = build_fsdp(gb, 7, mesh)
+            mgr.restore({"model": into, "optimizer": iopt}, step=4)
+            got = [t.to_local() for t in into.state_dict().values()]
+            if not all(torch.equal(a, b) for a, b in zip(got, want, strict=True)):
+                bad.append(way)
+        out["fsdp_opt_save_mismatches"] = bad
+    finally:
+        for mgr in mgrs.values():
+            mgr.close()
+        for r in roots.values():
+            shutil.rmtree(r, ignore_errors=True)
+    return not bad
+
+
 def fsdp_into_fsdp(out: dict[str, Any], base: Path, gb: float, mesh: Any) -> bool:
     """FSDP2 model + AdamW saved from the GPU, restored into a fresh FSDP2 model + AdamW
     on the GPU (DTensor targets on CUDA), the page cache dropped before each restore.
@@ -80,22 +172,11 @@ def fsdp_into_fsdp(out: dict[str, Any], base: Path, gb: float, mesh: Any) -> boo
 
     import torch
     from benchkit.disk import drop_cache
-    from torch.distributed.fsdp import fully_shard
 
     from ckptstore import CheckpointManager
     from ckptstore.sharded import extents
 
-    def fsdp(seed: int) -> tuple[Any, Any]:
-        model, opt = build(min(gb, 0.5), seed)
-        for layer in model:
-            fully_shard(layer, mesh=mesh)
-        fully_shard(model, mesh=mesh)
-        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        model(torch.randn(4, 4096, device="cuda")).sum().backward()
-        opt.step()
-        return model, opt
-
-    model, opt = fsdp(4)
+    model, opt = build_fsdp(gb, 4, mesh)
     root = base / "fsdp-opt"
     with CheckpointManager(root, keep=None) as mgr:
         mgr.save(1, {"model": model, "optimizer": opt})
@@ -106,7 +187,7 @@ def fsdp_into_fsdp(out: dict[str, Any], base: Path, gb: float, mesh: Any) -> boo
     times: dict[str, list[float]] = {"old": [], "direct": [], "buffered": [], "raw": []}
     bad: list[str] = []
     devices = extents.DEVICES
-    into, iopt = fsdp(5)
+    into, iopt = build_fsdp(gb, 5, mesh)
     for _ in range(3):
         for way, took in times.items():
             drop_cache(root)
@@ -144,7 +225,15 @@ def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--gb", type=float, default=1.0, help="parameter bytes (AdamW adds twice)")
     p.add_argument("--json", metavar="OUT")
+    p.add_argument(
+        "--only",
+        choices=["all", "fsdp"],
+        default="all",
+        help="fsdp: only the FSDP2 save and restore comparisons (fsdp_save_ab, fsdp_into_fsdp)",
+    )
     args = p.parse_args()
+    if args.only == "fsdp":
+        return fsdp_only(args.gb, args.json)
     from ckptstore import CheckpointManager
 
     out: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
@@ -231,6 +320,7 @@ def main() -> int:
     out["fsdp_save_s"] = timed(lambda: dmgr.save(1, {"model": sharded}))
     dmgr.close()
     want = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
+    ok = fsdp_save_ab(out, base, args.gb, mesh) and ok
     ok = fsdp_into_fsdp(out, base, args.gb, mesh) and ok
     dist.destroy_process_group()
     plain, _ = build(min(args.gb, 0.5), 3)
@@ -246,6 +336,31 @@ def main() -> int:
     print(text)
     if args.json:
         Path(args.json).write_text(text + "\n")
+    return 0 if ok else 1
+
+
+def fsdp_only(gb: float, json_out: str | None) -> int:
+    """The FSDP2 comparisons alone, on a one-rank NCCL group (``--only fsdp``)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    out: dict[str, Any] = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__}
+    base = Path(tempfile.mkdtemp(prefix="ckpt-gpu-", dir=os.environ.get("TMPDIR", "/tmp")))
+    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+    os.environ.setdefault("MASTER_PORT", "29533")
+    dist.init_process_group("nccl", rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cuda", (1,))
+        ok = fsdp_save_ab(out, base, gb, mesh)
+        ok = fsdp_into_fsdp(out, base, gb, mesh) and ok
+    finally:
+        dist.destroy_process_group()
+    out["ok"] = ok
+    text = json.dumps(out, indent=2)
+    print(text)
+    if json_out:
+        Path(json_out).write_text(text + "\n")
     return 0 if ok else 1
 
 

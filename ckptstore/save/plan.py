@@ -71,7 +71,7 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
     same deduplicated global plan from them. A rank that fails before the exchange
     still takes part in it, so no rank waits for it. With ``async_save`` the boxes and
     rank 0's plain tensors are copied into staging buffers here: the one copy the
-    caller waits for.
+    caller waits for. A synchronous save with GPU tensors stages them too (``_on_gpu``).
 
     Returns:
         The pending checkpoint, and ``("ok", job)``, ``("error", e)`` where this rank
@@ -185,6 +185,22 @@ def _differs(mine: tuple[int, str, str] | None, verdict: Mapping[str, Any]) -> E
     )
 
 
+def _on_gpu(
+    boxes: Mapping[str, tuple[Any, Any, torch.Tensor]],
+    groups: Mapping[str, Mapping[str, torch.Tensor]],
+) -> bool:
+    """Whether this rank has tensors on a GPU to save.
+
+    A synchronous save then copies them out through the staging buffers too (pinned,
+    reused from save to save, each placed for an ``O_DIRECT`` write from where it lies), as
+    a plain save does (``encode``'s ``device_staging``), not ``.cpu()`` per box into fresh
+    pageable memory.
+    """
+    return any(t.device.type == "cuda" for _, _, t in boxes.values()) or any(
+        t.device.type == "cuda" for g in groups.values() for t in g.values()
+    )
+
+
 def _job(  # noqa: PLR0917 - private to this stage
     session: Session,
     collector: sharding.DTensorCollector,
@@ -220,7 +236,7 @@ def _job(  # noqa: PLR0917 - private to this stage
         cache.entry = ((key, split), mine, meta, specs, layout)
     mark(clock, "global_plan")
     boxes = sharding.local_boxes(mine, collector.flat, specs)
-    if opts.async_save:
+    if opts.async_save or _on_gpu(boxes, groups):
         staging.begin()
         offsets = sharding.box_file_offsets({k: t for k, (_, _, t) in boxes.items()})
         boxes = {
