@@ -66,7 +66,7 @@ import posixpath
 import re
 import threading
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -244,16 +244,20 @@ def _read_by_extent(
     request for a box of a DTensor chunk that is one range of the chunk and of its target
     (DCP's narrowed view of its tensor) goes in runs of its file, one request a run, on the
     restore's read threads, each block checked before it is copied into the target: the
-    requests used to be read one after the other, box by box through the page cache. A file
-    with any other request is left to the caller whole. Returns the indexes read.
+    requests used to be read one after the other, box by box through the page cache. Where
+    it does not, the requests of GPU targets go so all the same, each run one buffered
+    read (as a sharded restore's, ``targets.read_into``). A file with any other request is
+    left to the caller whole. Returns the indexes read.
     """
     index = src.index
     if index is None or not todo:
         return set()
     reader = src._reader()
     mode = reader.read_mode()
-    if mode != "direct":
+    direct = mode == "direct"
+    if not direct and not any(t.device.type in extents.DEVICES for _, t, _, _ in todo):
         return set()
+    fd_of: Callable[[str], int | None] = reader.direct_fd if direct else (lambda f: None)
     items: list[targets_mod.Item] = []
     flat: dict[str, torch.Tensor] = {}
     dtypes: dict[str, torch.dtype] = {}
@@ -272,18 +276,18 @@ def _read_by_extent(
         lambda t: t,
         block=index.block,
         dtype_of=dtypes.__getitem__,
-        files=lambda f: reader.direct_fd(f) is not None,
+        files=lambda f: not direct or fd_of(f) is not None,
+        host=direct,
     )
     if not runs:
         return set()
     gate = threading.BoundedSemaphore(targets_mod.READ_THREADS)
-    tasks = targets_mod.run_tasks(
-        runs, index.block, reader.direct_fd, reader.read_into, src.where, gate
-    )
+    tasks = targets_mod.run_tasks(runs, index.block, fd_of, reader.read_into, src.where, gate)
     t0 = time.perf_counter()
     with torch.no_grad():
         nbytes = targets_mod.run_reads(tasks, 2 * targets_mod.READ_THREADS, extents.spans(runs))
-    reader.record_read(mode, nbytes, time.perf_counter() - t0)
+    if mode is not None:
+        reader.record_read(mode, nbytes, time.perf_counter() - t0)
     src.bytes_read += nbytes
     left = {item[0] for item in rest}
     return {int(key) for key in flat if key not in left}

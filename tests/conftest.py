@@ -110,3 +110,19 @@ def mesh(tmp_path_factory: pytest.TempPathFactory) -> Iterator[object]:
         yield init_device_mesh("cpu", (1,))
     finally:
         dist.destroy_process_group()
+
+
+@pytest.fixture
+def runs_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
+    """The file of every run a restore read by extent (``sharded/extents.py``)."""
+    from ckptstore.sharded import extents
+
+    seen: list[str] = []
+    real = extents.read_run
+
+    def read_run(run: extents.Run, *a: Any, **kw: Any) -> int:
+        seen.append(run.file)
+        return real(run, *a, **kw)
+
+    monkeypatch.setattr(extents, "read_run", read_run)
+    return seen

@@ -167,36 +167,55 @@ def test_a_flipped_byte_in_a_dcp_saved_step_fails_both_loads(
     assert torch.equal(state["model"]["mid.weight"], full3["model"]["mid.weight"])
 
 
+@pytest.mark.parametrize("device", [False, True], ids=["cpu-way", "device-way"])
 @pytest.mark.parametrize("io", ["direct", "buffered"])
 def test_dcp_load_reads_by_extent_where_the_store_reads_direct(
-    dcp_store: tuple[Path, dict[str, Any]], monkeypatch: pytest.MonkeyPatch, io: str
+    dcp_store: tuple[Path, dict[str, Any]],
+    monkeypatch: pytest.MonkeyPatch,
+    runs_read: list[str],
+    io: str,
+    device: bool,
 ) -> None:
     """With O_DIRECT (``io``), CkptStoreReader reads the DTensor chunks in runs of their
-    files on the read threads (``sharded/extents.py``); either way the same bytes."""
+    files on the read threads (``sharded/extents.py``); either way the same bytes. Targets
+    on a GPU (played by CPU tensors: ``extents.DEVICES``) go by runs either way."""
     from ckptstore.sharded import extents
 
+    if device:
+        monkeypatch.setattr(extents, "DEVICES", frozenset({"cpu"}))
     root, _ = dcp_store
     full = CheckpointManager(root).load(4)["model"]
-    runs: list[str] = []
-    real = extents.read_run
-
-    def read_run(run: extents.Run, *a: Any, **kw: Any) -> int:
-        runs.append(run.file)
-        return real(run, *a, **kw)
-
-    monkeypatch.setattr(extents, "read_run", read_run)
+    runs_read.clear()  # the runs of that load
+    runs = runs_read
     target = {"model": {k: torch.zeros_like(v) for k, v in full.items()}}
     reader = CkptStoreReader(root, step=4, storage_options={"io": io})
     quiet(dcp.load, target, storage_reader=reader, no_dist=True)
     for k, v in full.items():
         assert torch.equal(target["model"][k], v), k
-    if io == "direct":
+    if io == "direct" or device:
         assert {f for f in runs} == {
             "_shards.rank00000.safetensors",
             "_shards.rank00001.safetensors",
         }
     else:
         assert runs == []
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("io", ["direct", "buffered"])
+def test_dcp_load_into_gpu_tensors_reads_by_runs(
+    dcp_store: tuple[Path, dict[str, Any]], runs_read: list[str], io: str
+) -> None:
+    root, _ = dcp_store
+    full = CheckpointManager(root).load(4)["model"]
+    runs_read.clear()  # the runs of that load
+    target = {"model": {k: torch.zeros_like(v, device="cuda") for k, v in full.items()}}
+    reader = CkptStoreReader(root, step=4, storage_options={"io": io})
+    quiet(dcp.load, target, storage_reader=reader, no_dist=True)
+    for k, v in full.items():
+        assert target["model"][k].device.type == "cuda"
+        assert torch.equal(target["model"][k].cpu(), v), k
+    assert set(runs_read) == {"_shards.rank00000.safetensors", "_shards.rank00001.safetensors"}
 
 
 def test_a_corrupt_block_read_by_extent_never_reaches_the_dcp_target(

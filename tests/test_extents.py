@@ -417,20 +417,6 @@ def _values(model: torch.nn.Module, opt: torch.optim.Optimizer) -> list[torch.Te
     return out
 
 
-@pytest.fixture
-def runs_read(monkeypatch: pytest.MonkeyPatch) -> list[str]:
-    """The file of every run a restore read by extent."""
-    seen: list[str] = []
-    real = extents.read_run
-
-    def read_run(run: extents.Run, *a: Any, **kw: Any) -> int:
-        seen.append(run.file)
-        return real(run, *a, **kw)
-
-    monkeypatch.setattr(extents, "read_run", read_run)
-    return seen
-
-
 @pytest.fixture(params=[False, True], ids=["cpu-way", "device-way"])
 def way(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> bool:
     """Whether CPU targets are taken as a GPU's are (by runs either way, a copy_ a piece)."""

@@ -14,7 +14,13 @@ Not part of ``make test`` (CI has no GPU). On one GPU, with a model and AdamW st
 4. an FSDP2 model + AdamW saved from the GPU and restored into FSDP2 on the GPU, the old way
    (box by box into fresh GPU tensors) beside reads by runs into the targets' own memory
    (``fsdp_into_fsdp``), each restore from a dropped page cache, ``cat`` of the files as
-   the disk's figure.
+   the disk's figure; then the model alone through DCP's ``load`` with ``CkptStoreReader``,
+   both ways;
+5. synchronous saves of that FSDP2 model + AdamW from the GPU, copied out with ``.cpu()``
+   per box (before) and through the pinned staging buffers, beside DCP's ``save`` and
+   ``dd`` (``fsdp_save_ab``).
+
+``--only fsdp`` runs 4 and 5 alone.
 
 Prints one JSON document (also written to ``--json``); exits 1 if a value differs.
 """
@@ -215,6 +221,36 @@ def fsdp_into_fsdp(out: dict[str, Any], base: Path, gb: float, mesh: Any) -> boo
                     for t in got:  # the next restore must write every byte again
                         t.fill_(-1.0)
     out["fsdp_opt_restore_s"] = times
+    out["fsdp_opt_restore_mismatches"] = bad
+    # The model alone through DCP's own load (torchtitan's way): CkptStoreReader.
+    from torch.distributed.checkpoint.state_dict_loader import load as load_dcp
+
+    from ckptstore.dcp import CkptStoreReader
+
+    n = len(into.state_dict())
+    dtimes: dict[str, list[float]] = {"old": [], "direct": [], "buffered": []}
+    for _ in range(3):
+        for way, took in dtimes.items():
+            drop_cache(root)
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            extents.DEVICES = frozenset() if way == "old" else devices
+            try:
+                reader = CkptStoreReader(
+                    root, step=1, storage_options={"io": "buffered" if way == "old" else way}
+                )
+                load_dcp({"model": into.state_dict()}, storage_reader=reader)
+                torch.cuda.synchronize()
+            finally:
+                extents.DEVICES = devices
+            took.append(time.perf_counter() - t0)
+            got = [t.to_local() for t in into.state_dict().values()]
+            if not all(torch.equal(a, b) for a, b in zip(got, want[:n], strict=True)):
+                bad.append(f"dcp-{way}")
+            with torch.no_grad():
+                for t in got:
+                    t.fill_(-1.0)
+    out["fsdp_model_dcp_load_s"] = dtimes
     out["fsdp_opt_restore_mismatches"] = bad
     return not bad
 
