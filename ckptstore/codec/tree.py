@@ -215,7 +215,12 @@ class TreeEncoder:
             "dtype": _tensor_dtype_name(t, path),
             "shape": list(t.shape),
         }
-        if isinstance(t, torch.nn.Parameter):
+        # type() first: Parameter's isinstance goes through a Python metaclass hook, slow
+        # for the plain tensors (optimizer state) that are most of a state.
+        tt = type(t)
+        if tt is torch.nn.Parameter or (
+            tt is not torch.Tensor and isinstance(t, torch.nn.Parameter)
+        ):
             node["param"] = True
         if t.requires_grad:
             node["requires_grad"] = True
@@ -270,14 +275,19 @@ class TreeEncoder:
         by_storage: dict[tuple[Any, ...], list[_Occurrence]] = {}
         for occ in self._occurrences:
             t = occ.tensor
-            nbytes = _storage_nbytes(t)
+            storage = t.untyped_storage()
+            nbytes = int(storage.nbytes())
             if nbytes == 0 or t.numel() == 0:
                 store(occ, t)
                 continue
-            sid = (t.device.type, t.device.index, t.untyped_storage().data_ptr(), nbytes)
+            device = t.device
+            sid = (device.type, device.index, storage.data_ptr(), nbytes)
             by_storage.setdefault(sid, []).append(occ)
 
         for occs in by_storage.values():
+            if len(occs) == 1:  # the one reference to its storage (most tensors): as it is
+                store(occs[0], occs[0].tensor)
+                continue
             base = next((o for o in occs if _covers_storage(o.tensor)), None)
             stored: dict[tuple[Any, ...], _Occurrence] = {}
             if base is not None:
