@@ -9,6 +9,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 import torch.distributed.checkpoint as dcp
 from _helpers import flip_byte, index_chunks, run_cli, step_dir
@@ -362,3 +363,31 @@ class _OtherPlanner(SavePlanner):
 
 class _Opaque:
     """A value only pickle can store."""
+
+
+def test_exporting_a_sharded_step_imports_neither_dtensor_nor_dcp(
+    dcp_store: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """``ckptstore export`` of an FSDP2 step into one safetensors file consolidates the
+    shards without importing ``torch.distributed.tensor`` (the split index's placements are
+    read as plain data) or DCP (needed by ``--dcp`` only): ~0.9 s of a 3 s export before.
+    The file holds the full tensors."""
+    from _helpers import run_python
+
+    root, _ = dcp_store
+    out = tmp_path / "model.safetensors"
+    code = r"""
+import sys
+from ckptstore.cli import main
+rc = main(["export", "--step", "4", sys.argv[1], sys.argv[2]])
+names = ("torch.distributed.tensor", "torch.distributed.checkpoint")
+heavy = [k for k in names if k in sys.modules]
+print("rc:", rc, "heavy:", heavy)
+"""
+    r = run_python(code, str(root), str(out))
+    assert r.returncode == 0, r.stderr
+    assert "rc: 0 heavy: []" in r.stdout, r.stdout + r.stderr
+    full = CheckpointManager(root).load(4)["model"]
+    got = safetensors.torch.load_file(out)
+    assert sorted(got) == sorted(full)
+    assert all(torch.equal(got[k], full[k]) for k in full)

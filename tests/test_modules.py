@@ -437,3 +437,31 @@ def test_rng_derive_is_deterministic_and_distinct_per_rank() -> None:
     first = torch.rand(2)
     RNGState().load_state_dict(b)
     assert torch.equal(torch.rand(2), first)
+
+
+def test_a_save_and_restore_import_no_compiler_or_dtensor_where_none_can_exist(
+    tmp_path: Path,
+) -> None:
+    """A process that never compiled a module nor made a DTensor (an eval script, a tool,
+    a restore before the optimizer exists) saves and restores without importing
+    ``torch._dynamo`` or ``torch.distributed.tensor``: importing them to ask "is this a
+    compiled module / a DTensor?" made such a process's first save take ~1 s, not ms."""
+    from _helpers import run_python
+
+    code = r"""
+import sys, torch
+from ckptstore import CheckpointManager
+from ckptstore.state.modules import de_parallel
+m = torch.nn.Linear(4, 3)
+with CheckpointManager(sys.argv[1]) as mgr:
+    mgr.save(1, {"model": m, "extra": {"w": torch.ones(2)}})
+    fresh = torch.nn.Linear(4, 3)
+    assert mgr.restore({"model": fresh}) == 1
+    assert torch.equal(fresh.weight, m.weight)
+    assert de_parallel(m) is m
+heavy = [k for k in ("torch._dynamo", "torch.distributed.tensor") if k in sys.modules]
+print("heavy:", heavy)
+"""
+    r = run_python(code, str(tmp_path / "s"))
+    assert r.returncode == 0, r.stderr
+    assert "heavy: []" in r.stdout

@@ -172,7 +172,10 @@ def test_a_part_that_lacks_its_box_or_lies_about_it_is_refused() -> None:
         (lambda d: d["meshes"][0].update(start=-1), "'start'"),
         (lambda d: d["meshes"].__setitem__(0, {"shape": [2], "ranks": [0]}), "1 ranks for"),
         (lambda d: d["tensors"]["w"].update(mesh_id=3), "names no mesh"),
-        (lambda d: d["tensors"]["w"].update(placements=["S(5)"]), "placement"),
+        (lambda d: d["tensors"]["w"].update(placements=["S(5)"]), r"placement S\(5\) of a 2-d"),
+        # Digits int() refuses: refused as the index's fault, not a ValueError.
+        (lambda d: d["tensors"]["w"].update(placements=["S(\u00b2)"]), "are not R or S"),
+        (lambda d: d["tensors"]["w"].update(placements=["_StridedShard(0)"]), "are not R or S"),
         (lambda d: d["tensors"]["w"].update(dtype="float128"), "unsupported dtype"),
     ],
 )

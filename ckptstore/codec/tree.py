@@ -317,13 +317,9 @@ class TreeEncoder:
 
 
 def _is_dtensor(t: torch.Tensor) -> bool:
-    if type(t) is torch.Tensor:  # the common case, without an import
-        return False
-    try:
-        from torch.distributed.tensor import DTensor
-    except ImportError:  # pragma: no cover - torch built without distributed
-        return False
-    return isinstance(t, DTensor)
+    from ..state.redistribute import is_dtensor  # state imports codec: not at the top
+
+    return is_dtensor(t)
 
 
 def _storage_nbytes(t: torch.Tensor) -> int:

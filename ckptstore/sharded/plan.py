@@ -38,8 +38,7 @@ from ..codec.tree import format_path
 from ..errors import CommitError, IntegrityError, StateMismatchError, UnsafeCheckpointError
 from ..integrity import SubBlocks
 from ..state.modules import EMA, de_parallel
-from ..state.redistribute import dtensor_type as _dtensor_type
-from ..state.redistribute import is_dtensor
+from ..state.redistribute import dtensors_possible, is_dtensor
 from ..storage import iomode
 from ..storage.directio import run_all
 from .chunks import (
@@ -84,7 +83,7 @@ _SCAN_LIMIT = 100_000
 
 def has_dtensors(state: Mapping[Any, Any]) -> bool:
     """Whether any module, optimizer or plain value of ``state`` holds a DTensor."""
-    if _dtensor_type() is None:
+    if not dtensors_possible():
         return False
     budget = [_SCAN_LIMIT]
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 import collections
 import hashlib
 import random
+import sys
 from collections.abc import Mapping
 from typing import Any, Protocol, runtime_checkable
 
@@ -60,12 +61,13 @@ class Stateful(Protocol):
 
 def _wrapper_types() -> tuple[type, ...]:
     types: list[type] = [nn.DataParallel, nn.parallel.DistributedDataParallel]
-    try:
-        from torch._dynamo.eval_frame import OptimizedModule
-
-        types.append(OptimizedModule)
-    except ImportError:  # pragma: no cover - very old torch
-        pass
+    # A compiled module exists only once torch._dynamo was imported (torch.compile does).
+    # Importing it here made a process's first save of a plain model take 0.98 s instead
+    # of a few ms on the test VM (dynamo brings FSDP and DTensor with it).
+    frame = sys.modules.get("torch._dynamo.eval_frame")
+    compiled = getattr(frame, "OptimizedModule", None)
+    if isinstance(compiled, type):
+        types.append(compiled)
     return tuple(types)
 
 
