@@ -172,7 +172,8 @@ def export_step(
             n = _count_tensors(data)
             return ExportResult(out, step, "torch", None, n, os.path.getsize(out), consolidated)
         entry = _choose_key(read_state_entries(mgr.storage, manifest), key, where)
-        value = mgr.load(step)[entry.key]
+        # That entry alone: a model's weights are a third of a step with AdamW's moments.
+        value = mgr.load(step, keys=[entry.key])[entry.key]
         if entry.kind == "ema" and isinstance(value, Mapping) and "weights" in value:
             value = value["weights"]  # EMA state: {"weights": state dict, "counters": ...}
         tensors = _flat_tensors(value, str(entry.key), where)
