@@ -170,7 +170,10 @@ def fsdp_save_ab(out: dict[str, Any], base: Path, gb: float, mesh: Any) -> bool:
 def fsdp_async(out: dict[str, Any], base: Path, gb: float, mesh: Any) -> bool:
     """Async saves of the FSDP2 model + AdamW from the GPU: how long ``save()`` blocks (the
     device-to-host copies into the pinned staging buffers) and how long until committed,
-    after one warm save; the last step restored bit-exact."""
+    after one warm save; the last step restored bit-exact.
+
+    Written in session 23 after that session's last GPU run: not yet run on a GPU.
+    """
     import shutil
 
     import torch
@@ -394,9 +397,7 @@ def main() -> int:
     out["fsdp_save_s"] = timed(lambda: dmgr.save(1, {"model": sharded}))
     dmgr.close()
     want = {k: v.full_tensor() for k, v in sharded.state_dict().items()}
-    ok = fsdp_save_ab(out, base, args.gb, mesh) and ok
-    ok = fsdp_async(out, base, args.gb, mesh) and ok
-    ok = fsdp_into_fsdp(out, base, args.gb, mesh) and ok
+    ok = fsdp_parts(out, base, args.gb, mesh) and ok
     dist.destroy_process_group()
     plain, _ = build(min(args.gb, 0.5), 3)
     with CheckpointManager(base / "fsdp") as fmgr:
@@ -414,6 +415,19 @@ def main() -> int:
     return 0 if ok else 1
 
 
+def fsdp_parts(out: dict[str, Any], base: Path, gb: float, mesh: Any) -> bool:
+    """Parts 4 and 5, each on its own: one that fails is reported (``<part>_error``) and
+    the others still run."""
+    ok = True
+    for part in (fsdp_save_ab, fsdp_async, fsdp_into_fsdp):
+        try:
+            ok = part(out, base, gb, mesh) and ok
+        except Exception as e:
+            out[f"{part.__name__}_error"] = repr(e)
+            ok = False
+    return ok
+
+
 def fsdp_only(gb: float, json_out: str | None) -> int:
     """The FSDP2 comparisons alone, on a one-rank NCCL group (``--only fsdp``)."""
     import torch
@@ -427,13 +441,7 @@ def fsdp_only(gb: float, json_out: str | None) -> int:
     dist.init_process_group("nccl", rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cuda", (1,))
-        ok = True
-        for part in (fsdp_save_ab, fsdp_async, fsdp_into_fsdp):
-            try:  # one part's failure is reported, and the others still run
-                ok = part(out, base, gb, mesh) and ok
-            except Exception as e:
-                out[f"{part.__name__}_error"] = repr(e)
-                ok = False
+        ok = fsdp_parts(out, base, gb, mesh)
     finally:
         dist.destroy_process_group()
     out["ok"] = ok
