@@ -330,8 +330,8 @@ def read_run(
                         ctypes.memmove(p.address + (a - p.first), base + at + (a - k_lo), b - a)
                 if p.device is not None:
                     # Every block of the piece checked: its bytes to the device in one copy
-                    # (a copy a block cost ~10 us each in launches), synchronous, so the
-                    # stage is free to reuse once it returns.
+                    # (not one a block: each copy is a launch of its own), synchronous, so
+                    # the stage is free to reuse once it returns.
                     if host is None:
                         host = torch.frombuffer(stage, dtype=torch.uint8)
                     a, b = max(p.k0 * block, p.first), min(p.k1 * block, p.end)

@@ -40,7 +40,9 @@ def dtensors_possible() -> bool:
     """Whether a DTensor can exist in this process: ``torch.distributed.tensor`` was imported.
 
     Asked before :func:`dtensor_type`, which imports it: 0.37 s of a 2.8 s ``ckptstore
-    export`` of a sharded step on the test VM, and of a DDP job's first save, for nothing.
+    export`` of a sharded step on the test VM, for nothing, and as long again in the first
+    save of any process that had not imported it (one that built a torch optimizer has:
+    torch's optimizers import it).
     """
     return "torch.distributed.tensor" in sys.modules and dtensor_type() is not None
 
