@@ -306,7 +306,7 @@ def main() -> int:
         "--only",
         choices=["all", "fsdp"],
         default="all",
-        help="fsdp: only the FSDP2 save and restore comparisons (fsdp_save_ab, fsdp_into_fsdp)",
+        help="fsdp: only the FSDP2 comparisons (fsdp_save_ab, fsdp_async, fsdp_into_fsdp)",
     )
     args = p.parse_args()
     if args.only == "fsdp":
