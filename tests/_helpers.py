@@ -622,20 +622,19 @@ def thp_at_first_touch() -> bool:
     return on and any(f"[{d}]" in defrag for d in ("always", "madvise", "defer+madvise"))
 
 
+def benchkit(name: str) -> Any:
+    """tools/benchkit/<name>.py (the bench behind tools/bench.py, not part of the package)."""
+    import importlib
+
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        return importlib.import_module(f"benchkit.{name}")
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+
+
 def huge_share(buf: Any) -> float:
     """The share of the mapping ``buf`` (an ``mmap``) on huge pages: its ``AnonHugePages``
-    in ``/proc/self/smaps`` over its length; 0.0 where unknown."""
-    import ctypes
-
-    anchor = ctypes.c_char.from_buffer(buf)
-    address = ctypes.addressof(anchor)
-    del anchor
-    inside = False
-    for line in Path("/proc/self/smaps").read_text().splitlines():
-        head = line.split(" ", 1)[0]
-        if "-" in head and ":" not in head:
-            lo, _, hi = head.partition("-")
-            inside = int(lo, 16) <= address < int(hi, 16)
-        elif inside and line.startswith("AnonHugePages:"):
-            return int(line.split()[1]) * 1024 / len(buf)
-    return 0.0
+    in ``/proc/self/smaps`` over its length; 0.0 where unknown (the bench's own reading,
+    ``benchkit.disk.huge_share``)."""
+    return float(benchkit("disk").huge_share(buf))

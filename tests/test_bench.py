@@ -5,7 +5,6 @@ No speed is asserted: the numbers depend on the machine and its load.
 
 from __future__ import annotations
 
-import importlib
 import json
 import math
 import subprocess
@@ -16,6 +15,7 @@ from typing import Any
 
 import pytest
 import torch
+from _helpers import benchkit
 
 REPO = Path(__file__).resolve().parent.parent
 ONLY = (
@@ -210,18 +210,9 @@ def test_bench_s3_smoke(tmp_path: Path) -> None:
 # ---- the in-memory contenders measure what they claim (issue 13) -----------------------------
 
 
-def _kit(name: str) -> Any:
-    """tools/benchkit/<name>.py (the bench behind tools/bench.py, not part of the package)."""
-    sys.path.insert(0, str(REPO / "tools"))
-    try:
-        return importlib.import_module(f"benchkit.{name}")
-    finally:
-        sys.path.remove(str(REPO / "tools"))
-
-
 @pytest.fixture
 def ctx(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Iterator[Any]:
-    harness, cli = _kit("harness"), _kit("cli")
+    harness, cli = benchkit("harness"), benchkit("cli")
     # settle() (gc, sync, sleep) only steadies timings; these tests check what is timed.
     monkeypatch.setattr(harness, "settle", lambda: None)
     args = cli.parse_args(["--size", "1MB", "--dir", str(tmp_path / "work")])
@@ -238,7 +229,7 @@ def _restore_mapped(ctx: Any) -> None:
     """A safetensors restore without the contender's untimed ``end``: ``load_file`` maps the
     file and the optimizer adopts those tensors, so the AdamW state is left in a private
     mapping of the checkpoint file, the state every contender after it once started from."""
-    st = _kit("plain").SafetensorsSave()
+    st = benchkit("plain").SafetensorsSave()
     d = ctx.newdir("mapped")
     st.save(ctx, d)
     st.restore(ctx, d)
@@ -248,7 +239,7 @@ def test_copy_contenders_copy_the_state_from_memory_after_a_safetensors_restore(
     """The defect: after the safetensors restore, the AdamW state lived in a private mapping of
     the (dropped from cache) checkpoint file; copy-prealloc, the next in each round, timed the
     disk reads of its source, and clone after it read warm pages."""
-    state, memory = _kit("state"), _kit("memory")
+    state, memory = benchkit("state"), benchkit("memory")
     assert not any(state.file_mapped(_sources(ctx)))
     _restore_mapped(ctx)
     mapped = state.file_mapped(_sources(ctx))
@@ -272,10 +263,10 @@ def test_copy_contenders_copy_the_state_from_memory_after_a_safetensors_restore(
 
 
 def test_async_contender_reads_the_state_from_memory(ctx: Any) -> None:
-    state = _kit("state")
+    state = benchkit("state")
     _restore_mapped(ctx)
     assert any(state.file_mapped(_sources(ctx)))
-    _kit("memory").CkptAsync().round(ctx, 0)
+    benchkit("memory").CkptAsync().round(ctx, 0)
     assert not any(state.file_mapped(_sources(ctx)))
 
 
@@ -284,7 +275,7 @@ def test_step_timer_times_the_same_work_after_warm_up_in_every_window(
 ) -> None:
     """The defect: a ~2 ms step, dominated by thread wake-ups and Python rather than work,
     ran "faster" during a save; the base windows began right after settle()'s sleep."""
-    harness, memory, state = _kit("harness"), _kit("memory"), _kit("state")
+    harness, memory, state = benchkit("harness"), benchkit("memory"), benchkit("state")
     events: list[str] = []
     step = memory.StepSlowdown()
     step.setup(ctx)
@@ -329,7 +320,7 @@ def test_step_timer_times_the_same_work_after_warm_up_in_every_window(
 
 
 def test_other_processes_cpu_share_is_the_machines_busy_time_less_ours() -> None:
-    memory = _kit("memory")
+    memory = benchkit("memory")
     # 200 busy ticks of 200, 50 of them ours: others took 75% of the machine.
     assert memory.others_share((100, 1000, 10), (300, 1200, 60)) == 0.75
     assert memory.others_share((100, 1000, 10), (110, 1200, 20)) == 0.0
