@@ -12,6 +12,7 @@ hostile too (a mesh of 64 coordinates whose stride 0 makes rank 0 the writer of 
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -70,15 +71,14 @@ def _alias_rows(step: Path) -> int:
     return int(json.loads((step / MANIFEST).read_text())["format_version"])
 
 
-@pytest.mark.parametrize("fmt", [2, 4])
-def test_an_index_whose_chunks_share_bytes_is_refused_and_the_good_step_restores(
-    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
-) -> None:
+def _two_steps(
+    mesh: object, root: Path, seed: int
+) -> tuple[dict[int, torch.Tensor], Callable[[int], dict[str, Any]]]:
+    """Steps 1 and 2 of ``NAME``, a one-rank ``Shard(0)`` DTensor, saved in ``root``: their
+    values, and the state of a step (step 0: zeros, a target to restore into)."""
     from torch.distributed.tensor import DTensor, Shard
 
-    if fmt == 2:  # what a save on sub-meshes writes: every chunk listed in dtensors.json
-        monkeypatch.setattr(split_index, "splittable", lambda *_: False)
-    gen = torch.Generator().manual_seed(7)
+    gen = torch.Generator().manual_seed(seed)
     values = {s: torch.randn(ROWS, COLS, generator=gen) for s in (1, 2)}
 
     def state(step: int) -> dict[str, Any]:
@@ -86,10 +86,20 @@ def test_an_index_whose_chunks_share_bytes_is_refused_and_the_good_step_restores
         w = DTensor.from_local(local, mesh, [Shard(0)])  # type: ignore[arg-type]
         return {"model": {"w": w}, "step": step}
 
-    root = tmp_path / "store"
     with CheckpointManager(root) as mgr:
         mgr.save(1, state(1))
         mgr.save(2, state(2))
+    return values, state
+
+
+@pytest.mark.parametrize("fmt", [2, 4])
+def test_an_index_whose_chunks_share_bytes_is_refused_and_the_good_step_restores(
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
+) -> None:
+    if fmt == 2:  # what a save on sub-meshes writes: every chunk listed in dtensors.json
+        monkeypatch.setattr(split_index, "splittable", lambda *_: False)
+    root = tmp_path / "store"
+    values, state = _two_steps(mesh, root, 7)
     step2 = root / step_dir(2)
     assert json.loads((step2 / MANIFEST).read_text())["format_version"] == fmt
     assert _alias_rows(step2) == fmt
@@ -171,3 +181,29 @@ def test_a_hostile_shape_is_refused_before_it_is_allocated(
         with pytest.raises(IntegrityError, match="do not fit its box of float32 or its file"):
             mgr.load(2)
         assert torch.equal(mgr.load()["model"]["w"], w)  # step 1
+
+
+@pytest.mark.parametrize("placement", ["S(\u00b2)", "_StridedShard(0)"])
+def test_a_placement_the_index_cannot_spell_is_refused_and_the_good_step_restores(
+    mesh: object, tmp_path: Path, placement: str
+) -> None:
+    """A split index whose layout names a placement other than ``R`` or ``S(dim)`` (a digit
+    ``isdigit`` takes and ``int`` refuses raised ``ValueError`` before, not an
+    ``IntegrityError``), the manifest forged to match: the step is refused by name and the
+    step before it restores."""
+    root = tmp_path / "store"
+    values, state = _two_steps(mesh, root, 9)
+    step2 = root / step_dir(2)
+    index = json.loads((step2 / "dtensors.json").read_text())
+    assert index["tensors"][NAME]["placements"] == ["S(0)"]  # the split index's layout
+    index["tensors"][NAME]["placements"] = [placement]
+    _rewrite(step2, "dtensors.json", json.dumps(index).encode())
+    expected = f"placements {[placement]!r} are not R or S(dim)"
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(IntegrityError) as ei:
+            mgr.load(2)
+        assert expected in str(ei.value), str(ei.value)
+        target = state(0)
+        assert mgr.restore(target) == 1
+        assert torch.equal(target["model"]["w"].to_local(), values[1])
+        assert target["step"] == 1
