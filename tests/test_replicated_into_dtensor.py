@@ -64,3 +64,25 @@ def test_no_byte_path_takes_a_dtensor_for_a_plain_tensor() -> None:
             tensor_bytes(d)
     finally:
         dist.destroy_process_group()
+
+
+def test_a_replicated_step_restores_into_a_state_dict_of_dtensors(tmp_path: Path) -> None:
+    # DCP's way of holding a model: {"model": get_model_state_dict(fsdp_model)}. The whole
+    # stored tensors come back as DTensors laid out like the dict's values, as DTensor
+    # leaves do; before, every rank's DTensor was replaced by the whole tensor.
+    model = make_net(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 3)
+    with CheckpointManager(tmp_path / "store") as mgr:
+        mgr.save(3, {"model": model.state_dict()})
+    saved = {k: v for k, v in digests(model, None).items() if k.startswith("model/")}
+    res = launch(
+        "dtensor_scenarios:plain_into_state_dict", 2, tmp_path / "w2", timeout=120,
+        args={"root": str(tmp_path / "store")},
+    )  # fmt: skip
+    assert all(r.ok for r in res), describe(res)
+    for r in res:
+        assert r.value["step"] == 3
+        assert r.value["layouts"]
+        assert all(r.value["layouts"].values()), r.value["layouts"]
+        assert {k: v for k, v in r.value["restored"].items() if k.startswith("model/")} == saved

@@ -21,7 +21,7 @@ from torch import nn
 from .._log import logger as log
 from ..errors import StateMismatchError
 from .modules import EMA, RNGState, load_module_state, module_state
-from .redistribute import optimizer_state
+from .redistribute import laid_out_like, optimizer_state
 
 __all__ = ["apply_state", "capture", "kind_of"]
 
@@ -88,7 +88,8 @@ def apply_state(
         if isinstance(target, nn.Module):
             load_module_state(target, value, strict=strict, where=f"{where}[{key!r}]")
         elif kind_of(target) is None:
-            state[key] = value
+            # Whole tensors where the caller holds DTensors: this rank's parts of them.
+            state[key] = laid_out_like(value, target)
     for key, ema in emas:
         kind = kinds.get(key)
         if key in stored and kind == "ema" and not ema.rebuild:

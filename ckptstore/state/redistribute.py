@@ -17,7 +17,14 @@ from typing import Any
 
 import torch
 
-__all__ = ["dtensor_type", "dtensors_possible", "is_dtensor", "local_part", "optimizer_state"]
+__all__ = [
+    "dtensor_type",
+    "dtensors_possible",
+    "is_dtensor",
+    "laid_out_like",
+    "local_part",
+    "optimizer_state",
+]
 
 
 _DTENSOR: list[type | None] = []  # the DTensor class, once looked up
@@ -86,6 +93,41 @@ def local_part(full: torch.Tensor, like: Any) -> Any:
         shape=like.shape,
         stride=like.stride(),
     )
+
+
+def laid_out_like(value: Any, target: Any) -> Any:
+    """``value`` (a restored plain entry) with each whole tensor laid out as its target.
+
+    Where ``target`` (the caller's plain data: dicts, lists, tuples) holds a ``DTensor`` at
+    the place ``value`` holds a plain tensor of its shape, this rank's part of that tensor
+    takes its place (:func:`local_part`), as a module's or an optimizer's does. A replicated
+    checkpoint, or a tensor saved plain beside sharded ones, restored into a state dict of
+    ``DTensor`` values (``get_model_state_dict`` of an FSDP2 model) then hands back
+    ``DTensor`` values, as a ``DTensor`` leaf's restore does, not the whole tensor on every
+    rank in place of the caller's ``DTensor``. Everything else is ``value`` as it was.
+    Dicts and lists of ``value`` are updated in place (they are the restore's own). The
+    walk follows ``value``, a decoded tree, so it ends whatever ``target`` holds.
+    """
+    if not (_DTENSOR or dtensors_possible()):
+        return value
+    if isinstance(value, torch.Tensor):
+        if is_dtensor(target) and not is_dtensor(value):
+            return local_part(value, target)
+        return value
+    if isinstance(value, dict) and isinstance(target, Mapping):
+        for k, v in value.items():
+            if k in target:
+                value[k] = laid_out_like(v, target[k])
+        return value
+    if isinstance(value, list | tuple) and isinstance(target, list | tuple):
+        if len(value) != len(target):
+            return value
+        items = [laid_out_like(v, t) for v, t in zip(value, target, strict=True)]
+        if isinstance(value, list):
+            value[:] = items
+        elif type(value) is tuple:
+            return tuple(items)
+    return value
 
 
 def optimizer_state(optimizer: torch.optim.Optimizer, stored: Any) -> Any:

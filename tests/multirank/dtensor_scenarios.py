@@ -550,3 +550,29 @@ def plain_into_fsdp(ctx: Ctx) -> dict[str, Any]:
         "layouts": layouts,
         "trained": digests(model, opt),
     }
+
+
+def plain_into_state_dict(ctx: Ctx) -> dict[str, Any]:
+    """Restore a replicated step into a plain dict of DTensors (``get_model_state_dict``).
+
+    The stored whole tensors come back as DTensors laid out like the dict's values (this
+    rank's parts), which ``set_model_state_dict`` loads; returns, per value, whether it is
+    a DTensor of its target's placements and local shape, and the model's digests after.
+    """
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    model = make_net(seed=5)
+    shard(model)
+    sd = get_model_state_dict(model)
+    # The buffer ("scale") is a plain tensor under FSDP2, and stays one.
+    like = {k: (v.placements, v.to_local().shape) if is_dtensor(v) else None for k, v in sd.items()}
+    state: dict[str, Any] = {"model": sd}
+    with CheckpointManager(ctx.args["root"], barrier_timeout=60.0) as mgr:
+        step = mgr.restore(state)
+    got = state["model"]
+    layouts = {
+        k: (v.placements, v.to_local().shape) == like[k] if is_dtensor(v) else like[k] is None
+        for k, v in got.items()
+    }
+    set_model_state_dict(model, got)
+    return {"step": step, "layouts": layouts, "restored": digests(model, None)}
