@@ -338,3 +338,25 @@ def test_a_sharded_save_reads_each_byte_once_for_all_its_crcs(
         data = (d / chunk["file"]).read_bytes()[chunk["start"] : chunk["start"] + chunk["bytes"]]
         want = [f"{real.crc32c(data[i : i + BLOCK]):08x}" for i in range(0, len(data), BLOCK)]
         assert chunk["crc32c"] == want
+
+
+def test_plain_data_gets_the_saved_dtype_back_not_its_targets(mesh: object, tmp_path: Path) -> None:
+    # A dict's values are replaced by what was saved, DTensors as plain tensors: a target
+    # of another dtype is no reason to round the stored bytes (a float32 DTensor read into a
+    # bfloat16 target came back bfloat16, where a plain step gave float32 back).
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    saved = torch.randn(6, 5, dtype=torch.float64).to(torch.float32) * 1e-3
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"w": {"a": distribute_tensor(saved, mesh, [Shard(0)]), "p": saved + 1}})
+    target = torch.zeros(6, 5, dtype=torch.bfloat16)
+    state: dict[str, Any] = {
+        "w": {"a": distribute_tensor(target, mesh, [Shard(1)]), "p": target.clone()}
+    }
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.restore(state)
+    a, p = state["w"]["a"], state["w"]["p"]
+    assert (a.dtype, p.dtype) == (torch.float32, torch.float32)
+    assert a.placements == (Shard(1),)  # laid out as its target
+    assert torch.equal(a.full_tensor(), saved)
+    assert torch.equal(p, saved + 1)

@@ -81,6 +81,10 @@ def _fresh_like(template: Any, shape: tuple[int, ...], dtype: torch.dtype) -> to
 
     A DTensor template gives a DTensor of the same mesh and placements (so each rank reads
     only its part); a plain tensor a full tensor on its device; nothing a full CPU tensor.
+    Always of the stored ``dtype``: a target of another dtype (a bf16 value of a plain dict
+    where float32 was saved) is not a reason to round what was saved. A module's tensors of
+    another dtype are refused before anything is read (``precheck``), and an optimizer's
+    ``load_state_dict`` casts its moments to its parameters' dtype as it always does.
     """
     if is_dtensor(template) and tuple(template.shape) == shape:
         from torch.distributed.tensor import DTensor
@@ -89,9 +93,9 @@ def _fresh_like(template: Any, shape: tuple[int, ...], dtype: torch.dtype) -> to
             # The same mesh, placements, shapes and strides, a fresh local tensor: a sixth
             # of what ``from_local`` costs (~15 us against ~90 for a DTensor, in one restore
             # per stored leaf).
-            return torch.empty_like(template, requires_grad=False)
+            return torch.empty_like(template, dtype=dtype, requires_grad=False)
         local = template.to_local()
-        buf = torch.empty(local.shape, dtype=template.dtype, device=local.device)
+        buf = torch.empty(local.shape, dtype=dtype, device=local.device)
         stride = tuple(math.prod(shape[i + 1 :]) for i in range(len(shape)))
         return DTensor.from_local(
             buf,
@@ -102,7 +106,7 @@ def _fresh_like(template: Any, shape: tuple[int, ...], dtype: torch.dtype) -> to
             stride=stride,
         )
     if isinstance(template, torch.Tensor) and tuple(template.shape) == shape:
-        return torch.empty(shape, dtype=template.dtype, device=template.device)
+        return torch.empty(shape, dtype=dtype, device=template.device)
     return torch.empty(shape, dtype=dtype)
 
 
