@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded scale-real scale-sim clean
+.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded reshard-fuzz scale-real scale-sim clean
 
 venv: $(STAMP)
 
@@ -69,6 +69,11 @@ crashtest: $(STAMP)
 SHARDED_CRASH_ARGS ?= --trials 300
 crashtest-sharded: $(STAMP)
 	$(BIN)/python tools/crash_sharded.py $(SHARDED_CRASH_ARGS)
+
+# Randomized resharding: random DTensors saved on 1-4 ranks, restored on 1-4, every byte checked.
+RESHARD_FUZZ_ARGS ?= --trials 1000
+reshard-fuzz: $(STAMP)
+	$(BIN)/python tools/reshard_fuzz.py $(RESHARD_FUZZ_ARGS)
 
 # Sharded coordination with real processes (issue 21): bytes, collectives and CPU per rank
 # for 2..16 ranks, beside the ckptstore of SCALE_BASELINE; a plot in docs/.

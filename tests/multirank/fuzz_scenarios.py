@@ -1,0 +1,298 @@
+"""Randomized resharding: DTensors of random shapes, dtypes and placements, saved on one
+world and mesh and restored on another (``tools/reshard_fuzz.py``, ``tests/test_reshard_fuzz.py``).
+
+Run by ``tests/multirank/worker.py`` as ``fuzz_scenarios:<name>``. A trial's spec (made by
+:func:`make_trial` from a seed, the same on every rank) names each tensor's shape, dtype
+and seed, and its placements on the save mesh and on the restore mesh. Every rank builds
+each full tensor from its seed, so what a rank restored is compared, bit for bit, with its
+slice of the tensor that was saved.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import io
+import random
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ckptstore import CheckpointManager
+from ckptstore.sharded.plan import is_dtensor
+from tests.multirank.scenarios import Ctx
+
+#: dtype names a trial draws from: every safetensors dtype torch has (complex aside).
+DTYPES = (
+    "float32",
+    "bfloat16",
+    "float16",
+    "float64",
+    "int64",
+    "int32",
+    "int16",
+    "int8",
+    "uint8",
+    "bool",
+    "float8_e4m3fn",
+    "float8_e5m2",
+    "uint16",
+    "uint32",
+    "uint64",
+)
+
+#: The share of tensors saved, or restored, as plain tensors rather than DTensors.
+PLAIN = 0.15
+
+#: Restore targets are filled with this byte first: a box nothing wrote shows as a mismatch.
+SENTINEL = 0x5A
+
+
+def full_tensor(shape: list[int], dtype: str, seed: int) -> torch.Tensor:
+    """The tensor a spec names: the same bytes on every rank and in every process."""
+    g = torch.Generator().manual_seed(seed)
+    dt = getattr(torch, dtype)
+    if dt.is_floating_point:
+        return torch.randn(shape, generator=g, dtype=torch.float64).to(dt)
+    if dt == torch.bool:
+        return torch.randint(0, 2, shape, generator=g).bool()
+    if dt == torch.uint8:
+        return torch.randint(0, 256, shape, generator=g).to(dt)
+    return torch.randint(-100, 100, shape, generator=g).to(dt)
+
+
+def _meshes(world: int, rnd: random.Random) -> list[int]:
+    """A mesh shape for ``world`` ranks: 1-D, or 2-D where ``world`` factors."""
+    two = [[a, world // a] for a in range(2, world) if world % a == 0]
+    if two and rnd.random() < 0.5:
+        return rnd.choice(two)
+    return [world]
+
+
+def _placements(ndim: int, mesh_dims: int, rnd: random.Random) -> list[str]:
+    """One of "R" or "S<dim>" per mesh dimension (a 0-d tensor can only be replicated)."""
+    out = []
+    for _ in range(mesh_dims):
+        if ndim == 0 or rnd.random() < 0.25:
+            out.append("R")
+        else:
+            out.append(f"S{rnd.randrange(ndim)}")
+    return out
+
+
+def _shape(rnd: random.Random) -> list[int]:
+    """Small and uneven mostly (dims under the mesh size included), now and then over a
+    chunk block (256 KiB), so runs span blocks and start mid-block."""
+    ndim = rnd.choice([0, 1, 1, 2, 2, 2, 3])
+    if ndim and rnd.random() < 0.2:
+        rows = rnd.randrange(1, 9)
+        cols = rnd.randrange(40_000, 200_000)
+        return [rows, cols] if ndim >= 2 else [rows * cols]
+    return [
+        rnd.choice([0, 1, 2, 3, 5, 7, 8, 13]) if rnd.random() < 0.6 else rnd.randrange(1, 40)
+        for _ in range(ndim)
+    ]
+
+
+def make_trial(seed: int, save_world: int, restore_world: int, n: int = 8) -> dict[str, Any]:
+    """A trial's spec: ``n`` tensors, a save mesh and a restore mesh, placements on each."""
+    rnd = random.Random(seed)
+    save_mesh = _meshes(save_world, rnd)
+    restore_mesh = _meshes(restore_world, rnd)
+    tensors = []
+    for i in range(n):
+        shape = _shape(rnd)
+        tensors.append(
+            {
+                "name": f"t{i}",
+                "shape": shape,
+                "dtype": rnd.choice(DTYPES),
+                "seed": rnd.randrange(1 << 30),
+                "save": _placements(len(shape), len(save_mesh), rnd),
+                "restore": _placements(len(shape), len(restore_mesh), rnd),
+                # A plain tensor (every rank the whole of it) now and then, on either side.
+                "save_plain": rnd.random() < PLAIN,
+                "restore_plain": rnd.random() < PLAIN,
+            }
+        )
+    io = ("direct", "buffered", "auto")
+    return {
+        "seed": seed,
+        "save_kw": {"async_save": rnd.random() < 0.3, "storage_options": {"io": rnd.choice(io)}},
+        "restore_kw": {"storage_options": {"io": rnd.choice(io)}},
+        "save_world": save_world,
+        "restore_world": restore_world,
+        "save_mesh": save_mesh,
+        "restore_mesh": restore_mesh,
+        "tensors": tensors,
+    }
+
+
+def _placement_objects(names: list[str]) -> list[Any]:
+    from torch.distributed.tensor import Replicate, Shard
+
+    return [Replicate() if p == "R" else Shard(int(p[1:])) for p in names]
+
+
+def _mesh(shape: list[int]) -> Any:
+    from torch.distributed.device_mesh import init_device_mesh
+
+    names = ("a", "b")[: len(shape)]
+    return init_device_mesh("cpu", tuple(shape), mesh_dim_names=names)
+
+
+#: dtypes gloo's collectives refuse ("Invalid scalar type"), and the dtype of their size
+#: that stands in for them while ``distribute_tensor`` scatters the bytes.
+_GLOO_AS = {
+    torch.float8_e4m3fn: torch.uint8,
+    torch.float8_e5m2: torch.uint8,
+    torch.int16: torch.float16,
+    torch.uint16: torch.float16,
+    torch.uint32: torch.int32,
+    torch.uint64: torch.int64,
+}
+
+
+def _distribute(full: torch.Tensor, mesh: Any, placements: list[str]) -> Any:
+    """``distribute_tensor`` (torch's own cut), for the dtypes gloo cannot send too."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    stand_in = _GLOO_AS.get(full.dtype)
+    if stand_in is None:
+        return distribute_tensor(full, mesh, _placement_objects(placements))
+    d = distribute_tensor(full.view(stand_in), mesh, _placement_objects(placements))
+    return DTensor.from_local(
+        d.to_local().view(full.dtype),
+        mesh,
+        d.placements,
+        run_check=False,
+        shape=d.shape,
+        stride=d.stride(),
+    )
+
+
+def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """Bit for bit (NaN-safe: the bytes, not the values)."""
+    if a.shape != b.shape or a.dtype != b.dtype:
+        return False
+    if a.numel() == 0:
+        return True
+    return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
+
+
+def fuzz_save(ctx: Ctx) -> dict[str, Any]:
+    """Save the trial's tensors as DTensors on its save mesh (and a plain tensor beside)."""
+
+    trial = ctx.args["trial"]
+    mesh = _mesh(trial["save_mesh"])
+    state: dict[str, Any] = {
+        "weights": {
+            t["name"]: full_tensor(t["shape"], t["dtype"], t["seed"])
+            if t["save_plain"]
+            else _distribute(full_tensor(t["shape"], t["dtype"], t["seed"]), mesh, t["save"])
+            for t in trial["tensors"]
+        },
+        "plain": torch.arange(5),
+    }
+    with CheckpointManager(ctx.root, keep=None, barrier_timeout=60, **trial["save_kw"]) as m:
+        m.save(1, state)
+    return {"rank": dist.get_rank()}
+
+
+def fuzz_restore(ctx: Ctx) -> dict[str, Any]:
+    """Restore into the trial's restore placements; every rank's mismatches, by name."""
+
+    trial = ctx.args["trial"]
+    mesh = _mesh(trial["restore_mesh"])
+    weights: dict[str, Any] = {}
+    for t in trial["tensors"]:
+        blank = torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]))
+        blank.reshape(-1).view(torch.uint8).fill_(SENTINEL)
+        weights[t["name"]] = blank if t["restore_plain"] else _distribute(blank, mesh, t["restore"])
+    state: dict[str, Any] = {"weights": weights, "plain": None}
+    with CheckpointManager(ctx.root, keep=None, barrier_timeout=60, **trial["restore_kw"]) as m:
+        m.restore(state)
+    wrong = []
+    for t in trial["tensors"]:
+        got = state["weights"][t["name"]]
+        full = full_tensor(t["shape"], t["dtype"], t["seed"])
+        if t["restore_plain"]:
+            if not isinstance(got, torch.Tensor) or is_dtensor(got) or not _same(got, full):
+                wrong.append(t["name"])
+            continue
+        want = _distribute(full, mesh, t["restore"])
+        if [str(p) for p in got.placements] != [str(p) for p in want.placements] or not _same(
+            got.to_local(), want.to_local()
+        ):
+            wrong.append(t["name"])
+    return {"wrong": wrong, "plain": state["plain"].tolist()}
+
+
+def trial_of(seed: int) -> dict[str, Any]:
+    """The trial of ``seed``: its worlds (1-4 ranks each) drawn first, then the rest."""
+    rnd = random.Random(seed)
+    return make_trial(seed, rnd.choice([1, 2, 3, 4]), rnd.choice([1, 2, 3, 4]))
+
+
+def run_trial(
+    seed: int, workdir: Path, *, timeout: float = 120.0
+) -> tuple[list[str], dict[str, Any]]:
+    """One trial: save on a random world (1-4 ranks) and restore on another, then in this
+    process (``load`` and ``restore`` into plain tensors) and ``ckptstore verify``.
+
+    Returns what went wrong (nothing: an empty list) and the trial's spec. ``workdir`` is
+    removed when nothing went wrong, and kept for a look when something did.
+    """
+    import shutil
+
+    from ckptstore.cli.main import main as cli
+    from tests.multirank.launch import describe, launch
+
+    trial = trial_of(seed)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    problems: list[str] = []
+    for scenario, world in (
+        ("fuzz_save", trial["save_world"]),
+        ("fuzz_restore", trial["restore_world"]),
+    ):
+        res = launch(
+            f"fuzz_scenarios:{scenario}", world, workdir, timeout=timeout, args={"trial": trial}
+        )
+        if not all(r.ok for r in res):
+            return [f"{scenario} on {world} ranks failed: {describe(res)}"], trial
+    for r, v in enumerate(r.value for r in res):
+        if v["wrong"]:
+            problems.append(
+                f"restore on {trial['restore_world']} ranks: rank {r} wrong {v['wrong']}"
+            )
+        if v["plain"] != list(range(5)):
+            problems.append(
+                f"restore on {trial['restore_world']} ranks: rank {r} plain {v['plain']}"
+            )
+    root = workdir / "store"
+    with CheckpointManager(root, keep=None, **trial["restore_kw"]) as m:
+        got = m.load(1)
+        into = {
+            "weights": {
+                t["name"]: torch.zeros(t["shape"], dtype=getattr(torch, t["dtype"]))
+                for t in trial["tensors"]
+            },
+            "plain": None,
+        }
+        m.restore(into)
+    for t in trial["tensors"]:
+        full = full_tensor(t["shape"], t["dtype"], t["seed"])
+        if not _same(got["weights"][t["name"]], full):
+            problems.append(f"load() in one process: {t['name']} wrong")
+        if not _same(into["weights"][t["name"]], full):
+            problems.append(f"restore() in one process: {t['name']} wrong")
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(out):
+        status = cli(["verify", str(root)])
+    if status != 0:
+        problems.append(f"ckptstore verify failed: {out.getvalue()}")
+    if not problems:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return problems, trial

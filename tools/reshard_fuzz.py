@@ -1,0 +1,80 @@
+"""Randomized resharding campaign: random DTensors saved on one world and restored on another.
+
+    python tools/reshard_fuzz.py [--trials N] [--seed S] [--dir DIR] [--json OUT]
+
+Each trial (``tests/multirank/fuzz_scenarios.py``: :func:`trial_of` makes it from its seed)
+draws a save world and a restore world of 1 to 4 ranks, a 1-D or 2-D mesh for each, and 8
+tensors: shapes with empty and uneven shards, 0-d tensors, now and then one over a chunk
+block (256 KiB); every safetensors dtype torch has; ``Replicate`` or ``Shard(d)`` on each
+mesh dimension, independently on the two sides; some tensors plain (not a DTensor) on
+either side; a sync or async save; ``io`` direct, buffered or auto on each side. The
+tensors are saved by a real gloo job of the save world and restored by one of the restore
+world (forked from the test server), each rank comparing its part bit for bit with its
+slice of the tensor that was saved; then, in this process, ``load`` and ``restore`` into
+plain tensors are compared the same way and ``ckptstore verify`` must pass.
+
+Prints every failing trial (its spec, and its directory, kept under ``--dir``) and a
+summary; exits 1 if any trial failed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import json
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Run the campaign; 0 when every trial restored every byte."""
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--trials", type=int, default=200)
+    p.add_argument("--seed", type=int, default=1, help="the first trial's seed (then +1 each)")
+    p.add_argument("--dir", type=Path, help="where trials run (kept when one fails)")
+    p.add_argument("--json", metavar="OUT", help="write the summary and failures as JSON")
+    a = p.parse_args(argv)
+    # Imported by name: the trials live with the tests (their workers run scenarios there).
+    run_trial = importlib.import_module("tests.multirank.fuzz_scenarios").run_trial
+
+    base = a.dir or Path(tempfile.mkdtemp(prefix="reshard-fuzz-"))
+    t0 = time.perf_counter()
+    failed: list[dict[str, object]] = []
+    worlds: dict[str, int] = {}
+    for seed in range(a.seed, a.seed + a.trials):
+        problems, trial = run_trial(seed, base / f"trial-{seed}")
+        pair = f"{trial['save_mesh']}->{trial['restore_mesh']}"
+        worlds[pair] = worlds.get(pair, 0) + 1
+        if problems:
+            failed.append({"seed": seed, "problems": problems, "trial": trial})
+            print(f"seed {seed}: {pair} FAILED (kept in {base / f'trial-{seed}'})")
+            for line in problems:
+                print(f"  {line}")
+            for t in trial["tensors"]:
+                print(f"    {t}")
+            sys.stdout.flush()
+    seconds = time.perf_counter() - t0
+    print(
+        f"{a.trials} trials (seeds {a.seed}..{a.seed + a.trials - 1}), {len(failed)} failed, "
+        f"{seconds:.0f} s; meshes saved -> restored: "
+        + ", ".join(f"{k} x{v}" for k, v in sorted(worlds.items()))
+    )
+    if a.json:
+        doc = {
+            "trials": a.trials,
+            "seed": a.seed,
+            "failed": failed,
+            "seconds": round(seconds, 1),
+            "meshes": worlds,
+        }
+        Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
+    return 1 if failed else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
