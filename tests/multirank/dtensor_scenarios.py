@@ -576,3 +576,96 @@ def plain_into_state_dict(ctx: Ctx) -> dict[str, Any]:
     }
     set_model_state_dict(model, got)
     return {"step": step, "layouts": layouts, "restored": digests(model, None)}
+
+
+class MLP(nn.Module):
+    """Two tensor-parallel pairs (column- then row-wise), uneven over 2 and 3 ranks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.up = nn.Linear(6, 10)
+        self.down = nn.Linear(10, 6)
+        self.up2 = nn.Linear(6, 14)
+        self.down2 = nn.Linear(14, 5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down2(torch.relu(self.up2(self.down(torch.relu(self.up(x))))))
+
+
+def make_mlp(seed: int = 0) -> MLP:
+    torch.manual_seed(seed)
+    return MLP()
+
+
+def fsdp_tp(model: MLP, dp: int, tp: int) -> None:
+    """FSDP2 over tensor parallelism on a ``(dp, tp)`` mesh, as torchtitan lays out 2-D
+    parallelism: ``parallelize_module`` on ``"tp"``, then ``fully_shard`` on ``"dp"``
+    (the weights' placements ``(_StridedShard(0), Shard(0))`` for column-wise layers)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
+    plan = {
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+        "up2": ColwiseParallel(),
+        "down2": RowwiseParallel(),
+    }
+    parallelize_module(model, mesh["tp"], plan)
+    for layer in (model.up, model.down, model.up2, model.down2):
+        fully_shard(layer, mesh=mesh["dp"])
+    fully_shard(model, mesh=mesh["dp"])
+
+
+def _mlp_layout(model: MLP) -> dict[str, str]:
+    return {k: str(getattr(v, "placements", "plain")) for k, v in model.state_dict().items()}
+
+
+def _fsdp_only(model: MLP) -> None:
+    from torch.distributed.fsdp import fully_shard
+
+    for layer in (model.up, model.down, model.up2, model.down2):
+        fully_shard(layer)
+    fully_shard(model)
+
+
+def fsdp_tp_save(ctx: Ctx) -> dict[str, Any]:
+    """Train FSDP2 over TP (``args["mesh"]`` = ``[dp, tp]``; none: FSDP2 alone) 2 steps;
+    save; digests and the parameters' placements."""
+    model = make_mlp(seed=3)
+    if ctx.args.get("mesh"):
+        fsdp_tp(model, *ctx.args["mesh"])
+    else:
+        _fsdp_only(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    torch.manual_seed(7)
+    for _ in range(2):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with _mgr(ctx) as mgr:
+        mgr.save(2, {"model": model, "optim": opt})
+    return {"digests": digests(model, opt), "layout": _mlp_layout(model)}
+
+
+def fsdp_tp_restore(ctx: Ctx) -> dict[str, Any]:
+    """Restore into FSDP2 over TP (``args["mesh"]``) or, without it, FSDP2 alone."""
+    model = make_mlp(seed=11)
+    if ctx.args.get("mesh"):
+        fsdp_tp(model, *ctx.args["mesh"])
+    else:
+        _fsdp_only(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with _mgr(ctx) as mgr:
+        step = mgr.restore({"model": model, "optim": opt})
+    out = {"step": step, "digests": digests(model, opt), "layout": _mlp_layout(model)}
+    # Training goes on: one more step, alike on every rank.
+    model(torch.ones(2, 6)).sum().backward()
+    opt.step()
+    out["trained"] = digests(model, opt)
+    return out

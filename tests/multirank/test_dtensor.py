@@ -20,7 +20,7 @@ from ckptstore import CheckpointManager
 from ckptstore.errors import IntegrityError, StateMismatchError
 from ckptstore.sharded.chunks import INDEX_FILE
 from tests._helpers import index_chunks
-from tests.multirank.dtensor_scenarios import digests, make_net
+from tests.multirank.dtensor_scenarios import digests, make_mlp, make_net
 from tests.multirank.launch import describe, launch, timeouts_naming, values
 from tests.timing import healthy
 
@@ -339,6 +339,35 @@ def test_tensor_parallel_placements_restore_into_other_placements(tmp_path, worl
     raw = CheckpointManager(tmp_path / "store").load()
     assert raw["weights"]["half"].dtype == torch.bfloat16
     assert tuple(raw["weights"]["row"].shape) == (5, 11)
+
+
+def test_fsdp2_over_tensor_parallel_restores_on_other_meshes_and_back(tmp_path):
+    # torchtitan's 2-D layout: TP on "tp", FSDP2 on "dp" of a 2x2 mesh; column-wise weights
+    # are (_StridedShard(0), Shard(0)). Saved there, restored on 2x2 again, on FSDP2 alone
+    # (2 and 3 ranks), on TP alone (1x2) and in one process; and an FSDP2-alone save
+    # restored into FSDP2 over TP. Every full tensor, parameters and AdamW moments alike.
+    def run(scenario: str, world: int, where: Path, mesh: list[int] | None) -> list[Any]:
+        return values(launch(scenario, world, where, args={"mesh": mesh}, timeout=180))
+
+    saved = run("dtensor_scenarios:fsdp_tp_save", 4, tmp_path, [2, 2])[0]
+    assert saved["layout"]["up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
+    assert saved["layout"]["down.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    for world, mesh in [(4, [2, 2]), (2, None), (3, None), (2, [1, 2])]:
+        vals = run("dtensor_scenarios:fsdp_tp_restore", world, tmp_path, mesh)
+        for v in vals:
+            assert v["step"] == 2
+            assert v["digests"] == saved["digests"], (world, mesh)
+            assert v["trained"] == vals[0]["trained"]  # training goes on alike everywhere
+            assert v["trained"] != v["digests"]
+    model = make_mlp(seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    CheckpointManager(tmp_path / "store").restore({"model": model, "optim": opt})
+    assert digests(model, opt) == saved["digests"]
+    back = tmp_path / "back"
+    saved = run("dtensor_scenarios:fsdp_tp_save", 2, back, None)[0]
+    vals = run("dtensor_scenarios:fsdp_tp_restore", 4, back, [2, 2])
+    assert all(v["digests"] == saved["digests"] for v in vals)
+    assert vals[0]["layout"]["up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
 def test_tensor_parallel_on_a_sub_mesh_is_written_once_with_the_split_index(tmp_path):
