@@ -1,6 +1,7 @@
 """Randomized resharding, a few fixed trials: random DTensor shapes (empty and uneven
 shards, 0-d tensors, tensors over a chunk block), dtypes (15) and placements on 1-D and 2-D
-meshes, some tensors plain on either side; saved on 1-4 ranks and restored on 1-4, then in
+meshes, some tensors plain on either side, through ``mgr.save``/``restore`` or DCP's API over
+ckptstore; saved on 1-4 ranks and restored on 1-4, then in
 one process, each byte compared with what was saved (``tests/multirank/fuzz_scenarios.py``;
 ``tools/reshard_fuzz.py`` runs campaigns of them).
 """
@@ -15,7 +16,7 @@ from tests.multirank.fuzz_scenarios import run_trial, trial_of
 
 #: Seeds whose trials between them save and restore on every world size from 1 to 4, on
 #: 2x2 meshes both ways, with plain tensors saved into DTensors and the reverse, float8
-#: and unsigned integers wider than a byte.
+#: and unsigned integers wider than a byte, and DCP's API over ckptstore on both sides.
 SEEDS = (38, 1, 5, 14, 9, 2, 11, 21)
 
 
@@ -39,3 +40,5 @@ def test_the_seeds_cover_what_the_docstring_says() -> None:
     assert any(len(x["shape"]) and x["shape"][-1] >= 40_000 for x in tensors)
     assert any(x["dtype"].startswith("float8") for x in tensors)
     assert any(x["dtype"] in ("uint16", "uint32", "uint64") for x in tensors)
+    assert any(t["save_api"] == "dcp" for t in trials)
+    assert any(t["restore_api"] == "dcp" for t in trials)

@@ -7,7 +7,9 @@ draws a save world and a restore world of 1 to 4 ranks, a 1-D or 2-D mesh for ea
 tensors: shapes with empty and uneven shards, 0-d tensors, now and then one over a chunk
 block (256 KiB); every safetensors dtype torch has; ``Replicate`` or ``Shard(d)`` on each
 mesh dimension, independently on the two sides; some tensors plain (not a DTensor) on
-either side; a sync or async save; ``io`` direct, buffered or auto on each side. The
+either side; a sync or async save; ``io`` direct, buffered or auto on each side; through
+``mgr.save``/``mgr.restore`` or DCP's API over ckptstore (``CkptStoreWriter``,
+``CkptStoreReader``) on each side, independently. The
 tensors are saved by a real gloo job of the save world and restored by one of the restore
 world (forked from the test server), each rank comparing its part bit for bit with its
 slice of the tensor that was saved; then, in this process, ``load`` and ``restore`` into
@@ -46,10 +48,13 @@ def main(argv: list[str] | None = None) -> int:
     t0 = time.perf_counter()
     failed: list[dict[str, object]] = []
     worlds: dict[str, int] = {}
+    apis: dict[str, int] = {}
     for seed in range(a.seed, a.seed + a.trials):
         problems, trial = run_trial(seed, base / f"trial-{seed}")
         pair = f"{trial['save_mesh']}->{trial['restore_mesh']}"
         worlds[pair] = worlds.get(pair, 0) + 1
+        api = f"{trial['save_api']}->{trial['restore_api']}"
+        apis[api] = apis.get(api, 0) + 1
         if problems:
             failed.append({"seed": seed, "problems": problems, "trial": trial})
             print(f"seed {seed}: {pair} FAILED (kept in {base / f'trial-{seed}'})")
@@ -61,7 +66,9 @@ def main(argv: list[str] | None = None) -> int:
     seconds = time.perf_counter() - t0
     print(
         f"{a.trials} trials (seeds {a.seed}..{a.seed + a.trials - 1}), {len(failed)} failed, "
-        f"{seconds:.0f} s; meshes saved -> restored: "
+        f"{seconds:.0f} s; APIs saved -> restored: "
+        + ", ".join(f"{k} x{v}" for k, v in sorted(apis.items()))
+        + "; meshes saved -> restored: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(worlds.items()))
     )
     if a.json:
@@ -71,6 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             "failed": failed,
             "seconds": round(seconds, 1),
             "meshes": worlds,
+            "apis": apis,
         }
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 1 if failed else 0

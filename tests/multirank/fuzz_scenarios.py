@@ -45,6 +45,9 @@ DTYPES = (
 #: The share of tensors saved, or restored, as plain tensors rather than DTensors.
 PLAIN = 0.15
 
+#: The share of saves, and of restores, made through DCP's API over ckptstore.
+DCP = 0.25
+
 #: Restore targets are filled with this byte first: a box nothing wrote shows as a mismatch.
 SENTINEL = 0x5A
 
@@ -117,10 +120,16 @@ def make_trial(seed: int, save_world: int, restore_world: int, n: int = 8) -> di
             }
         )
     io = ("direct", "buffered", "auto")
+    save_kw = {"async_save": rnd.random() < 0.3, "storage_options": {"io": rnd.choice(io)}}
+    restore_kw = {"storage_options": {"io": rnd.choice(io)}}
     return {
         "seed": seed,
-        "save_kw": {"async_save": rnd.random() < 0.3, "storage_options": {"io": rnd.choice(io)}},
-        "restore_kw": {"storage_options": {"io": rnd.choice(io)}},
+        "save_kw": save_kw,
+        "restore_kw": restore_kw,
+        # Through DCP's API over ckptstore (CkptStoreWriter, CkptStoreReader) now and then,
+        # on either side, independently.
+        "save_api": "dcp" if rnd.random() < DCP else "ckpt",
+        "restore_api": "dcp" if rnd.random() < DCP else "ckpt",
         "save_world": save_world,
         "restore_world": restore_world,
         "save_mesh": save_mesh,
@@ -196,7 +205,15 @@ def fuzz_save(ctx: Ctx) -> dict[str, Any]:
         "plain": torch.arange(5),
     }
     with CheckpointManager(ctx.root, keep=None, barrier_timeout=60, **trial["save_kw"]) as m:
-        m.save(1, state)
+        if trial.get("save_api") == "dcp":
+            import torch.distributed.checkpoint as dcp
+
+            from ckptstore.dcp import CkptStoreWriter
+
+            writer = CkptStoreWriter(m, step=1)
+            dcp.save(state, storage_writer=writer, process_group=writer.process_group)
+        else:
+            m.save(1, state)
     return {"rank": dist.get_rank()}
 
 
@@ -210,9 +227,18 @@ def fuzz_restore(ctx: Ctx) -> dict[str, Any]:
         blank = torch.empty(t["shape"], dtype=getattr(torch, t["dtype"]))
         blank.reshape(-1).view(torch.uint8).fill_(SENTINEL)
         weights[t["name"]] = blank if t["restore_plain"] else _distribute(blank, mesh, t["restore"])
-    state: dict[str, Any] = {"weights": weights, "plain": None}
-    with CheckpointManager(ctx.root, keep=None, barrier_timeout=60, **trial["restore_kw"]) as m:
-        m.restore(state)
+    if trial.get("restore_api") == "dcp":
+        import torch.distributed.checkpoint as dcp
+
+        from ckptstore.dcp import CkptStoreReader
+
+        # DCP loads into the caller's tensors: the plain one too.
+        state: dict[str, Any] = {"weights": weights, "plain": torch.zeros(5, dtype=torch.int64)}
+        dcp.load(state, storage_reader=CkptStoreReader(ctx.root, step=1, **trial["restore_kw"]))
+    else:
+        state = {"weights": weights, "plain": None}
+        with CheckpointManager(ctx.root, keep=None, barrier_timeout=60, **trial["restore_kw"]) as m:
+            m.restore(state)
     wrong = []
     for t in trial["tensors"]:
         got = state["weights"][t["name"]]
