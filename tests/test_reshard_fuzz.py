@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.multirank.fuzz_scenarios import run_trial, trial_of
+from tests.multirank.fuzz_scenarios import make_module_trial, run_module_trial, run_trial, trial_of
 
 #: Seeds whose trials between them save and restore on every world size from 1 to 4, on
 #: 2x2 meshes both ways, with plain tensors saved into DTensors and the reverse, float8
@@ -42,3 +42,26 @@ def test_the_seeds_cover_what_the_docstring_says() -> None:
     assert any(x["dtype"] in ("uint16", "uint32", "uint64") for x in tensors)
     assert any(t["save_api"] == "dcp" for t in trials)
     assert any(t["restore_api"] == "dcp" for t in trials)
+
+
+#: Module trials that between them save and restore under each parallelism (FSDP2, TP,
+#: HSDP, FSDP2 over TP), on 1, 3 and 4 ranks, asynchronously too, with a layer over several
+#: chunk blocks and an odd last layer (replicated under TP).
+MODULE_SEEDS = (17, 3, 7, 67)
+
+
+@pytest.mark.parametrize("seed", MODULE_SEEDS)
+def test_a_random_model_restores_under_another_parallelism(tmp_path: Path, seed: int) -> None:
+    problems, trial = run_module_trial(seed, tmp_path / "trial")
+    assert problems == [], (problems, trial)
+
+
+def test_the_module_seeds_cover_what_they_say() -> None:
+    trials = [make_module_trial(seed) for seed in MODULE_SEEDS]
+    kinds = {"fsdp", "tp", "hsdp", "fsdp_tp"}
+    assert {t["save"]["kind"] for t in trials} == kinds
+    assert {t["restore"]["kind"] for t in trials} == kinds
+    assert any(3 in (t["save"]["world"], t["restore"]["world"]) for t in trials)
+    assert any(t["save_kw"]["async_save"] for t in trials)
+    assert any(max(t["dims"]) >= 3000 for t in trials)
+    assert any(len(t["bias"]) % 2 for t in trials)

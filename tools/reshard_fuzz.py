@@ -1,6 +1,6 @@
-"""Randomized resharding campaign: random DTensors saved on one world and restored on another.
+"""Randomized resharding: random DTensors and models saved on one mesh, restored on another.
 
-    python tools/reshard_fuzz.py [--trials N] [--seed S] [--dir DIR] [--json OUT]
+    python tools/reshard_fuzz.py [--trials N] [--seed S] [--kind K] [--dir DIR] [--json OUT]
 
 Each trial (``tests/multirank/fuzz_scenarios.py``: :func:`trial_of` makes it from its seed)
 draws a save world and a restore world of 1 to 4 ranks, a 1-D or 2-D mesh for each, and 8
@@ -14,6 +14,13 @@ tensors are saved by a real gloo job of the save world and restored by one of th
 world (forked from the test server), each rank comparing its part bit for bit with its
 slice of the tensor that was saved; then, in this process, ``load`` and ``restore`` into
 plain tensors are compared the same way and ``ckptstore verify`` must pass.
+
+Module trials (odd seeds, or ``--kind modules``; :func:`make_module_trial`): a model of 1
+to 5 random Linear layers (uneven sizes, now and then one over several chunk blocks), trained
+2 AdamW steps under one parallelism, saved (sync or async), and restored into a model of
+other weights and a fresh AdamW under another: FSDP2 on 1 to 4 ranks, tensor parallelism
+(column- then row-wise pairs) on 1 to 4, HSDP on 2x2, FSDP2 over TP on 2x2; then in one
+process into a plain model. Every full tensor, parameters and moments, is compared by digest.
 
 Prints every failing trial (its spec, and its directory, kept under ``--dir``) and a
 summary; exits 1 if any trial failed.
@@ -40,9 +47,15 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seed", type=int, default=1, help="the first trial's seed (then +1 each)")
     p.add_argument("--dir", type=Path, help="where trials run (kept when one fails)")
     p.add_argument("--json", metavar="OUT", help="write the summary and failures as JSON")
+    p.add_argument(
+        "--kind",
+        choices=("both", "tensors", "modules"),
+        default="both",
+        help="tensor trials, module trials, or both (alternating by seed)",
+    )
     a = p.parse_args(argv)
     # Imported by name: the trials live with the tests (their workers run scenarios there).
-    run_trial = importlib.import_module("tests.multirank.fuzz_scenarios").run_trial
+    fuzz = importlib.import_module("tests.multirank.fuzz_scenarios")
 
     base = a.dir or Path(tempfile.mkdtemp(prefix="reshard-fuzz-"))
     t0 = time.perf_counter()
@@ -50,17 +63,24 @@ def main(argv: list[str] | None = None) -> int:
     worlds: dict[str, int] = {}
     apis: dict[str, int] = {}
     for seed in range(a.seed, a.seed + a.trials):
-        problems, trial = run_trial(seed, base / f"trial-{seed}")
-        pair = f"{trial['save_mesh']}->{trial['restore_mesh']}"
+        modules = a.kind == "modules" or (a.kind == "both" and seed % 2)
+        run = fuzz.run_module_trial if modules else fuzz.run_trial
+        problems, trial = run(seed, base / f"trial-{seed}")
+        if modules:
+            save, restore = trial["save"], trial["restore"]
+            pair = f"{save['kind']}@{save['world']}->{restore['kind']}@{restore['world']}"
+            api = "modules"
+        else:
+            pair = f"{trial['save_mesh']}->{trial['restore_mesh']}"
+            api = f"{trial['save_api']}->{trial['restore_api']}"
         worlds[pair] = worlds.get(pair, 0) + 1
-        api = f"{trial['save_api']}->{trial['restore_api']}"
         apis[api] = apis.get(api, 0) + 1
         if problems:
             failed.append({"seed": seed, "problems": problems, "trial": trial})
             print(f"seed {seed}: {pair} FAILED (kept in {base / f'trial-{seed}'})")
             for line in problems:
                 print(f"  {line}")
-            for t in trial["tensors"]:
+            for t in trial.get("tensors", [trial]):
                 print(f"    {t}")
             sys.stdout.flush()
     seconds = time.perf_counter() - t0
@@ -68,7 +88,7 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.trials} trials (seeds {a.seed}..{a.seed + a.trials - 1}), {len(failed)} failed, "
         f"{seconds:.0f} s; APIs saved -> restored: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(apis.items()))
-        + "; meshes saved -> restored: "
+        + "; meshes (parallelism@world for modules) saved -> restored: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(worlds.items()))
     )
     if a.json:

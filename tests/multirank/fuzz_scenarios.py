@@ -18,6 +18,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch import nn
 
 from ckptstore import CheckpointManager
 from ckptstore.sharded.plan import is_dtensor
@@ -319,6 +320,184 @@ def run_trial(
         status = cli(["verify", str(root)])
     if status != 0:
         problems.append(f"ckptstore verify failed: {out.getvalue()}")
+    if not problems:
+        shutil.rmtree(workdir, ignore_errors=True)
+    return problems, trial
+
+
+# ---- modules: FSDP2, HSDP, TP and FSDP2 over TP, trained, saved and restored on other meshes
+
+
+def make_module_trial(seed: int) -> dict[str, Any]:
+    """A model of random Linear layers (uneven sizes, some over a chunk block), the
+    parallelism it is saved under and the one it is restored into."""
+    rnd = random.Random(seed)
+    n = rnd.randrange(1, 6)
+    dims = [rnd.choice([1, 2, 3, 5, 7, 9, 16, 33]) for _ in range(n + 1)]
+    if rnd.random() < 0.3:  # one wide layer: shards over several chunk blocks
+        dims[rnd.randrange(1, n + 1)] = rnd.choice([3000, 9000])
+    # A column-wise layer's output (dims 1, 3, ...) splits evenly over 2, 3 and 4 ranks: torch's
+    # tensor parallelism assumes it (RowwiseParallel rebuilds its input from even shards).
+    for i in range(1, n, 2):
+        dims[i] = -(-dims[i] // 12) * 12
+    sides = []
+    for _ in range(2):
+        world = rnd.choice([1, 2, 3, 4])
+        kinds = ["fsdp", "tp"] + (["hsdp", "fsdp_tp"] if world == 4 else [])
+        sides.append({"world": world, "kind": rnd.choice(kinds)})
+    return {
+        "seed": seed,
+        "kind": "module",
+        "dims": dims,
+        "bias": [rnd.random() < 0.7 for _ in range(n)],
+        "save": sides[0],
+        "restore": sides[1],
+        "save_kw": {"async_save": rnd.random() < 0.3},
+    }
+
+
+def build_module(trial: dict[str, Any], seed: int) -> nn.Sequential:
+    """The trial's model (Linear, ReLU, Linear, ...), its weights from ``seed``."""
+    torch.manual_seed(seed)
+    dims, layers = trial["dims"], []
+    for i, bias in enumerate(trial["bias"]):
+        if i:
+            layers.append(nn.ReLU())
+        layers.append(nn.Linear(dims[i], dims[i + 1], bias=bias))
+    return nn.Sequential(*layers)
+
+
+def parallelize(model: nn.Sequential, side: dict[str, Any]) -> None:
+    """``side["kind"]`` on ``side["world"]`` ranks: ``fsdp`` (FSDP2 on a 1-D mesh), ``hsdp``
+    (2x2), ``tp`` (column- then row-wise pairs; a last odd layer replicated) or ``fsdp_tp``
+    (FSDP2 over TP on 2x2, torchtitan's 2-D layout)."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor import Replicate, distribute_tensor
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    kind, world = side["kind"], side["world"]
+    linears = [k for k, m in model.named_children() if isinstance(m, nn.Linear)]
+    if kind in ("tp", "fsdp_tp"):
+        mesh = init_device_mesh(
+            "cpu", (2, 2) if kind == "fsdp_tp" else (1, world), mesh_dim_names=("dp", "tp")
+        )
+        plan: dict[str, Any] = {}
+        for a, b in zip(linears[0::2], linears[1::2], strict=False):
+            plan[a], plan[b] = ColwiseParallel(), RowwiseParallel()
+        parallelize_module(model, mesh["tp"], plan)
+        if len(linears) % 2:  # the last layer, alone: replicated over "tp"
+            last = getattr(model, linears[-1])
+            for name, p in list(last.named_parameters()):
+                d = distribute_tensor(p.data, mesh["tp"], [Replicate()])
+                setattr(last, name, nn.Parameter(d))
+            last.register_forward_pre_hook(lambda _m, args: _as_replicated(args, mesh["tp"]))
+            last.register_forward_hook(lambda _m, _a, out: out.to_local())
+        if kind == "tp":
+            return
+        dp = mesh["dp"]
+    elif kind == "hsdp":
+        dp = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
+    else:
+        dp = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
+    for k in linears:
+        fully_shard(getattr(model, k), mesh=dp)
+    fully_shard(model, mesh=dp)
+
+
+def _as_replicated(args: tuple[Any, ...], mesh: Any) -> tuple[Any, ...]:
+    from torch.distributed.tensor import DTensor, Replicate
+
+    x = args[0]
+    return (x if is_dtensor(x) else DTensor.from_local(x, mesh, [Replicate()]),)
+
+
+def train_module(model: nn.Module, trial: dict[str, Any], steps: int = 2) -> torch.optim.Optimizer:
+    """AdamW, ``steps`` steps on the same inputs on every rank: moments to save."""
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    g = torch.Generator().manual_seed(trial["seed"])
+    for _ in range(steps):
+        model(torch.randn(3, trial["dims"][0], generator=g)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    return opt
+
+
+def module_digests(model: nn.Module, opt: torch.optim.Optimizer) -> dict[str, str]:
+    """A digest of every full tensor of ``model`` and of its AdamW state (collective)."""
+    from tests.multirank.dtensor_scenarios import digests
+
+    return digests(model, opt)
+
+
+def fuzz_module_save(ctx: Ctx) -> dict[str, Any]:
+    """Build, parallelize and train the trial's model; save it; its digests."""
+    trial = ctx.args["trial"]
+    model = build_module(trial, trial["seed"])
+    parallelize(model, trial["save"])
+    opt = train_module(model, trial)
+    with CheckpointManager(ctx.root, keep=None, barrier_timeout=60, **trial["save_kw"]) as m:
+        m.save(1, {"model": model, "optim": opt})
+    return {"digests": module_digests(model, opt)}
+
+
+def fuzz_module_restore(ctx: Ctx) -> dict[str, Any]:
+    """Restore into the trial's model under its restore parallelism (other weights, a
+    fresh AdamW); its digests."""
+    trial = ctx.args["trial"]
+    model = build_module(trial, trial["seed"] + 1)
+    parallelize(model, trial["restore"])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(ctx.root, keep=None, barrier_timeout=60) as m:
+        m.restore({"model": model, "optim": opt})
+    return {"digests": module_digests(model, opt)}
+
+
+def run_module_trial(
+    seed: int, workdir: Path, *, timeout: float = 120.0
+) -> tuple[list[str], dict[str, Any]]:
+    """One module trial: save under one parallelism, restore under another and in one
+    process (a plain model, a fresh AdamW); every full tensor's digest compared."""
+    import shutil
+
+    from tests.multirank.dtensor_scenarios import digests
+    from tests.multirank.launch import describe, launch
+
+    trial = make_module_trial(seed)
+    shutil.rmtree(workdir, ignore_errors=True)
+    workdir.mkdir(parents=True)
+    vals = []
+    for scenario, side in (("fuzz_module_save", "save"), ("fuzz_module_restore", "restore")):
+        world = trial[side]["world"] if trial[side]["kind"] in ("fsdp", "tp") else 4
+        res = launch(
+            f"fuzz_scenarios:{scenario}", world, workdir, timeout=timeout, args={"trial": trial}
+        )
+        if not all(r.ok for r in res):
+            return [f"{scenario} ({trial[side]}) failed: {describe(res)}"], trial
+        vals.append([r.value for r in res])
+    saved = vals[0][0]["digests"]
+
+    def differ(got: dict[str, str]) -> list[str]:
+        return sorted(k for k in set(saved) | set(got) if got.get(k) != saved.get(k))
+
+    problems = [
+        f"restore under {trial['restore']}: rank {r}: {differ(v['digests'])}"
+        for r, v in enumerate(vals[1])
+        if v["digests"] != saved
+    ]
+    model = build_module(trial, trial["seed"] + 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    with CheckpointManager(workdir / "store", keep=None) as m:
+        m.restore({"model": model, "optim": opt})
+    one = digests(model, opt)
+    if one != saved:
+        problems.append(
+            f"restore in one process: {sorted(k for k in saved if one.get(k) != saved[k])}"
+        )
     if not problems:
         shutil.rmtree(workdir, ignore_errors=True)
     return problems, trial
