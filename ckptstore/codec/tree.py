@@ -43,6 +43,7 @@ __all__ = [
     "TreeDecoder",
     "TreeEncoder",
     "format_path",
+    "is_key",
     "stored_tensors",
 ]
 
@@ -58,6 +59,15 @@ _ALL_TORCH_DTYPES = {
 _MAX_DEPTH = 200
 #: Ints beyond this many bits are stored as hex: decimal JSON stops at 4300 digits.
 _MAX_JSON_INT_BITS = 14_000
+
+
+def is_key(k: object) -> bool:
+    """Whether ``k`` may be a dict key of a stored state: a str or an int (not a bool).
+
+    What the encoder writes and the decoder accepts; a walk of ``state.json`` that reads
+    keys before the decoder does (to plan a read) refuses the others the same way.
+    """
+    return not isinstance(k, bool) and isinstance(k, str | int)
 
 
 def format_path(path: tuple[Any, ...]) -> str:
@@ -402,7 +412,7 @@ class TreeDecoder:
                     raise self._bad(path, "dict keys and values do not match")
                 out: dict[Any, Any] = {} if t == "dict" else collections.OrderedDict()
                 for k, x in zip(keys, vals, strict=True):
-                    if isinstance(k, bool) or not isinstance(k, str | int):
+                    if not is_key(k):
                         raise self._bad(path, f"dict key {k!r} is not str or int")
                     out[k] = self._dec(x, (*path, k), depth + 1)
                 if "meta" in n:

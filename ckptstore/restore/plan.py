@@ -12,6 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 from ..codec import payload as payload_codec
+from ..codec.tree import is_key
 from ..errors import IntegrityError, ManifestError, StateMismatchError
 from ..layout import state_file
 from ..manifest import Manifest
@@ -86,7 +87,12 @@ def dtensor_leaves(  # noqa: PLR0917 - recursion
     elif t in ("dict", "odict"):
         keys, vals = node.get("keys"), node.get("vals")
         if isinstance(keys, list) and isinstance(vals, list):
-            for k, v in zip(keys, vals, strict=False):
+            if len(keys) != len(vals) or not all(is_key(k) for k in keys):
+                # As the decoder refuses it, before a key is used to find a target.
+                raise IntegrityError(
+                    f"{where}: state at {path}: dict keys must be str or int, one a value"
+                )
+            for k, v in zip(keys, vals, strict=True):
                 dtensor_leaves(v, (*path, k), index, out, where, depth + 1)
     elif t == "tuple":
         vs = node.get("v")

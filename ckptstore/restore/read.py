@@ -20,7 +20,7 @@ import torch
 
 from .. import ranktable
 from ..codec import payload as payload_codec
-from ..codec.tree import STATE_FORMAT, TreeDecoder, stored_tensors
+from ..codec.tree import STATE_FORMAT, TreeDecoder, is_key, stored_tensors
 from ..errors import IntegrityError, StateMismatchError
 from ..integrity import crc32c_of
 from ..manifest import FileEntry, Manifest
@@ -118,6 +118,9 @@ def decode_files(
     vals = root.get("vals") if isinstance(root, dict) else None
     if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
         raise IntegrityError(f"{where}/{sname}: malformed root")
+    bad = next((k for k in keys if not is_key(k)), None)
+    if bad is not None:
+        raise IntegrityError(f"{where}/{sname}: top-level key {bad!r} is not str or int")
     wanted_set = None if wanted is None else set(wanted)
     if require and wanted_set is not None:
         absent = sorted((k for k in wanted_set if k not in keys), key=repr)

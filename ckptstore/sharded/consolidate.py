@@ -32,7 +32,7 @@ import torch
 
 from ..codec import payload as payload_codec
 from ..codec import safetensors as st
-from ..codec.tree import SUPPORTED_DTYPES, TreeDecoder
+from ..codec.tree import SUPPORTED_DTYPES, TreeDecoder, is_key
 from ..errors import (
     CkptStoreError,
     ConfigError,
@@ -209,7 +209,7 @@ class StepTensors:
         self.kinds: dict[Any, str | None] = {}
         self.owners: dict[Any, Any] = {}
         for k, node in zip(keys, vals, strict=True):
-            if isinstance(k, bool) or not isinstance(k, str | int):
+            if not is_key(k):
                 raise IntegrityError(f"{self.where}/{sname}: top-level key {k!r} is not str or int")
             kind, inner = _unwrap(node)
             self.kinds[k] = kind
@@ -261,7 +261,11 @@ class StepTensors:
                 return
             if t in ("dict", "odict"):
                 keys, vals = node.get("keys"), node.get("vals")
-                if not isinstance(keys, list) or not isinstance(vals, list):
+                if (
+                    not isinstance(keys, list)
+                    or not isinstance(vals, list)
+                    or not all(is_key(k) for k in keys)
+                ):
                     raise IntegrityError(f"{self.where}/{self._sname}: malformed dict at {path}")
                 if keys and len(keys) == len(vals):
                     for k, v in zip(keys, vals, strict=True):

@@ -191,30 +191,33 @@ def _same(a: torch.Tensor, b: torch.Tensor) -> bool:
     return bool(torch.equal(a.reshape(-1).view(torch.uint8), b.reshape(-1).view(torch.uint8)))
 
 
-def fuzz_save(ctx: Ctx) -> dict[str, Any]:
-    """Save the trial's tensors as DTensors on its save mesh (and a plain tensor beside)."""
+def step_state(trial: dict[str, Any], mesh: Any, step: int = 1) -> dict[str, Any]:
+    """What the trial saves as ``step``: its tensors (seeds moved by the step), DTensors on
+    ``mesh`` or plain, and a plain tensor beside them."""
+    weights: dict[str, Any] = {}
+    for t in trial["tensors"]:
+        full = full_tensor(t["shape"], t["dtype"], t["seed"] + step - 1)
+        weights[t["name"]] = full if t["save_plain"] else _distribute(full, mesh, t["save"])
+    return {"weights": weights, "plain": torch.arange(5) + step - 1}
 
+
+def fuzz_save(ctx: Ctx) -> dict[str, Any]:
+    """Save the trial's tensors as DTensors on its save mesh (and a plain tensor beside):
+    step 1, or each step of ``args["steps"]``."""
     trial = ctx.args["trial"]
     mesh = _mesh(trial["save_mesh"])
-    state: dict[str, Any] = {
-        "weights": {
-            t["name"]: full_tensor(t["shape"], t["dtype"], t["seed"])
-            if t["save_plain"]
-            else _distribute(full_tensor(t["shape"], t["dtype"], t["seed"]), mesh, t["save"])
-            for t in trial["tensors"]
-        },
-        "plain": torch.arange(5),
-    }
     with CheckpointManager(ctx.root, keep=None, barrier_timeout=60, **trial["save_kw"]) as m:
-        if trial.get("save_api") == "dcp":
-            import torch.distributed.checkpoint as dcp
+        for step in ctx.args.get("steps", [1]):
+            state = step_state(trial, mesh, step)
+            if trial.get("save_api") == "dcp":
+                import torch.distributed.checkpoint as dcp
 
-            from ckptstore.dcp import CkptStoreWriter
+                from ckptstore.dcp import CkptStoreWriter
 
-            writer = CkptStoreWriter(m, step=1)
-            dcp.save(state, storage_writer=writer, process_group=writer.process_group)
-        else:
-            m.save(1, state)
+                writer = CkptStoreWriter(m, step=step)
+                dcp.save(state, storage_writer=writer, process_group=writer.process_group)
+            else:
+                m.save(step, state)
     return {"rank": dist.get_rank()}
 
 

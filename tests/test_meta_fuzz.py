@@ -1,0 +1,86 @@
+"""Mutated metadata of a sharded step, the manifest forged to match (``tests/metafuzz.py``;
+``tools/meta_fuzz.py`` runs campaigns of it): a fixed run of mutations in the suite, and the
+defect its first campaign found, by itself.
+"""
+
+from __future__ import annotations
+
+import json
+import random
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _helpers import replace_payload, step_dir
+
+from ckptstore import CheckpointManager, IntegrityError
+from tests.metafuzz import check_mutation, make_base, mutate
+
+pytestmark = pytest.mark.timeout(180)
+
+
+@pytest.mark.parametrize("seed", [3, 4])
+def test_forged_metadata_is_refused_or_read_exactly(tmp_path: Path, seed: int) -> None:
+    # A base store saved by a real 2-rank job (trial seeds 3 and 4: 2 and 4 ranks), then 60
+    # mutations of step 2, each checked: clear errors or exact bytes, step 1 restored.
+    base, trial = make_base(seed, tmp_path / "base")
+    rnd = random.Random(seed)
+    found = {}
+    for i in range(60):
+        what, problems = check_mutation(base, trial, tmp_path / "scratch", rnd)
+        if problems:
+            found[f"#{i} {what}"] = problems
+    assert found == {}
+
+
+def test_mutate_changes_exactly_one_value() -> None:
+    doc = {"a": [1, 2, {"b": "x"}], "c": 3.5}
+    seen = set()
+    for seed in range(200):
+        new, what = mutate(json.loads(json.dumps(doc)), random.Random(seed))
+        seen.add(what.split(":")[0])
+        # As JSON (True is 1 to Python); a swap may pick an equal value.
+        assert json.dumps(new) != json.dumps(doc) or what.endswith("swap"), what
+    assert {"a", "a/2/b", "c", "(root)"} <= seen
+
+
+def _key_is_a_list(state_json: bytes, where: str) -> bytes:
+    tree = json.loads(state_json)
+    node = tree["root"] if where == "root" else tree["root"]["vals"][0]  # or "model"'s dict
+    assert node["t"] == "dict"
+    node["keys"] = [list(node["keys"])]  # [["model"]] or [["w"]]: keys no encoder writes
+    return json.dumps(tree).encode()
+
+
+@pytest.mark.parametrize("where", ["root", "nested"])
+def test_a_dict_key_that_is_a_list_is_refused_and_the_good_step_restores(
+    mesh: object, tmp_path: Path, where: str
+) -> None:
+    # The first campaign's finding: a forged state.json whose nested dict key is a list
+    # reached restore's target lookup before the decoder could refuse it, and restore()
+    # raised TypeError ("unhashable type: 'list'") instead of falling back.
+    from torch.distributed.tensor import DTensor, Shard
+
+    gen = torch.Generator().manual_seed(5)
+    values = {s: torch.randn(8, 3, generator=gen) for s in (1, 2)}
+
+    def state(step: int) -> dict[str, Any]:
+        local = values[step].clone() if step else torch.zeros(8, 3)
+        return {"model": {"w": DTensor.from_local(local, mesh, [Shard(0)])}}  # type: ignore[arg-type]
+
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))
+    step = root / step_dir(2)
+    forged = _key_is_a_list((step / "state.json").read_bytes(), where)
+    replace_payload(step, "state.json", forged)
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(IntegrityError, match="str or int"):
+            mgr.restore(state(0), step=2)
+        target = state(0)
+        assert mgr.restore(target) == 1
+        assert torch.equal(target["model"]["w"].to_local(), values[1])
+        with pytest.raises(IntegrityError, match="str or int"):
+            mgr.load(2)
