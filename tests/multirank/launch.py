@@ -98,6 +98,12 @@ class _ForkServer:
             msg = json.loads(line)
             with self._cond:
                 if "id" in msg:
+                    # A new child: an exit status kept under its pid is an older child's
+                    # (pids are reused: 32768 of them here, and a campaign forks thousands),
+                    # which wait() would have returned at once, before the new one wrote
+                    # anything. The zygote reports a child's pid before its exit, and an
+                    # older child's exit before the pid can be reused, so in order here.
+                    self._status.pop(msg["pid"], None)
                     self._pids[msg["id"]] = msg["pid"]
                 else:
                     self._status[msg["pid"]] = msg["status"]

@@ -27,3 +27,28 @@ def test_ranks_meet_on_the_port_rank0_bound_never_a_stale_one(tmp_path: Path) ->
         squatter.close()
     assert [v["restored"] == v["saved"] for v in vals] == [True, True]
     assert int((tmp_path / "store.port").read_text()) != taken  # rank 0's own, published
+
+
+def test_a_reused_pid_is_not_taken_for_done_by_an_older_childs_exit() -> None:
+    # The fork server's replies, as its reader thread takes them: a child with pid 4242
+    # exits (status 0), and later a new child gets the same pid (32768 pids here, and a
+    # fuzz campaign forks thousands). wait() returned the old status at once, before the
+    # new rank had written its outcome: "rc=0 ok=False" for a rank that went on to succeed.
+    import io
+    import json
+    import threading
+    from types import SimpleNamespace
+
+    from tests.multirank.launch import _ForkServer
+
+    replies = [{"id": 1, "pid": 4242}, {"pid": 4242, "status": 0}, {"id": 2, "pid": 4242}]
+    server = object.__new__(_ForkServer)
+    server.proc = SimpleNamespace(  # type: ignore[assignment]
+        stdout=io.BytesIO(b"".join(json.dumps(r).encode() + b"\n" for r in replies))
+    )
+    server._cond = threading.Condition()
+    server._pids, server._status, server.dead = {}, {}, False
+    server._read()  # every reply, then EOF (the server marks itself dead)
+    server.dead = False
+    assert server._pids == {1: 4242, 2: 4242}
+    assert server.wait(4242, 0) is None  # the new child has not exited
