@@ -12,9 +12,9 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import replace_payload, step_dir
+from _helpers import MANIFEST, forge_manifest, replace_payload, step_dir
 
-from ckptstore import CheckpointManager, IntegrityError
+from ckptstore import CheckpointManager, CkptStoreError
 from tests.metafuzz import check_mutation, make_base, mutate
 
 pytestmark = pytest.mark.timeout(180)
@@ -53,13 +53,9 @@ def _key_is_a_list(state_json: bytes, where: str) -> bytes:
     return json.dumps(tree).encode()
 
 
-@pytest.mark.parametrize("where", ["root", "nested"])
-def test_a_dict_key_that_is_a_list_is_refused_and_the_good_step_restores(
-    mesh: object, tmp_path: Path, where: str
-) -> None:
-    # The first campaign's finding: a forged state.json whose nested dict key is a list
-    # reached restore's target lookup before the decoder could refuse it, and restore()
-    # raised TypeError ("unhashable type: 'list'") instead of falling back.
+def _two_steps(mesh: object, root: Path) -> tuple[dict[int, torch.Tensor], Any]:
+    """Steps 1 and 2 of a one-rank ``Shard(0)`` DTensor in ``root``: their values, and the
+    state of a step (step 0: zeros, a target to restore into)."""
     from torch.distributed.tensor import DTensor, Shard
 
     gen = torch.Generator().manual_seed(5)
@@ -69,18 +65,46 @@ def test_a_dict_key_that_is_a_list_is_refused_and_the_good_step_restores(
         local = values[step].clone() if step else torch.zeros(8, 3)
         return {"model": {"w": DTensor.from_local(local, mesh, [Shard(0)])}}  # type: ignore[arg-type]
 
-    root = tmp_path / "s"
     with CheckpointManager(root) as mgr:
         mgr.save(1, state(1))
         mgr.save(2, state(2))
-    step = root / step_dir(2)
-    forged = _key_is_a_list((step / "state.json").read_bytes(), where)
-    replace_payload(step, "state.json", forged)
+    return values, state
+
+
+def _falls_back(root: Path, values: dict[int, torch.Tensor], state: Any, error: str) -> None:
+    """Step 2 is refused with ``error`` by restore(step=2) and load(2); restore() gives 1."""
     with CheckpointManager(root) as mgr:
-        with pytest.raises(IntegrityError, match="str or int"):
+        with pytest.raises(CkptStoreError, match=error):
             mgr.restore(state(0), step=2)
         target = state(0)
         assert mgr.restore(target) == 1
         assert torch.equal(target["model"]["w"].to_local(), values[1])
-        with pytest.raises(IntegrityError, match="str or int"):
+        with pytest.raises(CkptStoreError, match=error):
             mgr.load(2)
+
+
+@pytest.mark.parametrize("where", ["root", "nested"])
+def test_a_dict_key_that_is_a_list_is_refused_and_the_good_step_restores(
+    mesh: object, tmp_path: Path, where: str
+) -> None:
+    # The first campaign's finding: a forged state.json whose dict key is a list reached
+    # restore's target lookup before the decoder could refuse it, and restore() raised
+    # TypeError ("unhashable type: 'list'") instead of falling back.
+    root = tmp_path / "s"
+    values, state = _two_steps(mesh, root)
+    step = root / step_dir(2)
+    forged = _key_is_a_list((step / "state.json").read_bytes(), where)
+    replace_payload(step, "state.json", forged)
+    _falls_back(root, values, state, "str or int")
+
+
+def test_a_dtensor_step_whose_manifest_lists_no_index_is_refused(
+    mesh: object, tmp_path: Path
+) -> None:
+    # The second: a forged manifest of a DTensor step without its dtensors.json entry made
+    # load() and restore() raise KeyError('dtensors.json').
+    root = tmp_path / "s"
+    values, state = _two_steps(mesh, root)
+    mpath = root / step_dir(2) / MANIFEST
+    mpath.write_bytes(forge_manifest(mpath.read_bytes(), lambda d: d["files"].pop("dtensors.json")))
+    _falls_back(root, values, state, "lists no dtensors.json")

@@ -21,7 +21,7 @@ import torch
 from .. import ranktable
 from ..codec import payload as payload_codec
 from ..codec.tree import STATE_FORMAT, TreeDecoder, is_key, stored_tensors
-from ..errors import IntegrityError, StateMismatchError
+from ..errors import IntegrityError, ManifestError, StateMismatchError
 from ..integrity import crc32c_of
 from ..manifest import FileEntry, Manifest
 from ..session import Session
@@ -98,7 +98,9 @@ def decode_files(
     sname, groups = layout_of(session, manifest, rank, explicit=explicit)
 
     def fetch(name: str) -> bytearray:
-        entry = manifest.files[name]
+        entry = manifest.files.get(name)
+        if entry is None:  # a DTensor step whose manifest lists no index: hostile or torn
+            raise ManifestError(f"{where}: the manifest lists no {name}")
         if blobs is None:
             return session.storage.read_file(step, name, entry)
         data = blobs.get(name)
