@@ -12,7 +12,8 @@ Then, in this process:
 - ``restore()`` into whole tensors returns step 2 or step 1 (intact), every byte of it,
   never a ``CkptStoreError`` (step 1 is good) nor another exception;
 - except that a forged ``state.json`` may say another structure (a key renamed, a value in
-  place of a tensor): that file *is* the structure, so what it says is what comes back,
+  place of a tensor), and a forged header of a plain payload other places for its tensors:
+  those files *are* the structure, so what they say is what comes back,
   and only crashes, hangs and memory count for it (and ``restore()`` may refuse the step
   as not fitting the caller's state, ``StateMismatchError``, as it does a step saved from
   another structure);
@@ -215,9 +216,24 @@ def mutate_step(step: Path, rnd: random.Random) -> str:
     """Change one value of one JSON file of ``step`` and forge what checks it; what was done."""
     from tests._helpers import edit_entry
 
-    names = sorted(p.name for p in step.iterdir() if p.suffix in (".json", ".jsonl"))
+    names = sorted(
+        p.name for p in step.iterdir() if p.suffix in (".json", ".jsonl", ".safetensors")
+    )
     name = rnd.choice(names)
     path = step / name
+    if name.endswith(".safetensors"):  # its JSON header; the tensors' bytes stay
+        raw = path.read_bytes()
+        n = int.from_bytes(raw[:8], "little")
+        new, what = mutate(json.loads(raw[8 : 8 + n]), rnd)
+        head = json.dumps(new, separators=(",", ":")).encode()
+        data = len(head).to_bytes(8, "little") + head + raw[8 + n :]
+        path.write_bytes(data)
+        edit_entry(
+            step,
+            name,
+            lambda row: row.update(bytes=len(data), crc32c=format_crc(crc32c_of(data))),
+        )
+        return f"{name} header {what}"
     if name == "manifest.json":
         said: list[str] = []
 
@@ -297,7 +313,9 @@ def check_mutation(
     # state.json is the state's structure: what a forged one says (another key, a value
     # in place of a tensor, two references swapped) is what a load returns, and nothing
     # can tell it from the truth. Every other file's claims are checked against the bytes.
-    structure = what.startswith("state.json")
+    structure = what.startswith("state.json") or (
+        ".safetensors header" in what and not what.startswith("_shards")
+    )
     got = run("load(2)", load, (CkptStoreError,))
     if not isinstance(got, BaseException):
         why = _same_tensors(got, truth(trial, 2))
