@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded reshard-fuzz scale-real scale-sim clean
+.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded reshard-fuzz meta-fuzz scale-real scale-sim clean
 
 venv: $(STAMP)
 
@@ -74,6 +74,11 @@ crashtest-sharded: $(STAMP)
 RESHARD_FUZZ_ARGS ?= --trials 1000
 reshard-fuzz: $(STAMP)
 	$(BIN)/python tools/reshard_fuzz.py $(RESHARD_FUZZ_ARGS)
+
+# Forged metadata of sharded steps: one JSON value changed, the manifest forged to match.
+META_FUZZ_ARGS ?= --bases 20 --mutations 200
+meta-fuzz: $(STAMP)
+	$(BIN)/python tools/meta_fuzz.py $(META_FUZZ_ARGS)
 
 # Sharded coordination with real processes (issue 21): bytes, collectives and CPU per rank
 # for 2..16 ranks, beside the ckptstore of SCALE_BASELINE; a plot in docs/.

@@ -283,13 +283,15 @@ def _peak_rss() -> int:
 
 
 def check_mutation(
-    base: Path, trial: dict[str, Any], scratch: Path, rnd: random.Random
+    base: Path, trial: dict[str, Any], work: Path, rnd: random.Random, *, wide: bool = False
 ) -> tuple[str, list[str]]:
     """Mutate a copy of ``base``'s step 2 and check what ckptstore makes of it (see the
-    module docstring). Returns what was mutated and the problems (none: an empty list)."""
+    module docstring). ``wide``: also restore it on the trial's restore world, a real job
+    (:func:`check_wide`). Returns what was mutated and the problems (none: an empty list)."""
     from ckptstore.cli.main import main as cli
 
-    shutil.rmtree(scratch, ignore_errors=True)
+    shutil.rmtree(work, ignore_errors=True)
+    scratch = work / "store"
     shutil.copytree(base, scratch)
     what = mutate_step(scratch / STEP2, rnd)
     problems: list[str] = []
@@ -364,7 +366,42 @@ def check_mutation(
     status = run("inspect", inspect, ())
     if not isinstance(status, BaseException) and status not in (0, 1):
         problems.append(f"inspect exited {status}")
+    if wide:
+        problems += check_wide(trial, work, structure)
     grown = _peak_rss() - rss0
     if grown > RSS_BUDGET:
         problems.append(f"peak RSS grew by {grown >> 20} MiB")
     return what, problems
+
+
+def check_wide(trial: dict[str, Any], work: Path, structure: bool) -> list[str]:
+    """Restore the mutated store (``work/store``) on the trial's restore world, a real job:
+    every rank restores the same step, step 2 or step 1, each its part byte for byte; or,
+    where ``state.json`` was forged, every rank refuses it alike (``StateMismatchError``).
+    A rank that read a bad part of the index falls back with the others, never alone."""
+    from tests.multirank.launch import describe, launch
+
+    job = dict(trial, restore_api="ckpt", restore_kw={})
+    try:
+        res = launch(
+            "fuzz_scenarios:fuzz_restore", trial["restore_world"], work, args={"trial": job}
+        )
+    except AssertionError as e:  # hung past the launcher's deadline
+        return [f"restore on {trial['restore_world']} ranks: {e}"]
+    if not all(r.ok for r in res):
+        if structure and all(r.error_type == "StateMismatchError" for r in res):
+            return []
+        return [f"restore on {trial['restore_world']} ranks: {describe(res)}"]
+    steps = {r.value["step"] for r in res}
+    problems = []
+    if len(steps) != 1 or not steps <= {1, 2}:
+        problems.append(f"restore on {trial['restore_world']} ranks: steps {sorted(steps)}")
+    for r in res:
+        if (r.value["wrong"] or r.value["plain"] != list(range(5))) and not (
+            structure and r.value["step"] == 2
+        ):
+            problems.append(
+                f"restore on {trial['restore_world']} ranks: rank {r.rank} step "
+                f"{r.value['step']}: wrong {r.value['wrong']}, plain {r.value['plain']}"
+            )
+    return problems

@@ -22,13 +22,14 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.mark.parametrize("seed", [3, 4])
 def test_forged_metadata_is_refused_or_read_exactly(tmp_path: Path, seed: int) -> None:
-    # A base store saved by a real 2-rank job (trial seeds 3 and 4: 2 and 4 ranks), then 60
-    # mutations of step 2, each checked: clear errors or exact bytes, step 1 restored.
+    # A base store saved by a real job (trial seeds 3 and 4: 2 and 4 ranks), then 60
+    # mutations of step 2, each checked: clear errors or exact bytes, step 1 restored; every
+    # 6th also restored by a real job on the trial's restore world.
     base, trial = make_base(seed, tmp_path / "base")
     rnd = random.Random(seed)
     found = {}
     for i in range(60):
-        what, problems = check_mutation(base, trial, tmp_path / "scratch", rnd)
+        what, problems = check_mutation(base, trial, tmp_path / "scratch", rnd, wide=i % 6 == 0)
         if problems:
             found[f"#{i} {what}"] = problems
     assert found == {}

@@ -6,8 +6,10 @@ For each of ``--bases`` tensor trials (``tests/multirank/fuzz_scenarios.py``; se
 ``--seed``), a real job of 1 to 4 ranks saves two DTensor steps. Then ``--mutations`` times:
 a copy of the store gets one value of one JSON file of step 2 changed (``state.json``, the
 chunk index and its per-rank parts, ``_ranks.jsonl``, the manifest), with the manifest
-forged to match (``tests/metafuzz.py``), and, in this process, ``load(2)``, ``restore()`` and
-``ckptstore verify --all`` are run on it, each under a deadline, the peak RSS watched.
+forged to match (``tests/metafuzz.py``), and, in this process, ``load(2)``, ``restore()``,
+``ckptstore verify --all`` and ``inspect`` are run on it, each under a deadline, the peak RSS
+watched; every ``--wide-every``-th mutation is also restored by a real job on the trial's
+restore world (1 to 4 ranks), whose ranks must agree on the step and restore it exactly.
 
 A finding is any of: an exception other than ``CkptStoreError`` (or any from ``restore()``,
 as step 1 is intact), a hang, memory beyond the budget, or bytes other than a step's own.
@@ -37,6 +39,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--mutations", type=int, default=100, help="mutations of each store")
     p.add_argument("--seed", type=int, default=1)
     p.add_argument("--dir", type=Path, help="scratch directory")
+    p.add_argument(
+        "--wide-every",
+        type=int,
+        default=5,
+        help="restore every N-th mutation on the trial's restore world too (0: never)",
+    )
     p.add_argument("--json", metavar="OUT", help="the summary and findings as JSON")
     a = p.parse_args(argv)
     # Imported by name: the kit lives with the tests (its base stores come from a test job).
@@ -53,7 +61,8 @@ def main(argv: list[str] | None = None) -> int:
         base, trial = kit.make_base(seed, work / f"base-{seed}")
         rnd = random.Random(seed)
         for i in range(a.mutations):
-            what, problems = kit.check_mutation(base, trial, work / "scratch", rnd)
+            wide = a.wide_every > 0 and i % a.wide_every == 0
+            what, problems = kit.check_mutation(base, trial, work / "scratch", rnd, wide=wide)
             n += 1
             name = what.split(" ", 1)[0]
             name = "_index.rankN.json" if name.startswith("_index.rank") else name

@@ -222,7 +222,8 @@ def fuzz_save(ctx: Ctx) -> dict[str, Any]:
 
 
 def fuzz_restore(ctx: Ctx) -> dict[str, Any]:
-    """Restore into the trial's restore placements; every rank's mismatches, by name."""
+    """Restore into the trial's restore placements; every rank's mismatches, by name,
+    against the step it restored (``step_state``), and that step."""
 
     trial = ctx.args["trial"]
     mesh = _mesh(trial["restore_mesh"])
@@ -239,14 +240,22 @@ def fuzz_restore(ctx: Ctx) -> dict[str, Any]:
         # DCP loads into the caller's tensors: the plain one too.
         state: dict[str, Any] = {"weights": weights, "plain": torch.zeros(5, dtype=torch.int64)}
         dcp.load(state, storage_reader=CkptStoreReader(ctx.root, step=1, **trial["restore_kw"]))
+        step = 1
     else:
         state = {"weights": weights, "plain": None}
         with CheckpointManager(ctx.root, keep=None, barrier_timeout=60, **trial["restore_kw"]) as m:
-            m.restore(state)
+            step = m.restore(state)
     wrong = []
+    # A forged state.json (tools/meta_fuzz.py) may hand back another structure: what is
+    # not where it was saved counts as wrong.
+    out = state["weights"] if isinstance(state.get("weights"), dict) else {}
     for t in trial["tensors"]:
-        got = state["weights"][t["name"]]
-        full = full_tensor(t["shape"], t["dtype"], t["seed"])
+        got = out.get(t["name"])
+        if not isinstance(got, torch.Tensor):
+            wrong.append(t["name"])
+            continue
+        # What step_state saved as this step (step 1 in a store of one step).
+        full = full_tensor(t["shape"], t["dtype"], t["seed"] + step - 1)
         if t["restore_plain"]:
             if not isinstance(got, torch.Tensor) or is_dtensor(got) or not _same(got, full):
                 wrong.append(t["name"])
@@ -256,7 +265,9 @@ def fuzz_restore(ctx: Ctx) -> dict[str, Any]:
             got.to_local(), want.to_local()
         ):
             wrong.append(t["name"])
-    return {"wrong": wrong, "plain": state["plain"].tolist()}
+    plain = state.get("plain")
+    plain = (plain - (step - 1)).tolist() if isinstance(plain, torch.Tensor) else repr(plain)
+    return {"wrong": wrong, "plain": plain, "step": step}
 
 
 def trial_of(seed: int) -> dict[str, Any]:
