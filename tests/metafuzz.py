@@ -73,9 +73,37 @@ def make_base(seed: int, workdir: Path, *, timeout: float = 120.0) -> tuple[Path
     return workdir / "store", trial
 
 
-def truth(trial: dict[str, Any], step: int) -> dict[str, torch.Tensor]:
-    """Step ``step``'s tensors by path (``weights/t0``, ``plain``), as saved."""
-    out = {
+def plain_state(trial: dict[str, Any], step: int) -> dict[str, Any]:
+    """What a plain base saves as ``step``: the trial's tensors whole, and plain values."""
+    return {
+        "weights": {
+            t["name"]: full_tensor(t["shape"], t["dtype"], t["seed"] + step - 1)
+            for t in trial["tensors"]
+        },
+        "plain": torch.arange(5) + step - 1,
+        "meta": {"lr": 0.5 * step, "names": ["a", "b", str(step)], "n": step},
+    }
+
+
+def make_plain_base(seed: int, workdir: Path) -> tuple[Path, dict[str, Any]]:
+    """A store of steps 1 and 2 of the trial of ``seed`` saved whole by this process (a
+    replicated step, as a DDP job's rank 0 writes it), in safetensors or torch's format."""
+    trial = trial_of(seed)
+    trial["base"] = "plain"
+    trial["format"] = "torch" if seed % 4 == 3 else "safetensors"
+    shutil.rmtree(workdir, ignore_errors=True)
+    root = workdir / "store"
+    with CheckpointManager(root, keep=None, format=trial["format"], distributed=False) as m:
+        for step in (1, 2):
+            m.save(step, plain_state(trial, step))
+    return root, trial
+
+
+def truth(trial: dict[str, Any], step: int) -> dict[str, Any]:
+    """Step ``step``'s values by path (``weights/t0``, ``plain``, ...), as saved."""
+    if trial.get("base") == "plain":
+        return _flat(plain_state(trial, step))
+    out: dict[str, Any] = {
         f"weights/{t['name']}": full_tensor(t["shape"], t["dtype"], t["seed"] + step - 1)
         for t in trial["tensors"]
     }
@@ -92,13 +120,17 @@ def _flat(value: Any, prefix: str = "") -> dict[str, Any]:
     return {prefix.rstrip("/"): value}
 
 
-def _same_tensors(got: Any, want: dict[str, torch.Tensor]) -> str | None:
+def _same_tensors(got: Any, want: dict[str, Any]) -> str | None:
     """None where ``got`` (a loaded or restored state) holds ``want`` bit for bit; else why."""
     flat = _flat(got)
     if set(flat) != set(want):
         return f"keys {sorted(flat)} != {sorted(want)}"
     for k, w in want.items():
         g = flat[k]
+        if not isinstance(w, torch.Tensor):
+            if type(g) is not type(w) or g != w:
+                return f"{k}: {g!r} != {w!r}"
+            continue
         if not isinstance(g, torch.Tensor) or g.dtype != w.dtype or g.shape != w.shape:
             return f"{k}: {type(g).__name__} {getattr(g, 'dtype', '')} {getattr(g, 'shape', '')}"
         if w.numel() and not torch.equal(
@@ -332,6 +364,8 @@ def check_mutation(
             },
             "plain": None,
         }
+        if trial.get("base") == "plain":
+            into["meta"] = None
         with CheckpointManager(scratch, keep=None, create=False) as m:
             step = m.restore(into)
         return step, into

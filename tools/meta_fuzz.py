@@ -58,7 +58,9 @@ def main(argv: list[str] | None = None) -> int:
     n = 0
     for b in range(a.bases):
         seed = a.seed + b
-        base, trial = kit.make_base(seed, work / f"base-{seed}")
+        # Every other store is a replicated one, saved whole by this process.
+        make = kit.make_plain_base if b % 2 else kit.make_base
+        base, trial = make(seed, work / f"base-{seed}")
         rnd = random.Random(seed)
         for i in range(a.mutations):
             wide = a.wide_every > 0 and i % a.wide_every == 0

@@ -261,6 +261,9 @@ def fuzz_restore(ctx: Ctx) -> dict[str, Any]:
                 wrong.append(t["name"])
             continue
         want = _distribute(full, mesh, t["restore"])
+        if not is_dtensor(got):
+            wrong.append(t["name"])
+            continue
         if [str(p) for p in got.placements] != [str(p) for p in want.placements] or not _same(
             got.to_local(), want.to_local()
         ):
