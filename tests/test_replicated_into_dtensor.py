@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from ckptstore import CheckpointManager
+from ckptstore import CheckpointManager, StateMismatchError
 from ckptstore.codec.safetensors import fits, tensor_bytes
 from tests.multirank.dtensor_scenarios import digests, make_net, train
 from tests.multirank.launch import describe, launch
@@ -86,3 +86,29 @@ def test_a_replicated_step_restores_into_a_state_dict_of_dtensors(tmp_path: Path
         assert r.value["layouts"]
         assert all(r.value["layouts"].values()), r.value["layouts"]
         assert {k: v for k, v in r.value["restored"].items() if k.startswith("model/")} == saved
+
+
+def test_a_whole_tensor_is_not_cut_into_partial_placements_and_nothing_changes(
+    mesh: object, tmp_path: Path
+) -> None:
+    # A Partial placement's local tensor is a summand, not a piece: a replicated step is
+    # refused for it, by name, before the optimizer (loaded first) or the module changes.
+    from torch import nn
+    from torch.distributed.tensor import DTensor, Partial
+
+    src = nn.Linear(3, 2)
+    with CheckpointManager(tmp_path / "s", distributed=False) as mgr:
+        mgr.save(1, {"model": src, "optim": torch.optim.SGD(src.parameters(), lr=0.1)})
+    model = nn.Linear(3, 2)
+    before = model.weight.detach().clone()
+    model.weight = nn.Parameter(DTensor.from_local(before.clone(), mesh, [Partial()]))  # type: ignore[arg-type]
+    opt = torch.optim.SGD(model.parameters(), lr=0.5)
+    with (
+        CheckpointManager(tmp_path / "s") as mgr,
+        pytest.raises(
+            StateMismatchError, match=r"weight: a whole tensor cannot be laid out as \(P"
+        ),
+    ):
+        mgr.restore({"model": model, "optim": opt})
+    assert torch.equal(model.weight.to_local(), before)
+    assert opt.param_groups[0]["lr"] == 0.5

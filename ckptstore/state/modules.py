@@ -25,7 +25,7 @@ from torch import nn
 
 from .._log import logger as log
 from ..errors import ConfigTypeError, StateMismatchError
-from .redistribute import is_dtensor, local_part
+from .redistribute import cuttable, is_dtensor, local_part
 
 try:
     import numpy as _numpy
@@ -168,7 +168,12 @@ def load_module_state(
     for k, v in mapped.items():
         t = tsd[k]
         if isinstance(t, torch.Tensor) and isinstance(v, torch.Tensor):
-            if t.shape != v.shape:
+            if is_dtensor(t) and not is_dtensor(v) and not cuttable(t):
+                # Checked here, in the precheck's pass too (meta stand-ins), before any
+                # object of the state is loaded.
+                placements = ", ".join(str(p) for p in t.placements)  # type: ignore[attr-defined]
+                mismatched.append(f"{k}: a whole tensor cannot be laid out as ({placements})")
+            elif t.shape != v.shape:
                 mismatched.append(f"{k}: checkpoint {tuple(v.shape)}, model {tuple(t.shape)}")
             elif t.dtype != v.dtype:
                 mismatched.append(f"{k}: checkpoint {v.dtype}, model {t.dtype}")

@@ -3,9 +3,9 @@
 A replicated checkpoint (a DDP job's, or one process's) holds whole tensors; a job that now
 shards its model (FSDP2 ``fully_shard``, tensor parallel) has ``DTensor`` parameters and
 optimizer moments. Every rank read the whole stored tensor itself, so each takes the part
-its own shard covers, with no communication. Placements other than ``Shard`` and
-``Replicate`` (a strided shard of FSDP2 over TP, ``Partial``) are not cut here: such a value
-stays as stored and the load refuses it with the framework's own error.
+its own shard covers, with no communication: ``Shard``, ``Replicate`` and the strided shard
+of FSDP2 over tensor parallelism (:func:`cuttable`). A ``Partial`` placement is not cut: a
+module's load refuses it before anything is loaded (``StateMismatchError``).
 """
 
 from __future__ import annotations
@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 __all__ = [
+    "cuttable",
     "dtensor_type",
     "dtensors_possible",
     "is_dtensor",
@@ -65,18 +66,35 @@ def is_dtensor(v: object) -> bool:
     return cls is not None and isinstance(v, cls)
 
 
+def cuttable(like: Any) -> bool:
+    """Whether a whole tensor can be laid out as the ``DTensor`` ``like`` by cutting it.
+
+    ``Shard`` and ``Replicate`` placements, and the ``_StridedShard`` of FSDP2 over tensor
+    parallelism (torchtitan's 2-D layout: each rank's part is still one box of the whole,
+    the box ``compute_local_shape_and_global_offset`` gives, as for a sharded restore);
+    not ``Partial`` (a rank's part is a summand, not a piece).
+    """
+    from torch.distributed.tensor import Replicate, Shard, placement_types
+
+    kinds: tuple[type, ...] = (Shard, Replicate)
+    strided = getattr(placement_types, "_StridedShard", None)
+    if isinstance(strided, type):
+        kinds = (*kinds, strided)
+    return all(type(p) in kinds for p in like.placements)
+
+
 def local_part(full: torch.Tensor, like: Any) -> Any:
     """``full`` laid out as ``like`` (a ``DTensor`` of ``full``'s shape): this rank's part.
 
-    Returns ``full`` itself when it cannot be cut: another shape, or a placement other than
-    ``Shard``/``Replicate``.
+    Returns ``full`` itself when it cannot be cut: another shape, or a placement
+    :func:`cuttable` refuses (``Partial``).
     """
-    from torch.distributed.tensor import DTensor, Replicate, Shard
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
 
     if is_dtensor(full) or tuple(full.shape) != tuple(like.shape):
         return full
-    if any(type(p) not in (Shard, Replicate) for p in like.placements):
+    if not cuttable(like):
         return full
     shape, offset = compute_local_shape_and_global_offset(
         like.shape, like.device_mesh, like.placements

@@ -344,8 +344,9 @@ def test_tensor_parallel_placements_restore_into_other_placements(tmp_path, worl
 def test_fsdp2_over_tensor_parallel_restores_on_other_meshes_and_back(tmp_path):
     # torchtitan's 2-D layout: TP on "tp", FSDP2 on "dp" of a 2x2 mesh; column-wise weights
     # are (_StridedShard(0), Shard(0)). Saved there, restored on 2x2 again, on FSDP2 alone
-    # (2 and 3 ranks), on TP alone (1x2) and in one process; and an FSDP2-alone save
-    # restored into FSDP2 over TP. Every full tensor, parameters and AdamW moments alike.
+    # (2 and 3 ranks), on TP alone (1x2) and in one process; a replicated save and an
+    # FSDP2-alone save restored into FSDP2 over TP. Every full tensor, parameters and AdamW
+    # moments alike.
     def run(scenario: str, world: int, where: Path, mesh: list[int] | None) -> list[Any]:
         return values(launch(scenario, world, where, args={"mesh": mesh}, timeout=180))
 
@@ -363,6 +364,19 @@ def test_fsdp2_over_tensor_parallel_restores_on_other_meshes_and_back(tmp_path):
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     CheckpointManager(tmp_path / "store").restore({"model": model, "optim": opt})
     assert digests(model, opt) == saved["digests"]
+    # A replicated step (one process, whole tensors) restores into FSDP2 over TP too: each
+    # rank cuts its box of every whole tensor, (_StridedShard(0), Shard(0)) ones included.
+    whole = tmp_path / "whole"
+    model = make_mlp(seed=3)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(2):
+        model(torch.randn(4, 6)).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    with CheckpointManager(whole / "store", distributed=False) as mgr:
+        mgr.save(2, {"model": model, "optim": opt})
+    vals = run("dtensor_scenarios:fsdp_tp_restore", 4, whole, [2, 2])
+    assert all(v["digests"] == digests(model, opt) for v in vals)
     back = tmp_path / "back"
     saved = run("dtensor_scenarios:fsdp_tp_save", 2, back, None)[0]
     vals = run("dtensor_scenarios:fsdp_tp_restore", 4, back, [2, 2])
