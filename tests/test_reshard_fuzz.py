@@ -46,8 +46,9 @@ def test_the_seeds_cover_what_the_docstring_says() -> None:
 
 #: Module trials that between them save and restore under each parallelism (FSDP2, TP,
 #: HSDP, FSDP2 over TP), on 1, 3 and 4 ranks, asynchronously too, with a layer over several
-#: chunk blocks and an odd last layer (replicated under TP).
-MODULE_SEEDS = (17, 3, 7, 67)
+#: chunk blocks and an odd last layer (replicated under TP); and a replicated save (one
+#: process) restored into FSDP2 over TP.
+MODULE_SEEDS = (17, 3, 7, 67, 167)
 
 
 @pytest.mark.parametrize("seed", MODULE_SEEDS)
@@ -59,7 +60,7 @@ def test_a_random_model_restores_under_another_parallelism(tmp_path: Path, seed:
 def test_the_module_seeds_cover_what_they_say() -> None:
     trials = [make_module_trial(seed) for seed in MODULE_SEEDS]
     kinds = {"fsdp", "tp", "hsdp", "fsdp_tp"}
-    assert {t["save"]["kind"] for t in trials} == kinds
+    assert {t["save"]["kind"] for t in trials} == kinds | {"plain"}
     assert {t["restore"]["kind"] for t in trials} == kinds
     assert any(3 in (t["save"]["world"], t["restore"]["world"]) for t in trials)
     assert any(t["save_kw"]["async_save"] for t in trials)

@@ -362,7 +362,7 @@ def make_module_trial(seed: int) -> dict[str, Any]:
         world = rnd.choice([1, 2, 3, 4])
         kinds = ["fsdp", "tp"] + (["hsdp", "fsdp_tp"] if world == 4 else [])
         sides.append({"world": world, "kind": rnd.choice(kinds)})
-    return {
+    trial = {
         "seed": seed,
         "kind": "module",
         "dims": dims,
@@ -371,6 +371,9 @@ def make_module_trial(seed: int) -> dict[str, Any]:
         "restore": sides[1],
         "save_kw": {"async_save": rnd.random() < 0.3},
     }
+    if rnd.random() < 0.2:  # a replicated save: one process, the model as it is (drawn last)
+        trial["save"] = {"world": 1, "kind": "plain"}
+    return trial
 
 
 def build_module(trial: dict[str, Any], seed: int) -> nn.Sequential:
@@ -386,8 +389,8 @@ def build_module(trial: dict[str, Any], seed: int) -> nn.Sequential:
 
 def parallelize(model: nn.Sequential, side: dict[str, Any]) -> None:
     """``side["kind"]`` on ``side["world"]`` ranks: ``fsdp`` (FSDP2 on a 1-D mesh), ``hsdp``
-    (2x2), ``tp`` (column- then row-wise pairs; a last odd layer replicated) or ``fsdp_tp``
-    (FSDP2 over TP on 2x2, torchtitan's 2-D layout)."""
+    (2x2), ``tp`` (column- then row-wise pairs; a last odd layer replicated), ``fsdp_tp``
+    (FSDP2 over TP on 2x2, torchtitan's 2-D layout) or ``plain`` (one process, nothing)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor import Replicate, distribute_tensor
@@ -398,6 +401,8 @@ def parallelize(model: nn.Sequential, side: dict[str, Any]) -> None:
     )
 
     kind, world = side["kind"], side["world"]
+    if kind == "plain":  # not parallelized: whole tensors (a replicated step)
+        return
     linears = [k for k, m in model.named_children() if isinstance(m, nn.Linear)]
     if kind in ("tp", "fsdp_tp"):
         mesh = init_device_mesh(
@@ -489,7 +494,7 @@ def run_module_trial(
     workdir.mkdir(parents=True)
     vals = []
     for scenario, side in (("fuzz_module_save", "save"), ("fuzz_module_restore", "restore")):
-        world = trial[side]["world"] if trial[side]["kind"] in ("fsdp", "tp") else 4
+        world = trial[side]["world"] if trial[side]["kind"] in ("fsdp", "tp", "plain") else 4
         res = launch(
             f"fuzz_scenarios:{scenario}", world, workdir, timeout=timeout, args={"trial": trial}
         )
