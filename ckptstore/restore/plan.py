@@ -90,7 +90,7 @@ def dtensor_leaves(  # noqa: PLR0917 - recursion
             if len(keys) != len(vals) or not all(is_key(k) for k in keys):
                 # As the decoder refuses it, before a key is used to find a target.
                 raise IntegrityError(
-                    f"{where}: state at {path}: dict keys must be str or int, one a value"
+                    f"{where}: state at {path}: dict keys must be str or int, as many as its values"
                 )
             for k, v in zip(keys, vals, strict=True):
                 dtensor_leaves(v, (*path, k), index, out, where, depth + 1)
