@@ -112,3 +112,33 @@ def test_a_whole_tensor_is_not_cut_into_partial_placements_and_nothing_changes(
         mgr.restore({"model": model, "optim": opt})
     assert torch.equal(model.weight.to_local(), before)
     assert opt.param_groups[0]["lr"] == 0.5
+
+
+def test_whole_tensors_in_lists_and_tuples_come_back_laid_out_like_their_targets(
+    mesh: object, tmp_path: Path
+) -> None:
+    # Plain data nests lists and tuples too: each whole tensor whose target is a DTensor of
+    # its shape comes back as one (this rank's part), the rest as saved, tuples as tuples.
+    from torch.distributed.tensor import DTensor, Replicate, Shard
+
+    a, b, c = torch.randn(4, 3), torch.randn(5), torch.arange(6)
+    with CheckpointManager(tmp_path / "s", distributed=False) as mgr:
+        mgr.save(1, {"w": [a, (b, c)], "n": 3})
+
+    def dt(t: torch.Tensor, p: object) -> DTensor:
+        return DTensor.from_local(torch.zeros_like(t), mesh, [p])  # type: ignore[arg-type]
+
+    state = {"w": [dt(a, Shard(0)), (dt(b, Replicate()), torch.zeros(6))], "n": 0}
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.restore(state)
+    w0, (w1, w2) = state["w"]
+    assert isinstance(state["w"][1], tuple)
+    assert isinstance(w0, DTensor)
+    assert w0.placements == (Shard(0),)
+    assert isinstance(w1, DTensor)
+    assert w1.placements == (Replicate(),)
+    assert type(w2) is torch.Tensor
+    assert torch.equal(w0.to_local(), a)
+    assert torch.equal(w1.to_local(), b)
+    assert torch.equal(w2, c)
+    assert state["n"] == 3
