@@ -85,7 +85,7 @@ from torch.futures import Future
 
 from ._log import logger
 from .codec.tree import SUPPORTED_DTYPES
-from .errors import CkptStoreError, ConfigError, IntegrityError
+from .errors import CkptStoreError, ConfigError, IntegrityError, StateMismatchError
 from .ops.stores import committed_step, open_store, reaching
 from .sharded import extents
 from .sharded import targets as targets_mod
@@ -180,7 +180,14 @@ class CkptStoreReader(StorageReader):
         return plans
 
     def read_data(self, plan: LoadPlan, planner: LoadPlanner) -> Future[None]:
-        """Read each item of ``plan``: the overlap of a saved chunk, checked, into its target."""
+        """Read each item of ``plan``: the overlap of a saved chunk, checked, into its target.
+
+        Raises:
+            StateMismatchError: a target ``DTensor`` whose part on this rank is not one box
+                of it (a strided layout other than FSDP2 over TP): DCP's plan reads the box
+                of its first offset into it, which holds other rows; nothing is read.
+        """
+        _check_targets(planner)
         src = self._open()
         try:
             self._read_items(src, plan, planner)
@@ -233,6 +240,21 @@ class CkptStoreReader(StorageReader):
             self._src = None
         self._items = {}
         self._pieces = {}
+
+
+def _check_targets(planner: LoadPlanner) -> None:
+    """Refuse a load into a DTensor whose part is not a box (see ``read_data``)."""
+    from .state.redistribute import is_dtensor, shard_is_box
+
+    state = getattr(planner, "state_dict", None)
+    for fqn, t in state.items() if isinstance(state, Mapping) else ():
+        if is_dtensor(t) and not shard_is_box(t.shape, t.device_mesh, t.placements):
+            placements = ", ".join(str(p) for p in t.placements)
+            raise StateMismatchError(
+                f"{fqn}: a DTensor target laid out as ({placements}) holds on this rank a part "
+                "that is not one box of the tensor (a strided shard); DCP's plan reads the box "
+                "of its first offset into it, which holds other rows, so nothing is read"
+            )
 
 
 def _read_by_extent(

@@ -9,7 +9,9 @@ the same command again. The plan is a list of runs, each a new ``Trainer`` in th
 processes (so the job starts once): ``{"name", "epochs", "ckpt", "dir", "copy", "corrupt",
 "unsafe"}``. Before a run, rank 0 copies each ``[src, dst]`` of ``copy`` and flips a byte
 of tensor data in each file matching a glob of ``corrupt`` (paths relative to OUT), and
-every rank waits for it. The run fits ``epochs`` epochs from ``ckpt`` (a path relative to
+every rank waits for it. ``tp`` (default 1) ranks of the job's form each tensor-parallel
+group (the model's ``hidden`` width, default 5, must then split evenly). The run fits
+``epochs`` epochs from ``ckpt`` (a path relative to
 OUT, ``"last"`` or ``null``), checkpointing into ``OUT/<dir or name>/`` (the two newest
 epochs and ``last.ckpt``), with an object only pickle could store if ``unsafe``. Every
 rank writes ``OUT/<name>.rank<R>.json``: the global step, epoch and digests of the full
@@ -100,15 +102,25 @@ class Opaque:
 
 
 class Model(pl.LightningModule):
-    def __init__(self, unsafe: bool | str = False) -> None:
+    def __init__(self, unsafe: bool | str = False, hidden: int = 5) -> None:
         super().__init__()
         self.unsafe = unsafe
-        # 5 and 3 rows: uneven shards on 2 and on 3 ranks.
-        self.net = nn.Sequential(nn.Linear(4, 5), nn.ReLU(), nn.Linear(5, 3))
+        # 5 and 3 rows: uneven shards on 2 and on 3 ranks (``hidden=6`` for tensor
+        # parallelism, whose column-wise outputs torch splits evenly only).
+        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3))
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
 
+        tp = self.device_mesh["tensor_parallel"]
+        if tp.size() > 1:  # column- then row-wise, then FSDP2 over it: torchtitan's 2-D
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            parallelize_module(self.net, tp, {"0": ColwiseParallel(), "2": RowwiseParallel()})
         mesh = self.device_mesh["data_parallel"]
         for layer in self.net:
             if isinstance(layer, nn.Linear):
@@ -149,10 +161,11 @@ def fit(out: Path, n: int, run: dict[str, Any]) -> None:
     g = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(48, 4, generator=g), torch.randn(48, 3, generator=g))
     probe = Probe(out, run["name"])
+    tp = run.get("tp", 1)
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=n,
-        strategy=ModelParallelStrategy(data_parallel_size=n, tensor_parallel_size=1),
+        strategy=ModelParallelStrategy(data_parallel_size=n // tp, tensor_parallel_size=tp),
         max_epochs=run["epochs"],
         limit_val_batches=0,
         logger=False,
@@ -173,8 +186,9 @@ def fit(out: Path, n: int, run: dict[str, Any]) -> None:
     ckpt = run.get("ckpt")
     try:
         trainer.fit(
-            Model(unsafe=run.get("unsafe", False)),
-            DataLoader(data, batch_size=24 // n),  # 2 steps an epoch on any world size
+            Model(unsafe=run.get("unsafe", False), hidden=run.get("hidden", 5)),
+            # 2 steps an epoch on any data-parallel size (tensor-parallel ranks share a batch)
+            DataLoader(data, batch_size=24 // (n // tp)),
             ckpt_path=None if ckpt is None else ckpt if ckpt == "last" else str(out / ckpt),
         )
     except Exception as e:

@@ -263,3 +263,26 @@ def test_a_failure_before_the_save_reaches_every_rank_with_who_failed(tmp_path: 
             assert (two["error_type"], two["message"]) == ("ValueError", f"boom on {rank}")
         else:  # the first of them is named
             assert two["message"] == named
+
+
+@pytest.mark.timeout(300)
+def test_fsdp2_over_tensor_parallel_resumes_on_data_parallel_alone(tmp_path: Path) -> None:
+    # ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2): the model's
+    # layers column- and row-wise parallel, FSDP2 over them (weights (_StridedShard(0),
+    # Shard(0))). Saved by 4 ranks through CkptStoreIO, resumed by 2 ranks of FSDP2 alone,
+    # bit for bit, and trained on.
+    plan = [{"name": "fit2d", "epochs": 2, "tp": 2, "hidden": 6}]
+    launch(tmp_path, 4, plan, timeout=200)
+    fit = [trained(r) for r in rows(tmp_path, "fit2d", 4)]
+    store = tmp_path / "fit2d" / "epoch=1-step=4.ckpt"
+    with CheckpointManager(store, distributed=False, create=False) as mgr:
+        index = json.loads((store / f"step-{4:012d}" / "dtensors.json").read_text())
+        assert mgr.manifest().world_size == 4
+    placements = {tuple(t["placements"]) for t in index["tensors"].values()}
+    assert ("_S(0, 2)", "S(0)") in placements
+    plan = [{"name": "resume2d", "epochs": 3, "hidden": 6, "ckpt": "fit2d/epoch=1-step=4.ckpt"}]
+    launch(tmp_path, 2, plan, timeout=200)
+    resumed = [trained(r) for r in rows(tmp_path, "resume2d", 2)]
+    assert [r["start_step"] for r in resumed] == [4, 4]
+    assert all(r["start"] == fit[0]["epochs"]["1"] for r in resumed)
+    assert [r["end_step"] for r in resumed] == [6, 6]

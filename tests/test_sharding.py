@@ -358,3 +358,47 @@ def test_every_box_is_written_by_exactly_one_of_its_holders(
     assert len(per_rank) == math.prod(shape), per_rank
     assert max(per_rank.values()) <= 2 * fair + 1, per_rank
     assert sharding.writes_here(_Box(_Mesh(shape, None), placements), "w") is ("R" not in kinds)
+
+
+class _Mesh:
+    """What shard_is_box asks of a device mesh: its shape and this rank's coordinate."""
+
+    def __init__(self, shape: tuple[int, ...], coord: tuple[int, ...] | None) -> None:
+        self.shape, self.coord = shape, coord
+
+    def size(self, dim: int) -> int:
+        return self.shape[dim]
+
+    def get_coordinate(self) -> tuple[int, ...] | None:
+        return self.coord
+
+
+@pytest.mark.parametrize(
+    ("order", "rows", "boxes"),
+    [
+        # FSDP2 over TP: (_StridedShard(0, 2), Shard(0)): every part one block of rows.
+        ("fsdp_tp", 8, [True, True, True, True]),
+        ("fsdp_tp", 7, [True, True, True, True]),  # uneven: still boxes
+        # (Shard(0), _StridedShard(0, 2)): rank (0, 0) holds rows 0 and 2 of 8.
+        ("strided_last", 8, [False, False, False, False]),
+        ("plain", 7, [True, True, True, True]),
+    ],
+)
+def test_shard_is_box_knows_a_strided_part_from_a_box(
+    order: str, rows: int, boxes: list[bool]
+) -> None:
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckptstore.state.redistribute import shard_is_box
+
+    placements = {
+        "fsdp_tp": [_StridedShard(0, split_factor=2), Shard(0)],
+        "strided_last": [Shard(0), _StridedShard(0, split_factor=2)],
+        "plain": [Shard(0), Shard(1)],
+    }[order]
+    got = [
+        shard_is_box((rows, 3), _Mesh((2, 2), (i, j)), placements) for i in (0, 1) for j in (0, 1)
+    ]
+    assert got == boxes
+    assert shard_is_box((rows, 3), _Mesh((2, 2), None), placements)  # outside: holds nothing

@@ -310,9 +310,12 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
     # The box of the tensor each leaf is read into (integers only, a cache per shape,
     # mesh and placements): what the index is resolved for, and what read_into reads.
     geometry: dict[Any, targets_mod.Box] = {}
-    boxes = {
-        n: targets_mod.template_box(templates[n], e.shape, geometry) for n, (_, e) in leaves.items()
-    }
+    boxes: dict[str, targets_mod.Box] = {}
+    for n, (_, e) in leaves.items():
+        try:
+            boxes[n] = targets_mod.template_box(templates[n], e.shape, geometry)
+        except StateMismatchError as err:  # before a byte is read: name the tensor
+            raise StateMismatchError(f"{where}: {n}: {err}") from None
     if layout is not None:
         # Only the parts of the ranks that wrote what overlaps this rank's targets. Read
         # and checked before any tensor is made: the layout alone names the shapes, and

@@ -28,6 +28,7 @@ from ..errors import BarrierTimeout, UnsafeCheckpointError
 from ..session import Session
 from ..sharded import plan as sharding
 from ..sharded import split_index
+from ..state.redistribute import shard_is_box
 from ..storage import Pending
 from .begin import open_here, open_verdict, opened, post_dirname
 from .encode import Encoded, encode, stage_group
@@ -113,6 +114,7 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
         if cache.checks is not None and cache.checks[0] == key:
             _, split, digest = cache.checks  # every save of one layout: ~3 ms a rank less
         else:
+            _check_boxes(collector.flat)
             split = split_index.splittable(collector.flat, coord.world_size)
             digest = sharding.state_digest(collector.flat)
             cache.checks = (key, split, digest)
@@ -145,6 +147,28 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
         log.error("rank %d could not plan its shard of step %d: %s", rank, step, e)
         return pending, ("error", e)
     return pending, ("ok", job)
+
+
+def _check_boxes(flat: Mapping[str, Any]) -> None:
+    """Refuse a DTensor whose part on this rank is not one box of it (a strided shard).
+
+    A checkpoint stores each part as a box (its offsets and sizes); such a part would be
+    written as the box of its first offset, with other rows in it (the commit then finds
+    boxes that overlap, and says only that the shards do not cover the tensor).
+
+    Raises:
+        UnsafeCheckpointError: naming the tensor and its placements.
+    """
+    for name, t in flat.items():
+        if sharding.is_dtensor(t) and not shard_is_box(t.shape, t.device_mesh, t.placements):
+            placements = ", ".join(str(p) for p in t.placements)
+            msg = (
+                f"DTensor {name!r} is laid out as ({placements}): this rank's part of it is not "
+                "one box of the tensor (a strided shard), and a checkpoint stores parts as "
+                "boxes; lay it out as FSDP2 over tensor parallelism does, or with "
+                "Shard/Replicate placements"
+            )
+            raise UnsafeCheckpointError(msg)
 
 
 def _plan_verdict(every: list[tuple[str, tuple[str, Any], bool, Any]]) -> dict[str, Any]:

@@ -22,8 +22,9 @@ from torch import nn
 from .._log import logger as log
 from .._prefault import Prefaulter
 from ..codec.dtypes import ITEMSIZE
-from ..errors import IntegrityError
+from ..errors import IntegrityError, StateMismatchError
 from ..state.modules import EMA, de_parallel, module_state
+from ..state.redistribute import shard_is_box
 from . import extents
 from .chunks import (
     Chunk,
@@ -295,6 +296,15 @@ def template_box(template: Any, shape: tuple[int, ...], cache: dict[Any, Box] | 
         if dt.device_mesh.get_coordinate() is None:  # not in its mesh: holds nothing
             zero = tuple(0 for _ in shape)
             box: Box = (zero, zero)
+        elif not shard_is_box(shape, dt.device_mesh, dt.placements):
+            # Read as the box of its first offset, the part would be filled with other rows.
+            placements = ", ".join(str(p) for p in dt.placements)
+            raise StateMismatchError(
+                f"a DTensor target laid out as ({placements}) holds on this rank a part that "
+                "is not one box of the tensor (a strided shard); checkpoints store and read "
+                "parts as boxes, so it cannot be restored into: lay it out as FSDP2 over tensor "
+                "parallelism does, or with Shard/Replicate placements"
+            )
         else:
             sizes, offsets = compute_local_shape_and_global_offset(
                 shape, dt.device_mesh, dt.placements

@@ -25,6 +25,7 @@ __all__ = [
     "laid_out_like",
     "local_part",
     "optimizer_state",
+    "shard_is_box",
 ]
 
 
@@ -66,21 +67,73 @@ def is_dtensor(v: object) -> bool:
     return cls is not None and isinstance(v, cls)
 
 
+def shard_is_box(shape: Any, mesh: Any, placements: Any) -> bool:
+    """Whether this rank's part of a ``shape`` tensor laid out so is one box of it.
+
+    A box is a range of every dim: what checkpoints store and read as a part. Always so for
+    ``Shard`` and ``Replicate``, and for FSDP2 over tensor parallelism (``(_StridedShard(d),
+    Shard(d))``). Not for every ``_StridedShard``: with ``(Shard(0), _StridedShard(0,
+    split_factor=2))`` a rank holds rows 0 and 2 of 8, and
+    ``compute_local_shape_and_global_offset``, which gives a part's first offset and its
+    sizes, describes the box of rows 0 and 1. Such a part is refused, never read or written
+    as that box. Walks the rows each placement gives this rank, as DTensor does (placement
+    by placement, left to right); a rank outside the mesh holds nothing (a box).
+    """
+    strided = _strided_type()
+    if strided is None or not any(type(p) is strided for p in placements):
+        return True
+    coord = mesh.get_coordinate()
+    if coord is None:
+        return True
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
+
+    held: dict[int, list[int]] = {}
+    sizes = [int(n) for n in shape]
+    for mdim, place in enumerate(placements):
+        p: Any = place  # a DTensor placement: Shard, _StridedShard, Replicate, Partial
+        if type(place) is strided:
+            n, offs = p.local_shard_size_and_offset(
+                sizes[p.dim], mesh.size(mdim), coord[mdim], _StridedShardOffsetMode.ALL
+            )
+            index = [int(i) for i in offs] if isinstance(offs, list) else []
+        elif isinstance(p, Shard):
+            n, first = Shard.local_shard_size_and_offset(sizes[p.dim], mesh.size(mdim), coord[mdim])
+            index = list(range(int(first), int(first) + int(n)))
+        else:
+            continue
+        before = held.get(p.dim)
+        held[p.dim] = [before[i] for i in index] if before is not None else index
+        sizes[p.dim] = int(n)
+    return all(rows == list(range(rows[0], rows[0] + len(rows))) for rows in held.values() if rows)
+
+
+def _strided_type() -> type | None:
+    """DTensor's ``_StridedShard`` class, where this torch has it."""
+    from torch.distributed.tensor import placement_types
+
+    strided = getattr(placement_types, "_StridedShard", None)
+    return strided if isinstance(strided, type) else None
+
+
 def cuttable(like: Any) -> bool:
     """Whether a whole tensor can be laid out as the ``DTensor`` ``like`` by cutting it.
 
     ``Shard`` and ``Replicate`` placements, and the ``_StridedShard`` of FSDP2 over tensor
     parallelism (torchtitan's 2-D layout: each rank's part is still one box of the whole,
     the box ``compute_local_shape_and_global_offset`` gives, as for a sharded restore);
-    not ``Partial`` (a rank's part is a summand, not a piece).
+    not a strided layout whose part is not a box (:func:`shard_is_box`), nor ``Partial``
+    (a rank's part is a summand, not a piece).
     """
-    from torch.distributed.tensor import Replicate, Shard, placement_types
+    from torch.distributed.tensor import Replicate, Shard
 
     kinds: tuple[type, ...] = (Shard, Replicate)
-    strided = getattr(placement_types, "_StridedShard", None)
-    if isinstance(strided, type):
+    strided = _strided_type()
+    if strided is not None:
         kinds = (*kinds, strided)
-    return all(type(p) in kinds for p in like.placements)
+    return all(type(p) in kinds for p in like.placements) and shard_is_box(
+        like.shape, like.device_mesh, like.placements
+    )
 
 
 def local_part(full: torch.Tensor, like: Any) -> Any:

@@ -384,6 +384,22 @@ def test_fsdp2_over_tensor_parallel_restores_on_other_meshes_and_back(tmp_path):
     assert vals[0]["layout"]["up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
+def test_a_strided_shard_that_is_no_box_is_refused_both_ways(tmp_path):
+    # (Shard(0), _StridedShard(0, 2)) gives each rank rows i and i + 2 of its block. Stored
+    # or read as the box of its first row (what compute_local_shape_and_global_offset
+    # describes), it filled the part with other rows: a restore into it returned wrong
+    # values with no error. Both ways are refused now, by name, and nothing changes.
+    for v in values(launch("dtensor_scenarios:strided_shards", 4, tmp_path, timeout=180)):
+        assert v["save"].startswith("UnsafeCheckpointError"), v["save"]
+        assert "'w' is laid out as (S(0), _S(0, 2))" in v["save"]
+        assert v["steps"] == []
+        assert v["restore"].startswith("StateMismatchError"), v["restore"]
+        assert "w: a DTensor target laid out as (S(0), _S(0, 2))" in v["restore"]
+        assert v["untouched"]
+        assert "a DTensor target laid out as (S(0), _S(0, 2))" in v["dcp"], v["dcp"]
+        assert v["dcp_untouched"]
+
+
 def test_tensor_parallel_on_a_sub_mesh_is_written_once_with_the_split_index(tmp_path):
     # TP on the "tp" sub-mesh of a ("dp", "tp") mesh: the 2 dp sub-meshes hold the same
     # tensors. The split index records them on the root mesh, Replicate over "dp", so each
