@@ -178,24 +178,37 @@ def edit_entry(step_path: Path, name: str, edit: Any) -> None:
     if name in doc["files"] or "rank_table" not in doc:
         mpath.write_bytes(forge_manifest(mpath.read_bytes(), lambda d: edit(d["files"][name])))
         return
-    tpath = step_path / "_ranks.jsonl"
-    lines = []
-    for raw in tpath.read_bytes().splitlines():
-        line = json.loads(raw)
+    lines = [json.loads(raw) for raw in (step_path / "_ranks.jsonl").read_bytes().splitlines()]
+    for line in lines:
         if name in line["files"]:
             edit(line["files"][name])
-        body = {"files": line["files"], "rank": line["rank"]}
-        canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-        line = dict(body, crc32c=format_crc(crc32c_of(canon)))
-        lines.append(json.dumps(line, sort_keys=True, separators=(",", ":")).encode())
-    width = max(len(x) for x in lines) + 1
-    data = b"".join(x.ljust(width - 1) + b"\n" for x in lines)
-    tpath.write_bytes(data)
+    write_rank_table(step_path, lines)
+
+
+def write_rank_table(step_path: Path, lines: list[Any]) -> None:
+    """Write ``_ranks.jsonl`` of a committed step from ``lines``, each line that is a dict
+    with a ``crc32c`` re-signed over its other fields where they still serialize, and forge
+    the manifest's entry and ``rank_table`` width to match, as an attacker would."""
+    out = []
+    for line in lines:
+        if isinstance(line, dict) and "crc32c" in line:
+            body = {k: x for k, x in line.items() if k != "crc32c"}
+            try:
+                canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
+                line = dict(body, crc32c=format_crc(crc32c_of(canon)))
+            except (TypeError, ValueError):
+                pass
+        out.append(json.dumps(line, sort_keys=True, separators=(",", ":")).encode())
+    width = max(len(x) for x in out) + 1
+    data = b"".join(x.ljust(width - 1) + b"\n" for x in out)
+    (step_path / "_ranks.jsonl").write_bytes(data)
 
     def fix(d: dict[str, Any]) -> None:
         d["files"]["_ranks.jsonl"].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
-        d["rank_table"]["width"] = width
+        if isinstance(d.get("rank_table"), dict):
+            d["rank_table"]["width"] = width
 
+    mpath = step_path / MANIFEST
     mpath.write_bytes(forge_manifest(mpath.read_bytes(), fix))
 
 

@@ -41,7 +41,7 @@ import torch
 
 from ckptstore import CheckpointManager, CkptStoreError, StateMismatchError
 from ckptstore.integrity import crc32c_of, format_crc
-from tests.multirank.fuzz_scenarios import full_tensor, trial_of
+from tests.multirank.fuzz_scenarios import _same, full_tensor, trial_of
 
 #: What one operation on a mutated step may take, in seconds, before it counts as a hang.
 SECONDS = 30
@@ -133,9 +133,7 @@ def _same_tensors(got: Any, want: dict[str, Any]) -> str | None:
             continue
         if not isinstance(g, torch.Tensor) or g.dtype != w.dtype or g.shape != w.shape:
             return f"{k}: {type(g).__name__} {getattr(g, 'dtype', '')} {getattr(g, 'shape', '')}"
-        if w.numel() and not torch.equal(
-            g.reshape(-1).view(torch.uint8), w.reshape(-1).view(torch.uint8)
-        ):
+        if not _same(g, w):
             return f"{k}: other bytes"
     return None
 
@@ -219,34 +217,9 @@ def _forge_manifest(step: Path, edit: Callable[[dict[str, Any]], None]) -> None:
     mpath.write_bytes(forge_manifest(mpath.read_bytes(), edit))
 
 
-def _resign_ranks(step: Path, lines: list[Any]) -> None:
-    """Write ``_ranks.jsonl`` from ``lines`` (each re-signed where it still can be) and
-    forge the manifest's entry for it."""
-    out = []
-    for line in lines:
-        if isinstance(line, dict) and "crc32c" in line:
-            body = {k: x for k, x in line.items() if k != "crc32c"}
-            try:
-                canon = json.dumps(body, sort_keys=True, separators=(",", ":")).encode()
-                line = dict(body, crc32c=format_crc(crc32c_of(canon)))
-            except (TypeError, ValueError):
-                pass
-        out.append(json.dumps(line, sort_keys=True, separators=(",", ":")).encode())
-    width = max(len(x) for x in out) + 1
-    data = b"".join(x.ljust(width - 1) + b"\n" for x in out)
-    (step / "_ranks.jsonl").write_bytes(data)
-
-    def fix(d: dict[str, Any]) -> None:
-        d["files"]["_ranks.jsonl"].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
-        if isinstance(d.get("rank_table"), dict):
-            d["rank_table"]["width"] = width
-
-    _forge_manifest(step, fix)
-
-
 def mutate_step(step: Path, rnd: random.Random) -> str:
     """Change one value of one JSON file of ``step`` and forge what checks it; what was done."""
-    from tests._helpers import edit_entry
+    from tests._helpers import edit_entry, write_rank_table
 
     names = sorted(
         p.name for p in step.iterdir() if p.suffix in (".json", ".jsonl", ".safetensors")
@@ -281,7 +254,7 @@ def mutate_step(step: Path, rnd: random.Random) -> str:
     if name == "_ranks.jsonl":
         lines = [json.loads(x) for x in path.read_bytes().splitlines() if x.strip()]
         new, what = mutate(lines, rnd)
-        _resign_ranks(step, new if isinstance(new, list) and new else [new])
+        write_rank_table(step, new if isinstance(new, list) and new else [new])
         return f"{name} {what}"
     doc = json.loads(path.read_bytes())
     new, what = mutate(doc, rnd)
