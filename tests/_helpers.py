@@ -185,6 +185,30 @@ def edit_entry(step_path: Path, name: str, edit: Any) -> None:
     write_rank_table(step_path, lines)
 
 
+def two_dtensor_steps(
+    mesh: object, root: Path, seed: int, shape: tuple[int, int] = (64, 300)
+) -> tuple[dict[int, torch.Tensor], Callable[[int], dict[str, Any]]]:
+    """Steps 1 and 2 of ``model/w``, a one-rank ``Shard(0)`` DTensor of ``shape``, saved in
+    ``root``: their values, and the state of a step (step 0: zeros, a target to restore
+    into), ``{"model": {"w": w}, "step": step}``."""
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ckptstore import CheckpointManager
+
+    gen = torch.Generator().manual_seed(seed)
+    values = {s: torch.randn(*shape, generator=gen) for s in (1, 2)}
+
+    def state(step: int) -> dict[str, Any]:
+        local = values[step].clone() if step else torch.zeros(*shape)
+        w = DTensor.from_local(local, mesh, [Shard(0)])  # type: ignore[arg-type]
+        return {"model": {"w": w}, "step": step}
+
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))
+    return values, state
+
+
 def write_rank_table(step_path: Path, lines: list[Any]) -> None:
     """Write ``_ranks.jsonl`` of a committed step from ``lines``, each line that is a dict
     with a ``crc32c`` re-signed over its other fields where they still serialize, and forge

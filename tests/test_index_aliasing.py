@@ -12,13 +12,12 @@ hostile too (a mesh of 64 coordinates whose stride 0 makes rank 0 the writer of 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _helpers import MANIFEST, index_chunks, replace_payload, step_dir
+from _helpers import MANIFEST, index_chunks, replace_payload, step_dir, two_dtensor_steps
 
 from ckptstore import CheckpointManager, IntegrityError
 from ckptstore.integrity import crc32c_of, format_crc
@@ -71,27 +70,6 @@ def _alias_rows(step: Path) -> int:
     return int(json.loads((step / MANIFEST).read_text())["format_version"])
 
 
-def _two_steps(
-    mesh: object, root: Path, seed: int
-) -> tuple[dict[int, torch.Tensor], Callable[[int], dict[str, Any]]]:
-    """Steps 1 and 2 of ``NAME``, a one-rank ``Shard(0)`` DTensor, saved in ``root``: their
-    values, and the state of a step (step 0: zeros, a target to restore into)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    gen = torch.Generator().manual_seed(seed)
-    values = {s: torch.randn(ROWS, COLS, generator=gen) for s in (1, 2)}
-
-    def state(step: int) -> dict[str, Any]:
-        local = values[step].clone() if step else torch.zeros(ROWS, COLS)
-        w = DTensor.from_local(local, mesh, [Shard(0)])  # type: ignore[arg-type]
-        return {"model": {"w": w}, "step": step}
-
-    with CheckpointManager(root) as mgr:
-        mgr.save(1, state(1))
-        mgr.save(2, state(2))
-    return values, state
-
-
 @pytest.mark.parametrize("fmt", [2, 4])
 def test_an_index_whose_chunks_share_bytes_is_refused_and_the_good_step_restores(
     mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
@@ -99,7 +77,7 @@ def test_an_index_whose_chunks_share_bytes_is_refused_and_the_good_step_restores
     if fmt == 2:  # what a save on sub-meshes writes: every chunk listed in dtensors.json
         monkeypatch.setattr(split_index, "splittable", lambda *_: False)
     root = tmp_path / "store"
-    values, state = _two_steps(mesh, root, 7)
+    values, state = two_dtensor_steps(mesh, root, 7)
     step2 = root / step_dir(2)
     assert json.loads((step2 / MANIFEST).read_text())["format_version"] == fmt
     assert _alias_rows(step2) == fmt
@@ -192,7 +170,7 @@ def test_a_placement_the_index_cannot_spell_is_refused_and_the_good_step_restore
     ``IntegrityError``), the manifest forged to match: the step is refused by name and the
     step before it restores."""
     root = tmp_path / "store"
-    values, state = _two_steps(mesh, root, 9)
+    values, state = two_dtensor_steps(mesh, root, 9)
     step2 = root / step_dir(2)
     index = json.loads((step2 / "dtensors.json").read_text())
     assert index["tensors"][NAME]["placements"] == ["S(0)"]  # the split index's layout

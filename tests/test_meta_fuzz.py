@@ -12,7 +12,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import MANIFEST, forge_manifest, replace_payload, step_dir
+from _helpers import MANIFEST, forge_manifest, replace_payload, step_dir, two_dtensor_steps
 
 from ckptstore import CheckpointManager, CkptStoreError
 from tests.metafuzz import check_mutation, make_base, make_plain_base, mutate
@@ -54,26 +54,8 @@ def _key_is_a_list(state_json: bytes, where: str) -> bytes:
     tree = json.loads(state_json)
     node = tree["root"] if where == "root" else tree["root"]["vals"][0]  # or "model"'s dict
     assert node["t"] == "dict"
-    node["keys"] = [list(node["keys"])]  # [["model"]] or [["w"]]: keys no encoder writes
+    node["keys"][0] = [node["keys"][0]]  # ["model"] or ["w"]: a key no encoder writes
     return json.dumps(tree).encode()
-
-
-def _two_steps(mesh: object, root: Path) -> tuple[dict[int, torch.Tensor], Any]:
-    """Steps 1 and 2 of a one-rank ``Shard(0)`` DTensor in ``root``: their values, and the
-    state of a step (step 0: zeros, a target to restore into)."""
-    from torch.distributed.tensor import DTensor, Shard
-
-    gen = torch.Generator().manual_seed(5)
-    values = {s: torch.randn(8, 3, generator=gen) for s in (1, 2)}
-
-    def state(step: int) -> dict[str, Any]:
-        local = values[step].clone() if step else torch.zeros(8, 3)
-        return {"model": {"w": DTensor.from_local(local, mesh, [Shard(0)])}}  # type: ignore[arg-type]
-
-    with CheckpointManager(root) as mgr:
-        mgr.save(1, state(1))
-        mgr.save(2, state(2))
-    return values, state
 
 
 def _falls_back(root: Path, values: dict[int, torch.Tensor], state: Any, error: str) -> None:
@@ -96,7 +78,7 @@ def test_a_dict_key_that_is_a_list_is_refused_and_the_good_step_restores(
     # restore's target lookup before the decoder could refuse it, and restore() raised
     # TypeError ("unhashable type: 'list'") instead of falling back.
     root = tmp_path / "s"
-    values, state = _two_steps(mesh, root)
+    values, state = two_dtensor_steps(mesh, root, 5, (8, 3))
     step = root / step_dir(2)
     forged = _key_is_a_list((step / "state.json").read_bytes(), where)
     replace_payload(step, "state.json", forged)
@@ -109,7 +91,7 @@ def test_a_dtensor_step_whose_manifest_lists_no_index_is_refused(
     # The second: a forged manifest of a DTensor step without its dtensors.json entry made
     # load() and restore() raise KeyError('dtensors.json').
     root = tmp_path / "s"
-    values, state = _two_steps(mesh, root)
+    values, state = two_dtensor_steps(mesh, root, 5, (8, 3))
     mpath = root / step_dir(2) / MANIFEST
     mpath.write_bytes(forge_manifest(mpath.read_bytes(), lambda d: d["files"].pop("dtensors.json")))
     _falls_back(root, values, state, "lists no dtensors.json")
