@@ -673,9 +673,10 @@ def fsdp_tp_restore(ctx: Ctx) -> dict[str, Any]:
 
 def strided_shards(ctx: Ctx) -> dict[str, Any]:
     """A 2x2 mesh, a DTensor laid out as (Shard(0), _StridedShard(0, split_factor=2)): each
-    rank holds rows i and i + 2 of a block, not one box. Its save is refused; so is a
-    restore of a plain step into it, and DCP's load of it through ``CkptStoreReader``, with
-    the target unchanged. Returns the errors."""
+    rank holds rows i and i + 2 of a block, not one box. After a good step 1, its save as
+    step 2 is refused; so are a restore into it and DCP's load of it through
+    ``CkptStoreReader``, with the target unchanged; step 1 then restores whole. Returns the
+    errors and what was restored."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
     from torch.distributed.tensor.placement_types import _StridedShard
@@ -683,20 +684,24 @@ def strided_shards(ctx: Ctx) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (2, 2))
     full = torch.arange(24, dtype=torch.float32).reshape(8, 3)
     strided = [Shard(0), _StridedShard(0, split_factor=2)]
+    boxes = [Shard(0), Replicate()]
     out: dict[str, Any] = {}
     with _mgr(ctx) as mgr:
+        mgr.save(1, {"w": distribute_tensor(full, mesh, boxes)})
         try:
-            mgr.save(1, {"w": distribute_tensor(full, mesh, strided)})
+            mgr.save(2, {"w": distribute_tensor(full + 1, mesh, strided)})
         except Exception as e:
             out["save"] = f"{type(e).__name__}: {e}"
         out["steps"] = mgr.steps()
-        mgr.save(2, {"w": distribute_tensor(full, mesh, [Shard(0), Replicate()])})
         target = {"w": distribute_tensor(torch.zeros(8, 3), mesh, strided)}
         try:
             mgr.restore(target)
         except Exception as e:
             out["restore"] = f"{type(e).__name__}: {e}"
         out["untouched"] = bool((target["w"].to_local() == 0).all())
+        good = {"w": distribute_tensor(torch.zeros(8, 3), mesh, boxes)}
+        out["restored_step"] = mgr.restore(good)
+        out["restored_whole"] = bool(torch.equal(good["w"].full_tensor(), full))
     # DCP's own load through CkptStoreReader: DCP plans the same wrong box; refused too.
     import torch.distributed.checkpoint as dcp
 
@@ -704,7 +709,7 @@ def strided_shards(ctx: Ctx) -> dict[str, Any]:
 
     target = {"w": distribute_tensor(torch.zeros(8, 3), mesh, strided)}
     try:
-        dcp.load(target, storage_reader=CkptStoreReader(ctx.root, step=2))
+        dcp.load(target, storage_reader=CkptStoreReader(ctx.root, step=1))
     except BaseException as e:  # DCP's CheckpointException is not an Exception
         out["dcp"] = f"{type(e).__name__}: {e}"
     out["dcp_untouched"] = bool((target["w"].to_local() == 0).all())

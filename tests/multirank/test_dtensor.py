@@ -392,10 +392,12 @@ def test_a_strided_shard_that_is_no_box_is_refused_both_ways(tmp_path):
     for v in values(launch("dtensor_scenarios:strided_shards", 4, tmp_path, timeout=180)):
         assert v["save"].startswith("UnsafeCheckpointError"), v["save"]
         assert "'w' is laid out as (S(0), _S(0, 2))" in v["save"]
-        assert v["steps"] == []
+        assert v["steps"] == [1]
         assert v["restore"].startswith("StateMismatchError"), v["restore"]
         assert "w: a DTensor target laid out as (S(0), _S(0, 2))" in v["restore"]
         assert v["untouched"]
+        assert v["restored_step"] == 1  # the good step before it, whole
+        assert v["restored_whole"]
         assert "a DTensor target laid out as (S(0), _S(0, 2))" in v["dcp"], v["dcp"]
         assert v["dcp_untouched"]
 
