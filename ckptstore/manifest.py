@@ -26,6 +26,7 @@ __all__ = [
     "RANKS_FORMAT_VERSION",
     "RANK_TABLE_NAME",
     "SPLIT_FORMAT_VERSION",
+    "STRIDED_FORMAT_VERSION",
     "FileEntry",
     "Manifest",
     "RankTable",
@@ -48,8 +49,12 @@ SPLIT_FORMAT_VERSION = 3
 #: manifest, so a restoring rank reads the lines of the ranks it reads from, not a row per
 #: rank of the job (``ckptstore.ranktable``). A format-3 reader would see no rank's files.
 RANKS_FORMAT_VERSION = 4
+#: The format version of format-4 checkpoints whose split index spells FSDP2 over tensor
+#: parallelism's ``_StridedShard`` placements (``_S(dim, sf)``), whose boxes a format-4
+#: reader cannot compute: it must refuse them by version, not as a hostile index.
+STRIDED_FORMAT_VERSION = 5
 #: The newest format this ckptstore reads.
-READ_FORMAT_VERSION = 4
+READ_FORMAT_VERSION = 5
 #: The rank table of a format-4 checkpoint, a file of no rank listed in its manifest.
 RANK_TABLE_NAME = "_ranks.jsonl"
 #: Bounds a manifest puts on its rank table: lines (ranks) and bytes a line (a rank's line

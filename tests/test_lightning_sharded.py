@@ -278,6 +278,7 @@ def test_fsdp2_over_tensor_parallel_resumes_on_data_parallel_alone(tmp_path: Pat
     with CheckpointManager(store, distributed=False, create=False) as mgr:
         index = json.loads((store / f"step-{4:012d}" / "dtensors.json").read_text())
         assert mgr.manifest().world_size == 4
+        assert mgr.manifest().format_version == 5  # the split index spells _StridedShard
     placements = {tuple(t["placements"]) for t in index["tensors"].values()}
     assert ("_S(0, 2)", "S(0)") in placements
     plan = [{"name": "resume2d", "epochs": 3, "hidden": 6, "ckpt": "fit2d/epoch=1-step=4.ckpt"}]

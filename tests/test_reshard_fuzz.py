@@ -1,9 +1,9 @@
 """Randomized resharding, a few fixed trials: random DTensor shapes (empty and uneven
 shards, 0-d tensors, tensors over a chunk block), dtypes (15) and placements on 1-D and 2-D
-meshes, some tensors plain on either side, through ``mgr.save``/``restore`` or DCP's API over
-ckptstore; saved on 1-4 ranks and restored on 1-4, then in
-one process, each byte compared with what was saved (``tests/multirank/fuzz_scenarios.py``;
-``tools/reshard_fuzz.py`` runs campaigns of them).
+meshes (FSDP2 over TP's ``_StridedShard`` too), some tensors plain on either side, through
+``mgr.save``/``restore`` or DCP's API over ckptstore; saved on 1-4 ranks and restored on
+1-4, then in one process, each byte compared with what was saved
+(``tests/multirank/fuzz_scenarios.py``; ``tools/reshard_fuzz.py`` runs campaigns of them).
 """
 
 from __future__ import annotations
@@ -16,14 +16,19 @@ from tests.multirank.fuzz_scenarios import make_module_trial, run_module_trial, 
 
 #: Seeds whose trials between them save and restore on every world size from 1 to 4, on
 #: 2x2 meshes both ways, with plain tensors saved into DTensors and the reverse, float8
-#: and unsigned integers wider than a byte, and DCP's API over ckptstore on both sides.
-SEEDS = (38, 1, 5, 14, 9, 2, 11, 21)
+#: and unsigned integers wider than a byte, DCP's API over ckptstore on both sides, and
+#: ``(_StridedShard, Shard)`` saved and restored into, its rows divisible or not.
+SEEDS = (38, 1, 5, 14, 9, 2, 11, 21, 64)
+#: The format each of these saves: strided placements whose split factor divides the rows
+#: go in the split index (5); others keep format 2's full chunk list.
+FORMATS = {64: 5, 9: 2, 2: 4}
 
 
 @pytest.mark.parametrize("seed", SEEDS)
 def test_a_random_trial_restores_every_byte(tmp_path: Path, seed: int) -> None:
     problems, trial = run_trial(seed, tmp_path / "trial")
     assert problems == [], (problems, trial)
+    assert trial["format"] == FORMATS.get(seed, trial["format"])
 
 
 def test_the_seeds_cover_what_the_docstring_says() -> None:
@@ -42,6 +47,8 @@ def test_the_seeds_cover_what_the_docstring_says() -> None:
     assert any(x["dtype"] in ("uint16", "uint32", "uint64") for x in tensors)
     assert any(t["save_api"] == "dcp" for t in trials)
     assert any(t["restore_api"] == "dcp" for t in trials)
+    for side in ("save", "restore"):
+        assert any(x[side][0].startswith("X") and not x[f"{side}_plain"] for x in tensors)
 
 
 #: Module trials that between them save and restore under each parallelism (FSDP2, TP,

@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from ckptstore.errors import IntegrityError
 from ckptstore.integrity import format_crc
@@ -26,7 +27,11 @@ from ckptstore.sharded.chunks import BLOCK, TensorEntry
 
 
 def _names(objs: list[Any]) -> tuple[str, ...]:
-    return tuple(f"S({p.dim})" if p.is_shard() else "R" for p in objs)
+    """The index's spelling of DTensor placements (as ``sharding.placement_names``)."""
+    return tuple(
+        str(p) if isinstance(p, _StridedShard) else f"S({p.dim})" if p.is_shard() else "R"
+        for p in objs
+    )
 
 
 def _layout(shape: tuple[int, ...], mesh: tuple[int, ...], objs: list[Any]) -> si.Layout:
@@ -67,6 +72,73 @@ def test_the_box_search_finds_what_dtensor_lays_out() -> None:
         assert got == _brute(shape, mesh, objs, lo, hi), (shape, mesh, _names(objs), lo, hi)
 
 
+def _strided(rnd: random.Random) -> tuple[tuple[int, ...], tuple[int, ...], list[Any]]:
+    """A random layout with FSDP2 over TP's ``(_StridedShard(d, sf), Shard(d))`` on two
+    mesh dims and ``Replicate``/``Shard`` on the others, as HSDP over TP lays out."""
+    nd = rnd.randint(1, 3)
+    shape = tuple(rnd.randint(0, 24) for _ in range(nd))
+    mesh = tuple(rnd.randint(1, 4) for _ in range(rnd.randint(2, 3)))
+    first, then = sorted(rnd.sample(range(len(mesh)), 2))
+    objs: list[Any] = [
+        Replicate() if rnd.random() < 0.4 else Shard(rnd.randrange(nd)) for _ in mesh
+    ]
+    d = rnd.randrange(nd)
+    objs[first], objs[then] = _StridedShard(d, split_factor=mesh[then]), Shard(d)
+    for m, p in enumerate(objs):  # a third mesh dim on the same tensor dim is another layout
+        if m not in {first, then} and p.is_shard() and p.dim == d:
+            objs[m] = Replicate()
+    return shape, mesh, objs
+
+
+def test_strided_boxes_are_the_ones_dtensor_lays_out() -> None:
+    """FSDP2 over TP: where the split factor divides the dim, every box and every box
+    search agrees with DTensor's own arithmetic; where it does not, the layout is refused
+    (DTensor's rows are then not nested chunks, and such a save keeps format 2)."""
+    rnd = random.Random(7)
+    checked = refused = 0
+    for _ in range(1500):
+        shape, mesh, objs = _strided(rnd)
+        names = _names(objs)
+        mine = si._placement_objects(names)
+        assert mine is not None, names
+        problem = si.strided_problem(shape, mesh, mine)
+        if problem is not None:
+            assert "does not divide" in problem, problem
+            refused += 1
+            continue
+        checked += 1
+        for coord in itertools.product(*(range(n) for n in mesh)):
+            sizes, offs = _compute_local_shape_and_global_offset(shape, mesh, list(coord), objs)
+            got = si._box(shape, mesh, coord, mine)
+            if 0 in sizes and shape:
+                assert 0 in got[1], (shape, mesh, names, coord)
+            else:
+                assert got == (tuple(offs), tuple(sizes)), (shape, mesh, names, coord)
+        lo = [rnd.randint(0, max(0, d - 1)) for d in shape]
+        hi = [rnd.randint(a + 1, max(a + 1, d)) for a, d in zip(lo, shape, strict=True)]
+        got_boxes = {(o, s) for o, s, _ in _layout(shape, mesh, objs).boxes("t", lo, hi)}
+        assert got_boxes == _brute(shape, mesh, objs, lo, hi), (shape, mesh, names, lo, hi)
+    assert checked > 600, (checked, refused)
+    assert refused > 100, (checked, refused)
+
+
+def test_strided_layouts_the_index_cannot_compute_are_named() -> None:
+    p = si._placement_objects
+    assert si.strided_problem((8, 4), (2, 2), p(["_S(0, 2)", "S(0)"])) is None
+    assert si.strided_problem((8, 4), (3, 2, 2), p(["R", "_S(0, 2)", "S(0)"])) is None
+    assert "does not divide" in str(si.strided_problem((7, 4), (3, 2), p(["_S(0, 2)", "S(0)"])))
+    assert "not the 3 ranks" in str(si.strided_problem((6, 4), (2, 3), p(["_S(0, 2)", "S(0)"])))
+    assert "not as _S(d, sf) then S(d)" in str(
+        si.strided_problem((8, 4), (2, 2), p(["S(0)", "_S(0, 2)"]))
+    )
+    assert "not as _S(d, sf) then S(d)" in str(
+        si.strided_problem((8, 4), (2, 2, 2), p(["_S(0, 2)", "S(0)", "S(0)"]))
+    )
+    assert "not as _S(d, sf) then S(d)" in str(si.strided_problem((8,), (2,), p(["_S(0, 2)"])))
+    for bad in ("_S(0,2)", "_S(0, 0)", "_S(-1, 2)", "_S(0, 2, 1)", "_S(\u00b2, 2)"):
+        assert p([bad, "S(0)"]) is None, bad
+
+
 class _Mesh:
     def __init__(self, shape: tuple[int, ...], coordinate: list[int]) -> None:
         self.shape = shape
@@ -82,25 +154,35 @@ class _Held:
         self.placements = placements
 
 
-@pytest.mark.parametrize("kinds", ["R", "RS", "SR", "RSR"])
+@pytest.mark.parametrize("kinds", ["R", "RS", "SR", "RSR", "R/S", "/SR"])
 def test_the_writer_of_a_box_is_the_holder_that_wrote_it(kinds: str) -> None:
-    """A restoring rank finds each box in the part of the rank writes_here made write it."""
+    """A restoring rank finds each box in the part of the rank writes_here made write it.
+
+    ``/``: a ``_StridedShard`` whose split factor is the next mesh dim's size."""
     mesh = tuple(2 + i for i in range(len(kinds)))
-    objs = [Replicate() if k == "R" else Shard(0) for k in kinds]
+    objs: list[Any] = [
+        Replicate()
+        if k == "R"
+        else _StridedShard(0, split_factor=mesh[i + 1])
+        if k == "/"
+        else Shard(0)
+        for i, k in enumerate(kinds)
+    ]
     lay = _layout((24,), mesh, objs)
     strides = [math.prod(mesh[i + 1 :]) for i in range(len(mesh))]
     for name in ("model/w", "layers.3.attn.q_proj.weight", "b"):
         lay.tensors[name] = lay.tensors["t"]
         lay.mesh_of[name] = 0
-        wrote = {}
+        wrote: dict[tuple[int, ...], int] = {}
         for coord in itertools.product(*(range(n) for n in mesh)):
             if sharding.writes_here(_Held(_Mesh(mesh, list(coord)), objs), name):
-                box = tuple(c for c, k in zip(coord, kinds, strict=True) if k == "S")
-                wrote[box] = sum(c * s for c, s in zip(coord, strides, strict=True))
-        for offsets, _, writer in lay.boxes(name, [0], [24]):
-            n_shards = math.prod(n for n, k in zip(mesh, kinds, strict=True) if k == "S")
-            box = (offsets[0] // (24 // n_shards),) if n_shards > 1 else ()
-            assert wrote[box] == writer, (name, offsets)
+                _, offs = _compute_local_shape_and_global_offset((24,), mesh, list(coord), objs)
+                assert tuple(offs) not in wrote, (name, coord)  # one writer a box
+                wrote[tuple(offs)] = sum(c * s for c, s in zip(coord, strides, strict=True))
+        found = lay.boxes(name, [0], [24])
+        assert len(found) == len(wrote)
+        for offsets, _, writer in found:
+            assert wrote[offsets] == writer, (name, offsets)
 
 
 def _part(rank: int, name: str, boxes: list[tuple[int, int]]) -> bytes:
@@ -176,6 +258,8 @@ def test_a_part_that_lacks_its_box_or_lies_about_it_is_refused() -> None:
         # Digits int() refuses: refused as the index's fault, not a ValueError.
         (lambda d: d["tensors"]["w"].update(placements=["S(\u00b2)"]), "are not R or S"),
         (lambda d: d["tensors"]["w"].update(placements=["_StridedShard(0)"]), "are not R or S"),
+        # A format-4 step holds no strided placement: refused, not computed.
+        (lambda d: d["tensors"]["w"].update(placements=["_S(0, 1)"]), r"are not R or S\(dim\)$"),
         (lambda d: d["tensors"]["w"].update(dtype="float128"), "unsupported dtype"),
     ],
 )
@@ -199,6 +283,49 @@ def test_a_hostile_layout_is_refused(edit: Any, expected: str) -> None:
     edit(doc)
     with pytest.raises(IntegrityError, match=expected):
         si.Layout.from_bytes(json.dumps(doc).encode(), "test")
+
+
+@pytest.mark.parametrize(
+    ("shape", "placements", "expected"),
+    [
+        ([20, 4], ["_S(0, 2)", "S(0)"], None),
+        ([19, 4], ["_S(0, 2)", "S(0)"], "split factor 2 does not divide tensor dim 0"),
+        ([20, 4], ["_S(0, 3)", "S(0)"], "split factor 3 is not the 2 ranks of mesh dim 1"),
+        ([20, 4], ["S(0)", "_S(0, 2)"], r"not as _S\(d, sf\) then S\(d\)"),
+        ([20, 4], ["_S(0, 2)", "S(1)"], r"not as _S\(d, sf\) then S\(d\)"),
+        ([20, 4], ["_S(2, 2)", "S(0)"], r"placement S\(2\) of a 2-d tensor"),
+        ([20, 4], ["_S(0, x)", "S(0)"], r"not R, S\(dim\) or _S\(dim, sf\)"),
+    ],
+)
+def test_a_format_5_layout_admits_only_the_strided_shards_it_computes(
+    shape: list[int], placements: list[str], expected: str | None
+) -> None:
+    doc = {
+        "ckptstore_chunks": si.SPLIT_FORMAT,
+        "block": BLOCK,
+        "meshes": [{"shape": [2, 2], "start": 0, "strides": [2, 1]}],
+        "tensors": {
+            "w": {
+                "dtype": "float32",
+                "shape": shape,
+                "mesh": [2, 2],
+                "mesh_dims": ["dp", "tp"],
+                "placements": placements,
+                "mesh_id": 0,
+            }
+        },
+    }
+    data = json.dumps(doc).encode()
+    if expected is None:
+        lay = si.Layout.from_bytes(data, "ok", strided=True)
+        # rank (i, j) holds part i of TP piece j: rows 0-4 (0,0), 10-14 (0,1), 5-9 (1,0) ...
+        got = {w: o for o, _, w in lay.boxes("w", [0, 0], shape)}
+        assert got == {0: (0, 0), 1: (10, 0), 2: (5, 0), 3: (15, 0)}
+        with pytest.raises(IntegrityError, match="are not R or S"):
+            si.Layout.from_bytes(data, "format 4")  # the same index in a format-4 step
+        return
+    with pytest.raises(IntegrityError, match=expected):
+        si.Layout.from_bytes(data, "test", strided=True)
 
 
 def test_a_layout_of_too_many_boxes_is_refused_before_they_are_made() -> None:

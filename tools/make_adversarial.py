@@ -331,14 +331,14 @@ def _(root: Path, outside: Path) -> None:
 
 @case(
     "manifest-newer-format",
-    "the manifest is format version 5, from a newer ckptstore",
+    "the manifest is format version 99, from a newer ckptstore",
     (1, "Upgrade ckptstore"),
     FALLBACK,
     _err("ManifestError", "newer ckptstore"),
 )
 def _(root: Path, outside: Path) -> None:
     good_store(root)
-    forge(root / STEP2, lambda d: d.update(format_version=5))
+    forge(root / STEP2, lambda d: d.update(format_version=99))
 
 
 @case(

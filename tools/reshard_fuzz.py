@@ -62,6 +62,7 @@ def main(argv: list[str] | None = None) -> int:
     failed: list[dict[str, object]] = []
     worlds: dict[str, int] = {}
     apis: dict[str, int] = {}
+    formats: dict[str, int] = {}  # the format version each trial saved (5: strided split)
     for seed in range(a.seed, a.seed + a.trials):
         modules = a.kind == "modules" or (a.kind == "both" and seed % 2)
         run = fuzz.run_module_trial if modules else fuzz.run_trial
@@ -75,6 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             api = f"{trial['save_api']}->{trial['restore_api']}"
         worlds[pair] = worlds.get(pair, 0) + 1
         apis[api] = apis.get(api, 0) + 1
+        fmt = str(trial.get("format"))
+        formats[fmt] = formats.get(fmt, 0) + 1
         if problems:
             failed.append({"seed": seed, "problems": problems, "trial": trial})
             print(f"seed {seed}: {pair} FAILED (kept in {base / f'trial-{seed}'})")
@@ -88,6 +91,8 @@ def main(argv: list[str] | None = None) -> int:
         f"{a.trials} trials (seeds {a.seed}..{a.seed + a.trials - 1}), {len(failed)} failed, "
         f"{seconds:.0f} s; APIs saved -> restored: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(apis.items()))
+        + "; format versions saved: "
+        + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
         + "; meshes (parallelism@world for modules) saved -> restored: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(worlds.items()))
     )
@@ -99,6 +104,7 @@ def main(argv: list[str] | None = None) -> int:
             "seconds": round(seconds, 1),
             "meshes": worlds,
             "apis": apis,
+            "formats": formats,
         }
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 1 if failed else 0

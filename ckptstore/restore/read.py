@@ -288,7 +288,9 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
     layout: split_index.Layout | None = None
     if split_index.is_split(manifest):
         # Split index: the layout now, the chunks of this rank's targets once they are known.
-        layout = split_index.Layout.from_bytes(raw_index, f"{where}/{INDEX_FILE}")
+        layout = split_index.Layout.from_bytes(
+            raw_index, f"{where}/{INDEX_FILE}", strided=split_index.is_strided_format(manifest)
+        )
         index = ChunkIndex(tensors=layout.tensors, block=layout.block)
     else:
         index = ChunkIndex.from_bytes(raw_index, manifest.files, f"{where}/{INDEX_FILE}")

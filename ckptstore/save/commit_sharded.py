@@ -96,6 +96,7 @@ def finish_sharded(  # noqa: PLR0917 - private to the pipeline
                     dtensor=dtensor,
                     split=split,
                     rank_table=table,
+                    strided=split and bool(md is not None and md.get("strided")),
                 )
                 mark(clock, "index")
                 if session.split:  # every node commits its copy: commit_split

@@ -252,7 +252,8 @@ def _job(  # noqa: PLR0917 - private to this stage
         if coord.is_leader:  # what rank 0 writes dtensors.json from
             meta = sharding.tensor_meta(collector.flat)
             glob = split_index.global_bytes(collector.flat) if split else None
-            meta = {"meta": meta, "global": glob}
+            strided = split and split_index.is_strided(collector.flat)
+            meta = {"meta": meta, "global": glob, "strided": strided}
         elif split:  # every rank counts what it wrote of each tensor, in one order
             meta = {"names": sorted(collector.flat)}
         specs = sharding.box_specs(mine)

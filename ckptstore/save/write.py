@@ -24,6 +24,7 @@ from ..manifest import (
     FORMAT_VERSION,
     RANKS_FORMAT_VERSION,
     SPLIT_FORMAT_VERSION,
+    STRIDED_FORMAT_VERSION,
     FileEntry,
     Manifest,
     RankTable,
@@ -125,8 +126,12 @@ def make_manifest(  # noqa: PLR0917 - private to the pipeline
     dtensor: bool = False,
     split: bool = False,
     rank_table: RankTable | None = None,
+    strided: bool = False,
 ) -> Manifest:
-    """The manifest of a checkpoint holding ``files`` (every rank's, with a ``rank_table``)."""
+    """The manifest of a checkpoint holding ``files`` (every rank's, with a ``rank_table``).
+
+    ``strided``: its split index spells ``_StridedShard`` placements (format 5).
+    """
     return Manifest(
         step=step,
         files=dict(files),
@@ -139,7 +144,9 @@ def make_manifest(  # noqa: PLR0917 - private to the pipeline
         metadata=metadata,
         versions=versions(),
         format_version=(
-            RANKS_FORMAT_VERSION
+            STRIDED_FORMAT_VERSION
+            if rank_table is not None and strided
+            else RANKS_FORMAT_VERSION
             if rank_table is not None
             else SPLIT_FORMAT_VERSION
             if split

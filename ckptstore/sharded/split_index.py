@@ -30,7 +30,7 @@ from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
 from ..errors import IntegrityError
-from ..manifest import SPLIT_FORMAT_VERSION, FileEntry, Manifest
+from ..manifest import SPLIT_FORMAT_VERSION, STRIDED_FORMAT_VERSION, FileEntry, Manifest
 from .chunks import (
     BLOCK,
     INDEX_FORMAT,
@@ -47,11 +47,14 @@ __all__ = [
     "global_bytes",
     "is_part",
     "is_split",
+    "is_strided",
+    "is_strided_format",
     "merged",
     "part_bytes",
     "part_file",
     "read_index",
     "splittable",
+    "strided_problem",
     "volumes",
 ]
 
@@ -77,17 +80,19 @@ def is_part(name: str) -> bool:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class _Placement:
-    """A plain placement as an index spells it: ``Shard(dim)``, or ``Replicate`` (no dim).
+    """A placement as an index spells it: ``S(dim)``, ``_S(dim, sf)`` or ``R`` (no dim).
 
     What the box arithmetic below asks of DTensor's own placements (``is_shard``, ``dim``,
     ``is_replicate``), without importing ``torch.distributed.tensor`` to read an index: that
-    import took 0.34 s of a 3 s ``ckptstore export`` on the test VM.
+    import took 0.34 s of a 3 s ``ckptstore export`` on the test VM. ``sf``: the split
+    factor of a ``_StridedShard`` (FSDP2 over tensor parallelism), 0 for ``Shard``.
     """
 
     dim: int | None
+    sf: int = 0
 
     def is_shard(self) -> bool:
-        """Whether it is ``Shard(dim)``."""
+        """Whether it is ``Shard(dim)`` or ``_StridedShard(dim, sf)``."""
         return self.dim is not None
 
     def is_replicate(self) -> bool:
@@ -99,8 +104,16 @@ class _Placement:
 _PLACEMENTS: dict[tuple[str, ...], tuple[_Placement, ...] | None] = {}
 
 
+def _number(text: str) -> int | None:
+    return int(text) if text.isascii() and text.isdigit() and len(text) < 10 else None
+
+
 def _placement_objects(placements: Sequence[str]) -> tuple[_Placement, ...] | None:
-    """Placements from their index spelling (``R``, ``S(d)``); ``None`` if any is not plain."""
+    """Placements from their index spelling (``R``, ``S(d)``, ``_S(d, sf)``); else ``None``.
+
+    ``_S(d, sf)`` is ``str(_StridedShard(d, split_factor=sf))``. Whether a tensor's strided
+    placements lay out boxes the index can compute is :func:`strided_problem`'s question.
+    """
     key = tuple(placements)
     if key in _PLACEMENTS:
         return _PLACEMENTS[key]
@@ -109,15 +122,69 @@ def _placement_objects(placements: Sequence[str]) -> tuple[_Placement, ...] | No
     for p in key:
         if p == "R":
             objs.append(_Placement(None))
-        elif p.startswith("S(") and p.endswith(")") and p[2:-1].isascii() and p[2:-1].isdigit():
-            objs.append(_Placement(int(p[2:-1])))
-        else:
-            break
+            continue
+        if p.startswith("S(") and p.endswith(")") and (d := _number(p[2:-1])) is not None:
+            objs.append(_Placement(d))
+            continue
+        if p.startswith("_S(") and p.endswith(")") and p.count(", ") == 1:
+            d, sf = (_number(x) for x in p[3:-1].split(", "))
+            if d is not None and sf is not None and sf >= 1:
+                objs.append(_Placement(d, sf))
+                continue
+        break
     else:
         found = tuple(objs)  # frozen: safe to share
     if len(_PLACEMENTS) < 4096:  # spellings come from index files: bounded
         _PLACEMENTS[key] = found
     return found
+
+
+def _order(objs: Sequence[Any]) -> dict[int, list[int]]:
+    """The mesh dims that shard each tensor dim, in the order they split it.
+
+    ``Shard`` dims split in mesh order, each what the one before left (as ``torch.chunk``).
+    FSDP2 over tensor parallelism shards a column-wise weight ``(_StridedShard(d, sf=tp),
+    Shard(d))``: the TP dim splits first, then the data-parallel dim splits each TP piece.
+    Where :func:`strided_problem` finds nothing, that is the order reversed.
+    """
+    by_tdim: dict[int, list[int]] = {}
+    for mdim, p in enumerate(objs):
+        if p.is_shard():
+            by_tdim.setdefault(p.dim, []).append(mdim)
+    for mdims in by_tdim.values():
+        if any(objs[m].sf for m in mdims):
+            mdims.reverse()
+    return by_tdim
+
+
+def strided_problem(
+    tshape: Sequence[int], mshape: Sequence[int], objs: Sequence[_Placement]
+) -> str | None:
+    """Why a layout with ``_StridedShard`` is not computed as nested chunks, or ``None``.
+
+    The split index computes a strided layout's boxes in one case only, the one FSDP2 over
+    tensor parallelism makes: a tensor dim sharded by ``_StridedShard(d, sf)`` on one mesh
+    dim and ``Shard(d)`` on one later mesh dim of ``sf`` ranks, with ``sf`` dividing the
+    tensor dim. Then rank ``(i, j)`` holds part ``i`` of the ``j``-th of ``sf`` equal
+    pieces, which is nested ``torch.chunk`` in :func:`_order`'s order (checked against
+    DTensor's arithmetic in the tests). torch's TP needs the divisibility anyway; where it
+    fails, DTensor's rows and nested chunks can differ (7 rows on a 3x2 mesh), and such a
+    save keeps format 2's full chunk list.
+    """
+    for d, mdims in _order(objs).items():
+        strided = [m for m in mdims if objs[m].sf]
+        if not strided:
+            continue
+        # _order reversed the mesh order: [the Shard dim, the _StridedShard dim]
+        if len(mdims) != 2 or strided != [mdims[1]] or mdims[1] > mdims[0]:
+            spelled = [f"_S({d}, {objs[m].sf})" if objs[m].sf else f"S({d})" for m in mdims]
+            return f"tensor dim {d} is sharded as {spelled}, not as _S(d, sf) then S(d)"
+        sf = objs[mdims[1]].sf
+        if sf != mshape[mdims[0]]:
+            return f"split factor {sf} is not the {mshape[mdims[0]]} ranks of mesh dim {mdims[0]}"
+        if not 0 <= d < len(tshape) or tshape[d] % sf:
+            return f"split factor {sf} does not divide tensor dim {d}"
+    return None
 
 
 def _mesh_spec(mesh: Any) -> dict[str, Any]:
@@ -144,12 +211,13 @@ def _mesh_spec(mesh: Any) -> dict[str, Any]:
 def splittable(flat: Mapping[str, Any], world_size: int) -> bool:
     """Whether a save of ``flat`` can use the split index.
 
-    Every DTensor must lie on a mesh of every rank with plain ``Shard``/``Replicate``
-    placements, or on a sub-mesh sliced by name from one (``mesh["tp"]``): its root mesh
-    and placements there are recorded (:func:`~ckptstore.sharded.plan.root_view`, the
-    other dims ``Replicate``), so the sub-meshes' copies are written once. Any other mesh
-    (a flattened dim, a mesh of some ranks only) needs format 2, where rank 0 gathers
-    every rank's chunks.
+    Every DTensor must lie on a mesh of every rank with ``Shard``/``Replicate`` placements
+    (or FSDP2 over TP's ``_StridedShard``, where :func:`strided_problem` finds nothing), or
+    on a sub-mesh sliced by name from one (``mesh["tp"]``): its root mesh and placements
+    there are recorded (:func:`~ckptstore.sharded.plan.root_view`, the other dims
+    ``Replicate``), so the sub-meshes' copies are written once. Any other mesh (a flattened
+    dim, a mesh of some ranks only) needs format 2, where rank 0 gathers every rank's
+    chunks. Decided from the layout alone, so every rank decides alike.
     """
     from .plan import placement_names, root_view
 
@@ -158,9 +226,25 @@ def splittable(flat: Mapping[str, Any], world_size: int) -> bool:
         view = root_view(t, cache)
         if view is None or view[0].size() != world_size:
             return False
-        if _placement_objects(placement_names(t, view)[2]) is None:
+        mshape, _, names = placement_names(t, view)
+        objs = _placement_objects(names)
+        if objs is None:
+            return False
+        if any(p.sf for p in objs) and strided_problem(tuple(t.shape), mshape, objs):
             return False
     return True
+
+
+def is_strided(flat: Mapping[str, Any]) -> bool:
+    """Whether any DTensor of a split save has a ``_StridedShard``: format 5, not 4."""
+    from .plan import placement_names, root_view
+
+    cache: dict[int, Any] = {}
+    for t in flat.values():
+        view = root_view(t, cache)
+        if view is not None and any(n.startswith("_S(") for n in placement_names(t, view)[2]):
+            return True
+    return False
 
 
 def global_bytes(flat: Mapping[str, Any]) -> bytes:
@@ -272,8 +356,11 @@ class Layout:
         self.block = block
 
     @classmethod
-    def from_bytes(cls, data: bytes | bytearray, where: str) -> Layout:
+    def from_bytes(cls, data: bytes | bytearray, where: str, *, strided: bool = False) -> Layout:
         """Parse and check a split ``dtensors.json``.
+
+        ``strided``: the step's format admits ``_StridedShard`` placements (format 5); a
+        format-3 or 4 step has none, and one there is refused as hostile.
 
         Raises:
             IntegrityError: malformed or hostile.
@@ -313,11 +400,17 @@ class Layout:
             if list(mesh) != meshes[mid]["shape"] or len(placements) != len(mesh):
                 raise IntegrityError(f"{at}: its mesh and placements do not match mesh {mid}")
             objs = _placement_objects(placements)
-            if objs is None:  # a split index is written for plain placements only (splittable)
-                raise IntegrityError(f"{at}: placements {list(placements)} are not R or S(dim)")
+            if objs is None or (not strided and any(p.sf for p in objs)):
+                # a split index is written for these placements only (splittable)
+                allowed = "R, S(dim) or _S(dim, sf)" if strided else "R or S(dim)"
+                raise IntegrityError(f"{at}: placements {list(placements)} are not {allowed}")
             for p in objs:
                 if p.dim is not None and not 0 <= p.dim < len(shape):
                     raise IntegrityError(f"{at}: placement S({p.dim}) of a {len(shape)}-d tensor")
+            if any(p.sf for p in objs):
+                problem = strided_problem(shape, mesh, objs)
+                if problem is not None:  # never written so: splittable() sends it to format 2
+                    raise IntegrityError(f"{at}: placements {list(placements)}: {problem}")
             tensors[name] = TensorEntry(dtype, shape, (), mesh, dims, placements)
             mesh_of[name] = mid
         return cls(tensors, meshes, mesh_of, block)
@@ -342,8 +435,8 @@ class Layout:
         mid = self.mesh_of[name]
         mesh = self.meshes[mid]
         objs = _placement_objects(entry.placements)
-        if objs is None:  # pragma: no cover - splittable() admits plain placements only
-            raise IntegrityError(f"{name!r}: placements {entry.placements} are not plain")
+        if objs is None:  # pragma: no cover - from_bytes admitted every tensor's placements
+            raise IntegrityError(f"{name!r}: placements {entry.placements} are not R or S(dim)")
         shape = tuple(mesh["shape"])
         key = (entry.shape, mid, entry.placements, tuple(lo), tuple(hi))
         found = cache.get(key) if cache is not None else None
@@ -510,17 +603,23 @@ def merged(
 ) -> ChunkIndex:
     """The whole chunk index of a step: format 2 as it is, a split one from all its parts.
 
-    The manifest's format version says which (3: split), never the index file itself.
-    ``away``: see :meth:`Layout.merged`.
+    The manifest's format version says which (3 and up: split; 5: strided placements
+    too), never the index file itself. ``away``: see :meth:`Layout.merged`.
     """
     if is_split(manifest):
-        return Layout.from_bytes(data, where).merged(read_part, manifest.files, where, away)
+        layout = Layout.from_bytes(data, where, strided=is_strided_format(manifest))
+        return layout.merged(read_part, manifest.files, where, away)
     return ChunkIndex.from_bytes(data, manifest.files, where)
 
 
 def is_split(manifest: Manifest) -> bool:
-    """Whether a DTensor step's chunk index is split (format 3)."""
+    """Whether a DTensor step's chunk index is split (format 3 and up)."""
     return manifest.format_version >= SPLIT_FORMAT_VERSION
+
+
+def is_strided_format(manifest: Manifest) -> bool:
+    """Whether a split index may spell ``_StridedShard`` placements (format 5)."""
+    return manifest.format_version >= STRIDED_FORMAT_VERSION
 
 
 def _check_mesh(m: object, where: str) -> dict[str, Any]:
@@ -580,22 +679,22 @@ def _box(
 ) -> tuple[tuple[int, ...], tuple[int, ...]]:
     """``(offsets, sizes)`` of the box at mesh coordinate ``coord``: DTensor's arithmetic.
 
-    Each ``Shard(d)``, mesh dim after mesh dim, splits what is left of dim ``d`` like
-    ``torch.chunk`` (as :func:`_split` does). In integers: DTensor's own
+    Each ``Shard(d)``, mesh dim after mesh dim (in :func:`_order`'s order where a
+    ``_StridedShard`` is), splits what is left of dim ``d`` like ``torch.chunk`` (as
+    :func:`_split` does). In integers: DTensor's own
     ``_compute_local_shape_and_global_offset`` makes an index tensor of 8 bytes per element
     of the shard's length, so a hostile layout's shape of 2**40 rows asked for 8 TiB before
     any chunk was read (issue 24 #7).
     """
     base = [0] * len(tshape)
     length = list(tshape)
-    for mdim, p in enumerate(objs):
-        if not p.is_shard():
-            continue
-        d, n, i = p.dim, mshape[mdim], coord[mdim]
-        size = -(-length[d] // n) if length[d] else 0
-        first = min(i * size, length[d])
-        base[d] += first
-        length[d] = max(0, min(length[d], (i + 1) * size) - first)
+    for d, mdims in _order(objs).items():
+        for mdim in mdims:
+            n, i = mshape[mdim], coord[mdim]
+            size = -(-length[d] // n) if length[d] else 0
+            first = min(i * size, length[d])
+            base[d] += first
+            length[d] = max(0, min(length[d], (i + 1) * size) - first)
     return tuple(base), tuple(length)
 
 
@@ -613,11 +712,9 @@ def _candidates(
     computed, not searched, so a rank restoring one shard of an N-way split looks at a
     few coordinates, not N.
     """
-    # The mesh dims that shard each tensor dim, in mesh order; Replicate dims stay at 0.
-    by_tdim: dict[int, list[int]] = {}
-    for mdim, p in enumerate(objs):
-        if p.is_shard():
-            by_tdim.setdefault(p.dim, []).append(mdim)
+    # The mesh dims that shard each tensor dim, in the order they split it; Replicate dims
+    # stay at 0.
+    by_tdim = _order(objs)
     combos: list[dict[int, int]] = [{}]
     for tdim, mdims in by_tdim.items():
         options: list[dict[int, int]] = []

@@ -85,6 +85,44 @@ def _placements(ndim: int, mesh_dims: int, rnd: random.Random) -> list[str]:
     return out
 
 
+#: The share of tensors on a 2-D mesh laid out as FSDP2 over TP does, ``(_StridedShard(d,
+#: sf=mesh[1]), Shard(d))`` (spelled ``X<d>:<sf>`` then ``S<d>``), where that is a box.
+STRIDED = 0.25
+
+
+class _Coord:
+    """A mesh of ``shape`` seen from ``coord``: what ``shard_is_box`` asks of one."""
+
+    def __init__(self, shape: list[int], coord: tuple[int, ...]) -> None:
+        self.shape = tuple(shape)
+        self._coord = list(coord)
+
+    def get_coordinate(self) -> list[int]:
+        return self._coord
+
+    def size(self, mdim: int) -> int:
+        return self.shape[mdim]
+
+
+def _strided(shape: list[int], mesh: list[int], rnd: random.Random) -> list[str] | None:
+    """FSDP2 over TP's placements for a tensor on a 2-D ``mesh``, if every rank's part is a
+    box (``shard_is_box``: a save refuses any other). Its rows may not divide by the TP
+    size: such a step keeps format 2's full chunk list, divisible ones format 5."""
+    import itertools
+
+    from ckptstore.state.redistribute import shard_is_box
+
+    if len(mesh) != 2 or not shape:
+        return None
+    d = rnd.randrange(len(shape))
+    names = [f"X{d}:{mesh[1]}", f"S{d}"]
+    objs = _placement_objects(names)
+    coords = itertools.product(range(mesh[0]), range(mesh[1]))
+    if not all(shard_is_box(shape, _Coord(mesh, c), objs) for c in coords):
+        return None
+    return names
+
+
 def _shape(rnd: random.Random) -> list[int]:
     """Small and uneven mostly (dims under the mesh size included), now and then over a
     chunk block (256 KiB), so runs span blocks and start mid-block."""
@@ -120,6 +158,12 @@ def make_trial(seed: int, save_world: int, restore_world: int, n: int = 8) -> di
                 "restore_plain": rnd.random() < PLAIN,
             }
         )
+    # Drawn apart, so the trials of earlier campaigns keep their other draws.
+    srnd = random.Random(seed * 7919 + 17)
+    for t in tensors:
+        for side, mesh in (("save", save_mesh), ("restore", restore_mesh)):
+            if srnd.random() < STRIDED:
+                t[side] = _strided(t["shape"], mesh, srnd) or t[side]
     io = ("direct", "buffered", "auto")
     save_kw = {"async_save": rnd.random() < 0.3, "storage_options": {"io": rnd.choice(io)}}
     restore_kw = {"storage_options": {"io": rnd.choice(io)}}
@@ -140,9 +184,26 @@ def make_trial(seed: int, save_world: int, restore_world: int, n: int = 8) -> di
 
 
 def _placement_objects(names: list[str]) -> list[Any]:
+    """``R``, ``S<d>`` and ``X<d>:<sf>`` (``_StridedShard(d, split_factor=sf)``)."""
     from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
 
-    return [Replicate() if p == "R" else Shard(int(p[1:])) for p in names]
+    out: list[Any] = []
+    for p in names:
+        if p.startswith("X"):
+            d, sf = p[1:].split(":")
+            out.append(_StridedShard(int(d), split_factor=int(sf)))
+        else:
+            out.append(Replicate() if p == "R" else Shard(int(p[1:])))
+    return out
+
+
+def saved_format(root: Path) -> int | None:
+    """The format version of the first step in a store (what a trial saved), if any."""
+    import json
+
+    steps = sorted(root.glob("step-*/manifest.json"))
+    return int(json.loads(steps[0].read_text())["format_version"]) if steps else None
 
 
 def _mesh(shape: list[int]) -> Any:
@@ -168,10 +229,14 @@ def _distribute(full: torch.Tensor, mesh: Any, placements: list[str]) -> Any:
     """``distribute_tensor`` (torch's own cut), for the dtypes gloo cannot send too."""
     from torch.distributed.tensor import DTensor, distribute_tensor
 
+    objs = _placement_objects(placements)
+    # torch scatters a _StridedShard only where it splits evenly; every rank holds the same
+    # full tensor here, so each cuts its own part instead.
+    src: int | None = None if any(p.startswith("X") for p in placements) else 0
     stand_in = _GLOO_AS.get(full.dtype)
     if stand_in is None:
-        return distribute_tensor(full, mesh, _placement_objects(placements))
-    d = distribute_tensor(full.view(stand_in), mesh, _placement_objects(placements))
+        return distribute_tensor(full, mesh, objs, src_data_rank=src)
+    d = distribute_tensor(full.view(stand_in), mesh, objs, src_data_rank=src)
     return DTensor.from_local(
         d.to_local().view(full.dtype),
         mesh,
@@ -316,6 +381,7 @@ def run_trial(
                 f"restore on {trial['restore_world']} ranks: rank {r} plain {v['plain']}"
             )
     root = workdir / "store"
+    trial["format"] = saved_format(root)
     with CheckpointManager(root, keep=None, **trial["restore_kw"]) as m:
         got = m.load(1)
         into = {
@@ -502,6 +568,7 @@ def run_module_trial(
             return [f"{scenario} ({trial[side]}) failed: {describe(res)}"], trial
         vals.append([r.value for r in res])
     saved = vals[0][0]["digests"]
+    trial["format"] = saved_format(workdir / "store")
 
     def differ(got: dict[str, str]) -> list[str]:
         return sorted(k for k in set(saved) | set(got) if got.get(k) != saved.get(k))

@@ -353,6 +353,18 @@ def test_fsdp2_over_tensor_parallel_restores_on_other_meshes_and_back(tmp_path):
     saved = run("dtensor_scenarios:fsdp_tp_save", 4, tmp_path, [2, 2])[0]
     assert saved["layout"]["up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
     assert saved["layout"]["down.weight"] == "(Shard(dim=0), Shard(dim=1))"
+    # Written with the split index (format 5 spells _StridedShard): a part a rank, no row
+    # per rank in dtensors.json; format 2 listed every rank's chunks there.
+    step = tmp_path / "store" / "step-000000000002"
+    assert json.loads((step / "manifest.json").read_text())["format_version"] == 5
+    layout = json.loads((step / "dtensors.json").read_text())
+    assert layout["tensors"]["model/up.weight"]["placements"] == ["_S(0, 2)", "S(0)"]
+    assert "chunks" not in layout["tensors"]["model/up.weight"]
+    parts = [json.loads(p.read_text())["chunks"] for p in sorted(step.glob("_index.rank*"))]
+    # up.weight: 10 rows; rank (i, j) wrote part i of TP piece j (rows 5j to 5j + 5), split
+    # 3 + 2 over "dp": rank 0 rows 0-2, 1 rows 5-7, 2 rows 3-4, 3 rows 8-9.
+    rows = [[(c["offsets"][0], c["sizes"][0]) for c in p["model/up.weight"]] for p in parts]
+    assert rows == [[(0, 3)], [(5, 3)], [(3, 2)], [(8, 2)]]
     for world, mesh in [(4, [2, 2]), (2, None), (3, None), (2, [1, 2])]:
         vals = run("dtensor_scenarios:fsdp_tp_restore", world, tmp_path, mesh)
         for v in vals:
