@@ -443,6 +443,32 @@ def golden_save(ctx: Ctx) -> None:
         mgr.save(7, state, metrics={"loss": 0.25}, metadata={"note": note})
 
 
+def golden_save_strided(ctx: Ctx) -> None:
+    """The state of ``tests/golden/v5-dtensor`` (format 5: ``_StridedShard`` in the split
+    index), saved by 4 ranks on a 2x2 ``("dp", "tp")`` mesh as FSDP2 over TP lays it out:
+    fixed values."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "tp"))
+    up = torch.arange(30, dtype=torch.float32).reshape(10, 3) / 4  # 10 rows: 3 + 2 a TP half
+    down = torch.arange(20, dtype=torch.int64).reshape(4, 5)
+    bias = torch.tensor([1.5, -2.0, 0.25, 8.0], dtype=torch.bfloat16)
+    column = [_StridedShard(0, split_factor=2), Shard(0)]
+    state = {
+        "model": {
+            "up": distribute_tensor(up, mesh, column, src_data_rank=None),
+            "down": distribute_tensor(down, mesh, [Shard(0), Shard(1)]),
+            "bias": distribute_tensor(bias, mesh, [Shard(0), Replicate()]),
+            "scale": torch.tensor(0.5),
+        },
+        "step": 7,
+    }
+    with _mgr(ctx) as mgr:
+        mgr.save(7, state, metrics={"loss": 0.25}, metadata={"note": "golden v5"})
+
+
 def fsdp_refused(ctx: Ctx) -> dict[str, Any]:
     """DTensor state that cannot be saved: every rank gets the refusal as such, nothing lands."""
     from torch.distributed.tensor import DTensor, Partial

@@ -1,4 +1,4 @@
-"""The golden DTensor checkpoints: they load exactly, and today's bytes are format 4's bytes.
+"""The golden DTensor checkpoints: they load exactly, and today's bytes are format 4's and 5's.
 
 ``tests/golden/v2-dtensor`` (format 2: every chunk in ``dtensors.json``),
 ``tests/golden/v3-dtensor`` (format 3: the split index, each rank's chunks in its
@@ -10,6 +10,8 @@ the ``dtensor_scenarios:golden_save`` scenario on 2 ranks
 expected values are written out by hand, and all must keep loading; saving the same state
 again must reproduce the newest one's shard files, ``state.json``, index, parts and rank table
 byte for byte, so the format of sharded checkpoints cannot drift by accident.
+``tests/golden/v5-dtensor`` (format 5: FSDP2 over TP's ``_StridedShard`` spelled in the
+split index) is checked the same way, on 4 ranks of a 2x2 mesh.
 """
 
 from __future__ import annotations
@@ -151,3 +153,58 @@ def test_a_load_reads_dim0_shards_straight_into_its_tensors(
     # w (7 x 3 float32, Shard(0) over 2 ranks): its two chunks, 4 and 3 rows, land in place.
     assert ("in place", 4 * 3 * 4) in paths
     assert ("in place", 3 * 3 * 4) in paths
+
+
+# ---- format 5: FSDP2 over TP's _StridedShard in the split index -----------------------------
+
+#: ``tests/golden/v5-dtensor``: written once by ``dtensor_scenarios:golden_save_strided`` on 4
+#: ranks of a 2x2 ``("dp", "tp")`` mesh (``launch(..., 4, dir)``, its step directory copied).
+GOLDEN5 = GOLDENS / "v5-dtensor"
+UP = [[(3 * r + c) / 4 for c in range(3)] for r in range(10)]
+
+
+def test_v5_strided_golden_loads_verifies_and_says_where_each_box_is(tmp_path: Path) -> None:
+    store = tmp_path / "v5"
+    shutil.copytree(GOLDEN5, store)
+    mgr = CheckpointManager(store)
+    m = mgr.manifest()
+    assert (m.step, m.format_version, m.world_size) == (7, 5, 4)
+    layout = json.loads((store / STEP / "dtensors.json").read_text())
+    assert layout["tensors"]["model/up"]["placements"] == ["_S(0, 2)", "S(0)"]
+    report = mgr.verify(deep=True)
+    assert report.ok, report.problems
+    state = mgr.load()
+    assert state["model"]["up"].tolist() == UP
+    assert state["model"]["down"].tolist() == [list(range(5 * r, 5 * r + 5)) for r in range(4)]
+    assert state["model"]["bias"].tolist() == [1.5, -2.0, 0.25, 8.0]
+    assert state["model"]["scale"].item() == 0.5
+    # Rank (i, j) of the 2x2 mesh wrote part i of TP half j of up's 10 rows: the TP split
+    # first (rows 0-4, 5-9), then "dp" (3 + 2 rows), as FSDP2 over TP lays it out.
+    up = {}
+    for rank in range(4):
+        part = load_file(str(store / STEP / f"_shards.rank{rank:05d}.safetensors"))
+        up.update({k: v for k, v in part.items() if k.startswith("model/up@")})
+    assert sorted(up) == ["model/up@0,0", "model/up@3,0", "model/up@5,0", "model/up@8,0"]
+    for key, rows in up.items():
+        first = int(key.split("@")[1].split(",")[0])
+        assert rows.tolist() == UP[first : first + len(rows)], key
+    target = {"model": {"up": torch.zeros(10, 3)}, "step": 0}
+    mgr.restore(target, strict=False)
+    assert target["model"]["up"].tolist() == UP
+
+
+@pytest.mark.timeout(180)
+def test_saving_strided_state_today_reproduces_the_v5_golden_bytes(tmp_path: Path) -> None:
+    results = launch("dtensor_scenarios:golden_save_strided", 4, tmp_path, timeout=150)
+    assert all(r.ok for r in results), describe(results)
+    names = sorted(p.name for p in (GOLDEN5 / STEP).iterdir())
+    assert names == sorted(p.name for p in (tmp_path / "store" / STEP).iterdir())
+    for name in names:
+        if name == "manifest.json":
+            continue
+        got = (tmp_path / "store" / STEP / name).read_bytes()
+        assert got == (GOLDEN5 / STEP / name).read_bytes(), name
+    new = json.loads((tmp_path / "store" / STEP / "manifest.json").read_text())
+    old = json.loads((GOLDEN5 / STEP / "manifest.json").read_text())
+    for key in ("files", "sharding", "format_version", "world_size", "metrics", "metadata"):
+        assert new[key] == old[key], key
