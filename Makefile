@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded reshard-fuzz meta-fuzz scale-real scale-sim clean
+.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded reshard-fuzz meta-fuzz scale-real scale-sim scale-sim-tp clean
 
 venv: $(STAMP)
 
@@ -91,6 +91,11 @@ scale-real: $(STAMP)
 scale-sim: $(STAMP)
 	$(BIN)/python tools/scale_sim.py --baseline $(SCALE_BASELINE) \
 		--json benchmarks/results/scale_sim.json
+
+# FSDP2 over tensor parallelism (TP 8), beside the last ckptstore that wrote it as format 2.
+scale-sim-tp: $(STAMP)
+	$(BIN)/python tools/scale_sim.py --layout fsdp-tp --fork --baseline 75d5986 \
+		--baseline-max 1024 --json benchmarks/results/scale_sim_tp.json
 
 clean:
 	rm -rf $(VENV) .pytest_cache .mypy_cache .ruff_cache *.egg-info site

@@ -11,6 +11,7 @@ import dataclasses
 import json
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -402,3 +403,45 @@ def test_shard_is_box_knows_a_strided_part_from_a_box(
     ]
     assert got == boxes
     assert shard_is_box((rows, 3), _Mesh((2, 2), None), placements)  # outside: holds nothing
+
+
+def test_fsdp2_over_tp_is_known_a_box_without_walking_its_rows(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """``_nested`` answers FSDP2 over TP in O(1) where the TP size divides the rows; on
+    random layouts it never calls a part a box that walking DTensor's rows does not."""
+    import itertools
+    import random
+
+    from torch.distributed.tensor import Replicate, Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    from ckptstore.state import redistribute
+
+    rnd = random.Random(5)
+    known = 0
+    for _ in range(400):
+        nd = rnd.randint(1, 2)
+        shape = tuple(rnd.randint(0, 17) for _ in range(nd))
+        mesh = tuple(rnd.randint(1, 4) for _ in range(rnd.randint(2, 3)))
+        objs: list[Any] = [
+            Replicate() if rnd.random() < 0.4 else Shard(rnd.randrange(nd)) for _ in mesh
+        ]
+        a, b = sorted(rnd.sample(range(len(mesh)), 2))
+        d = rnd.randrange(nd)
+        if rnd.random() < 0.8:  # FSDP2 over TP's order; else the strided shard last
+            objs[a] = _StridedShard(d, split_factor=mesh[b] if rnd.random() < 0.9 else 2)
+            objs[b] = Shard(d)
+        else:
+            objs[a], objs[b] = Shard(d), _StridedShard(d, split_factor=mesh[a])
+        fast = redistribute._nested(shape, _Mesh(mesh, None), objs, _StridedShard)
+        with monkeypatch.context() as m:
+            m.setattr(redistribute, "_nested", lambda *_: False)
+            walked = [
+                redistribute.shard_is_box(shape, _Mesh(mesh, c), objs)
+                for c in itertools.product(*(range(n) for n in mesh))
+            ]
+        if fast:
+            known += 1
+            assert all(walked), (shape, mesh, [str(p) for p in objs])
+    assert known > 100

@@ -16,17 +16,27 @@ of an N-rank job without N processes. What is real and what is played:
 
 Each rank runs twice per N (rank 0, then rank 1 replaying rank 0), in its own process. The
 bytes a rank sends and receives are counted as ``ckptstore.dist.CollectiveStats`` counts them;
-for a baseline (``--baseline REV``: the ckptstore of that commit, extracted with git) torch's
+for a baseline (``--baseline REV``: the ckptstore of that commit, extracted with git) from
+before ckptstore's own collectives (no ``CollectiveStats``), torch's
 object collectives are modelled as torch runs them: ``all_gather_object`` brings every rank
 N padded copies and N sizes, ``gather_object`` first all-gathers the sizes,
 ``monitored_barrier`` has rank 0 answer every rank in turn.
 
+``--layout fsdp-tp`` lays the same 200 parameters out as FSDP2 over tensor parallelism
+(torchtitan's 2-D layout) on an ``(N / TP, TP)`` mesh (``--tp``, 8 by default): even ones
+column-wise, ``(_StridedShard(0, TP), Shard(0))``, odd ones row-wise, ``(Shard(0),
+Shard(1))``.
+
 It also computes the index bytes a restoring rank reads to restore rank 1's shard on N/2
-and 2N ranks: the whole ``dtensors.json`` in format 2; the layout plus its writers' parts in
-format 3 (the parts are this run's); and what it reads of the manifest ("r-manifest"): the
-whole of it before format 4, the manifest and the rank table's lines of those writers since.
+and 2N ranks (the same layout; for ``fsdp-tp`` the same TP size): the whole
+``dtensors.json`` in format 2; from format 3 on, the layout plus the parts of the ranks
+whose boxes rank 1's targets overlap, over every tensor (found by ckptstore's own
+``split_index.Layout.boxes`` on the committed layout; the parts are this run's sizes); and
+what it reads of the manifest ("r-manifest"): the whole of it before format 4, the manifest
+and the rank table's lines of those writers since.
 
     .venv/bin/python tools/scale_sim.py --worlds 64 256 1024 4096 16384 --baseline 2f0f77c
+    .venv/bin/python tools/scale_sim.py --layout fsdp-tp --baseline 75d5986
 """
 
 from __future__ import annotations
@@ -54,6 +64,11 @@ ROOT = Path(__file__).resolve().parents[1]
 PARAMS = 200  # x3 with AdamW's two moments: 600 DTensors a rank
 COLS = 16
 SLOT = 512  # ckptstore.dist.SLOT
+#: ``--layout``: ``fsdp`` (``Shard(0)`` on a 1-D mesh of N ranks) or ``fsdp-tp`` (FSDP2
+#: over tensor parallelism on an ``(N / TP, TP)`` mesh, torchtitan's 2-D layout: even
+#: parameters column-wise ``(_StridedShard(0, TP), Shard(0))``, odd ones row-wise
+#: ``(Shard(0), Shard(1))``), and the TP size.
+LAYOUT: dict[str, Any] = {"kind": "fsdp", "tp": 8}
 
 
 # ---- one simulated rank ------------------------------------------------------------------
@@ -64,24 +79,64 @@ def rows_of(i: int, world: int) -> int:
     return 2 * world + (i % 5)
 
 
+def mesh_shape(world: int) -> tuple[int, ...]:
+    """The job's device mesh: ``(N,)``, or ``(N / TP, TP)`` for ``fsdp-tp``."""
+    if LAYOUT["kind"] == "fsdp":
+        return (world,)
+    tp = int(LAYOUT["tp"])
+    if world % tp or world < tp:
+        raise SystemExit(f"scale_sim: {world} ranks do not split into TP groups of {tp}")
+    return (world // tp, tp)
+
+
+def coordinate(rank: int, mshape: tuple[int, ...]) -> list[int]:
+    """``rank``'s coordinate on a row-major mesh of ``mshape`` (as ``init_device_mesh``)."""
+    out = []
+    for n in reversed(mshape):
+        out.append(rank % n)
+        rank //= n
+    return out[::-1]
+
+
+def param_layout(i: int, mshape: tuple[int, ...]) -> tuple[tuple[int, int], list[Any]]:
+    """Parameter ``i``'s global shape and placements on the job's mesh."""
+    from torch.distributed.tensor import Shard
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    if len(mshape) == 1:
+        return (rows_of(i, mshape[0]), COLS), [Shard(0)]
+    dp, tp = mshape
+    if i % 2 == 0:  # column-wise: TP splits the rows, FSDP2 each TP piece
+        return (tp * rows_of(i, dp), COLS), [_StridedShard(0, split_factor=tp), Shard(0)]
+    return (rows_of(i, dp), COLS), [Shard(0), Shard(1)]  # row-wise: TP splits the columns
+
+
 def build(world: int, rank: int) -> tuple[dict[str, Any], dict[str, tuple[int, ...]]]:
     """This rank's FSDP2-like state, and every DTensor's global shape by name."""
     import torch
     from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-    mesh = init_device_mesh("cpu", (world,))
+    mshape = mesh_shape(world)
+    names = ("dp", "tp") if len(mshape) == 2 else None
+    mesh = init_device_mesh("cpu", mshape, mesh_dim_names=names)
+    coord = coordinate(rank, mshape)
     model: dict[str, Any] = {}
     state: dict[str, Any] = {}
     shapes: dict[str, tuple[int, ...]] = {}
     for i in range(PARAMS):
-        shape = (rows_of(i, world), COLS)
-        sizes, _ = _compute_local_shape_and_global_offset(shape, (world,), [rank], [Shard(0)])
+        shape, placements = param_layout(i, mshape)
+        sizes, _ = _compute_local_shape_and_global_offset(shape, mshape, coord, placements)
         for kind, into in (("w", model), ("exp_avg", state), ("exp_avg_sq", state)):
-            local = torch.randn(*sizes) if sizes[0] else torch.empty(0, COLS)
+            local = torch.randn(*sizes) if 0 not in sizes else torch.empty(*sizes)
             t = DTensor.from_local(
-                local, mesh, [Shard(0)], shape=torch.Size(shape), stride=(COLS, 1), run_check=False
+                local,
+                mesh,
+                placements,
+                shape=torch.Size(shape),
+                stride=(shape[1], 1),
+                run_check=False,
             )
             key = f"layers.{i}.weight" if kind == "w" else f"layers.{i}.weight/{kind}"
             into[key] = t
@@ -92,21 +147,35 @@ def build(world: int, rank: int) -> tuple[dict[str, Any], dict[str, tuple[int, .
     return {"model": model, "optim": state, "step": 1}, shapes
 
 
+def _param(name: str) -> int:
+    """The parameter index of a flat name (``model/layers.7.weight``, its moments)."""
+    return int(name.split("layers.")[1].split(".", maxsplit=1)[0])
+
+
 class Peers:
     """Derives what peer ``r`` sends from what this rank sends (see the module docstring)."""
 
     def __init__(self, world: int, me: int, shapes: dict[str, tuple[int, ...]]) -> None:
         self.world, self.me, self.shapes = world, me, shapes
         self.names = sorted(shapes)
+        self._boxes: dict[Any, tuple[tuple[int, ...], tuple[int, ...]]] = {}
 
     def box(self, name: str, r: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
-        from torch.distributed.tensor import Shard
+        """Peer ``r``'s box of ``name``: DTensor's own arithmetic, once per shape and rank
+        (a model's 600 tensors have 10 shapes; torch's strided arithmetic makes tensors)."""
         from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
 
-        sizes, offs = _compute_local_shape_and_global_offset(
-            self.shapes[name], (self.world,), [r], [Shard(0)]
-        )
-        return tuple(offs), tuple(sizes)
+        mshape = mesh_shape(self.world)
+        i = _param(name)
+        key = (self.shapes[name], i % 2, r)
+        found = self._boxes.get(key)
+        if found is None:
+            _, placements = param_layout(i, mshape)
+            sizes, offs = _compute_local_shape_and_global_offset(
+                self.shapes[name], mshape, coordinate(r, mshape), placements
+            )
+            found = self._boxes[key] = (tuple(offs), tuple(sizes))
+        return found
 
     def of(self, obj: Any, r: int) -> Any:
         mine, theirs = f"rank{self.me:05d}", f"rank{r:05d}"
@@ -326,13 +395,16 @@ PLAYING = [0.0]
 def one(world: int, rank: int, out: Path, tape: Path, baseline: bool) -> None:
     """Simulate ``rank`` of a ``world``-rank job; write its figures to ``out``."""
     global BASELINE
-    BASELINE = baseline
     import torch.distributed as dist
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     import ckptstore.dist
     import ckptstore.manager
     from ckptstore import CheckpointManager
+
+    # torch's object collectives are modelled for a baseline from before ckptstore's own
+    # (no CollectiveStats); a later baseline's Coordinator is counted as the current one is.
+    BASELINE = baseline and "stats" not in ckptstore.dist.Coordinator.__init__.__code__.co_names
 
     dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world)
     t0 = time.process_time()
@@ -360,6 +432,10 @@ def one(world: int, rank: int, out: Path, tape: Path, baseline: bool) -> None:
         tape.write_text(json.dumps(sim.recorded))  # type: ignore[attr-defined]
         step = next(root.glob("step-*"))
         figures["files"] = {p.name: p.stat().st_size for p in step.iterdir() if p.is_file()}
+        figures["step_dir"] = str(step)
+        figures["format_version"] = json.loads((step / "manifest.json").read_text())[
+            "format_version"
+        ]
     else:
         figures["files"] = {
             p.name: p.stat().st_size for p in root.glob(".tmp-step-*/*") if p.is_file()
@@ -439,6 +515,10 @@ def run_world(
             str(out),
             "--tape",
             str(tape),
+            "--layout",
+            str(LAYOUT["kind"]),
+            "--tp",
+            str(LAYOUT["tp"]),
         ]
         if code is not None:
             cmd.append("--baseline-mode")
@@ -486,12 +566,15 @@ def _figures(world: int, r0: dict[str, Any], r1: dict[str, Any], baseline: bool)
     table = files0.get("_ranks.jsonl", 0)
     restore = {}
     restore_manifest = {}
+    readers = {}
     for label, m in (("N/2", world // 2), ("2N", world * 2)):
-        writers = _writers(world, m)
-        if parts or part:  # format 3: the layout plus the parts of the writers it overlaps
+        if parts or part:  # format 3 on: the layout plus the parts of the writers it overlaps
+            writers = _writers(Path(r0["step_dir"]), world, m)
             restore[label] = index + writers * part
         else:  # format 2: the whole index
+            writers = world
             restore[label] = index
+        readers[label] = writers
         # Format 4: the manifest and the rank table's lines of those writers; before, the
         # whole manifest (a row per rank's file).
         restore_manifest[label] = manifest + (writers * table // world if table else 0)
@@ -505,22 +588,43 @@ def _figures(world: int, r0: dict[str, Any], r1: dict[str, Any], baseline: bool)
         "rank_table_bytes": table,
         "restore_index_read": restore,
         "restore_manifest_read": restore_manifest,
+        "restore_parts_read": readers,
+        "format_version": r0.get("format_version"),
+        "layout": dict(LAYOUT),
     }
 
 
-def _writers(saved: int, restored: int) -> int:
-    """How many saving ranks' boxes rank 1 of ``restored`` ranks overlaps (worst tensor)."""
-    worst = 0
-    for i in range(PARAMS):
-        rows = rows_of(i, saved)
-        # new box of rank 1 on `restored` ranks, old boxes of `saved` ranks (torch.chunk)
-        new = -(-rows // restored)
-        lo, hi = min(new, rows), min(2 * new, rows)
-        if hi <= lo:
+def _writers(step: Path, saved: int, restored: int) -> int:
+    """How many index parts rank 1 reads to restore on ``restored`` ranks: the writers of
+    the boxes its target shards overlap, over every tensor, as ckptstore's own restore
+    finds them (``split_index.Layout.boxes`` on the committed ``dtensors.json``).
+
+    The restoring job has the same layout on ``restored`` ranks (for ``fsdp-tp`` the same
+    TP size, the data-parallel dim resized); its rank 1's targets are DTensor's boxes.
+    """
+    from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset
+
+    from ckptstore.manifest import Manifest
+    from ckptstore.sharded import split_index
+
+    manifest = Manifest.from_bytes((step / "manifest.json").read_bytes(), where=str(step))
+    layout = split_index.Layout.from_bytes(
+        (step / "dtensors.json").read_bytes(),
+        str(step),
+        strided=split_index.is_strided_format(manifest),
+    )
+    mshape = mesh_shape(restored)
+    coord = coordinate(1, mshape)
+    writers: set[int] = set()
+    cache: dict[Any, Any] = {}
+    for name, entry in layout.tensors.items():
+        _, placements = param_layout(_param(name), mshape)
+        sizes, offs = _compute_local_shape_and_global_offset(entry.shape, mshape, coord, placements)
+        if 0 in sizes:
             continue
-        old = -(-rows // saved)
-        worst = max(worst, (hi - 1) // old - lo // old + 1)
-    return worst
+        hi = [o + n for o, n in zip(offs, sizes, strict=True)]
+        writers.update(w for _, _, w in layout.boxes(name, list(offs), hi, cache))
+    return len(writers)
 
 
 def table(results: list[dict[str, Any]]) -> str:
@@ -554,6 +658,13 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=900, help="seconds a simulated rank may take")
     p.add_argument("--json", type=Path)
     p.add_argument(
+        "--layout",
+        choices=("fsdp", "fsdp-tp"),
+        default="fsdp",
+        help="FSDP2 on a 1-D mesh, or FSDP2 over tensor parallelism on (N / TP, TP)",
+    )
+    p.add_argument("--tp", type=int, default=8, help="the TP size of --layout fsdp-tp")
+    p.add_argument(
         "--fork",
         action="store_true",
         help="fork this tree's simulated ranks from this process, which imports torch and "
@@ -564,6 +675,7 @@ def main() -> None:
     p.add_argument("--tape", type=Path, help=argparse.SUPPRESS)
     p.add_argument("--baseline-mode", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args()
+    LAYOUT.update(kind=args.layout, tp=args.tp)
     if args.one:
         one(args.one[0], args.one[1], args.out, args.tape, args.baseline_mode)
         return

@@ -77,13 +77,15 @@ def shard_is_box(shape: Any, mesh: Any, placements: Any) -> bool:
     ``compute_local_shape_and_global_offset``, which gives a part's first offset and its
     sizes, describes the box of rows 0 and 1. Such a part is refused, never read or written
     as that box. Walks the rows each placement gives this rank, as DTensor does (placement
-    by placement, left to right); a rank outside the mesh holds nothing (a box).
+    by placement, left to right); a rank outside the mesh holds nothing (a box). FSDP2 over
+    TP with rows the TP size divides is known a box without the walk (:func:`_nested`),
+    whose index tensors cost O(rows) of CPU a tensor at a first save.
     """
     strided = _strided_type()
     if strided is None or not any(type(p) is strided for p in placements):
         return True
     coord = mesh.get_coordinate()
-    if coord is None:
+    if coord is None or _nested(shape, mesh, placements, strided):
         return True
     from torch.distributed.tensor import Shard
     from torch.distributed.tensor.placement_types import _StridedShardOffsetMode
@@ -106,6 +108,35 @@ def shard_is_box(shape: Any, mesh: Any, placements: Any) -> bool:
         held[p.dim] = [before[i] for i in index] if before is not None else index
         sizes[p.dim] = int(n)
     return all(rows == list(range(rows[0], rows[0] + len(rows))) for rows in held.values() if rows)
+
+
+def _nested(shape: Any, mesh: Any, placements: Any, strided: type) -> bool:
+    """Whether every ``_StridedShard`` here is FSDP2 over TP's, whose parts are boxes.
+
+    That is ``_StridedShard(d, sf)`` on one mesh dim, then ``Shard(d)`` on exactly one later
+    mesh dim of ``sf`` ranks, with ``sf`` dividing dim ``d``. Each rank's part is then part
+    ``i`` of the ``j``-th of ``sf`` equal pieces (nested ``torch.chunk``), a box on every
+    rank; the split index computes these boxes so (``split_index.strided_problem``, the
+    same rule on its spelling).
+    """
+    from torch.distributed.tensor import Shard
+
+    by_dim: dict[int, list[tuple[int, Any]]] = {}
+    for mdim, place in enumerate(placements):
+        p: Any = place  # Shard, _StridedShard (not a Shard subclass), Replicate, Partial
+        if type(place) is strided or isinstance(place, Shard):
+            by_dim.setdefault(int(p.dim), []).append((mdim, p))
+    for d, on in by_dim.items():
+        kinds = [type(p) is strided for _, p in on]
+        if not any(kinds):
+            continue
+        if kinds != [True, False]:
+            return False
+        (_, first), (second, _) = on
+        sf = int(first.split_factor)
+        if sf != mesh.size(second) or not 0 <= d < len(shape) or int(shape[d]) % sf:
+            return False
+    return True
 
 
 def _strided_type() -> type | None:
