@@ -384,12 +384,15 @@ def _root_of(mesh: Any) -> tuple[Any, tuple[int, ...]] | None:
     """``mesh``'s root mesh and the root dims it keeps, if ``mesh`` is a slice of it by name.
 
     ``init_device_mesh(...)["tp"]`` is one of the root's sub-meshes along ``"tp"``, one for
-    each coordinate of the other dims. None where the mesh is not such a slice of its root
-    (a flattened dim, a mesh built from a rank list) or this rank is not in it.
+    each coordinate of the other dims. A mesh of as many ranks as its root, however it was
+    made (torchtitan's ``("dp_replicate", "dp_shard_cp", "tp")``, whose dims are flattened
+    from the root's), is its own root: it holds every rank. None where the mesh is a part
+    of its root's ranks that is not such a slice (a flattened dim of some ranks, a mesh
+    built from a rank list) or this rank is not in it.
     """
     get_root = getattr(mesh, "_get_root_mesh", None)
     root = get_root() if get_root is not None else None
-    if root is None or root is mesh:
+    if root is None or root is mesh or mesh.mesh.numel() == root.mesh.numel():
         return (mesh, tuple(range(len(mesh.shape)))) if mesh.get_coordinate() is not None else None
     names, rnames = mesh.mesh_dim_names, root.mesh_dim_names
     if not names or not rnames or any(n not in rnames for n in names):

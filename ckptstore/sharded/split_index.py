@@ -211,13 +211,14 @@ def _mesh_spec(mesh: Any) -> dict[str, Any]:
 def splittable(flat: Mapping[str, Any], world_size: int) -> bool:
     """Whether a save of ``flat`` can use the split index.
 
-    Every DTensor must lie on a mesh of every rank with ``Shard``/``Replicate`` placements
-    (or FSDP2 over TP's ``_StridedShard``, where :func:`strided_problem` finds nothing), or
-    on a sub-mesh sliced by name from one (``mesh["tp"]``): its root mesh and placements
-    there are recorded (:func:`~ckptstore.sharded.plan.root_view`, the other dims
-    ``Replicate``), so the sub-meshes' copies are written once. Any other mesh (a flattened
-    dim, a mesh of some ranks only) needs format 2, where rank 0 gathers every rank's
-    chunks. Decided from the layout alone, so every rank decides alike.
+    Every DTensor must lie on a mesh of every rank, however it was made (flattened dims
+    included), with ``Shard``/``Replicate`` placements (or FSDP2 over TP's
+    ``_StridedShard``, where :func:`strided_problem` finds nothing), or on a sub-mesh
+    sliced by name from one (``mesh["tp"]``): its root mesh and placements there are
+    recorded (:func:`~ckptstore.sharded.plan.root_view`, the other dims ``Replicate``), so
+    the sub-meshes' copies are written once. Any other mesh (of some ranks only, and no
+    slice by name) needs format 2, where rank 0 gathers every rank's chunks. Decided from
+    the layout alone, so every rank decides alike.
     """
     from .plan import placement_names, root_view
 

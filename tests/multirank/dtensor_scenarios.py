@@ -648,6 +648,46 @@ def fsdp_tp(model: MLP, dp: int, tp: int) -> None:
     fully_shard(model, mesh=mesh["dp"])
 
 
+def fsdp_tp_titan(model: MLP, dims: list[int]) -> None:
+    """FSDP2 (or HSDP) over TP on torchtitan's meshes: a ``("dp_replicate", "dp_shard",
+    "cp", "tp")`` world mesh of ``dims``, ``("dp_shard", "cp")`` flattened to
+    ``"dp_shard_cp"``; TP on ``"tp"``, ``fully_shard`` on ``("dp_replicate",
+    "dp_shard_cp")``. The parameters' mesh, ``(dp_replicate, dp_shard_cp, tp)``, is no
+    slice of the world mesh by name: it holds a flattened dim."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import (
+        ColwiseParallel,
+        RowwiseParallel,
+        parallelize_module,
+    )
+
+    names = ("dp_replicate", "dp_shard", "cp", "tp")
+    world = init_device_mesh("cpu", tuple(dims), mesh_dim_names=names)
+    world[("dp_shard", "cp")]._flatten("dp_shard_cp")
+    plan = {
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+        "up2": ColwiseParallel(),
+        "down2": RowwiseParallel(),
+    }
+    parallelize_module(model, world["tp"], plan)
+    dp = world[("dp_replicate", "dp_shard_cp")]
+    for layer in (model.up, model.down, model.up2, model.down2):
+        fully_shard(layer, mesh=dp)
+    fully_shard(model, mesh=dp)
+
+
+def _parallelize_mlp(model: MLP, args: dict[str, Any]) -> None:
+    """``args["titan"]``: torchtitan's meshes; ``args["mesh"]``: ``[dp, tp]``; else FSDP2."""
+    if args.get("titan"):
+        fsdp_tp_titan(model, args["titan"])
+    elif args.get("mesh"):
+        fsdp_tp(model, *args["mesh"])
+    else:
+        _fsdp_only(model)
+
+
 def _mlp_layout(model: MLP) -> dict[str, str]:
     return {k: str(getattr(v, "placements", "plain")) for k, v in model.state_dict().items()}
 
@@ -661,13 +701,11 @@ def _fsdp_only(model: MLP) -> None:
 
 
 def fsdp_tp_save(ctx: Ctx) -> dict[str, Any]:
-    """Train FSDP2 over TP (``args["mesh"]`` = ``[dp, tp]``; none: FSDP2 alone) 2 steps;
-    save; digests and the parameters' placements."""
+    """Train FSDP2 over TP (``args["mesh"]`` = ``[dp, tp]``, or torchtitan's meshes of
+    ``args["titan"]``; neither: FSDP2 alone) 2 steps; save; digests and the parameters'
+    placements."""
     model = make_mlp(seed=3)
-    if ctx.args.get("mesh"):
-        fsdp_tp(model, *ctx.args["mesh"])
-    else:
-        _fsdp_only(model)
+    _parallelize_mlp(model, ctx.args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     torch.manual_seed(7)
     for _ in range(2):
@@ -680,12 +718,10 @@ def fsdp_tp_save(ctx: Ctx) -> dict[str, Any]:
 
 
 def fsdp_tp_restore(ctx: Ctx) -> dict[str, Any]:
-    """Restore into FSDP2 over TP (``args["mesh"]``) or, without it, FSDP2 alone."""
+    """Restore into FSDP2 over TP (``args["mesh"]`` or ``args["titan"]``) or, without
+    them, FSDP2 alone."""
     model = make_mlp(seed=11)
-    if ctx.args.get("mesh"):
-        fsdp_tp(model, *ctx.args["mesh"])
-    else:
-        _fsdp_only(model)
+    _parallelize_mlp(model, ctx.args)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     with _mgr(ctx) as mgr:
         step = mgr.restore({"model": model, "optim": opt})

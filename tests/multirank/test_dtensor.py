@@ -396,6 +396,50 @@ def test_fsdp2_over_tensor_parallel_restores_on_other_meshes_and_back(tmp_path):
     assert vals[0]["layout"]["up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
+def test_torchtitan_meshes_with_flattened_dims_are_written_with_the_split_index(tmp_path):
+    # torchtitan flattens ("dp_shard", "cp") into "dp_shard_cp" and shards parameters over
+    # ("dp_replicate", "dp_shard_cp", "tp"): a mesh of every rank that is no slice of the
+    # world mesh by name. Such a save went to format 2 (rank 0 gathered every chunk, every
+    # restoring rank read them all); it is its own root now, in the split index.
+    def run(scenario: str, world: int, where: Path, **args: Any) -> list[Any]:
+        return values(launch(scenario, world, where, args=args, timeout=180))
+
+    saved = run("dtensor_scenarios:fsdp_tp_save", 4, tmp_path, titan=[1, 2, 1, 2])[0]
+    assert saved["layout"]["up.weight"] == (
+        "(Replicate(), _StridedShard(dim=0, sf=2), Shard(dim=0))"
+    )
+    step = tmp_path / "store" / "step-000000000002"
+    assert json.loads((step / "manifest.json").read_text())["format_version"] == 5
+    layout = json.loads((step / "dtensors.json").read_text())
+    assert layout["meshes"] == [{"shape": [1, 2, 2], "start": 0, "strides": [0, 2, 1]}]
+    assert layout["tensors"]["model/up.weight"]["placements"] == ["R", "_S(0, 2)", "S(0)"]
+    # HSDP over TP (2 replicas), FSDP2 over dp_shard x cp alone, the plain 2x2 layout, and
+    # one process: each gets the saved state bit for bit.
+    for world, args in [
+        (4, {"titan": [2, 1, 1, 2]}),
+        (4, {"titan": [1, 2, 2, 1]}),
+        (4, {"mesh": [2, 2]}),
+        (2, {}),
+    ]:
+        for v in run("dtensor_scenarios:fsdp_tp_restore", world, tmp_path, **args):
+            assert v["step"] == 2
+            assert v["digests"] == saved["digests"], args
+    model = make_mlp(seed=1)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    CheckpointManager(tmp_path / "store").restore({"model": model, "optim": opt})
+    assert digests(model, opt) == saved["digests"]
+    # An HSDP-over-TP save: each box written once, by one of its 2 replicas.
+    hsdp = tmp_path / "hsdp"
+    saved = run("dtensor_scenarios:fsdp_tp_save", 4, hsdp, titan=[2, 1, 1, 2])[0]
+    step = hsdp / "store" / "step-000000000002"
+    assert json.loads((step / "manifest.json").read_text())["format_version"] == 5
+    parts = [json.loads(p.read_text())["chunks"] for p in sorted(step.glob("_index.rank*"))]
+    held = [(n, tuple(c["offsets"])) for part in parts for n, cs in part.items() for c in cs]
+    assert len(held) == len(set(held))
+    for v in run("dtensor_scenarios:fsdp_tp_restore", 4, hsdp, titan=[1, 2, 1, 2]):
+        assert v["digests"] == saved["digests"]
+
+
 def test_a_strided_shard_that_is_no_box_is_refused_both_ways(tmp_path):
     # (Shard(0), _StridedShard(0, 2)) gives each rank rows i and i + 2 of its block. Stored
     # or read as the box of its first row (what compute_local_shape_and_global_offset
