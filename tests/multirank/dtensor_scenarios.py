@@ -623,26 +623,28 @@ def make_mlp(seed: int = 0) -> MLP:
     return MLP()
 
 
+def _tp_plan() -> dict[str, Any]:
+    """The MLP's tensor-parallel plan: each pair column- then row-wise."""
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {
+        "up": ColwiseParallel(),
+        "down": RowwiseParallel(),
+        "up2": ColwiseParallel(),
+        "down2": RowwiseParallel(),
+    }
+
+
 def fsdp_tp(model: MLP, dp: int, tp: int) -> None:
     """FSDP2 over tensor parallelism on a ``(dp, tp)`` mesh, as torchtitan lays out 2-D
     parallelism: ``parallelize_module`` on ``"tp"``, then ``fully_shard`` on ``"dp"``
     (the weights' placements ``(_StridedShard(0), Shard(0))`` for column-wise layers)."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     mesh = init_device_mesh("cpu", (dp, tp), mesh_dim_names=("dp", "tp"))
-    plan = {
-        "up": ColwiseParallel(),
-        "down": RowwiseParallel(),
-        "up2": ColwiseParallel(),
-        "down2": RowwiseParallel(),
-    }
-    parallelize_module(model, mesh["tp"], plan)
+    parallelize_module(model, mesh["tp"], _tp_plan())
     for layer in (model.up, model.down, model.up2, model.down2):
         fully_shard(layer, mesh=mesh["dp"])
     fully_shard(model, mesh=mesh["dp"])
@@ -656,22 +658,12 @@ def fsdp_tp_titan(model: MLP, dims: list[int]) -> None:
     slice of the world mesh by name: it holds a flattened dim."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import (
-        ColwiseParallel,
-        RowwiseParallel,
-        parallelize_module,
-    )
+    from torch.distributed.tensor.parallel import parallelize_module
 
     names = ("dp_replicate", "dp_shard", "cp", "tp")
     world = init_device_mesh("cpu", tuple(dims), mesh_dim_names=names)
     world[("dp_shard", "cp")]._flatten("dp_shard_cp")
-    plan = {
-        "up": ColwiseParallel(),
-        "down": RowwiseParallel(),
-        "up2": ColwiseParallel(),
-        "down2": RowwiseParallel(),
-    }
-    parallelize_module(model, world["tp"], plan)
+    parallelize_module(model, world["tp"], _tp_plan())
     dp = world[("dp_replicate", "dp_shard_cp")]
     for layer in (model.up, model.down, model.up2, model.down2):
         fully_shard(layer, mesh=dp)
