@@ -38,6 +38,13 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--bases", type=int, default=10, help="stores saved by real jobs")
     p.add_argument("--mutations", type=int, default=100, help="mutations of each store")
     p.add_argument("--seed", type=int, default=1)
+    p.add_argument(
+        "--seeds",
+        type=int,
+        nargs="+",
+        help="these trials' DTensor stores instead (e.g. 805 938 979 1017: format 5, "
+        "FSDP2 over TP's _StridedShard in the split index)",
+    )
     p.add_argument("--dir", type=Path, help="scratch directory")
     p.add_argument(
         "--wide-every",
@@ -49,18 +56,22 @@ def main(argv: list[str] | None = None) -> int:
     a = p.parse_args(argv)
     # Imported by name: the kit lives with the tests (its base stores come from a test job).
     kit = importlib.import_module("tests.metafuzz")
+    saved_format = importlib.import_module("tests.multirank.fuzz_scenarios").saved_format
     # Each refused step is logged ("skipping step 2: ..."): thousands of lines, none a finding.
     logging.getLogger("ckptstore").setLevel(logging.CRITICAL)
     work = a.dir or Path(tempfile.mkdtemp(prefix="meta-fuzz-"))
     t0 = time.perf_counter()
     findings: list[dict[str, object]] = []
     files: dict[str, int] = {}
+    formats: dict[str, int] = {}  # the format version of each base store
     n = 0
-    for b in range(a.bases):
-        seed = a.seed + b
+    seeds = a.seeds or [a.seed + b for b in range(a.bases)]
+    for b, seed in enumerate(seeds):
         # Every other store is a replicated one, saved whole by this process.
-        make = kit.make_plain_base if b % 2 else kit.make_base
+        make = kit.make_plain_base if b % 2 and not a.seeds else kit.make_base
         base, trial = make(seed, work / f"base-{seed}")
+        fmt = str(saved_format(base))
+        formats[fmt] = formats.get(fmt, 0) + 1
         rnd = random.Random(seed)
         for i in range(a.mutations):
             wide = a.wide_every > 0 and i % a.wide_every == 0
@@ -77,13 +88,15 @@ def main(argv: list[str] | None = None) -> int:
                 sys.stdout.flush()
     seconds = time.perf_counter() - t0
     print(
-        f"{n} mutations of {a.bases} stores (seeds {a.seed}..{a.seed + a.bases - 1}), "
-        f"{len(findings)} with findings, {seconds:.0f} s; files mutated: "
+        f"{n} mutations of {len(seeds)} stores (seeds {', '.join(map(str, seeds))}), "
+        f"{len(findings)} with findings, {seconds:.0f} s; format versions: "
+        + ", ".join(f"{k} x{v}" for k, v in sorted(formats.items()))
+        + "; files mutated: "
         + ", ".join(f"{k} x{v}" for k, v in sorted(files.items()))
     )
     if a.json:
-        doc = {"mutations": n, "bases": a.bases, "seed": a.seed, "seconds": round(seconds, 1),
-               "files": files, "findings": findings}  # fmt: skip
+        doc = {"mutations": n, "bases": len(seeds), "seeds": seeds, "seconds": round(seconds, 1),
+               "formats": formats, "files": files, "findings": findings}  # fmt: skip
         Path(a.json).write_text(json.dumps(doc, indent=1) + "\n")
     return 1 if findings else 0
 
