@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded reshard-fuzz meta-fuzz scale-real scale-sim scale-sim-tp clean
+.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded reshard-fuzz meta-fuzz scale-real scale-real-tp scale-sim scale-sim-tp clean
 
 venv: $(STAMP)
 
@@ -86,6 +86,11 @@ SCALE_BASELINE ?= 2f0f77c
 scale-real: $(STAMP)
 	$(BIN)/python tools/scale_real.py --worlds 2 4 8 16 --baseline $(SCALE_BASELINE) \
 		--json benchmarks/results/scale_real.json --plot docs/img/scale_real.png
+
+# FSDP2 over TP (TP 2) on 4..16 ranks, beside the last ckptstore that wrote it as format 2.
+scale-real-tp: $(STAMP)
+	$(BIN)/python tools/scale_real.py --worlds 4 8 16 --tp 2 --baseline 75d5986 \
+		--json benchmarks/results/scale_real_tp.json --plot docs/img/scale_real_tp.png
 
 # The same at 64..16,384 ranks, one simulated rank at a time on a fake process group.
 scale-sim: $(STAMP)

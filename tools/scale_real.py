@@ -20,6 +20,10 @@ Timings on a 2-core machine running 16 processes measure contention, not the pro
 read the bytes and counts, and the CPU seconds only as a trend.
 
     .venv/bin/python tools/scale_real.py --worlds 2 4 8 16 --json out.json --plot docs/scale.png
+
+``--tp T`` builds FSDP2 over tensor parallelism instead (torchtitan's 2-D layout): a
+``(world / T, T)`` mesh, the layers column- and row-wise parallel on ``"tp"``, FSDP2 on
+``"dp"``; its column-wise weights are ``(_StridedShard(0, T), Shard(0))``.
 """
 
 from __future__ import annotations
@@ -41,9 +45,9 @@ from benchkit.units import binary as _b  # noqa: E402
 from rankserver import RankServer  # noqa: E402
 
 
-def rank_entry(store: str, result: str, layers: int) -> None:
+def rank_entry(store: str, result: str, layers: int, tp: int = 1) -> None:
     """One rank, forked by ``measure``'s ``RankServer``: see ``rank_main``."""
-    rank_main(argparse.Namespace(store=store, result=result, layers=layers))
+    rank_main(argparse.Namespace(store=store, result=result, layers=layers, tp=tp))
 
 
 def rank_main(args: argparse.Namespace) -> None:
@@ -60,11 +64,28 @@ def rank_main(args: argparse.Namespace) -> None:
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
 
+    tp = int(getattr(args, "tp", 1) or 1)
+
     def build() -> tuple[nn.Module, torch.optim.Optimizer]:
         torch.manual_seed(0)
         # Odd sizes: FSDP2's shards of dim 0 are uneven on most world sizes.
         model = nn.Sequential(*(nn.Linear(24, 24) for _ in range(args.layers)))
-        mesh = init_device_mesh("cpu", (world,))
+        if tp > 1:  # FSDP2 over TP on (world / tp, tp): layers column- then row-wise
+            from torch.distributed.tensor.parallel import (
+                ColwiseParallel,
+                RowwiseParallel,
+                parallelize_module,
+            )
+
+            mesh2 = init_device_mesh("cpu", (world // tp, tp), mesh_dim_names=("dp", "tp"))
+            plan: dict[str, Any] = {
+                str(i): ColwiseParallel() if i % 2 == 0 else RowwiseParallel()
+                for i in range(args.layers)
+            }
+            parallelize_module(model, mesh2["tp"], plan)
+            mesh = mesh2["dp"]
+        else:
+            mesh = init_device_mesh("cpu", (world,))
         for layer in model:
             fully_shard(layer, mesh=mesh)
         fully_shard(model, mesh=mesh)
@@ -109,6 +130,7 @@ def rank_main(args: argparse.Namespace) -> None:
             for a, b in zip(model.parameters(), fresh.parameters(), strict=True)
         )
         out["restored_equal"] = bool(same)
+        out["format_version"] = mgr.manifest().format_version
     Path(f"{args.result}.rank{rank}").write_text(json.dumps(out))
     dist.destroy_process_group()
 
@@ -197,7 +219,7 @@ def _by_phase(records: list[tuple[str, str, int, int, int, float]]) -> dict[str,
 
 
 def measure(
-    worlds: list[int], layers: int, timeout: float, code: Path | None = None
+    worlds: list[int], layers: int, timeout: float, code: Path | None = None, tp: int = 1
 ) -> list[dict[str, Any]]:
     """Every world size's per-rank results; ``code``: a tree whose ckptstore the ranks run.
 
@@ -220,7 +242,7 @@ def measure(
         for world in worlds:
             with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as tmp:
                 work = Path(tmp)
-                args = [str(work / "store"), str(work / "result"), layers]
+                args = [str(work / "store"), str(work / "result"), layers, tp]
                 codes = server.run("scale_real:rank_entry", args, world, demo.port(), timeout)
                 if None in codes.values():
                     sys.exit(f"scale_real: world {world} hung past {timeout}s — this is a bug")
@@ -252,7 +274,7 @@ def summary(runs: list[dict[str, Any]]) -> str:
     """A table: rank 0 and the worst non-zero rank, per world size and operation."""
     head = (
         f"{'ranks':>5} {'op':<8} {'coll':>4} {'calls':>5} | {'rank 0 recv':>11} "
-        f"{'sent':>8} {'cpu s':>6} | {'max other recv':>14} {'sent':>8} {'cpu s':>6}"
+        f"{'sent':>8} {'cpu s':>6} | {'max other recv':>14} {'sent':>8} {'cpu s':>6} {'fmt':>3}"
     )
     lines = [head, "-" * len(head)]
     for run in runs:
@@ -264,7 +286,8 @@ def summary(runs: list[dict[str, Any]]) -> str:
                 f"{run['world']:>5} {op:<8} {r0['collectives'] or '-':>4} {r0['calls']:>5} | "
                 f"{_b(r0['received']):>11} {_b(r0['sent']):>8} {r0['cpu']:>6.2f} | "
                 f"{_b(max(o['received'] for o in others)):>14} "
-                f"{_b(max(o['sent'] for o in others)):>8} {max(o['cpu'] for o in others):>6.2f}"
+                f"{_b(max(o['sent'] for o in others)):>8} {max(o['cpu'] for o in others):>6.2f} "
+                f"{ranks[0].get('format_version', '-'):>3}"
             )
     return "\n".join(lines)
 
@@ -316,6 +339,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--worlds", type=int, nargs="+", default=[2, 4, 8, 16])
     p.add_argument("--layers", type=int, default=60)
+    p.add_argument(
+        "--tp",
+        type=int,
+        default=1,
+        help="FSDP2 over tensor parallelism of this size on (world / TP, TP) (1: FSDP2 alone)",
+    )
     p.add_argument("--timeout", type=float, default=600)
     p.add_argument(
         "--baseline",
@@ -330,13 +359,13 @@ def main() -> None:
     if args.replot:
         plot(json.loads(args.replot.read_text()), args.plot)
         return
-    runs = measure(args.worlds, args.layers, args.timeout)
+    runs = measure(args.worlds, args.layers, args.timeout, tp=args.tp)
     print("this tree:\n" + summary(runs))
     doc: dict[str, Any] = {"current": runs}
     if args.baseline:
         with tempfile.TemporaryDirectory(prefix="ckpt-baseline-") as tmp:
             code = extract(args.baseline, Path(tmp))
-            doc["baseline"] = measure(args.worlds, args.layers, args.timeout, code)
+            doc["baseline"] = measure(args.worlds, args.layers, args.timeout, code, tp=args.tp)
         print(f"\nbaseline {args.baseline}:\n" + summary(doc["baseline"]))
     if args.json:
         args.json.write_text(json.dumps(doc, indent=1))
