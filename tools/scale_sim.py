@@ -172,22 +172,24 @@ class Peers:
         if found is None:
             shape = self.shapes[name]
             coord = coordinate(r, mshape)
+            piece = shape[0] // mshape[1] if len(mshape) == 2 else 0
+            size = -(-piece // mshape[0])
             if len(mshape) == 2 and i % 2 == 0:
                 # Column-wise FSDP2 over TP, in closed form: torch's strided arithmetic
                 # lists every row (a 32k-row list a call at 16,384 ranks, for each of the
                 # N peers). TP piece j of rows // TP rows, then part i of it over "dp";
-                # checked against torch's on small meshes.
-                piece = shape[0] // mshape[1]
-                size = -(-piece // mshape[0])
+                # checked against torch's on small meshes. An empty box sits at the end of
+                # the dim, as torch places it.
                 start = min(coord[0] * size, piece)
                 rows = max(0, min(piece, start + size) - start)
-                found = ((coord[1] * piece + start, 0), (rows, shape[1]))
+                at = coord[1] * piece + start if rows else shape[0]
+                found = ((at, 0), (rows, shape[1]))
                 if self.world <= 256 and r < 64:
                     _, placements = param_layout(i, mshape)
                     sizes, offs = _compute_local_shape_and_global_offset(
                         shape, mshape, coord, placements
                     )
-                    if rows and found != (tuple(offs), tuple(sizes)):
+                    if found != (tuple(offs), tuple(sizes)):
                         raise AssertionError((name, r, found, offs, sizes))
             else:
                 _, placements = param_layout(i, mshape)
