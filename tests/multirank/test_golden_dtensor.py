@@ -208,3 +208,4 @@ def test_saving_strided_state_today_reproduces_the_v5_golden_bytes(tmp_path: Pat
     old = json.loads((GOLDEN5 / STEP / "manifest.json").read_text())
     for key in ("files", "sharding", "format_version", "world_size", "metrics", "metadata"):
         assert new[key] == old[key], key
+    assert new["rank_table"] == old["rank_table"] == {"count": 4, "width": 258}
