@@ -57,7 +57,8 @@ def golden(request: pytest.FixtureRequest, tmp_path: Path) -> tuple[Path, str]:
 
 
 def test_checked_in_stores_hold_only_the_step() -> None:
-    # v2-, v3- and v4-dtensor(-b256k) have their own tests (tests/multirank/test_golden_dtensor.py).
+    # v2-, v3-, v4-dtensor(-b256k) and v5-dtensor have their own tests
+    # (tests/multirank/test_golden_dtensor.py).
     names = sorted(p.name for p in GOLDEN.iterdir())
     assert names == [
         "v1-safetensors",
@@ -66,6 +67,7 @@ def test_checked_in_stores_hold_only_the_step() -> None:
         "v3-dtensor",
         "v4-dtensor",
         "v4-dtensor-b256k",
+        "v5-dtensor",
     ]
     for name, fmt in FORMATS.items():
         assert [p.name for p in (GOLDEN / name).iterdir()] == [STEP_DIR]
