@@ -23,12 +23,12 @@ pytestmark = pytest.mark.timeout(180)
 
 @pytest.mark.parametrize(
     ("seed", "kind"),
-    [(3, "dtensor"), (4, "dtensor"), (805, "dtensor"), (6, "plain"), (7, "plain")],
+    [(3, "dtensor"), (805, "dtensor"), (6, "plain"), (7, "plain")],
 )
 def test_forged_metadata_is_refused_or_read_exactly(tmp_path: Path, seed: int, kind: str) -> None:
-    # A base store: two DTensor steps saved by a real job (trial seeds 3 and 4: 2 and 4
-    # ranks; 805: 4 ranks, format 5, _StridedShard in the split index), or two replicated
-    # steps saved by this process (6: safetensors, 7: torch's format). Then 40 mutations of
+    # A base store: two DTensor steps saved by a real job (trial seed 3: 2 ranks, format 4;
+    # 805: 4 ranks, format 5, _StridedShard in the split index), or two replicated steps
+    # saved by this process (6: safetensors, 7: torch's format). Then 40 mutations of
     # step 2, each checked: clear errors or exact bytes, step 1 restored; every 6th also
     # restored by a real job on the trial's restore world.
     make = make_base if kind == "dtensor" else make_plain_base
