@@ -162,29 +162,14 @@ def strided_problem(
 ) -> str | None:
     """Why a layout with ``_StridedShard`` is not computed as nested chunks, or ``None``.
 
-    The split index computes a strided layout's boxes in one case only, the one FSDP2 over
-    tensor parallelism makes: a tensor dim sharded by ``_StridedShard(d, sf)`` on one mesh
-    dim and ``Shard(d)`` on one later mesh dim of ``sf`` ranks, with ``sf`` dividing the
-    tensor dim. Then rank ``(i, j)`` holds part ``i`` of the ``j``-th of ``sf`` equal
-    pieces, which is nested ``torch.chunk`` in :func:`_order`'s order (checked against
-    DTensor's arithmetic in the tests). torch's TP needs the divisibility anyway; where it
-    fails, DTensor's rows and nested chunks can differ (7 rows on a 3x2 mesh), and such a
-    save keeps format 2's full chunk list.
+    The split index computes a strided layout's boxes in the one case
+    :func:`ckptstore.state.strided.strided_problem` admits, FSDP2 over tensor parallelism's,
+    in :func:`_order`'s order; such a save is format 5, any other keeps format 2's full
+    chunk list.
     """
-    for d, mdims in _order(objs).items():
-        strided = [m for m in mdims if objs[m].sf]
-        if not strided:
-            continue
-        # _order reversed the mesh order: [the Shard dim, the _StridedShard dim]
-        if len(mdims) != 2 or strided != [mdims[1]] or mdims[1] > mdims[0]:
-            spelled = [f"_S({d}, {objs[m].sf})" if objs[m].sf else f"S({d})" for m in mdims]
-            return f"tensor dim {d} is sharded as {spelled}, not as _S(d, sf) then S(d)"
-        sf = objs[mdims[1]].sf
-        if sf != mshape[mdims[0]]:
-            return f"split factor {sf} is not the {mshape[mdims[0]]} ranks of mesh dim {mdims[0]}"
-        if not 0 <= d < len(tshape) or tshape[d] % sf:
-            return f"split factor {sf} does not divide tensor dim {d}"
-    return None
+    from ..state.strided import strided_problem as problem
+
+    return problem(tshape, mshape, [(p.dim, p.sf) for p in objs])
 
 
 def _mesh_spec(mesh: Any) -> dict[str, Any]:

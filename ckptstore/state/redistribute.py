@@ -113,30 +113,24 @@ def shard_is_box(shape: Any, mesh: Any, placements: Any) -> bool:
 def _nested(shape: Any, mesh: Any, placements: Any, strided: type) -> bool:
     """Whether every ``_StridedShard`` here is FSDP2 over TP's, whose parts are boxes.
 
-    That is ``_StridedShard(d, sf)`` on one mesh dim, then ``Shard(d)`` on exactly one later
-    mesh dim of ``sf`` ranks, with ``sf`` dividing dim ``d``. Each rank's part is then part
-    ``i`` of the ``j``-th of ``sf`` equal pieces (nested ``torch.chunk``), a box on every
-    rank; the split index computes these boxes so (``split_index.strided_problem``, the
-    same rule on its spelling).
+    The arrangement :func:`ckptstore.state.strided.strided_problem` admits, the rule the
+    split index computes boxes by: each rank's part is nested ``torch.chunk`` splits.
     """
     from torch.distributed.tensor import Shard
 
-    by_dim: dict[int, list[tuple[int, Any]]] = {}
-    for mdim, place in enumerate(placements):
+    from .strided import strided_problem
+
+    shards: list[tuple[int | None, int]] = []
+    for place in placements:
         p: Any = place  # Shard, _StridedShard (not a Shard subclass), Replicate, Partial
-        if type(place) is strided or isinstance(place, Shard):
-            by_dim.setdefault(int(p.dim), []).append((mdim, p))
-    for d, on in by_dim.items():
-        kinds = [type(p) is strided for _, p in on]
-        if not any(kinds):
-            continue
-        if kinds != [True, False]:
-            return False
-        (_, first), (second, _) = on
-        sf = int(first.split_factor)
-        if sf != mesh.size(second) or not 0 <= d < len(shape) or int(shape[d]) % sf:
-            return False
-    return True
+        if type(place) is strided:
+            shards.append((int(p.dim), int(p.split_factor)))
+        elif isinstance(place, Shard):
+            shards.append((int(p.dim), 0))
+        else:
+            shards.append((None, 0))
+    mshape = [mesh.size(m) for m in range(len(shards))]
+    return strided_problem([int(n) for n in shape], mshape, shards) is None
 
 
 def _strided_type() -> type | None:
