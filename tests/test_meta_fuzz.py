@@ -100,3 +100,27 @@ def test_a_dtensor_step_whose_manifest_lists_no_index_is_refused(
     mpath = root / step_dir(2) / MANIFEST
     mpath.write_bytes(forge_manifest(mpath.read_bytes(), lambda d: d["files"].pop("dtensors.json")))
     _falls_back(root, values, state, "lists no dtensors.json")
+
+
+@pytest.mark.parametrize(
+    ("placements", "version", "error"),
+    [
+        # A format-4 step spells no _StridedShard: refused, not computed.
+        (["_S(0, 1)"], 4, r"placements \['_S\(0, 1\)'\] are not R or S\(dim\)"),
+        # Format 5 admits it only before an S(d) of sf ranks.
+        (["_S(0, 1)"], 5, r"sharded as \['_S\(0, 1\)'\], not as _S\(d, sf\) then S\(d\)"),
+    ],
+)
+def test_a_strided_placement_the_index_cannot_compute_is_refused_and_the_good_step_restores(
+    mesh: object, tmp_path: Path, placements: list[str], version: int, error: str
+) -> None:
+    root = tmp_path / "s"
+    values, state = two_dtensor_steps(mesh, root, 5, (8, 3))
+    step = root / step_dir(2)
+    index = json.loads((step / "dtensors.json").read_bytes())
+    index["tensors"]["model/w"]["placements"] = placements
+    replace_payload(step, "dtensors.json", json.dumps(index).encode())
+    mpath = step / MANIFEST
+    forged = forge_manifest(mpath.read_bytes(), lambda d: d.update(format_version=version))
+    mpath.write_bytes(forged)
+    _falls_back(root, values, state, error)
