@@ -10,6 +10,7 @@ publishes. What travels between ranks stays plain tuples (``("ok", value)``,
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,13 +54,17 @@ class ShardJob:
     boxes: dict[str, tuple[str, tuple[int, ...], Any]]
     layout: Any
     #: Rank 0: ``{"meta": {name: (dtype, shape)}, "global": the split index's
-    #: dtensors.json or None}`` (it writes the chunk index from them). Other ranks of a split
-    #: save: ``{"names": every DTensor's name, sorted}``; else None.
+    #: dtensors.json or None, "strided": bool}`` (it writes the chunk index from them), all
+    #: None until ``describe`` ran. Other ranks of a split save: ``{"names": every DTensor's
+    #: name, sorted}``; else None.
     md: Any
     #: The rest of the state (written by rank 0 only).
     encoded: Encoded
     #: The save writes the split index (each rank its part; see ``sharded.split_index``).
     split: bool = False
+    #: Rank 0, where ``md`` is not filled in yet (the first save of a layout): fills it.
+    #: Run beside the shard writes (``write.write_dtensor``), off the save's critical path.
+    describe: Callable[[], None] | None = None
 
 
 @dataclass(frozen=True)

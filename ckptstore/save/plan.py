@@ -17,6 +17,7 @@ with the world size.
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
@@ -225,6 +226,15 @@ def _on_gpu(
     )
 
 
+def _describe(md: dict[str, Any], flat: Mapping[str, Any], split: bool) -> None:
+    """Fill rank 0's ``md`` (see ``ShardJob.md``) from the DTensors of ``flat``."""
+    meta = sharding.tensor_meta(flat)
+    glob = split_index.global_bytes(flat) if split else None
+    strided = split and split_index.is_strided(flat)
+    md["global"], md["strided"] = glob, strided
+    md["meta"] = meta  # last: None until the whole description is made
+
+
 def _job(  # noqa: PLR0917 - private to this stage
     session: Session,
     collector: sharding.DTensorCollector,
@@ -249,16 +259,18 @@ def _job(  # noqa: PLR0917 - private to this stage
         local = sharding.save_plans(collector.flat, coord.is_leader)
         mine = sharding.dedup_local(local, collector.flat, split=split)
         meta = None
-        if coord.is_leader:  # what rank 0 writes dtensors.json from
-            meta = sharding.tensor_meta(collector.flat)
-            glob = split_index.global_bytes(collector.flat) if split else None
-            strided = split and split_index.is_strided(collector.flat)
-            meta = {"meta": meta, "global": glob, "strided": strided}
+        if coord.is_leader:  # what rank 0 writes dtensors.json from: see describe below
+            meta = {"meta": None, "global": None, "strided": False}
         elif split:  # every rank counts what it wrote of each tensor, in one order
             meta = {"names": sorted(collector.flat)}
         specs = sharding.box_specs(mine)
         layout = sharding.layouts(collector.flat)  # what the layout key also holds
         cache.entry = ((key, split), mine, meta, specs, layout)
+    describe = None
+    if meta is not None and "meta" in meta and meta["meta"] is None:
+        # Rank 0's description of every DTensor (~15 ms for 600 of them), made beside its
+        # shard writes rather than before them; kept with the plan for the next saves.
+        describe = functools.partial(_describe, meta, collector.flat, split)
     mark(clock, "global_plan")
     boxes = sharding.local_boxes(mine, collector.flat, specs)
     if opts.async_save or _on_gpu(boxes, groups):
@@ -275,7 +287,12 @@ def _job(  # noqa: PLR0917 - private to this stage
             }
         staging.end()
     job = ShardJob(
-        boxes=boxes, layout=layout, md=meta, encoded=Encoded(encoded.tree, groups), split=split
+        boxes=boxes,
+        layout=layout,
+        md=meta,
+        encoded=Encoded(encoded.tree, groups),
+        split=split,
+        describe=describe,
     )
     mark(clock, "boxes")
     return job

@@ -94,9 +94,12 @@ def write_dtensor(
     """Phase 1 of a DTensor save: this rank's boxes, and rank 0 the rest of the state."""
     plain = None
     if is_leader:
-        # Rank 0's plain part is written alongside its shards, not after them.
+        # Rank 0's plain part is written alongside its shards, not after them; so is its
+        # description of the DTensors made (job.describe), on a first save of the layout.
         plain = functools.partial(write_files, pending, job.encoded, None, opts)
-    table = sharding.write_shards(pending, rank, job.boxes, job.layout, also=plain)
+    table = sharding.write_shards(
+        pending, rank, job.boxes, job.layout, also=_in_turn(job.describe, plain)
+    )
     told: dict[str, Any] = {}
     if job.split:
         # This rank's part of the index, beside its shards; rank 0 hears only how much of
@@ -113,6 +116,19 @@ def write_dtensor(
     # Rank 0 keeps what it writes the index from (not sent: finish_sharded takes it out).
     md = job.md if is_leader else None
     return ("ok", {"files": files, "md": md, "split": job.split, **told})
+
+
+def _in_turn(*calls: Callable[[], None] | None) -> Callable[[], None] | None:
+    """One call that makes ``calls`` (the Nones left out) one after another; None if none."""
+    todo = [c for c in calls if c is not None]
+    if len(todo) <= 1:
+        return todo[0] if todo else None
+
+    def run() -> None:
+        for c in todo:
+            c()
+
+    return run
 
 
 def make_manifest(  # noqa: PLR0917 - private to the pipeline

@@ -172,7 +172,12 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
     """A DTensor's local shard; a plain tensor itself."""
     if not is_dtensor(t):
         return t
-    with torch.no_grad():  # the local tensor itself, not an autograd function's (~40 us)
+    # What to_local() returns under no_grad (the local tensor itself, not an autograd
+    # function's), without entering no_grad: ~3 us a call, thousands of calls a restore.
+    loc = getattr(t, "_local_tensor", None)
+    if type(loc) is torch.Tensor:
+        return loc
+    with torch.no_grad():
         return t.to_local()  # type: ignore[attr-defined,no-any-return]
 
 
