@@ -12,6 +12,10 @@ find their pages mapped, and the faults run on a core the reads leave idle.
 memory's contents never change, so any range of a live tensor may be given. Where the
 kernel lacks it (``EINVAL`` on a probe page), or outside Linux, nothing is done. A range
 that fails (unmapped since, locked, poisoned) is skipped: the reads fault it as before.
+Memory that is already in place (a trained model's, an optimizer's that took a step) has
+nothing to fault in, yet populating it still walks every page: 30-60 ms of CPU for 768 MB
+on the test VM. Each step is first asked about with ``mincore`` (~3 ms for 768 MB) and
+populated only where a page of it is missing.
 
 :func:`advise_huge` asks for transparent huge pages under a new buffer
 (``MADV_HUGEPAGE``): the ``O_DIRECT`` buffers of ``storage.directio``.
@@ -30,7 +34,15 @@ from types import TracebackType
 from ._libc import libc_function
 from ._log import logger as log
 
-__all__ = ["MIN_BYTES", "STEP", "Prefaulter", "advise_huge", "populate", "supported"]
+__all__ = [
+    "MIN_BYTES",
+    "STEP",
+    "Prefaulter",
+    "advise_huge",
+    "populate",
+    "resident",
+    "supported",
+]
 
 #: ``MADV_POPULATE_WRITE`` (``<asm-generic/mman-common.h>``, Linux 5.14).
 _MADV_POPULATE_WRITE = 23
@@ -50,6 +62,22 @@ _probed = False
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
     """The C library's ``madvise`` (Linux only), or None; looked up once."""
     return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
+
+
+def resident(address: int, nbytes: int) -> bool:
+    """Whether every page of ``[address, address + nbytes)`` is in memory (``mincore``).
+
+    ``address`` is a page boundary. False where it cannot be told (no ``mincore``, or the
+    kernel refuses the range): the caller then populates, as it would have.
+    """
+    fn = libc_function("mincore", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p))
+    pages = -(-nbytes // _PAGE)
+    if fn is None or pages <= 0:
+        return False
+    vec = (ctypes.c_ubyte * pages)()
+    if fn(address, nbytes, vec) != 0:
+        return False
+    return all(b & 1 for b in bytes(vec))
 
 
 def _probe() -> Callable[[int, int, int], int] | None:
@@ -110,7 +138,7 @@ def populate(address: int, nbytes: int, stop: threading.Event | None = None) -> 
     refuses (``ENOMEM``: not mapped; ``EFAULT``, ``EPERM``, ``EHWPOISON``: see madvise(2)).
 
     Returns:
-        The bytes populated (0 where unsupported).
+        The bytes populated, or found in memory already (0 where unsupported).
     """
     if not supported() or _madvise is None:
         return 0
@@ -121,6 +149,9 @@ def populate(address: int, nbytes: int, stop: threading.Event | None = None) -> 
         if stop is not None and stop.is_set():
             break
         n = min(STEP, hi - lo - done)
+        if resident(lo + done, n):
+            done += n  # in place already: nothing to fault in
+            continue
         if _madvise(lo + done, n, _MADV_POPULATE_WRITE) != 0:
             err = ctypes.get_errno()
             log.debug("madvise(MADV_POPULATE_WRITE) refused: %s", os.strerror(err))

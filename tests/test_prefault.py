@@ -71,6 +71,33 @@ def test_populate_leaves_the_pages_it_shares_in_part_alone(region: tuple[mmap.mm
 
 
 @needs_populate
+def test_populate_asks_the_kernel_only_for_steps_with_a_page_missing(
+    region: tuple[mmap.mmap, int], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Memory in place already (a trained model's) is not walked again, page by page."""
+    _, address = region
+    assert not _prefault.resident(address, 256 * PAGE)  # fresh: no page there yet
+    _faults_writing(address, 64 * PAGE)  # the first 64 pages in place, the rest not
+    assert _prefault.resident(address, 64 * PAGE)
+    assert not _prefault.resident(address, 65 * PAGE)
+    assert _prefault._madvise is not None
+    real = _prefault._madvise
+    asked: list[tuple[int, int]] = []
+
+    def counting(at: int, n: int, advice: int) -> int:
+        asked.append((at - address, n))
+        return real(at, n, advice)
+
+    monkeypatch.setattr(_prefault, "_madvise", counting)
+    monkeypatch.setattr(_prefault, "STEP", 32 * PAGE)
+    assert populate(address, 256 * PAGE) == 256 * PAGE
+    # Steps 0 and 1 (pages 0..63) were in place; steps 2..7 were populated, each once.
+    assert asked == [(k * 32 * PAGE, 32 * PAGE) for k in range(2, 8)]
+    assert _prefault.resident(address, 256 * PAGE)
+    assert _faults_writing(address, 256 * PAGE) <= 8
+
+
+@needs_populate
 def test_an_unmapped_range_is_skipped() -> None:
     m = mmap.mmap(-1, 4 * PAGE, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     anchor = ctypes.c_char.from_buffer(m)
