@@ -40,18 +40,6 @@ def crc32c_of(data: Any, crc: int = 0) -> int:
     return int(_crc32c.crc32c(data, crc))
 
 
-def crc32c_held(data: Any, crc: int = 0) -> int:
-    """:func:`crc32c_of`, computed without releasing the GIL.
-
-    For a thread among many that checks one block after another (a restore's readers):
-    each release and re-acquisition of the GIL, twice a block with the copy after it, made
-    the 8 reading threads of a process contend for it. Holding it through a 256 KiB block
-    (~20 us) cost a 768 MB restore ~25% less CPU in its reads (0.27-0.33 s instead of
-    0.35-0.40 s, session 26); the other threads wait in ``preadv`` meanwhile, without it.
-    """
-    return int(_crc32c.crc32c(data, crc, 0))  # gil_release_mode=0: never release
-
-
 def format_crc(crc: int) -> str:
     """The manifest's spelling of a checksum: 8 lowercase hex digits."""
     return f"{crc:08x}"

@@ -224,7 +224,7 @@ def test_requests_in_flight_are_capped_while_other_runs_are_checked(
     lock = threading.Lock()
     now = {"reads": 0, "checks": 0}
     most = {"reads": 0, "both": 0}
-    real_read, real_crc = extents.read_into, extents.crc32c_held
+    real_read, real_crc = extents.read_into, extents.crc32c_of
 
     def count(kind: str, fn: Any, *a: Any) -> Any:
         with lock:
@@ -239,7 +239,7 @@ def test_requests_in_flight_are_capped_while_other_runs_are_checked(
                 now[kind] -= 1
 
     monkeypatch.setattr(extents, "read_into", lambda *a: count("reads", real_read, *a))
-    monkeypatch.setattr(extents, "crc32c_held", lambda *a: count("checks", real_crc, *a))
+    monkeypatch.setattr(extents, "crc32c_of", lambda *a: count("checks", real_crc, *a))
     monkeypatch.setattr(extents, "EXTENT", 4 * BLOCK)
     t = torch.randn(1024, 64)  # 64 blocks: 22 runs of 3
     index = _stored(files, t, 16)

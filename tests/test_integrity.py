@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import ctypes
 import json
 import os
 from pathlib import Path
@@ -12,7 +11,7 @@ import pytest
 import torch
 from _helpers import MANIFEST, step_dir
 
-from ckptstore import CheckpointManager, FileEntry, IntegrityError, _libc
+from ckptstore import CheckpointManager, FileEntry, IntegrityError
 from ckptstore.integrity import (
     BLOCK,
     BlockCRC,
@@ -20,7 +19,6 @@ from ckptstore.integrity import (
     SubBlocks,
     check_blocks,
     crc32c_combine,
-    crc32c_held,
     crc32c_of,
 )
 from ckptstore.storage import LocalStorage
@@ -30,30 +28,6 @@ from ckptstore.storage import LocalStorage
 def test_combine_equals_the_crc_of_the_concatenation(la: int, lb: int) -> None:
     a, b = os.urandom(la), os.urandom(lb)
     assert crc32c_combine(crc32c_of(a), crc32c_of(b), lb) == crc32c_of(a + b)
-
-
-@pytest.mark.parametrize("n", [0, 1, 4099, 256 << 10])
-def test_the_checks_and_copies_that_hold_the_gil_compute_what_the_others_do(n: int) -> None:
-    """A restore's readers check and copy each block without handing the GIL around."""
-    data = bytearray(os.urandom(n + 3))
-    view = memoryview(data)[3:]
-    assert crc32c_held(view) == crc32c_of(view) == crc32c_of(bytes(data[3:]))
-    assert crc32c_held(view[n // 2 :], crc32c_held(view[: n // 2])) == crc32c_of(view)
-    dest = bytearray(n + 8)
-    src = (ctypes.c_char * len(data)).from_buffer(data)
-    dst = (ctypes.c_char * len(dest)).from_buffer(dest)
-    _libc.memmove_held(ctypes.addressof(dst) + 5, ctypes.addressof(src) + 3, n)
-    del src, dst
-    assert dest[5 : 5 + n] == data[3:]
-    assert dest[:5] == bytes(5)
-    assert dest[5 + n :] == bytes(3)
-
-
-def test_memmove_held_is_a_call_that_keeps_the_gil() -> None:
-    """A PyDLL function: ctypes calls it with the GIL held (``ctypes.memmove`` drops it)."""
-    fn = _libc._held_memmove()
-    assert fn._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
-    assert not ctypes.memmove._flags_ & ctypes._FUNCFLAG_PYTHONAPI  # type: ignore[attr-defined]
 
 
 def test_combine_is_exact_for_any_length_and_associative() -> None:

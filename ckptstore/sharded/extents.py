@@ -15,10 +15,9 @@ dropped). A box larger than :data:`EXTENT` is cut at its CRC blocks. Each run is
 a stage from a small pool of huge-page buffers (``directio.new_buffer``; a stage of 4 KiB
 pages splits a request into ~0.6 MiB segments on a ``segment_capped`` disk), its blocks
 are checked there while still in cache, and ``memmove`` copies each box's bytes into its
-target (both holding the GIL: see ``integrity.crc32c_held``). The runs go on twice
-``targets.READ_THREADS`` threads, with ``READ_THREADS`` requests at the disk at once
-(``targets.run_tasks``): the checks and copies of the runs that just landed never leave
-the disk idle.
+target (the GIL released). The runs go on twice ``targets.READ_THREADS`` threads, with
+``READ_THREADS`` requests at the disk at once (``targets.run_tasks``): the checks and copies
+of the runs that just landed never leave the disk idle.
 
 Used by a sharded restore (``targets.read_into``) and by DCP's ``dcp.load`` through
 ``CkptStoreReader`` (``dcp.py``), where the store reads with ``O_DIRECT`` (``io``, or
@@ -48,9 +47,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 
 import torch
 
-from .._libc import memmove_held
 from ..errors import IntegrityError
-from ..integrity import crc32c_held
+from ..integrity import crc32c_of
 from ..storage.directio import ALIGN, new_buffer, read_into
 from .chunks import Chunk
 
@@ -320,7 +318,7 @@ def read_run(
                 for k in range(p.k0, p.k1):
                     k_lo, k_hi = k * block, min((k + 1) * block, chunk.nbytes)
                     at = chunk.start + k_lo - run.start
-                    if crc32c_held(view[at : at + k_hi - k_lo]) != chunk.crcs[k]:
+                    if crc32c_of(view[at : at + k_hi - k_lo]) != chunk.crcs[k]:
                         raise IntegrityError(
                             f"{where}: tensor {p.name!r}: block {k} of its chunk at "
                             f"{list(chunk.offsets)} in {run.file} (bytes {chunk.start + k_lo}..) "
@@ -328,8 +326,8 @@ def read_run(
                         )
                     if p.device is None:
                         a, b = max(k_lo, p.first), min(k_hi, p.end)
-                        # Checked: now, and only now, into the target.
-                        memmove_held(p.address + (a - p.first), base + at + (a - k_lo), b - a)
+                        # Checked: now, and only now, into the target (memmove drops the GIL).
+                        ctypes.memmove(p.address + (a - p.first), base + at + (a - k_lo), b - a)
                 if p.device is not None:
                     # Every block of the piece checked: its bytes to the device in one copy
                     # (not one a block: each copy is a launch of its own), synchronous, so
