@@ -5,7 +5,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench crashtest crashtest-sharded reshard-fuzz meta-fuzz scale-real scale-real-tp scale-sim scale-sim-tp clean
+.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench bench-ab crashtest crashtest-sharded reshard-fuzz meta-fuzz scale-real scale-real-tp scale-sim scale-sim-tp clean
 
 venv: $(STAMP)
 
@@ -59,6 +59,12 @@ demo-fsdp: $(STAMP)
 BENCH_ARGS ?=
 bench: $(STAMP)
 	$(BIN)/python tools/bench.py $(BENCH_ARGS)
+
+# This tree's ckptstore against commit BASELINE, side by side: the sharded save and restores.
+BASELINE ?= HEAD
+AB_ARGS ?=
+bench-ab: $(STAMP)
+	$(BIN)/python tools/bench_ab.py --baseline $(BASELINE) $(AB_ARGS)
 
 # The long crash campaign (make test runs a short one).
 CRASH_ARGS ?=
