@@ -38,6 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
+import demo  # tools/demo.py (tools/ is on the path): free ports, a rank's torchrun environment
+
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
 OPS = ("save-2", "restore-2to1", "restore-2to3", "restore-4to2")
@@ -136,9 +138,6 @@ def run_ranks(
     code: Path, spec: dict[str, Any], world: int, work: Path, timeout: float
 ) -> list[dict[str, Any]]:
     """Run one operation on ``world`` fresh interpreters that import ``code``'s ckptstore."""
-    sys.path.insert(0, str(TOOLS))
-    import demo  # tools/demo.py: free ports, a rank's environment as torchrun sets it
-
     port = demo.port()
     procs, outs = [], []
     for rank in range(world):
