@@ -156,6 +156,8 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
     assert doc["config"]["layers"] == 2
     sh = doc["sharded"]
     assert sh["state_bytes"] == sum(sh["per_rank_bytes"]) > 2_000_000
+    # Every rank ran this repository's ckptstore, and the JSON says which one.
+    assert sh["ranks_ckptstore_path"] == [str(REPO / "ckptstore")]
     rows = {(r["contender"], r["op"]): r for r in sh["rows"]}
     contenders = ["dcp", "ckpt", "dcp-ckpt"] + (["raw"] if ("raw", "save-2") in rows else [])
     for c in contenders:

@@ -486,6 +486,11 @@ def worker(jobdir_name: str) -> None:
         dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=3600))
     rank = rank_of()
     out = save_job(job) if job["kind"] == "save" else restore_job(job)
+    import ckptstore
+
+    # The ckptstore this rank ran: the repository's, whatever the parent imported (the
+    # server puts it first on the ranks' path; see start_server).
+    out["ckptstore_path"] = str(Path(ckptstore.__file__).resolve().parent)
     (jobdir / f"result.rank{rank}.json").write_text(json.dumps(out))
     if dist_on():
         import torch.distributed as dist
@@ -655,7 +660,10 @@ def run(
                 ),
             }
         )
+    ran = sorted({r["ckptstore_path"] for w in per_save.values() for r in w})
     return {
+        # Where the ranks' ckptstore came from (machine.ckptstore_path is the parent's).
+        "ranks_ckptstore_path": ran,
         "state_bytes": state_bytes,
         "state_bytes_4": bytes_of[SAVE_WORLD_4],
         "per_rank_bytes_4": [r["local_bytes"] for r in per_save[SAVE_WORLD_4]],
