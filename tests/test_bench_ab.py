@@ -12,6 +12,7 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
+import baseline  # noqa: E402
 import bench_ab  # noqa: E402 - tools/ is not a package
 
 
@@ -36,7 +37,7 @@ def test_an_unknown_operation_is_refused_by_name() -> None:
 
 
 def test_baseline_extraction_holds_that_commits_package(tmp_path: Path) -> None:
-    out = bench_ab.extract("HEAD", tmp_path / "code")
+    out = baseline.extract("HEAD", tmp_path / "code")
     assert (out / "ckptstore" / "__init__.py").is_file()
     assert not (out / "tests").exists()  # the package only
 

@@ -39,6 +39,7 @@ from pathlib import Path
 from typing import Any
 
 import demo  # tools/demo.py (tools/ is on the path): free ports, a rank's torchrun environment
+from baseline import extract
 
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
@@ -95,24 +96,18 @@ def rank_main(spec: dict[str, Any]) -> None:
     state = {"model": model, "optimizer": opt}
     store = Path(spec["store"])
     out: dict[str, Any] = {"rank": rank, "ckptstore": str(Path(ckptstore.__file__).parent)}
+    mgr = CheckpointManager(store, keep=None, barrier_timeout=600)
+    if kind == "restore" and rank == 0:
+        drop_cache(store)  # a cold restore
+    barrier()
+    c0, t0 = time.process_time(), time.perf_counter()
     if kind == "save":
-        mgr = CheckpointManager(store, keep=None, barrier_timeout=600)
-        barrier()
-        c0, t0 = time.process_time(), time.perf_counter()
         mgr.save(1, state)
-        out["seconds"], out["cpu"] = time.perf_counter() - t0, time.process_time() - c0
-        mgr.close()
-        out["sums"] = sums(model, opt)
     else:
-        mgr = CheckpointManager(store, keep=None, barrier_timeout=600)
-        if rank == 0:
-            drop_cache(store)
-        barrier()
-        c0, t0 = time.process_time(), time.perf_counter()
         mgr.restore(state)
-        out["seconds"], out["cpu"] = time.perf_counter() - t0, time.process_time() - c0
-        mgr.close()
-        out["sums"] = sums(model, opt)
+    out["seconds"], out["cpu"] = time.perf_counter() - t0, time.process_time() - c0
+    mgr.close()
+    out["sums"] = sums(model, opt)
     barrier()
     Path(spec["out"]).write_text(json.dumps(out))
     if world > 1:
@@ -122,16 +117,6 @@ def rank_main(spec: dict[str, Any]) -> None:
 
 
 # ---- the driver ----------------------------------------------------------------------------------
-
-
-def extract(rev: str, into: Path) -> Path:
-    """The ckptstore package of commit ``rev`` of this repository, under ``into``."""
-    into.mkdir(parents=True, exist_ok=True)
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev, "ckptstore"], check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
 
 
 def run_ranks(

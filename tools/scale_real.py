@@ -41,6 +41,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
 import demo  # noqa: E402  (a free port)
+from baseline import extract  # noqa: E402
 from benchkit.units import binary as _b  # noqa: E402
 from rankserver import RankServer  # noqa: E402
 
@@ -257,17 +258,6 @@ def measure(
                     sys.exit(f"scale_real: world {world}: a rank failed: {bad[:2]}")
                 runs.append({"world": world, "ranks": ranks})
     return runs
-
-
-def extract(rev: str, into: Path) -> Path:
-    """The ckptstore package of commit ``rev`` of this repository, under ``into``."""
-    import subprocess
-
-    archive = subprocess.run(
-        ["git", "-C", str(ROOT), "archive", rev, "ckptstore"], check=True, capture_output=True
-    ).stdout
-    subprocess.run(["tar", "-x", "-C", str(into)], input=archive, check=True)
-    return into
 
 
 def summary(runs: list[dict[str, Any]]) -> str:

@@ -55,6 +55,7 @@ import time
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from baseline import extract
 from benchkit.units import binary as _b
 
 if TYPE_CHECKING:
@@ -172,14 +173,14 @@ class Peers:
         if found is None:
             shape = self.shapes[name]
             coord = coordinate(r, mshape)
-            piece = shape[0] // mshape[1] if len(mshape) == 2 else 0
-            size = -(-piece // mshape[0])
             if len(mshape) == 2 and i % 2 == 0:
                 # Column-wise FSDP2 over TP, in closed form: torch's strided arithmetic
                 # lists every row (a 32k-row list a call at 16,384 ranks, for each of the
                 # N peers). TP piece j of rows // TP rows, then part i of it over "dp";
                 # checked against torch's on small meshes. An empty box sits at the end of
                 # the dim, as torch places it.
+                piece = shape[0] // mshape[1]
+                size = -(-piece // mshape[0])
                 start = min(coord[0] * size, piece)
                 rows = max(0, min(piece, start + size) - start)
                 at = coord[1] * piece + start if rows else shape[0]
@@ -709,14 +710,7 @@ def main() -> None:
         work = Path(tmp)
         code = None
         if args.baseline:
-            code = work / "baseline"
-            code.mkdir()
-            tar = subprocess.run(
-                ["git", "-C", str(ROOT), "archive", args.baseline, "ckptstore"],
-                check=True,
-                capture_output=True,
-            ).stdout
-            subprocess.run(["tar", "-x", "-C", str(code)], input=tar, check=True)
+            code = extract(args.baseline, work / "baseline")
         for world in args.worlds:
             for label, tree in (("current", None), ("baseline", code)):
                 if label == "baseline" and tree is None:
