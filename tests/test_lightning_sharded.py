@@ -5,10 +5,11 @@ small model sharded with ``fully_shard`` in ``configure_model`` on 2 ranks. One 
 (tests/lightning_sharded_worker.py, started once: each run is a new Trainer in the same
 processes) fits 3 epochs, resumes from its epoch-1 checkpoint, loads a copy with a corrupt
 shard, resumes ``"last"`` from a copy whose newest checkpoints are corrupt, and saves a
-checkpoint holding an object only pickle could store (on both ranks, then on rank 1 only);
-a 1-rank job resumes the 2-rank
-checkpoint. Each rank records digests of the full parameters and Adam
-state (and the learning rate) when training starts, at each epoch's end and at the end.
+checkpoint holding an object only pickle could store (on both ranks, then on rank 1 only),
+and last resumes the checkpoint of a 4-rank job of FSDP2 over tensor parallelism, started
+just before it; a 1-rank job resumes the 2-rank checkpoint. Each rank records digests of the
+full parameters and Adam state (and the learning rate) when training starts, at each epoch's
+end and at the end.
 """
 
 from __future__ import annotations
@@ -35,6 +36,12 @@ pytestmark = [
 
 WORKER = REPO / "tests" / "lightning_sharded_worker.py"
 FIT = "fit"  # 3 epochs of 2 steps: epoch=1-step=4 and epoch=2-step=6 kept, and last
+# ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2) on 4 ranks, then
+# FSDP2 alone on 2 ranks resuming its epoch-1 checkpoint (the module's 2-rank job runs it).
+FIT2D = [{"name": "fit2d", "epochs": 2, "tp": 2, "hidden": 6}]
+RESUME2D = {"name": "resume2d", "epochs": 3, "hidden": 6, "ckpt": "fit2d/epoch=1-step=4.ckpt"}
+# A test of the module's jobs: the first of them to run pays for both (at most 200 s + 170 s).
+JOB_TIMEOUT = 420
 
 
 def launch(out: Path, devices: int, plan: list[dict[str, Any]], timeout: float) -> None:
@@ -88,11 +95,20 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     ]
     plan.append({"name": "unsafe", "epochs": 1, "unsafe": True})
     plan.append({"name": "unsafe1", "epochs": 1, "unsafe": "rank1"})
+    # The 4-rank job of test_fsdp2_over_tensor_parallel_resumes_on_data_parallel_alone
+    # first: its 2-rank resume is this job's last run, so one pair of processes (each
+    # importing Lightning: ~7 s of CPU) serves every 2-rank run. Its failure is that test's.
+    try:
+        launch(out, 4, FIT2D, timeout=200)
+    except (AssertionError, pytest.fail.Exception) as e:
+        (out / "fit2d.failed").write_text(str(e))
+    else:
+        plan.append(RESUME2D)
     launch(out, 2, plan, timeout=170)
     return out
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(JOB_TIMEOUT)
 def test_fit_saves_every_rank_shards_through_ckptstore(
     job: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
@@ -137,7 +153,7 @@ def test_fit_saves_every_rank_shards_through_ckptstore(
         assert _sha(full["state_dict"][name].contiguous()) == digest, name
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(JOB_TIMEOUT)
 def test_resume_continues_bit_identically(job: Path) -> None:
     fit = [trained(r) for r in rows(job, FIT, 2)]
     for rank, row in enumerate(rows(job, "resume", 2)):
@@ -150,7 +166,7 @@ def test_resume_continues_bit_identically(job: Path) -> None:
         assert row["end"] == fit[rank]["end"]  # the last epoch again: bit for bit the same
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(JOB_TIMEOUT)
 def test_resume_on_another_world_size(job: Path) -> None:
     fit = trained(rows(job, FIT, 2)[0])
     launch(job, 1, [{"name": "one", "epochs": 3, "ckpt": f"{FIT}/epoch=1-step=4.ckpt"}], 120)
@@ -166,7 +182,7 @@ def test_resume_on_another_world_size(job: Path) -> None:
         assert mgr.verify().ok
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(JOB_TIMEOUT)
 def test_corrupt_shard_fails_the_load_on_every_rank(job: Path) -> None:
     for row in rows(job, "explicit", 2):
         assert "start" not in row  # training never began from a corrupt checkpoint
@@ -175,7 +191,7 @@ def test_corrupt_shard_fails_the_load_on_every_rank(job: Path) -> None:
         assert "does not verify" in row["error"]["message"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(JOB_TIMEOUT)
 def test_corrupt_last_falls_back_to_the_newest_checkpoint_that_verifies(job: Path) -> None:
     fit = [trained(r) for r in rows(job, FIT, 2)]
     for rank, row in enumerate(rows(job, "fallback", 2)):
@@ -186,7 +202,7 @@ def test_corrupt_last_falls_back_to_the_newest_checkpoint_that_verifies(job: Pat
         assert row["end"] == fit[rank]["end"]
 
 
-@pytest.mark.timeout(240)
+@pytest.mark.timeout(JOB_TIMEOUT)
 def test_an_object_that_needs_pickle_fails_the_save_on_every_rank(job: Path) -> None:
     for row in rows(job, "unsafe", 2):
         assert row["error"]["type"] == "UnsafeCheckpointError", row["error"]
@@ -265,25 +281,23 @@ def test_a_failure_before_the_save_reaches_every_rank_with_who_failed(tmp_path: 
             assert two["message"] == named
 
 
-@pytest.mark.timeout(300)
-def test_fsdp2_over_tensor_parallel_resumes_on_data_parallel_alone(tmp_path: Path) -> None:
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_fsdp2_over_tensor_parallel_resumes_on_data_parallel_alone(job: Path) -> None:
     # ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2): the model's
     # layers column- and row-wise parallel, FSDP2 over them (weights (_StridedShard(0),
-    # Shard(0))). Saved by 4 ranks through CkptStoreIO, resumed by 2 ranks of FSDP2 alone,
-    # bit for bit, and trained on.
-    plan = [{"name": "fit2d", "epochs": 2, "tp": 2, "hidden": 6}]
-    launch(tmp_path, 4, plan, timeout=200)
-    fit = [trained(r) for r in rows(tmp_path, "fit2d", 4)]
-    store = tmp_path / "fit2d" / "epoch=1-step=4.ckpt"
+    # Shard(0))). Saved by 4 ranks through CkptStoreIO (FIT2D), resumed by 2 ranks of FSDP2
+    # alone (RESUME2D, the module job's last run), bit for bit, and trained on.
+    failed = job / "fit2d.failed"
+    assert not failed.exists(), failed.read_text()
+    fit = [trained(r) for r in rows(job, "fit2d", 4)]
+    store = job / "fit2d" / "epoch=1-step=4.ckpt"
     with CheckpointManager(store, distributed=False, create=False) as mgr:
         index = json.loads((store / f"step-{4:012d}" / "dtensors.json").read_text())
         assert mgr.manifest().world_size == 4
         assert mgr.manifest().format_version == 5  # the split index spells _StridedShard
     placements = {tuple(t["placements"]) for t in index["tensors"].values()}
     assert ("_S(0, 2)", "S(0)") in placements
-    plan = [{"name": "resume2d", "epochs": 3, "hidden": 6, "ckpt": "fit2d/epoch=1-step=4.ckpt"}]
-    launch(tmp_path, 2, plan, timeout=200)
-    resumed = [trained(r) for r in rows(tmp_path, "resume2d", 2)]
+    resumed = [trained(r) for r in rows(job, "resume2d", 2)]
     assert [r["start_step"] for r in resumed] == [4, 4]
     assert all(r["start"] == fit[0]["epochs"]["1"] for r in resumed)
     assert [r["end_step"] for r in resumed] == [6, 6]
