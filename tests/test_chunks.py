@@ -19,6 +19,8 @@ from ckptstore.sharded.chunks import (
     TensorEntry,
     block_crcs,
     box_byte_range,
+    fast_chunk,
+    parse_chunk,
     read_box,
     read_box_into,
 )
@@ -115,6 +117,124 @@ def test_hostile_index_is_refused(edit: dict[str, Any], message: str) -> None:
     with pytest.raises(IntegrityError, match=r"step-1/dtensors\.json") as ei:
         parse(edit)
     assert message in str(ei.value)
+
+
+def _row_mutations() -> list[Any]:
+    """Chunk rows one edit away from a good one: each field's wrong types, bounds, spellings."""
+    good = doc()["tensors"]["model/w"]["chunks"][0]
+    good = dict(good, crc32c=["0000abcd"])
+    values: dict[str, list[Any]] = {
+        "offsets": [
+            [0, 0],
+            [1, 0],
+            [3, 0],
+            [4, 0],
+            [0, -1],
+            [0.0, 0],
+            [True, 0],
+            [0],
+            [0, 0, 0],
+            (0, 0),
+            "00",
+            None,
+            [0, 1 << 60],
+        ],
+        "sizes": [[4, 6], [3, 6], [4, 5], [8, 6], [-4, 6], [4, 6.0], [4, True], [4], None],
+        "file": [
+            "_shards.rank00000.safetensors",
+            "_shards.rank00001.safetensors",
+            "state.json",
+            "big.json",
+            "packed.safetensors",
+            "other.safetensors",
+            "../x",
+            ".hidden",
+            "",
+            None,
+            7,
+            "_shards.rank00000.safetensors\x00",
+        ],
+        "start": [0, 100, 904, 905, -1, True, 100.0, "100", None],
+        "bytes": [96, 95, 97, 0, -96, True, 96.0, None],
+        "crc32c": [
+            ["0000abcd"],
+            ["0000ABCD"],
+            ["0x00abcd"],
+            [" 000abcd"],
+            ["+000abcd"],
+            ["0000_bcd"],
+            ["0000abc"],
+            ["0000abcde"],
+            ["0000abc", "d"],
+            ["abcd"],
+            ["0000abcd", "0000abcd"],
+            [],
+            ["zzzzzzzz"],
+            [0xABCD],
+            [None],
+            "0000abcd",
+            ["0000ab d"],
+            ["0000 ab "],
+            ["0000abc\u00e9"],
+            None,
+        ],
+    }
+    rows: list[Any] = [(4096, r) for r in (good, [], None, "row")]
+    for key, vs in values.items():
+        rows += [(4096, dict(good, **{key: v})) for v in vs]
+        rows.append((4096, {k: v for k, v in good.items() if k != key}))
+    # Blocks of 64 bytes: two CRCs a row, of 8 characters each and not only in all.
+    for crcs in (
+        ["0000abcd", "0000abce"],
+        ["0000abc", "d0000abc"],
+        ["0000abc", "d0000abcd"],
+        ["0000abcd0", "000abcd"],
+        ["0000abcd"],
+        ["0000abcd"] * 3,
+    ):
+        rows.append((64, dict(good, crc32c=crcs)))
+    return rows
+
+
+#: FILES, and payloads of the right size that a chunk may still not point into.
+WIDE = {
+    **FILES,
+    "big.json": FileEntry(1000, 0, "json"),
+    "packed.safetensors": FileEntry(1000, 0, "safetensors", "zstd"),
+}
+
+
+@pytest.mark.parametrize(("block", "row"), _row_mutations())
+def test_the_fast_row_parse_accepts_and_makes_exactly_what_the_full_check_does(
+    block: int, row: Any
+) -> None:
+    entry = TensorEntry("float32", (7, 6), ())
+    try:
+        want: Chunk | None = parse_chunk(row, entry, WIDE, block, "step-1/_index.rank00000.json")
+    except IntegrityError:
+        want = None
+    payloads: dict[str, FileEntry] = {}
+    got = fast_chunk(row, (7, 6), 4, WIDE, block, payloads)
+    if want is None:
+        assert got is None  # refused: the caller asks parse_chunk, which says why
+    elif got is not None:  # or None for a spelling only parse_chunk takes ("0x...")
+        assert got == want
+        assert type(got.crcs[0]) is int
+        assert got.crcs == want.crcs
+        assert payloads == {got.file: WIDE[got.file]}
+    # Every row a save writes, or of plain hex digits, takes the fast path.
+    if want and all(c in "0123456789abcdefABCDEF" for c in "".join(row["crc32c"])):
+        assert got == want
+
+
+def test_a_part_of_rows_the_fast_path_doubts_parses_as_before() -> None:
+    # The index parsed with a row only parse_chunk takes ("0x" CRC) and one it refuses.
+    d = doc()
+    d["tensors"]["model/w"]["chunks"][0]["crc32c"] = ["0x000001"]
+    assert parse(d).tensors["model/w"].chunks[0].crcs == (1,)
+    d["tensors"]["model/w"]["chunks"][1]["crc32c"] = [True]
+    with pytest.raises(IntegrityError, match=r"chunk 1: crc32c values must be 8 hex digits"):
+        parse(d)
 
 
 def test_gaps_and_overlaps_are_refused() -> None:

@@ -24,11 +24,12 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..codec.dtypes import ITEMSIZE
-from ..errors import IntegrityError
+from ..errors import IntegrityError, ManifestError
 from ..integrity import crc32c_of, format_crc, parse_crc
 from ..manifest import FileEntry, validate_file_name
 
@@ -188,8 +189,9 @@ class ChunkIndex:
         if not isinstance(raw, dict):
             raise IntegrityError(f"{where}: 'tensors' must be an object")
         budget = [_MAX_CHUNKS]
+        payloads: dict[str, FileEntry] = {}
         tensors = {
-            str(name): _tensor_entry(name, row, files, block, budget, where)
+            str(name): _tensor_entry(name, row, files, block, budget, where, payloads)
             for name, row in raw.items()
         }
         check_disjoint(((n, c) for n, t in tensors.items() for c in t.chunks), where)
@@ -220,6 +222,7 @@ def _tensor_entry(  # noqa: PLR0917 - a private validator with one call site
     block: int,
     budget: list[int],
     where: str,
+    payloads: dict[str, FileEntry],
 ) -> TensorEntry:
     at = f"{where}: tensor {name!r}"
     if not isinstance(name, str) or not name or len(name) > 4096:
@@ -241,7 +244,9 @@ def _tensor_entry(  # noqa: PLR0917 - a private validator with one call site
     chunks = []
     volume = 0
     for i, c in enumerate(raw_chunks):
-        chunk = _chunk(c, shape, dtype, itemsize, files, block, f"{at} chunk {i}")
+        chunk = fast_chunk(c, shape, itemsize, files, block, payloads)
+        if chunk is None:
+            chunk = _chunk(c, shape, dtype, itemsize, files, block, f"{at} chunk {i}")
         volume += math.prod(chunk.sizes)
         chunks.append(chunk)
     if volume != numel or _overlap(chunks):
@@ -263,6 +268,78 @@ def parse_chunk(
         IntegrityError: the row is malformed, outside its tensor or its file.
     """
     return _chunk(c, entry.shape, entry.dtype, ITEMSIZE[entry.dtype], files, block, where)
+
+
+def fast_chunk(  # noqa: PLR0917 - parse_chunk's arguments, and the caller's cache
+    c: object,
+    shape: tuple[int, ...],
+    itemsize: int,
+    files: Mapping[str, FileEntry],
+    block: int,
+    payloads: dict[str, FileEntry],
+) -> Chunk | None:
+    """The chunk row ``c`` as :func:`parse_chunk` returns it, or None where it has a doubt.
+
+    The rows a save writes, checked in few steps: exact JSON types, a file name checked
+    once per parse (``payloads``: the names found to be uncompressed safetensors payloads
+    of ``files``, filled here), the CRCs decoded in one pass. A restoring rank parses every
+    row of the index parts it reads before its first read: 1,176 rows for the middle rank
+    of the bench's 2 -> 3 restore took 22 ms (19 us a row) through :func:`parse_chunk`
+    alone. Where this returns None, the caller passes the row to :func:`parse_chunk`,
+    which raises with its message, or returns the chunk of a spelling only it takes (a
+    CRC with a ``0x`` prefix, an ``int`` subclass): the rows accepted, and the chunks
+    made of them, are the same either way.
+    """
+    if type(c) is not dict:
+        return None
+    offsets, sizes = c.get("offsets"), c.get("sizes")
+    n = len(shape)
+    if type(offsets) is not list or type(sizes) is not list:
+        return None
+    if len(offsets) != n or len(sizes) != n:
+        return None
+    numel = 1
+    for o, s, d in zip(offsets, sizes, shape, strict=True):  # shape checked: o, s <= _MAX_DIM
+        if type(o) is not int or type(s) is not int or o < 0 or s < 0 or o + s > d:
+            return None
+        numel *= s
+    fname = c.get("file")
+    if type(fname) is not str:
+        return None
+    fe = payloads.get(fname)
+    if fe is None:
+        try:
+            validate_file_name(fname)
+        except ManifestError:  # parse_chunk says why
+            return None
+        fe = files.get(fname)
+        if fe is None or fe.codec != "safetensors" or fe.compression is not None:
+            return None
+        payloads[fname] = fe
+    start, nbytes = c.get("start"), c.get("bytes")
+    if type(start) is not int or type(nbytes) is not int or start < 0:
+        return None
+    if nbytes != numel * itemsize or start + nbytes > fe.bytes:
+        return None
+    crcs_raw = c.get("crc32c")
+    if type(crcs_raw) is not list:
+        return None
+    k = len(crcs_raw)
+    if k != -(-nbytes // block):
+        return None
+    try:
+        text = "".join(crcs_raw)  # TypeError: an item is not a string
+        # Every item 8 characters: none longer, and 8 a piece in all. fromhex skips
+        # whitespace, so a string of 8 k characters that decodes to 4 k bytes is all hex.
+        if len(text) != 8 * k or (k and max(map(len, crcs_raw)) != 8):
+            return None
+        raw = bytes.fromhex(text)
+    except (TypeError, ValueError):
+        return None
+    if len(raw) != 4 * k:
+        return None
+    crcs = struct.unpack(f">{k}I", raw)
+    return Chunk(tuple(offsets), tuple(sizes), fname, start, nbytes, crcs)
 
 
 def _chunk(  # noqa: PLR0917 - a private validator

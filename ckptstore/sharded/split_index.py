@@ -29,6 +29,7 @@ import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
+from ..codec.dtypes import ITEMSIZE
 from ..errors import IntegrityError
 from ..manifest import SPLIT_FORMAT_VERSION, STRIDED_FORMAT_VERSION, FileEntry, Manifest
 from .chunks import (
@@ -351,7 +352,6 @@ class Layout:
         Raises:
             IntegrityError: malformed or hostile.
         """
-        from ..codec.dtypes import ITEMSIZE
         from .chunks import _ints, _strs
 
         doc = _load_json(data, where, "chunk index")
@@ -516,7 +516,7 @@ class Layout:
         files: Mapping[str, FileEntry],
         where: str,
     ) -> dict[tuple[str, tuple[int, ...]], Chunk]:
-        from .chunks import parse_chunk
+        from .chunks import fast_chunk, parse_chunk
 
         doc = _load_json(data, where, "chunk index part")
         if doc.get("ckptstore_chunk_part") != _PART_FORMAT or doc.get("rank") != rank:
@@ -527,12 +527,16 @@ class Layout:
         if not isinstance(rows, dict):
             raise IntegrityError(f"{where}: 'chunks' must be an object")
         out: dict[tuple[str, tuple[int, ...]], Chunk] = {}
+        payloads: dict[str, FileEntry] = {}  # fast_chunk's: the file names found good
         for name, cs in rows.items():
             entry = self.tensors.get(name)
             if entry is None or not isinstance(cs, list):
                 raise IntegrityError(f"{where}: {name!r} is not in the index, yet has chunks here")
+            itemsize = ITEMSIZE[entry.dtype]
             for i, c in enumerate(cs):
-                chunk = parse_chunk(c, entry, files, self.block, f"{where}: {name!r} chunk {i}")
+                chunk = fast_chunk(c, entry.shape, itemsize, files, self.block, payloads)
+                if chunk is None:
+                    chunk = parse_chunk(c, entry, files, self.block, f"{where}: {name!r} chunk {i}")
                 out[(name, chunk.offsets)] = chunk
         return out
 
