@@ -21,9 +21,10 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from ckptstore.errors import IntegrityError
 from ckptstore.integrity import format_crc
 from ckptstore.manifest import FileEntry
+from ckptstore.sharded import chunks as chunks_mod
 from ckptstore.sharded import plan as sharding
 from ckptstore.sharded import split_index as si
-from ckptstore.sharded.chunks import BLOCK, TensorEntry
+from ckptstore.sharded.chunks import BLOCK, ChunkIndex, TensorEntry
 
 
 def _names(objs: list[Any]) -> tuple[str, ...]:
@@ -420,6 +421,51 @@ def test_real_split_layouts_share_no_bytes() -> None:
     merged = lay.merged(parts.__getitem__, files, "t")
     assert len(merged.tensors["rows"].chunks) == 4
     lay.merged(parts.__getitem__, files, "t", away={1, 2})
+
+
+def test_the_whole_of_a_large_job_merges_and_a_part_keeps_its_bound(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """verify's view of a job's index: a format-2 index holds at most ``_MAX_CHUNKS`` rows,
+    but a split one of many ranks holds more in all (16,384 ranks of 600 DTensors: 9.8
+    million); each part keeps that bound itself."""
+    lay = _layout_of(REAL)
+    parts, files = _parts(lay)
+    whole = lay.merged(parts.__getitem__, files, "t")
+    # The same chunks, and the same checks, as the format-2 parser makes of them.
+    assert ChunkIndex.from_bytes(whole.to_bytes(), files, "t") == whole
+    total = sum(len(e.chunks) for e in whole.tensors.values())
+    per_part = max(sum(map(len, json.loads(p)["chunks"].values())) for p in parts.values())
+    monkeypatch.setattr(chunks_mod, "_MAX_CHUNKS", total - 1)
+    with pytest.raises(IntegrityError, match="chunks; the index is hostile"):
+        ChunkIndex.from_bytes(whole.to_bytes(), files, "t")
+    assert lay.merged(parts.__getitem__, files, "t") == whole
+    assert total > per_part > 1
+    monkeypatch.setattr(si, "MAX_PART_CHUNKS", per_part - 1)
+    for call in (
+        lambda: lay.merged(parts.__getitem__, files, "step-3/dtensors.json"),
+        lambda: lay.resolve(_full(lay), parts.__getitem__, files, "step-3/dtensors.json"),
+    ):
+        with pytest.raises(IntegrityError, match=r"_index\.rank0000\d\.json: more than \d+ chunks"):
+            call()
+
+
+def test_the_merged_whole_refuses_a_tensor_its_parts_leave_uncovered() -> None:
+    lay = _layout_of(REAL)
+    parts, files = _parts(lay)
+    doc = json.loads(parts[1])
+    del doc["chunks"]["rows"]
+    parts[1] = json.dumps(doc).encode()
+    with pytest.raises(IntegrityError, match=r"t: tensor 'rows': its chunks do not cover"):
+        lay.merged(parts.__getitem__, files, "t")
+    lay.merged(parts.__getitem__, files, "t", away={1})  # rank 1's node checks its own
+    parts, _ = _parts(lay)
+    for r, data in parts.items():
+        doc = json.loads(data)
+        doc["chunks"].pop("bias", None)
+        parts[r] = json.dumps(doc).encode()
+    with pytest.raises(IntegrityError, match=r"tensor 'bias': 'chunks' must be a non-empty"):
+        lay.merged(parts.__getitem__, files, "t")
 
 
 def _chunk_of(lay: si.Layout, name: str) -> tuple[int, dict[str, Any]]:

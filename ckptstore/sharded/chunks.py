@@ -45,6 +45,7 @@ __all__ = [
     "block_crcs",
     "box_byte_range",
     "check_disjoint",
+    "check_tiling",
     "parse_chunk",
     "read_box",
     "shard_file",
@@ -234,7 +235,6 @@ def _tensor_entry(  # noqa: PLR0917 - a private validator with one call site
         raise IntegrityError(f"{at}: unsupported dtype {dtype!r}")
     itemsize = ITEMSIZE[dtype]
     shape = _ints(row.get("shape"), "shape", at)
-    numel = math.prod(shape)
     raw_chunks = row.get("chunks")
     if not isinstance(raw_chunks, list) or not raw_chunks:
         raise IntegrityError(f"{at}: 'chunks' must be a non-empty list")
@@ -242,21 +242,30 @@ def _tensor_entry(  # noqa: PLR0917 - a private validator with one call site
     if budget[0] < 0:
         raise IntegrityError(f"{where}: more than {_MAX_CHUNKS} chunks; the index is hostile")
     chunks = []
-    volume = 0
     for i, c in enumerate(raw_chunks):
         chunk = fast_chunk(c, shape, itemsize, files, block, payloads)
         if chunk is None:
             chunk = _chunk(c, shape, dtype, itemsize, files, block, f"{at} chunk {i}")
-        volume += math.prod(chunk.sizes)
         chunks.append(chunk)
-    if volume != numel or _overlap(chunks):
-        raise IntegrityError(
-            f"{at}: its chunks do not cover the {list(shape)} tensor exactly (gaps or overlaps)"
-        )
+    check_tiling(chunks, shape, at)
     mesh = _ints(row.get("mesh", []), "mesh", at)
     dims = _strs(row.get("mesh_dims", []), "mesh_dims", at)
     placements = _strs(row.get("placements", []), "placements", at)
     return TensorEntry(dtype, shape, tuple(chunks), mesh, dims, placements)
+
+
+def check_tiling(chunks: Sequence[Chunk], shape: tuple[int, ...], at: str) -> None:
+    """Refuse chunks (each inside ``shape``) that do not tile the tensor exactly.
+
+    Raises:
+        IntegrityError: none at all, a gap or an overlap; ``at`` names the tensor.
+    """
+    if not chunks:
+        raise IntegrityError(f"{at}: 'chunks' must be a non-empty list")
+    if sum(math.prod(c.sizes) for c in chunks) != math.prod(shape) or _overlap(chunks):
+        raise IntegrityError(
+            f"{at}: its chunks do not cover the {list(shape)} tensor exactly (gaps or overlaps)"
+        )
 
 
 def parse_chunk(

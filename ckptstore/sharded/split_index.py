@@ -34,15 +34,16 @@ from ..errors import IntegrityError
 from ..manifest import SPLIT_FORMAT_VERSION, STRIDED_FORMAT_VERSION, FileEntry, Manifest
 from .chunks import (
     BLOCK,
-    INDEX_FORMAT,
     MAX_INDEX_BYTES,
     Chunk,
     ChunkIndex,
     TensorEntry,
     check_disjoint,
+    check_tiling,
 )
 
 __all__ = [
+    "MAX_PART_CHUNKS",
     "SPLIT_FORMAT",
     "Layout",
     "global_bytes",
@@ -63,6 +64,9 @@ __all__ = [
 SPLIT_FORMAT = 2
 #: ``ckptstore_chunk_part`` of a part.
 _PART_FORMAT = 1
+#: Most chunk rows one part may hold (a rank writes a few per tensor): the bound that a
+#: format-2 index puts on the whole, here on each part, so a store of any world size merges.
+MAX_PART_CHUNKS = 1 << 22
 #: Most mesh coordinates searched for one tensor whose placements are not plain
 #: ``Shard``/``Replicate`` (their boxes are enumerated, not computed).
 _MAX_ENUMERATED = 1 << 20
@@ -528,10 +532,16 @@ class Layout:
             raise IntegrityError(f"{where}: 'chunks' must be an object")
         out: dict[tuple[str, tuple[int, ...]], Chunk] = {}
         payloads: dict[str, FileEntry] = {}  # fast_chunk's: the file names found good
+        budget = MAX_PART_CHUNKS
         for name, cs in rows.items():
             entry = self.tensors.get(name)
             if entry is None or not isinstance(cs, list):
                 raise IntegrityError(f"{where}: {name!r} is not in the index, yet has chunks here")
+            budget -= len(cs)
+            if budget < 0:
+                raise IntegrityError(
+                    f"{where}: more than {MAX_PART_CHUNKS} chunks in one part; it is hostile"
+                )
             itemsize = ITEMSIZE[entry.dtype]
             for i, c in enumerate(cs):
                 chunk = fast_chunk(c, entry.shape, itemsize, files, self.block, payloads)
@@ -549,39 +559,36 @@ class Layout:
     ) -> ChunkIndex:
         """The whole index from every part the manifest lists, checked as format 2 is.
 
+        Every chunk row as a restore checks it, each tensor tiled exactly by its chunks,
+        and no two chunks sharing a byte: what ``ChunkIndex.from_bytes`` checks of a format-2
+        index, without writing one. (Merged into one format-2 document, the index of a
+        job of thousands of ranks, 600 DTensors each, was refused by that parser's bounds on
+        a whole index: 4,194,304 chunks, 512 MB. A part keeps its own bound.)
+
         ``away``: ranks whose files are not here (a node's copy on node-local roots). Their
         parts are not read, and the chunks of the others are each checked, but not whether
         they cover their tensors (the other nodes hold the rest).
         """
-        tensors: dict[str, dict[str, Any]] = {
-            n: {**e.to_json(), "chunks": []} for n, e in self.tensors.items()
-        }
         ranks = sorted(int(n[11:16]) for n in files if is_part(n) and n[11:16].isdigit())
-        if away:
-            found: dict[str, list[Chunk]] = {n: [] for n in self.tensors}
-            for rank in (r for r in ranks if r not in away):
-                pname = part_file(rank)
-                chunks = self._parse_part(read_part(rank), rank, files, f"{where}/{pname}")
-                for (name, _), chunk in chunks.items():
-                    found[name].append(chunk)
-            # The chunks here share no byte (those of the nodes away are theirs to check).
-            check_disjoint(((n, c) for n, cs in found.items() for c in cs), where)
-            return ChunkIndex(
-                tensors={
-                    n: dataclasses.replace(e, chunks=tuple(sorted(found[n], key=_offsets)))
-                    for n, e in self.tensors.items()
-                },
-                block=self.block,
-            )
-        for rank in ranks:
+        found: dict[str, list[Chunk]] = {n: [] for n in self.tensors}
+        for rank in (r for r in ranks if r not in away):
             pname = part_file(rank)
             chunks = self._parse_part(read_part(rank), rank, files, f"{where}/{pname}")
             for (name, _), chunk in chunks.items():
-                tensors[name]["chunks"].append(chunk.to_json())
-        for row in tensors.values():
-            row["chunks"].sort(key=lambda c: c["offsets"])
-        doc = {"ckptstore_chunks": INDEX_FORMAT, "block": self.block, "tensors": tensors}
-        return ChunkIndex.from_bytes(json.dumps(doc).encode(), files, where)
+                found[name].append(chunk)
+        tensors = {
+            n: dataclasses.replace(e, chunks=tuple(sorted(found[n], key=_offsets)))
+            for n, e in self.tensors.items()
+        }
+        if not away:
+            for n, e in tensors.items():
+                at = f"{where}: tensor {n!r}"
+                if len(n) > 4096:  # as format 2 bounds a name
+                    raise IntegrityError(f"{at}: a tensor name is a non-empty string")
+                check_tiling(e.chunks, e.shape, at)
+        # No two chunks share a byte (with nodes away: those here; theirs are theirs to check).
+        check_disjoint(((n, c) for n, e in tensors.items() for c in e.chunks), where)
+        return ChunkIndex(tensors=tensors, block=self.block)
 
 
 def merged(
