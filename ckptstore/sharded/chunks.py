@@ -83,7 +83,7 @@ def block_crcs(data: memoryview | bytes | bytearray, block: int = BLOCK) -> list
     return [crc32c_of(mv[i : i + block]) for i in range(0, len(mv), block)]
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(frozen=True, slots=True)
 class Chunk:
     """One saved shard of a tensor: a box of the full tensor, stored contiguously."""
 
