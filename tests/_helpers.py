@@ -53,6 +53,18 @@ def run_cli(capsys: Any, *argv: object) -> tuple[int, str, str]:
     return rc, out, err
 
 
+def run_tool(name: str, *argv: object, timeout: float) -> subprocess.CompletedProcess[str]:
+    """Run ``tools/<name>`` with ``argv`` (made strings) in a fresh interpreter; its result.
+
+    Fails the test, with the tail of both outputs, when it exits non-zero or outlives
+    ``timeout`` seconds (less than the test's own timeout: the output is then kept).
+    """
+    cmd = [sys.executable, str(REPO / "tools" / name), *map(str, argv)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=timeout, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    return proc
+
+
 def _touch(path: str) -> None:
     Path(path).write_text("code ran")
 

@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _helpers import run_tool
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -48,31 +48,10 @@ def test_both_versions_restore_their_own_store_and_are_timed_side_by_side(
 ) -> None:
     """A 2-rank save restored into one process, by this tree and by HEAD, each checked."""
     out = tmp_path / "ab.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "bench_ab.py"),
-            "--baseline",
-            "HEAD",
-            "--size",
-            "1MB",
-            "--rounds",
-            "1",
-            "--ops",
-            "restore-2to1",
-            "--dir",
-            str(tmp_path),
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=220,
-        check=False,
-    )
     # The tool exits non-zero where a rank imported another version's ckptstore than the
     # one it was given, or a restore loaded other values than its version saved.
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    args = ["--baseline", "HEAD", "--size", "1MB", "--rounds", 1, "--ops", "restore-2to1"]
+    proc = run_tool("bench_ab.py", *args, "--dir", tmp_path, "--json", out, timeout=220)
     doc = json.loads(out.read_text())
     assert doc["baseline"] == "HEAD"
     (row,) = doc["results"]

@@ -3,36 +3,16 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from _helpers import run_tool
 
 
 @pytest.mark.timeout(300)
 def test_a_non_zero_rank_receives_as_much_on_4_ranks_as_on_2(tmp_path: Path) -> None:
     out = tmp_path / "scale.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "scale_real.py"),
-            "--worlds",
-            "2",
-            "4",
-            "--layers",
-            "6",
-            "--json",
-            str(out),
-        ],
-        capture_output=True,
-        text=True,
-        timeout=280,
-        check=False,
-    )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-2000:]
+    proc = run_tool("scale_real.py", "--worlds", 2, 4, "--layers", 6, "--json", out, timeout=280)
     assert "this tree:" in proc.stdout
     runs = json.loads(out.read_text())["current"]
     assert [r["world"] for r in runs] == [2, 4]

@@ -3,37 +3,27 @@
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[1]
+from _helpers import run_tool
 
 
 @pytest.mark.timeout(300)
 def test_a_non_zero_rank_exchanges_as_much_at_32_ranks_as_at_8(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
-    proc = subprocess.run(
-        [
-            sys.executable,
-            str(ROOT / "tools" / "scale_sim.py"),
-            "--worlds",
-            "8",
-            "32",
-            "--json",
-            str(out),
-            # Each simulated rank forked from the tool's process, which imported torch and
-            # ckptstore once: the same save code, 4 imports of torch fewer (30 s -> 10 s).
-            "--fork",
-        ],
-        capture_output=True,
-        text=True,
+    run_tool(
+        "scale_sim.py",
+        "--worlds",
+        8,
+        32,
+        "--json",
+        out,
+        # Each simulated rank forked from the tool's process, which imported torch and
+        # ckptstore once: the same save code, 4 imports of torch fewer (30 s -> 10 s).
+        "--fork",
         timeout=280,
-        check=False,
     )
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
     small, large = json.loads(out.read_text())
     assert (small["world"], large["world"]) == (8, 32)
     for key in ("sent", "received", "collectives"):
@@ -58,10 +48,8 @@ def test_fsdp2_over_tp_is_split_and_flat_in_the_world_size(tmp_path: Path) -> No
     # reads do not grow from 8 to 32 ranks (format 2 sent every chunk to rank 0, and every
     # restoring rank read all of dtensors.json).
     out = tmp_path / "sim.json"
-    cmd = [sys.executable, str(ROOT / "tools" / "scale_sim.py"), "--worlds", "8", "32"]
-    cmd += ["--layout", "fsdp-tp", "--tp", "4", "--json", str(out), "--fork"]
-    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=280, check=False)
-    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    args = ["--worlds", 8, 32, "--layout", "fsdp-tp", "--tp", 4, "--json", out, "--fork"]
+    run_tool("scale_sim.py", *args, timeout=280)
     small, large = json.loads(out.read_text())
     assert (small["format_version"], large["format_version"]) == (5, 5)
     for key in ("sent", "received", "collectives"):

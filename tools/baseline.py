@@ -1,7 +1,8 @@
 """The ckptstore package of another commit, for the tools that measure it beside this tree.
 
-``tools/scale_sim.py``, ``tools/scale_real.py`` and ``tools/bench_ab.py`` run a baseline's
-ckptstore (``--baseline REV``) from a directory put first on its processes' path.
+``tools/scale_sim.py``, ``tools/scale_real.py``, ``tools/bench_ab.py`` and
+``tools/index_scale.py`` run a baseline's ckptstore (``--baseline REV``) from a directory
+put first on its processes' path.
 """
 
 from __future__ import annotations
