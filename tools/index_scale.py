@@ -84,12 +84,8 @@ def split_index(world: int, tensors: int) -> tuple[bytes, dict[int, bytes], dict
     return json.dumps(layout).encode(), parts, files
 
 
-def one(world: int, tensors: int, tree: Path | None) -> dict[str, Any]:
-    """Build the index and merge it, in this process (with ``tree``'s ckptstore first)."""
-    if tree is not None:
-        # The editable install's finder would answer before the path: drop it.
-        sys.meta_path[:] = [f for f in sys.meta_path if "editable" not in repr(f).lower()]
-        sys.path.insert(0, str(tree))
+def one(world: int, tensors: int) -> dict[str, Any]:
+    """Build the index and merge it, in this process (the ckptstore on its path)."""
     from ckptstore.manifest import FileEntry
     from ckptstore.sharded import split_index as si
 
@@ -114,11 +110,10 @@ def one(world: int, tensors: int, tree: Path | None) -> dict[str, Any]:
 
 
 def run(world: int, tensors: int, tree: Path | None, timeout: float) -> dict[str, Any]:
-    """:func:`one` in a fresh interpreter: its own peak RSS, its own ckptstore."""
+    """:func:`one` in a fresh interpreter: its own peak RSS, and ``tree``'s ckptstore (or
+    this tree's) first on its path, as ``scale_sim`` runs a baseline."""
     cmd = [sys.executable, __file__, "--one", str(world), "--tensors", str(tensors)]
-    if tree is not None:
-        cmd += ["--tree", str(tree)]
-    env = dict(os.environ, OMP_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", PYTHONPATH=str(tree or ROOT))
     proc = subprocess.run(
         cmd, capture_output=True, text=True, timeout=timeout, check=False, env=env
     )
@@ -137,10 +132,9 @@ def main() -> None:
     p.add_argument("--timeout", type=float, default=1800.0, help="seconds a merge")
     p.add_argument("--json", type=Path, help="write the results here")
     p.add_argument("--one", type=int, help=argparse.SUPPRESS)
-    p.add_argument("--tree", type=Path, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.one is not None:
-        print(json.dumps(one(args.one, args.tensors, args.tree)))
+        print(json.dumps(one(args.one, args.tensors)))
         return
     results = []
     with tempfile.TemporaryDirectory(prefix="index-scale-") as work:
