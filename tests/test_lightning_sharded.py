@@ -22,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _helpers import REPO, run_cli, run_rank0_job
+from _helpers import REPO, made_once, run_cli, run_rank0_job
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ckptstore import CheckpointManager
@@ -69,7 +69,12 @@ def trained(row: dict[str, Any]) -> dict[str, Any]:
 
 @pytest.fixture(scope="module")
 def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
-    out = tmp_path_factory.mktemp("sharded")
+    """The module's jobs, run once for the whole pytest run (``made_once``: not once a
+    worker); only test_resume_on_another_world_size writes in it, in a directory of its own."""
+    return made_once(tmp_path_factory, "lightning-sharded", _jobs)[0]
+
+
+def _jobs(out: Path) -> None:
     bad = "bad/epoch=2-step=6.ckpt"
     plan = [
         {"name": FIT, "epochs": 3},
@@ -105,7 +110,6 @@ def job(tmp_path_factory: pytest.TempPathFactory) -> Path:
     else:
         plan.append(RESUME2D)
     launch(out, 2, plan, timeout=170)
-    return out
 
 
 @pytest.mark.timeout(JOB_TIMEOUT)
