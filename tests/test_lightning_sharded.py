@@ -22,7 +22,8 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _helpers import REPO, made_once, run_cli, run_rank0_job
+from _helpers import REPO, run_cli, run_rank0_job
+from _once import made_once
 from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ckptstore import CheckpointManager

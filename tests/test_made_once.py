@@ -1,4 +1,4 @@
-"""``_helpers.made_once``: a module's costly job runs once a pytest run, not once a worker."""
+"""``_once.made_once``: a module's costly job runs once a pytest run, not once a worker."""
 
 from __future__ import annotations
 
@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 
 import pytest
-from _helpers import REPO, made_once, subprocess_env
+from _helpers import REPO, subprocess_env
+from _once import made_once
 
 # Two processes as two xdist workers (popen-gw0, popen-gw1 under one run's directory) ask
 # for the same job at once; it sleeps so that the second asks while the first makes it.
@@ -17,7 +18,7 @@ WORKER = """
 import json, os, sys, time
 from pathlib import Path
 sys.path.insert(0, {tests!r})
-from _helpers import made_once
+from _once import made_once
 
 class Factory:
     def getbasetemp(self):
