@@ -926,6 +926,52 @@ def test_gc_never_follows_symlinks_out_of_root(local: StoreView, tmp_path: Path)
     assert (victim / "precious").read_bytes() == b"keep me"
 
 
+def test_a_manifest_that_fails_to_stat_is_never_taken_for_garbage(
+    local: StoreView, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A disk or a network filesystem failing for a moment (EIO, ESTALE) on the lstat of a
+    # committed step's manifest. os.path.lexists answers False on every error: the step was
+    # counted as manifest-less garbage, left out of steps() and removed by gc (the CLI's,
+    # and a job's first save's).
+    import errno
+
+    from _helpers import run_cli
+
+    states = saved(local, [10, 20])
+    bad = os.path.join(local.base, step_dir(20), MANIFEST)
+    real = os.lstat
+
+    def lstat(path: Any, *args: Any, **kwargs: Any) -> os.stat_result:
+        if os.fspath(path) == bad:
+            raise OSError(errno.EIO, os.strerror(errno.EIO), bad)
+        return real(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "lstat", lstat)
+    storage = LocalStorage(local.base)
+    with pytest.raises(OSError, match="Input/output error") as e:
+        storage.list_steps()
+    assert e.value.filename == bad
+    with pytest.raises(OSError, match="Input/output error"):
+        storage.gc()
+    rc, _, err = run_cli(capsys, "gc", local.base)
+    assert rc != 0
+    assert "Input/output error" in err
+    assert step_dir(20) in err
+    with CheckpointManager(local.url) as mgr:
+        with pytest.raises(OSError, match="Input/output error"):
+            mgr.restore(fresh_like(states[20]))  # not step 10 as the newest: it cannot know
+        with pytest.raises(OSError, match="Input/output error"):
+            mgr.save(21, make_state(21))  # it cannot know which steps there are
+    assert root_names(local) == [step_dir(10), step_dir(20)]
+    monkeypatch.setattr(os, "lstat", real)  # the disk answers again: nothing was lost
+    wait_for_deletions()
+    with CheckpointManager(local.url) as mgr:
+        assert mgr.steps() == [10, 20]
+        got = fresh_like(states[20])
+        assert mgr.restore(got, step=20) == 20
+        assert_same(dict(got["model"].state_dict()), model_sd(states[20]))
+
+
 def test_tmp_directory_is_in_root(local: StoreView, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[str] = []
     real = Storage.commit

@@ -31,6 +31,10 @@ from .ranges import RangeReader
 __all__ = ["LocalStorage"]
 
 
+#: The errors of ``lstat`` that mean "there is no such entry".
+_ABSENT = frozenset({errno.ENOENT, errno.ENOTDIR, errno.ENAMETOOLONG})
+
+
 class LocalStorage(Storage):
     """A store in a local (or POSIX network) directory."""
 
@@ -70,8 +74,23 @@ class LocalStorage(Storage):
         except (FileNotFoundError, NotADirectoryError):
             return []
 
+    def _lstat(self, rel: str) -> os.stat_result | None:
+        """``lstat`` of ``rel``; None only where it is absent (or could not be: a name too long).
+
+        Any other error (EIO, ESTALE, EACCES: a disk or a network filesystem failing for a
+        moment) is raised, never taken for "absent": a committed step whose manifest
+        could not be looked at was counted as manifest-less garbage, which ``gc`` (and a
+        job's first save) removed (``os.path.lexists`` answers False on every error).
+        """
+        try:
+            return os.lstat(self._p(rel))
+        except OSError as e:
+            if e.errno in _ABSENT:
+                return None
+            raise
+
     def _exists(self, rel: str) -> bool:
-        return os.path.lexists(self._p(rel))
+        return self._lstat(rel) is not None
 
     def _root_kind(self) -> str:
         # The root itself may be reached through a symlink (to a directory): stat follows.
@@ -84,21 +103,15 @@ class LocalStorage(Storage):
         return "dir" if stat.S_ISDIR(st.st_mode) else "file"
 
     def _is_regular_file(self, rel: str) -> bool:
-        try:
-            st = os.lstat(self._p(rel))
-        except OSError:
-            return False
-        return stat.S_ISREG(st.st_mode)
+        st = self._lstat(rel)
+        return st is not None and stat.S_ISREG(st.st_mode)
 
     def _size(self, rel: str) -> int:
         return os.lstat(self._p(rel)).st_size
 
     def _is_plain_dir(self, rel: str) -> bool:
-        try:
-            st = os.lstat(self._p(rel))
-        except OSError:
-            return False
-        return stat.S_ISDIR(st.st_mode)
+        st = self._lstat(rel)
+        return st is not None and stat.S_ISDIR(st.st_mode)
 
     def _mkdir(self, rel: str) -> None:
         _makedirs_durable(self.root)
