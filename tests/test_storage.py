@@ -972,6 +972,38 @@ def test_a_manifest_that_fails_to_stat_is_never_taken_for_garbage(
         assert_same(dict(got["model"].state_dict()), model_sd(states[20]))
 
 
+def test_retention_keeps_the_step_a_resume_restored_over_one_it_could_not_read(
+    local: StoreView, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The restore of step 30 failed (an I/O error on its first read), so the job resumed
+    # from 20 and trains on. Retention's "last good" walk then deep-verified 30 (which
+    # reads fine now), kept it as the last good step and, with keep=1, deleted each new
+    # step the job saved right after its commit; and it read all of 30 again at every save.
+    from faults import Injector, injected
+
+    states = saved(local, [20, 30])
+    with CheckpointManager(local.url, keep=1) as mgr:
+        with (
+            injected(Injector(1, "EIO", target=step_dir(30))) as inj,
+            caplog.at_level(logging.WARNING, logger="ckptstore"),
+        ):
+            assert mgr.restore(fresh_like(states[20])) == 20
+        assert inj.fired is not None
+        assert any("step 30" in r.getMessage() for r in caplog.records)
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, logger="ckptstore"):
+            for s in (21, 22):
+                mgr.save(s, make_state(s), allow_older=True)
+                mgr.wait()
+                wait_for_deletions()
+                # keep=1 keeps the newest step (30), and the newest known good: this one.
+                assert mgr.steps() == [s, 30]
+        assert not [r for r in caplog.records if "retention keeps an older" in r.getMessage()]
+        got = fresh_like(states[20])
+        assert mgr.restore(got, step=22) == 22
+        assert_same(dict(got["model"].state_dict()), model_sd(make_state(22)))
+
+
 def test_tmp_directory_is_in_root(local: StoreView, monkeypatch: pytest.MonkeyPatch) -> None:
     seen: list[str] = []
     real = Storage.commit

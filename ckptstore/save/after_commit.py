@@ -108,6 +108,12 @@ def _check_store_metrics(session: Session, known: RetentionPlanner) -> None:
 
 def _last_good(session: Session, known: RetentionPlanner) -> int | None:
     for s in reversed(known):
+        # A step this job could not restore is never the last good one, even where a deep
+        # verify passes it now (a read that failed once, a defect verify cannot see):
+        # retention would then keep it and delete the steps the job saved since it resumed
+        # from an older one (and read all of it again at every save).
+        if s in session.known_bad:
+            continue
         if s in session.known_good:
             return s
         # Deep: a quick check (sizes, headers) passes a flipped byte, and retention
