@@ -418,6 +418,67 @@ def test_export_hf_config_flag_for_other_stores(
     assert rc == 2, err
 
 
+class HoldUploads(TrainerCallback):
+    """Pauses the store's uploads when training starts; notes what the replica had at each
+    step's end; lets them go at the end (or after ``release_s``, so a callback that waits
+    for the uploads cannot hang the test)."""
+
+    def __init__(self, cb: CkptStoreCallback, release_s: float) -> None:
+        self.cb = cb
+        self.release_s = release_s
+        self.seen: list[tuple[int, list[int]]] = []
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        import threading
+
+        replica = self.cb.manager.replica
+        replica.pause()
+        threading.Timer(self.release_s, replica.resume).start()
+
+    def on_step_end(self, args, state, control, **kwargs):
+        replica = self.cb.manager.replica
+        self.seen.append((state.global_step, [s for s in (2, 4, 6) if replica.is_safe(s)]))
+        if state.global_step == 6:
+            replica.resume()
+
+
+@pytest.mark.timeout(120)
+def test_trainer_saves_go_on_while_the_replica_uploads(tmp_path: Path) -> None:
+    # Removing the Trainer's checkpoint-N twin of a step waited for every upload
+    # (CheckpointManager.wait): training stood still at each save until the replica had
+    # every step. It needs only the step committed locally.
+    root, replica = tmp_path / "ckpt", tmp_path / "replica"
+    cb = CkptStoreCallback(root, replica=str(replica), replica_keep=None)
+    hold = HoldUploads(cb, release_s=60)
+    cb.train(trainer(tmp_path / "a", 0, [cb, hold]))  # its end waits for the uploads
+    # Every step's end came with nothing on the replica yet: no save waited for one.
+    assert hold.seen == [(s, []) for s in range(1, 7)]
+    assert not list((tmp_path / "a").glob("checkpoint-*"))
+    with CheckpointManager(replica, create=False) as there:
+        assert there.steps() == [2, 4, 6]
+        assert all(there.verify(s).ok for s in (2, 4, 6))
+
+
+@pytest.mark.timeout(120)
+def test_a_failed_async_save_keeps_the_trainers_own_checkpoint(tmp_path: Path) -> None:
+    # Step 2's background save runs out of disk: its checkpoint-2 twin is then the only
+    # copy of step 2, so it stays; the failure is raised (here by close at the end).
+    from faults import Injector, injected
+
+    from ckptstore import CommitError
+
+    root = tmp_path / "ckpt"
+    cb = CkptStoreCallback(root, async_save=True)
+    fault = Injector(1, "ENOSPC", op="_open_write", target=step_dir(2))
+    full = f"{step_dir(2)} failed: the disk is full"
+    with injected(fault) as inj, pytest.raises(CommitError, match=full):
+        cb.train(trainer(tmp_path / "a", 0, [cb, StopAfter(3)]))
+    assert inj.fired is not None
+    assert [p.name for p in (tmp_path / "a").glob("checkpoint-*")] == ["checkpoint-2"]
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == []
+
+
 # ---- the Trainer's own checkpoint-N directories (issue 22 #10) --------------------------
 
 

@@ -489,7 +489,13 @@ class CkptStoreCallback(TrainerCallback):
             self._remove_hf_checkpoint(args, state, step)
 
     def _remove_hf_checkpoint(self, args: Any, state: Any, step: int) -> None:
-        self.manager.wait()  # an async save must be committed before its twin goes
+        # The save must be committed before its twin goes; its uploads need not be. Waiting
+        # for them too (``wait``) held training at every save until the replica had every
+        # step, and raised a failed upload out of the callback: saves go on locally.
+        mgr = self.manager
+        mgr.wait_save()
+        if step not in mgr.steps():
+            return  # the async save failed: the twin stays; the next save or close raises
         folder = os.path.join(args.output_dir, f"checkpoint-{step}")
         best = state.best_model_checkpoint
         if best is not None and os.path.abspath(best) == os.path.abspath(folder):
