@@ -181,6 +181,7 @@ class CheckpointManager:
                 replica_options,
                 keep_there,
                 rank=self.coord.rank if self.coord.enabled else None,
+                world=self.coord.world_size if self.coord.enabled else None,
                 barrier=functools.partial(self.coord.barrier, "init:replica"),
                 every=replica_every,
                 timeout=float(replica_timeout),

@@ -55,6 +55,32 @@ def uploaders(local: Storage, replica: Storage) -> list[Replicator]:
     return [Replicator(local, replica, rank=r, retention=False, read_back=False) for r in (0, 1)]
 
 
+def test_a_job_resumed_on_fewer_ranks_uploads_every_rank_s_part(
+    tmp_path: Path, replica: Storage
+) -> None:
+    # A step of 2 ranks still waits for its upload when the job is killed; it comes back on
+    # 1 rank. Each uploader sent only its own rank's files: rank 1's were never sent, the
+    # manifest never put, the step never safe (so never deleted locally), and no error.
+    local = open_storage(tmp_path / "local")
+    manifest = sharded_step(local, 2)
+    up = Replicator(local, replica, rank=0, world=1, retention=False, read_back=False)
+    assert up.ranks_of(manifest) == [0, 1]
+    assert up.recover(clean=False) == [2]
+    up.wait()
+    assert replica.list_steps() == [2]
+    assert verify_checkpoint(replica, 2, deep=True).ok
+    assert up.is_safe(2)
+    assert up.deletable([2]) == [2]
+    assert up.parts == {2: ["blob.rank00001.json", "state.rank00000.json", "state.rank00001.json"]}
+    assert not upload_parts.held(replica)  # no pending part left behind
+    up.close()
+    # On 2 ranks of 3 (a job that grew, or the usual case): each its own files only.
+    big = Replicator(local, replica, rank=1, world=3, retention=False)
+    assert big.ranks_of(manifest) == [1]
+    assert Replicator(local, replica, rank=2, world=3, retention=False).ranks_of(manifest) == [2]
+    assert Replicator(local, replica, rank=0, retention=False).ranks_of(manifest) == [0]
+
+
 def test_manifest_is_put_by_the_uploader_that_completes_the_step(
     tmp_path: Path, replica: Storage
 ) -> None:

@@ -101,6 +101,10 @@ class Replicator:
             are uploaded rank by rank (this uploader sends its rank's files, see
             :mod:`ckptstore.tiers.upload_parts`), other steps by rank 0 alone. ``None``: this
             uploader sends whole steps (one process, or the sidecar).
+        world: with ``rank``, the job's world size. A sharded step saved by more ranks than
+            the job has (resumed on fewer) is still uploaded whole: this uploader sends the
+            files of ``rank``, ``rank + world``, ``rank + 2 * world``... (default: the
+            step's own world size, each rank its own files only).
         every: ``"all"`` (default): every step is uploaded, and local retention keeps each
             step until it is itself safe on the replica (what the replica's retention
             promises holds). ``"latest"``: when uploads fall behind only the newest step is
@@ -126,6 +130,7 @@ class Replicator:
         retention: bool = True,
         url: str | None = None,
         rank: int | None = None,
+        world: int | None = None,
         every: str = "all",
         timeout: float = 60.0,
     ) -> None:
@@ -143,6 +148,7 @@ class Replicator:
         self.on_safe = on_safe
         self.retention = retention
         self.rank = rank
+        self.world = world
         self.every = every
         self.timeout = float(timeout)
         #: The error that showed the replica cannot be reached, until the next submit():
@@ -503,7 +509,7 @@ class Replicator:
                 return False
             raise ReplicaError(f"cannot upload {self.local.describe(step)}: {e}") from e
         if self.rank is not None and upload_parts.is_per_rank(manifest):
-            return self._upload_part(step, manifest, self.rank)
+            return self._upload_parts(step, manifest)
         present = nodes.local_ranks(self.local, step)
         if present is not None:
             # A node's partial copy is uploaded only by the job's uploaders, rank by rank,
@@ -605,6 +611,18 @@ class Replicator:
         )
         return True
 
+    def ranks_of(self, manifest: Manifest) -> list[int]:
+        """The ranks whose files of the sharded step of ``manifest`` this uploader sends.
+
+        Its own rank's; and where the step was saved by more ranks than the job now has (a
+        job resumed on fewer ranks), those of ``rank + world``, ``rank + 2 * world``...: no
+        other uploader would send them, and the step would never be committed there (nor
+        ever be deleted locally, as it would never be safe).
+        """
+        assert self.rank is not None
+        world = self.world if self.world else manifest.world_size
+        return list(range(self.rank, manifest.world_size, world)) or [self.rank]
+
     def _part_there(self, step: int, manifest: Manifest, rank: int) -> bool:
         """Whether the replica holds this save of ``step`` with this rank's files intact.
 
@@ -635,11 +653,40 @@ class Replicator:
                 ) from e
         return True
 
-    def _upload_part(self, step: int, manifest: Manifest, rank: int) -> bool:
-        """Upload this rank's files of a sharded step; the manifest once every rank's are in."""
-        if self._part_there(step, manifest, rank):
+    def _upload_parts(self, step: int, manifest: Manifest) -> bool:
+        """Upload the parts of :meth:`ranks_of` of a sharded step, and commit it once in all.
+
+        The manifest goes there once every rank's part is in, by this uploader or another's.
+        Returns whether any part was uploaded (False: this save is there already, each part
+        of ours verifying, or the step was deleted locally meanwhile).
+        """
+        sent: list[str] = []
+        committed = False
+        for rank in self.ranks_of(manifest):
+            if self._part_there(step, manifest, rank):
+                committed = True  # this very save is committed there
+                continue
+            done = self._upload_part(step, manifest, rank, sent)
+            if done is None:
+                return False
+            committed = done
+        if sent:
+            self.parts[step] = sorted(sent)
+            self._part_of[step] = manifest_digest(manifest)
+        if committed:
+            if sent:
+                self.uploaded.append(step)
             self._safe(step, manifest)
-            return False
+        return bool(sent)
+
+    def _upload_part(
+        self, step: int, manifest: Manifest, rank: int, sent: list[str]
+    ) -> bool | None:
+        """Upload ``rank``'s files of a sharded step (their names go into ``sent``).
+
+        Returns whether the step is now committed there, or None where it was deleted
+        locally during the upload.
+        """
         copy = functools.partial(
             copy_files, threads=self.threads, read_back=self.read_back, gate=self.gate, lowest=True
         )
@@ -652,12 +699,11 @@ class Replicator:
         except (FileNotFoundError, IntegrityError):
             if step not in self.local.list_steps():
                 log.info("step %d was deleted locally during its upload", step)
-                return False
+                return None
             raise
         nbytes = sum(e.bytes for e in mine.values())
         self.uploaded_bytes += nbytes
-        self.parts[step] = sorted(mine)
-        self._part_of[step] = manifest_digest(manifest)
+        sent += mine
         # A node whose ranks never put a manifest (another node's uploader did) still
         # records where its steps go.
         self._record_url()
@@ -669,10 +715,7 @@ class Replicator:
             nbytes,
             time.perf_counter() - t0,
         )
-        if committed:
-            self.uploaded.append(step)
-            self._safe(step, manifest)
-        return True
+        return committed
 
     def _record_url(self) -> None:
         """Record the replica's URL in the local root once (``ckptstore ls`` shows tiers)."""
