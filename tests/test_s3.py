@@ -294,6 +294,38 @@ def test_failed_upload_is_never_published(
     assert not [n for n in objects(s3, prefix) if n.startswith(step_dir(2))], "and aborted"
 
 
+@pytest.mark.timeout(60)
+def test_a_payload_another_process_removed_is_never_committed(
+    s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # An object store has no writer lock: `ckptstore gc` (or another manager starting) on
+    # the prefix while a save or an upload runs takes the uncommitted step's objects for
+    # garbage. The manifest put after that committed a step whose payload was gone.
+    state1 = make_state(1)
+    with manager(s3, url) as mgr:
+        mgr.save(1, state1)
+    real = Storage.commit
+
+    def commit(self: Storage, pending: Any, manifest: Any) -> None:
+        # Another process: its own client lists the step's objects and removes one.
+        s3.client.rm_file(f"{s3.bucket}/{prefix}/{pending.dirname}/optimizer.safetensors")
+        real(self, pending, manifest)
+
+    monkeypatch.setattr(Storage, "commit", commit)
+    with manager(s3, url) as mgr:
+        with pytest.raises(CommitError, match=r"optimizer\.safetensors was written") as e:
+            mgr.save(2, make_state(2))
+        assert "is gone at the commit" in str(e.value)
+        assert "nothing was committed" in str(e.value)
+    monkeypatch.undo()
+    assert f"{step_dir(2)}/{MANIFEST}" not in objects(s3, prefix)
+    with manager(s3, url, other=True) as mgr:
+        assert mgr.steps() == [1]
+        fresh = fresh_like(state1)
+        assert mgr.restore(fresh) == 1
+        assert_same(model_sd(fresh), model_sd(state1))
+
+
 @pytest.mark.timeout(30)
 def test_delete_removes_the_manifest_first(
     s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch

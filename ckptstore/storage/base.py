@@ -545,9 +545,17 @@ class Storage(abc.ABC):
 
         Payloads are already durable (``Pending.open`` fsyncs each file). The manifest goes
         last; on a POSIX filesystem the directory is then fsynced, renamed into place and
-        the root fsynced, so after a crash the step is either fully there or absent.
+        the root fsynced, so after a crash the step is either fully there or absent. On a
+        store without rename every payload is first listed at its size
+        (:meth:`_check_payloads`).
+
+        Raises:
+            CommitError: (no rename) a payload was removed or changed since it was written.
+            OSError: writing the manifest, an fsync or the rename failed.
         """
         body = manifest.to_bytes()
+        if not self.atomic_rename:
+            self._check_payloads(pending, manifest)
         if not self.atomic_rename and pending.replace:
             self._replace_by_copy(pending, body)
             return
@@ -556,6 +564,34 @@ class Storage(abc.ABC):
             return  # the manifest put was the commit
         self.prepare(pending, manifest)
         self.publish(pending)
+
+    def _check_payloads(self, pending: Pending, manifest: Manifest) -> None:
+        """Before the manifest put of a store without rename: every payload is there whole.
+
+        An object store has no writer lock: another process cleaning the prefix
+        (``ckptstore gc``, a second manager's start) takes an uncommitted step's objects for
+        garbage. A manifest put after that would commit a step whose files are gone, which
+        an upload would then call safe (and local retention delete the only copy). One
+        listing of the step's objects (one request on S3) shows it first.
+
+        Raises:
+            CommitError: a payload is missing or not at its size; nothing is committed.
+        """
+        sizes = self._sizes(pending.dirname)
+        for name, entry in manifest.files.items():
+            size = sizes.get(name)
+            if size != entry.bytes:
+                held = "is gone" if size is None else f"holds {size} bytes"
+                raise CommitError(
+                    f"{self.describe(pending.step, name)} was written ({entry.bytes} bytes) "
+                    f"but {held} at the commit: something else removed or wrote it meanwhile "
+                    "(one writer per prefix: was `ckptstore gc`, or another manager, run on "
+                    "it?); nothing was committed"
+                )
+
+    def _sizes(self, rel: str) -> dict[str, int]:
+        """The regular files directly under ``rel``, with their sizes (one listing if it can)."""
+        return {n: self._size(f"{rel}/{n}") for n in self._list(rel)}
 
     def prepare(self, pending: Pending, manifest: Manifest) -> None:
         """The first half of :meth:`commit` on a store with rename: nothing becomes visible.

@@ -428,6 +428,24 @@ class FsspecStorage(Storage):
     def _size(self, rel: str) -> int:
         return int(self._info(self._p(rel))["size"])
 
+    @_reaching
+    def _sizes(self, rel: str) -> dict[str, int]:
+        p = self._fresh(self._p(rel))
+        try:
+            entries = self.fs.ls(p, detail=True, refresh=True)
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except TypeError:  # filesystems whose ls takes no refresh
+            try:
+                entries = self.fs.ls(p, detail=True)
+            except (FileNotFoundError, NotADirectoryError):
+                return {}
+        return {
+            posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
+            for e in entries
+            if e.get("type") == "file"
+        }
+
     # ---- writes and reads ---------------------------------------------------------------
 
     def _mkdir(self, rel: str) -> None:
