@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import contextlib
 import threading
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 
 from ._log import logger as log
 from .dist import Coordinator
-from .errors import ClosedError, ManifestError, NoCheckpointError
+from .errors import ClosedError, CommitError, ManifestError, NoCheckpointError, StoreLockedError
 from .manifest import Manifest
 from .retention import CheckpointInfo, RetentionPlanner, RetentionPolicy
 from .storage import Storage
@@ -117,6 +117,32 @@ class Session:
         if self.lock is not None:
             self.lock.acquire()
         self.claimed = self.node_leader
+
+    @contextlib.contextmanager
+    def fetching(self) -> Iterator[None]:
+        """Hold the store's writer lock, where it is free, while the block fetches a step.
+
+        A restore's fetch from the replica (``tiers.ensure_local``) writes a ``.tmp-``
+        directory into the root, and ``gc`` (the CLI's, or a job's first save) takes one
+        that no writer's lock covers for the leftover of a crashed save: it removed the
+        fetch under way, and the restore failed with a raw ``FileNotFoundError``. A lock
+        this manager does not hold yet is taken for the block only (a restore-only manager
+        stays no writer). One another process holds is left to it: that process is the
+        store's writer (the CLI's ``gc`` refuses to run while it holds it).
+        """
+        lock = self.lock
+        took = False
+        if lock is not None and not lock.is_locked:
+            try:
+                lock.acquire()
+                took = True
+            except (StoreLockedError, CommitError) as e:
+                log.debug("fetching into %s without its writer lock: %s", self.storage.root, e)
+        try:
+            yield
+        finally:
+            if took and lock is not None and not self.claimed:
+                lock.release()
 
     def take_lock(self) -> None:
         """Become the writer before a save; a lock just taken also clears crashed saves."""

@@ -103,3 +103,49 @@ def test_a_replica_manifest_listing_a_marker_is_refused_and_plants_nothing(
         assert mgr.restore(target) == 1  # the previous good step
     assert not (local / step_dir(2)).exists()
     assert not (local / step_dir(1) / "pinned").exists()
+
+
+def test_a_gc_during_a_fetch_from_the_replica_does_not_remove_it(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A resume on an empty node fetches the newest step from the replica into a .tmp-
+    # directory of the local root. It held no writer lock, so a `ckptstore gc` run then
+    # took the fetch for a crashed save's leftover and removed it: the resume failed with a
+    # raw FileNotFoundError. The fetch now holds the lock: gc refuses, the fetch lands.
+    import shutil
+    import threading
+
+    from _helpers import fresh_like, run_cli
+
+    from ckptstore.storage.pending import Pending
+
+    root, other = tmp_path / "run", tmp_path / "replica"
+    states = {s: make_state(s) for s in (10, 20)}
+    with CheckpointManager(root, keep=None, replica=str(other), replica_keep=None) as mgr:
+        for s, state in states.items():
+            mgr.save(s, state)
+    shutil.rmtree(root)  # the node's disk is gone: the replica alone holds the steps
+    real = Pending.open
+    first = threading.Lock()
+    seen: list[tuple[int, str]] = []
+
+    def open_file(self: Pending, *args: object, **kwargs: object) -> object:
+        if first.acquire(blocking=False):  # the operator's gc, as the fetch writes a file
+            rc, out, err = run_cli(capsys, "gc", root)
+            seen.append((rc, out + err))
+        return real(self, *args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Pending, "open", open_file)
+    with CheckpointManager(root, keep=None, replica=str(other), replica_keep=None) as mgr:
+        got = fresh_like(states[20])
+        assert mgr.restore(got) == 20
+        monkeypatch.undo()
+        assert mgr.steps() == [20]  # fetched, committed locally
+        assert mgr.verify(20).ok
+        mgr.save(21, make_state(21))  # the lock was given back, and is taken again here
+    ((rc, text),) = seen
+    assert rc != 0
+    assert "locked by another writer" in text
+    assert not [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [20, 21]

@@ -272,9 +272,10 @@ class Reader:
             try:
                 if session.replica_storage is not None:
                     try:
-                        tiers.ensure_local(
-                            session.storage, session.replica_storage, s, replace=s in refetched
-                        )
+                        with session.fetching():
+                            tiers.ensure_local(
+                                session.storage, session.replica_storage, s, replace=s in refetched
+                            )
                     except (IntegrityError, ManifestError):
                         refetched.add(s)  # the replica's copy failed: none to fall back on
                         raise

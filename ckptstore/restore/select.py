@@ -46,7 +46,8 @@ def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) 
     outcome: tuple[str, Any] = ("ok", None)
     if session.coord.is_leader:
         try:
-            tiers.ensure_local(session.storage, session.replica_storage, step, replace=replace)
+            with session.fetching():
+                tiers.ensure_local(session.storage, session.replica_storage, step, replace=replace)
         except BaseException as e:
             outcome = ("error", e)
     status, value = session.coord.broadcast(outcome, "restore:fetch", step)
@@ -56,7 +57,10 @@ def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) 
         mine: tuple[str, Any] = ("ok", None)
         if session.node_leader and not session.coord.is_leader and not broadcast:
             try:
-                tiers.ensure_local(session.storage, session.replica_storage, step, replace=replace)
+                with session.fetching():
+                    tiers.ensure_local(
+                        session.storage, session.replica_storage, step, replace=replace
+                    )
             except BaseException as e:
                 mine = ("error", e)
         failed = session.coord.reduce(mine, _first_failure, "restore:fetched", step)
@@ -64,7 +68,8 @@ def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) 
             r, err = failed
             raise err if isinstance(err, BaseException) else IntegrityError(f"rank {r}: {err}")
     elif not session.coord.is_leader and not broadcast:
-        tiers.ensure_local(session.storage, session.replica_storage, step)
+        with session.fetching():
+            tiers.ensure_local(session.storage, session.replica_storage, step)
 
 
 def written_by_rank0(session: Session, step: int) -> bool:
