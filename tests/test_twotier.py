@@ -149,3 +149,26 @@ def test_a_gc_during_a_fetch_from_the_replica_does_not_remove_it(
     assert not [p.name for p in root.iterdir() if p.name.startswith(".tmp-")]
     with CheckpointManager(root) as mgr:
         assert mgr.steps() == [20, 21]
+
+
+def test_a_step_fetched_from_the_replica_goes_with_local_retention(tmp_path: Path) -> None:
+    # Node B resumes from the replica (step 2 fetched into its empty root) and trains on with
+    # keep=1. The fetched step was never uploaded by B's uploader, so it never counted as
+    # safe there: local retention kept it for the whole job, beside the newest step.
+    from _helpers import fresh_like
+
+    states = {s: make_state(s) for s in range(3)}
+    other = tmp_path / "replica"
+    with CheckpointManager(tmp_path / "a", keep=1, replica=str(other)) as mgr:
+        for s, state in states.items():
+            mgr.save(s, state)
+    with CheckpointManager(tmp_path / "b", keep=1, replica=str(other)) as mgr:
+        assert mgr.restore(fresh_like(states[2])) == 2
+        assert mgr.steps() == [2]
+        for s in (3, 4, 5):
+            mgr.save(s, make_state(s))
+            mgr.wait()
+        assert mgr.steps() == [5]
+        assert mgr.replica is not None
+        assert not mgr.replica.holding
+    assert CheckpointManager(other).steps() == [5]  # keep=1 there too: 2 went once 3 was safe

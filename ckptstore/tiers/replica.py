@@ -230,6 +230,18 @@ class Replicator:
         doomed = list(doomed)
         with self._cond:
             unsure = [s for s in doomed if s not in self.safe]
+        for s in unsure:
+            # Fetched from the replica by a restore (or safe by a record of an uploader of
+            # these roots): the local marker says this very save is there, verified. This
+            # uploader never uploaded it, so it kept the step for the whole job.
+            try:
+                manifest = self.local.read_manifest(s)
+                if self._recorded(s, manifest) == "yes":
+                    self._set_safe(s, manifest)
+            except (OSError, CkptStoreError):
+                continue
+        with self._cond:
+            unsure = [s for s in doomed if s not in self.safe]
         if unsure and self.rank is not None:
             self.refresh(unsure)
         with self._cond:
