@@ -172,3 +172,41 @@ def test_a_step_fetched_from_the_replica_goes_with_local_retention(tmp_path: Pat
         assert mgr.replica is not None
         assert not mgr.replica.holding
     assert CheckpointManager(other).steps() == [5]  # keep=1 there too: 2 went once 3 was safe
+
+
+def test_a_late_upload_of_a_replaced_save_does_not_make_the_new_one_safe(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Step 5 is deleted (force) and saved again while the upload of its first save is
+    # finishing. That upload then marked step 5 safe, whichever save it was: local retention
+    # deleted the new save of 5, never uploaded, and the replica kept the one the user
+    # deleted. A save is safe only as itself.
+    import threading
+
+    from torch import nn
+
+    from ckptstore.tiers import replica as replica_mod
+
+    real = replica_mod.copy_files
+    uploaded, release = threading.Event(), threading.Event()
+
+    def late(*args: object, **kwargs: object) -> None:
+        real(*args, **kwargs)  # type: ignore[arg-type]  # the step is on the replica
+        if args[2] == 5 and not release.is_set():  # its bookkeeping comes late
+            uploaded.set()
+            release.wait(30)
+
+    monkeypatch.setattr(replica_mod, "copy_files", late)
+    other = tmp_path / "replica"
+    with CheckpointManager(tmp_path / "run", keep=1, replica=str(other), replica_keep=5) as mgr:
+        mgr.save(5, {"model": nn.Linear(4, 4), "tag": "old"})
+        assert uploaded.wait(30)
+        mgr.delete(5, force=True)
+        mgr.save(5, {"model": nn.Linear(4, 4), "tag": "new"})
+        mgr.save(6, {"model": nn.Linear(4, 4), "tag": "six"})
+        release.set()
+        mgr.wait()
+        assert mgr.steps() == [6]
+    with CheckpointManager(other) as there:
+        assert there.steps() == [5, 6]
+        assert there.load(5, keys=["tag"]) == {"tag": "new"}

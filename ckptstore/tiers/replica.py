@@ -228,18 +228,25 @@ class Replicator:
         may have put it, so the replica is listed again before a step is held.
         """
         doomed = list(doomed)
-        with self._cond:
-            unsure = [s for s in doomed if s not in self.safe]
-        for s in unsure:
+        for s in doomed:
+            try:
+                manifest = self.local.read_manifest(s)
+            except (OSError, CkptStoreError):
+                continue  # unreadable here: what the uploader knows decides
+            digest = manifest_digest(manifest)
+            with self._cond:
+                if self._safe_as.get(s, digest) != digest:
+                    # Safe as another save of the step: the upload of the one this save
+                    # replaced (deleted, saved again) finished after it. This one is not.
+                    self.safe.discard(s)
+                    del self._safe_as[s]
+                known = s in self.safe
             # Fetched from the replica by a restore (or safe by a record of an uploader of
             # these roots): the local marker says this very save is there, verified. This
             # uploader never uploaded it, so it kept the step for the whole job.
-            try:
-                manifest = self.local.read_manifest(s)
-                if self._recorded(s, manifest) == "yes":
+            with contextlib.suppress(OSError, CkptStoreError):
+                if not known and self._recorded(s, manifest) == "yes":
                     self._set_safe(s, manifest)
-            except (OSError, CkptStoreError):
-                continue
         with self._cond:
             unsure = [s for s in doomed if s not in self.safe]
         if unsure and self.rank is not None:
