@@ -81,6 +81,52 @@ def test_a_job_resumed_on_fewer_ranks_uploads_every_rank_s_part(
     assert Replicator(local, replica, rank=0, retention=False).ranks_of(manifest) == [0]
 
 
+def test_retention_never_lists_the_replica_on_the_training_thread(
+    tmp_path: Path, replica: Storage, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Rank 1's node (its own local root) holds a step that rank 0's uploader committed on
+    # the replica. Local retention runs on the training thread after each save, and asked
+    # the replica there whether the step is safe: a replica that accepts connections and
+    # does not answer held every save ~90 s (measured). The uploader's thread asks now.
+    import shutil
+    import threading
+
+    node0, node1 = tmp_path / "node0", tmp_path / "node1"
+    local0 = open_storage(node0)
+    sharded_step(local0, 2)
+    shutil.copytree(node0, node1)
+    local1 = open_storage(node1)
+    up0 = Replicator(local0, replica, rank=0, retention=False, read_back=False)
+    safe_now: list[int] = []
+    up1 = Replicator(
+        local1, replica, rank=1, retention=False, read_back=False, on_safe=safe_now.append
+    )
+    assert up1.upload_step(2)
+    assert up0.upload_step(2)  # rank 0's uploader commits it, and records it on node 0 only
+    real = up1.refresh
+    asked, answer = threading.Event(), threading.Event()
+    threads: list[str] = []
+
+    def refresh(steps: Any = None) -> None:
+        threads.append(threading.current_thread().name)
+        asked.set()
+        answer.wait(30)  # the replica answers only when the test says so
+        real(steps)
+
+    monkeypatch.setattr(up1, "refresh", refresh)
+    assert up1.deletable([2]) == []  # held for now: not known to be safe on this node
+    assert asked.wait(30)
+    assert not answer.is_set()  # deletable returned while the listing was still waiting
+    assert threads == ["ckptstore-replica"]
+    answer.set()
+    up1.wait()
+    assert up1.is_safe(2)
+    assert safe_now == [2]  # retention is called again, from the uploader's thread
+    assert up1.deletable([2]) == [2]
+    up0.close()
+    up1.close()
+
+
 def test_manifest_is_put_by_the_uploader_that_completes_the_step(
     tmp_path: Path, replica: Storage
 ) -> None:

@@ -169,6 +169,10 @@ class Replicator:
         self._safe_as: dict[int, str] = {}
         self._pending: set[int] = set()
         self._busy: int | None = None
+        #: Steps local retention held whose safety the replica's listing may show (per-rank
+        #: uploads): looked up on this uploader's thread, never on the training thread.
+        self._lookups: set[int] = set()
+        self._looking = False
         self._failed: dict[int, BaseException] = {}
         self._error: BaseException | None = None
         self._cond = threading.Condition()
@@ -250,7 +254,19 @@ class Replicator:
         with self._cond:
             unsure = [s for s in doomed if s not in self.safe]
         if unsure and self.rank is not None:
-            self.refresh(unsure)
+            if threading.current_thread() is self._thread:
+                self.refresh(unsure)
+            else:
+                # Retention after a save runs on the training thread: a replica that
+                # accepts connections and does not answer held each save there for ~90 s
+                # (botocore's read timeout and attempts). The uploader's thread lists it
+                # and lets retention go on once the steps are safe (``on_safe``).
+                with self._cond:
+                    if not self._stop:
+                        self._lookups.update(unsure)
+                        self._cond.notify_all()
+                if not self._stop:
+                    self._start()
         with self._cond:
             newest_safe = max(self.safe, default=None)
             out = []
@@ -447,8 +463,14 @@ class Replicator:
         _lower_priority()
         while True:
             with self._cond:
-                while not self._pending and not self._stop:
+                while not self._pending and not self._lookups and not self._stop:
                     self._cond.wait()
+                lookups, self._lookups = self._lookups, set()
+                self._looking = bool(lookups)
+            if lookups:
+                self._look_up(lookups)
+                continue
+            with self._cond:
                 if not self._pending:
                     return
                 step = max(self._pending)  # newest first: it is the one a restore wants
@@ -480,6 +502,26 @@ class Replicator:
                 with self._cond:
                     self._busy = None
                     self._cond.notify_all()
+
+    def _look_up(self, steps: set[int]) -> None:
+        """Look up on this thread whether ``steps``, held by local retention, are safe now.
+
+        Another rank's uploader may have committed them there; retention then goes on
+        (``on_safe``).
+        """
+        try:
+            self.refresh(steps)
+            with self._cond:
+                now = sorted(s for s in steps if s in self.safe)
+            if now and self.on_safe is not None:
+                try:
+                    self.on_safe(now[-1])
+                except Exception as e:  # a callback never stops the uploader
+                    log.warning("after the replica's listing of steps %s: %s", now, e)
+        finally:
+            with self._cond:
+                self._looking = False
+                self._cond.notify_all()
 
     def _upload(self, step: int) -> None:
         t0 = time.monotonic()
@@ -802,7 +844,7 @@ class Replicator:
         """
         deadline = None if timeout is None else time.monotonic() + timeout
         with self._cond:
-            while (self._pending or self._busy is not None) and (
+            while (self._pending or self._busy is not None or self._lookups or self._looking) and (
                 self._thread is not None and self._thread.is_alive()
             ):
                 left = None if deadline is None else deadline - time.monotonic()
@@ -846,6 +888,7 @@ class Replicator:
                 self.gate.stop()
                 if not wait:
                     self._pending.clear()
+                    self._lookups.clear()
                 self._cond.notify_all()
             t = self._thread
             if t is not None and t is not threading.current_thread():
