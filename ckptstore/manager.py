@@ -23,6 +23,7 @@ from typing import Any
 
 import torch
 
+from ._log import logger as log
 from .dist import Coordinator
 from .errors import ConfigError, ConfigTypeError
 from .integrity import VerifyReport
@@ -537,8 +538,23 @@ class CheckpointManager:
     def __enter__(self) -> CheckpointManager:
         return self
 
-    def __exit__(self, *exc: object) -> None:
-        self.close()
+    def __exit__(
+        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: object
+    ) -> None:
+        """Close the manager; where the block raised, that exception goes on.
+
+        A save's or an upload's failure that ``close`` raises is then logged and added to it
+        as a note: raised, it replaced the user's own error (which only showed as its
+        ``__context__``).
+        """
+        if exc is None:
+            self.close()
+            return
+        try:
+            self.close()
+        except Exception as e:
+            log.error("closing %s after %s: %s", self.root, type(exc).__name__, e)
+            exc.add_note(f"ckptstore: closing {self.root} also failed: {e}")
 
     def __repr__(self) -> str:
         return f"CheckpointManager({self.root!r}, format={self.format!r}, policy={self.policy!r})"

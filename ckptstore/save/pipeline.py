@@ -125,7 +125,10 @@ class Saver:
         # Async: rank 0 has copied the state into staging buffers; the rest is background.
         failure = coord.broadcast(error, "save:staged", step)
         if failure is not None:
-            raise failure if isinstance(failure, CkptStoreError) else CommitError(str(failure))
+            # As a synchronous save raises it: a KeyboardInterrupt during the copy stays one
+            # (it came out as CommitError(''), past the caller's `except KeyboardInterrupt`),
+            # and a state_dict()'s own error keeps its type.
+            raise failure if isinstance(failure, BaseException) else CommitError(str(failure))
         self.last_blocked_s = time.perf_counter() - t0
         if not coord.is_leader:
             return SaveHandle(step, result=None)
@@ -345,10 +348,18 @@ class Saver:
             raise err
 
     def wait_save(self) -> None:
-        """Wait for the in-flight async save, if any (its error is raised by ``wait``)."""
-        h, self.inflight = self.inflight, None
+        """Wait for the in-flight async save, if any (its error is raised by ``wait``).
+
+        The save stays in flight until it is over: forgotten first, a wait cut short (a
+        Ctrl-C, or another thread's ``gc()`` waiting at the same time) let the next save
+        copy into the staging buffers the writer was still writing out, and the older step
+        committed the newer one's bytes, under CRCs that match them.
+        """
+        h = self.inflight
         if h is not None:
             h._settle()  # its error stays pending until raised (once) to the caller
+            if self.inflight is h:  # not a save another thread started since
+                self.inflight = None
 
     def close(self) -> None:
         """``CheckpointManager.close``: finish the save and uploads, release the lock and groups.
@@ -374,6 +385,11 @@ class Saver:
             if upload_error is not None:
                 raise upload_error
         finally:
+            h = self.inflight
+            if h is not None and not h.done():
+                # The wait above was cut short (a Ctrl-C): the writer still commits, with
+                # the lock and the groups released below only once it is over.
+                h._settle()
             if session.replica is not None:
                 session.replica.close(wait=False)  # a no-op once closed above
             session.closed = True
