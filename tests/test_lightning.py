@@ -440,6 +440,41 @@ def test_crash_during_save_keeps_the_previous_checkpoint(
     assert not any(e.name.startswith(".tmp-") for e in last.iterdir())
 
 
+def test_a_killed_hpc_save_leaves_slurm_requeue_the_previous_checkpoint(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Lightning's SLURM auto-requeue resumes from hpc_ckpt_<N>.ckpt, N the digits of every
+    # entry of default_root_dir holding "hpc_ckpt_" run together. A save of hpc_ckpt_2.ckpt
+    # killed mid-way left .hpc_ckpt_2.ckpt.tmp-<uuid>: every requeued job then looked for
+    # hpc_ckpt_2<the uuid's digits>.ckpt, which does not exist, and failed to start.
+    state = {"global_step": 10, "epoch": 0, "state_dict": {"w": torch.ones(2)}}
+    CkptStoreIO().save_checkpoint(state, tmp_path / "hpc_ckpt_1.ckpt")
+
+    class Killed(Exception):
+        pass
+
+    def die(self: Storage, *args: Any) -> None:
+        raise Killed("SIGKILL by SLURM during the save")
+
+    with monkeypatch.context() as m:
+        m.setattr(Storage, "commit", die)
+        m.setattr(Storage, "abort", lambda self, pending: None)
+        m.setattr(shutil, "rmtree", lambda *a, **k: None)
+        with pytest.raises(Killed):
+            CkptStoreIO().save_checkpoint(
+                {**state, "global_step": 20}, tmp_path / "hpc_ckpt_2.ckpt"
+            )
+    (left,) = [e.name for e in tmp_path.iterdir() if e.name.startswith(".")]
+    assert "ckpt_" not in left
+    requeued = pl.Trainer(default_root_dir=tmp_path, logger=False, plugins=[CkptStoreIO()])
+    path = requeued._checkpoint_connector._hpc_resume_path
+    assert path == str(tmp_path / "hpc_ckpt_1.ckpt")
+    assert CkptStoreIO().load_checkpoint(path)["global_step"] == 10
+    # The next save of that name clears what the killed one left.
+    CkptStoreIO().save_checkpoint({**state, "global_step": 20}, tmp_path / "hpc_ckpt_2.ckpt")
+    assert sorted(e.name for e in tmp_path.iterdir()) == ["hpc_ckpt_1.ckpt", "hpc_ckpt_2.ckpt"]
+
+
 def test_save_last_link(tmp_path: Path) -> None:
     plugin = Recorder()
     fit(trainer(tmp_path, 3, plugin, save_last="link"))

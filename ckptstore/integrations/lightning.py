@@ -30,8 +30,8 @@ ckptstore store, holding one committed checkpoint per save to ``P``::
   pruned only after the new one is committed (``keep=1``; ``keep=n`` keeps ``n`` versions).
   A crash at any moment leaves the previous version intact and the newest.
 - A ``P`` that does not exist yet is written as a whole store into a hidden sibling
-  (``.P.tmp-<uuid>``) and renamed into place, so ``P`` appears complete or not at all and
-  Lightning never finds a ``P`` that cannot load.
+  (``.ckptstore-tmp-<digest of P's name>-<uuid>``) and renamed into place, so ``P``
+  appears complete or not at all and Lightning never finds a ``P`` that cannot load.
 - A ``P`` that is a regular file (``torch.save`` by an earlier run) or a symlink (what
   ``ModelCheckpoint(save_last="link")`` makes) is replaced: the new store is completed aside,
   then the old entry is renamed away and the new one in. A crash between those two renames
@@ -130,6 +130,7 @@ import argparse
 import collections
 import contextlib
 import functools
+import hashlib
 import os
 import pathlib
 import re
@@ -738,14 +739,32 @@ def _url_to_fs(url: str, options: Mapping[str, Any] | None) -> tuple[Any, str]:
     return fs, str(p)
 
 
+def _sibling_key(name: str) -> str:
+    """The part of a sibling's name that says whose it is: a digest of ``name``."""
+    return hashlib.sha256(name.encode("utf-8", "surrogateescape")).hexdigest()[:24]
+
+
 def _sibling(parent: str, name: str, kind: str) -> str:
-    """A hidden, unique entry beside ``name``: Lightning's ``*.ckpt`` listings skip it."""
-    return os.path.join(parent, f".{name}.{kind}-{uuid.uuid4().hex}")
+    """A hidden, unique entry beside ``name``: ``.ckptstore-KIND-<digest of name>-<uuid>``.
+
+    Lightning's ``*.ckpt`` listings skip it. Its name holds neither ``name`` nor
+    ``ckpt_``: Lightning's SLURM auto-requeue resumes from ``hpc_ckpt_<N>.ckpt``, N the
+    digits of every entry of the directory holding ``hpc_ckpt_`` run together, so a
+    save of ``hpc_ckpt_2.ckpt`` killed mid-way (``.hpc_ckpt_2.ckpt.tmp-<uuid>`` left
+    behind) sent every requeued job to a ``hpc_ckpt_27910150935...ckpt`` that is not there.
+    """
+    return os.path.join(parent, f".ckptstore-{kind}-{_sibling_key(name)}-{uuid.uuid4().hex}")
 
 
 def _remove_stale_siblings(parent: str, name: str) -> None:
-    """Leftovers of a crashed save or removal of ``name`` (only this process writes it)."""
-    pattern = re.compile(rf"\.{re.escape(name)}\.(tmp|trash)-[0-9a-f]{{32}}")
+    """Leftovers of a crashed save or removal of ``name`` (only this process writes it).
+
+    Those of releases before the digest too (``.<name>.tmp-<uuid>``).
+    """
+    key = re.escape(_sibling_key(name))
+    pattern = re.compile(
+        rf"\.ckptstore-(tmp|trash)-{key}-[0-9a-f]{{32}}|\.{re.escape(name)}\.(tmp|trash)-[0-9a-f]{{32}}"
+    )
     with contextlib.suppress(OSError):
         for entry in os.listdir(parent):
             if pattern.fullmatch(entry):
