@@ -65,6 +65,24 @@ def test_ls_writes_the_cache_and_answers_the_same_from_it(tmp_path: Path) -> Non
     assert (root / INDEX_NAME).is_file()
 
 
+def test_writing_the_cache_leaves_the_stores_modification_time(tmp_path: Path) -> None:
+    # Lightning resumes ckpt_path="last" from the newest last*.ckpt by modification time;
+    # for CkptStoreIO a checkpoint is a store directory. `ckptstore ls` wrote this cache
+    # into each store and so made the one listed last (an older run's last.ckpt) the
+    # newest: the next fit resumed it, silently.
+    old, new = tmp_path / "last.ckpt", tmp_path / "last-v1.ckpt"
+    make_store(old)
+    make_store(new)
+    os.utime(old, ns=(1_000_000_000_000_000_000, 1_000_000_000_000_000_000))
+    os.utime(new, ns=(2_000_000_000_000_000_000, 2_000_000_000_000_000_000))
+    assert main(["ls", str(old)]) == 0
+    assert main(["ls", str(new)]) == 0
+    assert (old / INDEX_NAME).is_file()
+    assert (new / INDEX_NAME).is_file()
+    assert os.stat(old).st_mtime_ns == 1_000_000_000_000_000_000
+    assert os.stat(new).st_mtime_ns == 2_000_000_000_000_000_000
+
+
 def test_a_replaced_manifest_is_read_again(tmp_path: Path) -> None:
     root = tmp_path / "store"
     make_store(root)

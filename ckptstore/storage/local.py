@@ -392,9 +392,16 @@ class LocalStorage(Storage):
         data += b"\n" + body.encode()
         tmp = self._p(index_tmp_name())
         try:
+            # A cache is no change of the store: the root keeps its modification time.
+            # Lightning resumes ckpt_path="last" from the newest last*.ckpt by that time,
+            # and `ckptstore ls` over a run's stores made last.ckpt (an older run's) the
+            # newest of them all.
+            before = os.stat(self.root)
             with open(tmp, "xb") as f:
                 f.write(data)
             os.replace(tmp, self._p(INDEX_NAME))
+            with contextlib.suppress(OSError):
+                os.utime(self.root, ns=(before.st_atime_ns, before.st_mtime_ns))
         except (OSError, ValueError) as e:  # read-only store, full disk: a cache, not data
             log.debug("could not write the listing cache of %s: %s", self.root, e)
             with contextlib.suppress(OSError):
