@@ -438,6 +438,9 @@ class CkptStoreCallback(TrainerCallback):
         self.resumed_step: int | None = None
         self._manager: CheckpointManager | None = None
         self._last_saved: int | None = None
+        #: ``checkpoint-N`` folders of committed steps kept because each was the best model
+        #: then: removed once another is (it held every folder of an improving metric).
+        self._spared: set[str] = set()
 
     @property
     def manager(self) -> CheckpointManager:
@@ -496,12 +499,16 @@ class CkptStoreCallback(TrainerCallback):
         mgr.wait_save()
         if step not in mgr.steps():
             return  # the async save failed: the twin stays; the next save or close raises
-        folder = os.path.join(args.output_dir, f"checkpoint-{step}")
+        folder = os.path.abspath(os.path.join(args.output_dir, f"checkpoint-{step}"))
         best = state.best_model_checkpoint
-        if best is not None and os.path.abspath(best) == os.path.abspath(folder):
-            return
-        if os.path.isdir(folder):
-            shutil.rmtree(folder, ignore_errors=True)
+        best = os.path.abspath(best) if best is not None else None
+        self._spared.add(folder)
+        for done in sorted(self._spared):
+            if done == best:
+                continue  # the best model's stays (load_best_model_at_end reads it)
+            self._spared.discard(done)
+            if os.path.isdir(done):
+                shutil.rmtree(done, ignore_errors=True)
 
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Finish an async save and release the store."""
