@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import copy
 import importlib
 import json
@@ -19,6 +20,7 @@ import math
 import os
 import pathlib
 import shutil
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -397,6 +399,24 @@ def test_explicit_corrupt_checkpoint_raises(ckdir: Path) -> None:
         CkptStoreIO(fallback=False).load_checkpoint(ckdir / "last.ckpt")
 
 
+class Killed(Exception):
+    """The process was killed during a save: nothing after the kill ran."""
+
+
+@contextlib.contextmanager
+def killed_at_commit(monkeypatch: pytest.MonkeyPatch, why: str) -> Iterator[None]:
+    """Saves in the block die before their commit, and nothing cleans up after them."""
+
+    def die(self: Storage, *args: Any) -> None:
+        raise Killed(why)
+
+    with monkeypatch.context() as m:
+        m.setattr(Storage, "commit", die)
+        m.setattr(Storage, "abort", lambda self, pending: None)
+        m.setattr(shutil, "rmtree", lambda *a, **k: None)
+        yield
+
+
 def test_crash_during_save_keeps_the_previous_checkpoint(
     run: dict[str, Any], ckdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
@@ -406,17 +426,8 @@ def test_crash_during_save_keeps_the_previous_checkpoint(
     newer["global_step"] = 16
     newer["state_dict"]["layer.weight"] += 1
 
-    class Killed(Exception):
-        pass
-
-    def die(self: Storage, *args: Any) -> None:
-        raise Killed("killed after writing the payloads, before the manifest")
-
     # A kill: the commit never happens and nothing cleans up after it.
-    with monkeypatch.context() as m:
-        m.setattr(Storage, "commit", die)
-        m.setattr(Storage, "abort", lambda self, pending: None)
-        m.setattr(shutil, "rmtree", lambda *a, **k: None)
+    with killed_at_commit(monkeypatch, "killed after writing the payloads, before the manifest"):
         with pytest.raises(Killed):
             CkptStoreIO().save_checkpoint(newer, last)
         with pytest.raises(Killed):
@@ -450,20 +461,8 @@ def test_a_killed_hpc_save_leaves_slurm_requeue_the_previous_checkpoint(
     state = {"global_step": 10, "epoch": 0, "state_dict": {"w": torch.ones(2)}}
     CkptStoreIO().save_checkpoint(state, tmp_path / "hpc_ckpt_1.ckpt")
 
-    class Killed(Exception):
-        pass
-
-    def die(self: Storage, *args: Any) -> None:
-        raise Killed("SIGKILL by SLURM during the save")
-
-    with monkeypatch.context() as m:
-        m.setattr(Storage, "commit", die)
-        m.setattr(Storage, "abort", lambda self, pending: None)
-        m.setattr(shutil, "rmtree", lambda *a, **k: None)
-        with pytest.raises(Killed):
-            CkptStoreIO().save_checkpoint(
-                {**state, "global_step": 20}, tmp_path / "hpc_ckpt_2.ckpt"
-            )
+    with killed_at_commit(monkeypatch, "SIGKILL by SLURM during the save"), pytest.raises(Killed):
+        CkptStoreIO().save_checkpoint({**state, "global_step": 20}, tmp_path / "hpc_ckpt_2.ckpt")
     (left,) = [e.name for e in tmp_path.iterdir() if e.name.startswith(".")]
     assert "ckpt_" not in left
     requeued = pl.Trainer(default_root_dir=tmp_path, logger=False, plugins=[CkptStoreIO()])
