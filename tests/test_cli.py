@@ -721,6 +721,43 @@ def test_diff_text_json_and_exit_codes(tmp_path: Path, capsys: pytest.CaptureFix
     assert "Traceback" not in err
 
 
+def test_diff_tells_apart_what_an_approximate_comparison_took_for_equal(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # nan_to_num (for NaN-tolerance) turned +-inf into the largest finite floats, and numpy
+    # arrays were compared by their repr, which elides arrays of over 1,000 elements and
+    # rounds to 8 digits: `diff` said "same" and exited 0 for each of these.
+    import math
+
+    import numpy as np
+
+    big = torch.finfo(torch.float32).max
+    wide = np.zeros(2000)
+    a = {
+        "inf": torch.tensor([math.inf, 1.0, -math.inf]),
+        "wide": wide,
+        "close": np.array([1.0, 1.000000001]),
+        "c": torch.tensor([1 + 1j, complex("nan+nanj")], dtype=torch.complex64),
+        "f8": torch.tensor([1.0, math.nan]).to(torch.float8_e4m3fn),
+    }
+    b = dict(a)
+    b["inf"] = torch.tensor([big, 1.0, -big])
+    b["wide"] = wide.copy()
+    b["wide"][1000] = 5.0
+    b["close"] = np.array([1.0, 1.000000002])
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, a)
+        mgr.save(2, b)
+    code, out, _ = run_cli(capsys, "--json", "diff", str(root), "1", "2")
+    assert code == 1
+    doc = json.loads(out)
+    assert sorted(d["path"] for d in doc["differences"]) == ["close", "inf", "wide"]
+    assert doc["same"] == 2  # the complex and float8 tensors, NaNs in the same places
+    code, out, _ = run_cli(capsys, "diff", str(root), "1", "1")
+    assert code == 0
+
+
 def test_completion_script_completes_commands_and_options(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from ..codec.tree import np
 from ..sharded.consolidate import StepTensors, TensorRef
 from .stores import committed_step, open_store, reaching
 
@@ -74,10 +75,36 @@ def _describe(v: Any) -> str:
 def _same_value(a: Any, b: Any) -> bool:
     if isinstance(a, float) and isinstance(b, float):
         return a == b or (math.isnan(a) and math.isnan(b))
+    if np is not None and (isinstance(a, np.ndarray) or isinstance(b, np.ndarray)):
+        # Element by element: their repr (the fallback below) elides arrays of over 1,000
+        # elements and rounds floats to 8 digits, so differing arrays compared "same".
+        return (
+            type(a) is type(b)
+            and a.dtype == b.dtype
+            and a.shape == b.shape
+            and bool(np.array_equal(a, b, equal_nan=a.dtype.kind in "fc"))
+        )
     try:
         return type(a) is type(b) and bool(a == b)
-    except (ValueError, RuntimeError):  # numpy arrays and the like
+    except (ValueError, RuntimeError):  # other array-likes
         return repr(a) == repr(b)
+
+
+def _equal_but_nans(x: torch.Tensor, y: torch.Tensor) -> bool:
+    """Whether ``x`` and ``y`` (one dtype, one shape) are equal but for NaNs in one place.
+
+    Infinities stay themselves (``nan_to_num`` turned them into the largest finite values,
+    so +inf compared equal to ``finfo.max``), and a complex tensor's parts are compared
+    each.
+    """
+    if x.is_complex():
+        x, y = torch.view_as_real(x), torch.view_as_real(y)
+    if not x.is_floating_point():
+        return False
+    if x.element_size() == 1:  # float8: no masked_fill; float32 holds each value exactly
+        x, y = x.float(), y.float()
+    nx, ny = x.isnan(), y.isnan()
+    return torch.equal(nx, ny) and torch.equal(x.masked_fill(nx, 0), y.masked_fill(ny, 0))
 
 
 def _leaves(src: StepTensors) -> dict[str, Any]:
@@ -144,11 +171,7 @@ def _diff_tensors(path: str, x: Any, y: Any) -> DiffRow | None:
         return DiffRow(path, "changed", a=_describe(x), b=_describe(y))
     if x.dtype != y.dtype or x.shape != y.shape:
         return DiffRow(path, "changed", a=_describe(x), b=_describe(y))
-    if torch.equal(x, y) or (
-        x.is_floating_point()
-        and torch.equal(x.isnan(), y.isnan())
-        and torch.equal(x.nan_to_num(), y.nan_to_num())
-    ):
+    if torch.equal(x, y) or _equal_but_nans(x, y):
         return None
     wide = torch.complex128 if x.is_complex() else torch.float64
     delta = (x.to(wide) - y.to(wide)).abs().nan_to_num(nan=math.inf)
