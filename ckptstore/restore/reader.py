@@ -31,7 +31,14 @@ from ..state.capture import apply_state
 from ..tiers import twotier as tiers
 from .load import collect_targets
 from .read import decode, read_blobs
-from .select import bring_local, candidates, restore_steps, vanished, written_by_rank0
+from .select import (
+    bring_local,
+    candidates,
+    ensure_local,
+    restore_steps,
+    vanished,
+    written_by_rank0,
+)
 
 __all__ = ["STATE_FORMAT", "Reader", "collect_targets"]
 
@@ -272,10 +279,7 @@ class Reader:
             try:
                 if session.replica_storage is not None:
                     try:
-                        with session.fetching():
-                            tiers.ensure_local(
-                                session.storage, session.replica_storage, s, replace=s in refetched
-                            )
+                        ensure_local(session, s, replace=s in refetched)
                     except (IntegrityError, ManifestError):
                         refetched.add(s)  # the replica's copy failed: none to fall back on
                         raise

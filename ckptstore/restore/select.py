@@ -15,7 +15,14 @@ from ..errors import CkptStoreError, IntegrityError, NoCheckpointError
 from ..session import Session
 from ..tiers import twotier as tiers
 
-__all__ = ["bring_local", "candidates", "restore_steps", "vanished", "written_by_rank0"]
+__all__ = [
+    "bring_local",
+    "candidates",
+    "ensure_local",
+    "restore_steps",
+    "vanished",
+    "written_by_rank0",
+]
 
 
 def vanished(session: Session, step: int) -> bool:
@@ -33,6 +40,16 @@ def restore_steps(session: Session) -> list[int]:
     return tiers.all_steps(session.storage, session.replica_storage)
 
 
+def ensure_local(session: Session, step: int, *, replace: bool = False) -> bool:
+    """``tiers.ensure_local`` into this session's store, under its writer lock if free.
+
+    :meth:`Session.fetching`: a ``gc`` run meanwhile must not take the fetch for garbage.
+    """
+    assert session.replica_storage is not None
+    with session.fetching():
+        return tiers.ensure_local(session.storage, session.replica_storage, step, replace=replace)
+
+
 def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) -> None:
     """Make ``step`` readable from the local store, fetching it from the replica.
 
@@ -46,8 +63,7 @@ def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) 
     outcome: tuple[str, Any] = ("ok", None)
     if session.coord.is_leader:
         try:
-            with session.fetching():
-                tiers.ensure_local(session.storage, session.replica_storage, step, replace=replace)
+            ensure_local(session, step, replace=replace)
         except BaseException as e:
             outcome = ("error", e)
     status, value = session.coord.broadcast(outcome, "restore:fetch", step)
@@ -57,10 +73,7 @@ def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) 
         mine: tuple[str, Any] = ("ok", None)
         if session.node_leader and not session.coord.is_leader and not broadcast:
             try:
-                with session.fetching():
-                    tiers.ensure_local(
-                        session.storage, session.replica_storage, step, replace=replace
-                    )
+                ensure_local(session, step, replace=replace)
             except BaseException as e:
                 mine = ("error", e)
         failed = session.coord.reduce(mine, _first_failure, "restore:fetched", step)
@@ -68,8 +81,7 @@ def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) 
             r, err = failed
             raise err if isinstance(err, BaseException) else IntegrityError(f"rank {r}: {err}")
     elif not session.coord.is_leader and not broadcast:
-        with session.fetching():
-            tiers.ensure_local(session.storage, session.replica_storage, step)
+        ensure_local(session, step)
 
 
 def written_by_rank0(session: Session, step: int) -> bool:
