@@ -11,6 +11,10 @@ child appends every request it receives to a log file *before* serving it, so by
 client has its answer the request is in :attr:`S3Endpoint.requests`. It exits when its stdin
 closes, which also happens when the test process dies.
 
+:meth:`S3Endpoint.refusing` makes the server answer some requests with an S3 error status
+(a 403 ``AccessDenied``, a 503 ``SlowDown``) instead of serving them: the faults a real
+store gives, on the wire, for the client's own retries and error mapping to meet.
+
 The option names are the ones ``s3fs.S3FileSystem.__init__`` takes (s3fs 2026.x,
 ``s3fs/core.py``): ``key``/``secret`` for the credentials, ``client_kwargs`` forwarded to
 aiobotocore's ``create_client`` (``endpoint_url``, ``region_name``). ``endpoint_url`` is also
@@ -96,6 +100,27 @@ class S3Endpoint:
     requests: RequestLog
     #: The server process's id (a bench lowers its priority: it stands in for a remote host).
     pid: int = 0
+    #: The file of the requests the server refuses (see :meth:`refusing`).
+    faults: str = ""
+
+    @contextlib.contextmanager
+    def refusing(self, method: str, path_end: str, status: int) -> Iterator[None]:
+        """Answer every ``method`` request whose path ends with ``path_end`` with ``status``.
+
+        403 comes as ``AccessDenied``, 503 as ``SlowDown``, anything else as
+        ``InternalError``: what S3 sends, so the client retries and maps it as it would.
+        Until the block ends.
+        """
+        rule = [method, path_end, status]
+        with open(self.faults, encoding="utf-8") as f:
+            rules = json.load(f)
+        _write_json(self.faults, [*rules, rule])
+        try:
+            yield
+        finally:
+            with open(self.faults, encoding="utf-8") as f:
+                rules = json.load(f)
+            _write_json(self.faults, [r for r in rules if r != rule])
 
     @property
     def storage_options(self) -> dict[str, Any]:
@@ -147,6 +172,14 @@ class S3Endpoint:
         return name
 
 
+def _write_json(path: str, value: Any) -> None:
+    """Replace ``path`` with ``value`` as JSON in one rename (the server reads it meanwhile)."""
+    tmp = f"{path}.{uuid.uuid4().hex}"
+    with open(tmp, "w", encoding="utf-8") as f:
+        json.dump(value, f)
+    os.replace(tmp, path)
+
+
 def _create_bucket(endpoint: str, name: str) -> None:
     # Through boto3, not ``fs.mkdir``: s3fs sends ``LocationConstraint=<region_name>``,
     # which S3 (and moto) reject for us-east-1, the one region that takes none.
@@ -170,8 +203,10 @@ def s3_server(bucket: str = "ckptstore-test") -> Iterator[S3Endpoint]:
     tmp = tempfile.mkdtemp(prefix="ckptstore-s3-")
     log_path = os.path.join(tmp, "requests.jsonl")
     open(log_path, "w").close()
+    faults = os.path.join(tmp, "faults.json")
+    _write_json(faults, [])
     server = subprocess.Popen(
-        [sys.executable, __file__, log_path],
+        [sys.executable, __file__, log_path, faults],
         stdin=subprocess.PIPE,
         stdout=subprocess.PIPE,
         text=True,
@@ -184,7 +219,11 @@ def s3_server(bucket: str = "ckptstore-test") -> Iterator[S3Endpoint]:
         if not line.strip().isdigit():
             raise RuntimeError(f"the moto server did not start (exit code {server.poll()})")
         ep = S3Endpoint(
-            f"http://127.0.0.1:{int(line)}", bucket, RequestLog(log_path), pid=server.pid
+            f"http://127.0.0.1:{int(line)}",
+            bucket,
+            RequestLog(log_path),
+            pid=server.pid,
+            faults=faults,
         )
         _create_bucket(ep.endpoint, bucket)
         yield ep
@@ -204,10 +243,28 @@ def s3_server(bucket: str = "ckptstore-test") -> Iterator[S3Endpoint]:
                 os.environ[k] = v
 
 
-def _serve(log_path: str) -> None:
+#: The S3 error code of each status a test makes the server answer with (``refusing``).
+_CODES = {403: ("AccessDenied", "Forbidden"), 503: ("SlowDown", "Slow Down")}
+
+
+def _refused(faults: str, method: str, path: str) -> int | None:
+    """The status ``method path`` is answered with instead of being served, or None."""
+    try:
+        with open(faults, encoding="utf-8") as f:
+            rules = json.load(f)
+    except (OSError, ValueError):
+        return None
+    for m, end, status in rules:
+        if m == method and path.endswith(end):
+            return int(status)
+    return None
+
+
+def _serve(log_path: str, faults: str) -> None:
     """The server process: moto's threaded server, every request appended to ``log_path``.
 
-    Prints the port, then serves until its stdin closes.
+    Requests that match a rule of ``faults`` (see ``S3Endpoint.refusing``) are answered with
+    its error status. Prints the port, then serves until its stdin closes.
     """
     from moto.moto_server.werkzeug_app import (
         DomainDispatcherApplication,
@@ -230,6 +287,20 @@ def _serve(log_path: str) -> None:
                 with lock:  # logged before it is served, so before it is answered
                     log.write(json.dumps(entry) + "\n")
                     log.flush()
+                status = _refused(faults, entry[0], entry[1])
+                if status is not None:
+                    code, reason = _CODES.get(status, ("InternalError", "Internal Server Error"))
+                    body = (
+                        f"<?xml version='1.0' encoding='UTF-8'?><Error><Code>{code}</Code>"
+                        f"<Message>refused by the test</Message></Error>"
+                    ).encode()
+                    if entry[0] == "HEAD":
+                        body = b""
+                    start_response(
+                        f"{status} {reason}",
+                        [("Content-Type", "application/xml"), ("Content-Length", str(len(body)))],
+                    )
+                    return [body]
                 return app(environ, start_response)
 
             self._server = make_server(
@@ -246,4 +317,4 @@ def _serve(log_path: str) -> None:
 
 
 if __name__ == "__main__":
-    _serve(sys.argv[1])
+    _serve(sys.argv[1], sys.argv[2])

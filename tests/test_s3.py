@@ -913,3 +913,43 @@ def test_range_reader_read_into_fills_the_callers_buffers_from_one_get(
             assert b"".join(bytes(b) for b in bufs) == bytes(want)
             with pytest.raises(IntegrityError, match="run past the file"):
                 reader.read_into(name, files[name].bytes - 10, [memoryview(bytearray(20))])
+
+
+@pytest.mark.parametrize("status", [403, 503])
+def test_a_manifest_the_store_will_not_show_is_never_taken_for_a_missing_one(
+    s3: S3Endpoint, url: str, status: int, caplog: pytest.LogCaptureFixture
+) -> None:
+    # The HEAD of the newest step's manifest refused (403 AccessDenied: credentials or a
+    # bucket policy) or failing (503 SlowDown, still after the client's retries). Any error
+    # there read as "missing or not a regular file": resume skipped step 20 with a warning
+    # and restored 10, ten steps lost on a store that was only throttling.
+    from ckptstore import StoreUnreachableError
+
+    states = {s: make_state(s) for s in (10, 20)}
+    with manager(s3, url) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    before = objects(s3, url.rsplit("/", 1)[1])
+    opts = {**s3.storage_options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with s3.refusing("HEAD", f"{step_dir(20)}/{MANIFEST}", status):
+        with (
+            caplog.at_level(logging.WARNING, logger="ckptstore"),
+            CheckpointManager(url, storage_options=opts) as mgr,
+        ):
+            target = fresh_like(states[20])
+            with pytest.raises(StoreUnreachableError) as e:
+                mgr.resume(target)
+            with pytest.raises(StoreUnreachableError):
+                mgr.load()
+        assert "skipping" not in caplog.text
+        if status == 403:
+            assert "access denied" in str(e.value)
+        else:
+            assert f"{step_dir(20)}/{MANIFEST} is there" in str(e.value)
+            assert "Service Unavailable" in str(e.value)
+        assert_same(model_sd(target), model_sd(fresh_like(states[20])))  # untouched
+    assert objects(s3, url.rsplit("/", 1)[1]) == before
+    with manager(s3, url) as mgr:  # the store answers again: nothing was lost
+        target = fresh_like(states[20])
+        assert mgr.resume(target) == 21
+        assert_same(model_sd(target), model_sd(states[20]))

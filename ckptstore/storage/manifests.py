@@ -8,7 +8,7 @@ from __future__ import annotations
 from typing import Any
 
 from .. import ranktable
-from ..errors import ManifestError
+from ..errors import CkptStoreError, ManifestError
 from ..layout import MANIFEST_NAME, step_dirname
 from ..manifest import MAX_MANIFEST_BYTES, Manifest
 
@@ -37,6 +37,8 @@ def read(storage: Any, step: int, *, table: bool = True) -> Manifest:
             data = f.read(size + 1)
             if len(data) > size:
                 data += f.read(MAX_MANIFEST_BYTES - size)
+    except CkptStoreError:  # the store gave no answer (StoreUnreachableError): not a bad step
+        raise
     except OSError as e:
         raise ManifestError(f"{where}: unreadable ({e})") from None
     m = Manifest.from_bytes(data, where=where)

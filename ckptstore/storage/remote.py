@@ -419,10 +419,30 @@ class FsspecStorage(Storage):
 
     @_reaching
     def _is_regular_file(self, rel: str) -> bool:
+        """Whether ``rel`` is an object; raised where the store gives no answer.
+
+        Only "no such key" is an absent file. A refused or failed look-up (403, a 503 still
+        failing after the client's retries) is raised, as a local ``lstat`` error is
+        (design rule 1): taken for a missing manifest, it made resume skip the newest step
+        ("missing or not a regular file") and restore an older one.
+        """
+        p = self._p(rel)
         try:
-            return self._info(self._p(rel)).get("type") == "file"
-        except (FileNotFoundError, OSError):
+            info = self._info(p)
+        except (FileNotFoundError, NotADirectoryError):
             return False
+        except StoreUnreachableError:
+            raise
+        except OSError as e:
+            err = remote_error(e, self.root, StoreUnreachableError)
+            if err is None:
+                text = " ".join(str(e).split()) or type(e).__name__
+                err = StoreUnreachableError(
+                    f"{self.root}: the object store did not say whether {p} is there ({text}); "
+                    "nothing was skipped or removed: retry once it answers"
+                )
+            raise err from e
+        return info.get("type") == "file"
 
     @_reaching
     def _size(self, rel: str) -> int:
