@@ -758,6 +758,35 @@ def test_diff_tells_apart_what_an_approximate_comparison_took_for_equal(
     assert code == 0
 
 
+def test_diff_never_takes_two_leaves_for_one(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Leaves were keyed by "/".join(str(key)): the int key 1 and the string "1" of one dict,
+    # or {"a/b": x} and {"a": {"b": y}}, were one path, the second hid the first, and diff
+    # said "2 same, 0 changed" (exit 0) for two changed tensors.
+    def state(step: int) -> dict[str, object]:
+        return {
+            "m": {1: torch.full((3,), float(step)), "1": torch.zeros(3)},
+            "n": {"a/b": torch.full((2,), float(step)), "a": {"b": torch.zeros(2)}},
+            "k": {"x'y": step, "'x'y'": 0, "-2": step, -2: 0, "": step},
+        }
+
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, state(1))
+        mgr.save(2, state(2))
+        loaded = mgr.load(2)
+    assert set(loaded["k"]) == {"x'y", "'x'y'", "-2", -2, ""}
+    code, out, _ = run_cli(capsys, "--json", "diff", str(root), "1", "2")
+    assert code == 1
+    doc = json.loads(out)
+    changed = {d["path"]: d for d in doc["differences"]}
+    assert sorted(changed) == sorted(["k/''", "k/'-2'", 'k/"x\'y"', "m/1", "n/'a/b'"])
+    assert changed["m/1"]["max_abs_diff"] == 1.0
+    assert changed["n/'a/b'"]["max_abs_diff"] == 1.0
+    assert doc["same"] == 4  # m/'1', n/a/b, k/-2 and k/'\'x\'y\
+
+
 def test_completion_script_completes_commands_and_options(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -107,12 +107,36 @@ def _equal_but_nans(x: torch.Tensor, y: torch.Tensor) -> bool:
     return torch.equal(nx, ny) and torch.equal(x.masked_fill(nx, 0), y.masked_fill(ny, 0))
 
 
+def _component(p: Any) -> str:
+    """One key of a leaf's path as ``diff`` prints it; no two keys print the same.
+
+    A state's dict keys are strings and ints. A string prints as itself unless it reads as
+    an int (``"1"`` beside the key ``1``) or holds a ``/`` or a quote: then quoted
+    (``repr``); an int prints as its digits. Printed with ``str``, the int 1 and the string
+    "1", or ``{"a/b": x}`` and ``{"a": {"b": y}}``, were one path: the second hid the first,
+    and diff called two changed tensors "same".
+    """
+    if not isinstance(p, str):
+        return str(p) if type(p) is int else repr(p)
+    if not p or "/" in p or "'" in p or '"' in p or _reads_as_int(p):
+        return repr(p)
+    return p
+
+
+def _reads_as_int(text: str) -> bool:
+    try:
+        int(text)
+    except ValueError:
+        return False
+    return True
+
+
 def _leaves(src: StepTensors) -> dict[str, Any]:
     """``{"model/inp.weight": TensorRef, "step": 3, ...}``: the state's leaves by path."""
     out: dict[str, Any] = {}
     for key in src.keys:
         for path, value in src.leaves(key):
-            out["/".join(str(p) for p in path)] = value
+            out["/".join(_component(p) for p in path)] = value
     return out
 
 
@@ -152,7 +176,7 @@ def _match_optimizer_names(
         for path in [p for p in numbered if p.startswith(prefix)]:
             pid, sep, rest = path[len(prefix) :].partition("/")
             if pid in rename:
-                numbered[f"{prefix}{rename[pid]}{sep}{rest}"] = numbered.pop(path)
+                numbered[f"{prefix}{_component(rename[pid])}{sep}{rest}"] = numbered.pop(path)
         for g, group in enumerate(gl if named == 1 else gr):
             numbered[f"{key}/param_groups/{g}/params"] = [rename[str(i)] for i in group]
         notes.append(
@@ -222,7 +246,7 @@ def diff_steps(
         StepTensors(storage, b, manifest=mb) as sb,
     ):
         left, right = _leaves(sa), _leaves(sb)
-        common = {str(k) for k in sa.keys} & {str(k) for k in sb.keys}
+        common = {_component(k) for k in sa.keys} & {_component(k) for k in sb.keys}
         notes = _match_optimizer_names(left, right, common, (a, b))
         rows: list[DiffRow] = []
         same = 0
