@@ -24,6 +24,7 @@ import re
 from collections.abc import Callable, Iterator, Mapping
 from typing import Any
 
+from .codec import strictjson
 from .errors import CkptStoreError, CommitError, IntegrityError, ManifestError
 from .integrity import crc32c_of, format_crc, parse_crc
 from .layout import step_dirname
@@ -86,7 +87,7 @@ def parse_line(data: bytes | bytearray | memoryview, rank: int, where: str) -> d
     """
     what = f"{where} line {rank}"
     try:
-        doc = json.loads(bytes(data).decode("utf-8"))
+        doc = strictjson.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise IntegrityError(f"{what}: not valid JSON ({e}); the table is corrupt") from None
     if not isinstance(doc, dict) or set(doc) != {"crc32c", "files", "rank"}:

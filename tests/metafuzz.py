@@ -28,6 +28,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import math
 import random
 import resource
 import shutil
@@ -162,8 +163,13 @@ def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
     return doc
 
 
-def mutate(doc: Any, rnd: random.Random) -> tuple[Any, str]:
-    """``doc`` with one value changed (in place where it can be); what was done."""
+def mutate(doc: Any, rnd: random.Random, *, finite: bool = False) -> tuple[Any, str]:
+    """``doc`` with one value changed (in place where it can be); what was done.
+
+    A number may become ``Infinity`` (JSON's non-finite literals, which ``json.loads``
+    accepts), unless ``finite``: where the forged file is canonical JSON (the manifest and
+    the rank table, whose CRCs are computed over JSON that has none).
+    """
     nodes = list(_nodes(doc))
     path, v = rnd.choice(nodes)
     same_kind = [x for p, x in nodes if type(x) is type(v) and p != path]
@@ -180,8 +186,12 @@ def mutate(doc: Any, rnd: random.Random) -> tuple[Any, str]:
             ("float", lambda: v + 0.5), ("null", lambda: None), ("bool", lambda: True),
         ]:  # fmt: skip
             ops.append((name, f))
+        if not finite:
+            ops.append(("inf", lambda: math.inf))
     elif isinstance(v, float):
         ops += [("0.0", lambda: 0.0), ("-1e308", lambda: -1e308), ("str", lambda: "x")]
+        if not finite:
+            ops += [("inf", lambda: math.inf), ("-inf", lambda: -math.inf)]
     elif isinstance(v, str):
         for name, f in [
             ("empty", lambda: ""), ("+x", lambda: v + "x"), ("chop", lambda: v[:-1]),
@@ -243,7 +253,7 @@ def mutate_step(step: Path, rnd: random.Random) -> str:
         said: list[str] = []
 
         def edit(d: dict[str, Any]) -> None:
-            new, what = mutate(d, rnd)
+            new, what = mutate(d, rnd, finite=True)
             said.append(what)
             if new is not d:  # the root itself was replaced: keep its keys, change one
                 d.clear()
@@ -253,7 +263,7 @@ def mutate_step(step: Path, rnd: random.Random) -> str:
         return f"{name} {said[0]}"
     if name == "_ranks.jsonl":
         lines = [json.loads(x) for x in path.read_bytes().splitlines() if x.strip()]
-        new, what = mutate(lines, rnd)
+        new, what = mutate(lines, rnd, finite=True)
         write_rank_table(step, new if isinstance(new, list) and new else [new])
         return f"{name} {what}"
     doc = json.loads(path.read_bytes())

@@ -23,10 +23,11 @@ from _helpers import (
     make_state,
     plant_zstd_bomb,
     replace_payload,
+    run_cli,
     step_dir,
 )
 
-from ckptstore import CheckpointManager, VerifyReport
+from ckptstore import CheckpointManager, IntegrityError, VerifyReport
 from ckptstore.integrity import crc32c_of, format_crc
 from ckptstore.ops.verify import verify_checkpoint
 from ckptstore.sharded.chunks import BLOCK
@@ -143,6 +144,81 @@ def test_state_json_that_is_not_json(tmp_path: Path) -> None:
     assert not report.ok
     assert "state.json" in report.problems[0]
     assert "not valid JSON" in report.problems[0]
+
+
+def _step_edit(root: Path, step: int, name: str, data: bytes) -> None:
+    (root / step_dir(step) / name).write_bytes(data)
+    edit_entry(
+        root / step_dir(step),
+        name,
+        lambda row: row.update(bytes=len(data), crc32c=format_crc(crc32c_of(data))),
+    )
+
+
+@pytest.mark.parametrize("compression", [None, "zstd"])
+def test_a_non_finite_number_in_state_json_is_damage_and_the_step_before_restores(
+    tmp_path: Path,
+    compression: str | None,
+    caplog: pytest.LogCaptureFixture,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    # ckptstore writes its JSON with allow_nan=False (a non-finite float of the state is a
+    # typed node), but json.loads reads Infinity: a shape of [Infinity, 3] escaped restore,
+    # resume and load as a raw OverflowError (int(inf)) instead of a fall-back to step 1,
+    # `verify` passed the step, and with zstd payloads crashed on it.
+    root = tmp_path / "s"
+    states = {s: make_state(s) for s in (1, 2)}
+    with CheckpointManager(root, compression=compression) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+    path = root / step_dir(2) / "state.json"
+    text = path.read_text()
+    shape = '"shape":[8,4]'  # fc1.weight's
+    assert shape in text
+    _step_edit(root, 2, "state.json", text.replace(shape, '"shape":[Infinity,8]', 1).encode())
+    with CheckpointManager(root) as mgr:
+        with caplog.at_level("WARNING", logger="ckptstore"):
+            fresh = make_state(0)
+            assert mgr.restore(fresh) == 1
+        assert "state.json: not valid JSON (non-finite number Infinity" in caplog.text
+        assert torch.equal(fresh["model"].fc1.weight, states[1]["model"].fc1.weight)
+        assert mgr.load()["step"] == states[1]["step"]
+        report = mgr.verify(2)
+        assert not report.ok
+        assert "state.json: not valid JSON (non-finite number Infinity" in report.problems[0]
+    code, out, err = run_cli(capsys, "verify", str(root), "--all")
+    assert code == 1, (out, err)
+    assert "Traceback" not in out + err
+    assert "1 failed" in out
+
+
+def test_an_empty_safetensors_entry_with_an_impossible_shape_is_refused(tmp_path: Path) -> None:
+    # A zero dim makes an entry empty, and its other dims escaped every check: [0, 2**64]
+    # passed verify, and load failed in torch.empty with an error blaming state.json.
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.save(2, make_state(2))
+    path = root / step_dir(2) / "model.safetensors"
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    head = json.loads(raw[8 : 8 + n])
+    end = max(v["data_offsets"][1] for k, v in head.items() if k != "__metadata__")
+    head["evil"] = {"dtype": "F32", "shape": [0, 1 << 64], "data_offsets": [end, end]}
+    blob = json.dumps(head, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    _step_edit(root, 2, "model.safetensors", len(blob).to_bytes(8, "little") + blob + raw[8 + n :])
+    with CheckpointManager(root) as mgr:
+        report = mgr.verify(2, deep=False)
+        assert not report.ok
+        assert "model.safetensors" in report.problems[0]
+        assert (
+            "'evil' has a shape [0, 18446744073709551616] no tensor can have"
+            in (report.problems[0])
+        )
+        with pytest.raises(IntegrityError, match=r"model\.safetensors: .*'evil'"):
+            mgr.load(2)
+        assert mgr.load()["step"] == 1
 
 
 def test_zip_member_crc_is_checked(tmp_path: Path) -> None:

@@ -127,7 +127,7 @@ def stored_tensors(tree: Any) -> dict[str, dict[str, tuple[int, int]]]:
             group, key = node["file"], node["key"]
             shape = [int(d) for d in node["shape"]]
             itemsize = ITEMSIZE[node["dtype"]]
-        except (KeyError, TypeError, ValueError):
+        except (KeyError, TypeError, ValueError, OverflowError):
             continue
         if isinstance(group, str) and isinstance(key, str):
             size = (max(0, math.prod(shape)) * itemsize, len(shape))

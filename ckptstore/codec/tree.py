@@ -460,8 +460,17 @@ class TreeDecoder:
                     )
                     raise UnsafeCheckpointError(msg)
                 return pickle.loads(base64.b64decode(n["b64"]))
-        # IndexError: an empty numpy scalar; RuntimeError: torch refusing a device string.
-        except (KeyError, TypeError, ValueError, IndexError, RuntimeError, struct.error) as e:
+        # IndexError: an empty numpy scalar; RuntimeError: torch refusing a device string;
+        # OverflowError: a size past int64 (an int(inf) where JSON is parsed leniently).
+        except (
+            KeyError,
+            TypeError,
+            ValueError,
+            IndexError,
+            RuntimeError,
+            OverflowError,
+            struct.error,
+        ) as e:
             if isinstance(e, IntegrityError | UnsafeCheckpointError):
                 raise
             raise self._bad(path, f"malformed {t!r} node ({type(e).__name__}: {e})") from None

@@ -15,6 +15,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._fmt import created_json, metric_json
+from ..codec import strictjson
 from ..codec.dtypes import ITEMSIZE
 from ..errors import IntegrityError
 from ..layout import STATE_NAME, state_file
@@ -300,7 +301,7 @@ def read_state_entries(storage: Storage, manifest: Manifest) -> list[EntryInfo]:
         raise IntegrityError(f"{storage.describe(manifest.step)}: manifest lists no {name}")
     raw = storage.read_file(manifest.step, name, entry)  # checksum checked
     try:
-        tree = json.loads(bytes(raw).decode("utf-8"))
+        tree = strictjson.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise IntegrityError(f"{where}: not valid JSON ({e})") from None
     root = tree.get("root") if isinstance(tree, dict) else None

@@ -16,7 +16,6 @@ CRC32C, then its structure); a lone file on its own structure. Nothing here impo
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import stat
 import zipfile
@@ -24,7 +23,7 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from .._progress import Progress
-from ..codec import payload, torchzip
+from ..codec import payload, strictjson, torchzip
 from ..codec import safetensors as st
 from ..codec.payload import stored_tensors
 from ..errors import CkptStoreError, ConfigError, IntegrityError, ManifestError, NoCheckpointError
@@ -88,7 +87,7 @@ class _Limits:
             return None
         try:
             raw = self.storage.read_file(self.manifest.step, sname, entry)
-            doc = json.loads(bytes(raw).decode("utf-8"))
+            doc = strictjson.loads(raw)
         except (CkptStoreError, OSError, UnicodeDecodeError, ValueError, RecursionError):
             return None  # reported as the state file's own problem
         return stored_tensors(doc.get("root") if isinstance(doc, dict) else None)
@@ -226,7 +225,7 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
         elif entry.codec == "json" and deep:
             data = storage.read_file(step, name, entry)
             try:
-                json.loads(bytes(data).decode("utf-8"))
+                strictjson.loads(data)
             except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 report.add(f"{where}: not valid JSON ({e})")
     except (CkptStoreError, OSError) as e:
@@ -258,7 +257,7 @@ def _check_index(
         return index
     swhere = storage.describe(step, STATE_NAME)
     try:
-        tree = json.loads(bytes(storage.read_file(step, STATE_NAME, state)).decode("utf-8"))
+        tree = strictjson.loads(storage.read_file(step, STATE_NAME, state))
     except (CkptStoreError, OSError, UnicodeDecodeError, ValueError, RecursionError):
         return index  # reported by the file loop with its cause
     found: list[tuple[str, Any]] = []

@@ -11,7 +11,6 @@ the byte ranges that overlap this rank's targets.
 from __future__ import annotations
 
 import concurrent.futures
-import json
 import time
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -20,6 +19,7 @@ import torch
 
 from .. import ranktable
 from ..codec import payload as payload_codec
+from ..codec import strictjson
 from ..codec.tree import STATE_FORMAT, TreeDecoder, is_key, stored_tensors
 from ..errors import IntegrityError, ManifestError, StateMismatchError
 from ..integrity import crc32c_of
@@ -110,7 +110,7 @@ def decode_files(
 
     raw = fetch(sname)
     try:
-        tree = json.loads(bytes(raw).decode("utf-8"))
+        tree = strictjson.loads(raw)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise IntegrityError(f"{where}/{sname}: not valid JSON ({e})") from None
     if not isinstance(tree, dict) or tree.get("ckptstore_state") != STATE_FORMAT:

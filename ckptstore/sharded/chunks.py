@@ -28,6 +28,7 @@ import struct
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from ..codec import strictjson
 from ..codec.dtypes import ITEMSIZE
 from ..errors import IntegrityError, ManifestError
 from ..integrity import crc32c_of, format_crc, parse_crc
@@ -178,7 +179,7 @@ class ChunkIndex:
         if len(data) > MAX_INDEX_BYTES:
             raise IntegrityError(f"{where}: {len(data)} bytes is larger than any real index")
         try:
-            doc = json.loads(bytes(data).decode("utf-8"))
+            doc = strictjson.loads(data)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise IntegrityError(f"{where}: not valid JSON ({e})") from None
         if not isinstance(doc, dict) or doc.get("ckptstore_chunks") != INDEX_FORMAT:

@@ -32,6 +32,7 @@ import torch
 
 from ..codec import payload as payload_codec
 from ..codec import safetensors as st
+from ..codec import strictjson
 from ..codec.tree import SUPPORTED_DTYPES, TreeDecoder, is_key
 from ..errors import (
     CkptStoreError,
@@ -197,7 +198,7 @@ class StepTensors:
         self._sname = sname
         raw = storage.read_file(step, sname, entry)
         try:
-            tree = json.loads(bytes(raw).decode("utf-8"))
+            tree = strictjson.loads(raw)
         except (UnicodeDecodeError, ValueError, RecursionError) as e:
             raise IntegrityError(f"{self.where}/{sname}: not valid JSON ({e})") from None
         root = tree.get("root") if isinstance(tree, dict) else None

@@ -29,6 +29,7 @@ import zlib
 from collections.abc import Callable, Collection, Iterable, Mapping, Sequence
 from typing import Any
 
+from ..codec import strictjson
 from ..codec.dtypes import ITEMSIZE
 from ..errors import IntegrityError
 from ..manifest import SPLIT_FORMAT_VERSION, STRIDED_FORMAT_VERSION, FileEntry, Manifest
@@ -323,7 +324,7 @@ def _load_json(data: bytes | bytearray, where: str, what: str) -> dict[str, Any]
     if len(data) > MAX_INDEX_BYTES:
         raise IntegrityError(f"{where}: {len(data)} bytes is larger than any real {what}")
     try:
-        doc = json.loads(bytes(data).decode("utf-8"))
+        doc = strictjson.loads(data)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise IntegrityError(f"{where}: not valid JSON ({e})") from None
     if not isinstance(doc, dict):

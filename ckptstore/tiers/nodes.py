@@ -27,6 +27,7 @@ from collections.abc import Collection, Mapping, Sequence
 from typing import TYPE_CHECKING
 
 from .._log import logger as log
+from ..codec import strictjson
 from ..errors import ConfigError, IntegrityError
 from ..integrity import crc32c_of, format_crc, parse_crc
 from ..layout import LOCAL_RANKS_NAME, step_dirname
@@ -297,7 +298,7 @@ def _parse_marker(data: bytes, where: str) -> tuple[list[int], int]:
     """``(ranks, world_size)`` of a marker's bytes, checked; else ``IntegrityError``."""
     bad = f"{where}: the node-local marker is corrupt"
     try:
-        doc = json.loads(data.decode("utf-8"), object_pairs_hook=_unique)
+        doc = strictjson.loads(data, object_pairs_hook=_unique)
     except (UnicodeDecodeError, ValueError, RecursionError) as e:
         raise IntegrityError(f"{bad} (not valid JSON: {e})") from None
     if not isinstance(doc, dict):
