@@ -915,23 +915,29 @@ def test_range_reader_read_into_fills_the_callers_buffers_from_one_get(
                 reader.read_into(name, files[name].bytes - 10, [memoryview(bytearray(20))])
 
 
-@pytest.mark.parametrize("status", [403, 503])
-def test_a_manifest_the_store_will_not_show_is_never_taken_for_a_missing_one(
-    s3: S3Endpoint, url: str, status: int, caplog: pytest.LogCaptureFixture
+@pytest.mark.parametrize(
+    "refused",
+    [("HEAD", MANIFEST, 403), ("HEAD", MANIFEST, 503), ("GET", "model.safetensors", 503)],
+    ids=["manifest-403", "manifest-503", "payload-503"],
+)
+def test_a_request_the_store_refuses_is_never_taken_for_a_bad_step(
+    s3: S3Endpoint, url: str, refused: tuple[str, str, int], caplog: pytest.LogCaptureFixture
 ) -> None:
-    # The HEAD of the newest step's manifest refused (403 AccessDenied: credentials or a
-    # bucket policy) or failing (503 SlowDown, still after the client's retries). Any error
-    # there read as "missing or not a regular file": resume skipped step 20 with a warning
+    # The newest step's manifest look-up refused (403 AccessDenied: credentials or a bucket
+    # policy) or failing (503 SlowDown, still after the client's retries), or a GET of its
+    # payload failing so. Any such error read as a missing manifest ("missing or not a
+    # regular file") or a damaged file ("unreadable"): resume skipped step 20 with a warning
     # and restored 10, ten steps lost on a store that was only throttling.
     from ckptstore import StoreUnreachableError
 
+    method, name, status = refused
     states = {s: make_state(s) for s in (10, 20)}
     with manager(s3, url) as mgr:
         for s, st in states.items():
             mgr.save(s, st)
     before = objects(s3, url.rsplit("/", 1)[1])
     opts = {**s3.storage_options, "config_kwargs": {"retries": {"max_attempts": 1}}}
-    with s3.refusing("HEAD", f"{step_dir(20)}/{MANIFEST}", status):
+    with s3.refusing(method, f"{step_dir(20)}/{name}", status):
         with (
             caplog.at_level(logging.WARNING, logger="ckptstore"),
             CheckpointManager(url, storage_options=opts) as mgr,
@@ -939,15 +945,17 @@ def test_a_manifest_the_store_will_not_show_is_never_taken_for_a_missing_one(
             target = fresh_like(states[20])
             with pytest.raises(StoreUnreachableError) as e:
                 mgr.resume(target)
-            with pytest.raises(StoreUnreachableError):
-                mgr.load()
+            if method == "HEAD":
+                with pytest.raises(StoreUnreachableError):
+                    mgr.load()
         assert "skipping" not in caplog.text
         if status == 403:
             assert "access denied" in str(e.value)
         else:
-            assert f"{step_dir(20)}/{MANIFEST} is there" in str(e.value)
-            assert "Service Unavailable" in str(e.value)
-        assert_same(model_sd(target), model_sd(fresh_like(states[20])))  # untouched
+            assert f"{step_dir(20)}/{name}" in str(e.value)
+            assert "nothing was skipped or removed" in str(e.value)
+        if method == "HEAD":
+            assert_same(model_sd(target), model_sd(fresh_like(states[20])))  # untouched
     assert objects(s3, url.rsplit("/", 1)[1]) == before
     with manager(s3, url) as mgr:  # the store answers again: nothing was lost
         target = fresh_like(states[20])

@@ -21,6 +21,7 @@ from ..errors import (
     ManifestError,
     NoCheckpointError,
     StepExistsError,
+    StoreUnreachableError,
 )
 from ..integrity import crc32c_of, format_crc
 from ..layout import (
@@ -458,6 +459,8 @@ class Storage(abc.ABC):
                 got, crc = self._stream(rel, gate, crc=False, pace=pace)
             if gate is not None:
                 gate.finish(got)
+        except StoreUnreachableError:  # an object store failed the request, not the file
+            raise
         except OSError as e:
             raise IntegrityError(f"{where}: unreadable ({e})") from None
         if got != entry.bytes:

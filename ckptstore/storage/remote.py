@@ -135,6 +135,8 @@ class _RangeGets(RangeReader):
         p = self.storage._p(f"{step_dirname(self.step)}/{name}")
         try:
             data = self.storage._get(p, offset, offset + length) if length else b""
+        except StoreUnreachableError:  # the store failed, not the file
+            raise
         except OSError as e:
             raise IntegrityError(f"{where}: unreadable ({e})") from None
         if len(data) != length:
@@ -283,8 +285,34 @@ class FsspecStorage(Storage):
 
     @_reaching
     def _get(self, p: str, start: int, end: int) -> bytes:
-        """Bytes ``[start, end)`` of object ``p``: one ranged GET."""
-        return bytes(self.fs.cat_file(p, start=start, end=end))
+        """Bytes ``[start, end)`` of object ``p``: one ranged GET.
+
+        Raises:
+            FileNotFoundError: no such object (it was deleted: the step is gone or damaged).
+            StoreUnreachableError: any other failure (see :meth:`_no_answer`).
+        """
+        try:
+            return bytes(self.fs.cat_file(p, start=start, end=end))
+        except (FileNotFoundError, StoreUnreachableError):
+            raise
+        except OSError as e:
+            raise self._no_answer(e, p) from e
+
+    def _no_answer(self, e: BaseException, p: str) -> StoreUnreachableError:
+        """The error for a request on ``p`` the store refused or failed, not "no such key".
+
+        A 403, or a 503 (``SlowDown``) or 500 still failing after the client's retries, says
+        nothing about the checkpoint: taken for a damaged file (as an ``IntegrityError``), it
+        made resume skip the step and restore an older one, losing the steps between.
+        """
+        err = remote_error(e, self.root, StoreUnreachableError)
+        if isinstance(err, StoreUnreachableError):
+            return err
+        text = " ".join(str(e).split()) or type(e).__name__
+        return StoreUnreachableError(
+            f"{self.root}: the object store failed a request for {p} ({text}); nothing was "
+            "skipped or removed: retry once it answers"
+        )
 
     @_reaching
     def _stream(
@@ -434,14 +462,7 @@ class FsspecStorage(Storage):
         except StoreUnreachableError:
             raise
         except OSError as e:
-            err = remote_error(e, self.root, StoreUnreachableError)
-            if err is None:
-                text = " ".join(str(e).split()) or type(e).__name__
-                err = StoreUnreachableError(
-                    f"{self.root}: the object store did not say whether {p} is there ({text}); "
-                    "nothing was skipped or removed: retry once it answers"
-                )
-            raise err from e
+            raise self._no_answer(e, p) from e
         return info.get("type") == "file"
 
     @_reaching
