@@ -502,14 +502,26 @@ def _with_param_ids(tree: Any) -> Any:
     state under the wrong keys, silently. A dict ``{"state": {...}, "param_groups": [{"params":
     [ints]}, ...]}`` is an optimizer's (its groups name its parameters by those ints): each key
     of its ``state`` that is the ``str`` of one of them becomes that int again. Every other key
-    stays as DCP names it (DCP's own files keep no key types either).
+    stays as DCP names it (DCP's own files keep no key types either). An optimizer's empty
+    ``state``, which DCP's flattening drops, is given back too (other empty dicts are not:
+    DCP keeps none, ``dcp.load`` neither).
     """
     if isinstance(tree, list):
         return [_with_param_ids(v) for v in tree]
     if not isinstance(tree, dict):
         return tree
     out = {k: _with_param_ids(v) for k, v in tree.items()}
-    groups, per_param = out.get("param_groups"), out.get("state")
+    groups = out.get("param_groups")
+    if (
+        "state" not in out
+        and isinstance(groups, list)
+        and groups
+        and all(isinstance(g, dict) and isinstance(g.get("params"), list) for g in groups)
+    ):
+        # An optimizer before its first step: DCP's flattening drops its empty "state"
+        # (every empty dict), and the step would hold an entry no optimizer loads.
+        out["state"] = {}
+    per_param = out.get("state")
     if isinstance(groups, list) and isinstance(per_param, dict):
         ids = {
             str(i): i

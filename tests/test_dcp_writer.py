@@ -289,6 +289,25 @@ def test_dcp_save_in_one_process_restores_by_mgr_and_by_dcp(tmp_path: Path) -> N
     assert back["epoch"] == 2
 
 
+def test_an_optimizer_saved_by_dcp_before_its_first_step_restores(tmp_path: Path) -> None:
+    # DCP's flattening drops empty dicts: an optimizer's state_dict() before its first step
+    # (the checkpoint a job takes at step 0) was saved without "state", and restore refused
+    # the step ("no 'state' and 'param_groups'"), where mgr.save of the same state restored.
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    state = {"model": model.state_dict(), "optim": opt.state_dict()}
+    with CheckpointManager(tmp_path / "s") as mgr:
+        quiet(dcp.save, state, storage_writer=CkptStoreWriter(mgr, step=0), no_dist=True)
+        assert mgr.load(0)["optim"]["state"] == {}
+        fresh = nn.Linear(4, 2)
+        fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.5)
+        assert mgr.restore({"model": fresh, "optim": fresh_opt}) == 0
+    assert torch.equal(fresh.weight, model.weight)
+    assert fresh_opt.param_groups[0]["lr"] == 0.1
+    assert fresh_opt.state_dict()["state"] == {}
+
+
 def test_the_writer_refuses_what_it_cannot_save_and_writes_nothing(tmp_path: Path) -> None:
     root = tmp_path / "s"
     state = {"w": torch.ones(2)}

@@ -176,6 +176,101 @@ def test_colliding_dcp_names_are_refused(tmp_path: Path) -> None:
     assert sorted(p.name for p in tmp_path.iterdir()) == ["s"]
 
 
+def test_dcp_names_and_leaves_are_the_ones_dcp_save_gives(tmp_path: Path) -> None:
+    # DCP's flattening names a dict key by its str (ints in a path are list indices only),
+    # takes a tuple whole, and a list whole unless it holds a tensor, a dict or such a list.
+    # Int keys went into planner_data as ints: every reader that rebuilds the state from it
+    # (dcp_to_torch_save, `ckptstore import`, DCP's load-everything path) made {3: "c"} a
+    # list and an optimizer's state a list. Tuples, lists of lists and RNGState (tuples of
+    # Python's and numpy's RNG) were cut into x.0, x.1: dcp.load found no "x".
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from torch.distributed.checkpoint.state_dict_loader import _load_state_dict_from_keys
+
+    from ckptstore import RNGState
+    from ckptstore.dcp import CkptStoreReader
+    from ckptstore.ops.importers import import_file
+
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    opt = torch.optim.AdamW(model.parameters(), lr=0.1)
+    model(torch.randn(3, 4)).sum().backward()
+    opt.step()
+    extra = {
+        "vocab": {3: "c", 1: "a"},
+        "pair": (torch.arange(2.0), 7),
+        "grid": [[1, 2], [3, 4]],
+        "mixed": [torch.ones(2), {"k": 1}],
+        "empty": {},
+    }
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": model, "optim": opt, "extra": extra, "rng": RNGState()})
+    out = tmp_path / "d"
+    export_dcp(open_storage(root), 1, out)
+    # What dcp.save writes for the same state, side by side: the same names and paths.
+    native = tmp_path / "native"
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        dcp.save(
+            {"model": model.state_dict(), "optim": opt.state_dict(), "extra": extra},
+            storage_writer=dcp.FileSystemWriter(str(native)),
+            no_dist=True,
+        )
+    ours = FileSystemReader(str(out)).read_metadata().planner_data
+    theirs = FileSystemReader(str(native)).read_metadata().planner_data
+    assert {k: tuple(v) for k, v in ours.items() if not k.startswith("rng.")} == {
+        k: tuple(v) for k, v in theirs.items()
+    }
+    assert ours["extra.vocab.3"] == ("extra", "vocab", "3")
+    assert ours["extra.mixed.1.k"] == ("extra", "mixed", 1, "k")
+    # dcp.load of each leaf DCP names, through the export and through the reader.
+    for reader in (FileSystemReader(str(out)), CkptStoreReader(root, step=1)):
+        state: dict[str, Any] = {
+            "extra": {"pair": (torch.zeros(2), 0), "grid": [], "vocab": {"3": "", "1": ""}},
+            "rng": RNGState(),
+        }
+        quiet_load(state, reader)
+        assert torch.equal(state["extra"]["pair"][0], torch.arange(2.0))
+        assert state["extra"]["pair"][1] == 7
+        assert state["extra"]["grid"] == [[1, 2], [3, 4]]
+        assert state["extra"]["vocab"] == {"3": "c", "1": "a"}
+    # Rebuilt from planner_data: dicts stay dicts, the optimizer loads.
+    whole = _load_state_dict_from_keys(storage_reader=CkptStoreReader(root, step=1))
+    assert whole["extra"]["vocab"] == {"3": "c", "1": "a"}
+    assert isinstance(whole["optim"]["state"], dict)
+    dcp_to_torch_save(str(out), str(tmp_path / "via-torch.pt"))
+    via = torch.load(tmp_path / "via-torch.pt", weights_only=False)  # the RNG's numpy arrays
+    assert isinstance(via["optim"]["state"], dict)
+    import_file(str(out), tmp_path / "imported", 1)
+    fresh = nn.Linear(4, 2)
+    fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=0.1)
+    with CheckpointManager(tmp_path / "imported") as mgr:
+        mgr.restore({"model": fresh, "optim": fresh_opt}, strict=False)
+    assert torch.equal(fresh.weight, model.weight)
+    got = fresh_opt.state_dict()["state"]
+    assert torch.equal(got[0]["exp_avg"], opt.state_dict()["state"][0]["exp_avg"])
+    # Both imports read the RNG's numpy arrays (DCP bytes items), as they read a .pt's.
+    from ckptstore.ops.import_dcp import import_dcp_sharded
+
+    import_dcp_sharded(str(out), tmp_path / "sharded", 1)
+    for where in ("imported", "sharded"):
+        with CheckpointManager(tmp_path / where) as mgr:
+            loaded = mgr.load(1)
+            assert mgr.verify(1).ok, where
+        assert loaded["extra"]["vocab"] == {"3": "c", "1": "a"}, where
+        # The tuple's tensor: a DCP bytes item, kept in a payload file by --sharded.
+        assert torch.equal(loaded["extra"]["pair"][0], torch.arange(2.0)), where
+        assert loaded["extra"]["grid"] == [[1, 2], [3, 4]], where
+        assert str(loaded["rng"]["numpy"][1].dtype) == "uint32", where
+
+
+def test_an_int_key_and_its_str_are_one_dcp_name_and_refused(tmp_path: Path) -> None:
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"m": {1: torch.ones(2), "1": torch.zeros(2)}})
+    with pytest.raises(CkptStoreError, match=r"have the same DCP name 'm\.1'"):
+        export_dcp(open_storage(tmp_path / "s"), 1, tmp_path / "d")
+
+
 # ---- CkptStoreReader: dcp.load straight from a store ------------------------------------------
 
 

@@ -41,6 +41,7 @@ from typing import Any
 import torch
 
 from .._progress import Progress
+from ..codec import payload as payload_codec
 from ..codec import safetensors as safetensors_codec
 from ..codec.torchzip import check_stored
 from ..codec.tree import STATE_FORMAT, TreeEncoder
@@ -63,6 +64,7 @@ from .importers import (
     DCP_METADATA,
     ImportResult,
     _int_optimizer_keys,
+    _numpy_globals,
     _one_line,
     _open_item_file,
     _prune,
@@ -166,8 +168,9 @@ def import_dcp_sharded(
     enc = _Encoder(dtensor=collector)
     keys = list(pruned)
     nodes = [enc.encode(v, group=f"g{i}", path=(k,)) for i, (k, v) in enumerate(pruned.items())]
-    if enc.finish(lambda path: "/".join(map(str, path))):  # pragma: no cover - every leaf
-        raise CkptStoreError(f"{src}: a tensor outside DCP's chunks")  # is an item
+    # Tensors inside a value DCP saved whole (a tuple, a list of plain values) are no
+    # items of their own: they go into payload files, as a save's plain tensors do.
+    plain = enc.finish(lambda path: "/".join(map(str, path)))
     state_json = json.dumps(
         {"ckptstore_state": STATE_FORMAT, "root": {"t": "dict", "keys": keys, "vals": nodes}},
         separators=(",", ":"),
@@ -208,6 +211,14 @@ def import_dcp_sharded(
                     for name, t in collector.flat.items()
                 }
             )
+            for stem, tensors in plain.items():
+                payload_codec.write_group(
+                    pending,
+                    payload_codec.payload_name(stem, "safetensors", None),
+                    tensors,
+                    fmt="safetensors",
+                    compression=None,
+                )
             data = index.to_bytes()
             # The checks every reader makes (exact cover, no shared byte, inside the files).
             ChunkIndex.from_bytes(data, pending.files, f"{where}/{INDEX_FILE}")
@@ -290,8 +301,11 @@ def _plan(
         if isinstance(item, BytesStorageMetadata):
             rel, offset, length = info_of(fqn, None)
             blob = _read_blob(src, rel, offset, length, fqn)
-            try:
-                values[fqn] = torch.load(io.BytesIO(blob), map_location="cpu", weights_only=True)
+            try:  # numpy's own array reconstruction allowed, as for a .pt file
+                with torch.serialization.safe_globals(_numpy_globals()):
+                    values[fqn] = torch.load(
+                        io.BytesIO(blob), map_location="cpu", weights_only=True
+                    )
             except pickle.UnpicklingError as e:
                 refused.append(f"{fqn!r}{_refused(e)}")
                 values[fqn] = _DROP

@@ -505,8 +505,9 @@ def _dcp_planner(skip_unsafe: bool) -> Any:
 
         def load_bytes(self, read_item: Any, value: io.BytesIO) -> None:
             fqn = read_item.dest_index.fqn
-            try:
-                obj = torch.load(value, map_location="cpu", weights_only=True)
+            try:  # numpy's own array reconstruction allowed, as for a .pt file
+                with torch.serialization.safe_globals(_numpy_globals()):
+                    obj = torch.load(value, map_location="cpu", weights_only=True)
             except pickle.UnpicklingError as e:
                 self.refused.append(f"{fqn!r}{_refused(e)}")
                 obj = _DROP

@@ -252,6 +252,52 @@ class StepTensors:
             node = _per_rank0(node)
         yield from self._walk(node, (key,), 0)
 
+    def dcp_leaves(self, key: Any) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+        """Every leaf of entry ``key`` as DCP's flattening sees it (``dcp.save`` would write).
+
+        The rules of ``torch.distributed.checkpoint._traverse.traverse_state_dict``: a dict
+        is walked, its keys named by their ``str`` (an int key is not a list index: DCP
+        writes ints in a path for those alone), and an empty one holds no leaf; a tuple is
+        one leaf, whatever it holds; a list is walked, item by item at int indices, only
+        where it holds a tensor, a dict or a list that is walked, else it is one leaf.
+        Walked as :meth:`leaves` does, a tuple or a list of lists was cut into leaves DCP
+        has no name for (``dcp.load`` of ``x`` found only ``x.0``, ``x.1``), and int keys
+        were read back as list indices (``{3: 'c'}`` came back as ``[None, None, None,
+        'c']``).
+        """
+        node = self._nodes[key]
+        if self.kinds.get(key) == "rng":
+            node = _per_rank0(node)
+        yield from self._walk_dcp(node, (str(key),), 0)
+
+    def _walk_dcp(
+        self, node: Any, path: tuple[str | int, ...], depth: int
+    ) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+        if depth > _MAX_DEPTH:
+            raise IntegrityError(f"{self.where}/{self._sname}: state nested too deeply")
+        if isinstance(node, dict):
+            t = node.get("t")
+            if t in _TENSOR_NODES:
+                yield path, self._ref(node, path)
+                return
+            if t in ("dict", "odict"):
+                keys, vals = node.get("keys"), node.get("vals")
+                if (
+                    not isinstance(keys, list)
+                    or not isinstance(vals, list)
+                    or len(keys) != len(vals)
+                    or not all(is_key(k) for k in keys)
+                ):
+                    raise IntegrityError(f"{self.where}/{self._sname}: malformed dict at {path}")
+                for k, v in zip(keys, vals, strict=True):
+                    yield from self._walk_dcp(v, (*path, str(k)), depth + 1)
+                return
+        elif isinstance(node, list) and not _dcp_terminal(node, depth):
+            for i, x in enumerate(node):
+                yield from self._walk_dcp(x, (*path, i), depth + 1)
+            return
+        yield path, self._decoder().decode(node, path)
+
     def _walk(self, node: Any, path: tuple[Any, ...], depth: int) -> Iterator[tuple[Any, Any]]:
         if depth > _MAX_DEPTH:
             raise IntegrityError(f"{self.where}/{self._sname}: state nested too deeply")
@@ -430,6 +476,18 @@ class StepTensors:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def _dcp_terminal(items: list[Any], depth: int) -> bool:
+    """DCP's ``_is_terminal`` of a list node: no tensor, no dict, no list it would walk."""
+    if depth > _MAX_DEPTH:
+        raise IntegrityError("state nested too deeply")
+    for x in items:
+        if isinstance(x, dict) and x.get("t") in ("dict", "odict", "tensor", "view", "dtensor"):
+            return False
+        if isinstance(x, list) and not _dcp_terminal(x, depth + 1):
+            return False
+    return True
 
 
 def _plain(node: Any) -> bool:

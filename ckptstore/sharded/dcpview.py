@@ -70,7 +70,7 @@ def dcp_items(src: StepTensors) -> Iterator[DCPItem]:
     """
     seen: dict[str, tuple[Any, ...]] = {}
     for key in src.keys:
-        for path, leaf in src.leaves(key):
+        for path, leaf in src.dcp_leaves(key):
             fqn = ".".join(map(str, path))
             if fqn in seen:
                 raise CkptStoreError(
