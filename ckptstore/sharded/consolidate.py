@@ -268,39 +268,15 @@ class StepTensors:
         node = self._nodes[key]
         if self.kinds.get(key) == "rng":
             node = _per_rank0(node)
-        yield from self._walk_dcp(node, (str(key),), 0)
+        yield from self._walk(node, (str(key),), 0, dcp=True)
 
-    def _walk_dcp(
-        self, node: Any, path: tuple[str | int, ...], depth: int
-    ) -> Iterator[tuple[tuple[str | int, ...], Any]]:
+    def _walk(
+        self, node: Any, path: tuple[Any, ...], depth: int, dcp: bool = False
+    ) -> Iterator[tuple[Any, Any]]:
+        """The leaves under ``node``: as :meth:`leaves` cuts them, or with ``dcp`` as DCP does."""
         if depth > _MAX_DEPTH:
             raise IntegrityError(f"{self.where}/{self._sname}: state nested too deeply")
-        if isinstance(node, dict):
-            t = node.get("t")
-            if t in _TENSOR_NODES:
-                yield path, self._ref(node, path)
-                return
-            if t in ("dict", "odict"):
-                keys, vals = node.get("keys"), node.get("vals")
-                if (
-                    not isinstance(keys, list)
-                    or not isinstance(vals, list)
-                    or len(keys) != len(vals)
-                    or not all(is_key(k) for k in keys)
-                ):
-                    raise IntegrityError(f"{self.where}/{self._sname}: malformed dict at {path}")
-                for k, v in zip(keys, vals, strict=True):
-                    yield from self._walk_dcp(v, (*path, str(k)), depth + 1)
-                return
-        elif isinstance(node, list) and not _dcp_terminal(node, depth):
-            for i, x in enumerate(node):
-                yield from self._walk_dcp(x, (*path, i), depth + 1)
-            return
-        yield path, self._decoder().decode(node, path)
-
-    def _walk(self, node: Any, path: tuple[Any, ...], depth: int) -> Iterator[tuple[Any, Any]]:
-        if depth > _MAX_DEPTH:
-            raise IntegrityError(f"{self.where}/{self._sname}: state nested too deeply")
+        walk: list[tuple[Any, Any]] | None = None  # (path item, node) of each child, if walked
         if isinstance(node, dict):
             t = node.get("t")
             if t in _TENSOR_NODES:
@@ -312,23 +288,26 @@ class StepTensors:
                     not isinstance(keys, list)
                     or not isinstance(vals, list)
                     or not all(is_key(k) for k in keys)
+                    or (dcp and len(keys) != len(vals))
                 ):
                     raise IntegrityError(f"{self.where}/{self._sname}: malformed dict at {path}")
-                if keys and len(keys) == len(vals):
-                    for k, v in zip(keys, vals, strict=True):
-                        yield from self._walk(v, (*path, k), depth + 1)
-                    return
-            if t == "tuple" and isinstance(node.get("v"), list):
+                if dcp:  # every dict walked, keys by their str; an empty one holds no leaf
+                    walk = [(str(k), v) for k, v in zip(keys, vals, strict=True)]
+                elif keys and len(keys) == len(vals):
+                    walk = list(zip(keys, vals, strict=True))
+            elif t == "tuple" and isinstance(node.get("v"), list) and not dcp:
                 items = node["v"]
                 if items and not all(_plain(x) for x in items):
-                    for i, x in enumerate(items):
-                        yield from self._walk(x, (*path, i), depth + 1)
-                    return
-        elif isinstance(node, list) and node and not all(_plain(x) for x in node):
-            for i, x in enumerate(node):
-                yield from self._walk(x, (*path, i), depth + 1)
+                    walk = list(enumerate(items))
+        elif isinstance(node, list):
+            cut = not _dcp_terminal(node, depth) if dcp else node and not all(map(_plain, node))
+            if cut:
+                walk = list(enumerate(node))
+        if walk is None:
+            yield path, self._decoder().decode(node, path)
             return
-        yield path, self._decoder().decode(node, path)
+        for k, v in walk:
+            yield from self._walk(v, (*path, k), depth + 1, dcp)
 
     def _ref(self, node: Mapping[str, Any], path: tuple[Any, ...]) -> TensorRef:
         dtype, shape = node.get("dtype"), node.get("shape")
