@@ -522,6 +522,13 @@ def test_export_safetensors(store: Path, tmp_path: Path, capsys) -> None:
     assert out_file.read_bytes() == before
     rc, _, _ = run_cli(capsys, "export", store, "--step", "100", out_file, "--force")
     assert rc == 0
+    # --force onto a directory: said so (it named a temporary file: "Is a directory").
+    folder = tmp_path / "folder.safetensors"
+    folder.mkdir()
+    rc, _, err = run_cli(capsys, "export", store, "--step", "100", folder, "--force")
+    assert rc == 1
+    assert err.startswith(f"ckptstore: error: {folder}: a directory; export writes one file")
+    assert list(folder.iterdir()) == []
 
     other = tmp_path / "x.safetensors"
     rc, _, err = run_cli(capsys, "export", store, "--step", "100", other, "--key", "nope")

@@ -140,6 +140,26 @@ def test_lightning_ckpt_imports_as_written(tmp_path: Path, capsys) -> None:
     assert_same(opt.state_dict(), src["optimizer_states"][0])
 
 
+def test_a_lightning_module_named_module_keeps_its_names(tmp_path: Path, capsys) -> None:
+    # A LightningModule whose network is self.module saves "module.fc.weight": its own
+    # names (Lightning never writes a DDP prefix). The import stripped "module." as from a
+    # DDP state dict, and the module's load_state_dict of the imported state failed.
+    src = lightning_ckpt({"lr": 0.1})
+    src["state_dict"] = collections.OrderedDict(
+        (f"module.{k[len('model.') :]}", v) for k, v in src["state_dict"].items()
+    )
+    path = tmp_path / "last.ckpt"
+    torch.save(src, path)
+    root = tmp_path / "store"
+    rc, out, err = run_cli(capsys, "import", path, root, "--step", "2", "--json")
+    assert rc == 0, err
+    assert not any("stripped" in n for n in json.loads(out)["notes"])
+    with CheckpointManager(root) as mgr:
+        stored = mgr.load(2)
+    assert list(stored["state_dict"]) == list(src["state_dict"])
+    assert_same(stored["state_dict"], src["state_dict"])
+
+
 def test_lightning_unsafe_hparams_refused_or_skipped(tmp_path: Path, capsys) -> None:
     src = lightning_ckpt({"lr": 0.1, "cfg": HParams(), "keep": [1, 2]})
     path = tmp_path / "last.ckpt"
@@ -343,6 +363,67 @@ def test_dcp_corrupt_or_hostile_is_refused(tmp_path: Path, capsys) -> None:
     assert rc == 1
     assert "not a torch.distributed.checkpoint checkpoint" in err
     assert not root.exists() or not any(root.glob("step-*"))
+
+
+def test_a_load_that_fails_inside_dcp_or_torch_load_is_one_line(tmp_path: Path, capsys) -> None:
+    # DCP wraps a failed read in CheckpointException, a BaseException that `except
+    # Exception` let through, and a .pt whose pickle is cut short (its zip's CRCs intact)
+    # failed in the unpickler with an IndexError: both printed a Python traceback.
+    import io
+
+    from torch.distributed.checkpoint.filesystem import FileSystemReader
+
+    root = tmp_path / "store"
+    bad = tmp_path / "dcp"
+    save_dcp({"w": torch.ones(2), "n": 1}, bad)
+    md = FileSystemReader(str(bad)).read_metadata()
+    (index,) = [i for i in md.storage_data if i.fqn == "w"]
+    info = md.storage_data[index]
+    buf = io.BytesIO()
+    torch.save(torch.ones(1), buf)  # a valid item, shorter than the metadata says
+    data = bad / info.relative_path
+    end = data.stat().st_size
+    data.write_bytes(data.read_bytes() + buf.getvalue())
+    md.storage_data[index] = type(info)(info.relative_path, end, len(buf.getvalue()))
+    with open(bad / ".metadata", "wb") as f:
+        pickle.dump(md, f)
+    rc, out, err = run_cli(capsys, "import", bad, root, "--step", "1")
+    assert rc == 1
+    assert "reading the DCP checkpoint failed (CheckpointException" in err
+    assert "Traceback" not in out + err
+
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(3), "n": 5}, src)
+    import zipfile
+
+    cut = tmp_path / "cut.pt"
+    with zipfile.ZipFile(src) as zin, zipfile.ZipFile(cut, "w") as zout:
+        for item in zin.infolist():
+            blob = zin.read(item.filename)
+            if item.filename.endswith("data.pkl"):
+                blob = blob[: len(blob) // 2]
+            zout.writestr(item, blob)
+    rc, out, err = run_cli(capsys, "import", cut, root, "--step", "1")
+    assert rc == 1
+    assert "cut.pt: torch.load failed (" in err
+    assert "Traceback" not in out + err
+    assert not root.exists() or not any(root.glob("step-*"))
+
+
+def test_an_entry_the_store_cannot_hold_without_pickle_is_named(tmp_path: Path, capsys) -> None:
+    # torch.load(weights_only=True) reads a set; the store holds one only with pickle. The
+    # import passed on mgr.save's "pass allow_pickle=True", an option it does not have.
+    src = tmp_path / "src.pt"
+    torch.save({"w": torch.ones(2), "seen": {1, 2}}, src)
+    root = tmp_path / "store"
+    for extra in ([], ["--skip-unsafe"]):
+        rc, out, err = run_cli(capsys, "import", src, root, "--step", "1", *extra)
+        assert rc == 1
+        assert f"{src}: state['seen']: objects of type builtins.set load" in err
+        assert "an import stores no pickles" in err
+        assert "allow_pickle" not in err
+        assert "Traceback" not in out + err
+    assert not any(root.glob("step-*"))
 
 
 def test_dcp_unsafe_item_refused_or_skipped(tmp_path: Path, capsys) -> None:

@@ -152,6 +152,12 @@ def export_step(
     out = os.fspath(out)
     if os.path.lexists(out) and not force:
         raise PathExistsError(f"{out}: already exists; pass --force to overwrite it", path=out)
+    if os.path.isdir(out):  # --force replaces a file, never a directory
+        raise PathExistsError(
+            f"{out}: a directory; export writes one file here (give a file name, or --dcp / "
+            "--hf for a directory)",
+            path=out,
+        )
     parent = os.path.dirname(os.path.abspath(out))
     if not os.path.isdir(parent):
         raise PathNotFoundError(f"{parent}: no such directory", path=parent)

@@ -52,7 +52,7 @@ import torch
 
 from .._progress import Progress
 from ..codec.torchzip import check_stored
-from ..errors import CkptStoreError, IntegrityError, PathNotFoundError
+from ..errors import CkptStoreError, IntegrityError, PathNotFoundError, UnsafeCheckpointError
 from .verify import looks_like_safetensors, verify_file
 
 __all__ = ["DCP_METADATA", "ImportResult", "Source", "import_file", "prepare_import", "read_source"]
@@ -259,7 +259,7 @@ def _torch_load(path: str) -> Any:
             return torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise
-    except (RuntimeError, EOFError, ValueError, zipfile.BadZipFile) as e:
+    except Exception as e:  # a cut-short pickle: IndexError, KeyError, ... (no code ran)
         raise IntegrityError(
             f"{path}: torch.load failed ({_one_line(str(e))}); the file is corrupt or not a "
             "torch.save checkpoint"
@@ -535,11 +535,14 @@ def _read_dcp(path: str, *, skip_unsafe: bool) -> tuple[dict[Any, Any], list[str
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
             return md  # already read, by the restricted unpickler
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     planner = _dcp_planner(skip_unsafe)
     try:
         with _quiet_single_process():
             load({}, storage_reader=Reader(path), planner=planner, no_dist=True)
-    except Exception as e:  # DCP wraps every failure of a read in its CheckpointException
+    # DCP wraps every failure of a read in its CheckpointException, a BaseException.
+    except (Exception, CheckpointException) as e:
         raise IntegrityError(
             f"{path}: reading the DCP checkpoint failed ({type(e).__name__}: {_one_line(str(e))})"
         ) from None
@@ -654,12 +657,16 @@ def _is_flat_tensor_dict(obj: Any) -> bool:
     )
 
 
-def prepare_import(obj: Any, *, key: str = "model") -> tuple[dict[Any, Any], list[str]]:
+def prepare_import(
+    obj: Any, *, key: str = "model", strip: bool = True
+) -> tuple[dict[Any, Any], list[str]]:
     """Shape a loaded ``torch.save`` object for :meth:`CheckpointManager.save`.
 
-    A bare state dict (``{name: tensor}``) is stored under ``key``; every flat tensor dict
-    loses a ``module.``/``_orig_mod.`` prefix shared by all its keys. Returns the state and
-    notes on what was changed.
+    A bare state dict (``{name: tensor}``) is stored under ``key``; with ``strip``, every
+    flat tensor dict loses a ``module.``/``_orig_mod.`` prefix shared by all its keys (a DDP
+    or compiled model's). Not for a Lightning ``.ckpt``: Lightning writes the module's own
+    names (a ``LightningModule`` whose network is ``self.module`` saves ``module.weight``,
+    which ``load_state_dict`` wants back). Returns the state and notes on what was changed.
 
     Raises:
         CkptStoreError: ``obj`` is not a dict.
@@ -671,14 +678,14 @@ def prepare_import(obj: Any, *, key: str = "model") -> tuple[dict[Any, Any], lis
             "named entries (e.g. {'model': state_dict, 'optimizer': ...})"
         )
     if _is_flat_tensor_dict(obj):
-        sd, prefix = _strip_wrapper_prefix(obj)
+        sd, prefix = _strip_wrapper_prefix(obj) if strip else (obj, "")
         notes.append(f"a bare state dict: stored under {key!r}")
         if prefix:
             notes.append(f"stripped {prefix!r} from the keys of {key!r}")
         return {key: sd}, notes
     state: dict[Any, Any] = {}
     for k, v in obj.items():
-        if _is_flat_tensor_dict(v):
+        if strip and _is_flat_tensor_dict(v):
             v, prefix = _strip_wrapper_prefix(v)
             if prefix:
                 notes.append(f"stripped {prefix!r} from the keys of {k!r}")
@@ -702,8 +709,8 @@ def import_file(
 
     ``source`` is a ``torch.save`` file, a Lightning ``.ckpt``, a ``.safetensors`` file or a
     ``torch.distributed.checkpoint`` directory (see :func:`read_source`). A bare state dict
-    is stored under ``key``; ``module.``/``_orig_mod.`` prefixes are stripped. The store is
-    created if needed.
+    is stored under ``key``; ``module.``/``_orig_mod.`` prefixes are stripped (not from a
+    Lightning ``.ckpt``, whose names are the module's own). The store is created if needed.
 
     Args:
         source: the file or DCP directory.
@@ -731,7 +738,7 @@ def import_file(
     report = progress or (lambda done, total, what: None)
     report(0, 2, f"reading {os.path.basename(os.path.normpath(source))}")
     src = read_source(source, skip_unsafe=skip_unsafe)
-    state, notes = prepare_import(src.obj, key=key)
+    state, notes = prepare_import(src.obj, key=key, strip=src.kind != "lightning")
     notes = src.notes + notes
     report(1, 2, f"writing step {step}")
     mgr = CheckpointManager(
@@ -746,7 +753,17 @@ def import_file(
         metadata = {"imported_from": os.path.abspath(source), **src.metadata}
         # An import places the step it is told to: an older step than the newest is asked
         # for, not a training run restarted without resume().
-        manifest = mgr.save(step, state, metadata=metadata, allow_older=True).wait()
+        try:
+            manifest = mgr.save(step, state, metadata=metadata, allow_older=True).wait()
+        except UnsafeCheckpointError as e:
+            # mgr.save's advice (allow_pickle=True) is no option of an import: say what is.
+            what = str(e).split(" cannot be stored without pickle", 1)[0]
+            raise UnsafeCheckpointError(
+                f"{source}: {what} load (torch.load(weights_only=True) reads them) but cannot "
+                "be stored without pickle, and an import stores no pickles (--skip-unsafe "
+                "drops only what needs code to load); convert that entry in the source (a "
+                "set to a list, say) and import again"
+            ) from None
         where = mgr.storage.describe(step)
         report(2, 2, "done")
     return ImportResult(
