@@ -95,7 +95,7 @@ def test_short_upload_campaign(tmp_path: Path) -> None:
     up = start(
         tmp_path,
         "upload",
-        *("--store", "local", "--trials", "0", "--dist-trials", "0", "--upload-trials", "6"),
+        *("--store", "local", "--trials", "0", "--dist-trials", "0", "--upload-trials", "4"),
     )
     try:
         # Not scaled: on a busy host its time is the uploads', which run at nice 19 (IO_NICE)
@@ -105,8 +105,8 @@ def test_short_upload_campaign(tmp_path: Path) -> None:
         doc = finish(*up, timeout=250)
         assert doc["violations"] == []
         ups = doc["uploads"]
-        assert ups["trials"] == 6
-        assert ups["kills"] >= 3  # a few uploads may finish before their kill
+        assert ups["trials"] == 4
+        assert ups["kills"] >= 2  # a few uploads may finish before their kill
         assert ups["killed_mid_upload"] + ups["complete_at_kill"] > 0
     finally:
         if up[0].poll() is None:
