@@ -45,9 +45,10 @@ unit: $(STAMP)
 # The docs build is part of the test: a broken link or a page missing from the nav fails it.
 # The checks run beside the tests, not before them: ruff, mypy and mkdocs (~40 s, one core)
 # fill the CPU pytest's workers leave idle while they wait on processes, fsync and timeouts.
-# Lines of their output are kept whole (--output-sync=line); any failure fails the target.
+# Their output comes as it is made (no --output-sync, which held pytest's until its end);
+# any failure fails the target.
 test: $(STAMP)
-	@$(MAKE) --no-print-directory -j4 --output-sync=line lint typecheck docs unit
+	@$(MAKE) --no-print-directory -j4 lint typecheck docs unit
 
 # README.md, CONTRIBUTING.md and docs/ as a site in site/ (mkdocs.yml). --strict turns every
 # warning (a link to a missing page or anchor, a page left out of the nav) into a failure;

@@ -461,9 +461,9 @@ class CkptStoreWriter(StorageWriter):
             raise ConfigError(msg)
         if self._step is None:  # set_up_storage_writer raised already
             raise ConfigError("CkptStoreWriter: no step to save")
-        state = _unflatten(planner)
         self.error = None
         try:
+            state = _unflatten(planner, self._others(planner))
             handle = self.manager.save(
                 self._step, state, metrics=self.metrics, metadata=self.metadata
             )
@@ -481,13 +481,51 @@ class CkptStoreWriter(StorageWriter):
     def finish(self, metadata: Metadata, results: list[list[WriteResult]]) -> None:
         """Nothing left: ``write_data`` committed the step on every rank."""
 
+    def _others(self, planner: DefaultSavePlanner) -> dict[str, tuple[Any, Any]]:
+        """On rank 0, the values other ranks hold under names rank 0 does not hold.
 
-def _unflatten(planner: DefaultSavePlanner) -> dict[str, Any]:
-    """The state the planner holds, nested as the caller gave it to ``dcp.save``."""
+        DCP keeps every rank's items, one copy of a name several ranks hold: torchtitan's
+        dataloader saves ``dataloader.dp_rank_<r>`` on rank r alone. ``mgr.save`` of DTensor
+        state writes rank 0's plain values, so the others' were lost, and a resume on more
+        than one data-parallel rank failed ("Missing key ... dp_rank_1"). Two collectives:
+        rank 0 says which plain names it holds (a broadcast of its own names), and each rank
+        sends the values of names it holds beside them (a gather: its own values only).
+        Returns ``{name: (path, value)}`` on rank 0 (the lowest rank's value of a name
+        several others hold), ``{}`` elsewhere.
+        """
+        coord = self.manager.coord
+        if not coord.enabled or coord.world_size == 1:
+            return {}
+        from torch.distributed.tensor import DTensor
+
+        flat: dict[str, Any] = dict(planner.state_dict)
+        paths: dict[str, Any] = dict(getattr(planner, "mappings", None) or {})
+        plain = sorted(k for k, v in flat.items() if not isinstance(v, DTensor))
+        held = coord.broadcast(plain if coord.is_leader else None, "dcp:names", self._step)
+        have = set(held)
+        mine = {k: (paths.get(k, (k,)), flat[k]) for k in plain if k not in have}
+        every = coord.gather(mine if not coord.is_leader else {}, "dcp:others", self._step)
+        out: dict[str, tuple[Any, Any]] = {}
+        for values in every or []:
+            for k, v in values.items():
+                out.setdefault(k, v)
+        return out
+
+
+def _unflatten(
+    planner: DefaultSavePlanner, others: Mapping[str, tuple[Any, Any]] | None = None
+) -> dict[str, Any]:
+    """The state the planner holds, nested as the caller gave it to ``dcp.save``.
+
+    ``others`` (``{name: (path, value)}``: other ranks' values) are placed at their paths.
+    """
     from torch.distributed.checkpoint._nested_dict import unflatten_state_dict
 
     state: dict[str, Any] = dict(planner.state_dict)
-    mappings = getattr(planner, "mappings", None)
+    mappings = dict(getattr(planner, "mappings", None) or {})
+    for name, (path, value) in (others or {}).items():
+        state[name] = value
+        mappings[name] = tuple(path)
     if planner.flatten_state_dict and mappings:
         state = unflatten_state_dict(state, mappings)
     return _with_param_ids(state)  # type: ignore[no-any-return]

@@ -105,6 +105,21 @@ def test_a_2_rank_dcp_save_restores_on_another_world_by_both_apis(
             assert r.value[how]["step"] == 3
 
 
+def test_names_one_rank_alone_holds_are_saved_and_load_back_on_that_rank(tmp_path: Path) -> None:
+    # DCP keeps every rank's items. torchtitan's dataloader saves dataloader.dp_rank_<r> on
+    # rank r alone; mgr.save of DTensor state wrote rank 0's plain values only, so step 1
+    # held dp_rank_0 and a resume on 2 ranks failed: "Missing key ... dp_rank_1".
+    res = launch("dcp_scenarios:dcp_per_rank", 2, tmp_path, timeout=150)
+    assert all(r.ok for r in res), describe(res)
+    for rank, r in enumerate(res):
+        assert r.value["stored_keys"] == ["dataloader", "model", "rank0", "rank1", "shared"]
+        assert r.value["stored_dataloader"] == ["dp_rank_0", "dp_rank_1", "world_size"]
+        assert r.value["mine"] == f"position of rank {rank}"
+        assert r.value["world_size"] == 2
+        assert r.value["tensor"] == [float(rank)] * 3
+        assert r.value["epoch"] == 5
+
+
 def test_a_rank_killed_in_the_write_under_dcp_save_leaves_no_step(tmp_path: Path) -> None:
     timeout = 6.0
     res = launch(

@@ -261,6 +261,44 @@ def test_one_process_without_a_process_group_saves_and_loads(tmp_path: Path) -> 
     assert [k for k in want if not torch.equal(want[k], got[k])] == []
 
 
+def test_close_after_a_failed_async_save_closes_the_store_and_raises(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    # DCP's CheckpointException is a BaseException: `except Exception` in close() let it
+    # through before the log, torchtitan's clean-up and the store's close (its writer lock
+    # held until the object was collected).
+    import traceback
+    from concurrent.futures import Future
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    from ckptstore.errors import ClosedError
+    from ckptstore.integrations.torchtitan import CkptStoreCheckpointManager
+    from tests.multirank.torchtitan_scenarios import Tiny
+
+    model = Tiny()
+    ckpt = CkptStoreCheckpointManager.Config(enable=True, folder="store").build(
+        dataloader=None,
+        model_parts=[model],
+        optimizers=None,
+        lr_schedulers=None,
+        states={},
+        sd_adapter=None,
+        base_folder=str(tmp_path),
+    )
+    store = ckpt.store
+    failed: Future[Any] = Future()
+    cause = (OSError(28, "the disk is full"), traceback.extract_stack())
+    failed.set_exception(CheckpointException("write_data", {1: cause}))
+    ckpt.save_future = failed
+    with caplog.at_level("ERROR", logger="ckptstore"), pytest.raises(CheckpointException):
+        ckpt.close()
+    assert "the last torchtitan checkpoint save failed" in caplog.text
+    assert ckpt.store is None
+    with pytest.raises(ClosedError):
+        store.save(1, {"x": torch.ones(1)})
+
+
 def test_resuming_the_newest_step_passes_over_a_corrupt_one(tmp_path: Path) -> None:
     # load_step=-1 (a restarted job): step 6 does not verify, so step 4 is loaded, with a
     # warning, and training saves step 6 anew; an explicit load_step=6 raises instead.

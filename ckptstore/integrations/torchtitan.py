@@ -411,19 +411,31 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
     # ---- lifecycle --------------------------------------------------------------------
 
     def _close(self) -> None:
-        """Wait for the save in flight, stop torchtitan's threads, close the store."""
+        """Wait for the save in flight, stop torchtitan's threads, close the store.
+
+        A failed save in flight is logged and raised once the rest is closed, as
+        torchtitan's own ``close`` raises it: a job that ends on a save that did not commit
+        does not exit 0. (``CheckpointException`` is a ``BaseException``: caught as an
+        ``Exception`` it skipped the log, torchtitan's clean-up and the store's close.)
+        """
         future = getattr(self, "save_future", None)
+        error: BaseException | None = None
         if future is not None:
             self.save_future = None
             try:
                 future.result()
-            except Exception as e:
+            except (Exception, CheckpointException) as e:
                 logger.error("the last torchtitan checkpoint save failed: %s", e)
-        super()._close()
-        store = getattr(self, "store", None)
-        if store is not None:
-            self.store = None
-            store.close()
+                error = e
+        try:
+            super()._close()
+        finally:
+            store = getattr(self, "store", None)
+            if store is not None:
+                self.store = None
+                store.close()
+        if error is not None:
+            raise error
 
 
 def _corrupt(e: CheckpointException) -> bool:

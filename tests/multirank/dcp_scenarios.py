@@ -140,3 +140,38 @@ def dcp_fs_save(ctx: Ctx) -> dict[str, Any]:
     state = _state(model, opt, 3)
     dcp.save(state, storage_writer=dcp.FileSystemWriter(str(ctx.workdir / "dcp")))
     return _digests(state)
+
+
+def dcp_per_rank(ctx: Ctx) -> dict[str, Any]:
+    """``dcp.save`` of state some of whose names one rank alone holds (torchtitan's
+    dataloader: ``dp_rank_<r>``), then ``dcp.load`` of this rank's names through the reader."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    model, opt = _model_opt(0)
+    train(model, opt, 1)
+    msd, _ = get_state_dict(model, opt)
+    state = {
+        "model": msd,
+        "dataloader": {f"dp_rank_{rank}": f"position of rank {rank}".encode(), "world_size": 2},
+        f"rank{rank}": torch.full((3,), float(rank)),
+        "shared": {"epoch": 5},
+    }
+    with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
+        writer = CkptStoreWriter(mgr, step=1)
+        dcp.save(state, storage_writer=writer, process_group=writer.process_group)
+        stored = mgr.load(1)
+    back: dict[str, Any] = {
+        "dataloader": {f"dp_rank_{rank}": b"", "world_size": 0},
+        f"rank{rank}": torch.zeros(3),
+        "shared": {"epoch": 0},
+    }
+    dcp.load(back, storage_reader=CkptStoreReader(ctx.root, step=1))
+    return {
+        "stored_keys": sorted(str(k) for k in stored),
+        "stored_dataloader": sorted(stored["dataloader"]),
+        "mine": back["dataloader"][f"dp_rank_{rank}"].decode(),
+        "world_size": back["dataloader"]["world_size"],
+        "tensor": back[f"rank{rank}"].tolist(),
+        "epoch": back["shared"]["epoch"],
+    }
