@@ -183,6 +183,16 @@ def fit(out: Path, n: int, run: dict[str, Any]) -> None:
             probe,
         ],
     )
+    if run.get("weights"):  # weights-only checkpoints beside the full ones, written after them
+        trainer.callbacks.append(
+            ModelCheckpoint(
+                dirpath=out / run.get("dir", run["name"]),
+                filename="weights-{epoch}",
+                save_weights_only=True,
+                monitor="step",
+                mode="max",
+            )
+        )
     ckpt = run.get("ckpt")
     try:
         trainer.fit(

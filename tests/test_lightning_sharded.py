@@ -99,6 +99,17 @@ def _jobs(out: Path) -> None:
             "ckpt": "last",
         },
     ]
+    plan.append({"name": "wfit", "dir": "wf", "epochs": 2, "weights": True})
+    plan.append(
+        {
+            "name": "wfallback",
+            "dir": "wf2",
+            "epochs": 3,
+            "copy": [["wf", "wf2"]],
+            "corrupt": ["wf2/last.ckpt/step-*/_shards.rank00000.*"],
+            "ckpt": "last",
+        }
+    )
     plan.append({"name": "unsafe", "epochs": 1, "unsafe": True})
     plan.append({"name": "unsafe1", "epochs": 1, "unsafe": "rank1"})
     # The 4-rank job of test_fsdp2_over_tensor_parallel_resumes_on_data_parallel_alone
@@ -205,6 +216,17 @@ def test_corrupt_last_falls_back_to_the_newest_checkpoint_that_verifies(job: Pat
         assert (row["start_step"], row["start_epoch"]) == (4, 2)
         assert row["start"] == fit[rank]["epochs"]["1"]
         assert row["end"] == fit[rank]["end"]
+
+
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_the_fall_back_passes_over_a_weights_only_checkpoint(job: Path) -> None:
+    # A weights-only ModelCheckpoint beside the full one: its checkpoint is the newest after
+    # a corrupt last.ckpt, and the fall-back stopped at it (StateMismatchError: no
+    # optimizer_states) short of epoch=1-step=4, a full one that loads.
+    assert (job / "wf" / "weights-epoch=1.ckpt").is_dir()
+    for row in rows(job, "wfallback", 2):
+        trained(row)
+        assert (row["start_step"], row["start_epoch"]) == (4, 2)
 
 
 @pytest.mark.timeout(JOB_TIMEOUT)

@@ -50,6 +50,7 @@ from ..errors import (
     ManifestError,
     NoCheckpointError,
     PathNotFoundError,
+    StateMismatchError,
     UnsafeCheckpointError,
 )
 from ..manager import CheckpointManager
@@ -350,7 +351,10 @@ def _fall_back(
     for candidate, global_step in candidates:
         try:
             out = _restore(strategy, io, candidate, allow_pickle=allow_pickle, newest_good=True)
-        except (IntegrityError, ManifestError, NoCheckpointError) as e:
+        except (IntegrityError, ManifestError, NoCheckpointError, StateMismatchError) as e:
+            # StateMismatchError: a checkpoint that does not fit this run, such as a
+            # weights-only one beside the full ones (its own ModelCheckpoint with
+            # save_weights_only=True); the fall-back stopped there, short of a full one.
             tried.append(f"{candidate}: {e}")
             continue
         log.warning(
