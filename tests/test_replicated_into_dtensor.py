@@ -8,6 +8,7 @@ moments alike, and training goes on.
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -46,6 +47,37 @@ def test_a_replicated_step_restores_into_fsdp2(tmp_path: Path, fmt: str, world: 
             and not k.endswith("/step") and r.value["trained"][k] == v
         ]  # fmt: skip
         assert kept == []
+
+
+def test_a_fall_back_from_a_corrupt_dtensor_step_to_a_replicated_one_completes(
+    tmp_path: Path,
+) -> None:
+    # Step 4 (FSDP2, 2 ranks) fails its checksum and the restore falls back to step 3 (one
+    # process: whole tensors), which writes every parameter. Its writes into the FSDP2
+    # targets were not counted (only tensors with their own memory were), so the restore
+    # raised "partly written by a newer step ... this step holds no value for them".
+    model = make_net(seed=0)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 3)
+    root = tmp_path / "store"
+    with CheckpointManager(root) as mgr:
+        mgr.save(3, {"model": model, "optim": opt})
+    saved = digests(model, opt)
+    args = {"root": str(root)}
+    res = launch("dtensor_scenarios:fsdp_save_into", 2, tmp_path / "s", args={**args, "step": 4})
+    assert all(r.ok for r in res), describe(res)
+    (shard,) = (root / "step-000000000004").glob("_shards.rank00001.*")
+    data = bytearray(shard.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    head = json.loads(data[8 : 8 + n])
+    first = min(v["data_offsets"][0] for k, v in head.items() if not k.startswith("_"))
+    data[8 + n + first] ^= 0xFF  # a byte of a tensor (not of the padding between them)
+    shard.write_bytes(bytes(data))
+    res = launch("dtensor_scenarios:plain_into_fsdp", 2, tmp_path / "r", timeout=120, args=args)
+    assert all(r.ok for r in res), describe(res)
+    for r in res:
+        assert r.value["step"] == 3
+        assert r.value["restored"] == saved
 
 
 def test_no_byte_path_takes_a_dtensor_for_a_plain_tensor() -> None:

@@ -19,8 +19,10 @@ from ..codec import safetensors as st
 from ..codec.tree import TreeDecoder
 from ..errors import StateMismatchError, UnsafeCheckpointError
 from ..sharded import plan as sharding
+from ..sharded.targets import local_of
 from ..state.capture import capture, kind_of, precheck
 from ..state.modules import EMA
+from ..state.redistribute import is_dtensor
 from .plan import unwrap
 
 __all__ = ["check_targets", "collect_targets", "indexed_optimizer", "persistent_targets"]
@@ -115,8 +117,8 @@ def persistent_targets(
     for k, target in targets.items():
         if k in nodes and isinstance(target, torch.nn.Module | torch.optim.Optimizer | EMA):
             node = unwrap(nodes[k])[1]
-            collect_targets(node, capture(target, keep_vars=True), out)
-            collect_targets(node, capture(target, keep_vars=True), again)
+            collect_targets(node, capture(target, keep_vars=True), out, shards=True)
+            collect_targets(node, capture(target, keep_vars=True), again, shards=True)
     own = _names_of(again)
     return {p: name for p, name in _names_of(out).items() if own.get(p) == name}
 
@@ -130,29 +132,38 @@ def _names_of(into: Mapping[str, Mapping[str, torch.Tensor]]) -> dict[int, str]:
     return {t.data_ptr(): f"{g}/{k}" for g, ts in into.items() for k, t in ts.items() if t.numel()}
 
 
-def collect_targets(node: Any, current: Any, out: dict[str, dict[str, torch.Tensor]]) -> None:
+def collect_targets(
+    node: Any, current: Any, out: dict[str, dict[str, torch.Tensor]], *, shards: bool = False
+) -> None:
     """Pair each tensor reference in ``node`` with the tensor at the same place in ``current``.
 
     ``current`` is a target's present state; the pairs let payloads be read straight into it.
+    ``shards``: a DTensor target is paired too, by its local shard (what a restore writes
+    of it, later, from the whole stored tensor): for the bookkeeping of what a step writes
+    (:func:`persistent_targets`), never for an in-place read.
     """
     if isinstance(node, list):
         if isinstance(current, list | tuple):
             for n, c in zip(node, current, strict=False):
-                collect_targets(n, c, out)
+                collect_targets(n, c, out, shards=shards)
         return
     if not isinstance(node, dict):
         return
     t = node.get("t")
-    if t == "tensor" and isinstance(current, torch.Tensor) and st.has_own_bytes(current):
-        # A plain stored tensor never goes in place into a DTensor (it holds one shard).
+    if t == "tensor" and isinstance(current, torch.Tensor):
         group, key = node.get("file"), node.get("key")
-        if isinstance(group, str) and isinstance(key, str):
+        if not isinstance(group, str) or not isinstance(key, str):
+            return
+        if st.has_own_bytes(current):
             out.setdefault(group, {})[key] = current
+        elif shards and is_dtensor(current):
+            # A plain stored tensor never goes in place into a DTensor (it holds one shard).
+            out.setdefault(group, {})[key] = local_of(current)
     elif t in ("dict", "odict") and isinstance(current, Mapping):
         keys, vals = node.get("keys"), node.get("vals")
         if isinstance(keys, list) and isinstance(vals, list):
             for k, v in zip(keys, vals, strict=False):
                 if isinstance(k, str | int) and k in current:
-                    collect_targets(v, current[k], out)
+                    collect_targets(v, current[k], out, shards=shards)
     elif t == "tuple" and isinstance(current, tuple | list):
-        collect_targets(node.get("v"), list(current), out)
+        collect_targets(node.get("v"), list(current), out, shards=shards)

@@ -578,6 +578,17 @@ def plain_into_fsdp(ctx: Ctx) -> dict[str, Any]:
     }
 
 
+def fsdp_save_into(ctx: Ctx) -> dict[str, Any]:
+    """Save step ``step`` of an FSDP2 model and AdamW, as ``{"model", "optim"}``, into ``root``."""
+    model = make_net(seed=7)
+    shard(model)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 2)
+    with CheckpointManager(ctx.args["root"], barrier_timeout=60.0) as mgr:
+        mgr.save(ctx.args["step"], {"model": model, "optim": opt})
+    return {}
+
+
 def plain_into_state_dict(ctx: Ctx) -> dict[str, Any]:
     """Restore a replicated step into a plain dict of DTensors (``get_model_state_dict``).
 
