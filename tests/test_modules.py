@@ -465,3 +465,30 @@ print("heavy:", heavy)
     r = run_python(code, str(tmp_path / "s"))
     assert r.returncode == 0, r.stderr
     assert "heavy: []" in r.stdout
+
+
+def test_an_ema_rebuilt_from_an_fsdp2_source_into_a_whole_copy_is_refused_first(
+    mesh: object, tmp_path: Path
+) -> None:
+    # The checkpoint holds no EMA (the first resume after adding one): it is rebuilt from
+    # its source. An FSDP2 source's state_dict() holds DTensors and a plain EMA copy whole
+    # tensors: torch raised "got mixed torch.Tensor and DTensor" from inside the restore,
+    # after the model had been overwritten with the step's values.
+    from torch.distributed.fsdp import fully_shard
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(4, 6), nn.Linear(6, 2))
+    ema_copy = AveragedModel(copy.deepcopy(model), multi_avg_fn=get_ema_multi_avg_fn(0.9))
+    fully_shard(model, mesh=mesh)
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": model})
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(1.0)  # trained on: the step's values differ from the model's
+    before = {k: v.full_tensor().clone() for k, v in model.state_dict().items()}
+    refused = r"the source model's '0\.weight' \(and 3"
+    with CheckpointManager(root) as mgr, pytest.raises(StateMismatchError, match=refused):
+        mgr.restore({"model": model, "ema": EMA(ema_copy, source=model)})
+    after = {k: v.full_tensor() for k, v in model.state_dict().items()}
+    assert all(torch.equal(before[k], after[k]) for k in before)

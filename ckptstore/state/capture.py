@@ -21,7 +21,7 @@ from torch import nn
 from .._log import logger as log
 from ..errors import StateMismatchError
 from .modules import EMA, RNGState, load_module_state, module_state
-from .redistribute import laid_out_like, optimizer_state
+from .redistribute import is_dtensor, laid_out_like, optimizer_state
 
 __all__ = ["apply_state", "capture", "kind_of"]
 
@@ -201,9 +201,33 @@ def _check_ema(ema: EMA, value: Any, kind: str | None, *, strict: bool, where: s
     elif value is not None and not ema.rebuild and _holds_weights(value, kind):
         _check_module(ema.weights_target(value), value, strict=strict, where=where)
     elif ema.source is not None:  # rebuilt from the source, whose shapes the restore keeps
-        _check_module(ema.module, module_state(ema.source), strict=True, where="ema (rebuilt)")
+        source = module_state(ema.source)
+        _refuse_shards_into_whole(ema.module, source)
+        _check_module(ema.module, source, strict=True, where="ema (rebuilt)")
     else:
         ema.rebuild_from_source()  # raises: nothing to rebuild from
+
+
+def _refuse_shards_into_whole(module: nn.Module, source: Mapping[str, Any]) -> None:
+    """Refuse an EMA rebuild that would copy a DTensor source into whole tensors.
+
+    A rebuild copies the source's ``state_dict()`` tensor by tensor, with no collective (it
+    may run on any subset of ranks), so an FSDP2 or tensor-parallel source cannot fill a
+    plain EMA copy: torch raised "got mixed torch.Tensor and DTensor" from inside the
+    restore, after the model had been overwritten. Refused here, before anything changes.
+    """
+    own = module_state(module)
+    names = [k for k, v in source.items() if is_dtensor(v) and k in own and not is_dtensor(own[k])]
+    if names:
+        more = f" (and {len(names) - 1} more)" if len(names) > 1 else ""
+        msg = (
+            f"ema (rebuilt from its source): the source model's {names[0]!r}{more} is a "
+            "DTensor (FSDP2, tensor parallel) and the EMA's is a whole tensor; a rebuild "
+            "copies shard into shard without a collective. Lay the EMA copy out like the "
+            "model (fully_shard it on the same mesh), or restore a checkpoint that holds "
+            "the EMA; nothing was changed"
+        )
+        raise StateMismatchError(msg)
 
 
 #: Per-parameter optimizer buffers of ``torch.optim`` that have the parameter's shape.
