@@ -115,6 +115,22 @@ def test_iter_tensors_consolidates_any_world_size(mixed_store) -> None:
             assert torch.equal(src.load(rng[("rng", "torch")]), full["rng"]["torch"])
 
 
+def test_load_of_a_rank_the_step_holds_no_rng_stream_for_is_refused(mixed_store) -> None:
+    # load(3, rank=2) of a step saved by 2 ranks gave rank 0's RNG stream, without a word,
+    # where a per-rank step refuses such a rank.
+    from ckptstore import StateMismatchError
+
+    root, _ = mixed_store
+    with CheckpointManager(root) as mgr:
+        streams = [mgr.load(3, rank=r, keys=["rng"])["rng"] for r in (0, 1)]
+        assert repr(streams[0]) != repr(streams[1])  # each rank's own
+        assert repr(mgr.load(3, keys=["rng"])["rng"]) == repr(streams[0])  # this process: 0
+        with pytest.raises(
+            StateMismatchError, match=r"'rng' holds the RNG streams of ranks 0\.\.1"
+        ):
+            mgr.load(3, rank=2)
+
+
 def test_per_rank_state_is_refused(mixed_store) -> None:
     root, _ = mixed_store
     with CheckpointManager(root) as mgr, pytest.raises(CkptStoreError, match="per-rank state"):

@@ -253,6 +253,14 @@ def decode_files(
             # A per-rank checkpoint keeps each rank's own stream in its own state file;
             # replicated and DTensor ones keep every rank's in rank 0's.
             index = 0 if manifest.sharded and not manifest.dtensor else rank
+            streams = value.get("per_rank")
+            if explicit and isinstance(streams, list) and streams and index >= len(streams):
+                # load(rank=r) asks for rank r's stream by name: rank 0's in its place was a
+                # silent wrong answer (a per-rank step refuses such a rank, as here).
+                raise StateMismatchError(
+                    f"{where}: {k!r} holds the RNG streams of ranks 0..{len(streams) - 1}, "
+                    f"not of rank {index}"
+                )
             target = targets.get(k) if targets is not None else None
             value = rng_for_rank(value, index, target=target, warn=targets is not None)
         out[k] = value
