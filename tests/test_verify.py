@@ -121,10 +121,10 @@ def test_broken_headers_are_found_quickly(tmp_path: Path) -> None:
         assert name in report.problems[0]
 
 
-def rewrite(root: Path, name: str, data: bytes, edit: Any = None) -> None:
+def rewrite(root: Path, name: str, data: bytes, edit: Any = None, *, step: int = 1) -> None:
     """Replace a file and forge the manifest so sizes and checksums match again."""
-    (root / step_dir(1) / name).write_bytes(data)
-    mpath = root / step_dir(1) / MANIFEST
+    (root / step_dir(step) / name).write_bytes(data)
+    mpath = root / step_dir(step) / MANIFEST
 
     def fix(doc: dict[str, Any]) -> None:
         doc["files"][name].update(bytes=len(data), crc32c=format_crc(crc32c_of(data)))
@@ -144,15 +144,6 @@ def test_state_json_that_is_not_json(tmp_path: Path) -> None:
     assert not report.ok
     assert "state.json" in report.problems[0]
     assert "not valid JSON" in report.problems[0]
-
-
-def _step_edit(root: Path, step: int, name: str, data: bytes) -> None:
-    (root / step_dir(step) / name).write_bytes(data)
-    edit_entry(
-        root / step_dir(step),
-        name,
-        lambda row: row.update(bytes=len(data), crc32c=format_crc(crc32c_of(data))),
-    )
 
 
 @pytest.mark.parametrize("compression", [None, "zstd"])
@@ -175,7 +166,7 @@ def test_a_non_finite_number_in_state_json_is_damage_and_the_step_before_restore
     text = path.read_text()
     shape = '"shape":[8,4]'  # fc1.weight's
     assert shape in text
-    _step_edit(root, 2, "state.json", text.replace(shape, '"shape":[Infinity,8]', 1).encode())
+    rewrite(root, "state.json", text.replace(shape, '"shape":[Infinity,8]', 1).encode(), step=2)
     with CheckpointManager(root) as mgr:
         with caplog.at_level("WARNING", logger="ckptstore"):
             fresh = make_state(0)
@@ -207,7 +198,8 @@ def test_an_empty_safetensors_entry_with_an_impossible_shape_is_refused(tmp_path
     head["evil"] = {"dtype": "F32", "shape": [0, 1 << 64], "data_offsets": [end, end]}
     blob = json.dumps(head, separators=(",", ":")).encode()
     blob += b" " * (-len(blob) % 8)
-    _step_edit(root, 2, "model.safetensors", len(blob).to_bytes(8, "little") + blob + raw[8 + n :])
+    forged = len(blob).to_bytes(8, "little") + blob + raw[8 + n :]
+    rewrite(root, "model.safetensors", forged, step=2)
     with CheckpointManager(root) as mgr:
         report = mgr.verify(2, deep=False)
         assert not report.ok
