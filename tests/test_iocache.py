@@ -58,6 +58,7 @@ def test_measurements_are_written_and_a_new_process_starts_from_them(
     iomode.record_read(dev, "direct", 1 << 30, 1.5)
     assert iomode.read_mode(dev) == "buffered"
     iomode.record_read(dev, "buffered", 1 << 30, 1.0)
+    iocache.flush()  # written by the process's background thread
     doc = json.loads(cache.read_text())
     entry = doc["devices"][iocache.device_key(dev)]
     assert entry["read"] == {"direct": (1 << 30) / 1.5, "buffered": float(1 << 30)}
@@ -92,6 +93,7 @@ def test_explorations_keep_the_cached_verdict_current(tmp_path: Path, cache: Pat
     # The exploration finds direct much faster now: the next process starts with it.
     for _ in range(3):
         iomode.record_write(str(tmp_path), "direct", 1 << 30, 0.05)
+    iocache.flush()
     assert (
         json.loads(cache.read_text())["devices"][iocache.device_key(dev)]["write"]["direct"] > 4e9
     )
@@ -137,6 +139,7 @@ def test_a_corrupt_or_hostile_cache_is_ignored_with_a_warning(
     assert len(warned) == 1, warned  # once, not at every file
     assert warned[0].startswith(f"ignoring the I/O mode cache {cache}: ")
     if kind in HOSTILE:
+        iocache.flush()
         doc = json.loads(cache.read_text())
         assert doc["devices"][iocache.device_key(dev)]["read"] == {"direct": float(1 << 30)}
 
@@ -179,6 +182,7 @@ def test_a_forced_mode_wins_over_the_cache(
     LocalStorage(str(tmp_path), io=forced)._stream("f", lambda o, v: seen.extend(v))
     assert bytes(seen) == data
     assert twins == (["f"] if forced == "direct" else [])
+    iocache.flush()
     assert cache.read_bytes() == before  # a forced read is not a measurement
     assert iomode.decisions() == []
     # "auto" follows the cache instead.
@@ -191,18 +195,59 @@ def test_a_planted_link_at_the_temp_path_is_neither_followed_nor_overwritten(
     tmp_path: Path, cache: Path
 ) -> None:
     """issue 24 #8: the temp file is opened O_EXCL | O_NOFOLLOW."""
-    import threading
-
     dev = os.stat(tmp_path).st_dev
     cache.parent.mkdir(parents=True)
     victim = tmp_path / "victim"
     victim.write_text("precious")
-    tmp = f"{cache}.{os.getpid()}.{threading.get_ident()}.tmp"
+    tmp = f"{cache}.{os.getpid()}.tmp"
     os.symlink(victim, tmp)
     iocache.store(dev, "read", {"direct": 1e9})
+    iocache.flush()
     assert victim.read_text() == "precious"
     assert os.path.islink(tmp)  # left where it is
     assert not cache.exists()  # this update was skipped, nothing else happened
     os.unlink(tmp)
     iocache.store(dev, "read", {"direct": 1e9})
     assert iocache.load(dev, "read") == {"direct": 1e9}
+
+
+def test_the_file_is_written_off_the_callers_path_and_before_exit(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The update (read, merge, write, fsync, rename) runs on a thread of its own."""
+    import threading
+
+    dev = os.stat(tmp_path).st_dev
+    gate = threading.Event()
+    real = iocache._write
+
+    def held(path: str, updates: dict[tuple[str, str], dict[str, float]]) -> None:
+        gate.wait(30)
+        real(path, updates)
+
+    monkeypatch.setattr(iocache, "_write", held)
+    iomode.record_read(dev, "direct", 1 << 30, 1.0)  # returns with the write held
+    iomode.record_read(dev, "buffered", 1 << 30, 2.0)
+    assert not cache.exists()
+    gate.set()
+    iocache.flush()
+    entry = json.loads(cache.read_text())["devices"][iocache.device_key(dev)]
+    assert entry["read"] == {"direct": float(1 << 30), "buffered": (1 << 30) / 2.0}
+    # A process that measures and exits at once still leaves its measurement (atexit).
+    code = textwrap.dedent(f"""
+        from ckptstore.storage import iomode
+        iomode.record_write({str(tmp_path)!r}, "direct", 1 << 30, 0.5)
+    """)
+    env = {**os.environ, "CKPTSTORE_IO_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    entry = json.loads(cache.read_text())["devices"][iocache.device_key(dev)]
+    assert entry["write"] == {"direct": float(1 << 31)}
+    assert entry["read"] == {"direct": float(1 << 30), "buffered": (1 << 30) / 2.0}
