@@ -13,11 +13,17 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import assert_same, step_dir
+from _helpers import assert_same, flip_byte, step_dir
 
-from ckptstore import CheckpointManager, IntegrityError, StateMismatchError
+from ckptstore import (
+    CheckpointManager,
+    IntegrityError,
+    StateMismatchError,
+    StepProtectedError,
+)
 from ckptstore.integrity import BLOCK
 from ckptstore.restore.partial import tensor_refs
+from ckptstore.storage import wait_for_deletions
 
 MiB = 1 << 20
 #: What a load reads besides payloads: manifest.json and state.json (a few KB here).
@@ -178,3 +184,48 @@ def test_keys_as_a_string_is_refused_with_the_fix(store: tuple[Path, dict[str, A
     assert str(ei.value) == (
         "keys= takes a list of top-level entries, e.g. keys=['model'], not a string"
     )
+
+
+def _bad_optimizer_at_2(root: Path) -> None:
+    """Steps 1 and 2; step 2's optimizer file corrupt, its model file sound."""
+    for step in (1, 2):
+        with CheckpointManager(root) as mgr:
+            mgr.save(step, {"model": {"w": filled(MiB, step)}, "optimizer": {"m": filled(MiB, 9)}})
+    path = root / step_dir(2) / "optimizer.safetensors"
+    path.write_bytes(flip_byte(path.read_bytes(), -1))
+
+
+@pytest.mark.parametrize("how", ["load-keys", "restore-some"])
+def test_a_read_of_some_entries_does_not_vouch_for_the_step(tmp_path: Path, how: str) -> None:
+    """Reading the model of a step whose optimizer file is corrupt says nothing of the step:
+    retention must not take it for the newest good one and delete the step before it (it
+    did: prune then deleted step 1, the only step that verifies, and resume found none)."""
+    root = tmp_path / "store"
+    _bad_optimizer_at_2(root)
+    with CheckpointManager(root, keep=1) as mgr:
+        if how == "load-keys":
+            got = mgr.load(keys=["model"])  # an evaluation job's read of the newest step
+            assert_same(got["model"], {"w": filled(MiB, 2)})
+        else:
+            target = {"model": {"w": torch.zeros(MiB // 4, dtype=torch.int32)}}
+            assert mgr.restore(target) == 2  # every entry of the state is in step 2
+        assert mgr.prune() == []  # step 2 does not verify: step 1 is the newest good one
+    wait_for_deletions()
+    assert sorted(p.name for p in root.glob("step-*")) == [step_dir(1), step_dir(2)]
+    with CheckpointManager(root) as mgr:
+        assert mgr.resume({"model": {}, "optimizer": {}}) == 2
+
+
+def test_delete_still_protects_the_only_good_step_after_a_partial_restore(
+    tmp_path: Path,
+) -> None:
+    root = tmp_path / "store"
+    _bad_optimizer_at_2(root)
+    with CheckpointManager(root) as mgr:
+        mgr.restore({"model": {"w": torch.zeros(MiB // 4, dtype=torch.int32)}}, strict=False)
+        with pytest.raises(StepProtectedError, match="only checkpoint .* that verifies"):
+            mgr.delete(1)
+        assert mgr.steps() == [1, 2]
+        # A read of every entry that passed does vouch for the step (nothing read again).
+        assert mgr.load(1)["optimizer"]["m"].equal(filled(MiB, 9))
+        assert 1 in mgr._session.known_good

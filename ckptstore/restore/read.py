@@ -69,6 +69,7 @@ def decode_files(
     in_place: bool | None = None,
     require: bool = False,
     touched: dict[int, str] | None = None,
+    report: dict[str, Any] | None = None,
 ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
     """Decode the entries ``wanted`` (all if None) of ``step`` as ``rank`` sees them.
 
@@ -85,6 +86,11 @@ def decode_files(
     payload fails, those tensors hold partial data (``restore`` goes on to an older
     checkpoint, which overwrites them, or raises). ``touched`` (address -> name) receives the
     tensors of the modules, optimizers and EMA in ``targets`` this step holds a value for.
+
+    ``report`` receives what the read covered, for the callers that count a step as known
+    good only when all of it was checked: ``whole`` (every entry of the step was decoded)
+    and ``ranks`` (how many ranks' parts a per-rank step holds, of which this read one; 1
+    for a replicated or DTensor step).
     """
     explicit = rank is not None
     rank = session.coord.rank if rank is None else rank
@@ -124,6 +130,9 @@ def decode_files(
     if bad is not None:
         raise IntegrityError(f"{where}/{sname}: top-level key {bad!r} is not str or int")
     wanted_set = None if wanted is None else set(wanted)
+    if report is not None:
+        report["whole"] = wanted_set is None or wanted_set.issuperset(keys)
+        report["ranks"] = manifest.world_size if manifest.sharded and not manifest.dtensor else 1
     if require and wanted_set is not None:
         absent = sorted((k for k in wanted_set if k not in keys), key=repr)
         if absent:

@@ -113,6 +113,7 @@ class Reader:
         while queue:
             s = queue.pop(0)
             touched: dict[int, str] = {}
+            covered: dict[str, Any] = {}
             stored: dict[Any, Any] | None = None
             kinds: dict[Any, str | None] = {}
             mine: tuple[str, Any] = ("ok", None)
@@ -150,6 +151,7 @@ class Reader:
                     strict=strict,
                     in_place=in_place,
                     touched=touched,
+                    report=covered,
                 )
             except (IntegrityError, ManifestError) as e:
                 mine = ("skip", e)
@@ -211,8 +213,13 @@ class Reader:
                 skipped.append(f"step {s}: {why}")
                 continue
             assert stored is not None
-            session.known_good.add(s)
-            session.known_bad.discard(s)
+            if covered.get("whole"):
+                # Every entry read and checked, by the ranks together (each per-rank part by
+                # its own rank: the same world size). A restore of some entries checked
+                # only their files: retention must still verify the step before it trusts
+                # it as the newest good one and deletes the older steps.
+                session.known_good.add(s)
+                session.known_bad.discard(s)
             try:
                 apply_state(state, stored, kinds, strict=strict, where=session.storage.describe(s))
             except StateMismatchError as e:
@@ -283,8 +290,15 @@ class Reader:
                     except (IntegrityError, ManifestError):
                         refetched.add(s)  # the replica's copy failed: none to fall back on
                         raise
+                covered: dict[str, Any] = {}
                 out, _ = decode(
-                    session, s, wanted, allow_pickle=self.allow_pickle, rank=rank, require=True
+                    session,
+                    s,
+                    wanted,
+                    allow_pickle=self.allow_pickle,
+                    rank=rank,
+                    require=True,
+                    report=covered,
                 )
             except (IntegrityError, ManifestError) as e:
                 if s not in refetched and tiers.on_replica(session.replica_storage, s):
@@ -305,7 +319,10 @@ class Reader:
                 log.warning("skipping step %d: %s", s, e)
                 skipped.append(f"step {s}: {e}")
                 continue
-            if not session.split:  # one process's read: on node-local roots, one node's
+            # Known good only when this one read checked all of the step: every entry and,
+            # of a per-rank step, its only rank's part (on node-local roots, one node's
+            # copy says nothing of the others').
+            if covered.get("whole") and covered.get("ranks") == 1 and not session.split:
                 session.known_good.add(s)
             return out
         raise NoCheckpointError(
