@@ -290,6 +290,38 @@ def test_prune_deletes(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> No
     assert step_path(root, 6).is_dir()
 
 
+def test_prune_spares_a_step_pinned_while_it_verified(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`pin` takes no lock: a step pinned during prune's deep verify (minutes on a large
+    store) is kept. The pins were read before the verify, and step 1 was deleted."""
+    from ckptstore.ops import steps as ops_steps
+
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root, keep=None) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"w": torch.full((64,), float(s))})
+    real = ops_steps.verify_checkpoint
+    pinned: list[int] = []
+
+    def verify_meanwhile_pinned(*args: object, **kw: object) -> object:
+        if not pinned:  # another shell: `ckptstore pin ROOT --step 1`, a real pin
+            rc, _, _ = run_cli(capsys, "pin", root, "--step", "1")
+            assert rc == 0
+            pinned.append(1)
+        return real(*args, **kw)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(ops_steps, "verify_checkpoint", verify_meanwhile_pinned)
+    rc, out, _ = run_cli(capsys, "prune", root, "--keep-last", "1", "--json")
+    assert rc == 0
+    assert pinned == [1]
+    assert json.loads(out)["deleted"] == [2]
+    wait_for_deletions()
+    assert sorted(p.name for p in root.iterdir() if p.name.startswith("step-")) == [
+        step_path(root, s).name for s in (1, 3)
+    ]
+
+
 def test_prune_refused_while_locked(store: Path, capsys: pytest.CaptureFixture[str]) -> None:
     with CheckpointManager(store, keep=None) as writer:
         writer.save(101, {"x": torch.zeros(1)})  # takes and holds the writer lock

@@ -223,7 +223,7 @@ def test_delete_still_protects_the_only_good_step_after_a_partial_restore(
     _bad_optimizer_at_2(root)
     with CheckpointManager(root) as mgr:
         mgr.restore({"model": {"w": torch.zeros(MiB // 4, dtype=torch.int32)}}, strict=False)
-        with pytest.raises(StepProtectedError, match="only checkpoint .* that verifies"):
+        with pytest.raises(StepProtectedError, match=r"only checkpoint .* that verifies"):
             mgr.delete(1)
         assert mgr.steps() == [1, 2]
         # A read of every entry that passed does vouch for the step (nothing read again).

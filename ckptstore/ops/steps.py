@@ -17,6 +17,7 @@ import os
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
+from .._log import logger as log
 from ..errors import (
     CkptStoreError,
     CommitError,
@@ -181,18 +182,25 @@ def prune_store(
             steps = storage.list_steps()
             metrics = _metrics(storage, steps) if policy.needs_metrics else {}
             _check_metrics(policy, metrics)
+            # The deep verify first (minutes on a large store), the pins after it: `pin`
+            # takes no lock, and a step pinned while the steps were verified was deleted.
+            last_good = _last_good(storage, steps)
             infos = [CheckpointInfo(s, metrics.get(s, {}), storage.is_pinned(s)) for s in steps]
-            doomed = plan_deletions(infos, policy, last_good=_last_good(storage, steps))
-            deleted = doomed if dry_run else _delete(storage, doomed)
+            doomed = plan_deletions(infos, policy, last_good=last_good)
+            deleted = doomed if dry_run else _delete(storage, doomed, spare_pinned=True)
     gone = set(deleted)
     return PruneResult(storage.root, dry_run, deleted, [s for s in steps if s not in gone])
 
 
-def _delete(storage: Storage, steps: Iterable[int]) -> list[int]:
+def _delete(storage: Storage, steps: Iterable[int], *, spare_pinned: bool = False) -> list[int]:
+    """Delete ``steps`` one by one; with ``spare_pinned``, not one pinned since it was planned."""
     deleted = []
     try:
         for s in steps:
             try:
+                if spare_pinned and storage.is_pinned(s):
+                    log.warning("%s was pinned since prune planned it: kept", storage.describe(s))
+                    continue
                 storage.delete(s)
             except FileNotFoundError:
                 continue
