@@ -116,6 +116,8 @@ def plan_dtensor(  # noqa: PLR0917 - private to the pipeline
             _, split, digest = cache.checks  # every save of one layout: ~3 ms a rank less
         else:
             _check_boxes(collector.flat)
+            if session.split and session.replica_storage is None:
+                _check_nodes(collector.flat, session.peers, session.root)
             split = split_index.splittable(collector.flat, coord.world_size)
             digest = sharding.state_digest(collector.flat)
             cache.checks = (key, split, digest)
@@ -168,6 +170,51 @@ def _check_boxes(flat: Mapping[str, Any]) -> None:
                 "one box of the tensor (a strided shard), and a checkpoint stores parts as "
                 "boxes; lay it out as FSDP2 over tensor parallelism does, or with "
                 "Shard/Replicate placements"
+            )
+            raise UnsafeCheckpointError(msg)
+
+
+def _check_nodes(flat: Mapping[str, Any], peers: list[int], root: str) -> None:
+    """Refuse, on node-local roots without a replica, a box whose replicas span nodes.
+
+    One rank writes each box of a replicated DTensor (:func:`~ckptstore.sharded.plan.
+    writes_here`), and its file is in its own node's store only: a node whose ranks hold
+    the box but did not write it could not restore it, though every node's copy verifies
+    (HSDP with the replicate dim across nodes, tensor parallelism under data parallelism
+    across nodes). Checked by every rank for its own boxes, before anything is written;
+    the holders are seen on the root mesh, as the split index records them.
+
+    Raises:
+        UnsafeCheckpointError: naming the tensor, its holders and what to do.
+    """
+    here = set(peers)
+    seen: dict[tuple[int, tuple[Any, ...]], None] = {}
+    roots: dict[int, Any] = {}
+    for name, t in flat.items():
+        if not sharding.is_dtensor(t):
+            continue
+        view = sharding.root_view(t, roots) or (t.device_mesh, tuple(t.placements))
+        mesh, placements = view
+        key = (id(mesh), placements)
+        if key in seen or not any(p.is_replicate() for p in placements):
+            continue
+        seen[key] = None
+        coord = mesh.get_coordinate()
+        if coord is None:
+            continue
+        at = tuple(
+            slice(None) if p.is_replicate() else c for p, c in zip(placements, coord, strict=True)
+        )
+        holders = sorted(int(r) for r in mesh.mesh[at].reshape(-1).tolist())
+        away = [r for r in holders if r not in here]
+        if away:
+            msg = (
+                f"DTensor {name!r} is replicated over ranks {holders}, and ranks {away} do "
+                f"not share this rank's node-local root {root}: one of them writes each box, "
+                "so the other nodes could not restore the step from their own disks. Save "
+                "to a shared root, add a replica (replica=...) that fills in the other "
+                "nodes' files, or lay the mesh out so a box's replicas share a node "
+                "(replicate within a node, shard across nodes)"
             )
             raise UnsafeCheckpointError(msg)
 

@@ -173,10 +173,10 @@ def nodes_fault(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
-def _restore_fresh(mgr: CheckpointManager) -> list[Any]:
+def _restore_fresh(mgr: CheckpointManager, mesh: list[int] | None = None) -> list[Any]:
     """Restore the newest step into a fresh FSDP2 model: ``[step, digests]``."""
     model = make_net(seed=99)
-    shard(model)
+    shard(model, mesh)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
     step = mgr.restore(state)
@@ -375,4 +375,32 @@ def nodes_die_in_commit(ctx: Ctx) -> dict[str, Any]:
         Coordinator.reduce = reduce  # type: ignore[method-assign]
     out["save2"] = outcome(lambda: mgr.save(2, state) and None)
     out["steps"] = sorted(int(n[5:]) for n in os.listdir(_root(ctx)) if n.startswith("step-"))
+    return out
+
+
+def nodes_hsdp(ctx: Ctx) -> dict[str, Any]:
+    """HSDP (2 x 2: replicate x shard) on node-local roots, 4 ranks, no replica.
+
+    ``roots`` put each box's two replicas on two nodes (ranks 0, 1 | 2, 3): the save is
+    refused before anything is written. ``shared_roots`` put them on one node (0, 2 | 1, 3):
+    the save commits and the ranks restore it from their own node's disk.
+    """
+    model = make_net()
+    shard(model, [2, 2])
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    train(model, opt, 2)
+    state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
+    out: dict[str, Any] = {"digests": digests(model, opt)}
+    mgr = _mgr(ctx)
+    out["refused"] = outcome(lambda: mgr.save(1, state) and None)
+    mgr.close()
+    dist.barrier()
+    out["left"] = sorted(os.listdir(_root(ctx)))
+    ctx.args["roots"] = ctx.args["shared_roots"]
+    mgr = _mgr(ctx)
+    mgr.save(1, state)
+    dist.barrier()
+    out["files"] = _step_files(_root(ctx), 1)
+    out["restored"] = _restore_fresh(mgr, [2, 2])
+    mgr.close()
     return out
