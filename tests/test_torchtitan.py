@@ -27,6 +27,7 @@ from safetensors.torch import load_file
 
 from ckptstore import CheckpointManager
 from tests.multirank.launch import describe, launch
+from tests.timing import healthy
 
 DELAY = 0.3  # each ckptstore write starts this late: training overlaps an async save
 
@@ -107,6 +108,23 @@ def test_a_2_rank_step_loads_on_3_ranks(
     values = _run("resume_on_world", 3, tmp_path, step=6, load_only=True)
     assert values[0]["step"] == 6
     assert _changed(v["saved"]["6"], values[0]["digests"]) == []
+
+
+def test_a_load_only_job_whose_peer_hangs_fails_within_barrier_timeout(
+    trained: tuple[Path, dict[str, Any]], tmp_path: Path
+) -> None:
+    """load_only opens no store, and DCP's load ran on the default group: a peer that hung
+    left rank 0 waiting for that group's timeout (the worker's 120 s; torch's default is 30
+    minutes) or until the peer died, instead of barrier_timeout."""
+    root, _ = trained
+    (tmp_path / "store").symlink_to(root)
+    args = {"step": 6, "timeout": 5.0, "hang": 90.0}
+    res = launch("torchtitan_scenarios:load_only_peer_gone", 2, tmp_path, timeout=110, args=args)
+    assert res[1].returncode == 3, describe(res)
+    got = res[0].value
+    assert got is not None, describe(res)
+    assert got["ok"] is False, got
+    assert got["seconds"] < 5.0 + healthy(5.0), got
 
 
 @pytest.fixture(scope="module")

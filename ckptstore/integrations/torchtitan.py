@@ -99,6 +99,7 @@ from torchtitan.tools.utils import GarbageCollection
 
 from .._log import logger
 from ..dcp import CkptStoreReader, CkptStoreWriter, _id_step
+from ..dist import Coordinator
 from ..errors import ConfigError, IntegrityError, ManifestError
 from ..layout import parse_step_dirname, step_dirname
 from ..manager import CheckpointManager
@@ -116,7 +117,8 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
 
     Attributes:
         store: the :class:`~ckptstore.CheckpointManager` of ``folder`` (``None`` when
-            checkpointing is disabled or ``load_only``).
+            checkpointing is disabled or ``load_only``; a ``load_only`` manager's loads run
+            on a gloo group of ckptstore's own, bounded by ``barrier_timeout``).
         hf_folder: where ``last_save_in_hf`` exports the last step.
     """
 
@@ -168,6 +170,7 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
         base_folder: str = "",
     ) -> None:
         self.store = None
+        self._load_coord: Coordinator | None = None
         super().__init__(
             config,
             dataloader=dataloader,
@@ -206,6 +209,11 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
                 barrier_timeout=config.barrier_timeout,
                 replica=config.replica,
             )
+        else:
+            # No store is opened (nothing is saved), but DCP's load still runs collectives:
+            # on a gloo group of ckptstore's own, bounded by barrier_timeout as a save's
+            # are, not on the default group (whose timeout is torch's: 30 minutes).
+            self._load_coord = Coordinator(config.barrier_timeout)
 
     # ---- where steps are --------------------------------------------------------------
 
@@ -372,7 +380,8 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
             super().dcp_load(state_dict, checkpoint_id, from_hf, from_quantized)
             return
         root, step = where
-        group = self.store.coord.group if self.store is not None else None
+        coord = self.store.coord if self.store is not None else self._load_coord
+        group = coord.group if coord is not None else None
         newest, self._newest = self._newest, None
         # The newest step was asked for: one that does not verify is passed over for the
         # newest older one that does, as CheckpointManager.resume does (every rank sees the
@@ -431,6 +440,10 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
             super()._close()
         finally:
             store = getattr(self, "store", None)
+            coord = getattr(self, "_load_coord", None)
+            self._load_coord = None
+            if coord is not None:
+                coord.close()
             if store is not None:
                 self.store = None
                 store.close()

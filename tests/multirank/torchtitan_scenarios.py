@@ -14,6 +14,7 @@ the ``Trainer``). The loop is the trainer's: ``load(step=load_step)``, then per 
 from __future__ import annotations
 
 import os
+import time
 from pathlib import Path
 from typing import Any
 
@@ -258,6 +259,38 @@ def resume_on_world(ctx: Ctx) -> dict[str, Any]:
     assert job.checkpointer.load(step=int(ctx.args["step"])) is True
     out = {"step": job.train_state.step, "digests": job.digests()}
     job.close()
+    return out
+
+
+def load_only_peer_gone(ctx: Ctx) -> dict[str, Any]:
+    """A ``load_only`` job (evaluation) whose rank 1 hangs before the load (alive, its
+    sockets open, for ``hang`` seconds, then gone): rank 0's load ends within
+    ``barrier_timeout`` (``timeout``), not the default group's timeout."""
+    job = Job(
+        ctx.workdir,
+        seed=5,
+        steps=100,
+        keep_latest_k=0,
+        load_only=True,
+        barrier_timeout=float(ctx.args["timeout"]),
+    )
+    dist.barrier()
+    done = ctx.workdir / "rank0-done"
+    if ctx.rank == 1:
+        # Alive and silent (a dead peer's sockets close, which gloo notices at once) until
+        # rank 0's load ended, or ``hang`` seconds.
+        deadline = time.monotonic() + float(ctx.args["hang"])
+        while not done.exists() and time.monotonic() < deadline:
+            time.sleep(0.1)
+        os._exit(3)
+    t0 = time.monotonic()
+    try:
+        job.checkpointer.load(step=int(ctx.args["step"]))
+        out: dict[str, Any] = {"ok": True}
+    except BaseException as e:  # DCP's CheckpointException is a BaseException
+        out = {"ok": False, "error_type": type(e).__name__, "message": str(e)[:500]}
+    out["seconds"] = time.monotonic() - t0
+    done.touch()
     return out
 
 
