@@ -43,9 +43,9 @@ from typing import Any
 import torch.distributed as dist
 
 from ._gc import gc_paused
-from .errors import BarrierTimeout, CkptStoreError, CommitError
+from .errors import BarrierTimeout, CkptStoreError, CommitError, UsageError
 
-__all__ = ["CollectiveStats", "Coordinator"]
+__all__ = ["Call", "CollectiveStats", "Coordinator", "same_call"]
 
 _RANKS_RE = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 #: How long a survivor waits for rank 0's verdict on who is missing.
@@ -952,3 +952,50 @@ def _stand_in(obj: Any, phase: str, rank: int, why: str) -> CkptStoreError:
     if isinstance(obj, BaseException):
         err.__cause__ = obj  # the sender's traceback shows the original; never pickled
     return err
+
+
+#: A rank's collective call as the first exchange of a save or restore carries it: its name
+#: and the arguments every rank must pass alike (``("save", (("step", 7), ...))``).
+Call = tuple[str, tuple[tuple[str, Any], ...]]
+#: How many ranks' differing calls the refusal names.
+_CALLS_SHOWN = 4
+
+
+def _spell(call: Any) -> str:
+    if isinstance(call, tuple) and len(call) == 4 and isinstance(call[3], tuple):
+        call = call[3]  # what save:enter sends: (..., its Call)
+    if (
+        isinstance(call, tuple)
+        and len(call) == 2
+        and isinstance(call[0], str)
+        and isinstance(call[1], tuple)
+    ):
+        args = ", ".join(f"{k}={v!r}" for k, v in call[1])
+        return f"{call[0]}({args})"
+    return "another ckptstore call"  # a rank in another collective of the manager
+
+
+def same_call(calls: list[Any]) -> None:
+    """Refuse (on rank 0, raised on every rank by ``reduce``) calls that differ from rank 0's.
+
+    ``calls``: each rank's :data:`Call`, or whatever a rank in another collective sent in
+    its place. Collectives pair by order, not by name: a save whose step differs between
+    ranks (uneven batches counted per rank) committed rank 0's step with the other ranks'
+    state in it, a ``restore(step=...)`` of another step on one rank returned rank 0's step
+    there, and a save on one rank paired with a restore on another.
+
+    Raises:
+        UsageError: naming the first ranks whose call differs, and rank 0's.
+    """
+    ref = calls[0]
+    odd = [r for r, c in enumerate(calls) if c != ref]
+    if not odd:
+        return
+    shown = ", ".join(f"rank {r}: {_spell(calls[r])}" for r in odd[:_CALLS_SHOWN])
+    more = f" and {len(odd) - _CALLS_SHOWN} more" if len(odd) > _CALLS_SHOWN else ""
+    raise UsageError(
+        f"the ranks made different calls: rank 0: {_spell(ref)}; {shown}{more}. Every rank "
+        "must make the same ckptstore call with the same step and options (count steps "
+        "alike on every rank, and save or restore on every rank, never under `if rank == "
+        "0`); nothing was saved or restored"
+    )

@@ -18,6 +18,7 @@ from typing import Any
 from .._gc import gc_paused
 from .._log import logger as log
 from ..codec.tree import STATE_FORMAT
+from ..dist import Call, same_call
 from ..errors import (
     BarrierTimeout,
     CkptStoreError,
@@ -92,7 +93,13 @@ class Reader:
         in_place: bool | None,
     ) -> int:
         session = self.session
-        session.coord.barrier("restore:enter", step)
+        # The first exchange (its barrier names the ranks that never came): every rank
+        # restores the same step alike (same_call), or every rank refuses at once.
+        call: Call = (
+            "restore",
+            (("step", step), ("strict", strict), ("broadcast", broadcast), ("in_place", in_place)),
+        )
+        session.coord.reduce(call, same_call, "restore:enter", step)
         keys = list(state.keys())
         listing: tuple[str, Any] = ("ok", None)
         if session.coord.is_leader:

@@ -16,8 +16,8 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._log import logger as log
-from ..dist import Coordinator
-from ..errors import BarrierTimeout, CkptStoreError, CommitError, ReplicaError
+from ..dist import Call, Coordinator, same_call
+from ..errors import BarrierTimeout, CkptStoreError, CommitError, ReplicaError, UsageError
 from ..manifest import Manifest
 from ..session import Session
 from ..sharded import plan as sharding
@@ -80,7 +80,8 @@ class Saver:
         replace = False
         if coord.is_leader:
             refusal, replace = admit(session, step, metrics_d, allow_older)
-        mine = (self.take_bg_error(), sharding.has_dtensors(state), refusal)
+        call: Call = ("save", (("step", step), ("sharded", sharded), ("allow_older", allow_older)))
+        mine = (self.take_bg_error(), sharding.has_dtensors(state), refusal, call)
         clock.mark("admit")
         prev, dtensor, refused = coord.reduce(mine, _enter_verdict, "save:enter", step)
         clock.mark("x:enter")
@@ -407,11 +408,23 @@ SHOWN = 8
 
 
 def _enter_verdict(
-    every: list[tuple[BaseException | None, bool, BaseException | None]],
+    every: list[tuple[BaseException | None, bool, BaseException | None, Call]],
 ) -> tuple[BaseException | None, bool, BaseException | None]:
-    """Rank 0's answer at 'save:enter': the first async failure, DTensors anywhere, its refusal."""
-    prev = next((e for e, _, _ in every if e is not None), None)
-    return prev, any(flag for _, flag, _ in every), every[0][2]
+    """Rank 0's answer at 'save:enter': the first async failure, DTensors anywhere, its refusal.
+
+    Raises (on every rank): ``UsageError`` where the ranks' calls differ (:func:`same_call`):
+    another step, ``sharded`` or ``allow_older``, or another call (a rank in a restore).
+    """
+    calls = [e[3] if isinstance(e, tuple) and len(e) == 4 else e for e in every]
+    try:
+        same_call(calls)
+    except UsageError as refused:
+        prev = next((e[0] for e in every if isinstance(e, tuple) and e[0] is not None), None)
+        if prev is not None:  # taken from its rank's manager: said here, or lost
+            raise UsageError(f"{refused}; and the previous async save failed: {prev}") from None
+        raise
+    prev = next((e for e, _, _, _ in every if e is not None), None)
+    return prev, any(flag for _, flag, _, _ in every), every[0][2]
 
 
 def _staged_verdict(every: list[tuple[str, Any]]) -> tuple[list[tuple[int, Any]], int]:

@@ -184,6 +184,40 @@ def guardrails(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def calls_differ(ctx: Ctx) -> dict[str, Any]:
+    """Ranks whose calls differ: every rank refuses at once, and nothing is saved or read.
+
+    Batches counted per rank (seed 000: 62 on rank 0, 61 on rank 1) save different steps; a
+    best step tracked per rank is restored by number; a save under ``if rank == 0`` meets
+    the next save of every rank; a restore on one rank meets a save on the other.
+    """
+    model = make_model()
+    out: dict[str, Any] = {}
+    with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
+        mgr.save(2, {"model": model})
+        mgr.save(4, {"model": make_model(seed=4)})
+        step = 62 if ctx.rank == 0 else 61
+        out["steps_differ"] = outcome(lambda: mgr.save(step, {"model": model}, sharded=True))
+        out["sharded_differs"] = outcome(
+            lambda: mgr.save(6, {"model": model}, sharded=ctx.rank == 1)
+        )
+        best = 2 if ctx.rank == 0 else 4
+        out["restore_differs"] = outcome(lambda: mgr.restore({"model": make_model(9)}, step=best))
+        out["after"] = mgr.steps()
+        if ctx.rank == 0:  # `if rank == 0: save(best)`, then every rank's periodic save
+            out["solo"] = outcome(lambda: mgr.save(102, {"model": model}) and None)
+        else:
+            out["solo"] = outcome(lambda: mgr.save(8, {"model": model}) and None)
+        if ctx.rank == 0:
+            out["mixed"] = outcome(lambda: mgr.restore({"model": make_model(9)}, step=2))
+        else:
+            out["mixed"] = outcome(lambda: mgr.save(10, {"model": model}) and None)
+        out["end"] = mgr.steps()
+        target = make_model(9)
+        out["restored"] = [mgr.restore({"model": target}), digest(target)]
+    return out
+
+
 def rank_exits_before_save(ctx: Ctx) -> dict[str, Any]:
     model = make_model()
     mgr = step1_then_manager(ctx, {"model": model})

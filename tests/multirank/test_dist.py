@@ -74,6 +74,32 @@ def test_refused_saves_raise_the_same_error_on_every_rank(tmp_path):
     assert [v["steps"] for v in vals] == [[12], [12]]
 
 
+def test_calls_that_differ_between_ranks_are_refused_on_every_rank(tmp_path):
+    """Collectives pair by order: a save of step 61 on rank 1 committed rank 0's step 62
+    holding rank 1's state, a restore(step=4) on rank 1 returned step 2 there, and a save
+    met a restore (found by review). Now every rank raises the same UsageError at once."""
+    vals = values(launch("calls_differ", 2, tmp_path))
+    for key, (mine, theirs) in {
+        "steps_differ": ("save(step=62, sharded=True", "save(step=61, sharded=True"),
+        "sharded_differs": ("save(step=6, sharded=False", "save(step=6, sharded=True"),
+        "restore_differs": ("restore(step=2,", "restore(step=4,"),
+        "solo": ("save(step=102,", "save(step=8,"),
+        "mixed": ("restore(step=2,", "save(step=10,"),
+    }.items():
+        got = [v[key] for v in vals]
+        assert [g["ok"] for g in got] == [False, False], (key, got)
+        assert {g["error_type"] for g in got} == {"UsageError"}, (key, got)
+        assert got[0]["message"] == got[1]["message"], key
+        msg = got[0]["message"]
+        assert msg.startswith(f"the ranks made different calls: rank 0: {mine}"), (key, msg)
+        assert f"rank 1: {theirs}" in msg, (key, msg)
+    # Nothing was written by any refused save; every rank still restores the newest step.
+    assert [v["after"] for v in vals] == [[2, 4], [2, 4]]
+    assert [v["end"] for v in vals] == [[2, 4], [2, 4]]
+    assert vals[0]["restored"] == vals[1]["restored"]
+    assert vals[0]["restored"][0] == 4
+
+
 def test_rank_exits_before_save(tmp_path):
     res = launch("rank_exits_before_save", 3, tmp_path, args={"timeout": TIMEOUT})
     assert res[1].returncode == 3
