@@ -388,6 +388,8 @@ class VerifyReport:
         bytes_checked: bytes read to check checksums.
         elsewhere: ranks whose files this copy of the step does not hold (a node's copy on
             node-local roots): they are not checked here, they live on other nodes.
+        deleted: the step was deleted while it was verified (a running job's retention):
+            what its reads found missing is no problem of the store's.
     """
 
     target: str
@@ -397,6 +399,7 @@ class VerifyReport:
     files: int = 0
     bytes_checked: int = 0
     elsewhere: list[int] = dataclasses.field(default_factory=list)
+    deleted: bool = False
 
     @property
     def ok(self) -> bool:
@@ -418,6 +421,7 @@ class VerifyReport:
             "files": self.files,
             "bytes_checked": self.bytes_checked,
             "elsewhere": list(self.elsewhere),
+            "deleted": self.deleted,
         }
 
     def __bool__(self) -> bool:

@@ -21,10 +21,16 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import LineReader, subprocess_env
+from _helpers import LineReader, run_cli, subprocess_env
 from torch import nn
 
-from ckptstore import CheckpointManager, CkptStoreError, StoreLockedError
+from ckptstore import (
+    CheckpointManager,
+    CkptStoreError,
+    IntegrityError,
+    NoCheckpointError,
+    StoreLockedError,
+)
 from ckptstore import cli as cli_mod
 from ckptstore.storage import LocalStorage, wait_for_deletions
 
@@ -214,3 +220,123 @@ def test_corrupt_step_is_still_skipped_with_a_warning(
     with caplog.at_level(logging.WARNING, logger="ckptstore"):
         assert CheckpointManager(root).restore(state) == 1
     assert any("skipping step 2" in r.getMessage() for r in caplog.records)
+
+
+def _filled(value: float, n: int = 4) -> nn.Linear:
+    model = nn.Linear(n, n)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.fill_(value)
+    return model
+
+
+def _delete_during_read_of(
+    monkeypatch: pytest.MonkeyPatch, writer: CheckpointManager, prefix: str, save: Any
+) -> list[str]:
+    """Once a file under ``prefix`` has been read, the writer commits ``save()`` (and its
+    retention deletes the step being read)."""
+    real = LocalStorage._stream
+    fired: list[str] = []
+
+    def stream(self: LocalStorage, rel: str, consume: Any, **kw: Any) -> Any:
+        out = real(self, rel, consume, **kw)
+        if rel.startswith(prefix) and not fired:
+            fired.append(rel)
+            save()
+            wait_for_deletions()
+        return out
+
+    monkeypatch.setattr(LocalStorage, "_stream", stream)
+    return fired
+
+
+@pytest.mark.parametrize("call", ["restore", "load"])
+def test_an_explicit_step_deleted_while_read_is_gone_not_corrupt(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, call: str
+) -> None:
+    """restore(step=2) / load(2) of a step retention deletes as it is read: it raised
+    IntegrityError ("missing or not a regular file"), a corruption alarm for an evaluator
+    that reads steps by number."""
+    root = tmp_path / "store"
+    _saved(root, [1, 2])
+    writer = CheckpointManager(root, keep=1)
+    fired = _delete_during_read_of(
+        monkeypatch,
+        writer,
+        "step-000000000002/",
+        lambda: writer.save(3, {"model": _filled(3.0), "step": 3}),
+    )
+    reader = CheckpointManager(root)
+    if call == "restore":
+        read: Any = lambda: reader.restore({"model": nn.Linear(4, 4), "step": -1}, step=2)  # noqa: E731
+    else:
+        read = lambda: reader.load(2)  # noqa: E731
+    with pytest.raises(NoCheckpointError, match="was deleted while it was read") as info:
+        read()
+    assert not isinstance(info.value, IntegrityError)
+    assert fired
+    assert reader.steps() == [3]
+    writer.close()
+
+
+def test_a_step_deleted_while_read_in_place_does_not_leave_a_mix(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """strict=False: step 2 wrote "aux" in place, then retention deleted it; the restore
+    went on to step 3 (no "aux") and returned with aux holding step 2's values, model step
+    3's. A deleted step's writes are now counted as a corrupt one's are."""
+    root = tmp_path / "store"
+    writer = CheckpointManager(root, keep=1)
+    writer.save(2, {"aux": _filled(2.0, 64), "model": _filled(2.0, 64)})
+    _delete_during_read_of(
+        monkeypatch,
+        writer,
+        "step-000000000002/aux.",
+        lambda: writer.save(3, {"model": _filled(3.0, 64)}),
+    )
+    state = {"aux": _filled(-1.0, 64), "model": _filled(-1.0, 64)}
+    with pytest.raises(IntegrityError, match=r"aux/.*in_place=False"):
+        CheckpointManager(root).restore(state, strict=False)
+    writer.close()
+
+
+def test_the_cli_does_not_call_a_step_deleted_meanwhile_broken(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """verify --all and ls while the job's retention deletes a step they listed: they
+    reported it FAILED / BROKEN and exited 1 on a healthy store."""
+    import ckptstore.ops.verify as verify_mod
+
+    root = tmp_path / "store"
+    writer = CheckpointManager(root, keep=2)
+    for s in (1, 2):
+        writer.save(s, {"model": _filled(float(s))})
+    real = verify_mod.verify_checkpoint
+
+    def meanwhile(storage: Any, step: int, **kw: Any) -> Any:
+        if step == 1 and 3 not in writer.steps():
+            writer.save(3, {"model": _filled(3.0)})  # keep=2: step 1 goes
+            wait_for_deletions()
+        return real(storage, step, **kw)
+
+    monkeypatch.setattr(verify_mod, "verify_checkpoint", meanwhile)
+    rc, out, _ = run_cli(capsys, "verify", root, "--all")
+    assert rc == 0, out
+    assert "step 1: deleted while it was verified" in out
+    assert "step 2: OK" in out
+    assert "1 checkpoint verified, 0 failed, 1 deleted meanwhile" in out
+    monkeypatch.setattr(verify_mod, "verify_checkpoint", real)
+    real_read = LocalStorage.read_manifests
+
+    def read_after_a_save(self: LocalStorage, steps: Any, **kw: Any) -> Any:
+        if 4 not in writer.steps():
+            writer.save(4, {"model": _filled(4.0)})  # between ls's listing and its reads
+            wait_for_deletions()
+        return real_read(self, steps, **kw)
+
+    monkeypatch.setattr(LocalStorage, "read_manifests", read_after_a_save)
+    rc, out, _ = run_cli(capsys, "ls", root)
+    assert rc == 0, out
+    assert "BROKEN" not in out
+    assert [line.split()[0] for line in out.splitlines()[1:-1]] == ["3"]
+    writer.close()

@@ -50,7 +50,9 @@ def print_reports(reports: list[VerifyReport]) -> None:
     """``step 100: OK (3 files, 1.2 kB checked)``, or FAILED and one line per problem."""
     for r in reports:
         name = f"step {r.step}" if r.step is not None else r.target
-        if r.ok:
+        if r.deleted:
+            print(f"{name}: deleted while it was verified (a running job's retention); skipped")
+        elif r.ok:
             checked = (
                 f"{human_bytes(r.bytes_checked)} checked"
                 if r.deep
@@ -66,4 +68,6 @@ def print_reports(reports: list[VerifyReport]) -> None:
             print(f"    this node's copy: the files of rank(s) {ranks} live on other nodes")
     if len(reports) > 1:
         bad = sum(not r.ok for r in reports)
-        print(f"{len(reports)} checkpoints verified, {bad} failed")
+        gone = sum(r.deleted for r in reports)
+        also = f", {gone} deleted meanwhile" if gone else ""
+        print(f"{plural(len(reports) - gone, 'checkpoint')} verified, {bad} failed{also}")

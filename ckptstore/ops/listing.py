@@ -117,6 +117,12 @@ def _listing(storage: Storage) -> StoreListing:
         # One read per step from the storage, not a manager's manifest(): that re-lists the
         # store per step, quadratic on an object store; a local store answers from its cache.
         manifests = storage.read_manifests(steps, complete=True)
+        if any(isinstance(m, CkptStoreError) for m in manifests.values()):
+            # A step whose manifest could not be read may have been deleted since the scan
+            # (a running job's retention): listed again, one that is gone is left out, not
+            # shown BROKEN (ls exited 1 on a healthy store while its job saved).
+            still = set(storage.list_steps())
+            steps = [s for s in steps if s in still or not isinstance(manifests[s], CkptStoreError)]
         infos = []
         for step in steps:
             pinned = storage.is_pinned(step)

@@ -462,6 +462,29 @@ def verify_stored_file(
     return report
 
 
+#: How often a verify of the newest step moves on to the new newest one when the step it
+#: read was deleted meanwhile (as ``restore``).
+_RELISTS = 16
+
+
+def _checked(storage: Storage, step: int, deep: bool) -> VerifyReport:
+    """:func:`verify_checkpoint`, where a step deleted meanwhile is ``deleted``, not failed.
+
+    A running job's retention deletes steps as they are read: what the reads then found
+    missing is no problem of the store's.
+    """
+    report = verify_checkpoint(storage, step, deep=deep)
+    if not report.ok:
+        try:
+            gone = step not in storage.list_steps()
+        except OSError:
+            gone = False
+        if gone:
+            report.problems.clear()
+            report.deleted = True
+    return report
+
+
 def verify_path(
     target: str | os.PathLike[str],
     storage_options: Mapping[str, Any] | None = None,
@@ -518,7 +541,18 @@ def verify_path(
     storage = open_store(target, storage_options)
     with reaching(storage.root):
         if not all_steps:
-            return [verify_checkpoint(storage, committed_step(storage, step), deep=deep)]
+            for _ in range(_RELISTS):
+                s = committed_step(storage, step)
+                report = _checked(storage, s, deep)
+                if not report.deleted:
+                    return [report]
+                if step is not None:
+                    raise NoCheckpointError(
+                        f"{storage.describe(s)} was deleted while it was verified (a running "
+                        "job's retention, `ckptstore prune` or `rm`); it was not corrupt"
+                    )
+                # The newest step went while we read it: the new newest, as restore does.
+            return [report]
         steps = storage.list_steps()
         if not steps:
             raise NoCheckpointError(f"{storage.root}: no committed checkpoint")
@@ -526,7 +560,7 @@ def verify_path(
         for i, s in enumerate(steps):
             if progress is not None:
                 progress(i, len(steps), f"step {s}")
-            reports.append(verify_checkpoint(storage, s, deep=deep))
+            reports.append(_checked(storage, s, deep))
         if progress is not None:
             progress(len(steps), len(steps), "done")
         return reports

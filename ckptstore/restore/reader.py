@@ -186,7 +186,13 @@ class Reader:
                     queue.insert(0, s)
                     continue
             if soft and step is not None:
-                # An explicit step: raised only once the replica's copy was tried too (above).
+                # An explicit step: raised only once the replica's copy was tried too (above);
+                # one deleted while it was read (retention) is gone, not corrupt.
+                gone: tuple[str, Any] = ("ok", False)
+                if session.coord.is_leader:
+                    gone = ("ok", vanished(session, s))
+                if session.coord.broadcast(gone, "restore:vanished", s)[1]:
+                    raise NoCheckpointError(_deleted_while_read(session, s))
                 r, err = soft[0]
                 if r == session.coord.rank or not isinstance(err, CkptStoreError):
                     raise err
@@ -205,6 +211,9 @@ class Reader:
                 if status == "error":
                     raise fresh
                 if fresh is not None:
+                    # What the deleted step already wrote in place stays to be overwritten
+                    # by the step restored, as after a corrupt one (checked below).
+                    dirty.update(touched)
                     relists += 1
                     queue = fresh
                     continue
@@ -241,9 +250,10 @@ class Reader:
             if left and in_place is not False:
                 raise IntegrityError(
                     f"{session.storage.describe(s)} was restored, but {len(left)} tensors of state "
-                    f"were partly written by a newer step that failed its checksum, and this "
-                    f"step holds no value for them: {', '.join(left[:5])}. Restore with "
-                    "in_place=False to keep every target unchanged until a step verifies"
+                    f"were partly written by a newer step that failed its checksum or was "
+                    f"deleted while it was read, and this step holds no value for them: "
+                    f"{', '.join(left[:5])}. Restore with in_place=False to keep every target "
+                    "unchanged until a step verifies"
                 )
             return int(s)
         raise NoCheckpointError(
@@ -319,6 +329,8 @@ class Reader:
                     queue = [c for c in candidates(session, None) if c not in bad]
                     continue
                 if step is not None:
+                    if vanished(session, s):  # retention deleted it as we read: not corrupt
+                        raise NoCheckpointError(_deleted_while_read(session, s)) from e
                     raise
                 bad.add(s)
                 session.known_bad.add(s)
@@ -340,6 +352,14 @@ class Reader:
 
 #: How many ranks' failures a verdict carries back to every rank.
 SHOWN = 8
+
+
+def _deleted_while_read(session: Session, step: int) -> str:
+    return (
+        f"{session.storage.describe(step)} was deleted while it was read (a running job's "
+        "retention, `ckptstore prune` or `rm`); it was not corrupt. Ask for a step that is "
+        "kept (`ckptstore ls`), or for the newest with step=None"
+    )
 
 
 def _load_verdict(
