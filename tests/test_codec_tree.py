@@ -424,6 +424,55 @@ def test_parameters_and_requires_grad(roundtrip: Any) -> None:
     assert t["plain"].requires_grad is False
 
 
+def test_lazy_conjugate_and_negative_views_are_stored_as_they_read(roundtrip: Any) -> None:
+    """z.conj() is a flag on z's memory: its bytes were stored unconjugated (and, as an
+    identical view of z, as z itself), so one of the two came back with the other's values."""
+    z = torch.tensor([1 + 2j, 3 - 4j], dtype=torch.complex64)
+    base = torch.tensor([1.0, -2.0])
+    neg = torch._neg_view(base)
+    assert z.conj().is_conj()
+    assert neg.is_neg()
+    out = roundtrip({"c": {"z": z, "zc": z.conj(), "base": base, "neg": neg}})["c"]
+    assert out["z"].tolist() == [1 + 2j, 3 - 4j]
+    assert out["zc"].tolist() == [1 - 2j, 3 + 4j]
+    assert out["base"].tolist() == [1.0, -2.0]
+    assert out["neg"].tolist() == [-1.0, 2.0]
+    assert not out["zc"].is_conj()
+    assert not out["neg"].is_neg()
+    # A complex leaf keeps requires_grad as a floating one does.
+    leaf = torch.tensor([1j], dtype=torch.complex64, requires_grad=True)
+    assert roundtrip({"l": leaf})["l"].requires_grad is True
+
+
+def test_multistep_lr_milestones_come_back_as_a_counter(tmp_path: Path) -> None:
+    """MultiStepLR's state holds a collections.Counter (refused as needing pickle); its
+    closed form (step(epoch)) calls milestones.elements(), which a plain dict lacks."""
+
+    def job() -> tuple[torch.optim.Optimizer, torch.optim.lr_scheduler.MultiStepLR]:
+        opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=1.0)
+        return opt, torch.optim.lr_scheduler.MultiStepLR(opt, milestones=[2, 4, 4], gamma=0.5)
+
+    opt, sched = job()
+    for _ in range(3):
+        opt.step()
+        sched.step()
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(3, {"optimizer": opt, "scheduler": sched})
+        opt2, sched2 = job()
+        assert mgr.restore({"optimizer": opt2, "scheduler": sched2}) == 3
+        assert mgr.load(3)["scheduler"]["milestones"] == collections.Counter([2, 4, 4])
+    assert type(sched2.milestones) is collections.Counter
+    assert sched2.milestones == sched.milestones
+    lrs, lrs2 = [], []
+    for o, sc, out in ((opt, sched, lrs), (opt2, sched2, lrs2)):
+        for _ in range(3):
+            o.step()
+            sc.step()
+            out.append(sc.get_last_lr())
+    assert lrs2 == lrs == [[0.125]] * 3  # 0.5 at epoch 2, 0.5**3 from epoch 4
+    assert sched2._get_closed_form_lr() == sched._get_closed_form_lr()
+
+
 def test_torch_metadata_objects(roundtrip: Any) -> None:
     out = roundtrip({"m": everything()["torch_meta"]})["m"]
     assert out["dtypes"] == [torch.float32, torch.bfloat16, torch.complex128, torch.float8_e4m3fn]
@@ -485,6 +534,9 @@ def test_unsupported_tensors_are_refused(tmp_path: Path) -> None:
             mgr.save(1, {"x": [torch.eye(2).to_sparse_csr()]})
         with pytest.raises(UnsafeCheckpointError, match=r"^state\['x'\]: meta tensors"):
             mgr.save(1, {"x": torch.empty(2, device="meta")})
+        nested = torch.nested.nested_tensor([torch.zeros(2), torch.zeros(3)])
+        with pytest.raises(UnsafeCheckpointError, match=r"^state\['n'\]: nested tensors .*unbind"):
+            mgr.save(1, {"n": nested})
         with pytest.raises(UnsafeCheckpointError) as ei:
             mgr.save(1, {"x": {"c": torch.zeros(1, dtype=torch.complex128)}})
         assert str(ei.value).startswith(
@@ -564,6 +616,10 @@ def _enc(value: Any) -> Any:
         ([1, (2,)], [1, {"t": "tuple", "v": [2]}]),
         ({1: "a", "1": "b"}, {"t": "dict", "keys": [1, "1"], "vals": ["a", "b"]}),
         (collections.OrderedDict(a=1), {"t": "odict", "keys": ["a"], "vals": [1]}),
+        (
+            collections.Counter([4, 2, 4]),
+            {"t": "dict", "keys": [4, 2], "vals": [2, 1], "counter": True},
+        ),
         (b"\x00\xff", {"t": "bytes", "b64": "AP8="}),
         (bytearray(b"ab"), {"t": "bytearray", "b64": "YWI="}),
         (torch.bfloat16, {"t": "dtype", "v": "bfloat16"}),

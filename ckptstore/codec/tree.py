@@ -160,6 +160,14 @@ class TreeEncoder:
             }
         if tv is dict or tv is collections.OrderedDict:
             return self._dict(v, group, path, depth)
+        if tv is collections.Counter:
+            # A dict node that says it was a Counter (MultiStepLR's milestones): read back
+            # as a Counter, whose elements() and missing keys the scheduler relies on (an
+            # older reader, which ignores the flag, gets the dict).
+            node = self._dict(v, group, path, depth)
+            if node.get("t") == "dict":
+                node["counter"] = True
+            return node
         if tv is bytes or tv is bytearray:
             return {"t": tv.__name__, "b64": base64.b64encode(v).decode("ascii")}
         if isinstance(v, torch.dtype):
@@ -201,7 +209,7 @@ class TreeEncoder:
             keys.append(k)
             vals.append(self._enc(x, group, (*path, k), depth + 1))
         node: dict[str, Any] = {
-            "t": "dict" if type(v) is dict else "odict",
+            "t": "odict" if type(v) is collections.OrderedDict else "dict",
             "keys": keys,
             "vals": vals,
         }
@@ -211,6 +219,12 @@ class TreeEncoder:
         return node
 
     def _tensor(self, t: torch.Tensor, group: str, path: tuple[Any, ...]) -> dict[str, Any]:
+        if t.is_nested:  # its layout says strided, and its sizes raise inside torch
+            msg = (
+                f"{format_path(path)}: nested tensors cannot be stored; store their "
+                "components (t.unbind()) as a list of tensors"
+            )
+            raise UnsafeCheckpointError(msg)
         if t.layout != torch.strided:
             msg = (
                 f"{format_path(path)}: {t.layout} tensors cannot be stored; "
@@ -234,6 +248,11 @@ class TreeEncoder:
             node["param"] = True
         if t.requires_grad:
             node["requires_grad"] = True
+        if t.is_conj() or t.is_neg():
+            # A lazy conjugate or negative view: its memory holds the values before the
+            # flag, which its bytes (and an identical view of the same memory) would be
+            # stored as. Stored as the values it reads as, on its own.
+            t = t.detach().resolve_conj().resolve_neg()
         self._occurrences.append(_Occurrence(t, node, group, path))
         return node
 
@@ -411,6 +430,8 @@ class TreeDecoder:
                 ):
                     raise self._bad(path, "dict keys and values do not match")
                 out: dict[Any, Any] = {} if t == "dict" else collections.OrderedDict()
+                if t == "dict" and n.get("counter") is True:
+                    out = collections.Counter()
                 for k, x in zip(keys, vals, strict=True):
                     if not is_key(k):
                         raise self._bad(path, f"dict key {k!r} is not str or int")
@@ -539,7 +560,7 @@ class TreeDecoder:
                 if n["t"] == "tensor":
                     self._params[pk] = p
             return p
-        if n.get("requires_grad") and t.is_floating_point():
+        if n.get("requires_grad") and (t.is_floating_point() or t.is_complex()):
             return t.detach().requires_grad_(True)
         return t
 
