@@ -384,6 +384,33 @@ def test_fallback_skips_every_corrupt_checkpoint(
         plugin.load_checkpoint(ckdir / "last.ckpt")
 
 
+def test_fallback_prefers_a_full_checkpoint_to_a_newer_weights_only_one(tmp_path: Path) -> None:
+    """A ModelCheckpoint(save_weights_only=True) beside the full ones: a corrupt last.ckpt
+    fell back to its newer weights-only step, and fit(ckpt_path="last") then failed inside
+    Lightning ("contains only the model") though a full checkpoint verified (found by
+    review)."""
+    plugin = CkptStoreIO()
+
+    def checkpoint(step: int, *, full: bool) -> dict[str, Any]:
+        out: dict[str, Any] = {"global_step": step, "epoch": 0}
+        out["state_dict"] = {"w": torch.full((4,), float(step))}
+        if full:
+            out["optimizer_states"] = [{"state": {}, "param_groups": []}]
+            out["loops"] = {"fit_loop": {"step": step}}
+        return out
+
+    plugin.save_checkpoint(checkpoint(4, full=True), tmp_path / "full-step=4.ckpt")
+    plugin.save_checkpoint(checkpoint(6, full=True), tmp_path / "last.ckpt")
+    plugin.save_checkpoint(checkpoint(6, full=False), tmp_path / "w-step=6.ckpt")
+    corrupt(tmp_path / "last.ckpt")
+    loaded = plugin.load_checkpoint(tmp_path / "last.ckpt")
+    assert loaded["global_step"] == 4
+    assert "optimizer_states" in loaded
+    # With no full checkpoint left that verifies, the weights-only one is still loaded.
+    corrupt(tmp_path / "full-step=4.ckpt")
+    assert plugin.load_checkpoint(tmp_path / "last.ckpt")["global_step"] == 6
+
+
 def test_explicit_corrupt_checkpoint_raises(ckdir: Path) -> None:
     path = ckdir / "epoch=1-step=8.ckpt"
     corrupt(path)

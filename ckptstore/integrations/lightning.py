@@ -290,6 +290,9 @@ class CkptStoreIO(CheckpointIO):
                 "global_step": global_step,
                 "epoch": _int_or(checkpoint.get("epoch"), None),
                 "rank": _global_rank(),
+                # ModelCheckpoint(save_weights_only=True): no optimizer or loop state to
+                # resume a fit from (the fall-back of a corrupt last.ckpt passes over it).
+                "weights_only": "optimizer_states" not in checkpoint,
             }
         }
         try:
@@ -464,7 +467,7 @@ class CkptStoreIO(CheckpointIO):
                 continue
             log.warning(
                 "%s does not verify (%s); loading %s (global step %s) instead, the newest "
-                "checkpoint in %s that verifies",
+                "checkpoint in %s that verifies (full checkpoints before weights-only ones)",
                 path,
                 error,
                 candidate,
@@ -478,11 +481,16 @@ class CkptStoreIO(CheckpointIO):
         )
 
     def _siblings(self, path: str) -> list[tuple[str, int | None]]:
-        """Other stores beside ``path`` with its suffix, newest first (by their manifests)."""
+        """Other stores beside ``path`` with its suffix, newest first (by their manifests).
+
+        Full checkpoints come before weights-only ones (``save_weights_only=True``, as their
+        manifests say): a fit resumed from one of those fails inside Lightning ("contains
+        only the model") though an older full checkpoint beside it verifies.
+        """
         parent, name = os.path.split(path)
         suffix = os.path.splitext(name)[1]
         real = os.path.realpath(path)
-        found: list[tuple[tuple[str, int], str, int | None]] = []
+        found: list[tuple[tuple[bool, str, int], str, int | None]] = []
         for entry in sorted(os.listdir(parent)):
             candidate = os.path.join(parent, entry)
             if (
@@ -503,7 +511,8 @@ class CkptStoreIO(CheckpointIO):
                 continue  # unreadable: it cannot be the one to load either
             info = manifest.metadata.get("lightning")
             gs = _int_or(info.get("global_step"), None) if isinstance(info, dict) else None
-            found.append(((manifest.created, gs if gs is not None else -1), candidate, gs))
+            full = not (isinstance(info, dict) and info.get("weights_only") is True)
+            found.append(((full, manifest.created, gs if gs is not None else -1), candidate, gs))
         found.sort(key=lambda f: f[0], reverse=True)
         return [(c, gs) for _, c, gs in found]
 
