@@ -29,7 +29,7 @@ from transformers import (
     TrainingArguments,
 )
 
-from ckptstore import CheckpointManager, StateMismatchError, StepExistsError
+from ckptstore import CheckpointManager, ConfigError, StateMismatchError, StepExistsError
 from ckptstore.integrations.hf import AcceleratorCheckpointer, CkptStoreCallback
 
 transformers.logging.set_verbosity_error()
@@ -517,6 +517,71 @@ def test_a_checkpoint_dir_that_was_the_best_goes_once_another_is(tmp_path: Path)
     assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [Path(best).name]
     with CheckpointManager(tmp_path / "ckpt") as mgr:
         assert mgr.steps() == [4, 6, 8]
+
+
+def _best_args(out: Path, max_steps: int) -> TrainingArguments:
+    return TrainingArguments(
+        output_dir=str(out),
+        use_cpu=True,
+        report_to=[],
+        save_strategy="steps",
+        save_steps=2,
+        eval_strategy="steps",
+        eval_steps=2,
+        max_steps=max_steps,
+        learning_rate=1e-2,
+        load_best_model_at_end=True,
+        metric_for_best_model="loss",
+        per_device_train_batch_size=2,
+        disable_tqdm=True,
+        seed=0,
+    )
+
+
+@pytest.mark.timeout(180)
+def test_a_restart_neither_strands_the_best_folder_nor_rewinds_to_it(tmp_path: Path) -> None:
+    """The best model's checkpoint-N, spared by a run that was killed, stayed on disk for
+    good after the restart (the new callback did not know it); and
+    trainer.train(resume_from_checkpoint=True) took that folder, the newest left, went
+    back to its step without a word and failed steps later on a committed step (found by
+    review). The score of each evaluation is scripted: step 2 is the best until step 8."""
+    out, root = tmp_path / "out", tmp_path / "ckpt"
+    score = {2: 1.0, 4: 0.0, 6: 0.0, 8: 5.0}
+
+    def job(extra: list[Any]) -> tuple[Trainer, CkptStoreCallback]:
+        cb = CkptStoreCallback(root, keep=3)
+        args = _best_args(out, 8)
+        args.metric_for_best_model, args.greater_is_better = "score", True
+        t = Trainer(
+            model=gpt2(0),
+            args=args,
+            train_dataset=TokenData(),
+            eval_dataset=TokenData(),
+            callbacks=[cb, *extra],
+            compute_metrics=lambda _: {"score": score[t.state.global_step]},
+        )
+        return t, cb
+
+    killed, cb = job([StopAfter(5)])
+    cb.train(killed)
+    cb.close()
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # the best
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [2, 4]
+    # The usual HF resume takes that folder: refused before a step is trained.
+    again, _ = job([])
+    with pytest.raises(ConfigError, match=r"step-0*4 is committed, and this run starts at step 2"):
+        again.train(resume_from_checkpoint=True)
+    with CheckpointManager(root) as mgr:
+        assert mgr.steps() == [2, 4]
+    # The callback's resume: on to the end; the folder spared before the restart goes once
+    # step 8 is the best, as in a run that never stopped.
+    resumed, cb = job([])
+    cb.train(resumed)
+    assert cb.resumed_step == 4
+    assert resumed.state.global_step == 8
+    assert Path(resumed.state.best_model_checkpoint).name == "checkpoint-8"
+    assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-8"]
 
 
 def test_trainer_checkpoint_dirs_are_removed_by_default(tmp_path: Path) -> None:

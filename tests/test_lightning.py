@@ -253,7 +253,12 @@ def test_fit_commits_every_checkpoint_as_a_verified_store(tmp_path: Path) -> Non
             assert step == [saved["global_step"]]
             assert mgr.verify().ok, mgr.verify().problems
             meta = mgr.manifest().metadata["lightning"]
-            assert meta == {"global_step": saved["global_step"], "epoch": saved["epoch"], "rank": 0}
+            assert meta == {
+                "global_step": saved["global_step"],
+                "epoch": saved["epoch"],
+                "rank": 0,
+                "weights_only": False,
+            }
             if path.name in best:  # the value ModelCheckpoint ranked it by
                 value = float(cb.best_k_models[str(path)])
                 assert mgr.manifest().metrics == {"val_loss": pytest.approx(value)}

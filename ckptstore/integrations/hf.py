@@ -510,6 +510,33 @@ class CkptStoreCallback(TrainerCallback):
             if os.path.isdir(done):
                 shutil.rmtree(done, ignore_errors=True)
 
+    def on_train_begin(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        """Refuse a run that starts before the store's newest step, not through a resume.
+
+        ``trainer.train(resume_from_checkpoint=True)`` takes the newest ``checkpoint-N``
+        folder left in ``output_dir``; the callback removes each once its step is committed,
+        except the best model's, so the Trainer silently went back to the best step and
+        failed a few steps later on a step the store holds (``StepExistsError``).
+
+        Raises:
+            ConfigError: naming the store's newest step and how to resume from it.
+        """
+        mgr = self.manager
+        start = int(state.global_step)
+        if self.resumed_step is not None and self.resumed_step == start:
+            return  # resumed through resume_checkpoint: the newest step that verifies
+        newest = mgr.coord.broadcast(mgr.latest_step() if mgr.coord.is_leader else None, "hf:begin")
+        if newest is not None and newest > start:
+            raise ConfigError(
+                f"{mgr.storage.describe(newest)} is committed, and this run starts at step "
+                f"{start}: resume with ckpt.train(trainer), or `with "
+                "ckpt.resume_checkpoint(trainer) as path: trainer.train("
+                "resume_from_checkpoint=path)` (trainer.train(resume_from_checkpoint=True) "
+                "takes the newest checkpoint-N folder of output_dir, which the callback "
+                "removes once its step is committed, the best model's excepted); or give "
+                "this run a store of its own"
+            )
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         """Finish an async save and release the store."""
         self.close()
@@ -562,6 +589,11 @@ class CkptStoreCallback(TrainerCallback):
         if trainer is not None and not fsdp2:
             where = f"{mgr.storage.describe(step)}['model']"
             load_module_state(trainer.model, stored["model"], strict=True, where=where)
+        best = stored["trainer_state"].get("best_model_checkpoint")
+        if isinstance(best, str) and os.path.isdir(best):
+            # Spared by the process before as the best model's folder: removed by this one
+            # once another is (it was left behind at every restart).
+            self._spared.add(os.path.abspath(best))
         rank, world, distributed = _rank_and_world(trainer)
         path = tempfile.mkdtemp(prefix=f"ckptstore-resume-{step}-", dir=self.resume_dir)
         try:
