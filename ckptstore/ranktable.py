@@ -203,6 +203,11 @@ def read_table(storage: Any, manifest: Manifest) -> Manifest:
     except (OSError, CkptStoreError) as e:
         if isinstance(e, ManifestError):
             raise
+        from .storage.reach import unanswered  # storage imports this module
+
+        refused = unanswered(storage, e, RANK_TABLE_NAME)  # the store's, not the step's
+        if refused is not None:
+            raise refused from e
         raise ManifestError(f"{where}: {e}") from None
 
 
@@ -225,6 +230,11 @@ def lean(storage: Any, manifest: Manifest) -> Manifest:
                 f.seek(rank * table.width)
                 data = f.read(table.width)
         except OSError as e:
+            from .storage.reach import unanswered  # storage imports this module
+
+            refused = unanswered(storage, e, rel)  # the store's, not the step's
+            if refused is not None:
+                raise refused from e
             raise IntegrityError(f"{where}: unreadable ({e})") from None
         if len(data) != table.width:
             raise IntegrityError(f"{where}: line {rank} is cut short; the table is truncated")

@@ -917,8 +917,14 @@ def test_range_reader_read_into_fills_the_callers_buffers_from_one_get(
 
 @pytest.mark.parametrize(
     "refused",
-    [("HEAD", MANIFEST, 403), ("HEAD", MANIFEST, 503), ("GET", "model.safetensors", 503)],
-    ids=["manifest-403", "manifest-503", "payload-503"],
+    [
+        ("HEAD", MANIFEST, 403),
+        ("HEAD", MANIFEST, 503),
+        ("GET", MANIFEST, 403),
+        ("GET", MANIFEST, 500),
+        ("GET", "model.safetensors", 503),
+    ],
+    ids=["manifest-403", "manifest-503", "manifest-get-403", "manifest-get-500", "payload-503"],
 )
 def test_a_request_the_store_refuses_is_never_taken_for_a_bad_step(
     s3: S3Endpoint, url: str, refused: tuple[str, str, int], caplog: pytest.LogCaptureFixture
@@ -945,7 +951,7 @@ def test_a_request_the_store_refuses_is_never_taken_for_a_bad_step(
             target = fresh_like(states[20])
             with pytest.raises(StoreUnreachableError) as e:
                 mgr.resume(target)
-            if method == "HEAD":
+            if name == MANIFEST:
                 with pytest.raises(StoreUnreachableError):
                     mgr.load()
         assert "skipping" not in caplog.text
@@ -954,10 +960,44 @@ def test_a_request_the_store_refuses_is_never_taken_for_a_bad_step(
         else:
             assert f"{step_dir(20)}/{name}" in str(e.value)
             assert "nothing was skipped or removed" in str(e.value)
-        if method == "HEAD":
+        if name == MANIFEST:
             assert_same(model_sd(target), model_sd(fresh_like(states[20])))  # untouched
     assert objects(s3, url.rsplit("/", 1)[1]) == before
     with manager(s3, url) as mgr:  # the store answers again: nothing was lost
         target = fresh_like(states[20])
         assert mgr.resume(target) == 21
         assert_same(model_sd(target), model_sd(states[20]))
+
+
+def test_a_refused_read_never_lets_a_save_replace_a_good_step_or_hides_a_listing(
+    s3: S3Endpoint, url: str
+) -> None:
+    """save(N) of a committed step verifies it first (a step that does not verify is
+    replaced): a payload GET refused with 403 made the verify fail, and the good step 20
+    was overwritten. A listing failing with 500 reached the caller as a bare OSError
+    naming neither the store nor what happened (found by review)."""
+    from ckptstore import StoreUnreachableError
+
+    state = make_state(20)
+    with manager(s3, url) as mgr:
+        mgr.save(20, state)
+    before = objects(s3, url.rsplit("/", 1)[1])
+    opts = {**s3.storage_options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    with (
+        s3.refusing("GET", f"{step_dir(20)}/model.safetensors", 403),
+        CheckpointManager(url, storage_options=opts) as mgr,
+        pytest.raises(StoreUnreachableError, match="access denied"),
+    ):
+        mgr.save(20, make_state(99))
+    assert objects(s3, url.rsplit("/", 1)[1]) == before
+    bucket = url.removeprefix("s3://").partition("/")[0]
+    with (
+        s3.refusing("GET", bucket, 500),
+        pytest.raises(StoreUnreachableError, match="the object store failed a request"),
+        CheckpointManager(url, storage_options=opts) as mgr,
+    ):
+        mgr.resume(fresh_like(state))
+    with manager(s3, url) as mgr:
+        target = fresh_like(state)
+        assert mgr.resume(target) == 21
+        assert_same(model_sd(target), model_sd(state))

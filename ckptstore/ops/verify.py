@@ -26,7 +26,14 @@ from .._progress import Progress
 from ..codec import payload, strictjson, torchzip
 from ..codec import safetensors as st
 from ..codec.payload import stored_tensors
-from ..errors import CkptStoreError, ConfigError, IntegrityError, ManifestError, NoCheckpointError
+from ..errors import (
+    CkptStoreError,
+    ConfigError,
+    IntegrityError,
+    ManifestError,
+    NoCheckpointError,
+    StoreUnreachableError,
+)
 from ..integrity import VerifyReport, crc32c_of, format_crc
 from ..layout import LOCAL_RANKS_NAME, MANIFEST_NAME, STATE_NAME, parse_step_dirname, state_file
 from ..manifest import RANK_TABLE_NAME, FileEntry, Manifest
@@ -229,6 +236,8 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
             except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 report.add(f"{where}: not valid JSON ({e})")
     except (CkptStoreError, OSError) as e:
+        if isinstance(e, StoreUnreachableError):
+            raise  # the store did not answer: nothing is known of the file (design rule 1)
         report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
 
 
@@ -247,6 +256,8 @@ def _check_index(
     try:
         index = split_index.read_index(storage, manifest, where, away)
     except (CkptStoreError, OSError) as e:
+        if isinstance(e, StoreUnreachableError):
+            raise  # the store did not answer: nothing is known of the index
         report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
         return None
     except (ValueError, TypeError, KeyError, AttributeError, OverflowError) as e:

@@ -11,6 +11,7 @@ from .. import ranktable
 from ..errors import CkptStoreError, ManifestError
 from ..layout import MANIFEST_NAME, step_dirname
 from ..manifest import MAX_MANIFEST_BYTES, Manifest
+from .reach import unanswered
 
 __all__ = ["read"]
 
@@ -40,6 +41,9 @@ def read(storage: Any, step: int, *, table: bool = True) -> Manifest:
     except CkptStoreError:  # the store gave no answer (StoreUnreachableError): not a bad step
         raise
     except OSError as e:
+        refused = unanswered(storage, e, rel)  # an object store's 403 or failing 5xx
+        if refused is not None:
+            raise refused from e
         raise ManifestError(f"{where}: unreadable ({e})") from None
     m = Manifest.from_bytes(data, where=where)
     if m.step != step:

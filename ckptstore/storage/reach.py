@@ -14,7 +14,7 @@ from collections.abc import Iterator
 
 from ..errors import CkptStoreError
 
-__all__ = ["reaching", "remote_error"]
+__all__ = ["reaching", "remote_error", "unanswered"]
 
 
 _NO_CREDENTIALS = {
@@ -97,3 +97,22 @@ def reaching(where: str, cls: type[CkptStoreError] = CkptStoreError) -> Iterator
         if err is None:
             raise
         raise err from e
+
+
+def unanswered(storage: object, e: BaseException, rel: str) -> BaseException | None:
+    """The error to raise where an object store refused or failed a request on ``rel``.
+
+    ``None`` where ``e`` says something of the checkpoint instead: a key that does not
+    exist, or any error of a local store (an EIO there is a damaged file). A 403, or a 5xx
+    still failing after the client's retries, is the object store's
+    (``FsspecStorage._no_answer``: a ``StoreUnreachableError``), never a bad step: taken for
+    one, it made resume skip the step and restore an older one (design rule 1).
+    """
+    from ..errors import StoreUnreachableError
+
+    if isinstance(e, StoreUnreachableError):
+        return e
+    if isinstance(e, FileNotFoundError | NotADirectoryError) or not isinstance(e, OSError):
+        return None
+    no_answer = getattr(storage, "_no_answer", None)
+    return no_answer(e, rel) if callable(no_answer) else None

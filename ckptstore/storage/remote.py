@@ -298,6 +298,12 @@ class FsspecStorage(Storage):
         except OSError as e:
             raise self._no_answer(e, p) from e
 
+    def _refused(self, e: OSError, p: str) -> OSError:
+        """``e`` as it is where it is ours already, else :meth:`_no_answer`'s error."""
+        if isinstance(e, StoreUnreachableError):
+            return e
+        return self._no_answer(e, p)
+
     def _no_answer(self, e: BaseException, p: str) -> StoreUnreachableError:
         """The error for a request on ``p`` the store refused or failed, not "no such key".
 
@@ -381,12 +387,16 @@ class FsspecStorage(Storage):
                 entries = self.fs.ls(p, detail=False)
             except (FileNotFoundError, NotADirectoryError):
                 return []
+            except OSError as e:
+                raise self._refused(e, p) from e
+        except OSError as e:
+            raise self._refused(e, p) from e
         base = p.rstrip("/")
         names = []
-        for e in entries:
-            e = str(e).rstrip("/")
-            name = posixpath.basename(e)
-            if name and e != base:
+        for entry in entries:
+            full = str(entry).rstrip("/")
+            name = posixpath.basename(full)
+            if name and full != base:
                 names.append(name)
         return names
 
@@ -403,6 +413,8 @@ class FsspecStorage(Storage):
             found = self.fs.find(self._fresh(self.path), withdirs=True, detail=True)
         except FileNotFoundError:
             return {}
+        except OSError as e:  # a listing the store failed (a 5xx after the retries)
+            raise self._refused(e, self.path) from e
         entries: dict[str, set[str]] = {}
         for name, info in found.items():
             p = str(name).strip("/")
@@ -481,6 +493,10 @@ class FsspecStorage(Storage):
                 entries = self.fs.ls(p, detail=True)
             except (FileNotFoundError, NotADirectoryError):
                 return {}
+            except OSError as e:
+                raise self._refused(e, p) from e
+        except OSError as e:
+            raise self._refused(e, p) from e
         return {
             posixpath.basename(str(e["name"]).rstrip("/")): int(e.get("size") or 0)
             for e in entries
