@@ -59,7 +59,7 @@ class Reader:
     """
 
     def __init__(
-        self, session: Session, *, allow_pickle: bool, raise_bg_error: Callable[[], None]
+        self, session: Session, *, allow_pickle: bool, raise_bg_error: Callable[..., None]
     ) -> None:
         self.session = session
         self.allow_pickle = allow_pickle
@@ -106,7 +106,7 @@ class Reader:
             try:
                 # A failed async save (only rank 0 writes) is raised on every rank, carried
                 # by this first exchange, as save carries it by "save:enter".
-                self.raise_bg_error()
+                self.raise_bg_error(everywhere=True)
                 listing = ("ok", candidates(session, step))
             except BaseException as e:
                 listing = ("error", e)
@@ -274,7 +274,7 @@ class Reader:
         listed: tuple[str, Any] = ("ok", None)
         if session.coord.is_leader:
             try:
-                self.raise_bg_error()  # on every rank, as in restore
+                self.raise_bg_error(everywhere=True)  # on every rank, as in restore
                 listed = ("ok", not restore_steps(session))
             except BaseException as e:
                 listed = ("error", e)

@@ -57,6 +57,9 @@ class Saver:
         self.clock: PhaseClock | None = None
         self.inflight: SaveHandle | None = None
         self.bg_error: BaseException | None = None
+        #: ``bg_error`` was raised on this rank already (by ``SaveHandle.wait``, ``wait`` or
+        #: ``close``): it stays until the next save's first exchange has told every rank.
+        self.bg_seen = False
 
     def save(  # noqa: PLR0917 - private, one call site
         self,
@@ -81,7 +84,10 @@ class Saver:
         if coord.is_leader:
             refusal, replace = admit(session, step, metrics_d, allow_older)
         call: Call = ("save", (("step", step), ("sharded", sharded), ("allow_older", allow_older)))
-        mine = (self.take_bg_error(), sharding.has_dtensors(state), refusal, call)
+        # The failure of the last async save, if any, and whether this rank raised it.
+        seen, self.bg_seen = self.bg_seen, False
+        bg = self.take_bg_error()
+        mine = ((bg, seen) if bg is not None else None, sharding.has_dtensors(state), refusal, call)
         clock.mark("admit")
         prev, dtensor, refused = coord.reduce(mine, _enter_verdict, "save:enter", step)
         clock.mark("x:enter")
@@ -161,6 +167,7 @@ class Saver:
             except BaseException as e:
                 log.error("async save of step %d failed: %s", step, e)
                 self.bg_error = e
+                self.bg_seen = False
                 raise
             finally:
                 held.__exit__(None, None, None)
@@ -338,13 +345,42 @@ class Saver:
         return CommitError(f"the previous async save failed: {err}")
 
     def _error_seen(self, err: BaseException) -> None:
-        """The caller got ``err`` from ``SaveHandle.wait``: it is not raised a second time."""
-        if self.bg_error is err:
-            self.bg_error = None
+        """The caller got ``err`` from ``SaveHandle.wait``: this rank has seen it.
 
-    def raise_bg_error(self) -> None:
-        """Raise the failure of the last async save, if any (once)."""
-        err = self.take_bg_error()
+        Kept for the next save's first exchange: a rank that has not seen it (it wrote
+        nothing, or has not waited) must be told, and then every rank raises it, this one
+        again (``_enter_verdict``); where every rank has seen it, none raises it again.
+        """
+        if self.bg_error is err:
+            self.bg_seen = True
+
+    def raise_bg_error(self, *, everywhere: bool = False) -> None:
+        """Raise the failure of the last async save, if any, where this rank has not yet.
+
+        ``everywhere``: the caller hands the error to every rank (a restore's first
+        exchange): it is raised even where this rank saw it (another rank has not), and
+        forgotten. Otherwise (``wait``, ``close``: this rank alone) it is kept, seen, for
+        the next save's first exchange to tell the other ranks.
+        """
+        if self.bg_error is None:
+            return
+        alone = self.session.coord.world_size == 1  # nobody else to tell
+        if self.bg_seen and (not everywhere or alone):
+            if everywhere:
+                self.take_bg_error()
+                self.bg_seen = False
+            return
+        if everywhere:
+            err = self.take_bg_error()
+            self.bg_seen = False
+        else:
+            self.bg_seen = True
+            bg = self.bg_error
+            err = (
+                bg
+                if isinstance(bg, CkptStoreError)
+                else CommitError(f"the previous async save failed: {bg}")
+            )
         if err is not None:
             raise err
 
@@ -408,9 +444,13 @@ SHOWN = 8
 
 
 def _enter_verdict(
-    every: list[tuple[BaseException | None, bool, BaseException | None, Call]],
+    every: list[tuple[tuple[BaseException, bool] | None, bool, BaseException | None, Call]],
 ) -> tuple[BaseException | None, bool, BaseException | None]:
     """Rank 0's answer at 'save:enter': the first async failure, DTensors anywhere, its refusal.
+
+    An async failure (each rank's ``(error, seen here)``) is raised on every rank unless
+    every rank has raised it already (``SaveHandle.wait``, ``wait``, ``close``): a rank
+    that saw it raises it again rather than go on alone while the others raise.
 
     Raises (on every rank): ``UsageError`` where the ranks' calls differ (:func:`same_call`):
     another step, ``sharded`` or ``allow_older``, or another call (a rank in a restore).
@@ -419,11 +459,13 @@ def _enter_verdict(
     try:
         same_call(calls)
     except UsageError as refused:
-        prev = next((e[0] for e in every if isinstance(e, tuple) and e[0] is not None), None)
+        prev = next((e[0][0] for e in every if isinstance(e, tuple) and e[0] is not None), None)
         if prev is not None:  # taken from its rank's manager: said here, or lost
             raise UsageError(f"{refused}; and the previous async save failed: {prev}") from None
         raise
-    prev = next((e for e, _, _, _ in every if e is not None), None)
+    failures = [e for e, _, _, _ in every if e is not None]
+    told = len(failures) == len(every) and all(seen for _, seen in failures)
+    prev = None if told or not failures else failures[0][0]
     return prev, any(flag for _, flag, _, _ in every), every[0][2]
 
 

@@ -131,9 +131,13 @@ class SaveHandle:
     def wait(self, timeout: float | None = None) -> Any:
         """Block until committed; returns the :class:`~ckptstore.manifest.Manifest`.
 
+        ``None`` on a rank that writes nothing (a replicated save, on ranks other than 0).
+
         Raises:
-            CommitError: the save failed. Once raised here, the manager's next ``save``,
-                ``wait``, ``restore`` or ``close`` does not raise it again.
+            CommitError: the save failed. Once raised here, the manager's ``wait`` and
+                ``close`` do not raise it again, nor does its next ``save``, ``restore``
+                or ``resume`` where every rank has raised it (under torch.distributed a
+                rank that has not is told there, and every rank raises it then).
         """
         if self._future is None:
             return self._result

@@ -450,6 +450,33 @@ def async_failure_then_restore(ctx: Ctx) -> dict[str, Any]:
     return {"first": first, "second": second, "digest_ok": digest(fresh) == digest(model)}
 
 
+def async_failure_waited_on_rank0(ctx: Ctx) -> dict[str, Any]:
+    """Rank 0's async save fails; rank 0 alone sees it (``wait()``, not collective); the
+    next save is where every rank is told, rank 0 again, and nothing of it is committed."""
+    from ckptstore.codec import payload
+
+    model = make_model()
+    mgr = CheckpointManager(ctx.root, barrier_timeout=float(ctx.args["timeout"]), async_save=True)
+    mgr.save(1, {"model": model}).wait()
+    real = payload.write_group
+    if ctx.rank == 0:
+
+        def full(*a: Any, **k: Any) -> None:
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        payload.write_group = full  # type: ignore[assignment]
+    mgr.save(2, {"model": model})
+    waited = outcome(mgr.wait)
+    payload.write_group = real  # type: ignore[assignment]
+    out = {"waited": waited, "next": outcome(lambda: mgr.save(3, {"model": model}) and None)}
+    out["then"] = outcome(lambda: mgr.save(3, {"model": model}).wait() and None)
+    mgr.close()  # rank 1's handle is done at once (rank 0 writes): close waits for rank 0
+    dist.barrier()
+    with CheckpointManager(ctx.root, barrier_timeout=float(ctx.args["timeout"])) as again:
+        out["steps"] = again.steps()
+    return out
+
+
 class LockedError(Exception):
     """An exception that cannot be pickled: it holds a lock."""
 

@@ -156,3 +156,16 @@ def test_sharded_checkpoint_restores_each_ranks_own_stream(tmp_path: Path):
         assert v["restored"] == v["saved"]
         assert v["warnings"] == []
     assert vals[0]["saved"] != vals[1]["saved"]
+
+
+def test_an_async_failure_seen_on_rank0_alone_is_told_to_every_rank(tmp_path):
+    """wait() raised the failure on rank 0 and cleared it there, so the next save went
+    ahead on every rank and rank 1 never learnt step 2 was lost (found by review)."""
+    vals = values(launch("async_failure_waited_on_rank0", 2, tmp_path, args={"timeout": LONG}))
+    assert vals[0]["waited"]["error_type"] == "CommitError"
+    assert vals[1]["waited"]["ok"] is True  # rank 1 wrote nothing: nothing to wait for
+    for v in vals:
+        assert v["next"]["error_type"] == "CommitError", v
+        assert "step-000000000002" in v["next"]["message"]
+        assert v["then"]["ok"] is True, v  # told once everywhere: the save after goes on
+        assert v["steps"] == [1, 3]
