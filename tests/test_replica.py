@@ -483,6 +483,37 @@ def test_a_replica_that_fails_later_keeps_every_local_step_and_close_is_bounded(
     assert not (root / step_dir(2) / REPLICATED_NAME).exists()
 
 
+def test_a_replica_failing_every_commit_fails_the_queued_steps_at_once(tmp_path: Path) -> None:
+    """A replica answering 503 (SlowDown) to every manifest PUT: each queued step went
+    through every attempt and the client's retries, so close() took ~12 s a queued step
+    whatever replica_timeout said (found by review). The first failure now fails the steps
+    queued behind it at once; they stay local, and none is deleted."""
+    from s3server import s3_server
+
+    root = tmp_path / "a"
+    opts: dict[str, Any] = {}
+    with s3_server() as ep:
+        opts = {**ep.storage_options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+        mgr = CheckpointManager(
+            root, keep=1, replica=ep.url("run"), replica_options=opts, replica_timeout=30.0
+        )
+        mgr.save(1, make_state(1))
+        mgr.wait()
+        ep.requests.clear()
+        with ep.refusing("PUT", "manifest.json", 503):
+            mgr.replica.gate.hold()  # the uploads queue up behind the saves
+            for s in (2, 3, 4):
+                mgr.save(s, make_state(s))
+            mgr.replica.gate.release()
+            with pytest.raises(ReplicaError):
+                mgr.close()
+        puts = [r for r in ep.requests() if r.method == "PUT" and r.path.endswith("manifest.json")]
+    # Step 2's attempts only: steps 3 and 4 failed at once, with no request of their own.
+    assert puts
+    assert {r.path.rsplit("/", 2)[1] for r in puts} == {step_dir(2)}
+    assert CheckpointManager(root).steps() == [2, 3, 4]
+
+
 @pytest.mark.parametrize("every", ["all", "latest"])
 def test_replica_every(
     tmp_path: Path, s3: S3Endpoint, url: str, every: str, caplog: pytest.LogCaptureFixture

@@ -496,7 +496,11 @@ class Replicator:
                 with self._cond:
                     self._failed[step] = e
                     self._error = e
-                    if isinstance(e, StoreUnreachableError):
+                    if isinstance(e, StoreUnreachableError) or _store_failed(e):
+                        # The steps queued behind it fail at once (a new step tries
+                        # again): each went through every attempt and the client's own
+                        # retries, so close() under a store answering 503 took ~12 s a
+                        # queued step, whatever replica_timeout said.
                         self._down = e
             finally:
                 with self._cond:
@@ -893,3 +897,16 @@ class Replicator:
             t = self._thread
             if t is not None and t is not threading.current_thread():
                 t.join()
+
+
+def _store_failed(e: BaseException) -> bool:
+    """Whether an upload's error is the replica's, not a bad local copy or a stop.
+
+    A request the store failed after the client's retries (a 5xx: s3fs raises a plain
+    ``OSError``).
+    """
+    return (
+        isinstance(e, OSError)
+        and not isinstance(e, FileNotFoundError | CkptStoreError)
+        and not isinstance(e, ReplicaError)
+    )
