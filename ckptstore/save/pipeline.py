@@ -459,7 +459,14 @@ def _enter_verdict(
     try:
         same_call(calls)
     except UsageError as refused:
-        prev = next((e[0][0] for e in every if isinstance(e, tuple) and e[0] is not None), None)
+        prev = next(
+            (
+                e[0][0]
+                for e in every
+                if isinstance(e, tuple) and len(e) == 4 and isinstance(e[0], tuple)
+            ),
+            None,
+        )
         if prev is not None:  # taken from its rank's manager: said here, or lost
             raise UsageError(f"{refused}; and the previous async save failed: {prev}") from None
         raise
