@@ -482,43 +482,6 @@ def test_a_failed_async_save_keeps_the_trainers_own_checkpoint(tmp_path: Path) -
 # ---- the Trainer's own checkpoint-N directories (issue 22 #10) --------------------------
 
 
-@pytest.mark.timeout(120)
-def test_a_checkpoint_dir_that_was_the_best_goes_once_another_is(tmp_path: Path) -> None:
-    # load_best_model_at_end keeps the best model's checkpoint-N for the Trainer. One that
-    # was the best when saved stayed for good once a better one came: with an improving
-    # metric every folder stayed, each step's state on disk twice.
-    args = TrainingArguments(
-        output_dir=str(tmp_path / "out"),
-        use_cpu=True,
-        report_to=[],
-        save_strategy="steps",
-        save_steps=2,
-        eval_strategy="steps",
-        eval_steps=2,
-        max_steps=8,
-        learning_rate=1e-2,
-        load_best_model_at_end=True,
-        metric_for_best_model="loss",
-        per_device_train_batch_size=2,
-        disable_tqdm=True,
-        seed=0,
-    )
-    cb = CkptStoreCallback(tmp_path / "ckpt", keep=3)
-    t = Trainer(
-        model=gpt2(0),
-        args=args,
-        train_dataset=TokenData(),
-        eval_dataset=TokenData(),
-        callbacks=[cb],
-    )
-    cb.train(t)
-    best = t.state.best_model_checkpoint
-    assert best is not None
-    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [Path(best).name]
-    with CheckpointManager(tmp_path / "ckpt") as mgr:
-        assert mgr.steps() == [4, 6, 8]
-
-
 def _best_args(out: Path, max_steps: int) -> TrainingArguments:
     return TrainingArguments(
         output_dir=str(out),
@@ -536,6 +499,28 @@ def _best_args(out: Path, max_steps: int) -> TrainingArguments:
         disable_tqdm=True,
         seed=0,
     )
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_dir_that_was_the_best_goes_once_another_is(tmp_path: Path) -> None:
+    # load_best_model_at_end keeps the best model's checkpoint-N for the Trainer. One that
+    # was the best when saved stayed for good once a better one came: with an improving
+    # metric every folder stayed, each step's state on disk twice.
+    args = _best_args(tmp_path / "out", 8)
+    cb = CkptStoreCallback(tmp_path / "ckpt", keep=3)
+    t = Trainer(
+        model=gpt2(0),
+        args=args,
+        train_dataset=TokenData(),
+        eval_dataset=TokenData(),
+        callbacks=[cb],
+    )
+    cb.train(t)
+    best = t.state.best_model_checkpoint
+    assert best is not None
+    assert sorted(p.name for p in (tmp_path / "out").glob("checkpoint-*")) == [Path(best).name]
+    with CheckpointManager(tmp_path / "ckpt") as mgr:
+        assert mgr.steps() == [4, 6, 8]
 
 
 @pytest.mark.timeout(180)

@@ -40,6 +40,21 @@ def _cached(path: Path, dev: int, op: str, direct: float, buffered: float) -> No
     path.write_text(json.dumps(doc))
 
 
+def _child(code: str, cache: Path) -> str:
+    """Run ``code`` in a new Python process using ``cache``; its stdout."""
+    env = {**os.environ, "CKPTSTORE_IO_CACHE": str(cache), "PYTHONPATH": str(REPO)}
+    out = subprocess.run(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert out.returncode == 0, out.stderr
+    return out.stdout
+
+
 def test_device_key_names_the_filesystem(tmp_path: Path) -> None:
     dev = os.stat(tmp_path).st_dev
     key = iocache.device_key(dev)
@@ -65,22 +80,15 @@ def test_measurements_are_written_and_a_new_process_starts_from_them(
     assert not list(cache.parent.glob("*.tmp"))  # replaced by a rename, nothing left over
     # A new process (a real one) starts with buffered, the faster, not with a try of
     # direct; the 8th large file re-validates direct.
-    code = textwrap.dedent(f"""
+    out = _child(
+        f"""
         from ckptstore.storage import iomode
         print(",".join(iomode.read_mode({dev}) for _ in range(8)))
         print(iomode.write_mode({str(tmp_path)!r}))
-    """)
-    env = {**os.environ, "CKPTSTORE_IO_CACHE": str(cache), "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        """,
+        cache,
     )
-    assert out.returncode == 0, out.stderr
-    reads, write = out.stdout.split()
+    reads, write = out.split()
     assert reads.split(",") == ["buffered"] * 7 + ["direct"]
     assert write == "direct"  # nothing cached for writes: tried as before
 
@@ -234,20 +242,13 @@ def test_the_file_is_written_off_the_callers_path_and_before_exit(
     entry = json.loads(cache.read_text())["devices"][iocache.device_key(dev)]
     assert entry["read"] == {"direct": float(1 << 30), "buffered": (1 << 30) / 2.0}
     # A process that measures and exits at once still leaves its measurement (atexit).
-    code = textwrap.dedent(f"""
+    _child(
+        f"""
         from ckptstore.storage import iomode
         iomode.record_write({str(tmp_path)!r}, "direct", 1 << 30, 0.5)
-    """)
-    env = {**os.environ, "CKPTSTORE_IO_CACHE": str(cache), "PYTHONPATH": str(REPO)}
-    out = subprocess.run(
-        [sys.executable, "-c", code],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-        check=False,
+        """,
+        cache,
     )
-    assert out.returncode == 0, out.stderr
     entry = json.loads(cache.read_text())["devices"][iocache.device_key(dev)]
     assert entry["write"] == {"direct": float(1 << 31)}
     assert entry["read"] == {"direct": float(1 << 30), "buffered": (1 << 30) / 2.0}

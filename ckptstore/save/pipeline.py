@@ -340,9 +340,7 @@ class Saver:
     def take_bg_error(self) -> BaseException | None:
         """The failure of the last async save (once), as the error to raise for it."""
         err, self.bg_error = self.bg_error, None
-        if err is None or isinstance(err, CkptStoreError):
-            return err
-        return CommitError(f"the previous async save failed: {err}")
+        return _as_raised(err)
 
     def _error_seen(self, err: BaseException) -> None:
         """The caller got ``err`` from ``SaveHandle.wait``: this rank has seen it.
@@ -375,12 +373,7 @@ class Saver:
             self.bg_seen = False
         else:
             self.bg_seen = True
-            bg = self.bg_error
-            err = (
-                bg
-                if isinstance(bg, CkptStoreError)
-                else CommitError(f"the previous async save failed: {bg}")
-            )
+            err = _as_raised(self.bg_error)
         if err is not None:
             raise err
 
@@ -437,6 +430,13 @@ class Saver:
             if self.bg_coord is not None:
                 self.bg_coord.close()
             session.coord.close()
+
+
+def _as_raised(err: BaseException | None) -> BaseException | None:
+    """A background save's failure as the error raised for it (ours as it is)."""
+    if err is None or isinstance(err, CkptStoreError):
+        return err
+    return CommitError(f"the previous async save failed: {err}")
 
 
 #: How many ranks' errors a verdict carries back to every rank (the rest are counted).
