@@ -36,12 +36,12 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import itertools
 import json
 import os
 import random
 import shutil
 import signal
-import socket
 import sys
 import tempfile
 import time
@@ -53,6 +53,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
 from forkchild import emit, finish  # noqa: E402
 from linechild import LineChild  # noqa: E402
+from rendezvous import init_group  # noqa: E402
 
 #: barrier_timeout of the jobs, and the slack allowed on top of it for a survivor to report.
 TIMEOUT = 3.0
@@ -206,20 +207,11 @@ def _hook_waits(rank: int, job: dict[str, Any]) -> None:
 
 def run_rank(rank: int, job: dict[str, Any]) -> int:
     """A rank that resumes, then saves step after step until it dies or a peer does."""
-    import datetime
     import faulthandler
-
-    import torch.distributed as dist
 
     from ckptstore import BarrierTimeout, CommitError
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{job['port']}",
-        rank=rank,
-        world_size=job["world"],
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_group(rank, job["world"], job["port_file"])
     faulthandler.dump_traceback_later(TIMEOUT + SLACK + 40, exit=True)
     model, opt = build(job["world"])
     state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 0}
@@ -259,17 +251,8 @@ def run_rank(rank: int, job: dict[str, Any]) -> int:
 
 def run_wide_restore(rank: int, job: dict[str, Any]) -> int:
     """A 3-rank restore of the newest step: every full tensor checked."""
-    import datetime
 
-    import torch.distributed as dist
-
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{job['port']}",
-        rank=rank,
-        world_size=job["world"],
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_group(rank, job["world"], job["port_file"])
     model, opt = build(job["world"])
     state: dict[str, Any] = {"model": model, "optimizer": opt, "step": -1}
     mgr = _manager(job, rank)
@@ -334,10 +317,8 @@ class Server(LineChild):
         self.until("serving", 180)
 
 
-def _port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+#: Numbers the jobs of this campaign (their rendezvous files).
+_JOBS = itertools.count()
 
 
 def _kill(pid: int, sig: int) -> None:
@@ -348,12 +329,15 @@ def _kill(pid: int, sig: int) -> None:
 def run_job(
     server: Server, job: dict[str, Any], fault: str | None, rng: random.Random
 ) -> dict[str, Any]:
-    """Submit ``job``, inject ``fault`` (delay-based kills from here), collect every line."""
+    """Submit ``job`` (its rendezvous file a new one), inject ``fault`` (delay-based kills from
+    here), collect every line."""
+    job = dict(job, port_file=os.path.join(job["base"], f"port-{next(_JOBS)}"))
     lines: list[tuple[float, str]] = []
     server.submit(job)
     pids: dict[int, int] = {}
     died_at = None
     stopped = False
+    inject = True  # the delay-based kills below
 
     def dying(line: str) -> None:
         nonlocal died_at, stopped
@@ -369,14 +353,20 @@ def run_job(
         if line.startswith("ready "):
             _, r, pid_s = line.split()
             pids[int(r)] = int(pid_s)
-        if line.startswith(("error ", "jobdone")):
+        if line == "jobdone":
             return {"lines": lines, "pids": pids, "died_at": None}
-    if fault == "kill-all":
+        if line.startswith("error "):
+            # A rank failed before the fault: inject nothing, but read the job to its end.
+            # Returning here left the other ranks' lines (their timeouts, "jobdone") to be
+            # read as the next job's, which then failed in turn without a cause of its own.
+            inject = False
+            break
+    if inject and fault == "kill-all":
         time.sleep(rng.uniform(0.0, 1.5))
         died_at = time.time()
         for pid in pids.values():
             _kill(pid, signal.SIGKILL)
-    elif fault == "kill-one" and not job["kill_at"]:
+    elif inject and fault == "kill-one" and not job["kill_at"]:
         time.sleep(rng.uniform(0.0, 1.5))
         died_at = time.time()
         _kill(pids[job["victims"][0]], signal.SIGKILL)
@@ -446,6 +436,14 @@ def visible_steps(job: dict[str, Any]) -> list[list[int]]:
     return visible
 
 
+def _brief(line: str, width: int = 600) -> str:
+    """A long line (a traceback) cut in its middle: its start, and its end, which names the
+    exception."""
+    if len(line) <= width:
+        return line
+    return line[:150] + " ... " + line[-(width - 150) :]
+
+
 def check_trial(
     job: dict[str, Any], fault: str, out: dict[str, Any], visible: list[list[int]]
 ) -> list[str]:
@@ -458,7 +456,7 @@ def check_trial(
     if any(x.startswith(("error ", "trace ")) for x in lines):
         problems.append(
             "unexpected error: "
-            + next(x for x in lines if x.startswith(("error ", "trace ")))[:400]
+            + _brief(next(x for x in lines if x.startswith(("error ", "trace "))))
         )
     acked = [int(x.split()[2]) for x in lines if x.startswith("acked ")]
     saving = [int(x.split()[2]) for x in lines if x.startswith("saving ")]
@@ -581,8 +579,8 @@ def campaign(args: argparse.Namespace) -> int:
             roots = [os.path.join(trial, f"node{r}") for r in range(world)]
             job: dict[str, Any] = {
                 "kind": "train",
+                "base": base,
                 "world": world,
-                "port": _port(),
                 "async": rng.random() < 0.5,
                 "nodes": nodes,
                 "roots": roots,
@@ -597,21 +595,19 @@ def campaign(args: argparse.Namespace) -> int:
             if fault == "kill-all":
                 job["kill_at"] = 0
             # A first clean job commits two steps, so that the faulty one has something to lose.
-            clean = dict(job, port=_port(), steps=2, victims=[], kill_at=0, fault=None)
+            clean = dict(job, steps=2, victims=[], kill_at=0, fault=None)
             pre = run_job(server, clean, None, rng)
             pre_problems = [
                 x for _, x in pre["lines"] if x.startswith(("error ", "trace ", "outcome "))
             ]
             out = run_job(server, job, fault, rng)
-            problems = [f"clean run: {p[:300]}" for p in pre_problems]
+            problems = [f"clean run: {_brief(p)}" for p in pre_problems]
             visible = visible_steps(job)
             problems += check_trial(job, fault, out, visible)
             # The next job resumes the newest step every root holds (checked bit for bit),
             # and saves on.
             whole = newest_whole(visible)
-            nxt = dict(
-                job, port=_port(), steps=1, victims=[], kill_at=0, fault=None, check_resume=True
-            )
+            nxt = dict(job, steps=1, victims=[], kill_at=0, fault=None, check_resume=True)
             after = run_job(server, nxt, None, rng)
             for _, x in after["lines"]:
                 if x.startswith("resumed "):
@@ -626,19 +622,19 @@ def campaign(args: argparse.Namespace) -> int:
                             "step whole on every root"
                         )
                 if x.startswith(("error ", "trace ", "outcome ")):
-                    problems.append(f"the next job failed: {x[:300]}")
+                    problems.append(f"the next job failed: {_brief(x)}")
             if not problems:
                 problems += check_restores(job)
             if args.wide_every and i % args.wide_every == 0 and not problems:
-                wide = dict(job, kind="wide", world=3, port=_port(), victims=[], kill_at=0)
+                wide = dict(job, kind="wide", world=3, victims=[], kill_at=0)
                 if nodes:
                     wide["roots"] = roots + [os.path.join(trial, "node-extra")] * (3 - len(roots))
                 res = run_job(server, wide, None, rng)
                 for _, x in res["lines"]:
                     if x.startswith("wide ") and json.loads(x.split(" ", 3)[3]):
-                        problems.append(f"3-rank restore: {x[:300]}")
+                        problems.append(f"3-rank restore: {_brief(x)}")
                     if x.startswith(("error ", "trace ")):
-                        problems.append(f"3-rank restore failed: {x[:300]}")
+                        problems.append(f"3-rank restore failed: {_brief(x)}")
             where = "node-local+replica" if nodes else "shared"
             key = f"{world} ranks, {where}, {'async' if job['async'] else 'sync'}, {fault}"
             counts[key] = counts.get(key, 0) + 1

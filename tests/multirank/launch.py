@@ -3,7 +3,7 @@
 Each rank is a fresh ``python tests/multirank/worker.py`` process that joins a gloo process group
 over TCP on loopback and runs one scenario function from ``tests/multirank/scenarios.py``.
 Rank 0 hosts the group's store on a port the kernel picks and publishes it in a file of the
-workdir (``worker.rendezvous``): no port is chosen here and bound later, where another test
+workdir (``tools/rendezvous.py``): no port is chosen here and bound later, where another test
 could take it in between. The worker writes its outcome (result or exception, with
 ``BarrierTimeout`` attributes) as JSON. The parent kills every rank when the deadline passes,
 so a hang fails the test instead of stalling CI.
@@ -219,7 +219,7 @@ def launch(
 ) -> list[RankResult]:
     """Run ``scenario`` on ``world_size`` ranks; return one result per rank (by rank)."""
     workdir.mkdir(parents=True, exist_ok=True)
-    # Rank 0 binds port 0 and publishes the port here (worker.rendezvous): never a stale one.
+    # Rank 0 binds port 0 and publishes the port here (tools/rendezvous.py): never a stale one.
     port_file = workdir / "store.port"
     port_file.unlink(missing_ok=True)
     procs: list[tuple[subprocess.Popen[bytes] | _Forked, Any]] = []

@@ -1,5 +1,5 @@
 """What every part of the crash campaign shares: the configurations, the kill windows and
-the distributed timeouts, moto's S3 server and a free port.
+the distributed timeouts and moto's S3 server.
 
 Importing it puts the checkout, tools/ (crash_writer.py) and tests/ (s3server.py) on
 ``sys.path``, for the campaign and for the fork server's children alike.
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import contextlib
 import os
-import socket
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -44,9 +43,3 @@ def s3() -> Iterator[Any]:
 def numbers_of(lines: list[str], word: str) -> list[int]:
     """The numbers N of a child's lines ``"<word> N ..."``."""
     return [int(x.split()[1]) for x in lines if x.startswith(word + " ")]
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])

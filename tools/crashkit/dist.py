@@ -12,7 +12,7 @@ import signal
 import time
 from typing import Any
 
-from crashkit.common import DIST_SLACK, DIST_TIMEOUT, free_port
+from crashkit.common import DIST_SLACK, DIST_TIMEOUT
 from crashkit.server import Server
 
 
@@ -55,7 +55,7 @@ def dist_trials(n: int, rng: random.Random, server: Server, base: str, verbose: 
         server.submit(
             dict(
                 kind="dist",
-                port=free_port(),
+                port_file=root + ".port",
                 root=root,
                 victim=victim,
                 kill_at=kill_at,

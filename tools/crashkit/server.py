@@ -19,6 +19,7 @@ from typing import Any, NoReturn
 
 from forkchild import emit, finish
 from linechild import LineChild
+from rendezvous import init_group
 
 from crashkit.common import DIST_SLACK, DIST_TIMEOUT, REPO, TOOLS
 
@@ -70,7 +71,7 @@ def run_uploader(local: str, url: str, storage_options: dict[str, Any]) -> int:
 def run_rank(
     rank: int,
     *,
-    port: int,
+    port_file: str,
     root: str,
     victim: int,
     kill_at: int,
@@ -81,23 +82,15 @@ def run_rank(
     freeze: bool = False,
 ) -> int:
     """One rank of a 2-rank job that saves and restores until a rank dies (or freezes)."""
-    import datetime
     import faulthandler
 
     import torch
-    import torch.distributed as dist
     from torch import nn
 
     from ckptstore import BarrierTimeout, CheckpointManager
     from ckptstore.dist import Coordinator
 
-    dist.init_process_group(
-        "gloo",
-        init_method=f"tcp://127.0.0.1:{port}",
-        rank=rank,
-        world_size=2,
-        timeout=datetime.timedelta(seconds=60),
-    )
+    init_group(rank, 2, port_file)
     emit(f"rank {rank} pid {os.getpid()}")
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(16, 16), nn.Linear(16, 4))
