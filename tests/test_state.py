@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import logging
 from pathlib import Path
 from typing import Any
 
@@ -81,6 +82,28 @@ def test_apply_missing_entry() -> None:
     assert state == {"a": 1, "b": 2}
     apply_state(state, {"a": 10}, {}, strict=False)
     assert state == {"a": 10, "b": 2}
+
+
+def test_a_lenient_restore_that_finds_no_entry_says_so(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """strict=False skips what the checkpoint lacks; when that is every entry (a typo in a
+    key), the restore returns a step and restored nothing: a warning names both sides."""
+    src, fresh = TinyNet(), TinyNet()
+    before = module_bytes(fresh)
+    with CheckpointManager(tmp_path) as mgr:
+        mgr.save(3, {"model": src, "step": 3})
+        with caplog.at_level(logging.WARNING, "ckptstore"):
+            assert mgr.restore({"modle": fresh}, strict=False) == 3
+        assert_same(module_bytes(fresh), before)
+        said = [r.getMessage() for r in caplog.records if "none of the entries" in r.getMessage()]
+        assert len(said) == 1, caplog.text
+        assert all(f"'{k}'" in said[0] for k in ("modle", "model", "step")), said
+        caplog.clear()
+        with caplog.at_level(logging.WARNING, "ckptstore"):
+            assert mgr.restore({"model": fresh, "extra": {"x": 1}}, strict=False) == 3
+        assert "none of the entries" not in caplog.text
+        assert_same(module_bytes(fresh), module_bytes(src))
 
 
 def test_modules_are_all_checked_before_any_is_loaded() -> None:

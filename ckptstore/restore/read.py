@@ -90,7 +90,7 @@ def decode_files(
     ``report`` receives what the read covered, for the callers that count a step as known
     good only when all of it was checked: ``whole`` (every entry of the step was decoded)
     and ``ranks`` (how many ranks' parts a per-rank step holds, of which this read one; 1
-    for a replicated or DTensor step).
+    for a replicated or DTensor step), and ``keys`` (the step's top-level entries).
     """
     explicit = rank is not None
     rank = session.coord.rank if rank is None else rank
@@ -133,6 +133,7 @@ def decode_files(
     if report is not None:
         report["whole"] = wanted_set is None or wanted_set.issuperset(keys)
         report["ranks"] = manifest.world_size if manifest.sharded and not manifest.dtensor else 1
+        report["keys"] = list(keys)
     if require and wanted_set is not None:
         absent = sorted((k for k in wanted_set if k not in keys), key=repr)
         if absent:

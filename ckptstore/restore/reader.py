@@ -12,7 +12,7 @@ checked (at the cost of a second copy of the state in memory).
 
 from __future__ import annotations
 
-from collections.abc import Callable, MutableMapping
+from collections.abc import Callable, Collection, MutableMapping
 from typing import Any
 
 from .._gc import gc_paused
@@ -29,6 +29,7 @@ from ..errors import (
 )
 from ..session import Session
 from ..state.capture import apply_state
+from ..state.modules import EMA
 from ..tiers import twotier as tiers
 from .load import collect_targets
 from .read import decode, read_blobs
@@ -255,6 +256,8 @@ class Reader:
                     f"{', '.join(left[:5])}. Restore with in_place=False to keep every target "
                     "unchanged until a step verifies"
                 )
+            if not strict and "keys" in covered:
+                _warn_if_none_restored(state, covered["keys"], session.storage.describe(s))
             return int(s)
         raise NoCheckpointError(
             f"{session.root}: no checkpoint verifies (`ckptstore verify --all` shows why); "
@@ -373,3 +376,22 @@ def _load_verdict(
     hard = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
     soft = [(r, v) for r, (st, v) in enumerate(every) if st == "skip"]
     return hard[:SHOWN], soft[:SHOWN]
+
+
+def _warn_if_none_restored(
+    state: MutableMapping[Any, Any], stored: Collection[Any], where: str
+) -> None:
+    """Warn when a restore with ``strict=False`` found none of ``state``'s entries.
+
+    An EMA aside (rebuilt from its source), such a restore restored nothing, yet returns a
+    step as if it had; a typo in a key is the usual cause.
+    """
+    asked = [k for k, v in state.items() if not isinstance(v, EMA)]
+    if asked and not any(k in stored for k in asked):
+        log.warning(
+            "%s holds none of the entries of the state restored (%s; it holds %s): "
+            "strict=False skipped them all, and nothing was restored",
+            where,
+            ", ".join(map(repr, asked)),
+            ", ".join(map(repr, stored)) or "nothing",
+        )
