@@ -483,12 +483,19 @@ def test_a_replica_that_fails_later_keeps_every_local_step_and_close_is_bounded(
     assert not (root / step_dir(2) / REPLICATED_NAME).exists()
 
 
-def test_a_replica_failing_every_commit_fails_the_queued_steps_at_once(tmp_path: Path) -> None:
+def test_a_replica_failing_every_commit_fails_the_queued_steps_at_once(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     """A replica answering 503 (SlowDown) to every manifest PUT: each queued step went
     through every attempt and the client's retries, so close() took ~12 s a queued step
     whatever replica_timeout said (found by review). The first failure now fails the steps
     queued behind it at once; they stay local, and none is deleted."""
+    import s3fs
     from s3server import s3_server
+
+    # One try a request (s3fs makes 5, ~1.9 s of back-off a 503): the test counts requests,
+    # and the first step's three attempts need not take 6 s.
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
 
     root = tmp_path / "a"
     opts: dict[str, Any] = {}
