@@ -382,8 +382,9 @@ def nodes_hsdp(ctx: Ctx) -> dict[str, Any]:
     """HSDP (2 x 2: replicate x shard) on node-local roots, 4 ranks, no replica.
 
     ``roots`` put each box's two replicas on two nodes (ranks 0, 1 | 2, 3): the save is
-    refused before anything is written. ``shared_roots`` put them on one node (0, 2 | 1, 3):
-    the save commits and the ranks restore it from their own node's disk.
+    refused before anything is written, and the step saved before it still restores.
+    ``shared_roots`` put them on one node (0, 2 | 1, 3): the save commits and the ranks
+    restore it from their own node's disk.
     """
     model = make_net()
     shard(model, [2, 2])
@@ -392,7 +393,12 @@ def nodes_hsdp(ctx: Ctx) -> dict[str, Any]:
     state: dict[str, Any] = {"model": model, "optimizer": opt, "step": 1}
     out: dict[str, Any] = {"digests": digests(model, opt)}
     mgr = _mgr(ctx)
+    # A good step before the refused one: it must still restore, on every rank.
+    mgr.save(0, {"step": 0, "w": torch.arange(6.0)})
     out["refused"] = outcome(lambda: mgr.save(1, state) and None)
+    before: dict[str, Any] = {"step": None, "w": torch.zeros(6)}
+    out["previous"] = outcome(lambda: mgr.restore(before))
+    out["previous_values"] = [before["step"], before["w"].tolist()]
     mgr.close()
     dist.barrier()
     out["left"] = sorted(os.listdir(_root(ctx)))

@@ -28,8 +28,13 @@ def test_hsdp_replicas_across_nodes_are_refused_and_within_a_node_restore(
         assert refused["error_type"] == "UnsafeCheckpointError"
         assert "do not share this rank's node-local root" in refused["message"]
         assert "add a replica" in refused["message"]
-        # Nothing was written: no step, no half-made directory, on either node.
-        assert not [n for n in v["left"] if n.startswith(("step-", ".tmp-"))], v["left"]
+        # Nothing was written: no step 1, no half-made directory, on either node; step 0,
+        # saved before (by rank 0, on its node: replicated state), still restores on every
+        # rank.
+        steps = ["step-000000000000"] if rank < 2 else []
+        assert [n for n in v["left"] if n.startswith(("step-", ".tmp-"))] == steps, v["left"]
+        assert (v["previous"]["ok"], v["previous"].get("value")) == (True, 0), (rank, v)
+        assert v["previous_values"] == [0, [0.0, 1.0, 2.0, 3.0, 4.0, 5.0]]
     # Replicas within a node: each node writes and restores its own boxes.
     for rank, v in enumerate(got):
         assert v["restored"][0] == 1
