@@ -969,6 +969,50 @@ def test_a_request_the_store_refuses_is_never_taken_for_a_bad_step(
         assert_same(model_sd(target), model_sd(states[20]))
 
 
+@pytest.mark.parametrize("status", [403, 500])
+def test_a_refused_read_of_a_dtensor_steps_rank_table_is_the_stores_not_a_bad_step(
+    s3: S3Endpoint,
+    url: str,
+    mesh: Any,
+    status: int,
+    *,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A DTensor step's rank table (``_ranks.jsonl``) read back refused (403) or failing
+    (500): resume skipped step 20 as corrupt and restored 10 (found by review). One rank's
+    DTensors on a one-rank mesh write the same files as N ranks'."""
+    import s3fs
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from ckptstore import StoreUnreachableError
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # a 500 tried once, not 5 times
+    values = {s: torch.arange(8.0) + s for s in (10, 20)}
+    with manager(s3, url) as mgr:
+        for s, v in values.items():
+            mgr.save(s, {"w": distribute_tensor(v, mesh, [Shard(0)])})
+    prefix = url.rsplit("/", 1)[1]
+    before = objects(s3, prefix)
+    assert f"{step_dir(20)}/_ranks.jsonl" in before
+    opts = {**s3.storage_options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    target = {"w": distribute_tensor(torch.zeros(8), mesh, [Shard(0)])}
+    with (
+        s3.refusing("GET", f"{step_dir(20)}/_ranks.jsonl", status),
+        caplog.at_level(logging.WARNING, logger="ckptstore"),
+        CheckpointManager(url, storage_options=opts) as mgr,
+        pytest.raises(StoreUnreachableError) as e,
+    ):
+        mgr.resume(target)
+    assert "skipping" not in caplog.text
+    assert f"{step_dir(20)}/_ranks.jsonl" in str(e.value) or "access denied" in str(e.value)
+    assert torch.equal(target["w"].full_tensor(), torch.zeros(8))
+    assert objects(s3, prefix) == before
+    with manager(s3, url) as mgr:  # the store answers again: step 20 restores
+        assert mgr.resume(target) == 21
+    assert torch.equal(target["w"].full_tensor(), values[20])
+
+
 def test_a_refused_read_never_lets_a_save_replace_a_good_step_or_hides_a_listing(
     s3: S3Endpoint, url: str
 ) -> None:
