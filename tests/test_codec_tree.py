@@ -408,9 +408,15 @@ def test_parameters_and_requires_grad(roundtrip: Any) -> None:
     frozen = torch.nn.Parameter(torch.tensor([3.0]), requires_grad=False)
     leaf = torch.tensor([4.0], requires_grad=True)
     out = roundtrip(
-        {"t": {"p": p, "p2": p, "frozen": frozen, "leaf": leaf, "plain": leaf.detach()}}
+        {
+            "t": {"p": p, "p2": p, "frozen": frozen, "leaf": leaf, "plain": leaf.detach()},
+            "params": [leaf],
+        }
     )
     t = out["t"]
+    # A leaf referenced twice is one leaf again (it came back as two, with one storage:
+    # the gradients through one never reached the other; found by review).
+    assert out["params"][0] is t["leaf"]
     assert type(t["p"]) is torch.nn.Parameter
     assert t["p"].requires_grad is True
     assert t["p2"] is t["p"]

@@ -393,6 +393,7 @@ class TreeDecoder:
         self.meta = meta
         self._cache: dict[tuple[str, str], torch.Tensor] = {}
         self._params: dict[tuple[str, str, bool], torch.Tensor] = {}
+        self._leaves: dict[tuple[str, str], torch.Tensor] = {}
         self.allow_pickle = allow_pickle
         self.where = where
 
@@ -561,7 +562,15 @@ class TreeDecoder:
                     self._params[pk] = p
             return p
         if n.get("requires_grad") and (t.is_floating_point() or t.is_complex()):
-            return t.detach().requires_grad_(True)
+            # One leaf per stored tensor, as for Parameters: a leaf referenced twice in the
+            # state (a list of params and a dict of them) comes back as one object, or the
+            # gradients through one would never reach the other.
+            if n["t"] != "tensor":
+                return t.detach().requires_grad_(True)
+            leaf = self._leaves.get((group, key))
+            if leaf is None:
+                leaf = self._leaves[(group, key)] = t.detach().requires_grad_(True)
+            return leaf
         return t
 
 

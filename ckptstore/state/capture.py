@@ -19,7 +19,7 @@ import torch
 from torch import nn
 
 from .._log import logger as log
-from ..errors import StateMismatchError
+from ..errors import CkptStoreError, StateMismatchError
 from .modules import EMA, RNGState, load_module_state, module_state
 from .redistribute import is_dtensor, laid_out_like, optimizer_state
 
@@ -76,7 +76,59 @@ def apply_state(
             EMA, which is rebuilt), or a module does not fit.
     """
     precheck(state, stored, kinds, strict=strict, where=where)
-    _load_stateful(state, stored, where=where)
+    done = _load_stateful(state, stored, where=where)
+    replaced: list[tuple[Any, Any]] = []  # plain values: (key, the value before)
+    loaded: list[Any] = []  # modules and EMAs whose load began
+    at: list[Any] = []  # the keys taken in turn
+    try:
+        _load_the_rest(
+            state,
+            stored,
+            kinds,
+            strict=strict,
+            where=where,
+            at=at,
+            replaced=replaced,
+            loaded=loaded,
+        )
+    except Exception as e:
+        # A module's own hook (set_extra_state, a load_state_dict pre-hook) or an EMA
+        # refused what no check foresaw: the optimizers, schedulers and plain values go back
+        # to their state before the call; the modules cannot (no copy of them is kept).
+        for key, old in reversed(replaced):
+            state[key] = old
+        clean = _put_back(done, where)
+        if isinstance(e, CkptStoreError):
+            raise
+        others = "were put back" if clean else "were put back where they could be (see the log)"
+        partly = (
+            f", but {', '.join(map(repr, loaded))} may hold part of the checkpoint's values: "
+            "restore again, or reinitialise them"
+            if loaded
+            else ""
+        )
+        msg = (
+            f"{where}[{at[-1]!r}]: loading it raised {type(e).__name__}: {e}; the "
+            f"optimizers, schedulers and plain values of the state {others}{partly}"
+        )
+        raise StateMismatchError(msg) from e
+
+
+def _load_the_rest(
+    state: MutableMapping[Any, Any],
+    stored: Mapping[Any, Any],
+    kinds: Mapping[Any, str | None],
+    *,
+    strict: bool,
+    where: str,
+    at: list[Any],
+    replaced: list[tuple[Any, Any]],
+    loaded: list[Any],
+) -> None:
+    """Modules, plain values, then EMAs (:func:`apply_state`, after the Stateful objects).
+
+    ``at`` receives each key as it is taken, ``replaced`` and ``loaded`` what is changed.
+    """
     emas: list[tuple[Any, EMA]] = []
     for key, target in list(state.items()):
         if isinstance(target, EMA):
@@ -84,13 +136,18 @@ def apply_state(
             continue
         if key not in stored:
             continue
+        at.append(key)
         value = stored[key]
         if isinstance(target, nn.Module):
+            loaded.append(key)
             load_module_state(target, value, strict=strict, where=f"{where}[{key!r}]")
         elif kind_of(target) is None:
             # Whole tensors where the caller holds DTensors: this rank's parts of them.
+            replaced.append((key, target))
             state[key] = laid_out_like(value, target)
     for key, ema in emas:
+        at.append(key)
+        loaded.append(key)
         kind = kinds.get(key)
         if key in stored and kind == "ema" and not ema.rebuild:
             ema.load_state_dict(stored[key], strict=strict)
@@ -108,35 +165,54 @@ def apply_state(
             ema.rebuild_from_source()
 
 
-def _load_stateful(state: Mapping[Any, Any], stored: Mapping[Any, Any], *, where: str) -> None:
+def _put_back(done: list[tuple[Any, Any, Any]], where: str) -> bool:
+    """Give each target of ``done`` (key, target, its state before) its state back.
+
+    Newest first. Returns whether every one took it (a failure is logged).
+    """
+    clean = True
+    for k, t, sd in reversed(done):
+        try:
+            t.load_state_dict(sd)
+        except Exception as undo:  # reported; the refusal is the error
+            log.error("%s[%r]: could not put back its previous state: %s", where, k, undo)
+            clean = False
+    return clean
+
+
+def _load_stateful(
+    state: Mapping[Any, Any], stored: Mapping[Any, Any], *, where: str
+) -> list[tuple[Any, Any, Any]]:
     """Load the Stateful objects that are not modules (optimizers, schedulers, RNG, ...).
 
     They go first: their ``load_state_dict`` may refuse for a reason no check foresaw, and
-    then nothing else has changed yet; those already loaded get their previous state back.
+    then nothing else has changed yet; those already loaded, and the one that refused (its
+    load may have changed part of it before it raised), get their previous state back.
+
+    Returns:
+        What was loaded: (key, target, its state before), for :func:`_put_back`.
     """
     done: list[tuple[Any, Any, Any]] = []  # (key, target, its state before)
     for key, target in state.items():
         if key not in stored or isinstance(target, nn.Module | EMA) or kind_of(target) is None:
             continue
+        began: list[tuple[Any, Any, Any]] = []
         try:
-            before = target.state_dict()
+            began.append((key, target, target.state_dict()))
             value = stored[key]
             if isinstance(target, torch.optim.Optimizer):  # full moments, DTensor params
                 value = optimizer_state(target, value)
             target.load_state_dict(value)
-        except (ValueError, KeyError, RuntimeError, TypeError) as e:
-            for k, t, sd in reversed(done):
-                try:
-                    t.load_state_dict(sd)
-                except Exception as undo:  # reported; the refusal below is the error
-                    log.error("%s[%r]: could not put back its previous state: %s", where, k, undo)
+        except Exception as e:  # any type: torch's schedulers raise IndexError, too
+            clean = _put_back(done + began, where)
+            if isinstance(e, CkptStoreError):
+                raise
             name = type(target).__name__
-            msg = (
-                f"{where}[{key!r}]: {name}.load_state_dict refused the stored state: {e}; "
-                "nothing was restored"
-            )
+            left = "nothing was restored" if clean else "not everything could be put back"
+            msg = f"{where}[{key!r}]: {name}.load_state_dict refused the stored state: {e}; {left}"
             raise StateMismatchError(msg) from e
-        done.append((key, target, before))
+        done += began
+    return done
 
 
 def _holds_weights(value: Any, kind: str | None) -> bool:
