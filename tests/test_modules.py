@@ -218,7 +218,9 @@ def test_mismatch_lists_everything_and_loads_nothing(tmp_path: Path) -> None:
         msg = str(e)
         assert "extra.weight" in msg
         assert "head.weight: checkpoint (2, 6), model (3, 6)" in msg
-        assert "strict=False" in msg
+        # strict=False skips keys, never other shapes or dtypes: not offered as the way out.
+        assert "strict=False skips missing and unexpected keys, never a shape" in msg
+        assert "or restore with strict=False" not in msg
         assert_same(module_bytes(target), before)
         assert_same(module_bytes(other), before_other)
 
@@ -227,6 +229,7 @@ def test_mismatch_lists_everything_and_loads_nothing(tmp_path: Path) -> None:
             mgr.restore({"other": Extra(5)})
         assert ei2.value.missing == ["extra.weight", "extra.bias"]
         assert "missing keys (2): extra.weight, extra.bias" in str(ei2.value)
+        assert "or restore with strict=False to skip the missing" in str(ei2.value)
         small = Net(5)
         with pytest.raises(StateMismatchError):
             mgr.restore({"model": small})  # unexpected extra.*

@@ -185,7 +185,16 @@ def load_module_state(
             lines.append(f"unexpected keys ({len(unexpected)}): {', '.join(unexpected[:20])}")
         if mismatched:
             lines.append(f"mismatched ({len(mismatched)}): {'; '.join(mismatched[:20])}")
-        lines.append("build the model as it was when saved, or restore with strict=False")
+        if mismatched:  # strict=False skips keys, never another shape or dtype
+            lines.append(
+                "build the model as it was when saved (strict=False skips missing and "
+                "unexpected keys, never a shape, dtype or layout that differs)"
+            )
+        else:
+            lines.append(
+                "build the model as it was when saved, or restore with strict=False to skip "
+                "the missing and unexpected keys"
+            )
         raise StateMismatchError(
             "; ".join(lines), missing=missing, unexpected=unexpected, mismatched=mismatched
         )
