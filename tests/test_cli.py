@@ -778,8 +778,14 @@ def test_diff_tells_apart_what_an_approximate_comparison_took_for_equal(
         "close": np.array([1.0, 1.000000001]),
         "c": torch.tensor([1 + 1j, complex("nan+nanj")], dtype=torch.complex64),
         "f8": torch.tensor([1.0, math.nan]).to(torch.float8_e4m3fn),
+        # A NaN in a list or tuple made two identical steps differ (list == list).
+        "losses": [math.nan, 2.0],
+        "betas": (0.9, math.nan),
+        # Integers went through float64: 2**62 + 1 and 2**62 differed by 0.
+        "ids": torch.tensor([2**62], dtype=torch.int64),
     }
     b = dict(a)
+    b["ids"] = torch.tensor([2**62 + 1], dtype=torch.int64)
     b["inf"] = torch.tensor([big, 1.0, -big])
     b["wide"] = wide.copy()
     b["wide"][1000] = 5.0
@@ -791,8 +797,11 @@ def test_diff_tells_apart_what_an_approximate_comparison_took_for_equal(
     code, out, _ = run_cli(capsys, "--json", "diff", str(root), "1", "2")
     assert code == 1
     doc = json.loads(out)
-    assert sorted(d["path"] for d in doc["differences"]) == ["close", "inf", "wide"]
-    assert doc["same"] == 2  # the complex and float8 tensors, NaNs in the same places
+    assert sorted(d["path"] for d in doc["differences"]) == ["close", "ids", "inf", "wide"]
+    ids = next(d for d in doc["differences"] if d["path"] == "ids")
+    assert ids["max_abs_diff"] == 1.0
+    # The complex and float8 tensors, the list and the tuple: NaNs in the same places.
+    assert doc["same"] == 4
     code, out, _ = run_cli(capsys, "diff", str(root), "1", "1")
     assert code == 0
 

@@ -109,6 +109,24 @@ def test_random_bytes_are_not_a_known_format(
     assert not root.exists()
 
 
+def test_a_zip_behind_other_bytes_is_not_called_ok(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """zipfile finds a torch.save archive behind a prefix; torch.load does not. verify took
+    it for a zip, checked nothing and said OK, with a flipped byte too (found by review)."""
+    good = tmp_path / "good.pt"
+    torch.save({"w": torch.arange(64.0)}, good)
+    f = tmp_path / "prefixed.pt"
+    f.write_bytes(b"\0" * 64 + good.read_bytes())
+    rc, out, _ = run_cli(capsys, "verify", f)
+    assert rc == 1
+    assert out.splitlines() == [
+        f"{f}: FAILED",
+        f"    {f}: a zip archive with other data before its first record: not a torch.save "
+        "archive (torch.load cannot read it)",
+    ]
+
+
 def test_import_a_safetensors_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from safetensors.torch import save_file
 

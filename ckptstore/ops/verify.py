@@ -421,7 +421,15 @@ def verify_file(path: str | os.PathLike[str], *, deep: bool = True) -> VerifyRep
             elif path.endswith(".safetensors") or looks_like_safetensors(f.read(16), st_.st_size):
                 f.seek(0)
                 _check_header(f, st_.st_size, "safetensors", path, deep)
-            elif not zipfile.is_zipfile(path):
+            elif zipfile.is_zipfile(path):
+                # zipfile finds a central directory behind any prefix; torch.load does not
+                # (it reads from byte 0): nothing of it was checked, and it does not load.
+                report.add(
+                    f"{path}: a zip archive with other data before its first record: not a "
+                    "torch.save archive (torch.load cannot read it)"
+                )
+                return report
+            else:
                 report.add(
                     f"{path}: not a checkpoint format ckptstore knows (neither a torch.save "
                     "zip archive nor a safetensors file)"
