@@ -208,7 +208,7 @@ def _diff_tensors(path: str, x: Any, y: Any) -> DiffRow | None:
 
 
 def _max_diff(x: torch.Tensor, y: torch.Tensor) -> float:
-    """max |x - y| of two tensors of one dtype and shape that differ (NaN: inf).
+    """The largest ``|x - y|`` of two tensors of one dtype and shape that differ (NaN: inf).
 
     Integers are subtracted as integers: through float64, 2**62 + 1 and 2**62 differed by
     0 (found by review).
@@ -223,7 +223,8 @@ def _max_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     d = hi - lo  # below 0 where it wrapped (a difference of 2**63 or more)
     wrapped = d < 0
     if bool(wrapped.any()):
-        return float(max(a - b for a, b in zip(hi[wrapped].tolist(), lo[wrapped].tolist())))
+        pairs = zip(hi[wrapped].tolist(), lo[wrapped].tolist(), strict=True)
+        return float(max(a - b for a, b in pairs))
     return float(d.max())
 
 
