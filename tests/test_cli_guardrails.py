@@ -127,6 +127,24 @@ def test_a_zip_behind_other_bytes_is_not_called_ok(
     ]
 
 
+def test_an_import_of_a_dtype_no_format_stores_says_only_that(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The import's rewording of a pickle refusal was applied to a dtype refusal too, and
+    advised .to(torch.float32), which drops a complex tensor's imaginary parts."""
+    f = tmp_path / "c.pt"
+    torch.save({"w": torch.zeros(2, dtype=torch.complex128)}, f)
+    rc, out, err = run_cli(capsys, "import", f, tmp_path / "store", "--step", "1")
+    assert (rc, out) == (1, "")
+    assert err.startswith(
+        f"ckptstore: error: {f}: state['model']['w']: tensors of dtype torch.complex128 "
+        "cannot be stored"
+    )
+    assert "torch.view_as_real(t)" in err
+    assert "pickle" not in err
+    assert "float32" not in err.split("convert it")[1]
+
+
 def test_import_a_safetensors_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from safetensors.torch import save_file
 

@@ -85,9 +85,16 @@ def _float_node(v: float) -> Any:
 def _tensor_dtype_name(t: torch.Tensor, path: tuple[Any, ...]) -> str:
     name = _DTYPE_NAMES.get(t.dtype)
     if name is None:
+        how = (
+            # .to(float32) would drop the imaginary parts
+            "e.g. as torch.view_as_real(t) (its real and imaginary parts, float64), and "
+            "torch.view_as_complex after loading"
+            if t.is_complex()
+            else "e.g. with .to(torch.float32)"
+        )
         msg = (
             f"{format_path(path)}: tensors of dtype {t.dtype} cannot be stored (supported: "
-            f"{', '.join(SUPPORTED_DTYPES)}); convert it, e.g. with .to(torch.float32)"
+            f"{', '.join(SUPPORTED_DTYPES)}); convert it, {how}"
         )
         raise UnsafeCheckpointError(msg)
     return name

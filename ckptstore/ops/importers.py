@@ -756,6 +756,9 @@ def import_file(
         try:
             manifest = mgr.save(step, state, metadata=metadata, allow_older=True).wait()
         except UnsafeCheckpointError as e:
+            if " cannot be stored without pickle" not in str(e):
+                # Another refusal (a dtype no format stores): in its own words.
+                raise UnsafeCheckpointError(f"{source}: {e}") from None
             # mgr.save's advice (allow_pickle=True) is no option of an import: say what is.
             what = str(e).split(" cannot be stored without pickle", 1)[0]
             raise UnsafeCheckpointError(
