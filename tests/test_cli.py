@@ -612,6 +612,27 @@ def test_export_pt(store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert run_cli(capsys, "verify", out_file)[0] == 0
 
 
+def test_export_pt_of_one_entry(store: Path, tmp_path: Path, capsys) -> None:
+    """--key was ignored for a .pt file: the whole state was written, exit 0, even for an
+    entry the step does not hold (found by review)."""
+    out_file = tmp_path / "opt.pt"
+    rc, out, _ = run_cli(
+        capsys, "--json", "export", store, "--step", "100", out_file, "--key", "optimizer"
+    )
+    assert rc == 0
+    assert json.loads(out)["key"] == "optimizer"
+    data = torch.load(out_file, weights_only=True)
+    with CheckpointManager(store) as mgr:
+        stored = mgr.load(100)["optimizer"]
+    assert sorted(data) == sorted(stored) == ["param_groups", "state"]
+    assert torch.equal(data["state"][0]["momentum_buffer"], stored["state"][0]["momentum_buffer"])
+    bad = tmp_path / "bad.pt"
+    rc, out, err = run_cli(capsys, "export", store, "--step", "100", bad, "--key", "nope")
+    assert (rc, out) == (1, "")
+    assert "has no entry 'nope'" in err
+    assert not bad.exists()
+
+
 # ---- usage errors, helpers, entry points --------------------------------------------------
 
 

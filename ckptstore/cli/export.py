@@ -54,7 +54,9 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --hf: largest shard, e.g. 5GB (default), 500MB, 2GiB",
     )
     parser.add_argument(
-        "--key", default=None, help="entry to write as safetensors (default: model)"
+        "--key",
+        default=None,
+        help="entry to write (.safetensors: default model; .pt: default the whole state)",
     )
     parser.add_argument(
         "--config",

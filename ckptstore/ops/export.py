@@ -121,10 +121,10 @@ def export_step(
     """Write checkpoint ``step`` as one ``.safetensors`` (model weights) or ``.pt`` file.
 
     ``out`` ending in ``.safetensors`` gets one entry's tensors (``key``, default
-    ``model``; an EMA entry gives its weights); any other name gets the whole state,
-    written with ``torch.save``, so that ``ckptstore import`` (or ``torch.load`` with
-    ``weights_only=True``, numpy arrays allowed) reads it back. The file is written
-    atomically (tmp, fsync, rename).
+    ``model``; an EMA entry gives its weights); any other name gets the whole state, or
+    the entry ``key`` as it is stored, written with ``torch.save``, so that ``ckptstore
+    import`` (or ``torch.load`` with ``weights_only=True``, numpy arrays allowed) reads it
+    back. The file is written atomically (tmp, fsync, rename).
 
     A DTensor (FSDP2/TP) checkpoint is consolidated: every DTensor is assembled into its
     full tensor from the chunks all ranks saved (``load()`` without a process group), on
@@ -136,7 +136,8 @@ def export_step(
         root: the store: a local directory or an fsspec URL.
         step: the step to export.
         out: the file to write.
-        key: the entry to write as safetensors (default: ``model``, or the only entry).
+        key: the entry to write (safetensors: default ``model``, or the only entry; a
+            ``.pt`` file: default the whole state).
         force: overwrite ``out`` if it exists.
         storage_options: fsspec options for a URL.
         progress: called as the export advances.
@@ -171,12 +172,20 @@ def export_step(
         consolidated = manifest.world_size if manifest.dtensor else None
         report(0, 2, f"reading step {step}")
         if not out.endswith(".safetensors"):
-            data = mgr.load(step)
+            chosen = None
+            if key is None:
+                data = mgr.load(step)
+            else:  # that entry, as it is stored (it was ignored: the whole state was written)
+                chosen = _choose_key(read_state_entries(mgr.storage, manifest), key, where).key
+                data = mgr.load(step, keys=[chosen])[chosen]
             report(1, 2, f"writing {os.path.basename(out)}")
             atomic_save(data, out)
             report(2, 2, "done")
             n = _count_tensors(data)
-            return ExportResult(out, step, "torch", None, n, os.path.getsize(out), consolidated)
+            size = os.path.getsize(out)
+            return ExportResult(
+                out, step, "torch", None if chosen is None else str(chosen), n, size, consolidated
+            )
         entry = _choose_key(read_state_entries(mgr.storage, manifest), key, where)
         # That entry alone: a model's weights are a third of a step with AdamW's moments.
         value = mgr.load(step, keys=[entry.key])[entry.key]
