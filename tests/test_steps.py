@@ -111,11 +111,12 @@ def test_rm_refuses_the_only_good_step_unless_forced(
     rc, out, err = run_cli(capsys, "rm", store, "--step", "3", "--step", "1")
     assert rc == 1
     assert out == ""
-    assert "step 3 is the only checkpoint that verifies (no other step verifies)" in err
+    # (It said "step 3 is the only checkpoint that verifies", with step 1 verifying too.)
+    assert "no step this leaves (2, 4) verifies, and step 3, the newest of those" in err
     assert "nothing was deleted" in err
     assert "--force" in err
     assert entries(store) == before
-    with pytest.raises(CkptStoreError, match="only checkpoint that verifies"):
+    with pytest.raises(CkptStoreError, match="no step this leaves"):
         delete_steps(store, [1, 3])
     # Corrupt steps go without a word.
     assert delete_steps(store, [2, 4]).deleted == [2, 4]
@@ -130,8 +131,15 @@ def test_rm_the_last_step_needs_force(tmp_path: Path, capsys: pytest.CaptureFixt
         mgr.save(5, {"x": torch.zeros(2)})
     rc, _, err = run_cli(capsys, "rm", root, "--step", "5")
     assert rc == 1
-    assert "step 5 is the only checkpoint that verifies (no other step)" in err
+    assert "step 5 is the only step, and it verifies" in err
     assert steps_on_disk(root) == [5]
+    with CheckpointManager(root) as mgr:
+        mgr.save(6, {"x": torch.zeros(2)})
+    rc, _, err = run_cli(capsys, "rm", root, "--step", "5", "--step", "6")
+    assert rc == 1
+    assert "this deletes every step, and step 6, the newest of them, verifies" in err
+    assert steps_on_disk(root) == [5, 6]
+    assert run_cli(capsys, "rm", root, "--step", "6")[0] == 0
     rc, out, _ = run_cli(capsys, "rm", root, "--step", "5", "--force")
     assert (rc, out) == (0, "deleted 1 step: 5\n0 steps left\n")
     assert steps_on_disk(root) == []

@@ -270,11 +270,20 @@ def _refuse_protected(storage: Storage, doomed: list[int], have: list[int]) -> N
         return
     good = _last_good(storage, doomed)
     if good is not None:
-        others = "no other step" if not rest else "no other step verifies"
+        # Only the newest of the doomed steps was verified: never call it the only one.
+        if rest:
+            what = (
+                f"no step this leaves ({_steps_text(rest)}) verifies, and step {good}, the "
+                "newest of those it deletes, does"
+            )
+        elif len(doomed) == 1:
+            what = f"step {good} is the only step, and it verifies"
+        else:
+            what = f"this deletes every step, and step {good}, the newest of them, verifies"
         raise _protected(
             storage,
-            f"step {good} is the only checkpoint that verifies ({others})",
-            "deleting it leaves nothing to resume from; pass --force to delete it anyway",
+            what,
+            "that leaves nothing to resume from; pass --force to delete anyway",
         )
 
 
