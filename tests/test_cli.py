@@ -1076,6 +1076,9 @@ def test_export_hf_cli(mixed_store, tmp_path, capsys) -> None:
         capsys, "export", root, "--step", "3", "--hf", tmp_path / "hf2", "--max-shard-size", "100B"
     )
     assert rc == 0, err
+    # The shards counted, the index named after them (it said "4 files:" and named five).
+    shards = sorted(p.name for p in (tmp_path / "hf2").glob("*.safetensors"))
+    assert f"{len(shards)} shards: {', '.join(shards)}; and model.safetensors.index.json" in out
     index = json.loads((tmp_path / "hf2" / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == {k.removeprefix("model/") for k in digests if "model/" in k}
     doc = json.loads(

@@ -145,6 +145,22 @@ def test_an_import_of_a_dtype_no_format_stores_says_only_that(
     assert "float32" not in err.split("convert it")[1]
 
 
+def test_a_sharded_import_of_a_file_or_nothing_says_which(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both were "a directory without .metadata is not a torch.distributed.checkpoint"."""
+    f = tmp_path / "a.pt"
+    torch.save({"w": torch.zeros(2)}, f)
+    root = tmp_path / "store"
+    rc, _, err = run_cli(capsys, "import", f, root, "--step", "1", "--sharded")
+    assert rc == 1
+    assert f"{f}: not a directory; --sharded imports a torch.distributed.checkpoint" in err
+    rc, _, err = run_cli(capsys, "import", tmp_path / "nope", root, "--step", "1", "--sharded")
+    assert rc == 1
+    assert f"{tmp_path / 'nope'}: no such file or directory" in err
+    assert not root.exists() or not any(root.glob("step-*"))
+
+
 def test_import_a_safetensors_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from safetensors.torch import save_file
 

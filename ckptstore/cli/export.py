@@ -154,11 +154,16 @@ def _run_hf(args: argparse.Namespace, opts: dict[str, object]) -> int:
         print_json(hf.to_dict())
     else:
         world = hf.world_size if hf.sharding == "dtensor" else None
-        n = len([f for f in hf.files if f.endswith(".safetensors")])
+        shards = [f for f in hf.files if f.endswith(".safetensors")]
+        others = [f for f in hf.files if not f.endswith(".safetensors")]
+        # The count is of the shards; the index and config follow them, named (it said
+        # "4 files:" and named five).
+        also = f"; and {', '.join(others)}" if others else ""
         print(
             f"exported step {hf.step} (entry {hf.key!r}, {hf.tensors} tensors, "
             f"{human_bytes(hf.total_size)}{_consolidated_text(world)}) to {hf.out} "
-            f"(Hugging Face safetensors, {plural(n, 'file')}: {', '.join(hf.files)})"
+            f"(Hugging Face safetensors, {plural(len(shards), 'shard')}: "
+            f"{', '.join(shards)}{also})"
         )
         if not hf.config:
             print(

@@ -45,7 +45,7 @@ from ..codec import payload as payload_codec
 from ..codec import safetensors as safetensors_codec
 from ..codec.torchzip import check_stored
 from ..codec.tree import STATE_FORMAT, TreeEncoder
-from ..errors import CkptStoreError, IntegrityError, UnsafeCheckpointError
+from ..errors import CkptStoreError, IntegrityError, PathNotFoundError, UnsafeCheckpointError
 from ..integrity import SubBlocks
 from ..layout import STATE_NAME
 from ..sharded.chunks import (
@@ -144,6 +144,13 @@ def import_dcp_sharded(
     from ..save.write import make_manifest
 
     src = os.fspath(source)
+    if not os.path.lexists(src):
+        raise PathNotFoundError(f"{src}: no such file or directory", path=src)
+    if not os.path.isdir(src):
+        raise CkptStoreError(
+            f"{src}: not a directory; --sharded imports a torch.distributed.checkpoint "
+            "directory (import a file without --sharded)"
+        )
     if not os.path.isfile(os.path.join(src, DCP_METADATA)):
         raise CkptStoreError(
             f"{src}: a directory without {DCP_METADATA} is not a torch.distributed.checkpoint "
