@@ -365,6 +365,56 @@ def test_dcp_corrupt_or_hostile_is_refused(tmp_path: Path, capsys) -> None:
     assert not root.exists() or not any(root.glob("step-*"))
 
 
+def _forged(tmp_path: Path, name: str, edit: Any) -> Path:
+    """A real DCP directory whose ``.metadata`` was re-pickled after ``edit`` (DCP's own
+    classes only: the restricted unpickler admits it)."""
+    path = tmp_path / name
+    save_dcp({"w": torch.ones(4), "extra": [5]}, path)
+    md = pickle.loads((path / ".metadata").read_bytes())
+    edit(md)
+    (path / ".metadata").write_bytes(pickle.dumps(md))
+    return path
+
+
+@pytest.mark.parametrize("sharded", [False, True])
+def test_a_forged_dcp_layout_is_refused_before_any_work(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], sharded: bool
+) -> None:
+    """Found by review: a tensor declared larger than its one chunk imported exit 0 with
+    heap garbage in the rest of it (saved, and verified, as the step's values); declared at
+    10**8 elements, 400 MB from a 3 KB directory; a planner_data list index of 10**12
+    appended Nones until memory ran out."""
+    root = tmp_path / "store"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": {"w": torch.arange(3.0)}})
+
+    def grow(n: int) -> Any:
+        def edit(md: Any) -> None:
+            md.state_dict_metadata["w"].size = torch.Size([n])
+
+        return edit
+
+    def far(md: Any) -> None:
+        md.planner_data["extra"] = ("extra", 10**12)
+
+    flag = ["--sharded"] if sharded else []
+    cases = [
+        (_forged(tmp_path, "gap", grow(8)), "its chunks do not cover the [8] tensor exactly"),
+        (_forged(tmp_path, "huge", grow(10**8)), "declares 400000000 bytes ([100000000])"),
+        (_forged(tmp_path, "far", far), "1000000000000 is not a key, nor a list index below"),
+    ]
+    for src, said in cases:
+        if sharded and src.name != "far":
+            continue  # the sharded import checks its chunks as an index (test_import_dcp_sharded)
+        rc, out, err = run_cli(capsys, "import", src, root, "--step", "2", *flag)
+        assert (rc, out) == (1, ""), err
+        assert f"{src / '.metadata'}" in err, err
+        assert said in err, err
+    with CheckpointManager(root) as mgr:  # nothing committed; the step before still loads
+        assert mgr.steps() == [1]
+        assert torch.equal(mgr.load(1)["model"]["w"], torch.arange(3.0))
+
+
 def test_a_load_that_fails_inside_dcp_or_torch_load_is_one_line(tmp_path: Path, capsys) -> None:
     # DCP wraps a failed read in CheckpointException, a BaseException that `except
     # Exception` let through, and a .pt whose pickle is cut short (its zip's CRCs intact)

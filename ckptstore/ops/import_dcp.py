@@ -63,6 +63,7 @@ from .importers import (
     _DROP,
     DCP_METADATA,
     ImportResult,
+    _check_planner_data,
     _int_optimizer_keys,
     _numpy_globals,
     _one_line,
@@ -158,6 +159,7 @@ def import_dcp_sharded(
         )
     report = progress or (lambda done, total, what: None)
     md = _read_dcp_metadata(src)
+    _check_planner_data(src, md)
     items, pieces, values, notes = _plan(src, md, skip_unsafe)
     tree: dict[Any, Any] = {}
     planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
@@ -166,7 +168,8 @@ def import_dcp_sharded(
         path = tuple(where) if isinstance(where, tuple | list) and where else (fqn,)
         if not all(isinstance(p, str | int) and not isinstance(p, bool) for p in path):
             raise IntegrityError(f"{src}/{DCP_METADATA}: item {fqn!r} has a bad path {path!r}")
-        _set_element(tree, path, values[fqn] if fqn in values else items[fqn])
+        value = values[fqn] if fqn in values else items[fqn]
+        _set_element(tree, path, value, limit=len(md.state_dict_metadata))
     dropped: list[str] = []
     pruned = _prune(tree, lambda v: v is _DROP, "", dropped, 0)
     notes += [f"dropped entry {p}: it needs code to load" for p in dropped]

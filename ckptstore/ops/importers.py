@@ -39,6 +39,7 @@ import errno
 import importlib
 import io
 import itertools
+import math
 import os
 import pickle
 import re
@@ -457,8 +458,84 @@ def _check_dcp_items(path: str, md: Any) -> list[str]:
     return [f"{transformed} transformed DCP items not CRC-checked"] if transformed else []
 
 
-def _set_element(root: dict[Any, Any], path: tuple[Any, ...], value: Any) -> None:
-    """Put ``value`` at ``path`` (str: dict key, int: list index), as DCP unflattens."""
+def _check_dcp_tensors(path: str, md: Any) -> None:
+    """Refuse tensor items that their chunks do not tile, or larger than their data files.
+
+    The import fills an empty tensor of the declared size from the chunks: a chunk missing
+    left heap garbage in the step, saved and verified as the checkpoint's values, and a
+    3 KB directory could declare gigabytes (found by review).
+
+    Raises:
+        IntegrityError: naming ``.metadata`` and the item.
+    """
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    from ..sharded.chunks import Chunk, check_tiling
+
+    stored: dict[str, int] = collections.Counter()
+    for index, info in md.storage_data.items():
+        stored[index.fqn] += max(int(info.length), 0)
+    for fqn, item in md.state_dict_metadata.items():
+        if not isinstance(item, TensorStorageMetadata):
+            continue
+        at = f"{os.path.join(path, DCP_METADATA)}: tensor {fqn!r}"
+        shape = tuple(int(d) for d in item.size)
+        need = math.prod(shape) * item.properties.dtype.itemsize
+        if need > stored[fqn]:
+            raise IntegrityError(
+                f"{at} declares {need} bytes ({list(shape)}), and its data files hold "
+                f"{stored[fqn]}: the directory is truncated or hostile"
+            )
+        chunks = []
+        for c in item.chunks:
+            off, size = tuple(int(o) for o in c.offsets), tuple(int(z) for z in c.sizes)
+            if (
+                len(off) != len(shape)
+                or len(size) != len(shape)
+                or any(
+                    o < 0 or z < 0 or o + z > d for o, z, d in zip(off, size, shape, strict=True)
+                )
+            ):
+                raise IntegrityError(
+                    f"{at}: a chunk at {list(off)} of {list(size)} is not inside the "
+                    f"{list(shape)} tensor"
+                )
+            chunks.append(Chunk(off, size, "", 0, 0, ()))
+        if math.prod(shape):
+            check_tiling(chunks, shape, at)
+
+
+def _check_planner_data(path: str, md: Any) -> None:
+    """Refuse ``planner_data`` paths of other than keys and list indices below the items.
+
+    See :func:`_set_element`; the error names ``.metadata`` and the item.
+    """
+    limit = len(md.state_dict_metadata)
+    planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
+    for fqn, where in planner_data.items():
+        if not isinstance(where, tuple | list):
+            continue
+        for key in where:
+            if not isinstance(key, str) and not (type(key) is int and 0 <= key < limit):
+                raise IntegrityError(
+                    f"{os.path.join(path, DCP_METADATA)}: item {fqn!r} has the planner_data "
+                    f"path {list(where)!r}: {key!r} is not a key, nor a list index below the "
+                    f"{limit} items"
+                )
+
+
+def _set_element(root: dict[Any, Any], path: tuple[Any, ...], value: Any, *, limit: int) -> None:
+    """Put ``value`` at ``path`` (str: dict key, int: list index), as DCP unflattens.
+
+    A list index is below ``limit`` (the number of items): a forged ``planner_data`` index
+    of 10**12 appended Nones until memory ran out (found by review).
+    """
+    for key in path:
+        if not isinstance(key, str) and not (type(key) is int and 0 <= key < limit):
+            raise IntegrityError(
+                f"{DCP_METADATA}: planner_data path {list(path)!r} holds {key!r}: not a key, "
+                f"nor a list index below the {limit} items"
+            )
     cur: Any = root
     for key, nxt in itertools.pairwise(path):
         fresh: Any = {} if isinstance(nxt, str) else []
@@ -492,13 +569,14 @@ def _dcp_planner(skip_unsafe: bool) -> Any:
             self, state_dict: Any, metadata: Any = None, is_coordinator: bool = False
         ) -> None:
             planner_data = metadata.planner_data or {}
+            limit = len(metadata.state_dict_metadata)
             for fqn, item in metadata.state_dict_metadata.items():
                 value = item
                 if isinstance(item, TensorStorageMetadata):
                     value = torch.empty(item.size, dtype=item.properties.dtype)
                 where = planner_data.get(fqn)
                 if isinstance(where, tuple | list) and where:
-                    _set_element(state_dict, tuple(where), value)
+                    _set_element(state_dict, tuple(where), value, limit=limit)
                 else:
                     state_dict[fqn] = value
             super().set_up_planner(state_dict, metadata, is_coordinator)
@@ -512,7 +590,8 @@ def _dcp_planner(skip_unsafe: bool) -> Any:
                 self.refused.append(f"{fqn!r}{_refused(e)}")
                 obj = _DROP
             if self.flatten_state_dict:
-                _set_element(self.original_state_dict, tuple(self.mappings[fqn]), obj)
+                limit = len(self.metadata.state_dict_metadata) if self.metadata else 0
+                _set_element(self.original_state_dict, tuple(self.mappings[fqn]), obj, limit=limit)
             else:
                 self.state_dict[fqn] = obj
 
@@ -530,6 +609,8 @@ def _read_dcp(path: str, *, skip_unsafe: bool) -> tuple[dict[Any, Any], list[str
 
     md = _read_dcp_metadata(path)
     notes = _check_dcp_items(path, md)
+    _check_planner_data(path, md)
+    _check_dcp_tensors(path, md)
 
     class Reader(FileSystemReader):
         def read_metadata(self, *args: Any, **kwargs: Any) -> Any:
