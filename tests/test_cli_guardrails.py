@@ -161,6 +161,33 @@ def test_a_sharded_import_of_a_file_or_nothing_says_which(
     assert not root.exists() or not any(root.glob("step-*"))
 
 
+def test_a_zip_with_two_members_of_one_name_fails_verify(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Both CRCs right, the two data/0 members differ: verify said OK, where the loader
+    refuses the archive and a zip reader takes either one (found by review)."""
+    import io
+    import warnings
+    import zipfile
+
+    buf = io.BytesIO()
+    torch.save({"w": torch.ones(4)}, buf)
+    f = tmp_path / "dup.pt"
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as src, zipfile.ZipFile(f, "w") as out:
+        warnings.simplefilter("ignore")  # zipfile's "Duplicate name"
+        for info in src.infolist():
+            out.writestr(info.filename, src.read(info.filename))
+            if info.filename.endswith("/data/0"):
+                dup = info.filename
+                out.writestr(dup, torch.full((4,), 7.0).numpy().tobytes())
+    rc, out_text, _ = run_cli(capsys, "verify", f)
+    assert rc == 1
+    assert f"{f}: zip archive has two members named {dup!r}" in out_text
+    rc, _, err = run_cli(capsys, "import", f, tmp_path / "store", "--step", "1")
+    assert rc == 1
+    assert "two members" in err
+
+
 def test_import_a_safetensors_file(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from safetensors.torch import save_file
 

@@ -142,13 +142,19 @@ def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, d
         The number of members.
 
     Raises:
-        IntegrityError: the archive is truncated (no central directory), a member is
-            compressed (:func:`check_stored`) or, with ``deep``, fails its CRC.
+        IntegrityError: the archive is truncated (no central directory), two members share
+            a name, a member is compressed (:func:`check_stored`) or, with ``deep``, fails
+            its CRC.
     """
     fobj = MemoryReader(data) if isinstance(data, bytes | bytearray | memoryview) else data
     try:
         with zipfile.ZipFile(fobj) as zf:
             names = zf.namelist()
+            seen: set[str] = set()
+            for n in names:
+                if n in seen:  # ambiguous: a reader may take either (the loader refuses it)
+                    raise IntegrityError(f"{where}: zip archive has two members named {n!r}")
+                seen.add(n)
             if not any(n.endswith("/data.pkl") or n == "data.pkl" for n in names):
                 raise IntegrityError(f"{where}: zip archive has no data.pkl; not a torch.save file")
             check_stored(zf, where)
