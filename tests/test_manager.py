@@ -275,6 +275,100 @@ def test_second_writer_in_one_process_is_locked_out(tmp_path: Path) -> None:
         assert c.steps() == [1, 2]
 
 
+def _in_child(body: Any) -> int:
+    """Run ``body`` in a forked child (its exit code: 0, or 1 if it raised); 30 s at most."""
+    import signal
+    import time
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            body()
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError("the forked child hung")
+
+
+def test_a_forked_child_never_releases_or_keeps_the_parents_lock(tmp_path: Path) -> None:
+    """flock locks the open file description a forked child shares: a child leaving the
+    manager's with block (close()) unlocked it, and a second writer took the store beside
+    the parent (found by review, as a DataLoader worker or multiprocessing helper)."""
+    root = tmp_path / "s"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"x": torch.tensor(1)})
+        assert _in_child(mgr.close) == 0
+        other = CheckpointManager(root)
+        with pytest.raises(StoreLockedError):
+            other.save(2, {"x": torch.tensor(2)})
+        other.close()
+        mgr.save(2, {"x": torch.tensor(2)})  # the parent still holds it
+    assert CheckpointManager(root).steps() == [1, 2]
+
+
+def test_a_manager_dropped_without_close_gives_its_lock_back(tmp_path: Path) -> None:
+    """A notebook cell run again: the first manager, collected, kept the lock until the
+    process exited, and the new one was told to stop "the other job" (found by review)."""
+    import gc
+
+    root = tmp_path / "s"
+    mgr = CheckpointManager(root)
+    mgr.save(1, {"x": torch.tensor(1)})
+    del mgr
+    gc.collect()
+    with CheckpointManager(root) as again:
+        again.save(2, {"x": torch.tensor(2)})
+        assert again.steps() == [1, 2]
+
+
+def test_a_forked_child_does_not_hang_on_the_parents_async_save(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The parent's writer thread is not in the child: wait() and close() there hung for
+    good (found by review). The child's wait() fails at once, its close() returns, and the
+    parent's save commits."""
+    import threading
+
+    from ckptstore import CommitError
+    from ckptstore.codec import payload
+
+    root = tmp_path / "s"
+    state = {"x": torch.zeros(1024)}
+    go = threading.Event()
+    real = payload.write_group
+
+    def held(*a: Any, **kw: Any) -> Any:
+        go.wait(30)  # the save is in flight until the child has been forked
+        return real(*a, **kw)
+
+    monkeypatch.setattr(payload, "write_group", held)
+    with CheckpointManager(root, async_save=True) as mgr:
+        go.set()
+        mgr.save(1, state).wait()
+        go.clear()
+        handle = mgr.save(2, state)
+
+        def child() -> None:
+            with pytest.raises(CommitError, match="forked from"):
+                handle.wait()
+            mgr.close()
+
+        assert not handle.done()
+        assert _in_child(child) == 0
+        go.set()
+        assert handle.wait() is not None
+    assert CheckpointManager(root).steps() == [1, 2]
+
+
 # ---- resume -------------------------------------------------------------------------------
 
 

@@ -11,7 +11,9 @@ plan, the phase timings of the last save and the error of a failed async save.
 from __future__ import annotations
 
 import contextlib
+import os
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import Any
 
@@ -60,6 +62,12 @@ class Saver:
         #: ``bg_error`` was raised on this rank already (by ``SaveHandle.wait``, ``wait`` or
         #: ``close``): it stays until the next save's first exchange has told every rank.
         self.bg_seen = False
+        _savers.add(self)
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: the parent's writer thread and save are not this process's."""
+        self.writer = None
+        self.inflight = None
 
     def save(  # noqa: PLR0917 - private, one call site
         self,
@@ -430,6 +438,19 @@ class Saver:
             if self.bg_coord is not None:
                 self.bg_coord.close()
             session.coord.close()
+
+
+#: Every saver of this process (see :meth:`Saver._forget_in_child`).
+_savers: weakref.WeakSet[Saver] = weakref.WeakSet()
+
+
+def _forget_savers_in_child() -> None:
+    for saver in list(_savers):
+        saver._forget_in_child()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_savers_in_child)
 
 
 def _as_raised(err: BaseException | None) -> BaseException | None:

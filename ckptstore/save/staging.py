@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import os
 import threading
 import warnings
 import weakref
@@ -30,6 +31,7 @@ from ..storage.directio import (
 __all__ = ["BackgroundWriter", "SaveHandle", "StagingPool"]
 
 from .._log import logger as log
+from ..errors import CommitError
 
 
 class StagingPool:
@@ -123,6 +125,8 @@ class SaveHandle:
         # Told when wait() hands the save's error to the caller: the manager then does not
         # raise it a second time from the next save.
         self._on_error = on_error
+        if future is not None and not future.done():
+            _pending.add(self)
 
     def done(self) -> bool:
         """Whether the checkpoint is committed (or failed)."""
@@ -184,6 +188,38 @@ class BackgroundWriter:
     def shutdown(self) -> None:
         """Finish queued work and stop the thread."""
         self._pool.shutdown(wait=True)
+
+
+#: Async saves not known to be over (see :func:`_forget_in_child`).
+_pending: weakref.WeakSet[SaveHandle] = weakref.WeakSet()
+
+
+def _forget_in_child() -> None:
+    """In a forked child, fail the parent's async saves: they are not the child's.
+
+    They run on the parent's writer thread, which the child lacks; waiting for one
+    (``wait()``, ``close()``, leaving a ``with`` block, the next save) hung for good (found
+    by review). Each now fails in the child at once, and the child's manager starts a
+    writer of its own.
+    """
+    parent = os.getppid()
+    for h in list(_pending):
+        if h._future is not None and not h._future.done():
+            failed: concurrent.futures.Future[Any] = concurrent.futures.Future()
+            failed.set_exception(
+                CommitError(
+                    f"step {h.step}: this async save runs in the process this one was forked "
+                    f"from (pid {parent}); a forked child cannot wait for it"
+                )
+            )
+            h._future = failed
+            h._on_error = None
+    _pending.clear()
+    _live.clear()  # the parent's writers: their threads are not in this process
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_in_child)
 
 
 @atexit.register

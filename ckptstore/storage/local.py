@@ -11,6 +11,7 @@ import os
 import shutil
 import stat
 import time
+import weakref
 from collections.abc import Callable, Mapping
 from typing import IO, Any, ClassVar
 
@@ -491,6 +492,12 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
         self.path = path
         self.root = root
         self._fd: int | None = None
+        # The held descriptor, shared with the finalizer (which must not hold self): a
+        # manager dropped without close() kept the lock until the process exited, and the
+        # next manager of the same process was told to stop "the other job" (found by
+        # review). A forked child empties it (_forget_in_child).
+        self._box: list[int | None] = [None]
+        self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def is_locked(self) -> bool:
@@ -530,6 +537,9 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
                 )
                 raise CommitError(msg) from e
         self._fd = fd
+        self._box = [fd]
+        self._finalizer = weakref.finalize(self, _unlock_box, self._box)
+        _HELD.add(self)
 
     def _open(self) -> int:
         try:
@@ -566,15 +576,29 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
 
     def release(self) -> None:
         """Give the lock back (a no-op when not held)."""
-        fd, self._fd = self._fd, None
-        if fd is None:
-            return
-        try:
-            # Unlock before closing: a child forked meanwhile shares the open file
-            # description, and a close alone would leave the lock held until it exits.
-            fcntl.flock(fd, fcntl.LOCK_UN)
-        finally:
-            os.close(fd)
+        self._fd = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        _HELD.discard(self)
+        _unlock_box(self._box)
+
+    def _forget_in_child(self) -> None:
+        """In a forked child: close this process's copy of the descriptor, never unlocking.
+
+        ``flock`` locks the open file description the child shares: its unlock (a ``with``
+        block left, ``close()``) released the parent's lock and let a second job write the
+        store, and a child outliving its parent kept the lock from the next job (found by
+        review). The parent alone holds it; the child may take it only after the parent.
+        """
+        fd, self._box[0] = self._box[0], None
+        self._fd = None
+        if self._finalizer is not None:
+            self._finalizer.detach()
+            self._finalizer = None
+        if fd is not None:
+            with contextlib.suppress(OSError):
+                os.close(fd)
 
     def __enter__(self) -> _WriterLock:
         self.acquire()
@@ -582,6 +606,33 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
 
     def __exit__(self, *exc: object) -> None:
         self.release()
+
+
+#: The writer locks this process holds (see :meth:`_WriterLock._forget_in_child`).
+_HELD: weakref.WeakSet[_WriterLock] = weakref.WeakSet()
+
+
+def _unlock_box(box: list[int | None]) -> None:
+    """Unlock and close the descriptor in ``box`` (emptied first), if any."""
+    fd, box[0] = box[0], None
+    if fd is None:
+        return
+    try:
+        # Unlock before closing: a child forked before the fork hook existed shares the
+        # open file description, and a close alone would leave the lock held.
+        fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def _forget_locks_in_child() -> None:
+    for lock in list(_HELD):
+        lock._forget_in_child()
+    _HELD.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_locks_in_child)
 
 
 _AT_FDCWD = -100
