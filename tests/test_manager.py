@@ -491,6 +491,40 @@ def test_a_corrupt_step_is_replaced_when_training_reaches_it_again(
             mgr.save(2, make_state(21))
 
 
+def test_verify_of_a_step_deleted_while_it_is_read_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A monitor's mgr.verify() while the job's retention deletes: the deleted step was
+    reported FAILED ("unreadable ... No such file") and recorded known bad (found by review:
+    143 of 200 reports). Retention's deletion is a rename away: here one mid-read."""
+    import shutil
+
+    from ckptstore.ops import verify as ops_verify
+
+    root = tmp_path / "s"
+    real = ops_verify.verify_checkpoint
+    gone: list[int] = []
+
+    def racing(storage: Any, step: int, *, deep: bool = True) -> Any:
+        if step == 2 and not gone:  # deleted once its manifest was listed
+            gone.append(step)
+            shutil.rmtree(root / step_dir(2))
+        return real(storage, step, deep=deep)
+
+    with CheckpointManager(root, keep=None) as mgr:
+        for s in (1, 2):
+            mgr.save(s, {"x": torch.tensor(s)})
+        monkeypatch.setattr(ops_verify, "verify_checkpoint", racing)
+        report = mgr.verify(2)
+        assert (report.deleted, report.ok, report.problems) == (True, True, [])
+        assert 2 not in mgr._session.known_bad
+        mgr.save(2, {"x": torch.tensor(2)})
+        gone.clear()
+        newest = mgr.verify()  # the newest, deleted meanwhile: the newest again
+        assert (newest.deleted, newest.ok) == (False, True)
+        assert newest.target.endswith(step_dir(1)), newest.target
+
+
 def test_a_quick_verify_does_not_make_retention_trust_a_step(tmp_path: Path) -> None:
     # A quick verify passes a flipped data byte; retention must still find step 2 bad and
     # keep step 1, the newest that loads, instead of deleting it as superseded.

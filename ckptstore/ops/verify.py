@@ -48,6 +48,7 @@ __all__ = [
     "verify_file",
     "verify_path",
     "verify_stored_file",
+    "verify_unless_deleted",
 ]
 
 #: First bytes of a pre-1.6 ``torch.save`` file: pickle protocol 2, then its LONG1 magic.
@@ -486,7 +487,7 @@ def verify_stored_file(
 _RELISTS = 16
 
 
-def _checked(storage: Storage, step: int, deep: bool) -> VerifyReport:
+def verify_unless_deleted(storage: Storage, step: int, deep: bool) -> VerifyReport:
     """:func:`verify_checkpoint`, where a step deleted meanwhile is ``deleted``, not failed.
 
     A running job's retention deletes steps as they are read: what the reads then found
@@ -562,7 +563,7 @@ def verify_path(
         if not all_steps:
             for _ in range(_RELISTS):
                 s = committed_step(storage, step)
-                report = _checked(storage, s, deep)
+                report = verify_unless_deleted(storage, s, deep)
                 if not report.deleted:
                     return [report]
                 if step is not None:
@@ -579,7 +580,7 @@ def verify_path(
         for i, s in enumerate(steps):
             if progress is not None:
                 progress(i, len(steps), f"step {s}")
-            reports.append(_checked(storage, s, deep))
+            reports.append(verify_unless_deleted(storage, s, deep))
         if progress is not None:
             progress(len(steps), len(steps), "done")
         return reports
