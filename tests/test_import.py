@@ -365,6 +365,37 @@ def test_dcp_corrupt_or_hostile_is_refused(tmp_path: Path, capsys) -> None:
     assert not root.exists() or not any(root.glob("step-*"))
 
 
+def test_a_source_that_expands_far_past_its_size_is_refused(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: 1.8 KB of nested shared lists (``l = [l, l]``, 2**40 visits to
+    walk) ran an import out of time and memory; one float viewed with stride 0 as 2**28
+    was written as a 1 GiB step from 1.4 KB. Refused, bounded, naming the file."""
+    root = tmp_path / "store"
+    with CheckpointManager(root) as mgr:
+        mgr.save(1, {"model": {"w": torch.arange(3.0)}})
+    nested: list[Any] = []
+    for _ in range(40):
+        nested = [nested, nested]
+    dag = tmp_path / "dag.pt"
+    torch.save({"w": torch.ones(2), "l": nested}, dag)
+    wide = tmp_path / "wide.pt"
+    torch.save({"w": torch.ones(1).expand(1 << 27)}, wide)
+    assert dag.stat().st_size < 4096
+    assert wide.stat().st_size < 4096
+    for src, said in (
+        (dag, "its objects expand to more than 1000000 values"),
+        (wide, "its tensors expand to more than 268435456 bytes"),
+    ):
+        for flags in ([], ["--skip-unsafe"]):
+            rc, out, err = run_cli(capsys, "import", src, root, "--step", "2", *flags)
+            assert (rc, out) == (1, ""), err
+            assert err.startswith(f"ckptstore: error: {src}: {said}"), err
+    with CheckpointManager(root) as mgr:  # nothing committed; the step before still loads
+        assert mgr.steps() == [1]
+        assert torch.equal(mgr.load(1)["model"]["w"], torch.arange(3.0))
+
+
 def _forged(tmp_path: Path, name: str, edit: Any) -> Path:
     """A real DCP directory whose ``.metadata`` was re-pickled after ``edit`` (DCP's own
     classes only: the restricted unpickler admits it)."""

@@ -254,10 +254,67 @@ def _numpy_globals() -> list[Any]:
     ]
 
 
+#: What a source may expand to: container visits and tensor bytes per byte of the source,
+#: past a floor (see :func:`_bound_work`).
+_NODES_PER_BYTE, _NODES_FLOOR = 64, 1_000_000
+_BYTES_PER_BYTE, _BYTES_FLOOR = 4, 256 << 20
+
+
+def _source_bytes(path: str) -> int:
+    """The bytes of a file, or of the files directly in a directory."""
+    if not os.path.isdir(path):
+        return os.path.getsize(path)
+    return sum(e.stat().st_size for e in os.scandir(path) if e.is_file(follow_symlinks=False))
+
+
+def _bound_work(obj: Any, path: str) -> None:
+    """Refuse a loaded source that expands far past its own size (bounded work).
+
+    A pickle stores a shared object once: 40 nested ``l = [l, l]`` in 1.8 KB are 2**40
+    list visits for anything that walks the state, which the import (a tree of values) must;
+    an import ran out of time and memory (found by review). One float viewed with stride 0
+    as 2**28 of them (``expand``) is written as 1 GiB from a 1.4 KB file. Counted here up to
+    the budget only, so this check is bounded too.
+
+    Raises:
+        IntegrityError: naming the source and the budget it broke.
+    """
+    size = _source_bytes(path)
+    nodes_left = max(_NODES_FLOOR, _NODES_PER_BYTE * size)
+    bytes_left = max(_BYTES_FLOOR, _BYTES_PER_BYTE * size)
+    seen: set[tuple[int, tuple[int, ...], tuple[int, ...], int]] = set()
+    stack = [obj]
+    while stack:
+        v = stack.pop()
+        nodes_left -= 1
+        if nodes_left < 0:
+            raise IntegrityError(
+                f"{path}: its objects expand to more than "
+                f"{max(_NODES_FLOOR, _NODES_PER_BYTE * size)} values (lists or dicts "
+                "shared many times over, nested): the file is hostile or damaged"
+            )
+        if isinstance(v, torch.Tensor):
+            key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), int(v.storage_offset()))
+            if key not in seen:
+                seen.add(key)
+                bytes_left -= v.numel() * v.element_size()
+                if bytes_left < 0:
+                    raise IntegrityError(
+                        f"{path}: its tensors expand to more than "
+                        f"{max(_BYTES_FLOOR, _BYTES_PER_BYTE * size)} bytes, from {size} "
+                        "bytes (a view repeating its storage, stride 0): the file is hostile"
+                    )
+        elif isinstance(v, Mapping):
+            stack.extend(v.keys())
+            stack.extend(v.values())
+        elif isinstance(v, list | tuple | set | frozenset):
+            stack.extend(v)
+
+
 def _torch_load(path: str) -> Any:
     try:
         with torch.serialization.safe_globals(_numpy_globals()):
-            return torch.load(path, map_location="cpu", weights_only=True)
+            obj = torch.load(path, map_location="cpu", weights_only=True)
     except pickle.UnpicklingError:
         raise
     except Exception as e:  # a cut-short pickle: IndexError, KeyError, ... (no code ran)
@@ -265,6 +322,8 @@ def _torch_load(path: str) -> Any:
             f"{path}: torch.load failed ({_one_line(str(e))}); the file is corrupt or not a "
             "torch.save checkpoint"
         ) from None
+    _bound_work(obj, path)
+    return obj
 
 
 class _Placeholders:
@@ -317,6 +376,7 @@ def _read_torch_skipping(path: str, what: str) -> tuple[Any, list[str]]:
     except (RuntimeError, EOFError, ValueError, TypeError, AttributeError) as e:
         # e.g. an unloadable object used as a dict key, or state a placeholder cannot take
         raise _cannot_skip(path, what, f"{type(e).__name__}: {_one_line(str(e))}") from None
+    _bound_work(obj, path)
     dropped: list[str] = []
     ids = {id(o) for o in stubs.made}
     pruned = _prune(obj, lambda v: stubs.is_placeholder(v, ids), "", dropped, 0)
@@ -633,6 +693,7 @@ def _read_dcp(path: str, *, skip_unsafe: bool) -> tuple[dict[Any, Any], list[str
             "asks for more than tensors and plain data, and ckptstore loads only with "
             "weights_only=True. Import the rest with --skip-unsafe (those entries are dropped)"
         )
+    _bound_work(planner.original_state_dict, path)
     dropped: list[str] = []
     obj = _prune(planner.original_state_dict, lambda v: v is _DROP, "", dropped, 0)
     notes.extend(f"dropped entry {p}: it needs code to load" for p in dropped)
