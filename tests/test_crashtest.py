@@ -59,7 +59,7 @@ def test_short_campaigns(tmp_path: Path) -> None:
     proc, out = start(
         tmp_path,
         "campaigns",
-        *("--store", "both" if with_s3 else "local", "--trials", "16", "--s3-trials", "6"),
+        *("--store", "both" if with_s3 else "local", "--trials", "16", "--s3-trials", "4"),
         *("--dist-trials", "2", "--upload-trials", "0"),
     )
     try:
@@ -79,7 +79,7 @@ def test_short_campaigns(tmp_path: Path) -> None:
             pytest.skip("moto or s3fs missing: no S3 campaign")
         (s3,) = doc["stores"][1:]
         assert s3["store"] == "s3"
-        assert s3["kills"] == s3["trials"] == 6
+        assert s3["kills"] == s3["trials"] == 4
     finally:
         if proc.poll() is None:
             proc.kill()

@@ -108,7 +108,7 @@ def apply_state(
             else ""
         )
         msg = (
-            f"{where}[{at[-1]!r}]: loading it raised {type(e).__name__}: {e}; the "
+            f"{where}[{at[-1] if at else '?'!r}]: loading it raised {type(e).__name__}: {e}; the "
             f"optimizers, schedulers and plain values of the state {others}{partly}"
         )
         raise StateMismatchError(msg) from e
