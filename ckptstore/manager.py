@@ -25,7 +25,7 @@ import torch
 
 from ._log import logger as log
 from .dist import Coordinator
-from .errors import ConfigError, ConfigTypeError
+from .errors import ConfigError, ConfigTypeError, ManifestError, NoCheckpointError
 from .integrity import VerifyReport
 from .manifest import Manifest
 from .ops.verify import verify_unless_deleted
@@ -233,11 +233,29 @@ class CheckpointManager:
         """The manifest of ``step`` (default: the newest).
 
         Raises:
-            NoCheckpointError: no such committed step.
+            NoCheckpointError: no such committed step, or it was deleted while it was read
+                (without ``step``, the newest is then chosen again).
             ManifestError: the manifest is unreadable or hostile.
         """
-        step = self._session.resolve(step)
-        return self.storage.read_manifest(step)
+        for attempt in range(3):
+            s = self._session.resolve(step)
+            try:
+                return self.storage.read_manifest(s)
+            except ManifestError:
+                # Deleted while it was read (a running job's retention): not unreadable.
+                try:
+                    gone = s not in self.storage.list_steps()
+                except OSError:
+                    gone = False
+                if not gone:
+                    raise
+                if step is not None or attempt == 2:
+                    raise NoCheckpointError(
+                        f"{self.storage.describe(s)} was deleted while its manifest was read "
+                        "(a running job's retention, `ckptstore prune` or `rm`); it was not "
+                        "corrupt"
+                    ) from None
+        raise AssertionError("unreachable")  # pragma: no cover
 
     # ---- save ------------------------------------------------------------------------
 

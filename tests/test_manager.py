@@ -525,6 +525,36 @@ def test_verify_of_a_step_deleted_while_it_is_read_says_so(
         assert newest.target.endswith(step_dir(1)), newest.target
 
 
+def test_manifest_of_a_step_deleted_while_it_is_read_says_so(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """mgr.manifest() raced by retention raised ManifestError ("missing or not a regular
+    file"), as if the step were damaged (found by review)."""
+    import shutil
+
+    from ckptstore import NoCheckpointError
+
+    root = tmp_path / "s"
+    with CheckpointManager(root, keep=None) as mgr:
+        for s in (1, 2):
+            mgr.save(s, {"x": torch.tensor(s)})
+        real = type(mgr.storage).read_manifest
+        gone: list[int] = []
+
+        def racing(self: Any, step: int, *a: Any, **kw: Any) -> Any:
+            if step == 2 and not gone:
+                gone.append(step)
+                shutil.rmtree(root / step_dir(2))
+            return real(self, step, *a, **kw)
+
+        monkeypatch.setattr(type(mgr.storage), "read_manifest", racing)
+        with pytest.raises(NoCheckpointError, match="deleted while its manifest was read"):
+            mgr.manifest(2)
+        mgr.save(2, {"x": torch.tensor(2)})
+        gone.clear()
+        assert mgr.manifest().step == 1  # the newest, deleted meanwhile: the newest again
+
+
 def test_a_quick_verify_does_not_make_retention_trust_a_step(tmp_path: Path) -> None:
     # A quick verify passes a flipped data byte; retention must still find step 2 bad and
     # keep step 1, the newest that loads, instead of deleting it as superseded.
