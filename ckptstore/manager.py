@@ -237,7 +237,8 @@ class CheckpointManager:
                 (without ``step``, the newest is then chosen again).
             ManifestError: the manifest is unreadable or hostile.
         """
-        for attempt in range(3):
+        attempt = 0
+        while True:
             s = self._session.resolve(step)
             try:
                 return self.storage.read_manifest(s)
@@ -255,7 +256,7 @@ class CheckpointManager:
                         "(a running job's retention, `ckptstore prune` or `rm`); it was not "
                         "corrupt"
                     ) from None
-        raise AssertionError("unreachable")  # pragma: no cover
+            attempt += 1
 
     # ---- save ------------------------------------------------------------------------
 
