@@ -64,6 +64,7 @@ from .importers import (
     DCP_METADATA,
     ImportResult,
     _check_planner_data,
+    _chunk_box,
     _int_optimizer_keys,
     _numpy_globals,
     _one_line,
@@ -331,19 +332,7 @@ def _plan(
         t = items[fqn] = _Imported(fqn, dtype, shape)
         ps = []
         for c in item.chunks:
-            offs = tuple(int(o) for o in c.offsets)
-            szs = tuple(int(s) for s in c.sizes)
-            if (
-                len(offs) != len(shape)
-                or len(szs) != len(shape)
-                or any(
-                    o < 0 or s < 0 or o + s > d for o, s, d in zip(offs, szs, shape, strict=True)
-                )
-            ):
-                raise IntegrityError(
-                    f"{meta_at}: item {fqn!r}: a chunk at {list(offs)} of {list(szs)} lies "
-                    f"outside its tensor {list(shape)}"
-                )
+            offs, szs = _chunk_box(c, shape, f"{meta_at}: item {fqn!r}")
             rel, offset, length = info_of(fqn, offs)
             ps.append(_Piece(t, offs, szs, rel, offset, length))
         pieces[fqn] = ps

@@ -546,23 +546,29 @@ def _check_dcp_tensors(path: str, md: Any) -> None:
                 f"{at} declares {need} bytes ({list(shape)}), and its data files hold "
                 f"{stored[fqn]}: the directory is truncated or hostile"
             )
-        chunks = []
-        for c in item.chunks:
-            off, size = tuple(int(o) for o in c.offsets), tuple(int(z) for z in c.sizes)
-            if (
-                len(off) != len(shape)
-                or len(size) != len(shape)
-                or any(
-                    o < 0 or z < 0 or o + z > d for o, z, d in zip(off, size, shape, strict=True)
-                )
-            ):
-                raise IntegrityError(
-                    f"{at}: a chunk at {list(off)} of {list(size)} is not inside the "
-                    f"{list(shape)} tensor"
-                )
-            chunks.append(Chunk(off, size, "", 0, 0, ()))
+        chunks = [Chunk(*_chunk_box(c, shape, at), "", 0, 0, ()) for c in item.chunks]
         if math.prod(shape):
             check_tiling(chunks, shape, at)
+
+
+def _chunk_box(
+    chunk: Any, shape: tuple[int, ...], at: str
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """A DCP chunk's ``(offsets, sizes)``, checked to lie inside the tensor of ``shape``.
+
+    Raises:
+        IntegrityError: ``at`` names the item.
+    """
+    off, size = tuple(int(o) for o in chunk.offsets), tuple(int(z) for z in chunk.sizes)
+    if (
+        len(off) != len(shape)
+        or len(size) != len(shape)
+        or any(o < 0 or z < 0 or o + z > d for o, z, d in zip(off, size, shape, strict=True))
+    ):
+        raise IntegrityError(
+            f"{at}: a chunk at {list(off)} of {list(size)} lies outside its tensor {list(shape)}"
+        )
+    return off, size
 
 
 def _check_planner_data(path: str, md: Any) -> None:
