@@ -687,3 +687,31 @@ def huge_share(buf: Any) -> float:
     in ``/proc/self/smaps`` over its length; 0.0 where unknown (the bench's own reading,
     ``benchkit.disk.huge_share``)."""
     return float(benchkit("disk").huge_share(buf))
+
+
+def run_forked(body: Callable[[], object], timeout: float, hung: str) -> int:
+    """Run ``body`` in a forked child; its exit code (0, or 1 if it raised).
+
+    A child still running after ``timeout`` seconds is killed and the test fails with
+    ``hung``.
+    """
+    import signal
+    import time
+
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - the child
+        code = 1
+        try:
+            body()
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        done, status = os.waitpid(pid, os.WNOHANG)
+        if done:
+            return os.waitstatus_to_exitcode(status)
+        time.sleep(0.02)
+    os.kill(pid, signal.SIGKILL)
+    os.waitpid(pid, 0)
+    raise AssertionError(hung)

@@ -20,7 +20,7 @@ from ckptstore.integrity import SubBlocks, crc32c_of
 from ckptstore.storage import directio
 from ckptstore.storage.directio import ALIGN, DirectWriter
 from ckptstore.storage.local import LocalStorage
-from tests._helpers import huge_share, thp_at_first_touch
+from tests._helpers import huge_share, run_forked, thp_at_first_touch
 
 
 def _write(path: Path, chunks: list[bytes], **kw: object) -> DirectWriter:
@@ -1056,27 +1056,15 @@ def test_bounce_buffers_are_kept_for_the_next_writer(tmp_path: Path) -> None:
 def test_io_threads_work_in_a_forked_child(tmp_path: Path) -> None:
     """Idle threads do not survive fork: a child must start its own, not wait on theirs."""
     directio.Call(lambda: None).result()  # leave an idle thread (and a kept buffer) behind
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            w = directio.DirectWriter(str(tmp_path / "child"))
-            w.write(b"x" * (directio.BUFFER + 1))
-            w.finish()
-            code = 0 if directio.Call(lambda: 7).result() == 7 else 2
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            break
-        time.sleep(0.05)
-    else:  # pragma: no cover - the failure this test is for
-        os.kill(pid, 9)
-        os.waitpid(pid, 0)
-        pytest.fail("the forked child hung on an I/O thread of its parent")
-    assert os.waitstatus_to_exitcode(status) == 0
+
+    def child() -> None:
+        w = directio.DirectWriter(str(tmp_path / "child"))
+        w.write(b"x" * (directio.BUFFER + 1))
+        w.finish()
+        assert directio.Call(lambda: 7).result() == 7
+
+    hung = "the forked child hung on an I/O thread of its parent"
+    assert run_forked(child, 60, hung) == 0
     assert (tmp_path / "child").stat().st_size == directio.BUFFER + 1
 
 

@@ -24,6 +24,7 @@ from _helpers import (
     assert_same,
     fresh_like,
     make_state,
+    run_forked,
     step_dir,
     subprocess_env,
 )
@@ -277,26 +278,7 @@ def test_second_writer_in_one_process_is_locked_out(tmp_path: Path) -> None:
 
 def _in_child(body: Any) -> int:
     """Run ``body`` in a forked child (its exit code: 0, or 1 if it raised); 30 s at most."""
-    import signal
-    import time
-
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - the child
-        code = 1
-        try:
-            body()
-            code = 0
-        finally:
-            os._exit(code)
-    deadline = time.monotonic() + 30
-    while time.monotonic() < deadline:
-        done, status = os.waitpid(pid, os.WNOHANG)
-        if done:
-            return os.waitstatus_to_exitcode(status)
-        time.sleep(0.02)
-    os.kill(pid, signal.SIGKILL)
-    os.waitpid(pid, 0)
-    raise AssertionError("the forked child hung")
+    return run_forked(body, 30, "the forked child hung")
 
 
 def test_a_forked_child_never_releases_or_keeps_the_parents_lock(tmp_path: Path) -> None:
