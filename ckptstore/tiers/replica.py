@@ -81,6 +81,9 @@ from .uploadgate import UploadGate
 
 __all__ = ["ReplicaError", "Replicator", "fetch_step"]
 
+#: Seconds the uploader's thread waits at a closed gate before it looks for lookups again.
+_GATE_POLL = 0.2
+
 
 class Replicator:
     """Uploads committed local steps to a replica store on one background thread.
@@ -469,6 +472,12 @@ class Replicator:
                 self._looking = bool(lookups)
             if lookups:
                 self._look_up(lookups)
+                continue
+            if not self._stop and not self.gate.wait_open(_GATE_POLL):
+                # A step is chosen only once the gate opens: the steps saved while it was
+                # closed (paused, or held by saves) are all queued by then, and the newest
+                # goes first. Chosen before, the oldest of them waited at the gate and went
+                # first. Looked at again now and then for lookups and a stop.
                 continue
             with self._cond:
                 if not self._pending:

@@ -126,6 +126,13 @@ class UploadGate:
             if self.stopped:
                 raise ReplicaError("the uploader was stopped while paused")
 
+    def wait_open(self, timeout: float) -> bool:
+        """Block at most ``timeout`` seconds while the gate is closed; whether it is open.
+
+        Never raises: for a caller that has other things to look at between two waits.
+        """
+        return self._open.wait(timeout)
+
     async def admit(self, nbytes: int) -> None:
         """Wait on the event loop until ``nbytes`` of a request body may be sent.
 
