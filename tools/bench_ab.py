@@ -38,8 +38,9 @@ import time
 from pathlib import Path
 from typing import Any
 
-import demo  # tools/demo.py (tools/ is on the path): free ports, a rank's torchrun environment
+import demo  # tools/demo.py (tools/ is on the path): a rank's torchrun environment
 from baseline import extract
+from rendezvous import reserved_port
 
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
@@ -123,27 +124,27 @@ def run_ranks(
     code: Path, spec: dict[str, Any], world: int, work: Path, timeout: float
 ) -> list[dict[str, Any]]:
     """Run one operation on ``world`` fresh interpreters that import ``code``'s ckptstore."""
-    port = demo.port()
-    procs, outs = [], []
-    for rank in range(world):
-        out = work / f"rank{rank}.json"
-        out.unlink(missing_ok=True)
-        outs.append(out)
-        env = dict(os.environ)
-        env.update(demo.env_for(rank, world, port))
-        env["PYTHONPATH"] = os.pathsep.join([str(code), str(TOOLS)])
-        arg = json.dumps({**spec, "out": str(out)})
-        cmd = [sys.executable, "-c", _RANK_ENTRY, arg]
-        procs.append(subprocess.Popen(cmd, env=env, cwd=work))
-    deadline = time.monotonic() + timeout
-    codes = []
-    for p in procs:
-        try:
-            codes.append(p.wait(max(1.0, deadline - time.monotonic())))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            sys.exit(f"bench_ab: {spec['kind']} on {world} rank(s) hung past {timeout}s")
+    with reserved_port() as port:
+        procs, outs = [], []
+        for rank in range(world):
+            out = work / f"rank{rank}.json"
+            out.unlink(missing_ok=True)
+            outs.append(out)
+            env = dict(os.environ)
+            env.update(demo.env_for(rank, world, port))
+            env["PYTHONPATH"] = os.pathsep.join([str(code), str(TOOLS)])
+            arg = json.dumps({**spec, "out": str(out)})
+            cmd = [sys.executable, "-c", _RANK_ENTRY, arg]
+            procs.append(subprocess.Popen(cmd, env=env, cwd=work))
+        deadline = time.monotonic() + timeout
+        codes = []
+        for p in procs:
+            try:
+                codes.append(p.wait(max(1.0, deadline - time.monotonic())))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                sys.exit(f"bench_ab: {spec['kind']} on {world} rank(s) hung past {timeout}s")
     if any(codes):
         sys.exit(f"bench_ab: {spec['kind']} on {world} rank(s) failed: exit codes {codes}")
     return [json.loads(o.read_text()) for o in outs]

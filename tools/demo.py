@@ -13,24 +13,19 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
+from rendezvous import reserved_port  # tools/ (this script's directory) is on sys.path
+
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "demo-run"
 WORLD = 2
 STEPS = 60
 KILL_AT = 34  # the save of step 34 (every 5 steps: 4, 9, ..., 34)
-
-
-def port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def env_for(rank: int, world: int, master_port: int) -> dict[str, str]:
@@ -53,16 +48,16 @@ def run_ranks(
     cmd: list[str], world: int, results: Path, *, timeout: float, prog: str
 ) -> list[dict[str, Any]]:
     """Run ``cmd`` as ``world`` ranks; each rank's JSON result (``results.rankN``), by rank."""
-    p = port()
-    procs = [subprocess.Popen(cmd, env=env_for(r, world, p)) for r in range(world)]
-    deadline = time.monotonic() + timeout
-    for proc in procs:
-        try:
-            proc.wait(timeout=max(deadline - time.monotonic(), 1))
-        except subprocess.TimeoutExpired:
-            for q in procs:
-                q.kill()
-            sys.exit(f"{prog}: {results.name} hung past {timeout}s — this is a bug")
+    with reserved_port() as p:
+        procs = [subprocess.Popen(cmd, env=env_for(r, world, p)) for r in range(world)]
+        deadline = time.monotonic() + timeout
+        for proc in procs:
+            try:
+                proc.wait(timeout=max(deadline - time.monotonic(), 1))
+            except subprocess.TimeoutExpired:
+                for q in procs:
+                    q.kill()
+                sys.exit(f"{prog}: {results.name} hung past {timeout}s — this is a bug")
     out = []
     for rank, proc in enumerate(procs):
         f = results.parent / f"{results.name}.rank{rank}"

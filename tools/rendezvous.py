@@ -6,17 +6,40 @@ connect. A port the launcher found free, closed and had rank 0 bind later could 
 between by any process of the host that binds or connects (gloo binds its pairs' ports by
 the dozen): rank 0 then failed with ``EADDRINUSE`` and the others waited for a store that
 never came. The suite's launcher does the same (``tests/multirank/worker.py``).
+
+Launchers whose ranks rendezvous as torchrun's do (``MASTER_PORT``, ``init_method="env://"``:
+the demos, the benches' rank servers) hold the port instead (:func:`reserved_port`): bound,
+not listening, for the whole job, so only rank 0's store can bind it beside them.
 """
 
 from __future__ import annotations
 
+import contextlib
 import datetime
 import os
+import socket
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["init_group"]
+__all__ = ["init_group", "reserved_port"]
+
+
+@contextlib.contextmanager
+def reserved_port() -> Iterator[int]:
+    """A loopback port held for a job's ``MASTER_PORT`` while the block runs.
+
+    The socket is bound with ``SO_REUSEADDR`` and never listens: rank 0's ``TCPStore``
+    (which sets ``SO_REUSEADDR`` too) binds the port beside it, while any other process's
+    bind is refused and the kernel's choice of a port (``bind`` to 0, ``connect``) passes it
+    over. A port found free and closed, as before, could be taken by anyone in the seconds
+    rank 0 spent importing torch.
+    """
+    with socket.socket() as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        s.bind(("127.0.0.1", 0))
+        yield int(s.getsockname()[1])
 
 
 def _store(rank: int, world: int, port_file: Path, timeout_s: float) -> Any:

@@ -40,10 +40,10 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-import demo  # noqa: E402  (a free port)
 from baseline import extract  # noqa: E402
 from benchkit.units import binary as _b  # noqa: E402
 from rankserver import RankServer  # noqa: E402
+from rendezvous import reserved_port  # noqa: E402
 
 
 def rank_entry(store: str, result: str, layers: int, tp: int = 1) -> None:
@@ -244,7 +244,8 @@ def measure(
             with tempfile.TemporaryDirectory(prefix="ckpt-scale-") as tmp:
                 work = Path(tmp)
                 args = [str(work / "store"), str(work / "result"), layers, tp]
-                codes = server.run("scale_real:rank_entry", args, world, demo.port(), timeout)
+                with reserved_port() as port:
+                    codes = server.run("scale_real:rank_entry", args, world, port, timeout)
                 if None in codes.values():
                     sys.exit(f"scale_real: world {world} hung past {timeout}s — this is a bug")
                 ranks = []

@@ -58,9 +58,9 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import demo  # tools/demo.py: a rank's environment, as torchrun sets it
 import torch
 from rankserver import RankServer
+from rendezvous import reserved_port  # tools/: a port held for the job
 from torch import nn
 
 from benchkit import harness
@@ -508,7 +508,8 @@ def launch(
     jobdir.mkdir(parents=True, exist_ok=True)
     (jobdir / "job.json").write_text(json.dumps(job))
     world = job["world"]
-    codes = server.run("benchkit.sharded:worker", [str(jobdir)], world, demo.port(), timeout)
+    with reserved_port() as port:
+        codes = server.run("benchkit.sharded:worker", [str(jobdir)], world, port, timeout)
     # A rank that failed first, rather than one the server killed after it (SIGKILL: -9).
     bad = sorted(codes.items(), key=lambda kv: (kv[1] == -signal.SIGKILL, kv[0]))
     failed = [(rank, rc) for rank, rc in bad if rc != 0]
