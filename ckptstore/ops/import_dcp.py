@@ -63,6 +63,7 @@ from .importers import (
     _DROP,
     DCP_METADATA,
     ImportResult,
+    _check_dcp_tensors,
     _check_planner_data,
     _chunk_box,
     _int_optimizer_keys,
@@ -161,6 +162,7 @@ def import_dcp_sharded(
     report = progress or (lambda done, total, what: None)
     md = _read_dcp_metadata(src)
     _check_planner_data(src, md)
+    _check_dcp_tensors(src, md)  # the source named, before a chunk index is written
     items, pieces, values, notes = _plan(src, md, skip_unsafe)
     tree: dict[Any, Any] = {}
     planner_data = md.planner_data if isinstance(md.planner_data, dict) else {}
