@@ -439,6 +439,20 @@ def test_inspect_shared_tensors(tmp_path: Path, capsys: pytest.CaptureFixture[st
     assert info["entries"][0]["tensor_bytes"] == 24 + 4
 
 
+def test_inspect_names_each_tensor_once(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """The key "x.y" beside x -> y, and the key "1" beside 1, printed as one name each."""
+    state = {"x.y": torch.ones(2), "x": {"y": torch.zeros(3)}, 1: torch.ones(1), "1": torch.ones(4)}
+    with CheckpointManager(tmp_path, keep=None) as mgr:
+        mgr.save(0, {"m": state, "opt": {"layer.weight": torch.ones(5)}})
+    info = json.loads(run_cli(capsys, "inspect", tmp_path, "--json")[1])
+    shapes = {e["key"]: {t["name"]: t["shape"] for t in e["tensors"]} for e in info["entries"]}
+    assert shapes["m"] == {"'x.y'": [2], "x.y": [3], "1": [1], "'1'": [4]}
+    assert shapes["opt"] == {"layer.weight": [5]}  # quoted only where two names collide
+    rc, out, _ = run_cli(capsys, "inspect", tmp_path)
+    assert rc == 0
+    assert "'x.y'  float32  [2]" in out
+
+
 # ---- import / export ----------------------------------------------------------------------
 
 

@@ -7,6 +7,7 @@ checksums checked), never a payload, and never imports torch.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
 import json
 import math
@@ -154,16 +155,21 @@ class _TreeWalker:
             k = node.get("kind")
             kind = k if isinstance(k, str) else "stateful"
             node = node.get("v")
-        tensors: list[TensorInfo] = []
-        self.walk(node, [], tensors, 0)
+        found: list[tuple[list[Any], Mapping[str, Any]]] = []
+        self.walk(node, [], found, 0)
+        names = _tensor_names([path for path, _ in found])
+        tensors = [self.tensor(t, name) for (_, t), name in zip(found, names, strict=True)]
         return EntryInfo(key, kind, _summary(node), tensors)
 
-    def walk(self, node: Any, path: list[str], out: list[TensorInfo], depth: int) -> None:
+    def walk(
+        self, node: Any, path: list[Any], out: list[tuple[list[Any], Mapping[str, Any]]], depth: int
+    ) -> None:
+        """Collect the tensor nodes under ``node`` with their paths (keys, list indices)."""
         if depth > _MAX_WALK_DEPTH:
             raise self.bad("state nested too deeply")
         if isinstance(node, list):
             for i, x in enumerate(node):
-                self.walk(x, [*path, str(i)], out, depth + 1)
+                self.walk(x, [*path, i], out, depth + 1)
             return
         if not isinstance(node, dict):
             return
@@ -171,13 +177,13 @@ class _TreeWalker:
         if t in ("dict", "odict"):
             keys, vals = node.get("keys"), node.get("vals")
             if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
-                raise self.bad(f"malformed dict at {'.'.join(path) or '<root>'}")
+                raise self.bad(f"malformed dict at {_dotted(path) or '<root>'}")
             for k, v in zip(keys, vals, strict=True):
-                self.walk(v, [*path, str(k)], out, depth + 1)
+                self.walk(v, [*path, k], out, depth + 1)
         elif t in ("tuple", "stateful"):
             self.walk(node.get("v"), path, out, depth + 1)
         elif t in ("tensor", "view", "ndarray", "dtensor"):
-            out.append(self.tensor(node, ".".join(path) or "_"))
+            out.append((path, node))
 
     def tensor(self, node: Mapping[str, Any], name: str) -> TensorInfo:
         dtype, shape = node.get("dtype"), node.get("shape")
@@ -202,6 +208,34 @@ class _TreeWalker:
         if node.get("t") != "view":
             self.seen.setdefault(ref, name)
         return TensorInfo(name, dtype, list(shape), nbytes, note)
+
+
+def _dotted(path: list[Any]) -> str:
+    """``model.layer.weight``: a tensor's path as ``inspect`` prints it."""
+    return ".".join(str(c) for c in path)
+
+
+def _tensor_names(paths: list[list[Any]]) -> list[str]:
+    """The names of an entry's tensors: dotted paths, no two alike.
+
+    Where two paths print the same (the key ``"x.y"`` beside ``x`` -> ``y``, the key ``"1"``
+    beside ``1``), their keys holding a dot, reading as an int or empty are quoted
+    (``'x.y'``), so each row names one tensor.
+    """
+    plain = [_dotted(p) or "_" for p in paths]
+    counts = collections.Counter(plain)
+    return [
+        name if counts[name] == 1 else ".".join(_quoted(c) for c in path) or "_"
+        for path, name in zip(paths, plain, strict=True)
+    ]
+
+
+def _quoted(key: Any) -> str:
+    if not isinstance(key, str):
+        return str(key)
+    if not key or "." in key or "'" in key or '"' in key or key.lstrip("-").isdigit():
+        return repr(key)
+    return key
 
 
 def _summary(node: Any) -> str:
