@@ -215,8 +215,30 @@ def test_accelerate_refuses_other_registered_objects(tmp_path: Path) -> None:
         ckpt.save(0)
     other = AccRun(0)
     other.acc.register_for_checkpointing(RunningStats())  # one more than was saved
-    with AcceleratorCheckpointer(other.acc, root) as ckpt, pytest.raises(StateMismatchError):
+    with AcceleratorCheckpointer(other.acc, root) as ckpt, pytest.raises(StateMismatchError) as e:
         ckpt.resume()
+    # Neither resume() nor restore() takes strict=False: the advice fits the checkpointer.
+    assert str(e.value).endswith(
+        "has no entry for 'custom_1' (it holds 'model', 'optimizer', 'scheduler', "
+        "'dataloader', 'custom_0', 'accelerator', 'rng'): prepare and register the same "
+        "objects, in the same order, as the job that saved it"
+    ), e.value
+
+
+def test_accelerate_names_a_store_another_writer_committed(tmp_path: Path) -> None:
+    root = tmp_path / "ckpt"
+    with CheckpointManager(root) as mgr:  # what CkptStoreCallback commits, in small
+        mgr.save(2, {"model": {"w": torch.ones(2)}, "trainer_state": {"global_step": 2}})
+    run = AccRun(0)
+    with AcceleratorCheckpointer(run.acc, root) as ckpt, pytest.raises(StateMismatchError) as e:
+        ckpt.resume()
+    assert str(e.value).endswith(
+        "it was not saved by AcceleratorCheckpointer: point the checkpointer at the store its "
+        "own save() wrote"
+    ), e.value
+    assert "strict" not in str(e.value)
+    with CheckpointManager(root) as mgr:  # nothing changed
+        assert mgr.steps() == [2]
 
 
 # ---- transformers Trainer ----------------------------------------------------------------

@@ -34,7 +34,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError, atomic_save
-from ckptstore.errors import ConfigError
+from ckptstore.errors import ConfigError, StateMismatchError
 from ckptstore.integrations.lightning import CkptStoreIO
 from ckptstore.storage import wait_for_deletions
 from ckptstore.storage.base import Storage
@@ -651,6 +651,21 @@ def test_torch_save_file_is_replaced_and_loads_verified(tmp_path: Path) -> None:
     assert path.is_dir()
     assert io.load_checkpoint(path) == {"global_step": 9}
     assert [e.name for e in tmp_path.iterdir()] == ["last.ckpt"]
+
+
+def test_a_store_another_writer_committed_is_named(tmp_path: Path) -> None:
+    """Lightning failed on it with a bare KeyError ('pytorch-lightning_version')."""
+    path = tmp_path / "acc.ckpt"
+    with CheckpointManager(path) as mgr:  # an AcceleratorCheckpointer's store, in small
+        mgr.save(3, {"model": {"w": torch.ones(2)}, "rng": {"seed": 1}})
+    with pytest.raises(StateMismatchError) as e:
+        CkptStoreIO().load_checkpoint(path)
+    assert str(e.value).startswith(
+        f"{path}/step-000000000003 was not committed by CkptStoreIO (its manifest holds no "
+        "Lightning metadata)"
+    ), e.value
+    CkptStoreIO().save_checkpoint({"global_step": 1}, tmp_path / "own.ckpt")
+    assert CkptStoreIO().load_checkpoint(tmp_path / "own.ckpt") == {"global_step": 1}
 
 
 def test_fsspec_url(tmp_path: Path) -> None:

@@ -92,6 +92,7 @@ from ..manager import CheckpointManager
 from ..retention import RetentionPolicy
 from ..save.staging import SaveHandle
 from ..sharded.consolidate import HF_CONFIGS_KEY
+from ..state.capture import STRICT_HINT
 from ..state.modules import RNGState, de_parallel, load_module_state
 
 try:
@@ -335,15 +336,47 @@ class AcceleratorCheckpointer:
             StateMismatchError: the checkpoint does not fit the prepared objects (another
                 model, other registered objects).
         """
-        return self.manager.restore(self.state(), step=step)
+        with self._own_store():
+            return self.manager.restore(self.state(), step=step)
 
     def resume(self) -> int:
         """Restore the newest good checkpoint if there is one (collective).
 
         Returns:
             0 on an empty store, else the restored step + 1 (the next step to run).
+
+        Raises:
+            StateMismatchError: as :meth:`restore`.
         """
-        return self.manager.resume(self.state())
+        with self._own_store():
+            return self.manager.resume(self.state())
+
+    @contextlib.contextmanager
+    def _own_store(self) -> Iterator[None]:
+        """Say what a missing entry means here: neither method takes ``strict``.
+
+        No ``accelerator`` or ``rng`` entry (every :meth:`save` writes both): another writer's
+        store. Another missing entry: the job prepared or registered other objects.
+        """
+        try:
+            yield
+        except StateMismatchError as e:
+            if not e.missing or not str(e).endswith(STRICT_HINT):
+                raise
+            said = str(e).removesuffix(STRICT_HINT)
+            if {"accelerator", "rng"} & set(e.missing):
+                advice = (
+                    "it was not saved by AcceleratorCheckpointer: point the checkpointer at "
+                    "the store its own save() wrote"
+                )
+            else:
+                advice = (
+                    "prepare and register the same objects, in the same order, as the job "
+                    "that saved it"
+                )
+            raise StateMismatchError(
+                f"{said}: {advice}", missing=e.missing, unexpected=e.unexpected
+            ) from None
 
     def close(self) -> None:
         """Finish an async save and release the store."""

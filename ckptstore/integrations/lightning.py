@@ -152,6 +152,7 @@ from ..errors import (
     MissingDependencyError,
     NoCheckpointError,
     PathNotFoundError,
+    StateMismatchError,
     UnsafeCheckpointError,
 )
 from ..manager import CheckpointManager
@@ -444,6 +445,7 @@ class CkptStoreIO(CheckpointIO):
             steps = mgr.steps()
             if not steps:
                 raise NoCheckpointError(f"{root} holds no committed checkpoint")
+            _refuse_foreign(mgr, steps[-1], root)
             return mgr.load(None if older else steps[-1])
 
     def _fall_back(self, path: str, error: CkptStoreError, *, allow_pickle: bool) -> Any:
@@ -728,6 +730,31 @@ def _unsafe_checkpoint(where: str, e: UnsafeCheckpointError) -> UnsafeCheckpoint
     detail = e.message.replace("state[", "checkpoint[", 1)
     return UnsafeCheckpointError(
         f"cannot save Lightning checkpoint {where}: {detail} (here: CkptStoreIO(allow_pickle=True))"
+    )
+
+
+def _refuse_foreign(mgr: CheckpointManager, step: int, root: str) -> None:
+    """Refuse a store whose ``step`` another writer committed (no ``lightning`` metadata).
+
+    Its state is no Lightning checkpoint: Lightning failed on it with a bare ``KeyError``
+    (``'pytorch-lightning_version'``). A manifest that cannot be read is left to the load,
+    which reports it (and falls back where it may).
+
+    Raises:
+        StateMismatchError: naming the store and its writer.
+    """
+    try:
+        manifest = mgr.manifest(step)
+    except CkptStoreError:
+        return
+    if isinstance(manifest.metadata.get("lightning"), Mapping):
+        return
+    by = manifest.metadata.get("saved_by")
+    writer = f"committed by {by}, not" if isinstance(by, str) else "not committed"
+    raise StateMismatchError(
+        f"{mgr.storage.describe(step)} was {writer} by CkptStoreIO (its manifest holds "
+        f"no Lightning metadata): it is no Lightning checkpoint. Resume from a checkpoint "
+        f"path that CkptStoreIO wrote; {root} is another writer's store"
     )
 
 

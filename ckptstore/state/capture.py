@@ -224,6 +224,11 @@ def _holds_weights(value: Any, kind: str | None) -> bool:
     )
 
 
+#: The end of :func:`precheck`'s message for missing entries (an integration whose restore
+#: takes no ``strict`` replaces it with its own advice).
+STRICT_HINT = "; restore with strict=False to skip them"
+
+
 def precheck(
     state: Mapping[Any, Any],
     stored: Mapping[Any, Any],
@@ -244,8 +249,8 @@ def precheck(
     if missing and strict:
         have = ", ".join(repr(k) for k in stored) or "nothing"
         msg = (
-            f"{where} has no entry for {', '.join(repr(k) for k in missing)} (it holds {have}); "
-            "restore with strict=False to skip them"
+            f"{where} has no entry for {', '.join(repr(k) for k in missing)} (it holds {have})"
+            f"{STRICT_HINT}"
         )
         raise StateMismatchError(msg, missing=[str(k) for k in missing])
     # Check every target before loading any, so a mismatch leaves the state untouched.
