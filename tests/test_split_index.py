@@ -497,22 +497,30 @@ def _refused(lay: si.Layout, alias: Any, expected: list[str], away: int) -> None
             assert e in msg, msg
 
 
-def test_chunks_of_one_tensor_that_share_bytes_are_refused() -> None:
-    """Rank 1's part points its box of 'rows' at rank 0's: each box is the right size and
-    inside a file, and the tensor loaded rank 0's rows twice (before: no error)."""
+def test_a_chunk_in_another_ranks_file_is_refused() -> None:
+    """Rank 1's part points its box of 'rows' at rank 0's bytes (the right size, its CRCs
+    copied). A rank restoring rows 10..20 reads rank 1's part alone: it found no overlap
+    there and loaded rank 0's rows as its own, with no error (found by review)."""
     lay = _layout_of(REAL)
     writer, row = _chunk_of(lay, "rows")
     assert writer == 0
-    lo, hi = row["start"], row["start"] + row["bytes"]
-    _refused(
-        lay,
-        lambda name, offsets, w: (0, lo) if (name, w) == ("rows", 1) else None,
-        [
-            "chunk [0, 0] of 'rows' and chunk [10, 0] of 'rows' overlap in "
-            f"_shards.rank00000.safetensors: bytes [{lo}, {hi}) and [{lo}, {hi})"
-        ],
-        away=3,
+    parts, files = _parts(
+        lay, lambda name, offsets, w: (0, row["start"]) if (name, w) == ("rows", 1) else None
     )
+    at = "step-2/dtensors.json"
+    calls = [
+        lambda: lay.resolve({"rows": ((10, 0), (20, 6))}, parts.__getitem__, files, at),
+        lambda: lay.resolve(_full(lay), parts.__getitem__, files, at),
+        lambda: lay.merged(parts.__getitem__, files, at),
+        lambda: lay.merged(parts.__getitem__, files, at, away={3}),
+    ]
+    for call in calls:
+        with pytest.raises(IntegrityError) as ei:
+            call()
+        assert str(ei.value) == (
+            f"{at}/_index.rank00001.json: 'rows' chunk 0 lies in _shards.rank00000.safetensors, "
+            "which rank 1 did not write; the index part is forged or not this save's"
+        )
 
 
 def test_a_mesh_of_one_writer_whose_boxes_share_bytes_is_refused() -> None:

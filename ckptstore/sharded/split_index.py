@@ -41,6 +41,7 @@ from .chunks import (
     TensorEntry,
     check_disjoint,
     check_tiling,
+    shard_file,
 )
 
 __all__ = [
@@ -495,10 +496,9 @@ class Layout:
         # No two chunks of the parts read share a byte, whatever tensor they belong to. That
         # covers every chunk this rank reads, against each other and against the rest of
         # those parts, so what it allocates is bounded by bytes it reads (the boxes of a
-        # tensor tile it, and each chunk holds exactly its box's bytes). A chunk listed only
-        # in a part this rank does not read may still alias bytes it reads; that costs this
-        # rank nothing, and verify, inspect, export and consolidation, which read every
-        # part, refuse it (:meth:`merged`).
+        # tensor tile it, and each chunk holds exactly its box's bytes). A part lists only
+        # chunks in its own rank's files (:meth:`_parse_part`), so a chunk of a part this
+        # rank does not read cannot alias bytes it reads.
         check_disjoint(read, where)
         tensors = {
             n: TensorEntry(
@@ -534,6 +534,7 @@ class Layout:
         out: dict[tuple[str, tuple[int, ...]], Chunk] = {}
         payloads: dict[str, FileEntry] = {}  # fast_chunk's: the file names found good
         budget = MAX_PART_CHUNKS
+        own = shard_file(rank).removesuffix("safetensors")  # "_shards.rank00001."
         for name, cs in rows.items():
             entry = self.tensors.get(name)
             if entry is None or not isinstance(cs, list):
@@ -548,6 +549,15 @@ class Layout:
                 chunk = fast_chunk(c, entry.shape, itemsize, files, self.block, payloads)
                 if chunk is None:
                     chunk = parse_chunk(c, entry, files, self.block, f"{where}: {name!r} chunk {i}")
+                if not chunk.file.startswith(own):
+                    # A rank writes only its own files. Pointed at another rank's bytes (its
+                    # CRCs copied), a chunk passed: each restoring rank checks the chunks of
+                    # the parts it reads for overlaps, not those of parts it does not read,
+                    # and restored the other rank's values (found by review).
+                    raise IntegrityError(
+                        f"{where}: {name!r} chunk {i} lies in {chunk.file}, which rank {rank} "
+                        "did not write; the index part is forged or not this save's"
+                    )
                 out[(name, chunk.offsets)] = chunk
         return out
 
