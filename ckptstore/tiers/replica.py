@@ -900,6 +900,15 @@ class Replicator:
                 self._stop = True
                 self.gate.stop()
                 if not wait:
+                    if self._pending:
+                        log.warning(
+                            "the uploader to %s was closed without waiting: steps %s were not "
+                            "uploaded (they stay in the local store %s; the next manager, or "
+                            "`ckptstore replicate`, uploads them)",
+                            self.replica.root,
+                            sorted(self._pending, reverse=True),
+                            self.local.root,
+                        )
                     self._pending.clear()
                     self._lookups.clear()
                 self._cond.notify_all()
