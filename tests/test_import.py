@@ -359,6 +359,21 @@ def test_dcp_corrupt_or_hostile_is_refused(tmp_path: Path, capsys) -> None:
     assert "GLOBAL posix.system is not part of DCP metadata" in err or "os.system" in err
     assert not (Path.cwd() / "pwned").exists()
 
+    # A FIFO where a data file or .metadata lies: refused at once (the open hung for good).
+    for victim, said in (
+        ("*.distcp", "{}: not a regular file"),
+        (".metadata", "{}: a directory without .metadata is not a torch.distributed"),
+    ):
+        piped = tmp_path / f"fifo{len(victim)}"
+        save_dcp(src, piped)
+        (data,) = piped.glob(victim)
+        data.unlink()
+        os.mkfifo(data)
+        for flag in ([], ["--sharded"]):
+            rc, _, err = run_cli(capsys, "import", piped, root, "--step", "1", *flag)
+            assert rc == 1
+            assert said.format(data if victim != ".metadata" else piped) in err, err
+
     rc, _, err = run_cli(capsys, "import", tmp_path, root, "--step", "1")
     assert rc == 1
     assert "not a torch.distributed.checkpoint checkpoint" in err

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import os
 import shutil
+import stat
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
-from _helpers import forge_manifest
+from _helpers import forge_manifest, run_cli
 
 from ckptstore import CheckpointManager
 from ckptstore.errors import CommitError, IntegrityError, ManifestError
@@ -140,6 +142,32 @@ def test_a_rotten_line_fails_its_rank_only_and_restore_falls_back(store: Path) -
     assert mgr.restore(target, strict=False) == 6  # the whole of w needs rank 1's line
     w = target["model"]["w"]
     assert w.tolist() == [[(3 * r + c) / 4 for c in range(3)] for r in range(7)]
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("name", [RANK_TABLE_NAME, "local-ranks", "../.ckptstore.index"])
+def test_a_fifo_in_the_store_blocks_no_reader(
+    store: Path, name: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: opened without O_NONBLOCK, a FIFO where the rank table, a node's
+    marker or the listing cache lie hung restore, load, `ls` and `verify` for good."""
+    fifo = store / STEP / name
+    fifo.unlink(missing_ok=True)
+    os.mkfifo(fifo)
+    rc, out, err = run_cli(capsys, "ls", store)
+    assert "6" in out, out + err
+    rc, out, err = run_cli(capsys, "verify", store, "--all")
+    if name == "../.ckptstore.index":  # only a cache: ignored, and replaced
+        assert rc == 0, out + err
+    else:
+        assert rc == 1, out + err  # step 7 fails, naming the file
+        assert name in out + err, out + err
+    target: dict[str, Any] = {"model": {"w": torch.zeros(7, 3)}, "step": 0}
+    with CheckpointManager(store) as mgr:  # a node's marker is not read by a restore
+        assert mgr.restore(target, strict=False) == (6 if name == RANK_TABLE_NAME else 7)
+    assert target["model"]["w"].tolist() == [[(3 * r + c) / 4 for c in range(3)] for r in range(7)]
+    if name != "../.ckptstore.index":
+        assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # read around, never written or removed
 
 
 @pytest.mark.parametrize(

@@ -54,6 +54,7 @@ import torch
 from .._progress import Progress
 from ..codec.torchzip import check_stored
 from ..errors import CkptStoreError, IntegrityError, PathNotFoundError, UnsafeCheckpointError
+from ..storage.directio import open_nonblocking
 from .verify import looks_like_safetensors, verify_file
 
 __all__ = ["DCP_METADATA", "ImportResult", "Source", "import_file", "prepare_import", "read_source"]
@@ -444,8 +445,12 @@ def _read_dcp_metadata(path: str) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     where = os.path.join(path, DCP_METADATA)
+    fd = open_nonblocking(where, os.O_RDONLY)  # a FIFO there must not block the import
+    if not stat.S_ISREG(os.fstat(fd).st_mode):
+        os.close(fd)
+        raise IntegrityError(f"{where}: not a regular file")
     try:
-        with open(where, "rb") as f:
+        with os.fdopen(fd, "rb") as f:
             md = _MetadataUnpickler(f).load()
     except pickle.UnpicklingError as e:
         raise CkptStoreError(
@@ -467,7 +472,7 @@ def _open_item_file(path: str, rel: Any) -> int:
     if not isinstance(rel, str) or not _FILE_NAME_RE.fullmatch(rel) or rel == DCP_METADATA:
         raise IntegrityError(f"{path}: {DCP_METADATA} names a bad data file {rel!r}")
     try:
-        fd = os.open(os.path.join(path, rel), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        fd = open_nonblocking(os.path.join(path, rel), os.O_RDONLY | os.O_NOFOLLOW)
     except OSError as e:
         if e.errno == errno.ELOOP:
             raise IntegrityError(f"{path}/{rel}: a symlink; refused") from None

@@ -30,6 +30,7 @@ import fcntl
 import functools
 import mmap
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -46,6 +47,7 @@ __all__ = [
     "new_buffer",
     "on_huge_pages",
     "open_direct_read",
+    "open_nonblocking",
     "read_into",
     "segment_capped",
     "stream_pipelined",
@@ -690,11 +692,28 @@ def open_direct_read(
     flags = os.O_RDONLY | os.O_NOFOLLOW | getattr(os, "O_CLOEXEC", 0)
     if direct and _O_DIRECT:
         try:
-            return os.open(path, flags | _O_DIRECT, dir_fd=dir_fd), True
+            return open_nonblocking(path, flags | _O_DIRECT, dir_fd=dir_fd), True
         except OSError as e:
             if e.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
                 raise
-    return os.open(path, flags, dir_fd=dir_fd), False
+    return open_nonblocking(path, flags, dir_fd=dir_fd), False
+
+
+def open_nonblocking(path: str, flags: int, *, dir_fd: int | None = None) -> int:
+    """``os.open`` that never waits: a FIFO planted in a store blocked its reader for good.
+
+    Opened with ``O_NONBLOCK`` (a FIFO without a writer opens at once), which is cleared
+    again on a regular file; on anything else it stays, and the caller's check that the fd
+    is a regular file refuses it.
+    """
+    fd = os.open(path, flags | os.O_NONBLOCK, dir_fd=dir_fd)
+    try:
+        if stat.S_ISREG(os.fstat(fd).st_mode):
+            fcntl.fcntl(fd, fcntl.F_SETFL, fcntl.fcntl(fd, fcntl.F_GETFL) & ~os.O_NONBLOCK)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
 
 
 def read_into(fd: int, dest: memoryview, offset: int) -> int:

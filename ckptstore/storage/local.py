@@ -25,7 +25,13 @@ from ..manifest import FileEntry, Manifest
 from . import iomode
 from .base import Storage
 from .blockgate import Consumer
-from .directio import DirectWriter, open_direct_read, read_into, stream_pipelined
+from .directio import (
+    DirectWriter,
+    open_direct_read,
+    open_nonblocking,
+    read_into,
+    stream_pipelined,
+)
 from .iomode import IO_MODES
 from .ranges import RangeReader
 
@@ -183,7 +189,7 @@ class LocalStorage(Storage):
         head, _, name = rel.rpartition("/")
         dfd = os.open(self._p(head), os.O_RDONLY | os.O_DIRECTORY | (os.O_NOFOLLOW if head else 0))
         try:
-            fd = os.open(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
+            fd = open_nonblocking(name, os.O_RDONLY | os.O_NOFOLLOW, dir_fd=dfd)
         finally:
             os.close(dfd)
         try:
@@ -369,7 +375,7 @@ class LocalStorage(Storage):
     def _load_index(self) -> dict[int, list[Any]]:
         path = self._p(INDEX_NAME)
         try:
-            fd = os.open(path, os.O_RDONLY | os.O_NOFOLLOW)
+            fd = open_nonblocking(path, os.O_RDONLY | os.O_NOFOLLOW)
         except OSError:
             return {}
         try:
