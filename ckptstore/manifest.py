@@ -65,6 +65,11 @@ MAX_RANK_LINE = 16 << 20
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 #: Largest size a manifest may claim for one file (1 PiB): beyond it, it is lying.
 MAX_FILE_BYTES = 1 << 50
+#: Largest JSON file of a step (``state.json``, the chunk index and its parts): a save
+#: refuses to write more, and a reader refuses, unread, a manifest that claims more (a file
+#: read whole into memory: a forged size over a sparse file cost gigabytes before its CRC
+#: failed).
+MAX_JSON_FILE_BYTES = 1 << 30
 _NAME_RE = re.compile(r"[A-Za-z0-9_][A-Za-z0-9._-]{0,199}")
 CODECS = ("safetensors", "torch", "json")
 COMPRESSIONS = (None, "zstd")

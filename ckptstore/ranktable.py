@@ -129,11 +129,15 @@ def expand(manifest: Manifest, data: bytes | bytearray, where: str) -> Manifest:
     files = manifest.plain_files()
     view = memoryview(data)
     for r in range(table.count):
-        for name, e in parse_line(view[r * table.width : (r + 1) * table.width], r, where).items():
-            if name in files:
-                raise IntegrityError(f"{where}: {name} is listed twice; the table is corrupt")
-            files[name] = e
+        _add_line(files, parse_line(view[r * table.width : (r + 1) * table.width], r, where), where)
     return dataclasses.replace(manifest, files=files, complete=True)
+
+
+def _add_line(files: dict[str, FileEntry], line: Mapping[str, FileEntry], where: str) -> None:
+    for name, e in line.items():
+        if name in files:
+            raise IntegrityError(f"{where}: {name} is listed twice; the table is corrupt")
+        files[name] = e
 
 
 class RankFiles(Mapping[str, FileEntry]):
@@ -193,13 +197,13 @@ def read_table(storage: Any, manifest: Manifest) -> Manifest:
         ManifestError: the table is missing, unreadable or corrupt (the step cannot be
             trusted, as with a corrupt manifest).
     """
-    if manifest.rank_table is None:
+    table = manifest.rank_table
+    if table is None:
         return manifest
     step = manifest.step
     where = storage.describe(step, RANK_TABLE_NAME)
     try:
-        data = storage.read_file(step, RANK_TABLE_NAME, manifest.files[RANK_TABLE_NAME])
-        return expand(manifest, data, where)
+        return _stream_table(storage, manifest, table, where)
     except (OSError, CkptStoreError) as e:
         if isinstance(e, ManifestError):
             raise
@@ -208,7 +212,38 @@ def read_table(storage: Any, manifest: Manifest) -> Manifest:
         refused = unanswered(storage, e, RANK_TABLE_NAME)  # the store's, not the step's
         if refused is not None:
             raise refused from e
-        raise ManifestError(f"{where}: {e}") from None
+        said = str(e)
+        raise ManifestError(said if said.startswith(where) else f"{where}: {said}") from None
+
+
+def _stream_table(storage: Any, manifest: Manifest, table: RankTable, where: str) -> Manifest:
+    """:func:`expand` of the table as it streams in, one line in memory at a time.
+
+    Read whole first, a table a forged manifest declared at 192 ranks of 16 MiB (a sparse
+    file on disk: no space used) cost ``ls`` and ``verify`` 3 GiB of memory and seconds of
+    reading before its CRC failed (found by review). A line is parsed, and its CRC checked,
+    as soon as its last byte arrives: the first bad one ends the read.
+    """
+    files = manifest.plain_files()
+    line = bytearray()
+    rank = 0
+
+    def consume(offset: int, chunk: memoryview) -> None:
+        nonlocal rank
+        del offset  # slices come in order (stream_file)
+        while chunk:
+            take = table.width - len(line)
+            line.extend(chunk[:take])
+            chunk = chunk[take:]
+            if len(line) == table.width:
+                _add_line(files, parse_line(line, rank, where), where)
+                line.clear()
+                rank += 1
+
+    storage.stream_file(manifest.step, RANK_TABLE_NAME, manifest.files[RANK_TABLE_NAME], consume)
+    if rank != table.count or line:
+        raise IntegrityError(f"{where}: {rank} whole lines, the manifest says {table.count}")
+    return dataclasses.replace(manifest, files=files, complete=True)
 
 
 def lean(storage: Any, manifest: Manifest) -> Manifest:

@@ -11,6 +11,8 @@ import json
 import os
 import shutil
 import stat
+import subprocess
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +22,7 @@ from _helpers import forge_manifest, run_cli
 
 from ckptstore import CheckpointManager
 from ckptstore.errors import CommitError, IntegrityError, ManifestError
-from ckptstore.manifest import RANK_TABLE_NAME, FileEntry, Manifest
+from ckptstore.manifest import MAX_RANK_LINE, RANK_TABLE_NAME, FileEntry, Manifest
 from ckptstore.ranktable import RankFiles, encode, expand, lean, parse_line, rank_of
 from ckptstore.storage import open_storage
 
@@ -132,7 +134,7 @@ def test_a_rotten_line_fails_its_rank_only_and_restore_falls_back(store: Path) -
     assert files["_shards.rank00000.safetensors"].rank == 0  # rank 0's line is intact
     with pytest.raises(IntegrityError, match=r"_ranks.jsonl line 1: fails its CRC32C"):
         files["_shards.rank00001.safetensors"]
-    with pytest.raises(ManifestError, match=r"_ranks.jsonl: crc32c .* the file is corrupt"):
+    with pytest.raises(ManifestError, match=r"_ranks.jsonl line 1: fails its CRC32C"):
         storage.read_manifest(7)
     mgr = CheckpointManager(store)
     report = mgr.verify(7)
@@ -168,6 +170,38 @@ def test_a_fifo_in_the_store_blocks_no_reader(
     assert target["model"]["w"].tolist() == [[(3 * r + c) / 4 for c in range(3)] for r in range(7)]
     if name != "../.ckptstore.index":
         assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # read around, never written or removed
+
+
+# Under an address space of 1 GiB: a table read whole (2 GiB) cannot be.
+_UNDER_1GIB = (
+    "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)); "
+    "from ckptstore.cli.main import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_table_forged_to_gigabytes_is_read_a_line_at_a_time(store: Path) -> None:
+    """Found by review: a manifest forged to 128 ranks of 16 MiB lines over a sparse
+    _ranks.jsonl (no disk used) cost ls and verify 2 GiB of memory before a line was
+    checked; the first line's failure now ends the read."""
+    count, width = 128, MAX_RANK_LINE
+
+    def edit(d: dict[str, Any]) -> None:
+        d.update(world_size=count)
+        d["rank_table"].update(count=count, width=width)
+        d["files"][RANK_TABLE_NAME].update(bytes=count * width)
+
+    m = store / STEP / "manifest.json"
+    m.write_bytes(forge_manifest(m.read_bytes(), edit))
+    os.truncate(store / STEP / RANK_TABLE_NAME, count * width)
+    for argv in (["verify", str(store), "--all"], ["ls", str(store)]):
+        cmd = [sys.executable, "-c", _UNDER_1GIB, *argv]
+        proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=100)
+        said = proc.stdout + proc.stderr
+        assert proc.returncode == 1, said
+        assert f"{STEP}/_ranks.jsonl line 0: not valid JSON" in said, said
+        assert "Traceback" not in said, said
+    assert CheckpointManager(store).restore({"model": {}, "step": 0}, strict=False) == 6
 
 
 @pytest.mark.parametrize(

@@ -11,6 +11,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import re
+import subprocess
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -47,6 +50,7 @@ from ckptstore import (
     StoreLockedError,
 )
 from ckptstore.integrity import crc32c_of, format_crc
+from ckptstore.manifest import MAX_JSON_FILE_BYTES
 from ckptstore.storage import LocalStorage, Storage, open_storage, wait_for_deletions
 from ckptstore.storage.remote import FsspecStorage
 
@@ -1002,6 +1006,53 @@ def test_retention_keeps_the_step_a_resume_restored_over_one_it_could_not_read(
         got = fresh_like(states[20])
         assert mgr.restore(got, step=22) == 22
         assert_same(dict(got["model"].state_dict()), model_sd(make_state(22)))
+
+
+# ckptstore inspect under an address space of 1 GiB (it never imports torch).
+_INSPECT_UNDER_1GIB = (
+    "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)); "
+    "from ckptstore.cli.main import main; sys.exit(main(sys.argv[1:]))"
+)
+
+
+@pytest.mark.timeout(120)
+def test_a_json_file_claimed_larger_than_a_save_writes_is_refused_unread(
+    local: StoreView, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Found by review: state.json made a sparse hole of gigabytes (no disk used), the
+    forged manifest claiming its size: load and inspect allocated it all, and read it, before
+    its CRC failed (3.4 GB and 17 s at 3 GiB)."""
+    states = saved(local, [1, 2])
+    step2 = Path(local.base) / step_dir(2)
+    size = MAX_JSON_FILE_BYTES + 1
+    os.truncate(step2 / "state.json", size)
+    m = step2 / MANIFEST
+    m.write_bytes(
+        forge_manifest(m.read_bytes(), lambda d: d["files"]["state.json"].update(bytes=size))
+    )
+    said = f"{step2}/state.json: {size} bytes of JSON, more than a save writes"
+    with CheckpointManager(local.url) as mgr:
+        with pytest.raises(IntegrityError, match=re.escape(said)):
+            mgr.load(2)
+        assert mgr.restore(fresh_like(states[1])) == 1  # the step before still loads
+    cmd = [sys.executable, "-c", _INSPECT_UNDER_1GIB, "inspect", local.base, "--step", "2"]
+    proc = subprocess.run(cmd, check=False, capture_output=True, text=True, timeout=100)
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert said in proc.stderr, proc.stderr
+
+
+def test_a_save_refuses_json_larger_than_a_reader_reads(
+    local: StoreView, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ckptstore.storage import pending
+
+    states = saved(local, [1])
+    monkeypatch.setattr(pending, "MAX_JSON_FILE_BYTES", 4096)
+    with CheckpointManager(local.url) as mgr:
+        with pytest.raises(CommitError, match=r"state\.json would be \d+ bytes of JSON, more than"):
+            mgr.save(2, {"order": list(range(2000))})  # a permutation kept as a list
+        assert mgr.steps() == [1]
+        assert mgr.restore(fresh_like(states[1])) == 1
 
 
 def test_tmp_directory_is_in_root(local: StoreView, monkeypatch: pytest.MonkeyPatch) -> None:

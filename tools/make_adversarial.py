@@ -292,7 +292,7 @@ def _(root: Path, outside: Path) -> None:
     "state.json claims 2**49 bytes (512 TiB): must be refused unread, not allocated",
     (1, "truncated or replaced"),
     FALLBACK,
-    _err("IntegrityError", "manifest says 562949953421312"),
+    _err("IntegrityError", "562949953421312 bytes of JSON, more than a save writes"),
 )
 def _(root: Path, outside: Path) -> None:
     good_store(root)

@@ -36,7 +36,7 @@ from ..layout import (
     tmp_dirname,
     trash_dirname,
 )
-from ..manifest import FileEntry, Manifest, validate_file_name
+from ..manifest import MAX_JSON_FILE_BYTES, FileEntry, Manifest, validate_file_name
 from . import manifests
 from .blockgate import READ_CHUNK, BlockGate, Consumer
 from .deletion import _deleter, wait_for_deletions
@@ -481,7 +481,12 @@ class Storage(abc.ABC):
         """
         # Allocated at the first chunk, once stream_file has checked the file's size against
         # the manifest: a hostile manifest claiming 2**49 bytes is an IntegrityError, not a
-        # MemoryError (or the OOM killer).
+        # MemoryError (or the OOM killer). A JSON file is never larger than a save writes.
+        if entry.codec == "json" and entry.bytes > MAX_JSON_FILE_BYTES:
+            raise IntegrityError(
+                f"{self.describe(step, name)}: {entry.bytes} bytes of JSON, more than a save "
+                f"writes ({MAX_JSON_FILE_BYTES}); the manifest is corrupt or hostile"
+            )
         bufs: list[bytearray] = []
 
         def into(offset: int, chunk: memoryview) -> None:

@@ -15,7 +15,7 @@ from typing import cast
 
 from ..errors import CommitError
 from ..integrity import CRCWriter
-from ..manifest import FileEntry, validate_payload_name
+from ..manifest import MAX_JSON_FILE_BYTES, FileEntry, validate_payload_name
 from .protocols import ChecksummingWriter, PendingStore
 
 __all__ = ["Pending"]
@@ -70,6 +70,16 @@ class Pending:
             self.files[name] = FileEntry(w.nbytes, w.crc, codec, compression, rank, w.blocks)
 
     def write_bytes(self, name: str, data: bytes, *, codec: str, rank: int | None = None) -> None:
-        """Write a small file in one go."""
+        """Write a small file in one go.
+
+        Raises:
+            CommitError: a JSON file larger than any reader reads (:data:`MAX_JSON_FILE_BYTES`).
+        """
+        if codec == "json" and len(data) > MAX_JSON_FILE_BYTES:
+            raise CommitError(
+                f"{name} would be {len(data)} bytes of JSON, more than the {MAX_JSON_FILE_BYTES} "
+                "a checkpoint may hold in one: store large plain data (long lists of numbers) "
+                "as tensors"
+            )
         with self.open(name, codec=codec, rank=rank) as w:
             w.write(data)
