@@ -522,6 +522,61 @@ def test_a_replica_failing_every_commit_fails_the_queued_steps_at_once(
     assert CheckpointManager(root).steps() == [2, 3, 4]
 
 
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize("mb", [2, 40])
+def test_an_endpoint_that_stops_answering_mid_upload_fails_close_in_bounded_time(
+    tmp_path: Path, mb: int
+) -> None:
+    """Found by review: the S3 server stopped (SIGSTOP: connections accepted, nothing
+    answered) while a step uploads, close() hung for good. botocore asks for 100-continue,
+    and aiohttp starts the read timeout only once a body is sent (a 2 MB PUT waited for the
+    100 forever); a 16 MiB part's body stalled in the socket, which no client timeout
+    covers. Now a request is answered within read_timeout or its body stalls past
+    replica_timeout: close() raises, the steps stay local."""
+    import os
+    import signal
+
+    from s3server import s3_server
+
+    timeout = healthy(2.0)
+    with s3_server() as ep:
+        opts = {**ep.storage_options, "config_kwargs": {"read_timeout": 2}}
+        mgr = CheckpointManager(
+            tmp_path / "a",
+            keep=1,
+            replica=ep.url("run"),
+            replica_options=opts,
+            replica_timeout=timeout,
+        )
+        mgr.save(1, make_state(1))
+        mgr.wait()
+        mgr.save(2, {"w": torch.rand(mb << 18)})
+        deadline = time.monotonic() + healthy(10.0)
+        while not any(r.method == "PUT" and step_dir(2) in r.path for r in ep.requests()):
+            assert time.monotonic() < deadline, "step 2's upload never began"
+            time.sleep(0.01)
+        os.kill(ep.pid, signal.SIGSTOP)
+        try:
+            box: list[BaseException | None] = []
+
+            def close() -> None:
+                try:
+                    mgr.close()
+                    box.append(None)
+                except BaseException as e:
+                    box.append(e)
+
+            t = threading.Thread(target=close, daemon=True)
+            t.start()
+            t.join(timeout + 120)
+            assert box, "close() still waits on the stopped endpoint"
+        finally:
+            os.kill(ep.pid, signal.SIGCONT)
+    assert isinstance(box[0], ReplicaUnavailableError), box[0]
+    assert "cannot be reached" in str(box[0])
+    assert CheckpointManager(tmp_path / "a").steps() == [2]  # kept: not on the replica
+
+
 @pytest.mark.parametrize("every", ["all", "latest"])
 def test_replica_every(
     tmp_path: Path, s3: S3Endpoint, url: str, every: str, caplog: pytest.LogCaptureFixture

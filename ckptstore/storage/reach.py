@@ -12,9 +12,9 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ..errors import CkptStoreError
+from ..errors import CkptStoreError, StoreUnreachableError
 
-__all__ = ["reaching", "remote_error", "unanswered"]
+__all__ = ["is_unreachable", "reaching", "remote_error", "unanswered"]
 
 
 _NO_CREDENTIALS = {
@@ -46,6 +46,24 @@ _REMOTE_MODULES = (
     "adlfs",
     "azure",
 )
+
+
+def is_unreachable(e: BaseException) -> bool:
+    """Whether ``e``, or an error it was raised from, says the endpoint did not answer.
+
+    No connection, or no answer within the client's timeouts.
+    """
+    seen: set[int] = set()
+    cur: BaseException | None = e
+    while cur is not None and id(cur) not in seen:
+        seen.add(id(cur))
+        names = {c.__name__ for c in type(cur).__mro__}
+        if names & _UNREACHABLE or isinstance(
+            cur, ConnectionError | TimeoutError | StoreUnreachableError
+        ):
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
 
 
 def remote_error(
@@ -108,8 +126,6 @@ def unanswered(storage: object, e: BaseException, rel: str) -> BaseException | N
     (``FsspecStorage._no_answer``: a ``StoreUnreachableError``), never a bad step: taken for
     one, it made resume skip the step and restore an older one (design rule 1).
     """
-    from ..errors import StoreUnreachableError
-
     if isinstance(e, StoreUnreachableError):
         return e
     if isinstance(e, FileNotFoundError | NotADirectoryError) or not isinstance(e, OSError):

@@ -206,6 +206,10 @@ class FsspecStorage(Storage):
         self._looks = threading.local()
         #: s3fs: new objects are written by :class:`~.s3upload.S3Upload`.
         self._s3 = is_s3(fs)
+        #: Seconds an upload's request body may sit unsent (the endpoint takes no byte)
+        #: before the upload fails (:attr:`~.s3upload.S3Upload.stall`); a replica's is its
+        #: ``replica_timeout``. ``None``: no limit.
+        self.upload_stall: float | None = None
 
     def _p(self, rel: str) -> str:
         return posixpath.join(self.path, rel) if rel else self.path
@@ -511,7 +515,8 @@ class FsspecStorage(Storage):
     def _open_write(self, rel: str) -> IO[bytes]:
         if self._s3:
             # Concurrent parts, each checked by the server against its MD5 (s3upload.py).
-            return S3Upload(self.fs, self._p(rel))  # type: ignore[return-value]
+            upload = S3Upload(self.fs, self._p(rel), stall=self.upload_stall)
+            return upload  # type: ignore[return-value]
         return _Upload(self.fs.open(self._p(rel), "wb"))  # type: ignore[return-value]
 
     def _finish_write(self, f: IO[bytes], rel: str) -> None:

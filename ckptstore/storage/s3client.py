@@ -88,11 +88,34 @@ def upload_fs(fs: Any) -> Any:
                 # our own then costs milliseconds, not a second of CPU.
                 options["session"] = fs.session
             clone = type(fs)(**options, loop=upload_loop(), asynchronous=False)
+            if isinstance(getattr(fs, "retries", None), int):
+                # s3fs's own retries (an attribute, not an option) come on top of botocore's
+                # attempts (3 in standard mode, with back-off, throttling included): the clone
+                # kept s3fs's 5, and an endpoint that took requests and answered none held an
+                # upload for 5 x 3 read timeouts a request. One s3fs try: botocore retries.
+                clone.retries = min(fs.retries, 1)
             clone.connect()  # its botocore client, made now on the upload loop
             for op in ("PutObject", "UploadPart"):
                 clone.s3.meta.events.register(f"before-call.s3.{op}", _ask_for_crc32c)
+            _no_expect_continue(clone.s3)
             _clones[key] = clone
     return clone
+
+
+def _no_expect_continue(client: Any) -> None:
+    """Send request bodies without waiting for ``100 Continue`` first.
+
+    botocore asks for it on every S3 request with a body (``Expect: 100-continue``), and
+    aiohttp starts the response's ``read_timeout`` only once the body is sent: an endpoint
+    that accepts the connection and then answers nothing (a hung server, a stalled proxy)
+    held an upload, and ``close()``, for good (found by review). Sent at once, a body the
+    endpoint does not take stalls in the socket instead, where
+    :attr:`~ckptstore.storage.s3upload.S3Upload.stall` ends it, and a body it takes is
+    answered within ``read_timeout``.
+    """
+    from botocore.handlers import add_expect_header
+
+    client.meta.events.unregister("before-call.s3", add_expect_header)
 
 
 def _ask_for_crc32c(params: Any, **_: Any) -> None:

@@ -84,12 +84,14 @@ import hashlib
 import os
 import re
 import threading
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..errors import IntegrityError
+from ..errors import IntegrityError, StoreUnreachableError
 from ..integrity import BlockCRC, BlockSums, SubBlocks, crc32c_combine, crc32c_of
 from ..tiers.uploadgate import UploadGate
+from .reach import is_unreachable
 from .s3client import _asking_crc32c, is_s3, upload_fs, upload_loop
 
 __all__ = [
@@ -180,6 +182,10 @@ class _Body:
         self._pos = 0
         #: For a body sent as it is written: how many of its bytes are there so far.
         self._ready = ready
+        #: When the slice the client is sending now was handed to it (``None`` while the
+        #: body waits for its bytes or at the gate, and once it is sent): a client that does
+        #: not ask for the next slice within the stall timeout cannot write to the socket.
+        self.handed_at: float | None = None
 
     def __len__(self) -> int:
         return len(self._mv) - self._pos
@@ -215,7 +221,9 @@ class _Body:
                     await asyncio.sleep(_STREAM_POLL)  # not copied in yet
             if self._gate is not None:
                 await self._gate.admit(len(piece))
+            self.handed_at = time.monotonic()
             yield piece
+            self.handed_at = None  # sent: the client asks for the next
 
 
 #: s3fs clones that refused S3's checksum arguments (see S3Upload._request).
@@ -259,6 +267,7 @@ class S3Upload(BlockSums):
         single_put: objects below this many bytes go as one PUT (default: that option,
             else :data:`SINGLE_PUT`); rounded up to whole parts.
         in_flight: parts of this object sent at once.
+        stall: see :attr:`stall` (a replica's ``replica_timeout``).
     """
 
     def __init__(
@@ -269,6 +278,7 @@ class S3Upload(BlockSums):
         part: int | None = None,
         single_put: int | None = None,
         in_flight: int = IN_FLIGHT,
+        stall: float | None = None,
     ) -> None:
         if part is None or single_put is None:
             # The store's own ``default_block_size`` option, where given, is its part size,
@@ -315,6 +325,11 @@ class S3Upload(BlockSums):
         self._streamed: bytearray | None = None
         self._filled = 0
         self._streaming: concurrent.futures.Future[Any] | None = None
+        #: Seconds a request body may sit with the client unable to send a slice of it (an
+        #: endpoint that accepts a connection and then takes no byte: no client timeout
+        #: covers a write) before the upload is aborted; ``None``: no limit.
+        self.stall = stall
+        self._bodies: list[_Body] = []
 
     # ---- the checksumming-writer interface -------------------------------------------
 
@@ -361,7 +376,7 @@ class S3Upload(BlockSums):
                 ask_crc32c=True,
                 Bucket=self.bucket,
                 Key=self.key,
-                Body=_Body(self._streamed, gate, ready=lambda: self._filled),
+                Body=self._body(self._streamed, ready=lambda: self._filled),
             )
 
     def _take_md5(self) -> bytes | None:
@@ -463,16 +478,20 @@ class S3Upload(BlockSums):
                     self._send(self._cur, self._part_crc(), self._take_md5())
                 self._cur = bytearray()
                 self._complete()
-        except BaseException:
-            self.abort()
+        except BaseException as e:
+            self.abort(ask=not is_unreachable(e))
             raise
         self._closed = True
         # A store that computes CRC32Cs but answered none for a request (a client s3fs
         # re-made without our hook): the caller reads the object back.
         self.verified = not self._unchecked
 
-    def abort(self) -> None:
-        """Drop what was written: parts in flight cancelled, the multipart upload aborted."""
+    def abort(self, *, ask: bool = True) -> None:
+        """Drop what was written: parts in flight cancelled, the multipart upload aborted.
+
+        ``ask=False``: the endpoint stopped answering; the multipart upload is left for the
+        next uploader's recover() to abort (asking would wait on the client's timeouts).
+        """
         self._closed = True
         self._cur = bytearray()
         streaming, self._streaming = self._streaming, None
@@ -487,7 +506,7 @@ class S3Upload(BlockSums):
                 fut.result(timeout=60)
         self._sent.clear()
         upload_id, self._upload_id = self._upload_id, None
-        if upload_id is not None:
+        if upload_id is not None and ask:
             with contextlib.suppress(Exception):  # recover() aborts what is left
                 self._call(
                     "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
@@ -504,7 +523,42 @@ class S3Upload(BlockSums):
         return asyncio.run_coroutine_threadsafe(coro, self._loop)
 
     def _call(self, method: str, **kw: Any) -> Any:
-        return self._submit(method, **kw).result()
+        return self._wait(self._submit(method, **kw))
+
+    def _body(self, data: Any, ready: Callable[[], int] | None = None) -> _Body:
+        """A request body of this upload, watched by :meth:`_wait`."""
+        self._bodies = [b for b in self._bodies if b.handed_at is not None]
+        body = _Body(data, self.gate, ready)
+        self._bodies.append(body)
+        return body
+
+    def _wait(self, fut: concurrent.futures.Future[Any]) -> Any:
+        """``fut.result()``; raises once a body of this upload stalls past :attr:`stall`.
+
+        Waiting for an answer is bounded by the client (``read_timeout``); writing a body
+        to a socket the endpoint no longer reads is not, and ``close()`` hung for good.
+
+        Raises:
+            StoreUnreachableError: a body sat unsent for :attr:`stall` seconds (the request
+                is cancelled; the caller aborts the upload).
+        """
+        if self.stall is None:
+            return fut.result()
+        while True:
+            try:
+                return fut.result(timeout=min(1.0, self.stall))
+            except concurrent.futures.TimeoutError:
+                if fut.done():
+                    raise
+            now = time.monotonic()
+            if any(
+                b.handed_at is not None and now - b.handed_at > self.stall for b in self._bodies
+            ):
+                fut.cancel()
+                raise StoreUnreachableError(
+                    f"s3://{self.path}: the object store took no byte of a request for "
+                    f"{self.stall:g}s (replica_timeout); the upload is aborted"
+                )
 
     def _store_checks(self) -> str:
         """What the store checks of a body (:meth:`_probe` once per client and bucket)."""
@@ -530,6 +584,7 @@ class S3Upload(BlockSums):
         body = b"ckptstore: does this store check the bytes it receives?\n"
         crc = _b64crc(crc32c_of(body))
         wrong = _b64crc(crc32c_of(body) ^ 0xFFFFFFFF)
+        answered = True  # an endpoint that answered nothing is not asked to delete
         try:
             try:
                 self._call(
@@ -550,10 +605,14 @@ class S3Upload(BlockSums):
             out = self._submit(
                 "put_object", ask_crc32c=True, Bucket=self.bucket, Key=key, Body=body
             )
-            return COMPUTES if out.result().get("ChecksumCRC32C") == crc else MD5
+            return COMPUTES if self._wait(out).get("ChecksumCRC32C") == crc else MD5
+        except BaseException as e:
+            answered = not is_unreachable(e)
+            raise
         finally:
-            with contextlib.suppress(Exception):
-                self._call("delete_object", Bucket=self.bucket, Key=key)
+            if answered:
+                with contextlib.suppress(Exception):
+                    self._call("delete_object", Bucket=self.bucket, Key=key)
 
     def _body_checks(
         self, crc: int, md5: bytes | None, body: Any
@@ -597,13 +656,13 @@ class S3Upload(BlockSums):
         remembered). Content-MD5, which every S3 store checks, is kept.
         """
         try:
-            return self._submit(method, ask_crc32c=ask_crc32c, **kw).result()
+            return self._wait(self._submit(method, ask_crc32c=ask_crc32c, **kw))
         except OSError as e:
             plain = {k: v for k, v in kw.items() if not k.startswith("Checksum")}
-            if plain == kw or not _refused_checksum(e):
+            if plain == kw or not _refused_checksum(e) or isinstance(e, StoreUnreachableError):
                 raise
             _takes_checksums[self._fs] = False
-            return self._submit(method, ask_crc32c=ask_crc32c, **plain).result()
+            return self._wait(self._submit(method, ask_crc32c=ask_crc32c, **plain))
 
     def _finish_streamed(self) -> None:
         """Check the size said, wait for the streamed PUT's reply and check it."""
@@ -614,7 +673,7 @@ class S3Upload(BlockSums):
                 f"s3://{self.path}: {self._filled} bytes were written, {len(self._streamed)} "
                 "said; the upload is aborted"
             )
-        out = self._streaming.result()
+        out = self._wait(self._streaming)
         self._streaming = None
         self._streamed = None
         self._check_reply(out, self._sum.crc, None, "the object")
@@ -628,7 +687,7 @@ class S3Upload(BlockSums):
             ask_crc32c=self._store_checks() == COMPUTES,
             Bucket=self.bucket,
             Key=self.key,
-            Body=_Body(body, self.gate),
+            Body=self._body(body),
             **checks,
         )
         self._check_reply(out, self._sum.crc, md5, "the object")
@@ -655,7 +714,7 @@ class S3Upload(BlockSums):
             Key=self.key,
             UploadId=self._upload_id,
             PartNumber=self._number,
-            Body=_Body(body, self.gate),
+            Body=self._body(body),
             **checks,
         )
         self._sent.append((self._number, md5, crc, fut))
@@ -675,7 +734,7 @@ class S3Upload(BlockSums):
 
     def _reap(self) -> None:
         number, md5, crc, fut = self._sent.pop(0)
-        out = fut.result()
+        out = self._wait(fut)
         self._check_reply(out, crc, md5, f"part {number}")
         self._done.append((number, md5, _etag(out), self._done_crc[number - 1]))
 

@@ -20,7 +20,8 @@ from ..errors import (
     ReplicaError,
 )
 from ..manifest import FileEntry, Manifest
-from ..storage import Pending, Storage, iomode
+from ..storage import LocalStorage, Pending, Storage, iomode
+from ..storage.reach import is_unreachable
 from .safety import mark_replicated
 from .uploadgate import UploadGate
 
@@ -172,9 +173,20 @@ def copy_files(
                     raise first
         if into is None:
             dst.commit(pending, manifest)
-    except BaseException:
+    except BaseException as e:
         if into is None:
-            dst.abort(pending)
+            if is_unreachable(e) and not isinstance(dst, LocalStorage):
+                # Removing what was sent would wait on the endpoint that stopped answering
+                # (30 s and more at the client's timeouts); the next uploader's recover()
+                # removes it, and nothing of it is visible meanwhile (no manifest).
+                log.warning(
+                    "%s did not answer; what was sent of step %d stays until the next "
+                    "upload cleans it",
+                    dst.root,
+                    pending.step,
+                )
+            else:
+                dst.abort(pending)
         raise
 
 

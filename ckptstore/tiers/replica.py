@@ -66,6 +66,7 @@ from ..errors import (
 from ..manifest import Manifest
 from ..retention import CheckpointInfo, RetentionPolicy, plan_deletions
 from ..storage import Storage
+from ..storage.reach import is_unreachable
 from . import nodes, upload_parts
 from .copy import _ATTEMPTS, _BACKOFF, DEFAULT_THREADS, _lower_priority, copy_files, fetch_step
 from .safety import (
@@ -552,7 +553,7 @@ class Replicator:
                 if (
                     attempt == _ATTEMPTS - 1
                     or self._stop
-                    or (isinstance(e, StoreUnreachableError) and late)
+                    or ((isinstance(e, StoreUnreachableError) or is_unreachable(e)) and late)
                 ):
                     raise
                 log.warning("upload of step %d failed (%s); trying again", step, e)
@@ -871,7 +872,7 @@ class Replicator:
         if err is not None:
             if isinstance(err, ReplicaError):
                 raise err
-            if isinstance(err, StoreUnreachableError):
+            if isinstance(err, StoreUnreachableError) or is_unreachable(err):
                 with self._cond:
                     held = sorted(self._failed)
                 raise ReplicaUnavailableError(

@@ -224,6 +224,8 @@ def open_replica(
     replica = open_storage(url, bounded_options(url, options, timeout))
     check_distinct(local, replica, url)
     _bound_fs(replica)
+    if hasattr(replica, "upload_stall"):
+        replica.upload_stall = timeout  # a body the endpoint stops taking fails the upload
     # Refused here, before a step is saved, on every rank alike (``agree``): a replica that
     # cannot be written would otherwise cost local steps or surface only at close().
     problem: BaseException | None = None
