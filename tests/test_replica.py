@@ -522,6 +522,35 @@ def test_a_replica_failing_every_commit_fails_the_queued_steps_at_once(
     assert CheckpointManager(root).steps() == [2, 3, 4]
 
 
+def test_steps_an_outage_failed_are_uploaded_once_the_replica_answers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Found by review: steps whose uploads the store failed (503) were never tried again
+    by the running manager; retention held them locally for the rest of the job."""
+    import s3fs
+    from s3server import s3_server
+
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)  # one try a request: no back-off
+    root = tmp_path / "a"
+    with s3_server() as ep:
+        url = ep.url("run")
+        opts = {**ep.storage_options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+        mgr = CheckpointManager(root, keep=1, replica=url, replica_options=opts, replica_keep=5)
+        with ep.refusing("PUT", "manifest.json", 503):
+            for s in (1, 2):
+                mgr.save(s, make_state(s))
+                with pytest.raises(ReplicaError):
+                    mgr.wait()
+        assert mgr.steps() == [1, 2]  # held: not on the replica
+        with caplog.at_level(logging.INFO, "ckptstore"):
+            mgr.save(3, make_state(3))
+            mgr.wait()  # 3 goes up, then 1 and 2 again: no error left
+        assert "steps [1, 2] are queued again" in caplog.text
+        assert replica_steps(ep, url) == [1, 2, 3]
+        assert mgr.steps() == [3]  # retention goes on
+        mgr.close()
+
+
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("mb", [2, 40])
 def test_an_endpoint_that_stops_answering_mid_upload_fails_close_in_bounded_time(

@@ -512,10 +512,34 @@ class Replicator:
                         # retries, so close() under a store answering 503 took ~12 s a
                         # queued step, whatever replica_timeout said.
                         self._down = e
+            else:
+                self._after_success()
             finally:
                 with self._cond:
                     self._busy = None
                     self._cond.notify_all()
+
+    def _after_success(self) -> None:
+        """The replica answers again: queue the steps the store failed before.
+
+        They were kept locally (retention holds them until they are safe there), and nothing
+        tried them again: an outage of a few saves pinned those steps on the local disk for
+        the rest of the job (found by review). A step that failed for its own reason (a bad
+        local copy) is not tried again.
+        """
+        with self._cond:
+            again = [
+                s
+                for s, e in self._failed.items()
+                if isinstance(e, StoreUnreachableError) or _store_failed(e) or is_unreachable(e)
+            ]
+            for s in again:
+                del self._failed[s]
+                self._pending.add(s)
+            if again and self._error is not None and self._error not in self._failed.values():
+                self._error = None  # its steps are queued again: wait() raises what they do
+            if again:
+                log.info("the replica answers again: steps %s are queued again", sorted(again))
 
     def _look_up(self, steps: set[int]) -> None:
         """Look up on this thread whether ``steps``, held by local retention, are safe now.
