@@ -522,6 +522,29 @@ def test_a_replica_failing_every_commit_fails_the_queued_steps_at_once(
     assert CheckpointManager(root).steps() == [2, 3, 4]
 
 
+def test_a_damaged_local_copy_of_a_replicated_step_is_not_an_upload_failure(
+    tmp_path: Path, s3: S3Endpoint, url: str
+) -> None:
+    """Found by review: the local manifest of step 2 torn, the replica holding the step
+    whole: the new manager queued it for upload, the upload failed ("cannot upload"), and
+    wait()/close() raised ReplicaError though restore repaired the step from the replica."""
+    root = tmp_path / "a"
+    states = {s: make_state(s) for s in (1, 2)}
+    with tiered(root, s3, url, keep=5) as mgr:
+        for s, state in states.items():
+            mgr.save(s, state)
+        mgr.wait()
+    m = root / step_dir(2) / "manifest.json"
+    m.write_bytes(m.read_bytes()[:40])
+    with tiered(root, s3, url, keep=5) as mgr:
+        mgr.wait()  # its queued upload of step 2 ran first: no error
+        target = fresh_like(states[2])
+        assert mgr.restore(target) == 2  # repaired from the replica
+        assert_same(snapshot(target), snapshot(states[2]))
+        assert mgr.verify(2).ok
+    assert replica_steps(s3, url) == [1, 2]
+
+
 def test_steps_an_outage_failed_are_uploaded_once_the_replica_answers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:

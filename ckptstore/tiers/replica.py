@@ -583,6 +583,17 @@ class Replicator:
                 log.warning("upload of step %d failed (%s); trying again", step, e)
                 time.sleep(_BACKOFF * 2**attempt)
 
+    def _replica_holds(self, step: int) -> bool:
+        """Whether the replica holds ``step`` and it verifies there (deep)."""
+        from ..ops.verify import verify_checkpoint  # ops imports the tiers
+
+        try:
+            if step not in self.replica.list_steps():
+                return False
+            return verify_checkpoint(self.replica, step, deep=True).ok
+        except (OSError, CkptStoreError):
+            return False
+
     def upload_step(self, step: int) -> bool:
         """Upload one committed local step now, in the caller's thread.
 
@@ -605,6 +616,17 @@ class Replicator:
         except (FileNotFoundError, CkptStoreError) as e:
             if step not in self.local.list_steps():
                 log.info("step %d was deleted locally before its upload", step)
+                return False
+            if self._replica_holds(step):
+                # A damaged local copy of a step the replica holds whole: nothing to upload
+                # (a restore repairs the local copy from it). Raised, it failed the next
+                # wait()/close() of a job whose restore had just repaired the step.
+                log.warning(
+                    "the local copy of step %d is damaged (%s); the replica holds the step, "
+                    "so it is not uploaded (a restore repairs the local copy from it)",
+                    step,
+                    e,
+                )
                 return False
             raise ReplicaError(f"cannot upload {self.local.describe(step)}: {e}") from e
         if self.rank is not None and upload_parts.is_per_rank(manifest):
