@@ -235,7 +235,7 @@ def test_ls_shows_tiers_and_upload_state(
         rows = [ln for ln in out.splitlines() if ln.split()[:1] in (["1"], ["2"]) and "B " in ln]
         lines = {ln.split()[0]: ln for ln in rows}
         assert lines["1"].endswith("local+replica")
-        assert lines["2"].endswith("local (uploading)")
+        assert lines["2"].endswith("local only")
         assert f"replica: {url}" in out
         data = json.loads(cli(capsys, "ls", root, "--json")[1])
         assert [(d["step"], d["tiers"], d["uploaded"]) for d in data] == [
@@ -243,6 +243,14 @@ def test_ls_shows_tiers_and_upload_state(
             (2, ["local"], False),
         ]
         mgr.replica.resume()
+    # replica_keep=1 deleted step 1 from the replica once 2 was there. Its marker says it
+    # was safe there; the replica's own listing says what it holds now (found by review:
+    # `ls --replica` took the marker's word).
+    rc, out = cli(capsys, "ls", root, "--replica", url, "--json", *s3.cli_options)
+    assert [(d["step"], d["tiers"]) for d in json.loads(out)] == [
+        (1, ["local"]),
+        (2, ["local", "replica"]),
+    ]
     shutil.rmtree(root / step_dir(1))  # only on the replica now (and 2 in both)
     rc, out = cli(capsys, "ls", root, "--replica", url, "--json", *s3.cli_options)
     assert rc == 0

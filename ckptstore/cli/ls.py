@@ -53,7 +53,8 @@ def print_listings(res: Listings) -> None:
 def _tiers_text(s: StepInfo) -> str:
     if s.tiers == ("replica",):
         return "replica"
-    return "local+replica" if s.uploaded else "local (uploading)"
+    # Not "uploading": a listing cannot know whether an upload runs, or failed.
+    return "local+replica" if s.uploaded else "local only"
 
 
 def ranks_text(ranks: list[int], world: int) -> str:

@@ -148,7 +148,7 @@ def _with_tiers(
 ) -> StoreListing:
     """Add each step's tiers and upload state to the listing of a local store.
 
-    From the ``replicated`` markers, and the replica's own listing when its URL is given
+    From the ``replicated`` markers, or the replica's own listing when its URL is given
     (``ls --replica URL``).
     """
     url = replica or read_replica_url(storage)
@@ -166,7 +166,9 @@ def _with_tiers(
         with reaching(replica):
             remote = set(open_storage(replica, options).list_steps())
     for s in res.steps:
-        s.uploaded = s.step in done or s.step in remote
+        # The replica's own listing, where given, is the truth: a marker records what was
+        # safe there once, and the replica's retention may have deleted the step since.
+        s.uploaded = s.step in remote if replica is not None else s.step in done
         s.tiers = ("local", "replica") if s.uploaded else ("local",)
     have = {s.step for s in res.steps}
     res.steps.extend(StepInfo(s, False, tiers=("replica",)) for s in remote - have)
