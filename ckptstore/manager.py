@@ -70,8 +70,10 @@ class CheckpointManager:
             (``ckptstore ls``, ``gc``, ``prune``, ``rm``, ``pin``).
         replica: a second tier: any fsspec URL (``s3://bucket/run1``). ``save`` commits to
             ``root`` as without it; each committed step is then uploaded in the background
-            (payloads, then the manifest; every file read back and checked). Local retention
-            keeps a step until it, or a newer one, is safe there; ``resume``/``restore``
+            (payloads, then the manifest; every file checked on its way up: by the server
+            where it checks the bytes it receives, as S3 does, else read back). Local
+            retention keeps a step until it is safe there (with
+            ``replica_every="latest"``: until it or a newer one is); ``resume``/``restore``
             take the newest step that verifies in either tier (a replica step is fetched
             into ``root`` first); ``wait``/``close`` wait for the uploads.
         replica_keep: the replica's retention, as ``keep`` (default: the same as ``keep``).
