@@ -567,16 +567,17 @@ def test_steps_an_outage_failed_are_uploaded_once_the_replica_answers(
         url = ep.url("run")
         opts = {**ep.storage_options, "config_kwargs": {"retries": {"max_attempts": 1}}}
         mgr = CheckpointManager(root, keep=1, replica=url, replica_options=opts, replica_keep=5)
+        mgr.save(1, make_state(1))
+        mgr.wait()
         with ep.refusing("PUT", "manifest.json", 503):
-            for s in (1, 2):
-                mgr.save(s, make_state(s))
-                with pytest.raises(ReplicaError):
-                    mgr.wait()
-        assert mgr.steps() == [1, 2]  # held: not on the replica
+            mgr.save(2, make_state(2))
+            with pytest.raises(ReplicaError):
+                mgr.wait()
+        assert mgr.steps() == [2]  # held: not on the replica
         with caplog.at_level(logging.INFO, "ckptstore"):
             mgr.save(3, make_state(3))
-            mgr.wait()  # 3 goes up, then 1 and 2 again: no error left
-        assert "steps [1, 2] are queued again" in caplog.text
+            mgr.wait()  # 3 goes up, then 2 again: no error left
+        assert "steps [2] are queued again" in caplog.text
         assert replica_steps(ep, url) == [1, 2, 3]
         assert mgr.steps() == [3]  # retention goes on
         mgr.close()
@@ -635,6 +636,23 @@ def test_an_endpoint_that_stops_answering_mid_upload_fails_close_in_bounded_time
     assert isinstance(box[0], ReplicaUnavailableError), box[0]
     assert "cannot be reached" in str(box[0])
     assert CheckpointManager(tmp_path / "a").steps() == [2]  # kept: not on the replica
+
+
+def test_the_replica_holds_what_replica_keep_promises_after_a_backlog(
+    tmp_path: Path, s3: S3Endpoint, url: str
+) -> None:
+    """Found by review: uploads go newest first, and each older step just uploaded was
+    spared by the replica's retention: 5 queued saves with keep=2 left 3 there."""
+    root = tmp_path / "a"
+    with tiered(root, s3, url, keep=2) as mgr:
+        assert mgr.replica is not None
+        mgr.replica.pause()
+        for s in range(5):
+            mgr.save(s, make_state(s))
+        mgr.replica.resume()
+        mgr.wait()
+        assert replica_steps(s3, url) == [3, 4]
+        assert mgr.steps() == [3, 4]
 
 
 @pytest.mark.parametrize("every", ["all", "latest"])

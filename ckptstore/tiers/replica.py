@@ -868,8 +868,11 @@ class Replicator:
     ) -> list[int]:
         """Apply the replica's retention policy; returns the deleted steps.
 
-        Never deletes the newest step, a pinned one, or ``just`` (the step just uploaded and
-        verified).
+        Never deletes the newest step, a pinned one, or the newest of the steps known safe
+        there (``just``, the step just uploaded and verified, or a newer one). An older step
+        uploaded after newer ones (uploads go newest first) is pruned as the policy says:
+        kept because it was just uploaded, the replica held more than ``replica_keep``
+        (found by review).
         """
         if self.policy is None:
             return []
@@ -881,7 +884,11 @@ class Replicator:
         for s, m in (known or {}).items():
             metrics[s] = m.metrics
         infos = [CheckpointInfo(s, metrics.get(s, {})) for s in steps]
-        doomed = plan_deletions(infos, self.policy, last_good=just)
+        with self._cond:
+            good = max((s for s in steps if s in self.safe), default=just)
+        if just is not None and (good is None or just > good):
+            good = just
+        doomed = plan_deletions(infos, self.policy, last_good=good)
         deleted = []
         for s in doomed:
             if self.replica.is_pinned(s):

@@ -315,7 +315,7 @@ def test_two_ranks_per_node_on_two_nodes(
         assert header.split()[-3:] == ["pinned", "here", "tiers"]
         # Every node records its replica (not only the one whose uploader put the manifest);
         # a node learns that the step is complete there only from a later listing of it.
-        assert row.endswith(("local+replica", "local (uploading)"))
+        assert row.endswith(("local+replica", "local only"))
         assert row.split()[0] == "1"
         assert here in row
         assert "1 step holds only some ranks' files here (node-local roots" in out
