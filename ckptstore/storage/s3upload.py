@@ -85,6 +85,7 @@ import os
 import re
 import threading
 import time
+import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -329,7 +330,9 @@ class S3Upload(BlockSums):
         #: endpoint that accepts a connection and then takes no byte: no client timeout
         #: covers a write) before the upload is aborted; ``None``: no limit.
         self.stall = stall
-        self._bodies: list[_Body] = []
+        #: The request bodies in flight, watched by :meth:`_wait` (weakly: a body is the
+        #: request's, and holds a part's buffer until the request is done with it).
+        self._bodies: list[weakref.ref[_Body]] = []
 
     # ---- the checksumming-writer interface -------------------------------------------
 
@@ -527,10 +530,20 @@ class S3Upload(BlockSums):
 
     def _body(self, data: Any, ready: Callable[[], int] | None = None) -> _Body:
         """A request body of this upload, watched by :meth:`_wait`."""
-        self._bodies = [b for b in self._bodies if b.handed_at is not None]
+        self._bodies = [r for r in self._bodies if r() is not None]
         body = _Body(data, self.gate, ready)
-        self._bodies.append(body)
+        self._bodies.append(weakref.ref(body))
         return body
+
+    def _stalled(self, stall: float) -> bool:
+        """Whether a body in flight has had a slice unsent for ``stall`` seconds."""
+        now = time.monotonic()
+        for ref in self._bodies:
+            body = ref()
+            handed = None if body is None else body.handed_at
+            if handed is not None and now - handed > stall:
+                return True
+        return False
 
     def _wait(self, fut: concurrent.futures.Future[Any]) -> Any:
         """``fut.result()``; raises once a body of this upload stalls past :attr:`stall`.
@@ -550,10 +563,7 @@ class S3Upload(BlockSums):
             except concurrent.futures.TimeoutError:
                 if fut.done():
                     raise
-            now = time.monotonic()
-            if any(
-                b.handed_at is not None and now - b.handed_at > self.stall for b in self._bodies
-            ):
+            if self._stalled(self.stall):
                 fut.cancel()
                 raise StoreUnreachableError(
                     f"s3://{self.path}: the object store took no byte of a request for "
