@@ -326,8 +326,8 @@ class S3Upload(BlockSums):
         self._streamed: bytearray | None = None
         self._filled = 0
         self._streaming: concurrent.futures.Future[Any] | None = None
-        #: Seconds a request body may sit with the client unable to send a slice of it (an
-        #: endpoint that accepts a connection and then takes no byte: no client timeout
+        #: Seconds one slice of a request body (``_SEND_SLICE``, 1 MiB) may take to go out
+        #: (an endpoint that accepts a connection and then takes no byte: no client timeout
         #: covers a write) before the upload is aborted; ``None``: no limit.
         self.stall = stall
         #: The request bodies in flight, watched by :meth:`_wait` (weakly: a body is the
@@ -566,8 +566,8 @@ class S3Upload(BlockSums):
             if self._stalled(self.stall):
                 fut.cancel()
                 raise StoreUnreachableError(
-                    f"s3://{self.path}: the object store took no byte of a request for "
-                    f"{self.stall:g}s (replica_timeout); the upload is aborted"
+                    f"s3://{self.path}: the object store took less than 1 MiB of a request "
+                    f"in {self.stall:g}s (replica_timeout); the upload is aborted"
                 )
 
     def _store_checks(self) -> str:
