@@ -666,6 +666,11 @@ def test_a_store_another_writer_committed_is_named(tmp_path: Path) -> None:
     ), e.value
     CkptStoreIO().save_checkpoint({"global_step": 1}, tmp_path / "own.ckpt")
     assert CkptStoreIO().load_checkpoint(tmp_path / "own.ckpt") == {"global_step": 1}
+    # Beside a corrupt last.ckpt, the fall-back passes over the other writer's store.
+    CkptStoreIO().save_checkpoint({"global_step": 2}, tmp_path / "last.ckpt")
+    (payload,) = (tmp_path / "last.ckpt").glob("step-*/state.json")
+    payload.write_bytes(payload.read_bytes().replace(b"2", b"3"))  # a digit rots
+    assert CkptStoreIO().load_checkpoint(tmp_path / "last.ckpt") == {"global_step": 1}
 
 
 def test_fsspec_url(tmp_path: Path) -> None:

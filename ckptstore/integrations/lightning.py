@@ -512,8 +512,10 @@ class CkptStoreIO(CheckpointIO):
             except (CkptStoreError, OSError):
                 continue  # unreadable: it cannot be the one to load either
             info = manifest.metadata.get("lightning")
-            gs = _int_or(info.get("global_step"), None) if isinstance(info, dict) else None
-            full = not (isinstance(info, dict) and info.get("weights_only") is True)
+            if not isinstance(info, dict):
+                continue  # another writer's store (_refuse_foreign): never a fall-back
+            gs = _int_or(info.get("global_step"), None)
+            full = info.get("weights_only") is not True
             found.append(((full, manifest.created, gs if gs is not None else -1), candidate, gs))
         found.sort(key=lambda f: f[0], reverse=True)
         return [(c, gs) for _, c, gs in found]
