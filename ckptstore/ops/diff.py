@@ -15,6 +15,7 @@ from typing import Any
 
 import torch
 
+from .._fmt import key_text
 from ..codec.tree import np
 from ..sharded.consolidate import StepTensors, TensorRef
 from .stores import committed_step, open_store, reaching
@@ -115,27 +116,12 @@ def _equal_but_nans(x: torch.Tensor, y: torch.Tensor) -> bool:
 
 
 def _component(p: Any) -> str:
-    """One key of a leaf's path as ``diff`` prints it; no two keys print the same.
+    """One key of a leaf's path as ``diff`` prints it, joined with ``/``.
 
-    A state's dict keys are strings and ints. A string prints as itself unless it reads as
-    an int (``"1"`` beside the key ``1``) or holds a ``/`` or a quote: then quoted
-    (``repr``); an int prints as its digits. Printed with ``str``, the int 1 and the string
-    "1", or ``{"a/b": x}`` and ``{"a": {"b": y}}``, were one path: the second hid the first,
-    and diff called two changed tensors "same".
+    No two keys print the same, or diff called two changed tensors "same"
+    (:func:`~ckptstore._fmt.key_text`).
     """
-    if not isinstance(p, str):
-        return str(p) if type(p) is int else repr(p)
-    if not p or "/" in p or "'" in p or '"' in p or _reads_as_int(p):
-        return repr(p)
-    return p
-
-
-def _reads_as_int(text: str) -> bool:
-    try:
-        int(text)
-    except ValueError:
-        return False
-    return True
+    return key_text(p, "/")
 
 
 def _leaves(src: StepTensors) -> dict[str, Any]:

@@ -15,7 +15,7 @@ import os
 from collections.abc import Mapping
 from typing import Any
 
-from .._fmt import created_json, metric_json
+from .._fmt import created_json, key_text, metric_json
 from ..codec import strictjson
 from ..codec.dtypes import ITEMSIZE
 from ..errors import IntegrityError
@@ -225,17 +225,9 @@ def _tensor_names(paths: list[list[Any]]) -> list[str]:
     plain = [_dotted(p) or "_" for p in paths]
     counts = collections.Counter(plain)
     return [
-        name if counts[name] == 1 else ".".join(_quoted(c) for c in path) or "_"
+        name if counts[name] == 1 else ".".join(key_text(c, ".") for c in path) or "_"
         for path, name in zip(paths, plain, strict=True)
     ]
-
-
-def _quoted(key: Any) -> str:
-    if not isinstance(key, str):
-        return str(key)
-    if not key or "." in key or "'" in key or '"' in key or key.lstrip("-").isdigit():
-        return repr(key)
-    return key
 
 
 def _summary(node: Any) -> str:
