@@ -445,10 +445,7 @@ def _read_dcp_metadata(path: str) -> Any:
     from torch.distributed.checkpoint.metadata import Metadata
 
     where = os.path.join(path, DCP_METADATA)
-    fd = open_nonblocking(where, os.O_RDONLY)  # a FIFO there must not block the import
-    if not stat.S_ISREG(os.fstat(fd).st_mode):
-        os.close(fd)
-        raise IntegrityError(f"{where}: not a regular file")
+    fd = _regular(open_nonblocking(where, os.O_RDONLY), where)  # a FIFO must not block it
     try:
         with os.fdopen(fd, "rb") as f:
             md = _MetadataUnpickler(f).load()
@@ -477,9 +474,14 @@ def _open_item_file(path: str, rel: Any) -> int:
         if e.errno == errno.ELOOP:
             raise IntegrityError(f"{path}/{rel}: a symlink; refused") from None
         raise IntegrityError(f"{path}/{rel}: cannot open ({e.strerror})") from None
+    return _regular(fd, f"{path}/{rel}")
+
+
+def _regular(fd: int, where: str) -> int:
+    """``fd``, where it is a regular file; else closed and refused."""
     if not stat.S_ISREG(os.fstat(fd).st_mode):
         os.close(fd)
-        raise IntegrityError(f"{path}/{rel}: not a regular file")
+        raise IntegrityError(f"{where}: not a regular file")
     return fd
 
 

@@ -57,13 +57,16 @@ def is_unreachable(e: BaseException) -> bool:
     cur: BaseException | None = e
     while cur is not None and id(cur) not in seen:
         seen.add(id(cur))
-        names = {c.__name__ for c in type(cur).__mro__}
-        if names & _UNREACHABLE or isinstance(
-            cur, ConnectionError | TimeoutError | StoreUnreachableError
-        ):
+        if _no_answer(cur) or isinstance(cur, StoreUnreachableError):
             return True
         cur = cur.__cause__ or cur.__context__
     return False
+
+
+def _no_answer(e: BaseException) -> bool:
+    """Whether the client's error ``e`` itself says: no connection, or no answer in time."""
+    names = {c.__name__ for c in type(e).__mro__}
+    return bool(names & _UNREACHABLE) or isinstance(e, ConnectionError | TimeoutError)
 
 
 def remote_error(
@@ -86,7 +89,7 @@ def remote_error(
             "(AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY, or AWS_PROFILE) or pass them as "
             "storage options (key=..., secret=...)"
         )
-    if names & _UNREACHABLE or isinstance(e, ConnectionError | TimeoutError):
+    if _no_answer(e):
         return cls(
             f"{where}: cannot reach the storage endpoint ({text}); check the endpoint_url "
             "storage option, the network, and that the service is up"

@@ -206,8 +206,8 @@ class FsspecStorage(Storage):
         self._looks = threading.local()
         #: s3fs: new objects are written by :class:`~.s3upload.S3Upload`.
         self._s3 = is_s3(fs)
-        #: Seconds an upload's request body may sit unsent (the endpoint takes no byte)
-        #: before the upload fails (:attr:`~.s3upload.S3Upload.stall`); a replica's is its
+        #: Seconds a 1 MiB slice of an upload's request body may take to go out before the
+        #: upload fails (:attr:`~.s3upload.S3Upload.stall`); a replica's is its
         #: ``replica_timeout``. ``None``: no limit.
         self.upload_stall: float | None = None
 

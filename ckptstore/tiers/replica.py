@@ -528,11 +528,7 @@ class Replicator:
         local copy) is not tried again.
         """
         with self._cond:
-            again = [
-                s
-                for s, e in self._failed.items()
-                if isinstance(e, StoreUnreachableError) or _store_failed(e) or is_unreachable(e)
-            ]
+            again = [s for s, e in self._failed.items() if _store_failed(e) or is_unreachable(e)]
             for s in again:
                 del self._failed[s]
                 self._pending.add(s)
@@ -574,11 +570,7 @@ class Replicator:
                 # request that cannot connect fails within a third of it: see
                 # twotier.bounded_options), so wait()/close() raise within the timeout.
                 late = time.monotonic() - t0 > self.timeout / 2
-                if (
-                    attempt == _ATTEMPTS - 1
-                    or self._stop
-                    or ((isinstance(e, StoreUnreachableError) or is_unreachable(e)) and late)
-                ):
+                if attempt == _ATTEMPTS - 1 or self._stop or (is_unreachable(e) and late):
                     raise
                 log.warning("upload of step %d failed (%s); trying again", step, e)
                 time.sleep(_BACKOFF * 2**attempt)
@@ -925,7 +917,7 @@ class Replicator:
         if err is not None:
             if isinstance(err, ReplicaError):
                 raise err
-            if isinstance(err, StoreUnreachableError) or is_unreachable(err):
+            if is_unreachable(err):
                 with self._cond:
                     held = sorted(self._failed)
                 raise ReplicaUnavailableError(
