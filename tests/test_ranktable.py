@@ -172,6 +172,54 @@ def test_a_fifo_in_the_store_blocks_no_reader(
         assert stat.S_ISFIFO(os.lstat(fifo).st_mode)  # read around, never written or removed
 
 
+def test_a_part_pointing_into_another_ranks_file_is_refused_and_restore_falls_back(
+    store: Path,
+) -> None:
+    """Rank 1's index part points its chunk of model/cols into rank 0's shard file (inside
+    it, its CRC left); the part and the rank table re-signed as an attacker would. A rank
+    reading that part alone restored rank 0's bytes as its own (found by review)."""
+    from ckptstore.integrity import crc32c_of, format_crc
+
+    step = store / STEP
+    part = step / "_index.rank00001.json"
+    doc = json.loads(part.read_bytes())
+    doc["chunks"]["model/cols"][0]["file"] = "_shards.rank00000.safetensors"
+    body = json.dumps(doc, separators=(",", ":")).encode()
+    part.write_bytes(body)
+    table = step / RANK_TABLE_NAME
+    data = table.read_bytes()
+    width = len(data) // 2
+    files = json.loads(data[width:])["files"]
+    files["_index.rank00001.json"].update(bytes=len(body), crc32c=format_crc(crc32c_of(body)))
+    canon = json.dumps({"files": files, "rank": 1}, sort_keys=True, separators=(",", ":"))
+    line = json.dumps(
+        {"crc32c": format_crc(crc32c_of(canon.encode())), "files": files, "rank": 1},
+        sort_keys=True,
+        separators=(",", ":"),
+    ).encode()
+    assert len(line) < width
+    table.write_bytes(data[:width] + line.ljust(width - 1) + b"\n")
+    m = step / "manifest.json"
+    m.write_bytes(
+        forge_manifest(
+            m.read_bytes(),
+            lambda d: d["files"][RANK_TABLE_NAME].update(
+                crc32c=format_crc(crc32c_of(table.read_bytes()))
+            ),
+        )
+    )
+    said = "'model/cols' chunk 0 lies in _shards.rank00000.safetensors, which rank 1 did not write"
+    mgr = CheckpointManager(store)
+    report = mgr.verify(7)
+    assert not report.ok
+    assert any(said in p for p in report.problems), report.problems
+    with pytest.raises(IntegrityError, match=said):
+        mgr.load(7)
+    target: dict[str, Any] = {"model": {"w": torch.zeros(7, 3)}, "step": 0}
+    assert mgr.restore(target, strict=False) == 6  # the step before still loads
+    assert target["model"]["w"].tolist() == [[(3 * r + c) / 4 for c in range(3)] for r in range(7)]
+
+
 # Under an address space of 1 GiB: a table read whole (2 GiB) cannot be.
 _UNDER_1GIB = (
     "import resource, sys; resource.setrlimit(resource.RLIMIT_AS, (1 << 30, 1 << 30)); "
