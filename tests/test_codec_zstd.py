@@ -6,6 +6,7 @@ import io
 import json
 import logging
 import tracemalloc
+import zipfile
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,15 @@ import crc32c
 import pytest
 import torch
 import zstandard
-from _helpers import assert_same, fresh_like, make_state, plant_zstd_bomb, step_dir, zeros_frame
+from _helpers import (
+    assert_same,
+    fresh_like,
+    make_state,
+    plant_zstd_bomb,
+    replace_payload,
+    step_dir,
+    zeros_frame,
+)
 
 from ckptstore import CheckpointManager, IntegrityError
 from ckptstore import cli as cli_mod
@@ -745,3 +754,40 @@ def test_verify_streams_a_compressed_payload_without_block_crcs(
         report.problems
     )
     assert not any("zstd stream" in p for p in report.problems), report.problems
+
+
+@pytest.mark.parametrize(
+    "command", [["export", "--hf"], ["export", "--dcp"], ["diff"]], ids=["hf", "dcp", "diff"]
+)
+def test_export_and_diff_inflate_a_payload_only_as_far_as_its_state_file_allows(
+    tmp_path: Path, command: list[str], capsys: pytest.CaptureFixture[str]
+) -> None:
+    # A torch-format payload is not laid out as torch.save writes it (its first member is
+    # not data.pkl), so it is inflated whole, and 1 GiB of zeros follows its content.
+    # Export and diff read it through StepTensors, which inflated it without a bound.
+    root = tmp_path / "z"
+    states = {s: make_state(s) for s in (1, 2)}
+    with CheckpointManager(root, format="torch", compression="zstd") as mgr:
+        for s, state in states.items():
+            mgr.save(s, state)
+    name = "model.pt.zst"
+    path = root / step_dir(2) / name
+    pt = zstandard.ZstdDecompressor().decompressobj().decompress(path.read_bytes())
+    out = io.BytesIO()
+    with zipfile.ZipFile(io.BytesIO(pt)) as src, zipfile.ZipFile(out, "w") as dst:
+        for info in sorted(src.infolist(), key=lambda i: not i.filename.endswith("data.pkl")):
+            dst.writestr(info, src.read(info))  # data.pkl last
+    bomb = zstandard.ZstdCompressor(level=1).compress(out.getvalue()) + zeros_frame()
+    replace_payload(root / step_dir(2), name, bomb)
+    argv = (
+        [command[0], str(root), "1", "2"]
+        if command == ["diff"]
+        else [*command[:1], str(root), "--step", "2", *command[1:], str(tmp_path / "out")]
+    )
+    code, peak = peak_bytes(lambda: cli_mod.main(argv))
+    assert code == 1
+    assert peak < 64 << 20, f"{command}: {peak} bytes"
+    err = capsys.readouterr().err
+    assert f"{path}: zstd stream inflates past the " in err
+    assert "its tensors in the state file can take" in err
+    assert not (tmp_path / "out").exists()

@@ -43,7 +43,7 @@ from ..errors import (
     PathNotFoundError,
 )
 from ..layout import state_file
-from ..manifest import Manifest
+from ..manifest import FileEntry, Manifest
 from ..ops.single import fsync_path
 from ..storage.base import Storage
 from ..storage.ranges import RangeReader
@@ -206,6 +206,8 @@ class StepTensors:
         vals = root.get("vals") if isinstance(root, dict) else None
         if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
             raise IntegrityError(f"{self.where}/{sname}: malformed root; the checkpoint is corrupt")
+        self._vals = vals  # what each payload's tensors take (``_limit``)
+        self._stored: dict[str, dict[str, tuple[int, int]]] | None = None
         self._nodes: dict[Any, Any] = {}
         self.kinds: dict[Any, str | None] = {}
         self.owners: dict[Any, Any] = {}
@@ -435,13 +437,27 @@ class StepTensors:
                 return torch.frombuffer(buf, dtype=dtype).reshape(shape)
             if self._whole is None or self._whole[0] != n:
                 self._whole = None  # at most one whole payload in memory
-                part = payload_codec.read_group(self.storage, self.step, n, fe)
+                part = payload_codec.read_group(
+                    self.storage, self.step, n, fe, limit=self._limit(group, fe)
+                )
                 self.bytes_read += fe.bytes
                 self._whole = (n, part)
             t = self._whole[1].get(key)
             if t is not None:
                 return t
         raise IntegrityError(f"{self.where}: tensor {key!r} missing from payload {group!r}")
+
+    def _limit(self, group: str, entry: FileEntry) -> int | None:
+        """How far a compressed payload of ``group`` may inflate (as a restore bounds it).
+
+        What its tensors in ``state.json`` take; None for an uncompressed one, which the
+        manifest's size bounds.
+        """
+        if entry.compression is None:
+            return None
+        if self._stored is None:
+            self._stored = payload_codec.stored_tensors(self._vals)
+        return payload_codec.max_payload_bytes(self._stored.get(group, {}))
 
     def close(self) -> None:
         """Close the files opened for reading."""
