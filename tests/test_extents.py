@@ -565,6 +565,28 @@ def test_a_step_deleted_before_its_read_is_an_integrity_error_not_a_crash(
         reader.record_read("buffered", 1 << 30, 1.0)  # nothing to record it against
 
 
+def test_a_range_past_the_file_is_refused_before_its_buffer_is_made(
+    mesh: object, tmp_path: Path
+) -> None:
+    """A forged chunk asking for 16 TiB of a small file: ``RangeReader.read`` made the
+    zero-filled buffer first (3.4 GB of RSS for a 3 GiB claim, a MemoryError for this one),
+    and only then found the file too short (found by review)."""
+    from ckptstore.storage.local import LocalStorage
+
+    model, opt = _build(mesh, 1)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "optimizer": opt})
+    storage = LocalStorage(str(tmp_path / "s"))
+    files = storage.read_manifest(1).files
+    name = next(n for n in files if n.startswith("_shards."))
+    with storage.range_reader(1, files) as reader:
+        with pytest.raises(IntegrityError, match=r"run past the file \(\d+ bytes\)"):
+            reader.read(name, 8, 1 << 44)
+        with pytest.raises(IntegrityError, match="run past the file"):
+            reader.read(name, files[name].bytes - 4, 8)
+        assert len(reader.read(name, files[name].bytes - 4, 4)) == 4
+
+
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 

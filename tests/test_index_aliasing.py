@@ -17,9 +17,17 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import MANIFEST, index_chunks, replace_payload, step_dir, two_dtensor_steps
+from _helpers import (
+    MANIFEST,
+    edit_entry,
+    index_chunks,
+    replace_payload,
+    step_dir,
+    two_dtensor_steps,
+)
 
 from ckptstore import CheckpointManager, IntegrityError
+from ckptstore import cli as cli_mod
 from ckptstore.integrity import crc32c_of, format_crc
 from ckptstore.sharded import split_index
 
@@ -121,14 +129,12 @@ def _set_shapes(node: Any, name: str, shape: list[int]) -> int:
     return sum(_set_shapes(v, name, shape) for v in node.values())
 
 
-@pytest.mark.parametrize("fmt", [2, 4])
-def test_a_hostile_shape_is_refused_before_it_is_allocated(
-    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
-) -> None:
-    """The index and state.json say the tensor is 2**40 rows (1.3 PB), and its one chunk
-    claims that box. Format 3 made the tensor before reading the part that lists its
-    chunk: the allocator's RuntimeError left load() (before: no fallback to step 1). What
-    a load allocates comes after its chunks are found within the payload's bytes."""
+def _claim_huge(
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int, rows: int = 1 << 40
+) -> tuple[Path, torch.Tensor, Path]:
+    """Two steps of ``{"model": {"w": w}}``; step 2's index and state.json then say ``w`` is
+    ``rows`` rows (2**40: 1.3 PB), its one chunk claiming that box. Returns the store, ``w``
+    and step 2's directory."""
     from torch.distributed.tensor import DTensor, Shard
 
     if fmt == 2:
@@ -139,7 +145,7 @@ def test_a_hostile_shape_is_refused_before_it_is_allocated(
         for s in (1, 2):
             mgr.save(s, {"model": {"w": DTensor.from_local(w, mesh, [Shard(0)])}})  # type: ignore[arg-type]
     step = root / step_dir(2)
-    huge = [1 << 40, COLS]
+    huge = [rows, COLS]
     state = json.loads((step / "state.json").read_text())
     assert _set_shapes(state, NAME, huge) == 1
     _rewrite(step, "state.json", json.dumps(state).encode())
@@ -147,18 +153,65 @@ def test_a_hostile_shape_is_refused_before_it_is_allocated(
     index["tensors"][NAME]["shape"] = huge
     (chunk,) = index_chunks(step, NAME)
     chunk.update(sizes=huge, bytes=4 * huge[0] * huge[1])
+    if rows < 1 << 40:  # CRC blocks of 1 GiB: a CRC a block, the index stays small
+        index["block"] = 1 << 30
+        chunk["crc32c"] = ["00000000"] * -(-chunk["bytes"] // index["block"])
     if fmt == 2:
         index["tensors"][NAME]["chunks"] = [chunk]
     else:
         part = json.loads((step / split_index.part_file(0)).read_text())
         part["chunks"][NAME] = [chunk]
+        part["block"] = index["block"]
         _rewrite(step, split_index.part_file(0), json.dumps(part).encode())
     _rewrite(step, "dtensors.json", json.dumps(index).encode())
+    return root, w, step
 
+
+@pytest.mark.parametrize("fmt", [2, 4])
+def test_a_hostile_shape_is_refused_before_it_is_allocated(
+    mesh: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, fmt: int
+) -> None:
+    """Format 3 made the 2**40-row tensor before reading the part that lists its chunk: the
+    allocator's RuntimeError left load() (before: no fallback to step 1). What a load
+    allocates comes after its chunks are found within the payload's bytes."""
+    root, w, _ = _claim_huge(mesh, tmp_path, monkeypatch, fmt)
     with CheckpointManager(root) as mgr:
         with pytest.raises(IntegrityError, match="do not fit its box of float32 or its file"):
             mgr.load(2)
         assert torch.equal(mgr.load()["model"]["w"], w)  # step 1
+
+
+@pytest.mark.parametrize("fmt", [2, 4])
+def test_a_shard_file_claimed_huge_is_measured_before_its_tensor_is_allocated(
+    mesh: object,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    fmt: int,
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    """As above (2**33 rows: 10 TB), and the shard file's entry (the manifest's, or in format
+    4 its rank's line of the rank table) claims the bytes the chunk needs, so the chunk
+    fits "its file". The file's real size was checked only when the reads opened it, after
+    the tensor was allocated: load, restore and export raised the allocator's RuntimeError
+    (found by review), and restore never fell back to step 1."""
+    root, w, step = _claim_huge(mesh, tmp_path, monkeypatch, fmt, rows=1 << 33)
+    (chunk,) = index_chunks(step, NAME)
+    shard = step / chunk["file"]
+    real = shard.stat().st_size
+    claimed = chunk["start"] + chunk["bytes"]
+    edit_entry(step, chunk["file"], lambda row: row.update(bytes=claimed))
+    said = f"{shard}: file has {real} bytes, manifest says {claimed}"
+    with CheckpointManager(root) as mgr:
+        with pytest.raises(IntegrityError, match=said):
+            mgr.load(2)
+        target = {"model": {"w": torch.zeros(ROWS, COLS)}}
+        assert mgr.restore(target) == 1
+        assert torch.equal(target["model"]["w"], w)
+    assert cli_mod.main(["export", str(root), "--step", "2", str(tmp_path / "w.pt")]) == 1
+    err = capsys.readouterr().err
+    assert said in err
+    assert "Traceback" not in err
+    assert not (tmp_path / "w.pt").exists()
 
 
 @pytest.mark.parametrize("placement", ["S(\u00b2)", "_StridedShard(0)"])

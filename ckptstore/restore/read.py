@@ -352,9 +352,14 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
             loc = targets_mod.local_of(templates[name])
             if loc.numel():
                 touched[loc.data_ptr()] = name
-    flat = targets_mod.fresh_targets(leaves, templates, skip=live)
-    flat.update(live)
     with session.storage.range_reader(step, manifest.files) as reader:
+        # Every file this rank reads is checked against its manifest size before any
+        # target is made: chunks inside a forged size (rank table and index agreeing on a
+        # 32 TiB tensor over a 256 KB file) must not get that tensor allocated first.
+        for name in targets_mod.files_read(index, leaves, boxes):
+            reader.check_size(name)
+        flat = targets_mod.fresh_targets(leaves, templates, skip=live)
+        flat.update(live)
         # Whole runs of a file with O_DIRECT, or box by box through the page cache: as the
         # store says or, measured, as its device reads faster (``extents``, ``iomode``).
         mode = reader.read_mode()

@@ -49,7 +49,7 @@ from ..storage.base import Storage
 from ..storage.ranges import RangeReader
 from . import split_index
 from .chunks import INDEX_FILE, ChunkIndex
-from .targets import read_into
+from .targets import files_read, read_into
 
 __all__ = [
     "HF_CONFIG",
@@ -388,8 +388,11 @@ class StepTensors:
             raise IntegrityError(
                 f"{self.where}: sharded tensor {name!r} at {path} is not in the chunk index"
             )
-        full = torch.empty(entry.shape, dtype=entry.torch_dtype)
         assert self.index is not None
+        whole = (tuple(0 for _ in entry.shape), entry.shape)
+        for f in files_read(self.index, [name], {name: whole}):
+            self._reader().check_size(f)  # before a tensor of a forged size is made
+        full = torch.empty(entry.shape, dtype=entry.torch_dtype)
         read_into(self.index, {name: full}, self._read, self.where, self._read_to)
         return full
 

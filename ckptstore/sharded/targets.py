@@ -43,6 +43,7 @@ __all__ = [
     "Box",
     "Item",
     "batches",
+    "files_read",
     "fresh_targets",
     "live_targets",
     "local_of",
@@ -322,6 +323,28 @@ def template_box(template: Any, shape: tuple[int, ...], cache: dict[Any, Box] | 
             cache[key] = box
         return box
     return tuple(0 for _ in shape), tuple(shape)
+
+
+def files_read(index: ChunkIndex, leaves: Collection[str], boxes: Mapping[str, Box]) -> list[str]:
+    """The files holding a stored chunk that overlaps the box of one of ``leaves``.
+
+    What a restoring rank will read, known before any target is made (``boxes`` holds
+    every leaf's box): its sizes are checked first (``RangeReader.check_size``).
+    """
+    out: set[str] = set()
+    for name in leaves:
+        entry = index.tensors.get(name)
+        box = boxes.get(name)
+        if entry is None or box is None:
+            continue  # read_items names it
+        lo, hi = box
+        for c in entry.chunks:
+            if c.file not in out and all(
+                max(a, o) < min(b, o + n)
+                for a, b, o, n in zip(lo, hi, c.offsets, c.sizes, strict=True)
+            ):
+                out.add(c.file)
+    return sorted(out)
 
 
 #: One read of :func:`read_into`: ``(name, chunk, offsets in the chunk, offsets in the

@@ -57,8 +57,33 @@ class RangeReader:
         self._open[name] = f
         return f
 
+    def check_size(self, name: str) -> None:
+        """Check ``name``'s size against the manifest now (it is opened for the reads).
+
+        A restore checks every file it will read before it makes its targets: a forged
+        manifest or rank table that claims terabytes for a small file is refused before
+        tensors of that size are allocated.
+
+        Raises:
+            IntegrityError: not listed, or not the size the manifest says.
+        """
+        with self._lock:
+            self._file(name)
+
     def read(self, name: str, offset: int, length: int) -> bytearray:
-        """``length`` bytes of ``name`` from ``offset``, in a new buffer."""
+        """``length`` bytes of ``name`` from ``offset``, in a new buffer.
+
+        The range is checked against the file's size (itself checked against the manifest)
+        before the buffer is made: a forged index asking for terabytes gets an error, not
+        a zero-filled buffer of that size.
+        """
+        self.check_size(name)
+        size = self.files[name].bytes
+        if offset < 0 or length < 0 or offset + length > size:
+            where = self.storage.describe(self.step, name)
+            raise IntegrityError(
+                f"{where}: {length} bytes at {offset} run past the file ({size} bytes)"
+            )
         buf = bytearray(length)
         self.read_into(name, offset, [memoryview(buf)])
         return buf

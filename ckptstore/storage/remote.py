@@ -114,8 +114,8 @@ class _RangeGets(RangeReader):
         super().__init__(storage, step, files)
         self._sized: set[str] = set()
 
-    def read(self, name: str, offset: int, length: int) -> bytearray:
-        """``length`` bytes of ``name`` from ``offset``, in one request."""
+    def check_size(self, name: str) -> None:
+        """Check ``name``'s size against the manifest (one HEAD, once a file)."""
         where = self.storage.describe(self.step, name)
         entry = self.files.get(name)
         if entry is None:
@@ -130,6 +130,12 @@ class _RangeGets(RangeReader):
                 )
             with self._lock:
                 self._sized.add(name)
+
+    def read(self, name: str, offset: int, length: int) -> bytearray:
+        """``length`` bytes of ``name`` from ``offset``, in one request."""
+        self.check_size(name)
+        where = self.storage.describe(self.step, name)
+        entry = self.files[name]
         if offset < 0 or length < 0 or offset + length > entry.bytes:
             raise IntegrityError(f"{where}: {length} bytes at {offset} run past the file")
         p = self.storage._p(f"{step_dirname(self.step)}/{name}")
