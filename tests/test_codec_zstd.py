@@ -17,8 +17,11 @@ import torch
 import zstandard
 from _helpers import (
     assert_same,
+    drop_memory,
     fresh_like,
+    local_view,
     make_state,
+    memory_view,
     plant_zstd_bomb,
     replace_payload,
     step_dir,
@@ -791,3 +794,82 @@ def test_export_and_diff_inflate_a_payload_only_as_far_as_its_state_file_allows(
     assert f"{path}: zstd stream inflates past the " in err
     assert "its tensors in the state file can take" in err
     assert not (tmp_path / "out").exists()
+
+
+def _claims_32_tib(fmt: str, compressed: bool) -> bytes:
+    """A payload file that declares a 32 TiB tensor in its first bytes: a safetensors
+    header (the content then 1 GiB of zeros), or a torch.save zip whose data.pkl says its
+    storage holds 2**43 floats (the storage itself 280 KB)."""
+    if fmt == "safetensors":
+        n = 1 << 43
+        hdr = json.dumps({"weight": {"dtype": "F32", "shape": [n], "data_offsets": [0, 4 * n]}})
+        head = hdr.encode() + b" " * (-(8 + len(hdr)) % 8)
+        return zstandard.ZstdCompressor().compress(len(head).to_bytes(8, "little") + head)
+    buf = io.BytesIO()
+    torch.save({"weight": torch.zeros(70_000)}, buf)
+    out = io.BytesIO()
+    writer = torch._C.PyTorchFileWriter(out)
+    with zipfile.ZipFile(io.BytesIO(buf.getvalue())) as z:
+        for info in z.infolist():
+            data, rel = z.read(info), info.filename.split("/", 1)[1]
+            if rel == "data.pkl":  # the storage's size (its first BININT 70000): LONG1 2**43
+                old = b"J" + (70_000).to_bytes(4, "little")
+                assert data.count(old) == 2  # the storage's size, then the tensor's shape
+                data = data.replace(old, b"\x8a\x06" + (1 << 43).to_bytes(6, "little"), 1)
+            if rel != ".data/serialization_id":
+                writer.write_record(rel, data, len(data))
+    writer.write_end_of_file()
+    del writer
+    return zstandard.ZstdCompressor().compress(out.getvalue()) if compressed else out.getvalue()
+
+
+@pytest.mark.parametrize(
+    ("fmt", "compression", "said"),
+    [
+        ("safetensors", "zstd", "zstd stream inflates past the "),
+        ("torch", "zstd", "data.pkl declares storages of 35184372088832 bytes, past the "),
+        ("torch", None, "storage 'data/0' holds 280000 bytes, data.pkl says 35184372088832"),
+    ],
+    ids=["safetensors-zstd", "torch-zstd", "torch"],
+)
+@pytest.mark.parametrize("where", ["local", "memory"])
+def test_a_size_a_payload_declares_is_checked_before_it_is_allocated(  # noqa: PLR0917
+    tmp_path: Path,
+    fmt: str,
+    compression: str | None,
+    said: str,
+    where: str,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    # Found by review: the size declared by a compressed safetensors header or by data.pkl
+    # was allocated before it was compared with anything, so the allocator raised a bare
+    # RuntimeError. A local restore caught it as a malformed state.json node; on an
+    # object store (payloads decoded on read threads) restore raised it and never fell
+    # back to step 1.
+    root = tmp_path / "z"
+    states = {s: make_state(s) for s in (1, 2)}
+    with CheckpointManager(root, format=fmt, compression=compression) as mgr:
+        for s, state in states.items():
+            mgr.save(s, state)
+    name = "model" + {"safetensors": ".safetensors", "torch": ".pt"}[fmt]
+    name += ".zst" if compression else ""
+    replace_payload(root / step_dir(2), name, _claims_32_tib(fmt, compression is not None))
+    view = local_view(root) if where == "local" else memory_view()
+    if where == "memory":
+        for rel, data in local_view(root).files().items():
+            view.write(rel, data)
+    try:
+        with CheckpointManager(view.url, keep=None) as mgr:
+            with pytest.raises(IntegrityError) as ei:
+                mgr.load(2)
+            assert f"{name}: " in str(ei.value)
+            assert said in str(ei.value)
+            fresh = fresh_like(states[1])
+            with caplog.at_level(logging.WARNING, logger="ckptstore"):
+                assert mgr.restore(fresh) == 1
+            assert_same(dict(fresh["model"].state_dict()), dict(states[1]["model"].state_dict()))
+            assert any(
+                "step 2" in r.getMessage() and said in r.getMessage() for r in caplog.records
+            )
+    finally:
+        drop_memory(view)

@@ -266,6 +266,7 @@ class _ZstdTarget:
         where: str,
         into: Mapping[str, torch.Tensor] | None,
         declared: _Declared | None = None,
+        limit: int | None = None,
     ) -> None:
         self.entry = entry
         self.where = where
@@ -275,7 +276,7 @@ class _ZstdTarget:
         self.decoder: st.StreamDecoder | None = None
         self.zip: zipstream.SequentialDecoder | None = None
         if entry.codec == "torch":
-            self.zip = zipstream.SequentialDecoder(where, into)
+            self.zip = zipstream.SequentialDecoder(where, into, limit)
         self.buf = bytearray()
 
     def __call__(self, piece: memoryview) -> None:
@@ -344,7 +345,7 @@ def _inflate(
 ) -> dict[str, torch.Tensor]:
     """Inflate what ``feed`` pushes into an inflater, decoding it as it streams."""
     declared = _declared(entry, where)
-    target = _ZstdTarget(entry, where, into, declared)
+    target = _ZstdTarget(entry, where, into, declared, limit)
     inflater = zstd.Inflater(target, where, limit=limit, why=_WHY, declared=declared)
     target.inflater = inflater
     try:

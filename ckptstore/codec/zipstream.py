@@ -102,6 +102,10 @@ class StreamDecoder:
         self._views: list[tuple[str, str, Any]] = []  # name, key, meta tensor
         self._filled: set[str] = set()  # storages whose member was found
         self.reused = 0
+        #: What data.pkl's storages may take in all, where the members' sizes are not
+        #: known before it (``SequentialDecoder``); here each is checked against its member.
+        self.limit: int | None = None
+        self._known = True
 
     @classmethod
     def from_buffer(
@@ -229,6 +233,7 @@ class StreamDecoder:
             isinstance(k, str) and isinstance(v, torch.Tensor) for k, v in obj.items()
         ):
             raise IntegrityError(f"{self.where}: payload is not a flat dict of tensors")
+        self._check_sizes(sizes)
         users: dict[str, int] = {}
         for t in obj.values():
             key = metas.get(t.untyped_storage()._cdata)
@@ -266,6 +271,30 @@ class StreamDecoder:
                     self._storages[key] = (torch.empty(nbytes, dtype=torch.uint8), nbytes)
                 self._views.append((name, key, t))
         self._result = result
+
+    def _check_sizes(self, sizes: Mapping[str, tuple[Any, int]]) -> None:
+        """Refuse storages data.pkl declares larger than the archive holds, before any alloc.
+
+        Each against its member where the directory is known, all of them against
+        ``limit`` otherwise: a forged data.pkl declaring 2**43 floats made the allocator
+        raise, and no restore fell back.
+        """
+        if self._known:
+            for key, (_, nbytes) in sizes.items():
+                m = self._by_name.get(f"{self._prefix}data/{key}")
+                if m is not None and m.size != nbytes:
+                    raise _bad(
+                        self.where,
+                        f"storage 'data/{key}' holds {m.size} bytes, data.pkl says {nbytes}",
+                    )
+            return
+        total = sum(nbytes for _, nbytes in sizes.values())
+        if self.limit is not None and total > self.limit:
+            raise IntegrityError(
+                f"{self.where}: data.pkl declares storages of {total} bytes, past the "
+                f"{self.limit} bytes its tensors in the state file can take; the file is "
+                "corrupt or hostile. Restore an earlier step"
+            )
 
     def result(self) -> dict[str, torch.Tensor]:
         """The decoded tensors (call once the stream was checked to its end)."""
@@ -344,8 +373,12 @@ class SequentialDecoder(StreamDecoder):
             the file whole.
     """
 
-    def __init__(self, where: str, into: Mapping[str, torch.Tensor] | None) -> None:
+    def __init__(
+        self, where: str, into: Mapping[str, torch.Tensor] | None, limit: int | None = None
+    ) -> None:
         # Members are found as they stream by: none is known yet.
+        self.limit = limit
+        self._known = False
         self.where = where
         self.into = dict(into or {})
         self.members = []

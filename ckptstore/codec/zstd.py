@@ -353,6 +353,9 @@ class Inflater:
                         raise _bomb(self.where, cap, what)
                 self.out += n
                 return
+            for cap, what in self._caps:
+                if size > cap:  # refused before the header is handed on (and allocated for)
+                    raise _bomb(self.where, cap, what)
             self.declared_size = size
             self._caps.append((size, "its own header declares"))
             head, self._head = self._head, None
