@@ -873,3 +873,46 @@ def test_a_size_a_payload_declares_is_checked_before_it_is_allocated(  # noqa: P
             )
     finally:
         drop_memory(view)
+
+
+def test_a_stream_of_many_tiny_frames_is_refused_early() -> None:
+    # Found by review: a million empty frames (9 bytes each) after the real ones are a valid
+    # stream of the same content, and inflating it took 52 s for a 10 MB file: each frame
+    # went through a worker thread. ckptstore writes at most one frame of under 64 KiB (its
+    # last); up to 16 are taken, the 17th is refused.
+    empty = zstandard.ZstdCompressor(write_content_size=True).compress(b"")
+    skip = (0x184D2A50).to_bytes(4, "little") + (0).to_bytes(4, "little")
+    parts = [TEXT[i : i + 1000] for i in range(0, len(TEXT), 1000)]  # 23 frames of 1000
+    small = [zstandard.ZstdCompressor(write_content_size=True).compress(p) for p in parts]
+    nofcs = [zstandard.ZstdCompressor(write_content_size=False).compress(p) for p in parts]
+    assert zstd.decompress(b"".join(small[:15]) + empty, "m.zst") == b"".join(parts[:15])
+    for tail, what in (
+        (empty * 100_000, "empty frames"),
+        (skip * 100_000, "skippable frames"),
+        (b"".join(small), "frames of 1000 bytes"),
+        (b"".join(nofcs), "frames that declare no size"),
+    ):
+        stream = compressed(TEXT) + tail
+        with pytest.raises(IntegrityError) as ei:
+            zstd.decompress(stream, "m.zst")
+        assert "17 frames of under 64 KiB by byte " in str(ei.value), what
+        assert str(ei.value).startswith("m.zst: zstd stream is corrupt ("), what
+
+
+def test_restore_falls_back_from_a_stream_of_many_empty_frames(tmp_path: Path) -> None:
+    root = tmp_path / "z"
+    states = {s: make_state(s) for s in (1, 2)}
+    with CheckpointManager(root, compression="zstd") as mgr:
+        for s, state in states.items():
+            mgr.save(s, state)
+    name = "model.safetensors.zst"
+    path = root / step_dir(2) / name
+    empty = zstandard.ZstdCompressor(write_content_size=True).compress(b"")
+    _forge(root / step_dir(2), name, path.read_bytes() + empty * 1_000_000)
+    with CheckpointManager(root, keep=None) as mgr:
+        with pytest.raises(IntegrityError, match="frames of under 64 KiB"):
+            mgr.load(2)
+        fresh = fresh_like(states[1])
+        assert mgr.restore(fresh) == 1
+        assert_same(dict(fresh["model"].state_dict()), dict(states[1]["model"].state_dict()))
+        assert not mgr.verify(2).ok
