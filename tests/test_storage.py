@@ -930,6 +930,46 @@ def test_gc_never_follows_symlinks_out_of_root(local: StoreView, tmp_path: Path)
     assert (victim / "precious").read_bytes() == b"keep me"
 
 
+def test_gc_takes_a_tmp_entry_out_of_the_way_before_an_uploader_can_publish_it(
+    local: StoreView, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review: `ckptstore gc` on a local replica (whose uploader holds no lock of
+    # it) emptied a `.tmp-` directory while the uploader renamed it to `step-N`: the
+    # rmtree went on inside the committed step, which verified as missing files, and the
+    # job's retention deleted the local copy it thought safe. gc now renames the entry to
+    # `.trash-` first: a commit that comes after fails, and nothing is published.
+    import shutil
+
+    from ckptstore.manifest import Manifest
+
+    saved(local, [1])
+    storage = LocalStorage(local.base)
+    one = storage.read_manifest(1)
+    pending = storage.begin(2)
+    for name in one.files:
+        shutil.copy(Path(local.base, step_dir(1), name), Path(local.base, pending.dirname, name))
+    raw = Path(local.base, step_dir(1), MANIFEST).read_bytes()
+    storage.prepare(pending, Manifest.from_bytes(forge_manifest(raw, lambda d: d.update(step=2))))
+    real = LocalStorage._rmtree
+    errors: list[OSError] = []
+
+    def rmtree(self: LocalStorage, rel: str) -> None:
+        if not errors:  # the uploader's commit, just as gc starts to remove its entry
+            try:
+                storage.publish(pending)
+            except OSError as e:
+                errors.append(e)
+            else:
+                errors.append(OSError("published"))
+        real(self, rel)
+
+    monkeypatch.setattr(LocalStorage, "_rmtree", rmtree)
+    assert storage.gc(include_tmp=True) == [pending.dirname]
+    assert isinstance(errors[0], FileNotFoundError), errors
+    assert storage.list_steps() == [1]
+    assert root_names(local) == [step_dir(1)]
+
+
 def test_a_manifest_that_fails_to_stat_is_never_taken_for_garbage(
     local: StoreView, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:

@@ -797,7 +797,16 @@ class Storage(abc.ABC):
             if is_tmp_name(name) and not include_tmp:
                 continue
             try:
-                self._rmtree(name)
+                if is_tmp_name(name) and self.atomic_rename:
+                    # Out of the way first: an uploader to a replica holds no lock of it,
+                    # and its commit renamed a .tmp- directory that rmtree was emptying
+                    # into a step with files missing (found by review). Renamed, the
+                    # uploader's writes and commit fail instead, and nothing is published.
+                    trash = trash_dirname(0)
+                    self._rename(name, trash)
+                    self._rmtree(trash)
+                else:
+                    self._rmtree(name)
             except FileNotFoundError:
                 continue
             except OSError as e:
