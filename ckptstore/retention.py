@@ -522,6 +522,10 @@ class RetentionPlanner:
             self._pinned.discard(step)
             self._pending.add(step)
 
+    def pinned_steps(self) -> list[int]:
+        """The steps known to be pinned, ascending."""
+        return sorted(self._pinned)
+
     def infos(self) -> list[CheckpointInfo]:
         """Every committed step as :func:`plan_deletions` takes it."""
         return [CheckpointInfo(s, self._metrics[s], s in self._pinned) for s in self._steps]

@@ -336,3 +336,84 @@ def test_gc_and_prune_on_an_empty_directory_create_nothing(
     with pytest.raises(NoCheckpointError, match="no such directory"):
         gc_store(tmp_path / "missing")
     assert not (tmp_path / "missing").exists()
+
+
+# ---- a pin takes no lock: deleters look for it after they renamed the step away -------------
+
+
+def _pin_just_before_rename(monkeypatch: pytest.MonkeyPatch, root: Path, step: int) -> None:
+    """Write step ``step``'s pin marker right before a deleter renames the step away: the
+    moment between its look at the pins and its rename, where `ckptstore pin` (no lock)
+    said "pinned" and the step was deleted anyway (found by review)."""
+    from ckptstore.storage.local import LocalStorage
+
+    real = LocalStorage._rename
+    name = step_path(root, step).name
+
+    def rename(self: LocalStorage, src: str, dst: str) -> None:
+        if src == name and dst.startswith(".trash-"):
+            (step_path(root, step) / "pinned").write_bytes(b"pinned\n")
+        real(self, src, dst)
+
+    monkeypatch.setattr(LocalStorage, "_rename", rename)
+
+
+@pytest.mark.parametrize("how", ["prune", "rm", "retention", "mgr.delete"])
+def test_a_step_pinned_while_it_is_deleted_is_kept(
+    store: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str], how: str
+) -> None:
+    _pin_just_before_rename(monkeypatch, store, 2)
+    if how == "prune":
+        res = prune_store(store, 1)
+        assert res.deleted == [1, 3]
+    elif how == "rm":
+        rc, out, err = run_cli(capsys, "rm", store, "--step", "2", "--step", "3")
+        assert rc == 1
+        assert out == "deleted 1 step: 3\n3 steps left: 1, 2, 4\n"
+        assert "step-000000000002 was pinned since it was planned: kept" in err
+    elif how == "retention":
+        with CheckpointManager(store, keep=1) as mgr:
+            mgr.save(5, {"step": 5})
+    else:
+        with (
+            CheckpointManager(store) as mgr,
+            pytest.raises(CkptStoreError, match="was pinned while it was being deleted"),
+        ):
+            mgr.delete(2)
+    assert 2 in steps_on_disk(store)
+    assert (step_path(store, 2) / "pinned").exists()
+    with CheckpointManager(store) as mgr:
+        assert mgr.verify(2).ok
+
+
+def test_a_pin_of_a_step_deleted_as_it_is_written_fails(
+    store: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The marker was written (and made durable) just before a deleter that looked at the
+    # pins before (or, forced, not at all) renamed the step away: pin said "pinned" of a
+    # step that was gone.
+    from ckptstore.storage.local import LocalStorage
+
+    real = LocalStorage._fsync_dir
+
+    def fsync_dir(self: LocalStorage, rel: str) -> None:
+        real(self, rel)
+        if rel == step_path(store, 3).name:
+            delete_steps(store, [3], force=True)
+
+    monkeypatch.setattr(LocalStorage, "_fsync_dir", fsync_dir)
+    with pytest.raises(CkptStoreError, match="was deleted as it was being pinned; nothing is pin"):
+        pin_steps(store, [3])
+    assert steps_on_disk(store) == [1, 2, 4]
+
+
+def test_a_running_job_sees_an_unpin(store: Path) -> None:
+    # Retention kept a step it once found pinned for the rest of the job (found by review).
+    with CheckpointManager(store, keep=1) as mgr:
+        pin_steps(store, [4])
+        mgr.save(5, {"step": 5})
+        assert mgr.steps() == [4, 5]
+        pin_steps(store, [4], pinned=False)
+        mgr.save(6, {"step": 6})
+        assert mgr.steps() == [6]
+    assert steps_on_disk(store) == [6]

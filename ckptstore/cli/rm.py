@@ -31,7 +31,9 @@ def run(args: argparse.Namespace) -> int:
     if as_json(args):
         print_json(res.to_dict())
     else:
-        print(f"deleted {plural(len(res.deleted), 'step')}: {steps_text(res.deleted)}")
+        done = f": {steps_text(res.deleted)}" if res.deleted else ""
+        print(f"deleted {plural(len(res.deleted), 'step')}{done}")
         left = f": {steps_text(res.kept)}" if res.kept else ""
         print(f"{plural(len(res.kept), 'step')} left{left}")
-    return 0
+    # A step pinned while it was being deleted is kept (with a warning): not what was asked.
+    return 0 if set(res.deleted) == set(args.step) else 1

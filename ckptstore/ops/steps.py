@@ -198,10 +198,9 @@ def _delete(storage: Storage, steps: Iterable[int], *, spare_pinned: bool = Fals
     try:
         for s in steps:
             try:
-                if spare_pinned and storage.is_pinned(s):
-                    log.warning("%s was pinned since prune planned it: kept", storage.describe(s))
+                if not storage.delete(s, spare_pinned=spare_pinned):
+                    log.warning("%s was pinned since it was planned: kept", storage.describe(s))
                     continue
-                storage.delete(s)
             except FileNotFoundError:
                 continue
             except OSError as e:
@@ -253,7 +252,7 @@ def delete_steps(
         have = storage.list_steps()
         if not force:
             _refuse_protected(storage, wanted, have)
-        deleted = _delete(storage, wanted)
+        deleted = _delete(storage, wanted, spare_pinned=not force)
     return DeleteResult(storage.root, deleted, [s for s in have if s not in set(deleted)])
 
 

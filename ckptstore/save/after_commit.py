@@ -78,6 +78,12 @@ def _plan(
             # A policy of the user's own may look at pins: give it every step's.
             for s in known:
                 known.set_pinned(s, session.storage.is_pinned(s))
+        else:
+            # A step pinned once stayed pinned here for the life of the job: an unpin
+            # (`ckptstore unpin`, another process) never let retention delete it.
+            for s in known.pinned_steps():
+                if not session.storage.is_pinned(s):
+                    known.set_pinned(s, False)
         doomed = known.plan(last_good=last_good)
         if floor is not None:
             doomed = [s for s in doomed if s > floor]
@@ -153,12 +159,16 @@ def _delete(session: Session, doomed: list[int]) -> list[int]:
         deleted = []
         for s in doomed:
             try:
-                session.storage.delete(s)
+                gone = session.storage.delete(s, spare_pinned=True)
             except FileNotFoundError:
                 session.forget(s)
                 continue
             except OSError as e:
                 raise CommitError(f"could not delete {session.storage.describe(s)}: {e}") from e
+            if not gone:  # pinned since it was planned (a pin takes no lock)
+                session.known().set_pinned(s, True)
+                log.warning("%s was pinned meanwhile: kept", session.storage.describe(s))
+                continue
             session.forget(s)
             deleted.append(s)
         if deleted:
@@ -359,11 +369,17 @@ def delete(session: Session, step: int, *, force: bool) -> None:
         try:
             # Durable on return; on object stores the files go now, not later, so a
             # new save of the same step cannot lose its files to a late deletion.
-            session.storage.delete(step, background=False, durable=True)
+            gone = session.storage.delete(
+                step, background=False, durable=True, spare_pinned=not force
+            )
         except FileNotFoundError:
-            pass  # gone meanwhile: what was asked is done
+            gone = True  # gone meanwhile: what was asked is done
         except OSError as e:
             raise CommitError(f"could not delete {where}: {e}; it is still there") from e
+        if not gone:
+            raise StepProtectedError(
+                f"{where} was pinned while it was being deleted; nothing was deleted"
+            )
         session.forget(step)
         log.info("deleted %s", where)
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import abc
 import contextlib
 import errno
+import time
 from collections.abc import Callable, Mapping
 from typing import IO, ClassVar
 
@@ -61,6 +62,10 @@ from .._log import logger as log
 _SAMPLE = 3
 #: Listings of the root started again when a step vanished under one (see Storage.scan).
 _SCAN_TRIES = 5
+#: How long a pin looks for its marker after writing it (``Storage._confirm_pin``): a
+#: deleter that spares pins puts a step it renamed away back within a rename or two.
+_PIN_CONFIRM_TRIES = 20
+_PIN_CONFIRM_WAIT = 0.05
 
 
 def step_exists_message(storage: Storage, step: int) -> str:
@@ -375,9 +380,28 @@ class Storage(abc.ABC):
         if pinned and not self._exists(rel):
             self._put_marker(rel, b"pinned\n")
             self._fsync_dir(d)
+            self._confirm_pin(step, rel)
         elif not pinned and self._exists(rel):
             self._remove(rel)
             self._fsync_dir(d)
+
+    def _confirm_pin(self, step: int, rel: str) -> None:
+        """Check that a pin marker just written is still in place.
+
+        A deleter may have renamed the step away as it was written (a pin takes no lock).
+        One that spares pins puts the step back within moments (:meth:`delete`); otherwise
+        the pin failed.
+
+        Raises:
+            CommitError: the step was deleted as it was being pinned.
+        """
+        for _ in range(_PIN_CONFIRM_TRIES):
+            if self._exists(rel):
+                return
+            time.sleep(_PIN_CONFIRM_WAIT)
+        raise CommitError(
+            f"{self.describe(step)} was deleted as it was being pinned; nothing is pinned"
+        )
 
     def _stream(
         self,
@@ -747,8 +771,22 @@ class Storage(abc.ABC):
         except OSError as e:
             log.warning("could not remove %s: %s; `ckptstore gc` will", pending.dirname, e)
 
-    def delete(self, step: int, *, background: bool = True, durable: bool = False) -> None:
+    def delete(
+        self,
+        step: int,
+        *,
+        background: bool = True,
+        durable: bool = False,
+        spare_pinned: bool = False,
+    ) -> bool:
         """Delete a committed checkpoint so that it vanishes whole, at once.
+
+        With ``spare_pinned`` a step that carries a pin marker is kept, and False returned.
+        A pin takes no lock, so a deleter's earlier look at the marker proves nothing: here
+        the marker is looked for after the rename, in the renamed directory (a pin written
+        before the rename moved with it), and the step renamed back where it has one; a pin
+        written after the rename finds no step and fails (:meth:`set_pinned`). Object
+        stores have no rename: their marker is read just before the manifest goes.
 
         Local: rename to ``.trash-...`` (atomic); in the background, fsync the root and only
         then remove the files (a power cut before that fsync brings the whole checkpoint
@@ -763,10 +801,16 @@ class Storage(abc.ABC):
         if self.atomic_rename:
             trash = trash_dirname(step)
             self._rename(final, trash)
+            if spare_pinned and self._exists(f"{trash}/{PIN_NAME}"):
+                self._rename(trash, final)  # pinned meanwhile: back, as it was
+                self._fsync_dir("")
+                return False
             if durable:
                 self._fsync_dir("")
             _deleter.submit(self, trash, fsync_root=not durable)
         else:
+            if spare_pinned and self.is_pinned(step):
+                return False
             with contextlib.suppress(FileNotFoundError):
                 self._remove(f"{final}/{MANIFEST_NAME}")
             if background:
@@ -774,6 +818,7 @@ class Storage(abc.ABC):
             else:
                 with contextlib.suppress(FileNotFoundError):
                     self._rmtree(final)
+        return True
 
     def _discard(self, rel: str) -> None:
         if self.atomic_rename:

@@ -885,8 +885,11 @@ class Replicator:
         for s in doomed:
             if self.replica.is_pinned(s):
                 continue
-            with contextlib.suppress(FileNotFoundError):
-                self.replica.delete(s)
+            try:
+                if not self.replica.delete(s, spare_pinned=True):
+                    continue  # pinned meanwhile
+            except FileNotFoundError:
+                pass
             deleted.append(s)
         if deleted:
             log.info("replica retention deleted steps %s from %s", deleted, self.replica.root)
