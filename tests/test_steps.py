@@ -417,3 +417,50 @@ def test_a_running_job_sees_an_unpin(store: Path) -> None:
         mgr.save(6, {"step": 6})
         assert mgr.steps() == [6]
     assert steps_on_disk(store) == [6]
+
+
+# ---- what only the job knows: node-local roots, uploads behind -------------------------------
+
+
+def test_prune_and_rm_refuse_one_nodes_root(
+    store: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found by review: on one node's root of node-local roots, a step published there
+    # alone (a power cut) passed as the newest good step, and prune deleted the last step
+    # good on every node: the job's resume then found none. Only the ranks together know.
+    from ckptstore.tiers import nodes
+
+    for s in (1, 2, 3, 4):
+        (step_path(store, s) / "local-ranks").write_bytes(nodes.marker_bytes([0], 2))
+    for argv in (("prune", store, "--keep-last", "1"), ("rm", store, "--step", "1")):
+        rc, _, err = run_cli(capsys, *argv)
+        assert rc == 1
+        assert "is one node's root of a job with node-local roots" in err
+        assert "nothing was deleted. Call CheckpointManager.prune() on every rank" in err
+    assert steps_on_disk(store) == [1, 2, 3, 4]
+    assert prune_store(store, 1, force=True).deleted == [1, 2, 3]
+
+
+def test_prune_and_rm_keep_the_steps_not_yet_on_the_replica(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # Found by review: a job preempted while its uploads lagged behind left steps 0..5
+    # locally (its keep=2 held them until they were safe on the replica); `ckptstore prune
+    # --keep-last 2` deleted 0..3, which no replica held.
+    root, replica = tmp_path / "store", tmp_path / "replica"
+    replica.mkdir()
+    mgr = CheckpointManager(root, keep=2, replica=str(replica), replica_keep=None)
+    assert mgr.replica is not None
+    mgr.replica.pause()
+    for s in range(6):
+        mgr.save(s, {"w": torch.full((4,), float(s))})
+    mgr.replica.close(wait=False)  # preempted with its uploads behind
+    mgr.close()
+    assert steps_on_disk(root) == [0, 1, 2, 3, 4, 5]
+    res = prune_store(root, 2)
+    assert (res.deleted, res.kept) == ([], [0, 1, 2, 3, 4, 5])
+    rc, _, err = run_cli(capsys, "rm", root, "--step", "0", "--step", "1")
+    assert rc == 1
+    assert f"steps 0, 1 are not yet on the replica {replica}" in err
+    assert steps_on_disk(root) == [0, 1, 2, 3, 4, 5]
+    assert prune_store(root, 2, force=True).deleted == [0, 1, 2, 3]

@@ -28,6 +28,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--dry-run", action="store_true", help="show what would be deleted; delete nothing"
     )
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="delete steps not yet on the replica too, and prune one node's root of a job "
+        "with node-local roots",
+    )
 
 
 def build_policy(
@@ -72,7 +78,9 @@ def run(args: argparse.Namespace) -> int:
     )
     opts = storage_options(args, args.root)
     with usage_errors():
-        res = prune_store(args.root, policies, dry_run=args.dry_run, storage_options=opts)
+        res = prune_store(
+            args.root, policies, dry_run=args.dry_run, force=args.force, storage_options=opts
+        )
     if as_json(args):
         print_json(res.to_dict())
     else:

@@ -26,10 +26,11 @@ from ..errors import (
     StoreLockedError,
     UsageError,
 )
-from ..layout import parse_old_dirname
+from ..layout import LOCAL_RANKS_NAME, parse_old_dirname, step_dirname
 from ..retention import CheckpointInfo, KeepBest, RetentionPolicy, Union, as_policy, plan_deletions
 from ..storage import Storage, wait_for_deletions
 from ..tiers import upload_parts
+from ..tiers.safety import read_replica_url, replicated_steps
 from .stores import committed_step, open_store, reaching
 from .verify import verify_checkpoint
 
@@ -107,6 +108,34 @@ def _writer(storage: Storage, what: str) -> Iterator[None]:
         lock.release()
 
 
+def _refuse_node_local(storage: Storage, steps: Iterable[int], what: str) -> None:
+    """Refuse to plan deletions on one node's root of a job with node-local roots.
+
+    Each node holds its ranks' part of every step (a ``local-ranks`` marker): whether a step
+    is whole on every node is known only to the job's ranks together. Judged from one node,
+    a step published there alone (a power cut) passed as the newest good one, and prune
+    deleted the last step good on every node: resume found none (found by review).
+    """
+    for s in steps:
+        if storage._exists(f"{step_dirname(s)}/{LOCAL_RANKS_NAME}"):
+            raise CkptStoreError(
+                f"{storage.root} is one node's root of a job with node-local roots (step {s} "
+                "holds only some ranks' files): from here, whether a step is whole on every "
+                f"node cannot be known, so nothing was {what}. Call CheckpointManager.prune() "
+                "on every rank of the job (the nodes agree on the newest step good on all of "
+                "them), or pass --force"
+            )
+
+
+def _not_replicated(storage: Storage, steps: Sequence[int]) -> list[int]:
+    """Those of ``steps`` not yet recorded safe on the replica the root records."""
+    url = read_replica_url(storage)
+    if url is None:
+        return []
+    safe = replicated_steps(storage, steps)
+    return [s for s in steps if s not in safe]
+
+
 def _last_good(storage: Storage, steps: Iterable[int]) -> int | None:
     """The newest of ``steps`` that verifies deeply (a quick check passes a flipped byte)."""
     for s in sorted(steps, reverse=True):
@@ -148,18 +177,23 @@ def prune_store(
     keep: int | RetentionPolicy | Sequence[RetentionPolicy],
     *,
     dry_run: bool = False,
+    force: bool = False,
     storage_options: Mapping[str, Any] | None = None,
 ) -> PruneResult:
     """Apply (or with ``dry_run`` only plan) a retention policy to the store at ``root``.
 
     Never deletes the newest checkpoint, a pinned one, or the newest one that verifies
-    (deep); see :func:`ckptstore.retention.plan_deletions`.
+    (deep); see :func:`ckptstore.retention.plan_deletions`. Nor, unless ``force``, a step
+    not yet recorded safe on the replica the root records (a job uploads it, as its own
+    retention holds it); and one node's root of a job with node-local roots is refused
+    (only the job's ranks together know which steps are whole).
 
     Args:
         root: the store: a local directory or an fsspec URL.
         keep: as ``CheckpointManager(keep=...)``: an int (``KeepLast``), a policy, or a list
             of policies (their union).
         dry_run: plan only; delete nothing and take no lock.
+        force: delete steps not yet on the replica too, and prune a node's root.
         storage_options: fsspec options for a URL.
 
     Returns:
@@ -169,6 +203,7 @@ def prune_store(
         ValueError: ``keep`` is invalid, or names a ``KeepBest`` metric that no checkpoint
             of the store records (the message lists those it has).
         NoCheckpointError: no store at ``root``.
+        CkptStoreError: one node's root of node-local roots (without ``force``).
         StoreLockedError: a job is writing the store (not for a dry run).
         CommitError: a checkpoint could not be deleted.
     """
@@ -180,12 +215,28 @@ def prune_store(
         lock = contextlib.nullcontext() if dry_run else _writer(storage, "deleted")
         with lock:
             steps = storage.list_steps()
+            if not force:
+                _refuse_node_local(storage, steps, "deleted")
             metrics = _metrics(storage, steps) if policy.needs_metrics else {}
             _check_metrics(policy, metrics)
             # The deep verify first (minutes on a large store), the pins after it: `pin`
             # takes no lock, and a step pinned while the steps were verified was deleted.
             last_good = _last_good(storage, steps)
-            infos = [CheckpointInfo(s, metrics.get(s, {}), storage.is_pinned(s)) for s in steps]
+            held = set() if force else set(_not_replicated(storage, steps))
+            if held:
+                log.warning(
+                    "%s: %s %s not yet on the replica %s: kept (the job uploads %s; "
+                    "--force deletes anyway)",
+                    storage.root,
+                    "step" if len(held) == 1 else "steps",
+                    _steps_text(sorted(held)),
+                    read_replica_url(storage),
+                    "it" if len(held) == 1 else "them",
+                )
+            infos = [
+                CheckpointInfo(s, metrics.get(s, {}), s in held or storage.is_pinned(s))
+                for s in steps
+            ]
             doomed = plan_deletions(infos, policy, last_good=last_good)
             deleted = doomed if dry_run else _delete(storage, doomed, spare_pinned=True)
     gone = set(deleted)
@@ -221,9 +272,10 @@ def delete_steps(
 ) -> DeleteResult:
     """Delete committed steps, each atomically, as retention deletes them.
 
-    Refused, with nothing deleted, when a step is not committed, is pinned, or is the last
-    checkpoint that verifies (every other step is corrupt or also being deleted): deleting
-    it would leave nothing to resume from. ``force`` deletes those too.
+    Refused, with nothing deleted, when a step is not committed, is pinned, is not yet on
+    the replica the root records, lies in one node's root of a job with node-local roots,
+    or is the last checkpoint that verifies (every other step is corrupt or also being
+    deleted): deleting it would leave nothing to resume from. ``force`` deletes those too.
 
     Args:
         root: the store: a local directory or an fsspec URL.
@@ -251,6 +303,16 @@ def delete_steps(
             committed_step(storage, s)
         have = storage.list_steps()
         if not force:
+            _refuse_node_local(storage, wanted, "deleted")
+            behind = _not_replicated(storage, wanted)
+            if behind:
+                raise _protected(
+                    storage,
+                    f"step{'s' * (len(behind) > 1)} {_steps_text(behind)} "
+                    f"{'is' if len(behind) == 1 else 'are'} not "
+                    f"yet on the replica {read_replica_url(storage)}",
+                    "a job uploading it would lose it; pass --force to delete anyway",
+                )
             _refuse_protected(storage, wanted, have)
         deleted = _delete(storage, wanted, spare_pinned=not force)
     return DeleteResult(storage.root, deleted, [s for s in have if s not in set(deleted)])

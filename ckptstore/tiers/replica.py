@@ -440,6 +440,10 @@ class Replicator:
             self._failed.pop(step, None)
             self._down = None  # a new step: the replica is tried again
             self._cond.notify_all()
+        # Recorded before the first upload ends: `ckptstore prune` and `rm` hold the steps
+        # not yet safe on the replica the root records (a job preempted with its uploads
+        # behind left none, and they deleted steps no replica held).
+        self._record_url()
         self._start()
 
     def failed(self, error: BaseException) -> None:
