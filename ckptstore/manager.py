@@ -506,7 +506,8 @@ class CheckpointManager:
         On node-local roots (a disk per node) it is collective: call it on every rank. A
         step counts as verifying only if it verifies on every node (each holds a part of
         it); the nodes agree on that in one exchange, delete the same steps, and every rank
-        returns them.
+        returns them. Otherwise only the rank that writes the store (the lowest of those
+        sharing it) deletes anything; on the others it returns ``[]``.
 
         Raises:
             StoreLockedError: another process writes the store.
@@ -546,7 +547,10 @@ class CheckpointManager:
     def gc(self) -> list[str]:
         """Remove stale ``.tmp-``/``.trash-`` entries and manifest-less step directories.
 
-        In a directory that is not a store it does nothing and creates nothing.
+        In a directory that is not a store it does nothing and creates nothing. Under
+        torch.distributed only the rank that writes the store (the lowest of those sharing
+        it) removes anything (another cannot know which ``.tmp-`` is a save in flight); on
+        the others it returns ``[]``.
         """
         self._session.check_open()
         self.wait_save()  # our own save in flight is not stale: its .tmp- must stay

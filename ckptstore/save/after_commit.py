@@ -146,6 +146,10 @@ def prune(session: Session, *, agree: bool = False) -> list[int]:
     session.check_open()
     if agree and session.split:
         return _agreed(session, delete=True)
+    if not session.node_leader:
+        # The store's writer (the lowest rank sharing it) prunes it. Another rank, with
+        # no lock, deleted steps of the store rank 0 writes by a policy of its own.
+        return []
     with session.mutex:
         if not session.claimed:
             if not session.storage.list_steps():
@@ -401,6 +405,10 @@ def _another_good(session: Session, known: RetentionPlanner, step: int) -> bool:
 
 def gc(session: Session) -> list[str]:
     """Remove stale entries (``CheckpointManager.gc``, once no save of ours is in flight)."""
+    if not session.node_leader:
+        # Only the store's writer knows no save of its is in flight: another rank's gc
+        # removed rank 0's .tmp- of an async save under way, and its commit failed.
+        return []
     with session.mutex:
         if not session.claimed:
             if session.storage.root_state().kind != "store":

@@ -91,7 +91,17 @@ class Saver:
         replace = False
         if coord.is_leader:
             refusal, replace = admit(session, step, metrics_d, allow_older)
-        call: Call = ("save", (("step", step), ("sharded", sharded), ("allow_older", allow_older)))
+        # async_save too: ranks that disagree on it pair one's staging broadcast with the
+        # other's write broadcast, and a step committed while every rank raised.
+        call: Call = (
+            "save",
+            (
+                ("step", step),
+                ("sharded", sharded),
+                ("allow_older", allow_older),
+                ("async_save", bool(self.opts.async_save)),
+            ),
+        )
         # The failure of the last async save, if any, and whether this rank raised it.
         seen, self.bg_seen = self.bg_seen, False
         bg = self.take_bg_error()

@@ -215,6 +215,34 @@ def calls_differ(ctx: Ctx) -> dict[str, Any]:
         out["end"] = mgr.steps()
         target = make_model(9)
         out["restored"] = [mgr.restore({"model": target}), digest(target)]
+    # async_save on one rank only: the async rank's staging broadcast met the other's write
+    # broadcast, and a step was committed while both raised (found by review).
+    with CheckpointManager(ctx.root, barrier_timeout=HEALTHY, async_save=ctx.rank == 1) as mgr:
+        out["async_differs"] = outcome(lambda: mgr.save(12, {"model": model}) and None)
+        out["after_async"] = mgr.steps()
+    return out
+
+
+def other_ranks_maintain(ctx: Ctx) -> dict[str, Any]:
+    """``prune()`` and ``gc()`` on every rank of a job writing one store, whose rank 1 was
+    built with another ``keep``: only rank 0, the store's writer, may act (rank 1 deleted
+    steps rank 0 keeps, and removed the ``.tmp-`` of rank 0's save in flight)."""
+    model = make_model()
+    out: dict[str, Any] = {}
+    with CheckpointManager(
+        ctx.root, barrier_timeout=HEALTHY, keep=None if ctx.rank == 0 else 1
+    ) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, {"model": model})
+        in_flight = ctx.root / (".tmp-step-000000000004-" + "a" * 32)
+        if ctx.rank == 0:  # rank 0's next save, under way
+            in_flight.mkdir()
+        dist.barrier()
+        out["pruned"] = mgr.prune()
+        out["gc"] = mgr.gc() if ctx.rank == 1 else []
+        dist.barrier()
+        out["in_flight_left"] = in_flight.is_dir()
+        out["steps"] = mgr.steps()
     return out
 
 

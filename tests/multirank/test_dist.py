@@ -98,6 +98,22 @@ def test_calls_that_differ_between_ranks_are_refused_on_every_rank(tmp_path):
     assert [v["end"] for v in vals] == [[2, 4], [2, 4]]
     assert vals[0]["restored"] == vals[1]["restored"]
     assert vals[0]["restored"][0] == 4
+    got = [v["async_differs"] for v in vals]
+    assert [g["error_type"] for g in got] == ["UsageError", "UsageError"], got
+    assert got[0]["message"] == got[1]["message"]
+    assert (
+        "rank 0: save(step=12, sharded=False, allow_older=False, async_save=False)"
+        in (got[0]["message"])
+    )
+    assert [v["after_async"] for v in vals] == [[2, 4], [2, 4]]
+
+
+def test_only_the_stores_writer_prunes_or_collects_garbage(tmp_path):
+    vals = values(launch("other_ranks_maintain", 2, tmp_path))
+    assert [v["pruned"] for v in vals] == [[], []]
+    assert [v["gc"] for v in vals] == [[], []]
+    assert [v["in_flight_left"] for v in vals] == [True, True]
+    assert [v["steps"] for v in vals] == [[1, 2, 3], [1, 2, 3]]
 
 
 def test_rank_exits_before_save(tmp_path):
