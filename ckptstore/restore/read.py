@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import time
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
@@ -70,6 +70,7 @@ def decode_files(
     require: bool = False,
     touched: dict[int, str] | None = None,
     report: dict[str, Any] | None = None,
+    checked: Callable[[BaseException | None], None] | None = None,
 ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
     """Decode the entries ``wanted`` (all if None) of ``step`` as ``rank`` sees them.
 
@@ -91,6 +92,10 @@ def decode_files(
     good only when all of it was checked: ``whole`` (every entry of the step was decoded)
     and ``ranks`` (how many ranks' parts a per-rank step holds, of which this read one; 1
     for a replicated or DTensor step), and ``keys`` (the step's top-level entries).
+
+
+    ``checked`` is called once the targets passed their checks, before any payload is read
+    (a restore's ranks agree there that none refused: ``restore:check``); it may raise.
     """
     explicit = rank is not None
     rank = session.coord.rank if rank is None else rank
@@ -154,6 +159,8 @@ def decode_files(
         )
         if touched is not None:
             touched.update(persistent_targets(targets, keys, vals))
+    if checked is not None:
+        checked(None)
     sharded_leaves: dict[str, torch.Tensor] = {}
     if manifest.dtensor:
         sharded_leaves = read_sharded(

@@ -126,6 +126,8 @@ class Reader:
             kinds: dict[Any, str | None] = {}
             mine: tuple[str, Any] = ("ok", None)
             blobs: dict[str, bytearray] | None = None
+            checks = _Checks(session, s)
+            caught: BaseException | None = None
             try:
                 if session.replica_storage is not None:
                     try:
@@ -160,14 +162,26 @@ class Reader:
                     in_place=in_place,
                     touched=touched,
                     report=covered,
+                    checked=checks,
                 )
-            except (IntegrityError, ManifestError) as e:
-                mine = ("skip", e)
             except BarrierTimeout:
                 raise
             except BaseException as e:
-                mine = ("error", e)
+                caught = e
+            if not checks.done:  # this rank never reached its targets' checks
+                try:
+                    checks(caught)
+                except _PeerRefused as e:
+                    caught = e
+            if isinstance(caught, _PeerRefused):
+                mine = ("peer", None)
+            elif isinstance(caught, IntegrityError | ManifestError):
+                mine = ("skip", caught)
+            elif caught is not None:
+                mine = ("error", caught)
             hard, soft = session.coord.reduce(mine, _load_verdict, "restore:load", s)
+            if mine[0] == "peer" and not hard and not soft:  # cannot be: whoever refused says
+                raise CkptStoreError(f"step {s}: another rank refused its targets")
             if hard:
                 r, err = hard[0]
                 if r == session.coord.rank or not isinstance(err, CkptStoreError):
@@ -363,6 +377,33 @@ def _deleted_while_read(session: Session, step: int) -> str:
         "retention, `ckptstore prune` or `rm`); it was not corrupt. Ask for a step that is "
         "kept (`ckptstore ls`), or for the newest with step=None"
     )
+
+
+class _PeerRefused(Exception):
+    """Another rank refused its targets: this one reads nothing into its own."""
+
+
+class _Checks:
+    """``restore:check``, once per step tried, on every rank: whether any rank refused.
+
+    Each rank checks its targets against the step's ``state.json`` before it reads a byte
+    into them; a refusal on one rank (a model of another shape there) used to leave the
+    others reading the step in place, so their models held its values while every rank
+    raised. Called by ``decode`` once the checks passed, or by the loop with the error that
+    stopped this rank before them. A flag a rank; rank 0's answer one flag.
+    """
+
+    def __init__(self, session: Any, step: int) -> None:
+        self.session = session
+        self.step = step
+        self.done = False
+
+    def __call__(self, err: BaseException | None) -> None:
+        self.done = True
+        hard = err is not None and not isinstance(err, IntegrityError | ManifestError)
+        refused = self.session.coord.reduce(hard, any, "restore:check", self.step)
+        if refused and not hard:
+            raise _PeerRefused
 
 
 def _load_verdict(

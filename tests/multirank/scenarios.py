@@ -246,6 +246,26 @@ def other_ranks_maintain(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def restore_refused_on_one_rank(ctx: Ctx) -> dict[str, Any]:
+    """Rank 1 restores into a model of another shape: every rank raises, and rank 0's model,
+    whose targets passed their checks, must hold what it held (found by review: it was
+    read in place from the step while both ranks raised)."""
+    out: dict[str, Any] = {}
+    with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
+        for sharded in (False, True):
+            step = 1 if not sharded else 2
+            mgr.save(step, {"model": make_model(seed=step)}, sharded=sharded)
+            # rank 1: a model of another shape
+            target = nn.Sequential(nn.Linear(8, 3)) if ctx.rank == 1 else make_model(seed=50)
+            before = digest(target)
+            res = outcome(lambda t=target, s=step: mgr.restore({"model": t}, step=s))
+            out[str(step)] = {"res": res, "kept": digest(target) == before}
+        # The job goes on: a restore every rank can take works.
+        target = make_model(seed=50)
+        out["then"] = [mgr.restore({"model": target}), digest(target) == digest(make_model(2))]
+    return out
+
+
 def rank_exits_before_save(ctx: Ctx) -> dict[str, Any]:
     model = make_model()
     mgr = step1_then_manager(ctx, {"model": model})

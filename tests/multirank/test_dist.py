@@ -116,6 +116,16 @@ def test_only_the_stores_writer_prunes_or_collects_garbage(tmp_path):
     assert [v["steps"] for v in vals] == [[1, 2, 3], [1, 2, 3]]
 
 
+def test_a_restore_refused_on_one_rank_changes_no_rank_s_targets(tmp_path):
+    vals = values(launch("restore_refused_on_one_rank", 2, tmp_path))
+    for step in ("1", "2"):  # replicated, per-rank
+        got = [v[step]["res"] for v in vals]
+        assert [g["error_type"] for g in got] == ["StateMismatchError"] * 2, got
+        assert got[0]["message"].startswith("rank 1: "), got[0]
+        assert [v[step]["kept"] for v in vals] == [True, True], step
+    assert [v["then"] for v in vals] == [[2, True], [2, True]]
+
+
 def test_rank_exits_before_save(tmp_path):
     res = launch("rank_exits_before_save", 3, tmp_path, args={"timeout": TIMEOUT})
     assert res[1].returncode == 3
