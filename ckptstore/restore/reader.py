@@ -288,6 +288,14 @@ class Reader:
     ) -> int:
         """``CheckpointManager.resume`` once the manager is open and no save is in flight."""
         session = self.session
+        # The first exchange carries the call, as save's and restore's do: a resume on one
+        # rank paired its broadcast with another rank's save or restore, and every rank
+        # timed out naming no one, the group broken for good (found by review).
+        call: Call = (
+            "resume",
+            (("strict", strict), ("broadcast", broadcast), ("in_place", in_place)),
+        )
+        session.coord.reduce(call, same_call, "resume:enter")
         listed: tuple[str, Any] = ("ok", None)
         if session.coord.is_leader:
             try:

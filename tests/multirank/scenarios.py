@@ -212,6 +212,10 @@ def calls_differ(ctx: Ctx) -> dict[str, Any]:
             out["mixed"] = outcome(lambda: mgr.restore({"model": make_model(9)}, step=2))
         else:
             out["mixed"] = outcome(lambda: mgr.save(10, {"model": model}) and None)
+        if ctx.rank == 0:  # a resume met a save: both timed out, naming no one
+            out["resume_mixed"] = outcome(lambda: mgr.resume({"model": make_model(9)}) and None)
+        else:
+            out["resume_mixed"] = outcome(lambda: mgr.save(10, {"model": model}) and None)
         out["end"] = mgr.steps()
         target = make_model(9)
         out["restored"] = [mgr.restore({"model": target}), digest(target)]

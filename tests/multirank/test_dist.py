@@ -85,6 +85,7 @@ def test_calls_that_differ_between_ranks_are_refused_on_every_rank(tmp_path):
         "restore_differs": ("restore(step=2,", "restore(step=4,"),
         "solo": ("save(step=102,", "save(step=8,"),
         "mixed": ("restore(step=2,", "save(step=10,"),
+        "resume_mixed": ("resume(strict=True,", "save(step=10,"),
     }.items():
         got = [v[key] for v in vals]
         assert [g["ok"] for g in got] == [False, False], (key, got)
