@@ -311,19 +311,33 @@ class CheckpointManager:
             BarrierTimeout: a rank did not join the save in time.
         """
         self._session.check_open()
-        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
-            msg = f"step must be an int >= 0, got {step!r}"
-            raise ConfigError(msg)
-        if not isinstance(state, Mapping):
-            msg = f"state must be a mapping of names to objects, got {type(state).__name__}"
-            raise ConfigTypeError(msg)
-        metrics_d = _check_metrics(metrics)
-        metadata_d = _check_metadata(metadata)
+        refused: ConfigError | ConfigTypeError | None = None
+        try:
+            if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+                msg = f"step must be an int >= 0, got {step!r}"
+                raise ConfigError(msg)
+            if not isinstance(state, Mapping):
+                msg = f"state must be a mapping of names to objects, got {type(state).__name__}"
+                raise ConfigTypeError(msg)
+            metrics_d = _check_metrics(metrics)
+            metadata_d = _check_metadata(metadata)
+        except (ConfigError, ConfigTypeError) as e:
+            if self._session.coord.world_size == 1:
+                raise
+            # Raised here alone, this rank skipped the save's first exchange, and every
+            # later call of the job met another rank's next one (a loss gone NaN on one
+            # rank): it goes to 'save:enter' instead, which raises it on every rank.
+            refused, metrics_d, metadata_d = e, {}, {}
+            if not isinstance(step, int) or isinstance(step, bool):
+                step = -1
+            state = {}
         self.wait_save()  # at most one save in flight
         # The save's writes go before the uploads of earlier steps (which wait at their next
         # slice of bytes); an async save keeps them waiting until it commits.
         with self.replica.held() if self.replica is not None else contextlib.nullcontext():
-            return self._saver.save(step, state, metrics_d, metadata_d, sharded, allow_older)
+            return self._saver.save(
+                step, state, metrics_d, metadata_d, sharded, allow_older, refused=refused
+            )
 
     def restore(
         self,

@@ -77,8 +77,14 @@ class Saver:
         metadata_d: dict[str, Any],
         sharded: bool,
         allow_older: bool,
+        *,
+        refused: BaseException | None = None,
     ) -> SaveHandle:
-        """``CheckpointManager.save`` once its arguments are checked and no save is in flight."""
+        """``CheckpointManager.save`` once its arguments are checked and no save is in flight.
+
+        ``refused``: this rank's arguments failed their checks; raised on every rank at the
+        save's first exchange (nothing is written).
+        """
         session, coord, opts = self.session, self.session.coord, self.opts
         t0 = time.perf_counter()
         clock = self.clock = PhaseClock()
@@ -87,9 +93,9 @@ class Saver:
         # happened; DTensor leaves on any rank make the save sharded on all of them; and
         # rank 0, which holds the store's listing, says whether the save may go ahead at
         # all (the same error on every rank, before anything is written).
-        refusal: BaseException | None = None
+        refusal: BaseException | None = refused
         replace = False
-        if coord.is_leader:
+        if coord.is_leader and refused is None:
             refusal, replace = admit(session, step, metrics_d, allow_older)
         # async_save too: ranks that disagree on it pair one's staging broadcast with the
         # other's write broadcast, and a step committed while every rank raised.
@@ -504,7 +510,13 @@ def _enter_verdict(
     failures = [e for e, _, _, _ in every if e is not None]
     told = len(failures) == len(every) and all(seen for _, seen in failures)
     prev = None if told or not failures else failures[0][0]
-    return prev, any(flag for _, flag, _, _ in every), every[0][2]
+    # Rank 0's refusal (admit), else the first rank whose arguments failed their checks.
+    refusal = next(((r, e[2]) for r, e in enumerate(every) if e[2] is not None), None)
+    if refusal is not None and refusal[0] != 0:
+        r, err = refusal
+        told_as = type(err) if isinstance(err, CkptStoreError) else CkptStoreError
+        refusal = (r, told_as(f"rank {r}: {err}"))
+    return prev, any(flag for _, flag, _, _ in every), refusal[1] if refusal else None
 
 
 def _staged_verdict(every: list[tuple[str, Any]]) -> tuple[list[tuple[int, Any]], int]:

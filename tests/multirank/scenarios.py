@@ -216,6 +216,10 @@ def calls_differ(ctx: Ctx) -> dict[str, Any]:
             out["resume_mixed"] = outcome(lambda: mgr.resume({"model": make_model(9)}) and None)
         else:
             out["resume_mixed"] = outcome(lambda: mgr.save(10, {"model": model}) and None)
+        # Arguments refused on one rank alone (its loss gone NaN): that rank skipped the
+        # first exchange, and every later call met another rank's next one.
+        bad = {"loss": float("nan")} if ctx.rank == 1 else None
+        out["bad_args"] = outcome(lambda: mgr.save(14, {"model": model}, metadata=bad) and None)
         out["end"] = mgr.steps()
         target = make_model(9)
         out["restored"] = [mgr.restore({"model": target}), digest(target)]

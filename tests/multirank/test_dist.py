@@ -94,6 +94,10 @@ def test_calls_that_differ_between_ranks_are_refused_on_every_rank(tmp_path):
         msg = got[0]["message"]
         assert msg.startswith(f"the ranks made different calls: rank 0: {mine}"), (key, msg)
         assert f"rank 1: {theirs}" in msg, (key, msg)
+    got = [v["bad_args"] for v in vals]
+    assert [g["error_type"] for g in got] == ["ConfigError", "ConfigError"], got
+    assert got[0]["message"] == got[1]["message"]
+    assert got[0]["message"].startswith("rank 1: metadata must be JSON-serializable (no NaN)")
     # Nothing was written by any refused save; every rank still restores the newest step.
     assert [v["after"] for v in vals] == [[2, 4], [2, 4]]
     assert [v["end"] for v in vals] == [[2, 4], [2, 4]]
