@@ -555,3 +555,59 @@ def test_a_synchronous_sharded_save_of_gpu_state_goes_through_the_staging_buffer
             got = mgr.load(step)["model"]
             assert sorted(got) == sorted(want)
             assert all(torch.equal(got[k], want[k]) for k in want)  # full tensors
+
+
+@pytest.mark.timeout(60)
+def test_an_interrupt_at_the_end_of_an_async_save_never_lets_the_next_one_restage(
+    tmp_path: Path, gate: Gate, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Found by review, with real SIGINTs: Ctrl-C between the job's submit and the record
+    # of the save in flight left it untracked; the next save staged into the buffers it
+    # was still writing, and step 1 committed (and verified) holding step 2's values.
+    real = SaveHandle.__init__
+    calls = [0]
+
+    def init(self: SaveHandle, *args: Any, **kwargs: Any) -> None:
+        real(self, *args, **kwargs)
+        calls[0] += 1
+        if calls[0] == 1:
+            raise KeyboardInterrupt  # as a signal handler raises it, right there
+
+    monkeypatch.setattr(SaveHandle, "__init__", init)
+    w = torch.ones(1 << 16)
+    with CheckpointManager(tmp_path / "s", async_save=True) as mgr:
+        with pytest.raises(KeyboardInterrupt):
+            mgr.save(1, {"w": w})
+        w.fill_(2.0)  # what the job does next
+        threading.Timer(0.3, gate.open).start()
+        mgr.save(2, {"w": w}).wait(timeout=20)
+        for s in mgr.steps():
+            assert mgr.verify(s).ok
+            assert torch.equal(mgr.load(s)["w"], torch.full((1 << 16,), float(s))), s
+        assert 2 in mgr.steps()
+
+
+def test_the_writer_thread_outlives_a_future_that_fails_to_complete() -> None:
+    # A KeyboardInterrupt inside the training thread's condition wait left the future's
+    # lock released under the writer: its set_result raised "release unlocked lock", the
+    # ThreadPoolExecutor's worker died of it, and every later save queued to no thread
+    # (waits hung; saves were dropped at exit without a word; found by review).
+    import concurrent.futures
+
+    from ckptstore.save.staging import BackgroundWriter
+
+    class Broken(concurrent.futures.Future[Any]):
+        def set_result(self, result: Any) -> None:
+            raise RuntimeError("release unlocked lock")
+
+    writer = BackgroundWriter()
+    try:
+        writer.submit_to(Broken(), lambda: 1)
+        assert writer.submit(lambda: 2).result(timeout=10) == 2
+        stop = writer.submit(lambda: (_ for _ in ()).throw(SystemExit(3)))
+        assert isinstance(stop.exception(timeout=10), SystemExit)
+        assert writer.submit(lambda: 4).result(timeout=10) == 4
+    finally:
+        writer.shutdown()
+    with pytest.raises(CommitError, match="the background writer is stopped"):
+        writer.submit(lambda: 5)

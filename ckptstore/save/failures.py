@@ -55,15 +55,19 @@ _RANKS = 32
 _DETAILS = 8
 
 
-def shard_error(
-    failed: list[tuple[int, Any]], where: str, previous: int | None
-) -> CommitError | UnsafeCheckpointError:
+def shard_error(failed: list[tuple[int, Any]], where: str, previous: int | None) -> BaseException:
     """The error every rank raises when some ranks could not write their part of a save.
 
     A state that cannot be saved at all (it needs pickle, compression with DTensors, a
     Partial placement, an optimizer without its model) stays an ``UnsafeCheckpointError``,
-    as in a replicated save; a failure to write is a ``CommitError``.
+    as in a replicated save; a failure to write is a ``CommitError``. An interrupt
+    (KeyboardInterrupt, SystemExit) on a rank stays itself, as a replicated save raises
+    it: it came out as ``CommitError`` with an empty reason, past the caller's ``except
+    KeyboardInterrupt`` (found by review).
     """
+    for _, e in failed:
+        if isinstance(e, BaseException) and not isinstance(e, Exception):
+            return e
     prev = (
         f"step {previous} is still the newest checkpoint"
         if previous is not None
@@ -72,7 +76,7 @@ def shard_error(
     # Bounded whatever the world size: the message travels to every rank.
     # A rank's OSError arrives whole (it pickles with its errno): said in words too.
     detail = "; ".join(
-        f"rank {r}: {why} ({e})" if (why := _reason(e)) else f"rank {r}: {e}"
+        f"rank {r}: {why} ({e})" if (why := _reason(e)) else f"rank {r}: {str(e) or repr(e)}"
         for r, e in failed[:_DETAILS]
     )
     ranks = ", ".join(str(r) for r, _ in failed[:_RANKS])

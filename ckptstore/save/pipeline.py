@@ -10,6 +10,7 @@ plan, the phase timings of the last save and the error of a failed async save.
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import os
 import time
@@ -183,7 +184,6 @@ class Saver:
         replica = self.session.replica
 
         held = replica.held() if replica is not None else contextlib.nullcontext()
-        held.__enter__()  # uploads wait until this save commits
 
         def run() -> Manifest:
             try:
@@ -196,12 +196,22 @@ class Saver:
             finally:
                 held.__exit__(None, None, None)
 
+        # Recorded before the job can run: an interrupt between the submit and this record
+        # (Ctrl-C at the end of save) left the save untracked, and the next save staged into
+        # the buffers it was still writing: a committed step held the next one's values
+        # (found by review, with real SIGINTs).
+        future: concurrent.futures.Future[Manifest] = concurrent.futures.Future()
+        entered = False
         try:
-            future = self.writer.submit(run)
+            self.inflight = SaveHandle(step, future, on_error=self._error_seen)
+            held.__enter__()  # uploads wait until this save commits
+            entered = True
+            self.writer.submit_to(future, run)
         except BaseException:
-            held.__exit__(None, None, None)
+            # Never started, it never will (nothing holds the buffers); else it runs on.
+            if future.cancel() and entered:
+                held.__exit__(None, None, None)
             raise
-        self.inflight = SaveHandle(step, future, on_error=self._error_seen)
         return self.inflight
 
     def _done(self, step: int, manifest: Manifest, t0: float) -> SaveHandle:

@@ -10,8 +10,11 @@ from __future__ import annotations
 
 import atexit
 import concurrent.futures
+import contextlib
 import os
+import queue
 import threading
+import time
 import warnings
 import weakref
 from collections.abc import Callable
@@ -146,7 +149,8 @@ class SaveHandle:
         if self._future is None:
             return self._result
         try:
-            return self._future.result(timeout)
+            _until_done(self._future, timeout)
+            return self._future.result(0)
         except BaseException as e:
             f = self._future
             if self._on_error is not None and f.done() and not f.cancelled() and f.exception() is e:
@@ -156,7 +160,7 @@ class SaveHandle:
     def _settle(self) -> None:
         """Wait until the save is over, raising nothing (its error stays with the manager)."""
         if self._future is not None:
-            concurrent.futures.wait([self._future])
+            _until_done(self._future, None)
 
     @property
     def manifest(self) -> Any:
@@ -171,23 +175,88 @@ class SaveHandle:
 _live: weakref.WeakSet[BackgroundWriter] = weakref.WeakSet()
 
 
+#: How often a wait for an async save looks whether it is over (``_until_done``).
+_POLL = 0.002
+
+
+def _until_done(future: concurrent.futures.Future[Any], timeout: float | None) -> None:
+    """Return once ``future`` is done, or ``timeout`` seconds passed (then TimeoutError).
+
+    Polled, never ``Condition.wait``: a KeyboardInterrupt that lands inside a condition
+    wait of the training thread can leave the future's lock released under the writer,
+    whose ``set_result`` then raised "release unlocked lock" and killed the writer
+    thread; every later wait hung, and saves queued behind it were dropped at exit
+    without a word (found by review, with real SIGINTs).
+    """
+    end = None if timeout is None else time.monotonic() + timeout
+    while not future.done():
+        if end is not None and time.monotonic() >= end:
+            raise concurrent.futures.TimeoutError
+        time.sleep(_POLL)
+
+
 class BackgroundWriter:
-    """One thread that runs save jobs in order."""
+    """One thread of its own that runs save jobs in order.
+
+    Not a ``ThreadPoolExecutor``: its worker thread dies on any exception raised while it
+    completes a future (see :func:`_until_done`), and the pool then queues work no thread
+    runs. This loop survives anything a job or its future raises, and a job is given its
+    future by the caller, who records it before the job can run (``Saver._in_background``).
+    """
 
     def __init__(self) -> None:
-        self._pool = concurrent.futures.ThreadPoolExecutor(
-            1, thread_name_prefix="ckptstore-writer", initializer=lower_priority
-        )
+        self._queue: queue.SimpleQueue[
+            tuple[concurrent.futures.Future[Any], Callable[[], Any]] | None
+        ] = queue.SimpleQueue()
         self._lock = threading.Lock()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._loop, name="ckptstore-writer", daemon=True)
+        self._thread.start()
         _live.add(self)
 
+    def _loop(self) -> None:
+        lower_priority()
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            future, fn = item
+            try:
+                if not future.set_running_or_notify_cancel():
+                    continue  # cancelled before it started (see submit_to)
+                result = fn()
+            except BaseException as e:  # handed to the future
+                with contextlib.suppress(BaseException):
+                    future.set_exception(e)
+            else:
+                with contextlib.suppress(BaseException):
+                    future.set_result(result)
+
+    def submit_to(self, future: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:
+        """Run ``fn`` in the background; its outcome goes to ``future``.
+
+        Raises:
+            CommitError: the writer was shut down, or its thread is gone.
+        """
+        with self._lock:
+            if self._stopped or not self._thread.is_alive():
+                raise CommitError("the background writer is stopped; the save was not started")
+            self._queue.put((future, fn))
+
     def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        """Run ``fn`` in the background."""
-        return self._pool.submit(fn)
+        """Run ``fn`` in the background; its future."""
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        self.submit_to(future, fn)
+        return future
 
     def shutdown(self) -> None:
         """Finish queued work and stop the thread."""
-        self._pool.shutdown(wait=True)
+        with self._lock:
+            if not self._stopped:
+                self._stopped = True
+                self._queue.put(None)
+        if self._thread is not threading.current_thread():
+            self._thread.join()
 
 
 #: Async saves not known to be over (see :func:`_forget_in_child`).

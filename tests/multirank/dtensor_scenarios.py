@@ -166,11 +166,13 @@ def fsdp_async_stage_failure(ctx: Ctx) -> dict[str, Any]:
     if ctx.rank == 1:
         import ckptstore.sharded.plan as sh
 
-        if ctx.args["where"] == "boxes":
+        if ctx.args["where"] in ("boxes", "interrupt"):
             real_boxes = sh.local_boxes
 
             def fail_boxes(*a: Any, **k: Any) -> Any:
                 sh.local_boxes = real_boxes  # type: ignore[assignment]
+                if ctx.args["where"] == "interrupt":  # Ctrl-C while the boxes are made
+                    raise KeyboardInterrupt
                 raise MemoryError("cannot build the boxes (injected)")
 
             sh.local_boxes = fail_boxes  # type: ignore[assignment]
@@ -183,7 +185,10 @@ def fsdp_async_stage_failure(ctx: Ctx) -> dict[str, Any]:
 
             mgr._staging.stage = fail_stage  # type: ignore[method-assign]
     t0 = time.monotonic()
-    res = outcome(lambda: mgr.save(2, state).wait() and None)
+    try:
+        res = outcome(lambda: mgr.save(2, state).wait() and None)
+    except KeyboardInterrupt:
+        res = {"ok": False, "error_type": "KeyboardInterrupt", "message": ""}
     res["elapsed"] = time.monotonic() - t0
     # The failure was raised where it happened: the next save goes ahead on every rank.
     res["after"] = outcome(lambda: mgr.save(3, state).wait() and None)
