@@ -251,25 +251,41 @@ class Reader:
                 # it as the newest good one and deletes the older steps.
                 session.known_good.add(s)
                 session.known_bad.discard(s)
+            # Applied on every rank, then agreed on: a module's load_state_dict raising on
+            # one rank left the others training on alone (found by review).
+            applied: BaseException | None = None
+            described = session.storage.describe(s)
             try:
-                apply_state(state, stored, kinds, strict=strict, where=session.storage.describe(s))
-            except StateMismatchError as e:
-                if in_place is False or not touched:
-                    raise
-                raise StateMismatchError(
-                    f"{e}; but the tensors of the modules and optimizers in state were already "
-                    f"read in place from step {s} (they hold its values). Restore with "
-                    "in_place=False to keep every target unchanged when an entry refuses"
-                ) from e
-            left = sorted(name for i, name in dirty.items() if i not in touched)
-            if left and in_place is not False:
-                raise IntegrityError(
-                    f"{session.storage.describe(s)} was restored, but {len(left)} tensors of state "
-                    f"were partly written by a newer step that failed its checksum or was "
-                    f"deleted while it was read, and this step holds no value for them: "
-                    f"{', '.join(left[:5])}. Restore with in_place=False to keep every target "
-                    "unchanged until a step verifies"
-                )
+                try:
+                    apply_state(state, stored, kinds, strict=strict, where=described)
+                except StateMismatchError as e:
+                    if in_place is False or not touched:
+                        raise
+                    raise StateMismatchError(
+                        f"{e}; but the tensors of the modules and optimizers in state were already "
+                        f"read in place from step {s} (they hold its values). Restore with "
+                        "in_place=False to keep every target unchanged when an entry refuses"
+                    ) from e
+                left = sorted(name for i, name in dirty.items() if i not in touched)
+                if left and in_place is not False:
+                    raise IntegrityError(
+                        f"{described} was restored, but {len(left)} tensors of state "
+                        f"were partly written by a newer step that failed its checksum or was "
+                        f"deleted while it was read, and this step holds no value for them: "
+                        f"{', '.join(left[:5])}. Restore with in_place=False to keep every target "
+                        "unchanged until a step verifies"
+                    )
+            except BarrierTimeout:
+                raise
+            except BaseException as e:
+                applied = e
+            failed = session.coord.reduce(applied, _first_failure, "restore:applied", s)
+            if failed is not None:
+                r, err = failed
+                if applied is not None:
+                    raise applied
+                told = type(err) if isinstance(err, CkptStoreError) else CkptStoreError
+                raise told(f"rank {r}: {err}")
             if not strict and "keys" in covered:
                 _warn_if_none_restored(state, covered["keys"], session.storage.describe(s))
             return int(s)
@@ -412,6 +428,11 @@ class _Checks:
         refused = self.session.coord.reduce(hard, any, "restore:check", self.step)
         if refused and not hard:
             raise _PeerRefused
+
+
+def _first_failure(every: list[BaseException | None]) -> tuple[int, BaseException] | None:
+    """Rank 0's answer at 'restore:applied': the first rank whose state refused, and why."""
+    return next(((r, e) for r, e in enumerate(every) if e is not None), None)
 
 
 def _load_verdict(

@@ -268,10 +268,33 @@ def restore_refused_on_one_rank(ctx: Ctx) -> dict[str, Any]:
             before = digest(target)
             res = outcome(lambda t=target, s=step: mgr.restore({"model": t}, step=s))
             out[str(step)] = {"res": res, "kept": digest(target) == before}
+        # A state whose load_state_dict raises on rank 1 alone: rank 0 went on training.
+        mgr.save(3, {"model": make_model(seed=3), "extra": _Picky(False)})
+        picky = {"model": make_model(seed=50), "extra": _Picky(ctx.rank == 1)}
+        out["applied"] = outcome(lambda: mgr.restore(picky, step=3))
         # The job goes on: a restore every rank can take works.
         target = make_model(seed=50)
-        out["then"] = [mgr.restore({"model": target}), digest(target) == digest(make_model(2))]
+        out["then"] = [
+            mgr.restore({"model": target}, step=2),
+            digest(target) == digest(make_model(2)),
+        ]
     return out
+
+
+class _Picky:
+    """A stateful object whose ``load_state_dict`` raises where ``fail`` (one rank)."""
+
+    def __init__(self, fail: bool) -> None:
+        self.fail = fail
+        self.v = 7
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"v": self.v}
+
+    def load_state_dict(self, sd: dict[str, Any]) -> None:
+        if self.fail:
+            raise RuntimeError("cannot take it (injected)")
+        self.v = sd["v"]
 
 
 def rank_exits_before_save(ctx: Ctx) -> dict[str, Any]:

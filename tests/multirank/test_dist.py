@@ -128,6 +128,11 @@ def test_a_restore_refused_on_one_rank_changes_no_rank_s_targets(tmp_path):
         assert [g["error_type"] for g in got] == ["StateMismatchError"] * 2, got
         assert got[0]["message"].startswith("rank 1: "), got[0]
         assert [v[step]["kept"] for v in vals] == [True, True], step
+    got = [v["applied"] for v in vals]  # rank 0 used to return 3 and train on alone
+    assert [g["ok"] for g in got] == [False, False], got
+    assert got[0]["error_type"] == got[1]["error_type"], got
+    assert got[0]["message"].startswith("rank 1: "), got[0]
+    assert "cannot take it (injected)" in got[0]["message"]
     assert [v["then"] for v in vals] == [[2, True], [2, True]]
 
 
