@@ -13,6 +13,7 @@ from __future__ import annotations
 from typing import Any
 
 from .._log import logger as log
+from ..dist import Call, same_call
 from ..errors import CkptStoreError, CommitError, StepProtectedError, UsageError
 from ..ops.verify import verify_checkpoint
 from ..retention import RetentionPlanner, keep_best_policies
@@ -233,7 +234,10 @@ def _agreed(session: Session, *, delete: bool) -> list[int]:
             mine = ("ok", _walk(session, delete=delete))
         except (CkptStoreError, OSError, ValueError) as e:
             mine = ("error", e)
-    status, value = coord.reduce(mine, _verdict, "prune:agree")
+    # With the call, checked first: a prune on one rank met another's save, and both
+    # raised a bare "too many values to unpack" (found by review).
+    call: Call = ("prune" if delete else "plan_prune", ())
+    status, value = coord.reduce((call, *mine), _verdict, "prune:agree")
     if status == "error":
         raise value
     good, floor, bad = value
@@ -301,8 +305,13 @@ def _walk(session: Session, *, delete: bool) -> tuple[int | None, list[int]]:
 _SHOWN = 8
 
 
-def _verdict(every: list[tuple[str, Any]]) -> tuple[str, Any]:
-    """Rank 0's verdict from every rank's report: ``("ok", (good, floor, bad))`` or an error."""
+def _verdict(sent: list[Any]) -> tuple[str, Any]:
+    """Rank 0's verdict from every rank's report: ``("ok", (good, floor, bad))`` or an error.
+
+    Raises (on every rank): ``UsageError`` where a rank made another call (:func:`same_call`).
+    """
+    same_call([e[0] if isinstance(e, tuple) and len(e) == 3 else e for e in sent])
+    every: list[tuple[str, Any]] = [(e[1], e[2]) for e in sent]
     failed = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
     if failed:
         return "error", _failure(failed, "could not check its steps")

@@ -91,3 +91,12 @@ def test_a_rank_missing_from_a_node_local_prune_is_named(tmp_path: Path) -> None
     assert (pruned["phase"], pruned["missing_ranks"]) == ("prune:agree", [1])
     assert pruned["seconds"] < 30
     assert [v["steps"] for v in got] == [[1, 2], [1, 2]]
+
+
+@pytest.mark.timeout(200)
+def test_a_node_local_prune_met_by_a_save_is_refused_on_every_rank(tmp_path: Path) -> None:
+    got = _damaged(tmp_path, ["", ""], absent=1, saves=True)
+    for v in got:
+        assert v["pruned"]["error_type"] == "UsageError", v["pruned"]
+        assert "rank 0: prune(); rank 1: save(step=3," in v["pruned"]["message"]
+    assert [v["steps"] for v in got] == [[1, 2], [1, 2]]
