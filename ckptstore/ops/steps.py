@@ -98,9 +98,9 @@ def _writer(storage: Storage, what: str) -> Iterator[None]:
     except StoreLockedError as e:
         # The generic advice ("give this one its own directory") is for a second job.
         raise StoreLockedError(
-            f"{e.message.split(';')[0]}: nothing was {what}. A job is writing this store "
-            "(its own keep= policy prunes after each of its saves); try again once it has "
-            "stopped"
+            f"{e.message.split(' (')[0]}: nothing was {what}. Another process holds its "
+            "writer lock: a job writing it (its own keep= policy prunes after each of its "
+            "saves), or another maintenance command; try again once it has stopped"
         ) from None
     try:
         yield

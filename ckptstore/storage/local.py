@@ -532,9 +532,10 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
                 os.close(fd)
                 if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
                     msg = (
-                        f"{self.root} is locked by another writer ({self.path}); two jobs must "
-                        "not write one store. Stop the other job or give this one its own "
-                        "directory"
+                        f"{self.root} is locked by another writer ({self.path}): another job "
+                        "writing it, or a maintenance command at work (`ckptstore prune`, "
+                        "`gc`, `rm`); two jobs must not write one store. Stop the other job "
+                        "or give this one its own directory, or retry once the command ended"
                     )
                     raise StoreLockedError(msg) from None
                 msg = (
