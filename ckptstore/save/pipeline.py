@@ -189,8 +189,9 @@ class Saver:
             try:
                 return work()
             except BaseException as e:
-                log.error("async save of step %d failed: %s", step, e)
-                self.bg_error = e
+                hint = self._gone_hint()
+                log.error("async save of step %d failed: %s%s", step, e, hint)
+                self.bg_error = CommitError(f"{e}{hint}") if hint else e
                 self.bg_seen = False
                 raise
             finally:
@@ -213,6 +214,25 @@ class Saver:
                 held.__exit__(None, None, None)
             raise
         return self.inflight
+
+    def _gone_hint(self) -> str:
+        """Why an async save failed, where the job took its process group away under it.
+
+        A script that calls ``dist.destroy_process_group()`` before ``close()`` (as many do
+        at their end) left its last step uncommitted, and said only that a group "is not
+        registered" (found by review).
+        """
+        if not self.session.coord.enabled:
+            return ""
+        import torch.distributed as dist
+
+        if dist.is_available() and dist.is_initialized():
+            return ""
+        return (
+            " (torch.distributed's process group was destroyed before this save finished: "
+            "call mgr.wait() or mgr.close() before dist.destroy_process_group(); the step "
+            "is not committed, the one before it is the newest)"
+        )
 
     def _done(self, step: int, manifest: Manifest, t0: float) -> SaveHandle:
         self.last_blocked_s = time.perf_counter() - t0

@@ -197,6 +197,20 @@ def fsdp_async_stage_failure(ctx: Ctx) -> dict[str, Any]:
     return res
 
 
+def fsdp_async_then_destroy(ctx: Ctx) -> dict[str, Any]:
+    """An async FSDP2 save in flight when the script destroys its process group, then
+    ``close()`` (as many scripts end): the step is lost, and the log must say why."""
+    model = make_net()
+    shard(model)
+    mgr = _mgr(ctx, async_save=True)
+    mgr.save(1, {"model": model}).wait()
+    mgr.save(2, {"model": model})
+    dist.destroy_process_group()
+    out = outcome(mgr.close)
+    out["steps"] = CheckpointManager(ctx.root, distributed=False, create=False).steps()
+    return out
+
+
 def fsdp_restore(ctx: Ctx) -> dict[str, Any]:
     """Restore into a fresh FSDP2 (or HSDP) model and optimizer on this world size."""
     model = make_net(seed=99)

@@ -294,6 +294,18 @@ def test_async_fsdp2_staging_failure_on_one_rank_reaches_every_rank_at_once(tmp_
     ]
 
 
+def test_a_group_destroyed_under_an_async_save_is_named_as_the_cause(tmp_path):
+    # Found by review: the log said only that a group "is not registered".
+    res = launch("dtensor_scenarios:fsdp_async_then_destroy", 2, tmp_path, timeout=180)
+    hint = "call mgr.wait() or mgr.close() before dist.destroy_process_group()"
+    for r, v in zip(res, values(res), strict=True):
+        assert v["steps"] == [1], v  # the commit needs the group: step 2 was lost
+        assert "process group was destroyed before this save finished" in r.output
+        assert hint in r.output
+        assert v["error_type"] == "CommitError", v  # and close() says so
+        assert hint in v["message"], v
+
+
 def test_fsdp2_on_4_ranks_restores_on_2(tmp_path):
     saved = values(launch("dtensor_scenarios:fsdp_save", 4, tmp_path, timeout=180))[0]
     vals = values(launch("dtensor_scenarios:fsdp_restore", 2, tmp_path, timeout=180))
