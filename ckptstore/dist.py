@@ -488,11 +488,24 @@ class Coordinator:
         who = f"rank(s) {', '.join(map(str, missing))}" if missing else "some rank"
         at = f" of step {step}" if step is not None else ""
         first = text.strip().splitlines()[0] if text.strip() else type(e).__name__
-        msg = (
-            f"rank {self.rank}: {who} did not arrive at '{phase}'{at} within "
-            f"{self.timeout:g}s. Every rank must call save/restore (not only rank 0) and none "
-            f"may have died; check the logs of {who}. (gloo: {first})"
-        )
+        if self.rank in missing:
+            # A verdict naming this rank, which is here: rank 0 gave up on it at an earlier
+            # exchange (a save under `if rank == 0`) and no longer takes part; this rank came
+            # to its next one alone. It blamed itself ("rank(s) 1 did not arrive"; found by
+            # review).
+            msg = (
+                f"rank {self.rank}: no other rank came to '{phase}'{at} within "
+                f"{self.timeout:g}s: rank 0 had already given up on {who} at an earlier "
+                "exchange (this rank came too late, or to another call), and ckptstore's "
+                "group is broken. Every rank must make the same ckptstore calls (look for "
+                f"one under `if rank == 0`); restart the job. (gloo: {first})"
+            )
+        else:
+            msg = (
+                f"rank {self.rank}: {who} did not arrive at '{phase}'{at} within "
+                f"{self.timeout:g}s. Every rank must call save/restore (not only rank 0) and "
+                f"none may have died; check the logs of {who}. (gloo: {first})"
+            )
         exc = BarrierTimeout(msg, missing_ranks=missing, phase=phase, step=step)
         self._broken = exc
         return exc

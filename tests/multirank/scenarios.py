@@ -297,6 +297,26 @@ class _Picky:
         self.v = sd["v"]
 
 
+def rank0_saves_alone(ctx: Ctx) -> dict[str, Any]:
+    """``if rank == 0: save(2)``, then every rank's ``save(3)`` once rank 0 gave up on 2.
+
+    Rank 0 names rank 1 at 'save:enter' of step 2; rank 1, alive and on time for its own
+    call, must not read that verdict as "rank 1 did not arrive" of itself.
+    """
+    model = make_model()
+    mgr = step1_then_manager(ctx, {"model": model})
+    timeout = float(ctx.args["timeout"])
+    out: dict[str, Any] = {}
+    if ctx.rank == 0:
+        out["solo"] = outcome(lambda: mgr.save(2, {"model": model}) and None)
+    else:
+        time.sleep(timeout + 3.0)  # until rank 0 gave up on its save of step 2
+    out["next"] = outcome(lambda: mgr.save(3, {"model": model}) and None)
+    if ctx.rank == 0:
+        time.sleep(timeout + 3.0)  # alive while rank 1 waits for it
+    return out
+
+
 def rank_exits_before_save(ctx: Ctx) -> dict[str, Any]:
     model = make_model()
     mgr = step1_then_manager(ctx, {"model": model})

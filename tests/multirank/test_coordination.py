@@ -169,3 +169,17 @@ def test_an_async_failure_seen_on_rank0_alone_is_told_to_every_rank(tmp_path):
         assert "step-000000000002" in v["next"]["message"]
         assert v["then"]["ok"] is True, v  # told once everywhere: the save after goes on
         assert v["steps"] == [1, 3]
+
+
+def test_a_rank_rank0_gave_up_on_is_not_told_it_was_missing(tmp_path: Path):
+    # Found by review: after `if rank == 0: save`, rank 1's next save (rank 0 alive) said
+    # "rank 1: rank(s) 1 did not arrive": it read rank 0's verdict of the earlier save.
+    res = launch("rank0_saves_alone", 2, tmp_path, args={"timeout": TIMEOUT}, timeout=120)
+    zero, one = values(res)
+    assert zero["solo"]["error_type"] == "BarrierTimeout", describe(res)
+    assert "rank 0: rank(s) 1 did not arrive at 'save:enter' of step 2" in zero["solo"]["message"]
+    assert one["next"]["error_type"] == "BarrierTimeout", describe(res)
+    msg = one["next"]["message"]
+    assert msg.startswith("rank 1: no other rank came to 'save:enter' of step 3"), msg
+    assert "rank 0 had already given up on rank(s) 1 at an earlier exchange" in msg
+    assert "did not arrive" not in msg
