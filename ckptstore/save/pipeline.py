@@ -191,8 +191,12 @@ class Saver:
             except BaseException as e:
                 hint = self._gone_hint()
                 log.error("async save of step %d failed: %s%s", step, e, hint)
-                self.bg_error = CommitError(f"{e}{hint}") if hint else e
+                # One object: the future's error is the manager's (``_error_seen``).
+                err = CommitError(f"{e}{hint}") if hint else e
+                self.bg_error = err
                 self.bg_seen = False
+                if err is not e:
+                    raise err from e
                 raise
             finally:
                 held.__exit__(None, None, None)
