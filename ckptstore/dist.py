@@ -45,7 +45,7 @@ import torch.distributed as dist
 from ._gc import gc_paused
 from .errors import BarrierTimeout, CkptStoreError, CommitError, UsageError
 
-__all__ = ["Call", "CollectiveStats", "Coordinator", "same_call"]
+__all__ = ["Call", "CollectiveStats", "Coordinator", "same_call", "told_by"]
 
 _RANKS_RE = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 #: How long a survivor waits for rank 0's verdict on who is missing.
@@ -986,6 +986,17 @@ def _spell(call: Any) -> str:
         args = ", ".join(f"{k}={v!r}" for k, v in call[1])
         return f"{call[0]}({args})"
     return "another ckptstore call"  # a rank in another collective of the manager
+
+
+def told_by(rank: int, err: BaseException) -> BaseException:
+    """``err``, raised on rank ``rank``, as the other ranks raise it once rank 0 told them.
+
+    ckptstore's own errors keep their type and say which rank raised them; anything else
+    (an interrupt, a user's exception from a state's hook) is raised as it is.
+    """
+    if isinstance(err, CkptStoreError):
+        return type(err)(f"rank {rank}: {err}")
+    return err
 
 
 def same_call(calls: list[Any]) -> None:

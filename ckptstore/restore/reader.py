@@ -18,7 +18,7 @@ from typing import Any
 from .._gc import gc_paused
 from .._log import logger as log
 from ..codec.tree import STATE_FORMAT
-from ..dist import Call, same_call
+from ..dist import Call, same_call, told_by
 from ..errors import (
     BarrierTimeout,
     CkptStoreError,
@@ -184,9 +184,7 @@ class Reader:
                 raise CkptStoreError(f"step {s}: another rank refused its targets")
             if hard:
                 r, err = hard[0]
-                if r == session.coord.rank or not isinstance(err, CkptStoreError):
-                    raise err
-                raise type(err)(f"rank {r}: {err}")
+                raise err if r == session.coord.rank else told_by(r, err)
             if soft and session.replica_storage is not None:
                 # The local copy failed: rank 0 looks for the replica's, which replaces it
                 # (rank 0 decides whether one was tried already, so every rank agrees).
@@ -209,9 +207,7 @@ class Reader:
                 if session.coord.broadcast(gone, "restore:vanished", s)[1]:
                     raise NoCheckpointError(_deleted_while_read(session, s))
                 r, err = soft[0]
-                if r == session.coord.rank or not isinstance(err, CkptStoreError):
-                    raise err
-                raise type(err)(f"rank {r}: {err}")
+                raise err if r == session.coord.rank else told_by(r, err)
             if soft and relists < _RELISTS:
                 # Deleted while we read it (a running job's retention), not corrupt: rank 0
                 # looks again, and every rank goes on with the new newest.
@@ -282,10 +278,7 @@ class Reader:
             failed = session.coord.reduce(applied, _first_failure, "restore:applied", s)
             if failed is not None:
                 r, err = failed
-                if applied is not None:
-                    raise applied
-                told = type(err) if isinstance(err, CkptStoreError) else CkptStoreError
-                raise told(f"rank {r}: {err}")
+                raise applied if applied is not None else told_by(r, err)
             if not strict and "keys" in covered:
                 _warn_if_none_restored(state, covered["keys"], session.storage.describe(s))
             return int(s)

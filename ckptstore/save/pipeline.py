@@ -19,7 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._log import logger as log
-from ..dist import Call, Coordinator, same_call
+from ..dist import Call, Coordinator, same_call, told_by
 from ..errors import BarrierTimeout, CkptStoreError, CommitError, ReplicaError, UsageError
 from ..manifest import Manifest
 from ..session import Session
@@ -545,12 +545,12 @@ def _enter_verdict(
     told = len(failures) == len(every) and all(seen for _, seen in failures)
     prev = None if told or not failures else failures[0][0]
     # Rank 0's refusal (admit), else the first rank whose arguments failed their checks.
-    refusal = next(((r, e[2]) for r, e in enumerate(every) if e[2] is not None), None)
-    if refusal is not None and refusal[0] != 0:
-        r, err = refusal
-        told_as = type(err) if isinstance(err, CkptStoreError) else CkptStoreError
-        refusal = (r, told_as(f"rank {r}: {err}"))
-    return prev, any(flag for _, flag, _, _ in every), refusal[1] if refusal else None
+    answer: BaseException | None = None
+    for r, (_, _, refusal, _) in enumerate(every):
+        if refusal is not None:
+            answer = refusal if r == 0 else told_by(r, refusal)
+            break
+    return prev, any(flag for _, flag, _, _ in every), answer
 
 
 def _staged_verdict(every: list[tuple[str, Any]]) -> tuple[list[tuple[int, Any]], int]:
