@@ -173,10 +173,7 @@ class StreamDecoder:
                 return None  # a storage no tensor uses
             buf, nbytes = got
             self._filled.add(rel[5:])
-            if nbytes != m.size:
-                raise _bad(
-                    self.where, f"storage {rel!r} holds {m.size} bytes, data.pkl says {nbytes}"
-                )
+            self._same_size(rel, m.size, nbytes)
             return _bytes_of(buf)
         if m.size > MAX_RECORD_BYTES:
             raise _bad(self.where, f"record {m.name!r} of {m.size} bytes is too large")
@@ -272,6 +269,15 @@ class StreamDecoder:
                 self._views.append((name, key, t))
         self._result = result
 
+    def _same_size(self, rel: str, size: int, nbytes: int) -> None:
+        """Refuse a storage whose member does not hold what data.pkl says it does.
+
+        Checked when the member starts, or before any allocation where the directory came
+        first (:meth:`_check_sizes`).
+        """
+        if size != nbytes:
+            raise _bad(self.where, f"storage {rel!r} holds {size} bytes, data.pkl says {nbytes}")
+
     def _check_sizes(self, sizes: Mapping[str, tuple[Any, int]]) -> None:
         """Refuse storages data.pkl declares larger than the archive holds, before any alloc.
 
@@ -282,11 +288,8 @@ class StreamDecoder:
         if self._known:
             for key, (_, nbytes) in sizes.items():
                 m = self._by_name.get(f"{self._prefix}data/{key}")
-                if m is not None and m.size != nbytes:
-                    raise _bad(
-                        self.where,
-                        f"storage 'data/{key}' holds {m.size} bytes, data.pkl says {nbytes}",
-                    )
+                if m is not None:
+                    self._same_size(f"data/{key}", m.size, nbytes)
             return
         total = sum(nbytes for _, nbytes in sizes.values())
         if self.limit is not None and total > self.limit:
