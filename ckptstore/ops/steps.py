@@ -127,13 +127,13 @@ def _refuse_node_local(storage: Storage, steps: Iterable[int], what: str) -> Non
             )
 
 
-def _not_replicated(storage: Storage, steps: Sequence[int]) -> list[int]:
-    """Those of ``steps`` not yet recorded safe on the replica the root records."""
+def _not_replicated(storage: Storage, steps: Sequence[int]) -> tuple[str | None, list[int]]:
+    """The replica the root records, and those of ``steps`` not yet recorded safe on it."""
     url = read_replica_url(storage)
     if url is None:
-        return []
-    safe = replicated_steps(storage, steps)
-    return [s for s in steps if s not in safe]
+        return None, []
+    safe = replicated_steps(storage, steps, replica=url)
+    return url, [s for s in steps if s not in safe]
 
 
 def _last_good(storage: Storage, steps: Iterable[int]) -> int | None:
@@ -222,7 +222,8 @@ def prune_store(
             # The deep verify first (minutes on a large store), the pins after it: `pin`
             # takes no lock, and a step pinned while the steps were verified was deleted.
             last_good = _last_good(storage, steps)
-            held = set() if force else set(_not_replicated(storage, steps))
+            url, behind = (None, []) if force else _not_replicated(storage, steps)
+            held = set(behind)
             if held:
                 log.warning(
                     "%s: %s %s not yet on the replica %s: kept (the job uploads %s; "
@@ -230,7 +231,7 @@ def prune_store(
                     storage.root,
                     "step" if len(held) == 1 else "steps",
                     _steps_text(sorted(held)),
-                    read_replica_url(storage),
+                    url,
                     "it" if len(held) == 1 else "them",
                 )
             infos = [
@@ -304,13 +305,12 @@ def delete_steps(
         have = storage.list_steps()
         if not force:
             _refuse_node_local(storage, wanted, "deleted")
-            behind = _not_replicated(storage, wanted)
+            url, behind = _not_replicated(storage, wanted)
             if behind:
                 raise _protected(
                     storage,
                     f"step{'s' * (len(behind) > 1)} {_steps_text(behind)} "
-                    f"{'is' if len(behind) == 1 else 'are'} not "
-                    f"yet on the replica {read_replica_url(storage)}",
+                    f"{'is' if len(behind) == 1 else 'are'} not yet on the replica {url}",
                     "a job uploading it would lose it; pass --force to delete anyway",
                 )
             _refuse_protected(storage, wanted, have)
