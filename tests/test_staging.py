@@ -601,13 +601,19 @@ def test_the_writer_thread_outlives_a_future_that_fails_to_complete() -> None:
             raise RuntimeError("release unlocked lock")
 
     writer = BackgroundWriter()
+
+    def run(fn: Any) -> concurrent.futures.Future[Any]:
+        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
+        writer.submit_to(future, fn)
+        return future
+
     try:
         writer.submit_to(Broken(), lambda: 1)
-        assert writer.submit(lambda: 2).result(timeout=10) == 2
-        stop = writer.submit(lambda: (_ for _ in ()).throw(SystemExit(3)))
+        assert run(lambda: 2).result(timeout=10) == 2
+        stop = run(lambda: (_ for _ in ()).throw(SystemExit(3)))
         assert isinstance(stop.exception(timeout=10), SystemExit)
-        assert writer.submit(lambda: 4).result(timeout=10) == 4
+        assert run(lambda: 4).result(timeout=10) == 4
     finally:
         writer.shutdown()
     with pytest.raises(CommitError, match="the background writer is stopped"):
-        writer.submit(lambda: 5)
+        run(lambda: 5)

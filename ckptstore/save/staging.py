@@ -243,12 +243,6 @@ class BackgroundWriter:
                 raise CommitError("the background writer is stopped; the save was not started")
             self._queue.put((future, fn))
 
-    def submit(self, fn: Callable[[], Any]) -> concurrent.futures.Future[Any]:
-        """Run ``fn`` in the background; its future."""
-        future: concurrent.futures.Future[Any] = concurrent.futures.Future()
-        self.submit_to(future, fn)
-        return future
-
     def shutdown(self) -> None:
         """Finish queued work and stop the thread."""
         with self._lock:
