@@ -338,13 +338,28 @@ def files_read(index: ChunkIndex, leaves: Collection[str], boxes: Mapping[str, B
         if entry is None or box is None:
             continue  # read_items names it
         lo, hi = box
-        for c in entry.chunks:
-            if c.file not in out and all(
-                max(a, o) < min(b, o + n)
-                for a, b, o, n in zip(lo, hi, c.offsets, c.sizes, strict=True)
-            ):
-                out.add(c.file)
+        out.update(c.file for c in entry.chunks if _overlap(lo, hi, c) is not None)
     return sorted(out)
+
+
+def _overlap(
+    lo: tuple[int, ...], hi: tuple[int, ...], c: Chunk
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]] | None:
+    """Where chunk ``c`` overlaps the box ``[lo, hi)``, or None where they share nothing.
+
+    Returns:
+        (offsets in the chunk, offsets in the box, lengths).
+    """
+    src, dst, lengths = [], [], []
+    for d, (a, b) in enumerate(zip(lo, hi, strict=True)):
+        c_lo = c.offsets[d]
+        s, e = max(a, c_lo), min(b, c_lo + c.sizes[d])
+        if e <= s:
+            return None
+        src.append(s - c_lo)
+        dst.append(s - a)
+        lengths.append(e - s)
+    return tuple(src), tuple(dst), tuple(lengths)
 
 
 #: One read of :func:`read_into`: ``(name, chunk, offsets in the chunk, offsets in the
@@ -379,17 +394,9 @@ def read_items(
         box = boxes.get(name)
         lo, hi = box if box is not None else target_box(t)
         for c in entry.chunks:
-            src, dst, lengths = [], [], []
-            for d, (a, b) in enumerate(zip(lo, hi, strict=True)):
-                c_lo = c.offsets[d]
-                s, e = max(a, c_lo), min(b, c_lo + c.sizes[d])
-                if e <= s:
-                    break
-                src.append(s - c_lo)
-                dst.append(s - a)
-                lengths.append(e - s)
-            else:
-                out.append((name, c, tuple(src), tuple(dst), tuple(lengths)))
+            got = _overlap(lo, hi, c)
+            if got is not None:
+                out.append((name, c, *got))
     return out
 
 
