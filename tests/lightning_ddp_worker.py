@@ -1,7 +1,8 @@
 """A 2-rank DDP Lightning job on CPU (gloo) with CkptStoreIO, for tests/test_lightning.py.
 
 Usage: ``python tests/lightning_ddp_worker.py OUT fit|resume MAX_EPOCHS``. The test starts
-rank 0; Lightning's subprocess launcher starts rank 1 by running this same command again.
+rank 0 of the fit, and Lightning's subprocess launcher starts rank 1 by running this same
+command again; the resume's ranks are both started by the test, as torchrun starts them.
 Every rank writes ``OUT/<mode>.rank<R>.json``: the global step, epoch and a digest of the
 weights when training starts, and the global step when it ends. Every call of
 ``save_checkpoint``/``remove_checkpoint`` is appended to ``OUT/calls.rank<R>.jsonl`` by the

@@ -27,7 +27,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _helpers import REPO, run_rank0_job
+from _helpers import REPO, run_job_ranks, run_rank0_job
 from lightning.fabric.utilities.data import AttributeDict
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 from torch import nn
@@ -785,10 +785,16 @@ def test_strategies_refuse_the_plugin_where_it_cannot_serve(package: str) -> Non
 # ---- DDP: 2 processes on gloo ---------------------------------------------------------
 
 
-def launch(out: Path, mode: str, epochs: int, timeout: float) -> None:
-    """Rank 0 of the DDP job (Lightning starts rank 1); the whole group dies on timeout."""
+def launch(out: Path, mode: str, epochs: int, timeout: float, *, torchrun: bool = False) -> None:
+    """The DDP job: rank 0 alone, Lightning's launcher starting rank 1 as users run
+    ``python train.py``, or (``torchrun``) both ranks started here as torchrun starts them,
+    forked from the test fork server (no second import of Lightning). Every rank dies on
+    timeout."""
     argv = [str(WORKER), str(out), mode, str(epochs)]
-    run_rank0_job(argv, out / f"{mode}.log", timeout, f"DDP {mode}")
+    if torchrun:
+        run_job_ranks(argv, 2, out / f"{mode}.log", timeout, f"DDP {mode}")
+    else:
+        run_rank0_job(argv, out / f"{mode}.log", timeout, f"DDP {mode}")
 
 
 def calls(out: Path, rank: int) -> list[dict[str, Any]]:
@@ -828,8 +834,9 @@ def test_ddp_two_ranks_rank0_writes_every_rank_resumes(tmp_path: Path) -> None:
     last = CkptStoreIO().load_checkpoint(ckpt / "last.ckpt")
     assert last["global_step"] == 8
 
-    # A second job resumes from last on both ranks, with the weights rank 0 saved.
-    launch(tmp_path, "resume", 3, timeout=110)
+    # A second job, started as torchrun starts one, resumes from last on both ranks, with the
+    # weights rank 0 saved.
+    launch(tmp_path, "resume", 3, timeout=110, torchrun=True)
     second = [json.loads((tmp_path / f"resume.rank{r}.json").read_text()) for r in (0, 1)]
     for row in second:
         assert row["start_step"] == 8

@@ -22,7 +22,7 @@ from typing import Any
 import lightning.pytorch as pl
 import pytest
 import torch
-from _helpers import REPO, run_cli, run_rank0_job
+from _helpers import REPO, run_cli, run_job_ranks
 from _once import made_once
 from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -46,11 +46,12 @@ JOB_TIMEOUT = 420
 
 
 def launch(out: Path, devices: int, plan: list[dict[str, Any]], timeout: float) -> None:
-    """Rank 0 of the job (Lightning starts the others); the whole group dies on timeout."""
+    """Every rank of the job, started as torchrun would (forked from the test fork server,
+    which imports Lightning once); every rank dies on timeout."""
     name = f"job{devices}"
     (out / f"{name}.json").write_text(json.dumps(plan))
     argv = [str(WORKER), str(out), str(devices), str(out / f"{name}.json")]
-    run_rank0_job(argv, out / f"{name}.log", timeout, name)
+    run_job_ranks(argv, devices, out / f"{name}.log", timeout, name)
 
 
 def rows(out: Path, name: str, ranks: int) -> list[dict[str, Any]]:

@@ -38,9 +38,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-import demo  # tools/demo.py (tools/ is on the path): a rank's torchrun environment
 from baseline import extract
-from rendezvous import reserved_port
+from rendezvous import env_for, reserved_port
 
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
@@ -131,7 +130,7 @@ def run_ranks(
             out.unlink(missing_ok=True)
             outs.append(out)
             env = dict(os.environ)
-            env.update(demo.env_for(rank, world, port))
+            env.update(env_for(rank, world, port))
             env["PYTHONPATH"] = os.pathsep.join([str(code), str(TOOLS)])
             arg = json.dumps({**spec, "out": str(out)})
             cmd = [sys.executable, "-c", _RANK_ENTRY, arg]

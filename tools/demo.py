@@ -19,7 +19,8 @@ import time
 from pathlib import Path
 from typing import Any
 
-from rendezvous import reserved_port  # tools/ (this script's directory) is on sys.path
+from rankserver import RankServer  # tools/ (this script's directory) is on sys.path
+from rendezvous import reserved_port
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "demo-run"
@@ -28,58 +29,51 @@ STEPS = 60
 KILL_AT = 34  # the save of step 34 (every 5 steps: 4, 9, ..., 34)
 
 
-def env_for(rank: int, world: int, master_port: int) -> dict[str, str]:
-    """The environment of one rank, as torchrun would set it."""
-    return dict(
-        os.environ,
-        RANK=str(rank),
-        WORLD_SIZE=str(world),
-        LOCAL_RANK=str(rank),
-        MASTER_ADDR="127.0.0.1",
-        MASTER_PORT=str(master_port),
-        OMP_NUM_THREADS="1",
-        PYTHONUNBUFFERED="1",
-        # gloo's C++ logs repeat what BarrierTimeout says, with stack traces
-        TORCH_CPP_LOG_LEVEL="FATAL",
-    )
+def rank_server(script: str, *preload: str) -> RankServer:
+    """A fork server for the ranks of ``tools/SCRIPT.py`` (``tools/rankserver.py``): it
+    imports torch, ckptstore, the script and ``preload`` once (a fresh interpreter a rank
+    spent 5-7 s of CPU on that), then forks every rank of every launch, each still its own
+    process with its own gloo group, pid and exit status, in the environment torchrun would
+    give it."""
+    # gloo's C++ logs repeat what BarrierTimeout says, with stack traces; c10 reads the
+    # level when torch is imported, in the server.
+    return RankServer([script, *preload], dict(os.environ, TORCH_CPP_LOG_LEVEL="FATAL"))
 
 
 def run_ranks(
-    cmd: list[str], world: int, results: Path, *, timeout: float, prog: str
+    server: RankServer,
+    script: str,
+    argv: list[str],
+    world: int,
+    results: Path,
+    *,
+    timeout: float,
+    prog: str,
 ) -> list[dict[str, Any]]:
-    """Run ``cmd`` as ``world`` ranks; each rank's JSON result (``results.rankN``), by rank."""
+    """Run ``main(argv)`` of ``tools/SCRIPT.py`` as ``world`` ranks (1: one process, no
+    torchrun variables); each rank's JSON result (``results.rankN``, or ``results.single``
+    for one process), by rank, with its exit code. A rank that fails (the demos kill one)
+    leaves the others to find out."""
     with reserved_port() as p:
-        procs = [subprocess.Popen(cmd, env=env_for(r, world, p)) for r in range(world)]
-        deadline = time.monotonic() + timeout
-        for proc in procs:
-            try:
-                proc.wait(timeout=max(deadline - time.monotonic(), 1))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                sys.exit(f"{prog}: {results.name} hung past {timeout}s — this is a bug")
+        codes = server.run(f"{script}:main", [argv], world, p, timeout, keep_going=True)
+    if any(codes.get(r) is None for r in range(world)):
+        sys.exit(f"{prog}: {results.name} hung past {timeout}s — this is a bug")
     out = []
-    for rank, proc in enumerate(procs):
+    for rank in range(world):
         f = results.parent / f"{results.name}.rank{rank}"
+        if not f.exists():
+            f = results.parent / f"{results.name}.single"
         res = json.loads(f.read_text()) if f.exists() else {}
-        res["returncode"] = proc.returncode
+        res["returncode"] = codes[rank]
         out.append(res)
     return out
 
 
-def launch(store: Path, tag: str, *extra: str, timeout: float = 120) -> list[dict[str, Any]]:
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "demo_train.py"),
-        "--store",
-        str(store),
-        "--steps",
-        str(STEPS),
-        "--result",
-        str(WORK / tag),
-        *extra,
-    ]
-    return run_ranks(cmd, WORLD, WORK / tag, timeout=timeout, prog="demo")
+def launch(
+    server: RankServer, store: Path, tag: str, *extra: str, timeout: float = 120
+) -> list[dict[str, Any]]:
+    argv = ["--store", str(store), "--steps", str(STEPS), "--result", str(WORK / tag), *extra]
+    return run_ranks(server, "demo_train", argv, WORLD, WORK / tag, timeout=timeout, prog="demo")
 
 
 def cli(*args: str) -> None:
@@ -93,14 +87,15 @@ def main() -> int:
     WORK.mkdir(parents=True)
     ref_store, store = WORK / "reference", WORK / "ckpt"
 
+    server = rank_server("demo_train")
     print(f"== 1. reference: {WORLD} ranks, {STEPS} steps, no interruption", flush=True)
-    ref = launch(ref_store, "reference")
+    ref = launch(server, ref_store, "reference")
     assert all(r["returncode"] == 0 for r in ref), ref
 
     print(
         f"\n== 2. the same job, rank 0 SIGKILLed in the middle of saving step {KILL_AT}", flush=True
     )
-    crashed = launch(store, "crashed", "--kill-at-save", str(KILL_AT))
+    crashed = launch(server, store, "crashed", "--kill-at-save", str(KILL_AT))
     print(f"  exit codes: {[r['returncode'] for r in crashed]} (-9 = SIGKILL)")
     leftovers = sorted(p.name for p in store.iterdir())
     print(f"  store after the crash: {', '.join(leftovers)}")
@@ -108,7 +103,8 @@ def main() -> int:
     cli("ls", str(store))
 
     print("\n== 3. relaunch: resume from the newest checkpoint that verifies", flush=True)
-    resumed = launch(store, "resumed")
+    resumed = launch(server, store, "resumed")
+    server.close()
     assert all(r["returncode"] == 0 for r in resumed), resumed
 
     print("\n== 4. compare with the uninterrupted run", flush=True)

@@ -12,16 +12,14 @@
    and a plain AdamW, for the step saved by 2 ranks and the newest one saved by 3 ranks:
    every tensor equals the one the job had when it saved.
 
-Exits non-zero on any mismatch. Spawns its ranks itself (no torchrun).
+Exits non-zero on any mismatch. Forks its ranks itself (``demo.rank_server``: no torchrun, one
+import of torch for every rank of the three launches).
 """
 
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import shutil
-import subprocess
 import sys
 import time
 from pathlib import Path
@@ -30,7 +28,8 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
 
-from demo import run_ranks  # one launcher for both demos  # noqa: E402
+from demo import rank_server, run_ranks  # one launcher for both demos  # noqa: E402
+from rankserver import RankServer  # noqa: E402
 
 STEPS = 24
 EVERY = 4  # saves at steps 3, 7, 11, 15, 19, 23
@@ -40,44 +39,25 @@ CRASH_TIMEOUT = 6.0  # barrier_timeout of the job that is killed: how long rank 
 
 
 def launch(
-    world: int, work: Path, tag: str, *extra: str, timeout: float = 120
+    server: RankServer, world: int, work: Path, tag: str, *extra: str, timeout: float = 120
 ) -> list[dict[str, Any]]:
     """Run ``world`` ranks of tools/demo_fsdp_train.py; their results, by rank."""
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "demo_fsdp_train.py"),
-        "--store",
-        str(work / "ckpt"),
-        "--result",
-        str(work / tag),
-        "--steps",
-        str(STEPS),
-        "--every",
-        str(EVERY),
-        *extra,
-    ]
-    return run_ranks(cmd, world, work / tag, timeout=timeout, prog="demo-fsdp")
+    argv = ["--store", str(work / "ckpt"), "--result", str(work / tag)]
+    argv += ["--steps", str(STEPS), "--every", str(EVERY), *extra]
+    return run_ranks(
+        server, "demo_fsdp_train", argv, world, work / tag, timeout=timeout, prog="demo-fsdp"
+    )
 
 
-def single(work: Path, steps: list[int], timeout: float = 120) -> dict[str, Any]:
-    """One process, no process group (no RANK/WORLD_SIZE in its environment)."""
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")}
-    env.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1")
-    cmd = [
-        sys.executable,
-        str(ROOT / "tools" / "demo_fsdp_train.py"),
-        "--single",
-        "--store",
-        str(work / "ckpt"),
-        "--result",
-        str(work / "single"),
-        "--check-steps",
-        ",".join(map(str, steps)),
-    ]
-    rc = subprocess.run(cmd, env=env, timeout=timeout, check=False).returncode
-    f = work / "single.single"
-    res = json.loads(f.read_text()) if f.exists() else {}
-    res["returncode"] = rc
+def single(
+    server: RankServer, work: Path, steps: list[int], timeout: float = 120
+) -> dict[str, Any]:
+    """One process, no process group (no torchrun variables in its environment)."""
+    argv = ["--single", "--store", str(work / "ckpt"), "--result", str(work / "single")]
+    argv += ["--check-steps", ",".join(map(str, steps))]
+    (res,) = run_ranks(
+        server, "demo_fsdp_train", argv, 1, work / "single", timeout=timeout, prog="demo-fsdp"
+    )
     return res
 
 
@@ -126,8 +106,11 @@ def main() -> int:
         f"is SIGKILLed inside the save of step {KILL_AT}, after writing its shard",
         flush=True,
     )
+    # FSDP2's first DTensor imports torch._dynamo (1.2-1.6 s of CPU): once, in the server.
+    server = rank_server("demo_fsdp_train", "torch.distributed.fsdp", "torch._dynamo")
     t = time.monotonic()
     crashed = launch(
+        server,
         2,
         work,
         "crashed",
@@ -168,7 +151,7 @@ def main() -> int:
         flush=True,
     )
     t = time.monotonic()
-    resumed = launch(3, work, "resumed", "--fresh-seed", "99")
+    resumed = launch(server, 3, work, "resumed", "--fresh-seed", "99")
     print(f"  exit codes: {[r['returncode'] for r in resumed]}  [{time.monotonic() - t:.0f}s]")
     rep.check(all(r["returncode"] == 0 for r in resumed), "the 3-rank job failed")
     r0 = resumed[0]
@@ -229,7 +212,8 @@ def main() -> int:
         flush=True,
     )
     t = time.monotonic()
-    one = single(work, [last_good, newest])
+    one = single(server, work, [last_good, newest])
+    server.close()
     print(f"  exit code: {one['returncode']}  [{time.monotonic() - t:.0f}s]")
     rep.check(one["returncode"] == 0, "the single-process restore failed")
     got = one.get("restored", {})

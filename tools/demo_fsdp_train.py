@@ -217,7 +217,9 @@ def run_single(args: argparse.Namespace) -> None:
     write_result(args.result + ".single", result)
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One rank (or, with ``--single``, one process) of the demo; ``argv`` as on the command
+    line (default: ``sys.argv[1:]``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", required=True)
     ap.add_argument("--result", required=True)
@@ -230,7 +232,7 @@ def main() -> None:
     ap.add_argument("--kill-rank", type=int, default=0)
     ap.add_argument("--single", action="store_true")
     ap.add_argument("--check-steps", type=lambda s: [int(x) for x in s.split(",")], default=[])
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     torch.set_num_threads(1)
     if args.single:
         run_single(args)

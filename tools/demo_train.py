@@ -37,14 +37,15 @@ def digest(tensors: dict[str, torch.Tensor]) -> str:
     return h.hexdigest()[:16]
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
+    """One rank of the demo; ``argv`` as on the command line (default: ``sys.argv[1:]``)."""
     ap = argparse.ArgumentParser()
     ap.add_argument("--store", required=True)
     ap.add_argument("--steps", type=int, default=60)
     ap.add_argument("--every", type=int, default=5)
     ap.add_argument("--kill-at-save", type=int, default=None)
     ap.add_argument("--result", required=True)
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
 
     dist.init_process_group("gloo")
     rank = dist.get_rank()

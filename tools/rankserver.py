@@ -7,14 +7,15 @@ imports the modules it is given, without running a tensor op, starting a thread 
 a process group, freezes what they made out of the garbage collector (``gc.freeze``), and
 then forks the ranks of each job it is sent. Each rank is still a
 separate process with its own gloo group over TCP, its own pid and its own exit status, and
-the environment torchrun would give it (``demo.env_for``; none of those variables for a
+the environment torchrun would give it (``rendezvous.env_for``; none of those variables for a
 1-process job).
 
 Protocol (one line each): the tool writes ``{"call": "module:function", "args": [...],
 "world": N, "port": P}`` on stdin; the server forks N ranks, each running
 ``function(*args)`` (exit status 0 if it returns), answers ``pid RANK PID`` for each and
 ``exit RANK CODE`` as each ends (``os.waitstatus_to_exitcode``), then ``jobdone``. When a rank
-fails, the server kills the others: they would wait for it in a collective. Ranks write
+fails, the server kills the others, which would wait for it in a collective, unless the job
+says ``"keep_going": true``. Ranks write
 their output to the server's stderr; its stdout carries only the protocol.
 """
 
@@ -34,6 +35,7 @@ from typing import Any, NoReturn
 
 from forkchild import finish
 from linechild import LineChild
+from rendezvous import env_for
 
 TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -60,11 +62,23 @@ class RankServer(LineChild):
             raise RuntimeError("the rank server died") from None
 
     def run(
-        self, call: str, args: list[Any], world: int, port: int, timeout: float
+        self,
+        call: str,
+        args: list[Any],
+        world: int,
+        port: int,
+        timeout: float,
+        *,
+        keep_going: bool = False,
     ) -> dict[int, int | None]:
         """Run ``call(*args)`` on ``world`` forked ranks; each rank's exit code (None: it was
-        still running at the deadline, and was killed)."""
-        self.submit({"call": call, "args": args, "world": world, "port": port})
+        still running at the deadline, and was killed).
+
+        ``keep_going``: a rank that fails leaves the others running (the demos kill a rank
+        to show that the others name it and exit on their own), else they are killed.
+        """
+        job = {"call": call, "args": args, "world": world, "port": port}
+        self.submit({**job, "keep_going": keep_going})
         deadline = time.monotonic() + timeout
         pids: dict[int, int] = {}
         codes: dict[int, int | None] = {}
@@ -101,10 +115,9 @@ def _rank(job: dict[str, Any], rank: int) -> NoReturn:
 
     def body() -> None:
         os.dup2(2, 1)  # the server's stdout carries the protocol
-        import demo  # tools/demo.py: a rank's environment, as torchrun sets it (preloaded)
 
         if job["world"] > 1:
-            env = demo.env_for(rank, job["world"], job["port"])
+            env = env_for(rank, job["world"], job["port"])
         else:
             env = {k: v for k, v in os.environ.items() if k not in TORCHRUN_VARS}
         os.environ.clear()
@@ -118,7 +131,6 @@ def _rank(job: dict[str, Any], rank: int) -> NoReturn:
 
 def serve(preload: list[str]) -> int:
     """Import ``preload``, then fork the ranks of each job read from stdin."""
-    import demo  # noqa: F401  (tools/ is on sys.path: this script's directory)
     import torch
 
     torch.set_num_threads(1)  # before any op: no thread pool for the ranks to inherit
@@ -146,7 +158,7 @@ def serve(preload: list[str]) -> int:
             rank = pids.pop(pid)
             code = os.waitstatus_to_exitcode(status)
             print(f"exit {rank} {code}", file=replies, flush=True)
-            if code != 0:
+            if code != 0 and not job.get("keep_going"):
                 for other in pids:
                     with contextlib.suppress(ProcessLookupError):
                         os.kill(other, signal.SIGKILL)

@@ -23,7 +23,23 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-__all__ = ["init_group", "reserved_port"]
+__all__ = ["env_for", "init_group", "reserved_port"]
+
+
+def env_for(rank: int, world: int, master_port: int) -> dict[str, str]:
+    """The environment of one rank, as torchrun would set it."""
+    return dict(
+        os.environ,
+        RANK=str(rank),
+        WORLD_SIZE=str(world),
+        LOCAL_RANK=str(rank),
+        MASTER_ADDR="127.0.0.1",
+        MASTER_PORT=str(master_port),
+        OMP_NUM_THREADS="1",
+        PYTHONUNBUFFERED="1",
+        # gloo's C++ logs repeat what BarrierTimeout says, with stack traces
+        TORCH_CPP_LOG_LEVEL="FATAL",
+    )
 
 
 @contextlib.contextmanager

@@ -118,9 +118,23 @@ class _ForkServer:
         passed = {k: env.get(k) for k in sorted(self.PASSED)}
         return self._request({"argv": argv, "log": str(log), "cwd": os.getcwd(), "set": passed})
 
-    def spawn_script(self, script: Path, env: dict[str, str], log: Path, cwd: Path) -> int | None:
-        """Fork ``python SCRIPT`` with ``env`` (all of it) in ``cwd``; its pid, or None."""
-        return self._request({"run": str(script), "env": env, "log": str(log), "cwd": str(cwd)})
+    def spawn_script(
+        self,
+        script: Path,
+        env: dict[str, str],
+        log: Path,
+        cwd: Path,
+        *,
+        args: list[str] | None = None,
+        preload: tuple[str, ...] = (),
+    ) -> int | None:
+        """Fork ``python SCRIPT ARGS...`` with ``env`` (all of it) in ``cwd``; its pid, or None.
+
+        ``preload``: modules the server imports before it forks (once: its later children
+        have them too).
+        """
+        req = {"run": str(script), "env": env, "log": str(log), "cwd": str(cwd)}
+        return self._request({**req, "args": args or [], "preload": list(preload)})
 
     def _request(self, req: dict[str, Any]) -> int | None:
         with self._cond:
