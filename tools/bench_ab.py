@@ -12,11 +12,11 @@ one of commit ``--baseline`` (extracted with ``git archive``) on the bench's FSD
 (``benchkit.sharded.build``: a GPT-2-like model and AdamW), one operation at a time, the two
 versions one after the other in every round (which goes first alternates), and reports for
 each the median time of the slowest rank, the median CPU seconds summed over the ranks, and
-in how many rounds the current tree was the faster. Every rank is a fresh interpreter that
-imports its version's ckptstore (``PYTHONPATH``); each version restores a store it saved
-itself (untimed), so a baseline from before a format change reads its own format. Restores
-are cold (``posix_fadvise(DONTNEED)`` on every file first) and checked against the saved
-values.
+in how many rounds the current tree was the faster. Every rank is forked by a server of its
+version (``tools/rankserver.py``) that imported that version's ckptstore (``PYTHONPATH``),
+torch and the model's code once; each version restores a store it saved itself (untimed),
+so a baseline from before a format change reads its own format. Restores are cold
+(``posix_fadvise(DONTNEED)`` on every file first) and checked against the saved values.
 
 Operations: ``save-2`` (a fresh manager's first save on 2 ranks, into a new directory each
 time), ``restore-2to1`` (into 1 process, no process group), ``restore-2to3``,
@@ -27,11 +27,11 @@ step (the caller's own memory), else into new, untouched targets as the bench do
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import shutil
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -39,14 +39,12 @@ from pathlib import Path
 from typing import Any
 
 from baseline import extract
-from rendezvous import env_for, reserved_port
+from rankserver import RankServer
+from rendezvous import reserved_port
 
 TOOLS = Path(__file__).resolve().parent
 ROOT = TOOLS.parent
 OPS = ("save-2", "restore-2to1", "restore-2to3", "restore-4to2")
-#: What a rank's interpreter runs (``-c``: its first path entry is its working directory, a
-#: scratch one, so PYTHONPATH decides which ckptstore it imports).
-_RANK_ENTRY = "import json, sys, bench_ab; bench_ab.rank_main(json.loads(sys.argv[1]))"
 
 
 def parse_op(op: str) -> tuple[str, int, int]:
@@ -76,11 +74,11 @@ def order_of(r: int) -> list[str]:
 
 
 def rank_main(spec: dict[str, Any]) -> None:
-    """One rank of one operation; writes its result as JSON to ``spec["out"]``."""
+    """One rank of one operation; writes its result as JSON to ``spec["out"]/rank<R>.json``."""
     import torch
 
     torch.set_num_threads(1)
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+    rank, world = int(os.environ.get("RANK", "0")), int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1:
         import torch.distributed as dist
 
@@ -109,7 +107,7 @@ def rank_main(spec: dict[str, Any]) -> None:
     mgr.close()
     out["sums"] = sums(model, opt)
     barrier()
-    Path(spec["out"]).write_text(json.dumps(out))
+    (Path(spec["out"]) / f"rank{rank}.json").write_text(json.dumps(out))
     if world > 1:
         import torch.distributed as dist
 
@@ -119,33 +117,31 @@ def rank_main(spec: dict[str, Any]) -> None:
 # ---- the driver ----------------------------------------------------------------------------------
 
 
+def rank_server(code: Path) -> RankServer:
+    """A fork server (``tools/rankserver.py``) that imported ``code``'s ckptstore (by
+    ``PYTHONPATH``), torch, FSDP2 and the bench's model once, for every rank of that version:
+    a fresh interpreter a rank spent 5-7 s of CPU on those, outside the timed operation."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(code), str(TOOLS)]))
+    preload = ["benchkit.sharded", "benchkit.disk", "torch.distributed.fsdp", "torch._dynamo"]
+    return RankServer([*preload, "ckptstore", "ckptstore.manager"], env)
+
+
 def run_ranks(
-    code: Path, spec: dict[str, Any], world: int, work: Path, timeout: float
+    server: RankServer, spec: dict[str, Any], world: int, work: Path, timeout: float
 ) -> list[dict[str, Any]]:
-    """Run one operation on ``world`` fresh interpreters that import ``code``'s ckptstore."""
+    """Run one operation on ``world`` ranks forked by ``server`` (one version's)."""
+    outs = []
+    for rank in range(world):
+        out = work / f"rank{rank}.json"
+        out.unlink(missing_ok=True)
+        outs.append(out)
     with reserved_port() as port:
-        procs, outs = [], []
-        for rank in range(world):
-            out = work / f"rank{rank}.json"
-            out.unlink(missing_ok=True)
-            outs.append(out)
-            env = dict(os.environ)
-            env.update(env_for(rank, world, port))
-            env["PYTHONPATH"] = os.pathsep.join([str(code), str(TOOLS)])
-            arg = json.dumps({**spec, "out": str(out)})
-            cmd = [sys.executable, "-c", _RANK_ENTRY, arg]
-            procs.append(subprocess.Popen(cmd, env=env, cwd=work))
-        deadline = time.monotonic() + timeout
-        codes = []
-        for p in procs:
-            try:
-                codes.append(p.wait(max(1.0, deadline - time.monotonic())))
-            except subprocess.TimeoutExpired:
-                for q in procs:
-                    q.kill()
-                sys.exit(f"bench_ab: {spec['kind']} on {world} rank(s) hung past {timeout}s")
-    if any(codes):
-        sys.exit(f"bench_ab: {spec['kind']} on {world} rank(s) failed: exit codes {codes}")
+        codes = server.run("bench_ab:rank_main", [{**spec, "out": str(work)}], world, port, timeout)
+    got = [codes.get(r) for r in range(world)]
+    if None in got:
+        sys.exit(f"bench_ab: {spec['kind']} on {world} rank(s) hung past {timeout}s")
+    if any(got):
+        sys.exit(f"bench_ab: {spec['kind']} on {world} rank(s) failed: exit codes {got}")
     return [json.loads(o.read_text()) for o in outs]
 
 
@@ -166,8 +162,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error(f"unknown operation(s) {bad}; choose from {', '.join(OPS)}")
     param_bytes = parse_size(args.size)
     base = Path(tempfile.mkdtemp(prefix="ckpt-ab-", dir=args.dir))
+    stack = contextlib.ExitStack()  # the two versions' rank servers
     try:
         codes = {"current": ROOT, "baseline": extract(args.baseline, base / "code")}
+        servers = {v: stack.enter_context(rank_server(code)) for v, code in codes.items()}
         times: dict[tuple[str, str], list[float]] = {}
         cpus: dict[tuple[str, str], list[float]] = {}
         saved_sums: dict[tuple[str, int], list[float]] = {}
@@ -181,7 +179,7 @@ def main(argv: list[str] | None = None) -> int:
                     if kind == "restore" and (v, saved) not in saved_sums:  # untimed, once
                         setup: dict[str, Any] = {"kind": "save", "param_bytes": param_bytes}
                         setup.update(live=True, store=str(work / f"store-{saved}"))
-                        res = run_ranks(codes[v], setup, saved, work, args.timeout)
+                        res = run_ranks(servers[v], setup, saved, work, args.timeout)
                         saved_sums[(v, saved)] = res[0]["sums"]
                     spec: dict[str, Any] = {"kind": kind, "param_bytes": param_bytes}
                     spec["live"] = args.live
@@ -189,7 +187,7 @@ def main(argv: list[str] | None = None) -> int:
                         spec["store"] = str(work / f"save-{r}")
                     else:
                         spec["store"] = str(work / f"store-{saved}")
-                    res = run_ranks(codes[v], spec, world, work, args.timeout)
+                    res = run_ranks(servers[v], spec, world, work, args.timeout)
                     where = {x["ckptstore"] for x in res}
                     want = str(codes[v] / "ckptstore")
                     if where != {want}:
@@ -251,6 +249,7 @@ def main(argv: list[str] | None = None) -> int:
             }
             args.json.write_text(json.dumps(doc, indent=1))
     finally:
+        stack.close()
         shutil.rmtree(base, ignore_errors=True)
     return 0
 
