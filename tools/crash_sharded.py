@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import gc
 import itertools
 import json
 import os
@@ -285,6 +286,10 @@ def serve() -> int:
 
     import ckptstore.manager  # noqa: F401
 
+    # What the server made lives as long as every child: frozen out of the collector, it is
+    # not walked (nor its pages copied on write) by a child's collections.
+    gc.collect()
+    gc.freeze()
     emit("serving")
     for line in sys.stdin:
         if not line.strip():

@@ -34,6 +34,7 @@ for each, and prints ``exit PID signal K`` or ``exit PID code K`` when that writ
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import signal
@@ -193,6 +194,10 @@ def serve() -> int:
     """Fork one writer per JSON line on stdin; report how each ended."""
     torch.set_num_threads(1)  # before any op: no thread pool for the children to inherit
     _warm_up()
+    # What the server made lives as long as every child: frozen out of the collector, it is
+    # not walked (nor its pages copied on write) by a child's collections.
+    gc.collect()
+    gc.freeze()
     for line in sys.stdin:
         if not line.strip():
             continue

@@ -8,6 +8,7 @@ interpreter start; ``Server`` is the campaign's handle on it.
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import signal
@@ -188,6 +189,10 @@ def serve(writers: bool = True) -> int:
 
     torch.set_num_threads(1)  # before any op: no thread pool for the children to inherit
     _warm_up(writers)
+    # What the server made lives as long as every child: frozen out of the collector, it is
+    # not walked (nor its pages copied on write) by a child's collections.
+    gc.collect()
+    gc.freeze()
     emit("serving")
     for line in sys.stdin:
         if not line.strip():
