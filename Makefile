@@ -12,7 +12,7 @@ VENV   := .venv
 BIN    := $(VENV)/bin
 STAMP  := $(VENV)/.installed
 
-.PHONY: venv test lint typecheck unit docs demo demo-fsdp bench bench-ab crashtest crashtest-sharded reshard-fuzz meta-fuzz scale-real scale-real-tp scale-sim scale-sim-tp clean
+.PHONY: venv test test-cpu lint typecheck unit docs demo demo-fsdp bench bench-ab crashtest crashtest-sharded reshard-fuzz meta-fuzz scale-real scale-real-tp scale-sim scale-sim-tp clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,11 @@ typecheck: $(STAMP)
 PYTEST_ARGS ?= -n 3 --dist worksteal
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider $(PYTEST_ARGS)
+
+# Where the suite's time goes: every test alone (-n 0, ~20 min), with the CPU it cost the
+# whole machine (tools/testcpu.py); the heaviest tests and files are printed at the end.
+test-cpu: $(STAMP)
+	PYTHONPATH=tools $(BIN)/python -m pytest -q -p no:cacheprovider -n 0 -p testcpu $(TESTCPU_ARGS)
 
 # The docs build is part of the test: a broken link or a page missing from the nav fails it.
 # The checks run beside the tests, not before them: ruff, mypy and mkdocs (~40 s, one core)
