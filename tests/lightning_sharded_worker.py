@@ -171,7 +171,7 @@ def fit(out: Path, n: int, run: dict[str, Any]) -> None:
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
-        plugins=[CkptStoreIO()],
+        plugins=[CkptStoreIO(keep=run.get("keep", 1))],
         callbacks=[
             ModelCheckpoint(
                 dirpath=out / run.get("dir", run["name"]),

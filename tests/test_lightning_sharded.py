@@ -111,6 +111,20 @@ def _jobs(out: Path) -> None:
             "ckpt": "last",
         }
     )
+    # keep=2: last.ckpt holds steps 4 and 6. A copy of it alone, whose newest step has a
+    # corrupt entry besides the tensors (Lightning's callbacks), resumes its step 4.
+    plan.append({"name": "kfit", "dir": "k", "epochs": 3, "keep": 2})
+    plan.append(
+        {
+            "name": "krest",
+            "dir": "k2",
+            "epochs": 3,
+            "keep": 2,
+            "copy": [["k/last.ckpt", "k2/last.ckpt"]],
+            "corrupt": ["k2/last.ckpt/step-000000000006/callbacks.safetensors"],
+            "ckpt": "last",
+        }
+    )
     plan.append({"name": "unsafe", "epochs": 1, "unsafe": True})
     plan.append({"name": "unsafe1", "epochs": 1, "unsafe": "rank1"})
     # The 4-rank job of test_fsdp2_over_tensor_parallel_resumes_on_data_parallel_alone
@@ -196,6 +210,45 @@ def test_resume_on_another_world_size(job: Path) -> None:
     with CheckpointManager(job / "one" / "last.ckpt", distributed=False, create=False) as mgr:
         assert mgr.steps() == [6]
         assert mgr.manifest().world_size == 1
+        assert mgr.verify().ok
+
+
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_a_corrupt_entry_besides_the_tensors_falls_back_to_the_older_version(job: Path) -> None:
+    # The newest version's model and optimizer shards verify, its callbacks.safetensors does
+    # not: the resume of "last" went to the siblings (none here) and failed on every rank,
+    # though step 4 of the same store was whole. It restores step 4 now, model and
+    # optimizer alike, bit for bit what the job had at the end of epoch 1.
+    with CheckpointManager(job / "k" / "last.ckpt", distributed=False, create=False) as mgr:
+        assert mgr.steps() == [4, 6]
+    fit = [trained(r) for r in rows(job, "kfit", 2)]
+    for rank, row in enumerate(rows(job, "krest", 2)):
+        trained(row)
+        assert (row["start_step"], row["start_epoch"]) == (4, 2)
+        assert row["start"] == fit[rank]["epochs"]["1"]
+        assert row["end"] == fit[rank]["end"]
+
+
+@pytest.mark.timeout(120)
+def test_a_checkpoint_saved_without_sharding_is_refused_as_such_and_untouched(
+    tmp_path: Path,
+) -> None:
+    # CkptStoreIO under another strategy writes one full checkpoint; loaded under
+    # ModelParallelStrategy it was called corrupt ("does not verify"), after the restore had
+    # written its tensors into the model. It is refused by what it is, before any read.
+    ckpt = tmp_path / "plain" / "last.ckpt"
+    CkptStoreIO().save_checkpoint(
+        {"state_dict": {"net.0.weight": torch.ones(5, 4)}, "global_step": 2, "epoch": 0},
+        ckpt,
+    )
+    plan = [{"name": "plainload", "epochs": 1, "ckpt": "plain/last.ckpt"}]
+    launch(tmp_path, 1, plan, timeout=100)
+    (row,) = rows(tmp_path, "plainload", 1)
+    assert row["error"]["type"] == "StateMismatchError", row["error"]
+    assert "was not saved under ModelParallelStrategy" in row["error"]["message"]
+    assert "under another strategy" in row["error"]["message"]
+    assert "start" not in row  # training never started
+    with CheckpointManager(ckpt, distributed=False, create=False) as mgr:
         assert mgr.verify().ok
 
 

@@ -34,6 +34,7 @@ newest step exactly or raises :class:`~ckptstore.IntegrityError` on every rank.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from typing import TYPE_CHECKING, Any
@@ -373,6 +374,76 @@ def _fall_back(
     )
 
 
+def _rest_keys(mgr: CheckpointManager, root: str, step: int) -> list[str]:
+    """The entries of ``step`` besides the model and optimizer states, as listed in its manifest.
+
+    Those are Lightning's loops, callbacks and the like. StateMismatchError for a step that
+    CkptStoreIO did not save under ModelParallelStrategy.
+    """
+    info = mgr.manifest(step).metadata.get("lightning")
+    keys = info.get("keys") if isinstance(info, dict) else None
+    if not isinstance(keys, list):
+        how = (
+            "by CkptStoreIO under another strategy (one full, unsharded checkpoint: load it "
+            "with the strategy that saved it)"
+            if isinstance(info, dict)
+            else "by CkptStoreIO (its manifest has no Lightning record)"
+        )
+        raise StateMismatchError(
+            f"{root} step {step} was not saved under ModelParallelStrategy: it was saved {how}"
+        )
+    return [k for k in keys if isinstance(k, str) and k not in _TENSOR_KEYS]
+
+
+def _everyone(strategy: Any, ok: bool) -> bool:
+    """Whether ``ok`` holds on every rank (collective where there is a process group)."""
+    dist = torch.distributed
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        return bool(strategy.reduce_boolean_decision(ok, all=True))
+    return ok
+
+
+def _load_rest(
+    strategy: Any,
+    mgr: CheckpointManager,
+    root: str,
+    step: int,
+    targets: dict[str, Any],
+    *,
+    newest_good: bool,
+) -> dict[str, Any]:
+    """Load the rest of ``step``, whose model and optimizer states ``targets`` hold already.
+
+    Where it does not verify (a corrupt ``callbacks.safetensors``) and ``newest_good``, the
+    next older step of the store that verifies whole is restored instead, on every rank
+    alike; else the error is raised.
+    """
+    older = [s for s in mgr.steps() if s < step] if newest_good else []
+    while True:
+        failed: CkptStoreError | None = None
+        try:
+            rest = _rest_keys(mgr, root, step)
+            raw = mgr.load(step, keys=rest) if rest else {}
+        except (IntegrityError, ManifestError) as e:
+            failed = e
+        if _everyone(strategy, failed is None):
+            return raw
+        if failed is None:
+            failed = IntegrityError(f"{root} step {step} does not verify on another rank")
+        while True:
+            if not older:
+                raise failed
+            candidate = older.pop()
+            log.warning(
+                "%s step %d does not verify (%s); restoring step %d", root, step, failed, candidate
+            )
+            try:
+                step = mgr.restore(targets, candidate)
+                break
+            except (IntegrityError, ManifestError) as e:  # raised on every rank alike
+                failed, step = e, candidate
+
+
 def _restore(
     strategy: Any, io: CkptStoreIO, root: str, *, allow_pickle: bool, newest_good: bool
 ) -> dict[str, Any]:
@@ -402,20 +473,16 @@ def _restore(
         own: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
         if optimizers:
             own["optimizer_states"] = [get_optimizer_state_dict(model, o) for o in optimizers]
+        # A checkpoint of another kind is refused before anything is read into the model
+        # (a manifest that does not read is the restore's to judge).
+        with contextlib.suppress(IntegrityError, ManifestError):
+            _rest_keys(mgr, root, newest)
         # FSDP1's ShardedTensors are filled through DTensor views of their shards.
         targets = as_dtensors(own, "state") if fsdp1 else own
         step = mgr.restore(targets, None if newest_good else newest)
+        raw = _load_rest(strategy, mgr, root, step, targets, newest_good=newest_good)
         if fsdp1:
             own = back_to_shards(own, targets)
-        info = mgr.manifest(step).metadata.get("lightning")
-        keys = info.get("keys") if isinstance(info, dict) else None
-        if not isinstance(keys, list):
-            raise IntegrityError(
-                f"{root} step {step} was not saved by CkptStoreIO under ModelParallelStrategy "
-                "(its manifest lists no Lightning keys)"
-            )
-        rest = [k for k in keys if isinstance(k, str) and k not in _TENSOR_KEYS]
-        raw = mgr.load(step, keys=rest) if rest else {}
     checkpoint = _decode_checkpoint(raw)
     strict = bool(getattr(strategy.lightning_module, "strict_loading", True))
     if fsdp1:  # FSDP1 loads sharded state only through the state-dict API
