@@ -384,13 +384,13 @@ def _rest_keys(mgr: CheckpointManager, root: str, step: int) -> list[str]:
     keys = info.get("keys") if isinstance(info, dict) else None
     if not isinstance(keys, list):
         how = (
-            "by CkptStoreIO under another strategy (one full, unsharded checkpoint: load it "
-            "with the strategy that saved it)"
+            "it was saved by CkptStoreIO under another strategy (one full, unsharded "
+            "checkpoint: load it with the strategy that saved it)"
             if isinstance(info, dict)
-            else "by CkptStoreIO (its manifest has no Lightning record)"
+            else "its manifest has no Lightning record (CkptStoreIO did not save it)"
         )
         raise StateMismatchError(
-            f"{root} step {step} was not saved under ModelParallelStrategy: it was saved {how}"
+            f"{root} step {step} was not saved under ModelParallelStrategy: {how}"
         )
     return [k for k in keys if isinstance(k, str) and k not in _TENSOR_KEYS]
 
