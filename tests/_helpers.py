@@ -5,7 +5,6 @@ and running Python in a subprocess.
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import json
 import math
@@ -728,76 +727,27 @@ def run_job_ranks(
     preload: tuple[str, ...] = ("lightning.pytorch",),
 ) -> None:
     """Run every rank of a job of ``ranks`` processes of ``python ARGV`` as torchrun starts
-    them (``RANK``, ``LOCAL_RANK``, ``WORLD_SIZE``, ..., and a store hosted here that the
-    ranks join as clients, as torchrun's agent hosts it); Lightning sees a job launched from
-    outside and starts no process of its own.
+    them (``tests.multirank.launch.run_script``): Lightning sees a job launched from outside
+    and starts no process of its own.
 
-    Each rank is forked from the test fork server (tests/multirank/zygote.py) with
-    ``preload`` imported there once: a fresh interpreter spends 6-9 s of CPU importing
-    Lightning, and a test's job of 4 ranks that many times. Without a server
-    (``CKPTSTORE_TEST_FORK=0``) they are fresh interpreters. Rank 0 logs to ``log``, rank r
-    to ``LOG.rank<r>.log``; on timeout every rank is killed, and the test fails with the logs'
-    tails unless every rank exits 0.
+    Each rank is forked from the test fork server with ``preload`` imported there once: a
+    fresh interpreter spends 6-9 s of CPU importing Lightning, and a test's job of 4 ranks
+    that many times. Rank 0 logs to ``log``, rank r to ``LOG.rank<r>.log``; the test fails
+    with the logs' tails unless every rank exits 0 within ``timeout``.
     """
-    import signal
-    import time
-
     import pytest
-    from torch.distributed import TCPStore
 
-    from tests.multirank.launch import _Forked, script_server
+    from tests.multirank.launch import run_script
 
-    script, args = Path(argv[0]), [str(a) for a in argv[1:]]
     base = subprocess_env()
     base["OMP_NUM_THREADS"] = "1"
-    store = TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
     logs = [log if r == 0 else log.with_name(f"{log.stem}.rank{r}.log") for r in range(ranks)]
-    server = script_server()
-    procs: list[Any] = []
-    try:
-        for r in range(ranks):
-            env = dict(base)
-            env.update(
-                RANK=str(r),
-                LOCAL_RANK=str(r),
-                GROUP_RANK="0",
-                NODE_RANK="0",
-                WORLD_SIZE=str(ranks),
-                LOCAL_WORLD_SIZE=str(ranks),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(store.port),
-                TORCHELASTIC_USE_AGENT_STORE="True",
-            )
-            pid = None
-            if server is not None:
-                pid = server.spawn_script(
-                    script, env, logs[r], Path.cwd(), args=args, preload=preload
-                )
-            if pid is not None:
-                procs.append(_Forked(server, pid))  # type: ignore[arg-type]
-            else:
-                with open(logs[r], "w") as f:
-                    procs.append(
-                        subprocess.Popen(
-                            [sys.executable, str(script), *args],
-                            env=env,
-                            stdout=f,
-                            stderr=subprocess.STDOUT,
-                        )
-                    )
-        deadline = time.monotonic() + timeout
-        for p in procs:
-            try:
-                p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-            except subprocess.TimeoutExpired:
-                tails = "".join(f"--- {g.name}\n{g.read_text()[-3000:]}" for g in logs)
-                pytest.fail(f"{what} hung for {timeout}s:\n{tails}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                with contextlib.suppress(ProcessLookupError):
-                    os.kill(p.pid, signal.SIGKILL)
-                p.wait()
-    failed = [(r, p.returncode) for r, p in enumerate(procs) if p.returncode != 0]
+    script, args = Path(argv[0]), [str(a) for a in argv[1:]]
+    hung, codes = run_script(
+        script, args, ranks, env=base, logs=logs, cwd=Path.cwd(), timeout=timeout, preload=preload
+    )
     tails = "".join(f"--- {g.name}\n{g.read_text()[-4000:]}" for g in logs)
+    if hung:
+        pytest.fail(f"{what} hung for {timeout}s:\n{tails}")
+    failed = [(r, code) for r, code in enumerate(codes) if code != 0]
     assert not failed, f"{what}: rank(s) exited {failed}:\n{tails}"

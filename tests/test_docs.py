@@ -30,14 +30,13 @@ import re
 import shutil
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import pytest
 
-from tests.multirank.launch import _Forked, script_server
+from tests.multirank.launch import run_script
 
 REPO = Path(__file__).resolve().parent.parent
 PAGES = [REPO / "README.md", REPO / "CONTRIBUTING.md", *sorted((REPO / "docs").glob("*.md"))]
@@ -143,18 +142,6 @@ RUNNABLE = [c for c in ALL if c[0].skip is None]
 SKIPPED = [s for c in ALL for s in c if s.skip is not None]
 
 
-def _agent_store() -> Any:
-    """A TCPStore on a port the kernel picks, hosted here as torchrun's agent hosts it.
-
-    The ranks get its port as ``MASTER_PORT`` and ``TORCHELASTIC_USE_AGENT_STORE=True``, so
-    every rank connects to it as a client (``torch.distributed.rendezvous``), exactly as
-    under torchrun, and no port is chosen here and bound later by someone else.
-    """
-    from torch.distributed import TCPStore
-
-    return TCPStore("127.0.0.1", 0, is_master=True, wait_for_workers=False)
-
-
 @contextlib.contextmanager
 def _s3_env() -> Iterator[dict[str, str]]:
     sys.path.insert(0, str(REPO / "tests"))
@@ -179,53 +166,14 @@ def _run(s: Snippet, cwd: Path, extra_env: dict[str, str]) -> None:
     base.update(extra_env)
     base.update(OMP_NUM_THREADS="1", PYTHONUNBUFFERED="1", CUDA_VISIBLE_DEVICES="")
     base["PYTHONPATH"] = os.pathsep.join([str(REPO), base.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    store = _agent_store() if s.ranks > 1 else None
-    server = script_server()
-    procs: list[tuple[Any, Any]] = []
-    for rank in range(s.ranks):
-        env = dict(base)
-        if store is not None:
-            env.update(
-                RANK=str(rank),
-                LOCAL_RANK=str(rank),
-                WORLD_SIZE=str(s.ranks),
-                LOCAL_WORLD_SIZE=str(s.ranks),
-                MASTER_ADDR="127.0.0.1",
-                MASTER_PORT=str(store.port),
-                TORCHELASTIC_USE_AGENT_STORE="True",
-            )
-        path = cwd / f"snippet_{s.line}.rank{rank}.log"
-        log = open(path, "w+b")  # noqa: SIM115
-        # Forked from the test server, which imported torch and ckptstore once (3-4 s of
-        # CPU a process otherwise); the child takes the snippet's environment whole, its
-        # directory and stdio, and runs it as __main__, as `python snippet.py` would.
-        pid = server.spawn_script(script, env, path, cwd) if server is not None else None
-        p: Any
-        if pid is not None:
-            p = _Forked(server, pid)
-        else:
-            p = subprocess.Popen(
-                [sys.executable, script.name], cwd=cwd, env=env, stdout=log, stderr=log
-            )
-        procs.append((p, log))
-    deadline = time.monotonic() + TIMEOUT
-    hung = False
-    for p, _ in procs:
-        try:
-            p.wait(timeout=max(deadline - time.monotonic(), 0.1))
-        except subprocess.TimeoutExpired:
-            hung = True
-            break
-    for p, _ in procs:
-        if p.poll() is None:
-            p.kill()
-            p.wait()
-    outputs = []
-    for p, log in procs:
-        log.seek(0)
-        outputs.append((p.returncode, log.read().decode(errors="replace")))
-        log.close()
-    del store
+    logs = [cwd / f"snippet_{s.line}.rank{rank}.log" for rank in range(s.ranks)]
+    # Forked from the test server, which imported torch and ckptstore once (3-4 s of CPU a
+    # process otherwise); the child takes the snippet's environment whole, its directory
+    # and stdio, and runs it as __main__, as `python snippet.py` would.
+    hung, codes = run_script(script, [], s.ranks, env=base, logs=logs, cwd=cwd, timeout=TIMEOUT)
+    outputs = [
+        (rc, log.read_bytes().decode(errors="replace")) for rc, log in zip(codes, logs, strict=True)
+    ]
     if not hung and all(rc == 0 for rc, _ in outputs):
         return
     report = "\n".join(

@@ -36,7 +36,6 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import gc
 import itertools
 import json
 import os
@@ -52,7 +51,7 @@ from typing import Any, NoReturn
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path[:0] = [str(REPO), str(REPO / "tools")]
-from forkchild import emit, finish  # noqa: E402
+from forkchild import emit, finish, freeze  # noqa: E402
 from linechild import LineChild  # noqa: E402
 from rendezvous import init_group  # noqa: E402
 
@@ -286,10 +285,7 @@ def serve() -> int:
 
     import ckptstore.manager  # noqa: F401
 
-    # What the server made lives as long as every child: frozen out of the collector, it is
-    # not walked (nor its pages copied on write) by a child's collections.
-    gc.collect()
-    gc.freeze()
+    freeze()  # what the server made, out of the children's collections
     emit("serving")
     for line in sys.stdin:
         if not line.strip():

@@ -34,7 +34,6 @@ for each, and prints ``exit PID signal K`` or ``exit PID code K`` when that writ
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import signal
@@ -51,7 +50,7 @@ from ckptstore.storage import wait_for_deletions
 
 if str(Path(__file__).resolve().parent) not in sys.path:  # a test loads this file by its path
     sys.path.insert(0, str(Path(__file__).resolve().parent))
-from forkchild import emit, finish
+from forkchild import emit, finish, freeze
 
 WIDTH = 192  # 4 layers of 192x192: 0.6 MB of weights, 1.8 MB with Adam's moments
 
@@ -194,10 +193,7 @@ def serve() -> int:
     """Fork one writer per JSON line on stdin; report how each ended."""
     torch.set_num_threads(1)  # before any op: no thread pool for the children to inherit
     _warm_up()
-    # What the server made lives as long as every child: frozen out of the collector, it is
-    # not walked (nor its pages copied on write) by a child's collections.
-    gc.collect()
-    gc.freeze()
+    freeze()  # what the server made, out of the children's collections
     for line in sys.stdin:
         if not line.strip():
             continue

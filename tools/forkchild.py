@@ -10,13 +10,14 @@ and whose process-group teardown would wait for a dead peer).
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 import traceback
 from collections.abc import Callable
 from typing import NoReturn
 
-__all__ = ["emit", "finish"]
+__all__ = ["emit", "finish", "freeze"]
 
 
 def emit(line: str) -> None:
@@ -52,3 +53,16 @@ def finish(
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)
+
+
+def freeze() -> None:
+    """In a fork server, before it forks: what it imported and made lives as long as every
+    child, so it goes out of the garbage collector's reach (``gc.freeze``).
+
+    A child then neither walks those objects in its collections (a rank's ``gc.collect()``:
+    the bench calls one before each timed operation) nor copies their pages on write doing
+    so: 0.4 s of CPU and ~90 MB a child without it, measured in a child of the test fork
+    server (2026-11-29). Garbage is collected first, not frozen.
+    """
+    gc.collect()
+    gc.freeze()

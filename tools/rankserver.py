@@ -22,7 +22,6 @@ their output to the server's stderr; its stdout carries only the protocol.
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import json
 import os
@@ -33,7 +32,7 @@ import time
 from pathlib import Path
 from typing import Any, NoReturn
 
-from forkchild import finish
+from forkchild import finish, freeze
 from linechild import LineChild
 from rendezvous import env_for
 
@@ -136,10 +135,7 @@ def serve(preload: list[str]) -> int:
     torch.set_num_threads(1)  # before any op: no thread pool for the ranks to inherit
     for name in preload:
         importlib.import_module(name)
-    # Everything imported lives as long as a rank: frozen out of the collector, it is not
-    # walked by a rank's gc.collect() (the bench calls one before each timed operation) nor
-    # copied on write by the collector's bookkeeping.
-    gc.freeze()
+    freeze()  # everything imported, out of the ranks' collections
     replies = sys.stdout
     print("serving", file=replies, flush=True)
     for line in sys.stdin:

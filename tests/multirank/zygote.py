@@ -17,7 +17,6 @@ server (children it has forked keep running until they finish or are killed).
 from __future__ import annotations
 
 import contextlib
-import gc
 import importlib
 import json
 import os
@@ -47,6 +46,7 @@ from tests.multirank import (  # noqa: F401
     scenarios,
     worker,
 )
+from tools.forkchild import freeze
 
 # torchtitan's checkpointer: 2.5 s of CPU a rank to import; optional (tests skip without it).
 with contextlib.suppress(ImportError):
@@ -134,11 +134,7 @@ def _run_script(req: dict[str, Any], fds: tuple[int, ...]) -> None:
 
 def main() -> None:
     """Serve fork requests until stdin closes."""
-    # What the imports made lives as long as every child: frozen out of the collector, it is
-    # not walked by a child's collections, whose first full one otherwise also copied the
-    # pages of every object on write (0.4 s of CPU and ~90 MB a child, measured here).
-    gc.collect()
-    gc.freeze()
+    freeze()  # what the imports made, out of the children's collections
     requests = sys.stdin.fileno()
     replies = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not reach the pipe
@@ -161,8 +157,7 @@ def main() -> None:
             for name in new:
                 importlib.import_module(name)
             if new:
-                gc.collect()
-                gc.freeze()
+                freeze()
             pid = os.fork()
             if pid == 0:
                 if "run" in req:

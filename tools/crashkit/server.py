@@ -8,7 +8,6 @@ interpreter start; ``Server`` is the campaign's handle on it.
 from __future__ import annotations
 
 import contextlib
-import gc
 import json
 import os
 import signal
@@ -18,7 +17,7 @@ import time
 import traceback
 from typing import Any, NoReturn
 
-from forkchild import emit, finish
+from forkchild import emit, finish, freeze
 from linechild import LineChild
 from rendezvous import init_group
 
@@ -189,10 +188,7 @@ def serve(writers: bool = True) -> int:
 
     torch.set_num_threads(1)  # before any op: no thread pool for the children to inherit
     _warm_up(writers)
-    # What the server made lives as long as every child: frozen out of the collector, it is
-    # not walked (nor its pages copied on write) by a child's collections.
-    gc.collect()
-    gc.freeze()
+    freeze()  # what the server made, out of the children's collections
     emit("serving")
     for line in sys.stdin:
         if not line.strip():
