@@ -940,34 +940,80 @@ def test_write_mode_follows_the_speeds_saves_reached(tmp_path: Path) -> None:
     iomode.forget()
 
 
-def test_files_written_side_by_side_neither_try_nor_measure(tmp_path: Path) -> None:
-    """Concurrent part files get the settled mode: none tries the untried one (it would hold
-    up the whole save), and their speeds, confounded by each other, are not recorded."""
+def test_files_written_side_by_side_are_one_file_to_the_choice(tmp_path: Path) -> None:
+    """A group of concurrent part files shares one mode, chosen (and explored) once for the
+    group, and its bytes over its span are one figure. Before, a group never tried nor
+    measured anything: a slow figure of O_DIRECT (cached from a busy disk) made every
+    sharded save of the machine write buffered for good."""
     from ckptstore.storage import iomode
 
     iomode.forget()
     d = str(tmp_path)
     with iomode.side_by_side():
         assert [iomode.write_mode(d) for _ in range(4)] == ["direct"] * 4  # nothing known
-        iomode.record_write(d, "direct", 1 << 30, 100.0)  # confounded: not kept
-    assert iomode.decisions() == []
-    # Alone, the exploration goes on where it stood: direct first, then buffered.
-    assert iomode.write_mode(d) == "direct"
-    iomode.record_write(d, "direct", 1 << 30, 1.0)
-    with iomode.side_by_side():  # buffered is still untried: not inside a group
-        assert iomode.write_mode(d) == "direct"
-    assert iomode.write_mode(d) == "buffered"
-    iomode.record_write(d, "buffered", 1 << 30, 0.25)  # buffered measured 4x faster
-    with iomode.side_by_side():
-        assert {iomode.write_mode(d) for _ in range(16)} == {"buffered"}  # never explores
+        iomode.record_write(d, "direct", 1 << 29, 1.0)  # two files, each 0.5 GiB in 1 s
+        iomode.record_write(d, "direct", 1 << 29, 1.0)
+        assert iomode.decisions() == []  # measured when the group ends
+    (fig,) = iomode.decisions()
+    assert fig["mode"] == "direct"
+    assert (1 << 30) / 1.1 < float(str(fig["bytes_per_s"])) <= 1 << 30  # 1 GiB over ~1 s
+    with iomode.side_by_side():  # buffered is untried: the whole group tries it
+        assert [iomode.write_mode(d) for _ in range(4)] == ["buffered"] * 4
+        iomode.record_write(d, "buffered", 1 << 30, 4.0)
+    assert [h["mode"] for h in iomode.decisions()] == ["direct", "buffered"]
+    # Settled: direct (4x faster), buffered re-tried by the 64th group, all of it at once.
+    picks = []
+    for _ in range(64):
+        with iomode.side_by_side():
+            group = {iomode.write_mode(d) for _ in range(3)}
+            assert len(group) == 1
+            picks += group
+    assert picks.count("buffered") == 1
+    assert picks.count("direct") == 63
     iomode.forget()
 
 
-def test_a_sharded_save_writes_its_parts_side_by_side(
+def test_a_group_that_failed_or_overlapped_measures_nothing(tmp_path: Path) -> None:
+    """A failed save's files, a copy's (written as fast as their source is read) and two
+    groups at once (each confounds the other) record no figure and take the settled mode."""
+    from ckptstore.storage import iomode
+
+    iomode.forget()
+    d = str(tmp_path)
+
+    def failed_save() -> None:
+        with iomode.side_by_side():
+            iomode.write_mode(d)
+            iomode.record_write(d, "direct", 1 << 30, 100.0)
+            raise OSError("a part file failed")
+
+    with pytest.raises(OSError, match="a part file failed"):
+        failed_save()
+    with iomode.side_by_side(measure=False):
+        assert iomode.write_mode(d) == "direct"
+        iomode.record_write(d, "direct", 1 << 30, 100.0)
+    with iomode.side_by_side(), iomode.side_by_side():
+        iomode.record_write(d, "direct", 1 << 30, 100.0)
+    assert iomode.decisions() == []
+    iomode.record_write(d, "direct", 1 << 30, 1.0)  # alone: measured
+    with iomode.side_by_side(measure=False):  # buffered untried, but a copy never tries
+        assert iomode.write_mode(d) == "direct"
+    with iomode.side_by_side():
+        inner = iomode.side_by_side()
+        inner.__enter__()
+        assert iomode.write_mode(d) == "direct"  # overlapped: settled, no trial
+        inner.__exit__(None, None, None)
+        iomode.record_write(d, "direct", 1 << 30, 100.0)
+    assert len(iomode.decisions()) == 1
+    iomode.forget()
+
+
+def test_a_sharded_save_writes_its_parts_as_one_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """write_shards opens its part files inside side_by_side: every one of them is written
-    in the settled mode (direct), none in the untried buffered mode."""
+    """write_shards opens its part files inside side_by_side: every one is written in the
+    mode chosen once for the group (here buffered, the untried one, by all of them), and
+    their bytes together are one figure when the save's files are all written."""
     from ckptstore.sharded import plan as sharding
     from ckptstore.storage import iomode, open_storage
 
@@ -977,7 +1023,7 @@ def test_a_sharded_save_writes_its_parts_side_by_side(
     seen: list[tuple[str, int]] = []
     real = iomode.write_mode
     monkeypatch.setattr(
-        iomode, "write_mode", lambda d: seen.append((real(d), iomode._side_by_side)) or seen[-1][0]
+        iomode, "write_mode", lambda d: seen.append((real(d), len(iomode._groups))) or seen[-1][0]
     )
     storage = open_storage(tmp_path / "store")
     storage.check_root()
@@ -985,8 +1031,10 @@ def test_a_sharded_save_writes_its_parts_side_by_side(
     boxes = {f"w{i}@0": (f"w{i}", (0,), torch.zeros(33 << 18)) for i in range(2)}  # 2 x 33 MB
     sharding.write_shards(pending, 0, boxes, {})
     assert len(pending.files) == 2
-    assert seen
-    assert all(mode == "direct" and side > 0 for mode, side in seen)
+    assert len(seen) == 2
+    assert all(mode == "buffered" and groups == 1 for mode, groups in seen)
+    writes = [h for h in iomode.decisions() if h["op"] == "write"]
+    assert [h["mode"] for h in writes] == ["direct", "buffered"]  # the group: one figure
     storage.abort(pending)
     iomode.forget()
 

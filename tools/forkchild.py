@@ -10,6 +10,7 @@ and whose process-group teardown would wait for a dead peer).
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import os
 import sys
@@ -50,6 +51,13 @@ def finish(
         else:
             on_error(traceback.format_exc())
     finally:
+        # os._exit skips atexit: the one exit handler of ckptstore's that keeps something
+        # (the I/O mode cache's pending write, storage/iocache.py) runs here, as it would at
+        # a rank's normal exit; the others inherited from the server stay out of the child.
+        iocache = sys.modules.get("ckptstore.storage.iocache")
+        if iocache is not None:
+            with contextlib.suppress(Exception):
+                iocache.flush()
         sys.stdout.flush()
         sys.stderr.flush()
         os._exit(code)

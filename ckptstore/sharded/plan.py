@@ -717,13 +717,14 @@ def write_shards(
                     crcs[k] = block_crcs(data) if t.numel() else []
 
         calls.append(write)
-    # Files written side by side: none of them tries the other write mode (iomode).
+    # Files written side by side share one write mode and are measured as one (iomode);
+    # a failed file raises inside the block, so a failed save measures nothing.
     alone = len(calls) <= 1
     with contextlib.nullcontext() if alone else iomode.side_by_side():
         errors = run_all(calls, max_workers=len(calls))
-    first = next((e for e in errors if e is not None), None)
-    if first is not None:
-        raise first
+        first = next((e for e in errors if e is not None), None)
+        if first is not None:
+            raise first
     chunks = [
         (
             name,

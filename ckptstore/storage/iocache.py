@@ -6,7 +6,10 @@ slower mode once on its first large file (a restore of a 256 MB shard at half sp
 every resume). So the speeds it measured are kept here, per device, and a new process
 starts from them: the faster mode first, the other re-tried every
 :data:`~ckptstore.storage.iomode.EXPLORE_EVERY`-th file as before, whose result updates the
-file (conditions change; a cached verdict is re-validated, never trusted for good).
+file (conditions change; a cached verdict is re-validated, never trusted for good). Each
+speed is kept with the time it was measured (``<op>_at``): a figure older than
+:data:`~ckptstore.storage.iomode.REFRESH_S` is re-tried by the next process that reads it
+(a process that saves a few times and exits never reaches its own count of files).
 
 Where: ``$CKPTSTORE_IO_CACHE`` (a file; empty or ``off`` disables the cache), else
 ``$XDG_CACHE_HOME/ckptstore/io-modes.json``, else ``~/.cache/ckptstore/io-modes.json``.
@@ -41,7 +44,16 @@ from typing import Any
 
 from .._log import logger as log
 
-__all__ = ["MAX_BYTES", "cache_path", "device_key", "flush", "forget", "load", "store"]
+__all__ = [
+    "MAX_BYTES",
+    "cache_path",
+    "device_key",
+    "flush",
+    "forget",
+    "load",
+    "load_with_times",
+    "store",
+]
 
 #: Most bytes of a cache file read; a larger one is ignored (a real one is a few KB).
 MAX_BYTES = 256 << 10
@@ -165,6 +177,13 @@ def _invalid(doc: Any) -> str:
                 # integer, and comparing one to a float does not.
                 if not ok or not 0 < bps <= _MAX_SPEED or not math.isfinite(bps):
                     return f"device {key[:64]!r}: {op} {mode} speed {bps!r} is not a speed"
+            times = entry.get(f"{op}_at", {})
+            if not isinstance(times, dict) or not set(times) <= set(_MODES):
+                return f"device {key[:64]!r}: {op + '_at'!r} is not a table of modes"
+            for mode, at in times.items():
+                ok = isinstance(at, int | float) and not isinstance(at, bool)
+                if not ok or not 0 <= at <= _MAX_TIME:
+                    return f"device {key[:64]!r}: {op} {mode} time {at!r} is not a time"
     return ""
 
 
@@ -174,19 +193,31 @@ def load(dev: int, op: str) -> dict[str, float]:
     Empty when the cache is off, absent, has nothing for the device, or is not valid
     (then with a warning, once per process).
     """
+    return load_with_times(dev, op)[0]
+
+
+def load_with_times(dev: int, op: str) -> tuple[dict[str, float], dict[str, float]]:
+    """The speeds cached for ``op`` on ``dev`` and when each was measured (``time.time()``).
+
+    A speed without a time (a file an older version wrote) has none in the second table.
+    """
     path = cache_path()
     if path is None:
-        return {}
+        return {}, {}
     flush()  # what this process measured comes first
     doc = _read(path)
     if doc is None:
-        return {}
+        return {}, {}
     entry = doc["devices"].get(device_key(dev), {})
-    return {m: float(v) for m, v in entry.get(op, {}).items()}
+    speeds = {m: float(v) for m, v in entry.get(op, {}).items()}
+    times = {m: float(v) for m, v in entry.get(f"{op}_at", {}).items() if m in speeds}
+    return speeds, times
 
 
-def store(dev: int, op: str, speeds: dict[str, float]) -> None:
-    """Record ``speeds`` for ``op`` on ``dev`` in the cache file, in the background.
+def store(
+    dev: int, op: str, speeds: dict[str, float], times: dict[str, float] | None = None
+) -> None:
+    """Record ``speeds`` for ``op`` on ``dev`` (measured at ``times``) in the cache file.
 
     The file is replaced atomically by the process's writer thread, merged with what it
     holds (other processes' devices and operations); a file that is not valid is replaced.
@@ -196,7 +227,9 @@ def store(dev: int, op: str, speeds: dict[str, float]) -> None:
     if path is None:
         return
     key = device_key(dev)
-    _writer.put(path, key, op, {m: float(v) for m, v in speeds.items() if m in _MODES})
+    kept = {m: float(v) for m, v in speeds.items() if m in _MODES}
+    at = {m: float(v) for m, v in (times or {}).items() if m in kept}
+    _writer.put(path, key, op, (kept, at))
 
 
 def flush(timeout: float = 10.0) -> None:
@@ -204,15 +237,20 @@ def flush(timeout: float = 10.0) -> None:
     _writer.flush(timeout)
 
 
-def _write(path: str, updates: dict[tuple[str, str], dict[str, float]]) -> None:
-    """Merge ``updates`` ((device key, op) -> speeds) into the file at ``path``."""
+#: What :func:`store` hands the writer: the speeds of one operation and their times.
+_Update = tuple[dict[str, float], dict[str, float]]
+
+
+def _write(path: str, updates: dict[tuple[str, str], _Update]) -> None:
+    """Merge ``updates`` ((device key, op) -> (speeds, times)) into the file at ``path``."""
     tmp = f"{path}.{os.getpid()}.tmp"  # one writer thread a process
     try:
         doc = _read(path) or {"version": _VERSION, "devices": {}}
         devices: dict[str, Any] = doc["devices"]
-        for (key, op), speeds in updates.items():
+        for (key, op), (speeds, times) in updates.items():
             entry = devices.setdefault(key, {})
             entry[op] = speeds
+            entry[f"{op}_at"] = times
             entry["t"] = time.time()
         for old in sorted(devices, key=lambda k: devices[k].get("t", 0))[:-MAX_DEVICES]:
             del devices[old]
@@ -246,13 +284,13 @@ class _Writer:
 
     def __init__(self) -> None:
         self.cond = threading.Condition()
-        self.pending: dict[str, dict[tuple[str, str], dict[str, float]]] = {}
+        self.pending: dict[str, dict[tuple[str, str], _Update]] = {}
         self.busy = False  # a write is in progress on the thread
         self.thread: threading.Thread | None = None
 
-    def put(self, path: str, key: str, op: str, speeds: dict[str, float]) -> None:
+    def put(self, path: str, key: str, op: str, update: _Update) -> None:
         with self.cond:
-            self.pending.setdefault(path, {})[(key, op)] = speeds
+            self.pending.setdefault(path, {})[(key, op)] = update
             if self.thread is None or not self.thread.is_alive():
                 self.thread = threading.Thread(
                     target=self._run, name="ckptstore-iocache", daemon=True

@@ -7,7 +7,10 @@ copes worse once other processes fill it. So the files being read and saved are 
 measurement, per device (``st_dev``), for the life of the process: the first large files
 (at least :data:`MEASURED_BYTES`) try each mode once, later ones use the faster (by bytes
 over the time from open to the last byte consumed, or to fsync), and every
-:data:`EXPLORE_EVERY`-th file tries the other again, since conditions change. No extra I/O.
+:data:`EXPLORE_EVERY`-th file tries the other again, since conditions change; so does the
+first file after a figure grew older than :data:`REFRESH_S`. Files written side by side (a
+rank's shard parts, :func:`side_by_side`) are one file to this: one mode, one figure. No
+extra I/O.
 
 Why not a probe: on the shared test machine, a probe read of 3 x 32 MiB each way (the first
 slices of a file) chose buffered reads, which then ran the 3 GB state at half O_DIRECT's
@@ -27,6 +30,7 @@ from __future__ import annotations
 import contextlib
 import os
 import threading
+import time
 from collections.abc import Iterator
 
 from .._log import logger as log
@@ -54,36 +58,63 @@ _MARGIN = 1.05
 
 def read_mode(dev: int) -> str:
     """The read mode for the next large file on device ``dev`` (see :func:`write_mode`)."""
-    return _next(_rstats, _rcount, "read", dev)
+    return _next(_reads, "read", dev)
 
 
 def record_read(dev: int, mode: str, nbytes: int, seconds: float) -> None:
     """Fold a read of ``nbytes`` in ``seconds`` (open to last byte consumed) into the stats."""
-    _record(_rstats, "read", dev, mode, nbytes, seconds)
+    _record(_reads, "read", dev, mode, nbytes, seconds)
 
 
-def _seed(table: dict[int, dict[str, float]], op: str, dev: int) -> None:
+class _Table:
+    """What one operation ("read" or "write") measured, per device, in this process."""
+
+    def __init__(self) -> None:
+        self.speeds: dict[int, dict[str, float]] = {}  # bytes/s per mode
+        self.times: dict[int, dict[str, float]] = {}  # when each speed was measured
+        self.counts: dict[int, int] = {}  # large files (or groups) chosen for
+        self.refreshing: set[tuple[int, str]] = set()  # stale figures being re-tried
+
+    def clear(self) -> None:
+        self.speeds.clear()
+        self.times.clear()
+        self.counts.clear()
+        self.refreshing.clear()
+
+
+def _seed(table: _Table, op: str, dev: int) -> None:
     """On first use of ``dev`` in this process, start from what earlier ones measured."""
-    if dev in table:
+    if dev in table.speeds:
         return
-    cached = iocache.load(dev, op)
+    speeds, times = iocache.load_with_times(dev, op)
     with _lock:
-        if dev not in table:
-            table[dev] = cached
-            if cached:
-                log.debug("%s on device %#x: cached speeds %s", op, dev, cached)
+        if dev not in table.speeds:
+            table.speeds[dev] = speeds
+            table.times[dev] = times
+            if speeds:
+                log.debug("%s on device %#x: cached speeds %s", op, dev, speeds)
 
 
-def _next(table: dict[int, dict[str, float]], counts: dict[int, int], op: str, dev: int) -> str:
+def _next(table: _Table, op: str, dev: int) -> str:
     _seed(table, op, dev)
     with _lock:
-        stats = table.setdefault(dev, {})
-        n = counts[dev] = counts.get(dev, 0) + 1
+        stats = table.speeds.setdefault(dev, {})
+        n = table.counts[dev] = table.counts.get(dev, 0) + 1
         untried = [m for m in ("direct", "buffered") if m not in stats]
         if untried:
             return untried[0]
         best = "direct" if stats["direct"] > stats["buffered"] * _MARGIN else "buffered"
         other = "buffered" if best == "direct" else "direct"
+        # A figure measured long ago (in an earlier process, read from the cache) is tried
+        # again now, once, and the new figure replaces it: one slow measurement (a disk
+        # busy with another job) would otherwise decide for every process that saves fewer
+        # files than the count below before it exits.
+        times = table.times.setdefault(dev, {})
+        now = time.time()
+        if now - times.get(other, 0.0) > REFRESH_S:
+            times[other] = now  # tried now: the next file need not try it too
+            table.refreshing.add((dev, other))
+            return other
         # A mode measured at under half the other's speed is re-tried far less often: one
         # such file costs several times its own write (buffered writes ran at 0.25-0.3 GB/s
         # where O_DIRECT reached 1.4 on the idle test VM, and one tried 1 GB file in eight
@@ -93,31 +124,33 @@ def _next(table: dict[int, dict[str, float]], counts: dict[int, int], op: str, d
         return other if n % every == 0 else best
 
 
-def _record(  # noqa: PLR0917 - private, two call sites
-    table: dict[int, dict[str, float]], op: str, dev: int, mode: str, nbytes: int, seconds: float
+def _record(  # noqa: PLR0917 - private, three call sites
+    table: _Table, op: str, dev: int, mode: str, nbytes: int, seconds: float
 ) -> None:
     if nbytes < MEASURED_BYTES or seconds <= 0:
         return
     bps = nbytes / seconds
     _seed(table, op, dev)
     with _lock:
-        stats = table.setdefault(dev, {})
+        stats = table.speeds.setdefault(dev, {})
         old = stats.get(mode)
-        stats[mode] = bps if old is None else (old + bps) / 2
+        stale = (dev, mode) in table.refreshing
+        table.refreshing.discard((dev, mode))
+        stats[mode] = bps if old is None or stale else (old + bps) / 2
+        times = table.times.setdefault(dev, {})
+        times[mode] = time.time()
         _history.append({"op": op, "dev": dev, "mode": mode, "bytes_per_s": bps})
         del _history[:-1000]
-        snapshot = dict(stats)
-    iocache.store(dev, op, snapshot)
+        snapshot, at = dict(stats), dict(times)
+    iocache.store(dev, op, snapshot, at)
     log.debug("%s on device %#x: %s %.2f GB/s", op, dev, mode, bps / 1e9)
 
 
 def forget() -> None:
     """Drop every measured mode (tests; a process that moved to other disks)."""
     with _lock:
-        _rstats.clear()
-        _rcount.clear()
-        _wstats.clear()
-        _wcount.clear()
+        _reads.clear()
+        _writes.clear()
         _history.clear()
     iocache.forget()
 
@@ -131,11 +164,12 @@ EXPLORE_EVERY = 8
 #: ``EXPLORE_EVERY * FAR_EXPLORE_FACTOR``-th file.
 FAR_BEHIND = 2.0
 FAR_EXPLORE_FACTOR = 8
+#: A figure measured more than this many seconds ago (wall clock, kept in the cache) is
+#: re-tried at the next large file, whatever the count, and replaced by what it measures.
+REFRESH_S = 24 * 3600.0
 
-_rstats: dict[int, dict[str, float]] = {}
-_rcount: dict[int, int] = {}
-_wstats: dict[int, dict[str, float]] = {}
-_wcount: dict[int, int] = {}
+_reads = _Table()
+_writes = _Table()
 _history: list[dict[str, object]] = []
 
 
@@ -145,62 +179,125 @@ def write_mode(directory: str) -> str:
     Chosen from the speeds real transfers reached there (:func:`record_write`): each mode
     is tried once first, then the faster one is used, and every :data:`EXPLORE_EVERY`-th
     file the other is tried again. No extra I/O: the files being saved are the measurement.
-    Inside :func:`side_by_side` the settled mode is used and nothing is tried.
+    Inside :func:`side_by_side` the files of the group share one mode per device, chosen
+    (and explored) once for the group.
     """
     dev = os.stat(directory).st_dev
     with _lock:
-        side = _side_by_side > 0
-    if side:
-        _seed(_wstats, "write", dev)
-        return _settled(_wstats, dev)
-    return _next(_wstats, _wcount, "write", dev)
+        group = _groups[-1] if _groups else None
+        settled = group is not None and not group.measuring(len(_groups))
+    if group is None:
+        return _next(_writes, "write", dev)
+    if settled:
+        _seed(_writes, "write", dev)
+        return _settled(_writes, dev)
+    with group.lock:  # the group's first file on ``dev`` chooses for all of them
+        mode = group.modes.get(dev)
+        if mode is None:
+            mode = group.modes[dev] = _next(_writes, "write", dev)
+    return mode
 
 
 def record_write(directory: str, mode: str, nbytes: int, seconds: float) -> None:
     """Fold a durable write of ``nbytes`` in ``seconds`` (open to fsync) into the stats.
 
-    Writes finished inside :func:`side_by_side` are not folded in (see there).
+    Inside :func:`side_by_side` the write is added to its group's, which is measured as
+    one when the block ends.
     """
+    try:
+        dev = os.stat(directory).st_dev
+    except OSError:
+        return
+    end = time.perf_counter()
     with _lock:
-        if _side_by_side > 0:
+        if _groups:
+            group = _groups[-1]
+            if group.measuring(len(_groups)):
+                group.add(dev, mode, nbytes, end - seconds, end)
             return
-    with contextlib.suppress(OSError):
-        _record(_wstats, "write", os.stat(directory).st_dev, mode, nbytes, seconds)
+    _record(_writes, "write", dev, mode, nbytes, seconds)
 
 
-def _settled(table: dict[int, dict[str, float]], dev: int) -> str:
+def _settled(table: _Table, dev: int) -> str:
     """The faster measured mode of ``dev``, ``"direct"`` where both are not measured yet."""
     with _lock:
-        stats = table.get(dev, {})
+        stats = table.speeds.get(dev, {})
         if "direct" not in stats or "buffered" not in stats:
             return "direct"
         return "direct" if stats["direct"] > stats["buffered"] * _MARGIN else "buffered"
 
 
-#: How many :func:`side_by_side` blocks are open in this process.
-_side_by_side = 0
+class _Group:
+    """The files of one :func:`side_by_side` block: one mode per device, one measurement."""
+
+    def __init__(self, measure: bool) -> None:
+        self.measure = measure
+        self.confounded = False  # another group overlapped this one
+        self.lock = threading.Lock()
+        self.modes: dict[int, str] = {}
+        # (device, mode) -> [bytes, first open, last fsync] of the files that finished
+        self.done: dict[tuple[int, str], list[float]] = {}
+
+    def measuring(self, open_groups: int) -> bool:
+        return self.measure and not self.confounded and open_groups == 1
+
+    def add(self, dev: int, mode: str, nbytes: int, start: float, end: float) -> None:
+        acc = self.done.setdefault((dev, mode), [0.0, start, end])
+        acc[0] += nbytes
+        acc[1] = min(acc[1], start)
+        acc[2] = max(acc[2], end)
+
+    def results(self) -> list[tuple[int, str, int, float]]:
+        """(device, mode, bytes, seconds from first open to last fsync), one per device.
+
+        A device whose files ran in two modes (one was refused ``O_DIRECT``) has none.
+        """
+        devs = [dev for dev, _ in self.done]
+        return [
+            (dev, mode, int(acc[0]), acc[2] - acc[1])
+            for (dev, mode), acc in self.done.items()
+            if devs.count(dev) == 1
+        ]
+
+
+#: The :func:`side_by_side` blocks open in this process, innermost last.
+_groups: list[_Group] = []
 
 
 @contextlib.contextmanager
-def side_by_side() -> Iterator[None]:
-    """Large files written concurrently (a rank's shard parts): no trial, no measurement.
+def side_by_side(*, measure: bool = True) -> Iterator[None]:
+    """Large files written concurrently (a rank's shard parts): one mode and one measurement.
 
     Each file of a group written side by side shares the device with the others, so its
-    speed says little of its mode; and one file that tries the other mode holds up the
+    own speed says little of its mode; and one file that tries the other mode holds up the
     whole group (the save waits for its slowest file). Measured on the shared 2-core VM: a
-    2-rank FSDP2 save whose 4 part files a rank all tried buffered writes (every process's
-    second save, since the first one's parts all started before any had reported) took
-    3.2 s instead of 1.3 s. Inside this block every large file gets the settled mode (the
-    faster measured one, ``"direct"`` until both are measured) and reports nothing.
+    2-rank FSDP2 save whose 4 part files a rank all tried buffered writes while others
+    wrote with O_DIRECT took 3.2 s instead of 1.3 s. So the group is one file to the
+    choice: its first large file on a device chooses (and explores, as a file alone would)
+    for all of the group's files there, and when the block ends without an exception their
+    bytes over the time from the first open to the last fsync are one measurement.
+
+    ``measure=False`` (copies, written as fast as their source is read): every file gets
+    the settled mode (the faster measured one, ``"direct"`` until both are measured) and
+    nothing is recorded. Nor is anything while two groups overlap (each confounds the
+    other's figure); the files then get the settled mode too.
     """
-    global _side_by_side  # one counter per process, changed under _lock
+    group = _Group(measure)
     with _lock:
-        _side_by_side += 1
+        for other in _groups:
+            other.confounded = True
+        group.confounded = bool(_groups)
+        _groups.append(group)
+    ok = False
     try:
         yield
+        ok = True
     finally:
         with _lock:
-            _side_by_side -= 1
+            _groups.remove(group)
+            results = group.results() if ok and group.measure and not group.confounded else []
+        for dev, mode, nbytes, seconds in results:
+            _record(_writes, "write", dev, mode, nbytes, seconds)
 
 
 def decisions() -> list[dict[str, object]]:

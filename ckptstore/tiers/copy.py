@@ -154,7 +154,7 @@ def copy_files(
         # A copied file is written as fast as its source is read (the network, a gate): its
         # speed says nothing of the local write modes, and the files are written side by
         # side. So no trial and no measurement: the settled mode (iomode.side_by_side).
-        with iomode.side_by_side():
+        with iomode.side_by_side(measure=False):
             if not lowest and (threads <= 1 or len(items) <= 1):
                 for name, entry in items:  # on the caller's thread, at its priority
                     one(name, entry)

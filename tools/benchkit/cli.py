@@ -103,6 +103,19 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return args
 
 
+def _cached_modes() -> object:
+    """The I/O mode cache this run's processes left (their figures per device), or None."""
+    from ckptstore.storage import iocache
+
+    iocache.flush()
+    path = iocache.cache_path()
+    try:
+        with open(path or "", encoding="utf-8") as f:
+            return json.loads(f.read(1 << 20))
+    except (OSError, ValueError):
+        return None
+
+
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     # What was imported lives to the end of the run: torch, ckptstore, the bench, and the
@@ -116,6 +129,11 @@ def main(argv: list[str] | None = None) -> int:
     args.dir.mkdir(parents=True, exist_ok=True)
     work = args.dir / f"run-{os.getpid()}-{int(time.time())}"
     work.mkdir()
+    # What io="auto" chooses (ckptstore/storage/iomode.py) is measured in this run, from a
+    # cache file of its own that the ranks share: a figure cached by other work on the
+    # machine decided for it before (a slow O_DIRECT figure from a busy disk had every
+    # sharded save of one run write buffered). CKPTSTORE_IO_CACHE set by the caller wins.
+    os.environ.setdefault("CKPTSTORE_IO_CACHE", str(work / "io-modes.json"))
     fs = df_info(args.dir)
     if fs.get("fstype") == "tmpfs":
         log(f"warning: {args.dir} is tmpfs: the disk is not measured and restores cannot be cold")
@@ -239,6 +257,8 @@ def main(argv: list[str] | None = None) -> int:
             if result["plot"]:
                 print(f"plot: {result['plot']}")
         result["machine"]["loadavg_end"] = os.getloadavg()
+        # What every process of the run measured (the sharded ranks' too), at its end.
+        result["extra"]["iomode_cache"] = _cached_modes()
     finally:
         shutil.rmtree(work, ignore_errors=True)
     args.out.parent.mkdir(parents=True, exist_ok=True)
