@@ -975,7 +975,7 @@ _CALLS_SHOWN = 4
 
 
 def _spell(call: Any) -> str:
-    if isinstance(call, tuple) and len(call) == 4 and isinstance(call[3], tuple):
+    if isinstance(call, tuple) and len(call) == 5 and isinstance(call[3], tuple):
         call = call[3]  # what save:enter sends: (..., its Call)
     if (
         isinstance(call, tuple)

@@ -20,11 +20,19 @@ from typing import Any
 
 from .._log import logger as log
 from ..dist import Call, Coordinator, same_call, told_by
-from ..errors import BarrierTimeout, CkptStoreError, CommitError, ReplicaError, UsageError
+from ..errors import (
+    BarrierTimeout,
+    CkptStoreError,
+    CommitError,
+    ReplicaError,
+    StateMismatchError,
+    UsageError,
+)
 from ..manifest import Manifest
 from ..session import Session
 from ..sharded import plan as sharding
 from ..state.modules import RNGState
+from ..state.structure import differences, structure_digest
 from ..storage import Pending
 from . import commit, commit_sharded
 from .admit import admit
@@ -112,7 +120,14 @@ class Saver:
         # The failure of the last async save, if any, and whether this rank raised it.
         seen, self.bg_seen = self.bg_seen, False
         bg = self.take_bg_error()
-        mine = ((bg, seen) if bg is not None else None, sharding.has_dtensors(state), refusal, call)
+        dtensors_here = sharding.has_dtensors(state)
+        # A replicated save writes rank 0's state alone: each rank says what its own looks
+        # like (entries, dtypes, shapes; a few bytes an entry) so that one whose state
+        # differs is refused rather than dropped (state/structure.py). DTensor saves write
+        # every rank's shards and check their layouts in their own plan.
+        replicated = coord.enabled and not sharded and not dtensors_here
+        shape = structure_digest(state) if replicated else None
+        mine = ((bg, seen) if bg is not None else None, dtensors_here, refusal, call, shape)
         clock.mark("admit")
         prev, dtensor, refused = coord.reduce(mine, _enter_verdict, "save:enter", step)
         clock.mark("x:enter")
@@ -514,19 +529,27 @@ def _as_raised(err: BaseException | None) -> BaseException | None:
 SHOWN = 8
 
 
-def _enter_verdict(
-    every: list[tuple[tuple[BaseException, bool] | None, bool, BaseException | None, Call]],
-) -> tuple[BaseException | None, bool, BaseException | None]:
+#: What a rank sends at 'save:enter': (its last async failure and whether it raised it,
+#: whether it holds DTensors, its refusal, its :data:`Call`, its state's structure digest).
+_Enter = tuple[
+    tuple[BaseException, bool] | None, bool, BaseException | None, Call, dict[str, bytes] | None
+]
+
+
+def _enter_verdict(every: list[_Enter]) -> tuple[BaseException | None, bool, BaseException | None]:
     """Rank 0's answer at 'save:enter': the first async failure, DTensors anywhere, its refusal.
 
     An async failure (each rank's ``(error, seen here)``) is raised on every rank unless
     every rank has raised it already (``SaveHandle.wait``, ``wait``, ``close``): a rank
-    that saw it raises it again rather than go on alone while the others raise.
+    that saw it raises it again rather than go on alone while the others raise. Where no
+    rank holds DTensors and no rank refused, a replicated state that differs in structure
+    from rank 0's (:func:`~ckptstore.state.structure.differences`) is refused with
+    ``StateMismatchError``.
 
     Raises (on every rank): ``UsageError`` where the ranks' calls differ (:func:`same_call`):
     another step, ``sharded`` or ``allow_older``, or another call (a rank in a restore).
     """
-    calls = [e[3] if isinstance(e, tuple) and len(e) == 4 else e for e in every]
+    calls = [e[3] if isinstance(e, tuple) and len(e) == 5 else e for e in every]
     try:
         same_call(calls)
     except UsageError as refused:
@@ -534,23 +557,28 @@ def _enter_verdict(
             (
                 e[0][0]
                 for e in every
-                if isinstance(e, tuple) and len(e) == 4 and isinstance(e[0], tuple)
+                if isinstance(e, tuple) and len(e) == 5 and isinstance(e[0], tuple)
             ),
             None,
         )
         if prev is not None:  # taken from its rank's manager: said here, or lost
             raise UsageError(f"{refused}; and the previous async save failed: {prev}") from None
         raise
-    failures = [e for e, _, _, _ in every if e is not None]
+    failures = [e for e, _, _, _, _ in every if e is not None]
     told = len(failures) == len(every) and all(seen for _, seen in failures)
     prev = None if told or not failures else failures[0][0]
     # Rank 0's refusal (admit), else the first rank whose arguments failed their checks.
     answer: BaseException | None = None
-    for r, (_, _, refusal, _) in enumerate(every):
+    for r, (_, _, refusal, _, _) in enumerate(every):
         if refusal is not None:
             answer = refusal if r == 0 else told_by(r, refusal)
             break
-    return prev, any(flag for _, flag, _, _ in every), answer
+    dtensors = any(flag for _, flag, _, _, _ in every)
+    if answer is None and not dtensors:
+        differ = differences([shape for _, _, _, _, shape in every])
+        if differ is not None:
+            answer = StateMismatchError(differ)
+    return prev, dtensors, answer
 
 
 def _staged_verdict(every: list[tuple[str, Any]]) -> tuple[list[tuple[int, Any]], int]:

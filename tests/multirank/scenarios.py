@@ -231,6 +231,36 @@ def calls_differ(ctx: Ctx) -> dict[str, Any]:
     return out
 
 
+def replicated_state_differs(ctx: Ctx) -> dict[str, Any]:
+    """A replicated save writes rank 0's state alone: rank 1's own list, entry or buffer of
+    another shape was dropped without a word (found by review). Every rank now refuses the
+    save and nothing is written; values that differ in the same shapes still save."""
+    model = make_model()
+    out: dict[str, Any] = {}
+    with CheckpointManager(ctx.root, barrier_timeout=HEALTHY) as mgr:
+        mgr.save(1, {"model": model, "seen": [0, 1]})
+        seen = list(range(3 + ctx.rank))  # a rank's own sample ids
+        out["list"] = outcome(lambda: mgr.save(2, {"model": model, "seen": seen}))
+        extra: dict[str, Any] = {"model": model, "seen": [0, 1]}
+        if ctx.rank == 1:
+            extra["loader"] = {"pos": 3}
+        out["extra_entry"] = outcome(lambda: mgr.save(3, extra))
+        wider = make_model() if ctx.rank == 0 else nn.Sequential(nn.Linear(8, 17))
+        out["model"] = outcome(lambda: mgr.save(4, {"model": wider, "seen": [0, 1]}))
+        out["steps_after_refusals"] = mgr.steps()
+        values_differ = {
+            "model": model,
+            "seen": [ctx.rank, 7],
+            "loss": torch.tensor(float(ctx.rank)),
+        }
+        out["values"] = outcome(lambda: mgr.save(5, values_differ) and None)
+        out["steps"] = mgr.steps()
+        target = make_model(9)
+        out["restored"] = [mgr.restore({"model": target}, step=1), digest(target) == digest(model)]
+        out["saved_seen"] = mgr.load(5)["seen"]
+    return out
+
+
 def other_ranks_maintain(ctx: Ctx) -> dict[str, Any]:
     """``prune()`` and ``gc()`` on every rank of a job writing one store, whose rank 1 was
     built with another ``keep``: only rank 0, the store's writer, may act (rank 1 deleted
@@ -366,9 +396,8 @@ def rank0_raises_in_serialization(ctx: Ctx) -> dict[str, Any]:
     model = make_model()
     mgr = CheckpointManager(ctx.root, barrier_timeout=HEALTHY)
     mgr.save(1, {"model": model})
-    state: dict[str, Any] = {"model": model, "extra": {"ok": 1}}
-    if ctx.rank == 0:
-        state["extra"] = {"obj": object()}  # not storable without pickle
+    # Not storable without pickle: only rank 0, the writer, serializes it and finds out.
+    state: dict[str, Any] = {"model": model, "extra": {"obj": object()}}
     first = outcome(lambda: mgr.save(2, state))
     # The group is still healthy: a later save works on every rank.
     second = outcome(lambda: mgr.save(3, {"model": model}).manifest.step)

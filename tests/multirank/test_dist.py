@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -74,6 +75,38 @@ def test_refused_saves_raise_the_same_error_on_every_rank(tmp_path):
     assert [v["steps"] for v in vals] == [[12], [12]]
 
 
+def _one_error_everywhere(vals: list[Any], key: str, error_type: str) -> str:
+    """The message of the one error of type ``error_type`` that ``key`` raised on every rank."""
+    got = [v[key] for v in vals]
+    assert [g["ok"] for g in got] == [False] * len(got), (key, got)
+    assert {g["error_type"] for g in got} == {error_type}, (key, got)
+    assert len({g["message"] for g in got}) == 1, (key, got)
+    return str(got[0]["message"])
+
+
+def test_a_replicated_state_that_differs_between_ranks_is_refused_not_dropped(tmp_path):
+    vals = values(launch("replicated_state_differs", 2, tmp_path))
+    for key, what in {
+        "list": "other entries, dtypes or shapes in 'seen'",
+        "extra_entry": "also 'loader'",
+        "model": "other entries, dtypes or shapes in 'model'",
+    }.items():
+        msg = _one_error_everywhere(vals, key, "StateMismatchError")
+        assert msg.startswith(
+            "a replicated save writes rank 0's state alone, and the state of "
+            "rank(s) 1 differs from it (rank 1: "
+        ), (key, msg)
+        assert what in msg, (key, msg)
+        assert "nothing was saved" in msg, (key, msg)
+    # Nothing was written by the refusals; values that differ in the same shapes saved.
+    assert [v["steps_after_refusals"] for v in vals] == [[1], [1]]
+    assert [v["values"]["ok"] for v in vals] == [True, True]
+    assert [v["steps"] for v in vals] == [[1, 5], [1, 5]]
+    assert [v["restored"] for v in vals] == [[1, True], [1, True]]
+    assert [v["saved_seen"] for v in vals] == [[0, 7], [0, 7]]  # rank 0's, as documented
+    assert not list((tmp_path / "store").glob(".tmp-*"))
+
+
 def test_calls_that_differ_between_ranks_are_refused_on_every_rank(tmp_path):
     """Collectives pair by order: a save of step 61 on rank 1 committed rank 0's step 62
     holding rank 1's state, a restore(step=4) on rank 1 returned step 2 there, and a save
@@ -87,11 +120,7 @@ def test_calls_that_differ_between_ranks_are_refused_on_every_rank(tmp_path):
         "mixed": ("restore(step=2,", "save(step=10,"),
         "resume_mixed": ("resume(strict=True,", "save(step=10,"),
     }.items():
-        got = [v[key] for v in vals]
-        assert [g["ok"] for g in got] == [False, False], (key, got)
-        assert {g["error_type"] for g in got} == {"UsageError"}, (key, got)
-        assert got[0]["message"] == got[1]["message"], key
-        msg = got[0]["message"]
+        msg = _one_error_everywhere(vals, key, "UsageError")
         assert msg.startswith(f"the ranks made different calls: rank 0: {mine}"), (key, msg)
         assert f"rank 1: {theirs}" in msg, (key, msg)
     got = [v["bad_args"] for v in vals]
