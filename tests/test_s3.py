@@ -40,11 +40,15 @@ from s3server import S3Endpoint
 
 from ckptstore import (
     CheckpointManager,
+    CkptStoreError,
     CommitError,
     IntegrityError,
     KeepLast,
     ManifestError,
     NoCheckpointError,
+    delete_steps,
+    pin_steps,
+    prune_store,
 )
 from ckptstore.cli import main
 from ckptstore.storage import Storage, wait_for_deletions
@@ -749,6 +753,69 @@ def test_pin_prune_gc(s3: S3Endpoint, url: str, prefix: str) -> None:
         mgr.wait()
         assert mgr.steps() == [3]
         assert sorted({n.split("/")[0] for n in objects(s3, prefix)}) == [step_dir(3)]
+
+
+def _three_steps(s3: S3Endpoint, url: str) -> None:
+    with manager(s3, url) as mgr:
+        for s in (1, 2, 3):
+            mgr.save(s, make_state(s))
+        mgr.wait()
+
+
+@pytest.mark.timeout(60)
+def test_a_step_pinned_as_its_manifest_goes_is_kept(
+    s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object store has no rename: a pin written between a deleter's look at the pins and
+    its removal of the manifest was lost (the step deleted, its marker swept with it) while
+    `ckptstore pin` had said it held (found by review). The deleter looks again after the
+    removal and puts the manifest back; the pin holds and the step verifies."""
+    _three_steps(s3, url)
+    real = FsspecStorage._remove
+    pins: list[Any] = []
+
+    def remove(self: FsspecStorage, rel: str) -> None:
+        if rel == f"{step_dir(2)}/manifest.json" and not pins:
+            pins.append(pin_steps(url, [2], storage_options=s3.storage_options))
+        real(self, rel)
+
+    monkeypatch.setattr(FsspecStorage, "_remove", remove)
+    res = prune_store(url, 1, storage_options=s3.storage_options)
+    wait_for_deletions()
+    assert pins[0].changed == [2]  # the pinner was told it held
+    assert res.deleted == [1]
+    assert res.kept == [2, 3]
+    names = objects(s3, prefix)
+    assert f"{step_dir(2)}/manifest.json" in names
+    assert f"{step_dir(2)}/pinned" in names
+    assert not [n for n in names if n.startswith(step_dir(1))]
+    with manager(s3, url) as mgr:
+        assert mgr.steps() == [2, 3]
+        assert mgr.storage.is_pinned(2)
+        assert mgr.verify(2).ok
+
+
+@pytest.mark.timeout(60)
+def test_a_pin_written_after_the_manifest_went_fails(
+    s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The other order: the manifest is gone before the marker lands. The pin is refused
+    (its confirmation looked at the marker alone, which the deleter leaves for its
+    background sweep: "pinned" was said of a deleted step), and its marker removed."""
+    _three_steps(s3, url)
+    real = FsspecStorage._put_marker
+
+    def put_marker(self: FsspecStorage, rel: str, data: bytes) -> None:
+        delete_steps(url, [3], force=True, storage_options=s3.storage_options)
+        real(self, rel, data)
+
+    monkeypatch.setattr(FsspecStorage, "_put_marker", put_marker)
+    with pytest.raises(CkptStoreError, match="was deleted as it was being pinned; nothing is pin"):
+        pin_steps(url, [3], storage_options=s3.storage_options)
+    wait_for_deletions()
+    assert not [n for n in objects(s3, prefix) if n.startswith(step_dir(3))]
+    with manager(s3, url) as mgr:
+        assert mgr.steps() == [1, 2]
 
 
 # ---- the command line against S3 ------------------------------------------------------------

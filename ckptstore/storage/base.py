@@ -37,7 +37,13 @@ from ..layout import (
     tmp_dirname,
     trash_dirname,
 )
-from ..manifest import MAX_JSON_FILE_BYTES, FileEntry, Manifest, validate_file_name
+from ..manifest import (
+    MAX_JSON_FILE_BYTES,
+    MAX_MANIFEST_BYTES,
+    FileEntry,
+    Manifest,
+    validate_file_name,
+)
 from . import manifests
 from .blockgate import READ_CHUNK, BlockGate, Consumer
 from .deletion import _deleter, wait_for_deletions
@@ -395,10 +401,17 @@ class Storage(abc.ABC):
         Raises:
             CommitError: the step was deleted as it was being pinned.
         """
+        # Without a rename, a deleter removes the manifest and leaves the marker for its
+        # background sweep: the step is there while its manifest is (one that spares pins
+        # puts a removed manifest back when it finds the marker, see delete).
+        manifest = None if self.atomic_rename else f"{step_dirname(step)}/{MANIFEST_NAME}"
         for _ in range(_PIN_CONFIRM_TRIES):
-            if self._exists(rel):
+            if self._exists(rel) and (manifest is None or self._exists(manifest)):
                 return
             time.sleep(_PIN_CONFIRM_WAIT)
+        if manifest is not None:
+            with contextlib.suppress(OSError):
+                self._remove(rel)  # ours, in a step being deleted
         raise CommitError(
             f"{self.describe(step)} was deleted as it was being pinned; nothing is pinned"
         )
@@ -786,7 +799,9 @@ class Storage(abc.ABC):
         the marker is looked for after the rename, in the renamed directory (a pin written
         before the rename moved with it), and the step renamed back where it has one; a pin
         written after the rename finds no step and fails (:meth:`set_pinned`). Object
-        stores have no rename: their marker is read just before the manifest goes.
+        stores have no rename: the marker is looked for before the manifest goes and again
+        after, and a marker found then puts the manifest back (its bytes read first); a pin
+        written after that second look finds no manifest and fails.
 
         Local: rename to ``.trash-...`` (atomic); in the background, fsync the root and only
         then remove the files (a power cut before that fsync brings the whole checkpoint
@@ -811,14 +826,34 @@ class Storage(abc.ABC):
         else:
             if spare_pinned and self.is_pinned(step):
                 return False
+            rel = f"{final}/{MANIFEST_NAME}"
+            body = self._manifest_body(rel) if spare_pinned else None
             with contextlib.suppress(FileNotFoundError):
-                self._remove(f"{final}/{MANIFEST_NAME}")
+                self._remove(rel)
+            # A pin takes no lock: one written between the look above and the removal
+            # would be lost while `ckptstore pin` said it held (found by review). Seen now,
+            # the step comes back whole: its other files are still all there.
+            if body is not None and self.is_pinned(step):
+                self._put_small(rel, body)
+                return False
             if background:
                 _deleter.submit(self, final)
             else:
                 with contextlib.suppress(FileNotFoundError):
                     self._rmtree(final)
         return True
+
+    def _manifest_body(self, rel: str) -> bytes | None:
+        """The bytes of the manifest at ``rel`` (to put back), or None where unreadable."""
+        try:
+            size = self._size(rel)
+            if size > MAX_MANIFEST_BYTES:
+                return None
+            with self._open_read(rel) as f:
+                data = f.read(size + 1)
+        except OSError:
+            return None
+        return data if len(data) == size else None
 
     def _discard(self, rel: str) -> None:
         if self.atomic_rename:
