@@ -1008,6 +1008,38 @@ def test_a_group_that_failed_or_overlapped_measures_nothing(tmp_path: Path) -> N
     iomode.forget()
 
 
+def test_a_file_on_another_thread_is_not_one_of_a_groups_files(tmp_path: Path) -> None:
+    """The group is the block's (its context, which run_all's threads share), not the
+    process's: a file another thread writes meanwhile takes the settled mode, is not added
+    to the group's figure, and confounds it (found by review: it was counted in)."""
+    import threading
+
+    from ckptstore.storage import directio, iomode
+
+    iomode.forget()
+    d = str(tmp_path)
+    iomode.record_write(d, "direct", 1 << 30, 1.0)  # buffered untried
+    seen: dict[str, str] = {}
+
+    def lone() -> None:
+        seen["lone"] = iomode.write_mode(d)
+        iomode.record_write(d, "buffered", 1 << 30, 0.1)
+
+    with iomode.side_by_side():
+
+        def part() -> None:
+            seen["part"] = iomode.write_mode(d)
+
+        directio.run_all([part])  # run_all's threads run in the block's context
+        t = threading.Thread(target=lone)
+        t.start()
+        t.join()
+        iomode.record_write(d, "buffered", 1 << 30, 1.0)
+    assert seen == {"part": "buffered", "lone": "direct"}  # the group's trial; settled
+    assert [h["mode"] for h in iomode.decisions()] == ["direct"]  # confounded: no figure
+    iomode.forget()
+
+
 def test_a_sharded_save_writes_its_parts_as_one_group(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:

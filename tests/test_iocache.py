@@ -149,6 +149,63 @@ def test_a_stale_cached_figure_is_tried_again_and_replaced(
     assert out.strip().split(",") == ["direct"] * 7
 
 
+def test_a_stale_figure_whose_trial_never_reported_keeps_its_age(
+    tmp_path: Path, cache: Path
+) -> None:
+    """The trial of a stale figure is handed out once; where it never reports (a file under
+    64 MiB, a failed save), the figure keeps its old time: before, the time was set when the
+    trial was handed out, and the next record wrote the old 88 MB/s to the cache as fresh
+    (found by review). A stale figure re-measured by ordinary use is replaced too."""
+    dev = os.stat(tmp_path).st_dev
+    d = str(tmp_path)
+    _cached(cache, dev, "write", direct=88e6, buffered=400e6, age=None)
+    assert iomode.write_mode(d) == "direct"  # the trial of the stale figure: never reports
+    assert iomode.write_mode(d) == "buffered"  # buffered's figure is stale too: its trial
+    assert iomode.write_mode(d) == "buffered"  # each once
+    iomode.record_write(d, "buffered", 500 << 20, 1.0)  # replaced: 524 MB/s, not averaged
+    iocache.flush()
+    entry = json.loads(cache.read_text())["devices"][iocache.device_key(dev)]
+    assert entry["write"] == {"direct": 88e6, "buffered": float(500 << 20)}
+    assert set(entry["write_at"]) == {"buffered"}  # direct's figure has no time still
+    # The next process tries direct again, as its figure is as old as ever.
+    out = _child(
+        f"""
+        from ckptstore.storage import iomode
+        print(iomode.write_mode({d!r}))
+        """,
+        cache,
+    )
+    assert out.strip() == "direct"
+
+
+def test_a_forked_tool_child_leaves_its_figures_in_the_cache(
+    tmp_path: Path, cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """tools/forkchild.finish ends a child with os._exit, which skips atexit: the cache's
+    pending write was lost with every rank the bench and the demos fork (found in the
+    bench: its ranks' figures never reached the file)."""
+    sys.path.insert(0, str(REPO / "tools"))
+    try:
+        import forkchild
+    finally:
+        sys.path.remove(str(REPO / "tools"))
+    dev = os.stat(tmp_path).st_dev
+    real = iocache._write
+
+    def slow(path: str, updates: dict[tuple[str, str], Any]) -> None:
+        time.sleep(0.5)  # the write is still under way when the child's body returns
+        real(path, updates)
+
+    monkeypatch.setattr(iocache, "_write", slow)
+    pid = os.fork()
+    if pid == 0:
+        forkchild.finish(lambda: iomode.record_read(dev, "direct", 1 << 30, 1.0))
+    _, status = os.waitpid(pid, 0)
+    assert os.waitstatus_to_exitcode(status) == 0
+    entry = json.loads(cache.read_text())["devices"][iocache.device_key(dev)]
+    assert entry["read"] == {"direct": float(1 << 30)}
+
+
 def test_a_fresh_cached_figure_is_not_tried_again_before_its_count(
     tmp_path: Path, cache: Path
 ) -> None:

@@ -796,6 +796,37 @@ def test_a_step_pinned_as_its_manifest_goes_is_kept(
 
 
 @pytest.mark.timeout(60)
+def test_a_failed_second_look_at_the_pins_puts_the_manifest_back(
+    s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The look after the manifest's removal failing (the store erring) left a manifest-less
+    step, garbage to `gc`, whose pin may have landed (found by review): it comes back."""
+    _three_steps(s3, url)
+    real_pinned, real_remove = FsspecStorage.is_pinned, FsspecStorage._remove
+    removed: list[str] = []
+
+    def remove(self: FsspecStorage, rel: str) -> None:
+        removed.append(rel)
+        real_remove(self, rel)
+
+    def is_pinned(self: FsspecStorage, step: int) -> bool:
+        if f"{step_dir(step)}/manifest.json" in removed:  # the look after the removal
+            raise OSError("the store erred")
+        return real_pinned(self, step)
+
+    monkeypatch.setattr(FsspecStorage, "_remove", remove)
+    monkeypatch.setattr(FsspecStorage, "is_pinned", is_pinned)
+    with pytest.raises(CommitError, match=r"could not delete .*step-000000000001.*the store erred"):
+        prune_store(url, 1, storage_options=s3.storage_options)
+    monkeypatch.undo()
+    wait_for_deletions()
+    assert f"{step_dir(1)}/manifest.json" in objects(s3, prefix)
+    with manager(s3, url) as mgr:
+        assert mgr.steps() == [1, 2, 3]
+        assert mgr.verify(1).ok
+
+
+@pytest.mark.timeout(60)
 def test_a_pin_written_after_the_manifest_went_fails(
     s3: S3Endpoint, url: str, prefix: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:

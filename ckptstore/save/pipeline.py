@@ -25,7 +25,6 @@ from ..errors import (
     CkptStoreError,
     CommitError,
     ReplicaError,
-    StateMismatchError,
     UsageError,
 )
 from ..manifest import Manifest
@@ -71,6 +70,8 @@ class Saver:
         #: ``bg_error`` was raised on this rank already (by ``SaveHandle.wait``, ``wait`` or
         #: ``close``): it stays until the next save's first exchange has told every rank.
         self.bg_seen = False
+        #: The warnings of replicated states that differ between ranks given so far.
+        self.differ_warned: set[str] = set()
         _savers.add(self)
 
     def _forget_in_child(self) -> None:
@@ -122,15 +123,18 @@ class Saver:
         bg = self.take_bg_error()
         dtensors_here = sharding.has_dtensors(state)
         # A replicated save writes rank 0's state alone: each rank says what its own looks
-        # like (entries, dtypes, shapes; a few bytes an entry) so that one whose state
-        # differs is refused rather than dropped (state/structure.py). DTensor saves write
-        # every rank's shards and check their layouts in their own plan.
+        # like (entries, dtypes, shapes; a few bytes an entry) so that one holding state
+        # rank 0's lacks is named rather than dropped without a word (state/structure.py).
+        # DTensor saves write every rank's shards and check their layouts in their plan.
         replicated = coord.enabled and not sharded and not dtensors_here
         shape = structure_digest(state) if replicated else None
         mine = ((bg, seen) if bg is not None else None, dtensors_here, refusal, call, shape)
         clock.mark("admit")
-        prev, dtensor, refused = coord.reduce(mine, _enter_verdict, "save:enter", step)
+        prev, dtensor, refused, differ = coord.reduce(mine, _enter_verdict, "save:enter", step)
         clock.mark("x:enter")
+        if differ is not None and coord.is_leader and differ not in self.differ_warned:
+            self.differ_warned.add(differ)  # once a manager: every save would repeat it
+            log.warning("step %d: %s", step, differ)
         if prev is not None:
             raise prev if isinstance(prev, CkptStoreError) else CommitError(str(prev))
         if refused is not None:
@@ -536,15 +540,17 @@ _Enter = tuple[
 ]
 
 
-def _enter_verdict(every: list[_Enter]) -> tuple[BaseException | None, bool, BaseException | None]:
-    """Rank 0's answer at 'save:enter': the first async failure, DTensors anywhere, its refusal.
+def _enter_verdict(
+    every: list[_Enter],
+) -> tuple[BaseException | None, bool, BaseException | None, str | None]:
+    """Rank 0's answer at 'save:enter': async failure, DTensors anywhere, refusal, warning.
 
+    The warning says what other ranks hold that rank 0's replicated state lacks.
     An async failure (each rank's ``(error, seen here)``) is raised on every rank unless
     every rank has raised it already (``SaveHandle.wait``, ``wait``, ``close``): a rank
     that saw it raises it again rather than go on alone while the others raise. Where no
-    rank holds DTensors and no rank refused, a replicated state that differs in structure
-    from rank 0's (:func:`~ckptstore.state.structure.differences`) is refused with
-    ``StateMismatchError``.
+    rank holds DTensors, a replicated state holding what rank 0's lacks is described
+    (:func:`~ckptstore.state.structure.differences`).
 
     Raises (on every rank): ``UsageError`` where the ranks' calls differ (:func:`same_call`):
     another step, ``sharded`` or ``allow_older``, or another call (a rank in a restore).
@@ -574,11 +580,8 @@ def _enter_verdict(every: list[_Enter]) -> tuple[BaseException | None, bool, Bas
             answer = refusal if r == 0 else told_by(r, refusal)
             break
     dtensors = any(flag for _, flag, _, _, _ in every)
-    if answer is None and not dtensors:
-        differ = differences([shape for _, _, _, _, shape in every])
-        if differ is not None:
-            answer = StateMismatchError(differ)
-    return prev, dtensors, answer
+    differ = None if dtensors else differences([shape for _, _, _, _, shape in every])
+    return prev, dtensors, answer, differ
 
 
 def _staged_verdict(every: list[tuple[str, Any]]) -> tuple[list[tuple[int, Any]], int]:

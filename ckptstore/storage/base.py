@@ -832,10 +832,28 @@ class Storage(abc.ABC):
                 self._remove(rel)
             # A pin takes no lock: one written between the look above and the removal
             # would be lost while `ckptstore pin` said it held (found by review). Seen now,
-            # the step comes back whole: its other files are still all there.
-            if body is not None and self.is_pinned(step):
-                self._put_small(rel, body)
-                return False
+            # the step comes back whole: its other files are still all there. Where the
+            # second look fails, the step comes back too (a pin may be there), and the
+            # error is raised: a manifest-less step would be garbage to `gc`.
+            if body is not None:
+                try:
+                    pinned = self.is_pinned(step)
+                except BaseException:
+                    self._put_small(rel, body)
+                    raise
+                if pinned:
+                    self._put_small(rel, body)
+                    return False
+            elif spare_pinned and self.is_pinned(step):
+                # The manifest could not be read before its removal (unreadable, a failing
+                # store), so it cannot be put back: the step goes. A pinner confirming after
+                # the removal is told it failed; one that confirmed before was told it held,
+                # and this warning is what says otherwise.
+                log.warning(
+                    "%s was pinned as it was deleted, and its manifest could not be put "
+                    "back (it could not be read): the step is deleted, the pin with it",
+                    self.describe(step),
+                )
             if background:
                 _deleter.submit(self, final)
             else:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import bisect
 import contextlib
+import contextvars
 import errno
 import fcntl
 import functools
@@ -208,7 +209,10 @@ def run_all(calls: Sequence[Callable[[], Any]], max_workers: int = 3) -> list[Ba
             except BaseException as e:
                 errors[i] = e
 
-    for w in [Call(worker) for _ in range(max(1, min(max_workers, len(calls))))]:
+    # Each thread runs in a copy of the caller's context: what the caller's block set there
+    # (the write group of iomode.side_by_side) holds for the callables too.
+    n = max(1, min(max_workers, len(calls)))
+    for w in [Call(contextvars.copy_context().run, worker) for _ in range(n)]:
         w.result()
     return errors
 

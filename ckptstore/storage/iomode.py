@@ -28,6 +28,7 @@ path) forces a mode; ``"auto"`` (the default) measures.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 import os
 import threading
 import time
@@ -110,10 +111,8 @@ def _next(table: _Table, op: str, dev: int) -> str:
         # busy with another job) would otherwise decide for every process that saves fewer
         # files than the count below before it exits.
         times = table.times.setdefault(dev, {})
-        now = time.time()
-        if now - times.get(other, 0.0) > REFRESH_S:
-            times[other] = now  # tried now: the next file need not try it too
-            table.refreshing.add((dev, other))
+        if _stale(times, other) and (dev, other) not in table.refreshing:
+            table.refreshing.add((dev, other))  # tried now: the next file need not try it
             return other
         # A mode measured at under half the other's speed is re-tried far less often: one
         # such file costs several times its own write (buffered writes ran at 0.25-0.3 GB/s
@@ -133,17 +132,23 @@ def _record(  # noqa: PLR0917 - private, three call sites
     _seed(table, op, dev)
     with _lock:
         stats = table.speeds.setdefault(dev, {})
-        old = stats.get(mode)
-        stale = (dev, mode) in table.refreshing
-        table.refreshing.discard((dev, mode))
-        stats[mode] = bps if old is None or stale else (old + bps) / 2
         times = table.times.setdefault(dev, {})
-        times[mode] = time.time()
+        old = stats.get(mode)
+        # A figure older than REFRESH_S is replaced, however this file came to run in its
+        # mode: averaged, a figure from a busy disk a day ago would still weigh half.
+        stats[mode] = bps if old is None or _stale(times, mode) else (old + bps) / 2
+        table.refreshing.discard((dev, mode))
+        times[mode] = time.time()  # the only place a figure gets a time: when measured
         _history.append({"op": op, "dev": dev, "mode": mode, "bytes_per_s": bps})
         del _history[:-1000]
         snapshot, at = dict(stats), dict(times)
     iocache.store(dev, op, snapshot, at)
     log.debug("%s on device %#x: %s %.2f GB/s", op, dev, mode, bps / 1e9)
+
+
+def _stale(times: dict[str, float], mode: str) -> bool:
+    """Whether ``mode``'s figure was measured more than REFRESH_S ago (or at no known time)."""
+    return time.time() - times.get(mode, 0.0) > REFRESH_S
 
 
 def forget() -> None:
@@ -183,14 +188,16 @@ def write_mode(directory: str) -> str:
     (and explored) once for the group.
     """
     dev = os.stat(directory).st_dev
+    group = _current.get()
     with _lock:
-        group = _groups[-1] if _groups else None
-        settled = group is not None and not group.measuring(len(_groups))
-    if group is None:
-        return _next(_writes, "write", dev)
+        # A file of no group while a group writes (another thread's save) shares the disk
+        # with it: no trial, as inside a group that is not measured.
+        settled = bool(_groups) if group is None else not group.measuring(len(_groups))
     if settled:
         _seed(_writes, "write", dev)
         return _settled(_writes, dev)
+    if group is None:
+        return _next(_writes, "write", dev)
     with group.lock:  # the group's first file on ``dev`` chooses for all of them
         mode = group.modes.get(dev)
         if mode is None:
@@ -209,11 +216,15 @@ def record_write(directory: str, mode: str, nbytes: int, seconds: float) -> None
     except OSError:
         return
     end = time.perf_counter()
+    group = _current.get()
     with _lock:
-        if _groups:
-            group = _groups[-1]
+        if group is not None:
             if group.measuring(len(_groups)):
                 group.add(dev, mode, nbytes, end - seconds, end)
+            return
+        if _groups:  # beside a group (another thread's): each confounds the other's figure
+            for other in _groups:
+                other.confounded = True
             return
     _record(_writes, "write", dev, mode, nbytes, seconds)
 
@@ -260,8 +271,13 @@ class _Group:
         ]
 
 
-#: The :func:`side_by_side` blocks open in this process, innermost last.
+#: The :func:`side_by_side` blocks open in this process, in the order they were opened.
 _groups: list[_Group] = []
+#: The block the calling code runs in (``directio.run_all`` and the copies' threads run in
+#: their caller's context): a file on another thread is none of its files.
+_current: contextvars.ContextVar[_Group | None] = contextvars.ContextVar(
+    "ckptstore_write_group", default=None
+)
 
 
 @contextlib.contextmanager
@@ -288,11 +304,13 @@ def side_by_side(*, measure: bool = True) -> Iterator[None]:
             other.confounded = True
         group.confounded = bool(_groups)
         _groups.append(group)
+    token = _current.set(group)
     ok = False
     try:
         yield
         ok = True
     finally:
+        _current.reset(token)
         with _lock:
             _groups.remove(group)
             results = group.results() if ok and group.measure and not group.confounded else []

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import concurrent.futures
 import contextlib
+import contextvars
 import os
 import threading
 from collections.abc import Collection
@@ -166,7 +167,10 @@ def copy_files(
                     thread_name_prefix="ckptstore-copy",
                     initializer=_lower_priority if lowest else None,
                 ) as pool:
-                    futures = [pool.submit(one, n, e) for n, e in items]
+                    # In the caller's context: its write group (iomode) holds for the files.
+                    futures = [
+                        pool.submit(contextvars.copy_context().run, one, n, e) for n, e in items
+                    ]
                     errors = [f.exception() for f in futures]
                 first = next((e for e in errors if e is not None), None)
                 if first is not None:
