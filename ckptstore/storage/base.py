@@ -845,13 +845,13 @@ class Storage(abc.ABC):
                     self._put_small(rel, body)
                     return False
             elif spare_pinned and self.is_pinned(step):
-                # The manifest could not be read before its removal (unreadable, a failing
-                # store), so it cannot be put back: the step goes. A pinner confirming after
-                # the removal is told it failed; one that confirmed before was told it held,
-                # and this warning is what says otherwise.
+                # The manifest was not whole before its removal (larger than any manifest,
+                # or it changed size), so it cannot be put back: the step goes. A pinner
+                # confirming after the removal is told it failed; one that confirmed before
+                # was told it held, and this warning is what says otherwise.
                 log.warning(
                     "%s was pinned as it was deleted, and its manifest could not be put "
-                    "back (it could not be read): the step is deleted, the pin with it",
+                    "back (it was not whole): the step is deleted, the pin with it",
                     self.describe(step),
                 )
             if background:
@@ -862,15 +862,18 @@ class Storage(abc.ABC):
         return True
 
     def _manifest_body(self, rel: str) -> bytes | None:
-        """The bytes of the manifest at ``rel`` (to put back), or None where unreadable."""
-        try:
-            size = self._size(rel)
-            if size > MAX_MANIFEST_BYTES:
-                return None
-            with self._open_read(rel) as f:
-                data = f.read(size + 1)
-        except OSError:
+        """The bytes of the manifest at ``rel`` (to put back), or None where it is not whole.
+
+        None: larger than any manifest, or its size changed as it was read.
+
+        Raises:
+            OSError: it could not be read (the deletion fails, and is tried again later).
+        """
+        size = self._size(rel)
+        if size > MAX_MANIFEST_BYTES:
             return None
+        with self._open_read(rel) as f:
+            data = f.read(size + 1)
         return data if len(data) == size else None
 
     def _discard(self, rel: str) -> None:
