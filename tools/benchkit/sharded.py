@@ -356,7 +356,17 @@ def record_phases(out: dict[str, Any], c: str, op: Any) -> None:
     out.setdefault("phases", {}).setdefault(c, []).append(phases)
 
 
+def record_modes(out: dict[str, Any], c: str, seen: int) -> None:
+    """Keep the write modes io="auto" measured in the save just made (its groups' figures)."""
+    from ckptstore.storage import iomode
+
+    made = [h for h in iomode.decisions()[seen:] if h["op"] == "write"]
+    out.setdefault("write_modes", {}).setdefault(c, []).append([h["mode"] for h in made])
+
+
 def save_job(job: dict[str, Any]) -> dict[str, Any]:
+    from ckptstore.storage.iomode import decisions
+
     rank, world = rank_of(), job["world"]
     t0 = time.perf_counter()
     model, opt = build(job["param_bytes"], world, init=True, n_layer=job["n_layer"])
@@ -377,11 +387,15 @@ def save_job(job: dict[str, Any]) -> dict[str, Any]:
                 d.mkdir(parents=True)
             barrier()
             op, done = save_op(c, d, model, opt, raw=raw, nbytes=my_bytes)
+            seen = len(decisions())
             seconds = timed(op)
             record_phases(out, c, op)
+            record_modes(out, c, seen)
             if c == "ckpt":  # the same manager again: its second save (see SAVE_ONLY)
+                seen = len(decisions())
                 again = timed(op.again)  # type: ignore[attr-defined]
                 record_phases(out, "ckpt-again", op)
+                record_modes(out, "ckpt-again", seen)
                 out["times"].setdefault("ckpt-again", []).append(again)
                 if rank == 0:
                     log(f"  sharded ckpt-again save-{world}     {again:8.3f} s")
@@ -674,6 +688,8 @@ def run(
         "raw_restore_bytes": raw_bytes,
         # The share of each saving rank's raw buffer on huge pages (benchkit.disk.dma_buffer).
         "raw_huge_share": [r.get("raw_huge_share") for r in saved],
+        # Per saving rank, per contender, per round: the write modes its saves measured.
+        "write_modes": {w: [r.get("write_modes") for r in per_save[w]] for w in per_save},
         "resident_after_drop": resident,
         "loadavg_1min_seen": load,
         "threads_per_process": 1,
