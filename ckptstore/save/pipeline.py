@@ -20,13 +20,7 @@ from typing import Any
 
 from .._log import logger as log
 from ..dist import Call, Coordinator, same_call, told_by
-from ..errors import (
-    BarrierTimeout,
-    CkptStoreError,
-    CommitError,
-    ReplicaError,
-    UsageError,
-)
+from ..errors import BarrierTimeout, CkptStoreError, CommitError, ReplicaError, UsageError
 from ..manifest import Manifest
 from ..session import Session
 from ..sharded import plan as sharding
