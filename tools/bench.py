@@ -34,7 +34,8 @@ targets, the table, the plot), ``registry`` (every contender's name and descript
 module per contender group: ``plain`` (raw disk, torch.save, safetensors, DCP, ckptstore;
 restore RSS), ``memory`` (async save, copies, the training step), ``protocol`` (verify,
 few-KB saves, big stores, listing), ``sharded`` (FSDP2 vs DCP; ``sharded_raw``, its raw
-disk contender), ``replica`` (two tiers on S3), ``s3`` (restore from S3) and ``zstd_cpu``.
+disk contender; ``sharded_trace``, each save's phases and write modes), ``replica`` (two
+tiers on S3), ``s3`` (restore from S3) and ``zstd_cpu``.
 """
 
 from __future__ import annotations

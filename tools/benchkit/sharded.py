@@ -67,6 +67,7 @@ from benchkit import harness
 from benchkit.disk import drop_cache, du, fsync_dir, fsync_tree, huge_share
 from benchkit.harness import log
 from benchkit.sharded_raw import Raw, raw_spans
+from benchkit.sharded_trace import decided, record
 from benchkit.state import N_LAYER, GPT2Like, Shape
 from benchkit.units import GB, fmt, human
 
@@ -347,26 +348,7 @@ def restore_op(
     return raw_load, nothing
 
 
-def record_phases(out: dict[str, Any], c: str, op: Any) -> None:
-    """Keep the phases of the save ``op`` just made (ckptstore's only), wall and CPU."""
-    mgr = getattr(op, "manager", None)
-    if mgr is None:
-        return
-    phases = {k: [v, mgr.last_save_cpu.get(k, 0.0)] for k, v in mgr.last_save_phases.items()}
-    out.setdefault("phases", {}).setdefault(c, []).append(phases)
-
-
-def record_modes(out: dict[str, Any], c: str, seen: int) -> None:
-    """Keep the write modes io="auto" measured in the save just made (its groups' figures)."""
-    from ckptstore.storage import iomode
-
-    made = [h for h in iomode.decisions()[seen:] if h["op"] == "write"]
-    out.setdefault("write_modes", {}).setdefault(c, []).append([h["mode"] for h in made])
-
-
 def save_job(job: dict[str, Any]) -> dict[str, Any]:
-    from ckptstore.storage.iomode import decisions
-
     rank, world = rank_of(), job["world"]
     t0 = time.perf_counter()
     model, opt = build(job["param_bytes"], world, init=True, n_layer=job["n_layer"])
@@ -387,15 +369,13 @@ def save_job(job: dict[str, Any]) -> dict[str, Any]:
                 d.mkdir(parents=True)
             barrier()
             op, done = save_op(c, d, model, opt, raw=raw, nbytes=my_bytes)
-            seen = len(decisions())
+            seen = decided()
             seconds = timed(op)
-            record_phases(out, c, op)
-            record_modes(out, c, seen)
+            record(out, c, op, seen)
             if c == "ckpt":  # the same manager again: its second save (see SAVE_ONLY)
-                seen = len(decisions())
+                seen = decided()
                 again = timed(op.again)  # type: ignore[attr-defined]
-                record_phases(out, "ckpt-again", op)
-                record_modes(out, "ckpt-again", seen)
+                record(out, "ckpt-again", op, seen)
                 out["times"].setdefault("ckpt-again", []).append(again)
                 if rank == 0:
                     log(f"  sharded ckpt-again save-{world}     {again:8.3f} s")
