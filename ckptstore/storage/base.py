@@ -37,13 +37,7 @@ from ..layout import (
     tmp_dirname,
     trash_dirname,
 )
-from ..manifest import (
-    MAX_JSON_FILE_BYTES,
-    MAX_MANIFEST_BYTES,
-    FileEntry,
-    Manifest,
-    validate_file_name,
-)
+from ..manifest import MAX_JSON_FILE_BYTES, FileEntry, Manifest, validate_file_name
 from . import manifests
 from .blockgate import READ_CHUNK, BlockGate, Consumer
 from .deletion import _deleter, wait_for_deletions
@@ -827,7 +821,10 @@ class Storage(abc.ABC):
             if spare_pinned and self.is_pinned(step):
                 return False
             rel = f"{final}/{MANIFEST_NAME}"
-            body = self._manifest_body(rel) if spare_pinned else None
+            body = None
+            if spare_pinned:  # to put back; an unreadable one fails the deletion (OSError)
+                with contextlib.suppress(ManifestError):
+                    body = manifests.read_bytes(self, rel, self.describe(step, MANIFEST_NAME))
             with contextlib.suppress(FileNotFoundError):
                 self._remove(rel)
             # A pin takes no lock: one written between the look above and the removal
@@ -845,13 +842,13 @@ class Storage(abc.ABC):
                     self._put_small(rel, body)
                     return False
             elif spare_pinned and self.is_pinned(step):
-                # The manifest was not whole before its removal (larger than any manifest,
-                # or it changed size), so it cannot be put back: the step goes. A pinner
+                # The manifest was larger than any manifest, so it was not read and cannot
+                # be put back: the step goes. A pinner
                 # confirming after the removal is told it failed; one that confirmed before
                 # was told it held, and this warning is what says otherwise.
                 log.warning(
                     "%s was pinned as it was deleted, and its manifest could not be put "
-                    "back (it was not whole): the step is deleted, the pin with it",
+                    "back (it is larger than any manifest): the step is deleted, the pin with it",
                     self.describe(step),
                 )
             if background:
@@ -860,21 +857,6 @@ class Storage(abc.ABC):
                 with contextlib.suppress(FileNotFoundError):
                     self._rmtree(final)
         return True
-
-    def _manifest_body(self, rel: str) -> bytes | None:
-        """The bytes of the manifest at ``rel`` (to put back), or None where it is not whole.
-
-        None: larger than any manifest, or its size changed as it was read.
-
-        Raises:
-            OSError: it could not be read (the deletion fails, and is tried again later).
-        """
-        size = self._size(rel)
-        if size > MAX_MANIFEST_BYTES:
-            return None
-        with self._open_read(rel) as f:
-            data = f.read(size + 1)
-        return data if len(data) == size else None
 
     def _discard(self, rel: str) -> None:
         if self.atomic_rename:

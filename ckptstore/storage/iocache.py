@@ -154,6 +154,12 @@ def _read(path: str) -> dict[str, Any] | None:
     return doc  # type: ignore[no-any-return]
 
 
+def _is_time(t: Any) -> bool:
+    """A number (not a bool) from 0 to :data:`_MAX_TIME`: NaN and huge integers are not."""
+    ok = isinstance(t, int | float) and not isinstance(t, bool)
+    return ok and 0 <= t <= _MAX_TIME
+
+
 def _invalid(doc: Any) -> str:
     """What is wrong with a cache document ("" when nothing is)."""
     if not isinstance(doc, dict) or doc.get("version") != _VERSION:
@@ -164,8 +170,7 @@ def _invalid(doc: Any) -> str:
     for key, entry in devices.items():
         if not isinstance(key, str) or len(key) > 512 or not isinstance(entry, dict):
             return "a device entry is malformed"
-        t = entry.get("t", 0)
-        if not isinstance(t, int | float) or isinstance(t, bool) or not 0 <= t <= _MAX_TIME:
+        if not _is_time(entry.get("t", 0)):
             return f"device {key[:64]!r}: 't' is not a time"
         for op in _OPS:
             speeds = entry.get(op, {})
@@ -181,8 +186,7 @@ def _invalid(doc: Any) -> str:
             if not isinstance(times, dict) or not set(times) <= set(_MODES):
                 return f"device {key[:64]!r}: {op + '_at'!r} is not a table of modes"
             for mode, at in times.items():
-                ok = isinstance(at, int | float) and not isinstance(at, bool)
-                if not ok or not 0 <= at <= _MAX_TIME:
+                if not _is_time(at):
                     return f"device {key[:64]!r}: {op} {mode} time {at!r} is not a time"
     return ""
 

@@ -13,7 +13,7 @@ from ..layout import MANIFEST_NAME, step_dirname
 from ..manifest import MAX_MANIFEST_BYTES, Manifest
 from .reach import unanswered
 
-__all__ = ["read"]
+__all__ = ["read", "read_bytes"]
 
 
 def read(storage: Any, step: int, *, table: bool = True) -> Manifest:
@@ -29,15 +29,7 @@ def read(storage: Any, step: int, *, table: bool = True) -> Manifest:
     try:
         if not storage._is_regular_file(rel):
             raise ManifestError(f"{where}: missing or not a regular file")
-        size = storage._size(rel)
-        if size > MAX_MANIFEST_BYTES:
-            raise ManifestError(f"{where}: {size} bytes is larger than any real manifest")
-        with storage._open_read(rel) as f:
-            # Ask for the size it has, not the most it may have: a raw read allocates
-            # all it is asked for (64 MiB a manifest); one that grew is read on.
-            data = f.read(size + 1)
-            if len(data) > size:
-                data += f.read(MAX_MANIFEST_BYTES - size)
+        data = read_bytes(storage, rel, where)
     except CkptStoreError:  # the store gave no answer (StoreUnreachableError): not a bad step
         raise
     except OSError as e:
@@ -49,3 +41,22 @@ def read(storage: Any, step: int, *, table: bool = True) -> Manifest:
     if m.step != step:
         raise ManifestError(f"{where}: manifest says step {m.step}, directory says {step}")
     return ranktable.read_table(storage, m) if table else m
+
+
+def read_bytes(storage: Any, rel: str, where: str) -> bytes:
+    """The bytes of the manifest at ``rel``, at most :data:`MAX_MANIFEST_BYTES` (+1) of them.
+
+    Raises:
+        ManifestError: larger than any real manifest (``where`` names it).
+        OSError: it could not be read.
+    """
+    size = storage._size(rel)
+    if size > MAX_MANIFEST_BYTES:
+        raise ManifestError(f"{where}: {size} bytes is larger than any real manifest")
+    with storage._open_read(rel) as f:
+        # Ask for the size it has, not the most it may have: a raw read allocates all it
+        # is asked for (64 MiB a manifest); one that grew is read on.
+        data: bytes = f.read(size + 1)
+        if len(data) > size:
+            data += f.read(MAX_MANIFEST_BYTES - size)
+    return data
