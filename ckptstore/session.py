@@ -115,7 +115,9 @@ class Session:
         if self.claimed:
             return
         if self.lock is not None:
-            self.lock.acquire()
+            # A maintenance command (`ckptstore prune` from cron) at work is waited for,
+            # within the other ranks' wait for this one's verdict (``barrier_timeout``).
+            self.lock.acquire(maintenance_wait=self.coord.timeout / 2)
         self.claimed = self.node_leader
 
     @contextlib.contextmanager

@@ -94,7 +94,7 @@ def _writer(storage: Storage, what: str) -> Iterator[None]:
         yield
         return
     try:
-        lock.acquire()
+        lock.acquire_maintenance()
     except StoreLockedError as e:
         # The generic advice ("give this one its own directory") is for a second job.
         raise StoreLockedError(

@@ -492,25 +492,39 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
     be a regular file. ``flock`` locks the open file description, so a second lock object
     is refused in this process as in any other, and the kernel drops the lock when its
     holder dies.
+
+    A maintenance command (``prune``, ``gc``, ``rm``: :meth:`acquire_maintenance`) also
+    holds a ``flock`` on the store's root directory while it holds the writer lock, taken
+    before it and given back after it: its marker, which creates no file (a refused command
+    leaves the store as it was) and no link can redirect. A job's first save that finds the
+    writer lock taken looks at it (:meth:`acquire`'s ``maintenance_wait``): a command at
+    work is waited for, up to that bound, and another job is refused at once as before. A
+    job started while a cron ``prune`` ran failed its first save with ``StoreLockedError``.
+    Where directories cannot be locked (NFS), no command is known and none is waited for.
     """
 
     def __init__(self, path: str, root: str) -> None:
         self.path = path
         self.root = root
         self._fd: int | None = None
-        # The held descriptor, shared with the finalizer (which must not hold self): a
-        # manager dropped without close() kept the lock until the process exited, and the
-        # next manager of the same process was told to stop "the other job" (found by
-        # review). A forked child empties it (_forget_in_child).
-        self._box: list[int | None] = [None]
+        # The held descriptors (the writer lock's, a maintenance command's marker), shared
+        # with the finalizer (which must not hold self): a manager dropped without close()
+        # kept the lock until the process exited, and the next manager of the same process
+        # was told to stop "the other job" (found by review). A forked child empties them
+        # (_forget_in_child).
+        self._box: list[int | None] = [None, None]
         self._finalizer: weakref.finalize[Any, Any] | None = None
 
     @property
     def is_locked(self) -> bool:
         return self._fd is not None
 
-    def acquire(self, timeout: float = 0) -> None:
+    def acquire(self, timeout: float = 0, *, maintenance_wait: float = 0.0) -> None:
         """Take the lock, waiting at most ``timeout`` seconds for another writer.
+
+        With ``maintenance_wait``, a lock held by a maintenance command (its marker held
+        too) is waited for up to that many seconds more; one held by anything else is
+        refused once ``timeout`` has passed.
 
         Raises:
             StoreLockedError: another writer holds it.
@@ -519,41 +533,141 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
         """
         if self._fd is not None:
             return
-        fd = self._open()
+        fd = self._open(self.path)
+        try:
+            self._take(fd, timeout, maintenance_wait)
+        except BaseException:
+            os.close(fd)
+            raise
+        self._held(fd)
+
+    def acquire_maintenance(self) -> None:
+        """Take the lock for a maintenance command, its marker first (see the class).
+
+        Raises:
+            StoreLockedError: a job or another command holds the writer lock.
+            CommitError: as :meth:`acquire`.
+        """
+        if self._fd is not None:
+            return
+        marker = self._take_marker()
+        try:
+            self.acquire()
+        except BaseException:
+            if marker is not None:
+                _unlock(marker)
+            raise
+        self._box[1] = marker
+
+    def _take(self, fd: int, timeout: float, maintenance_wait: float) -> None:
         deadline = time.monotonic() + max(0.0, timeout)
+        until: float | None = None  # the end of the wait for a maintenance command
+        looked_again = False
         while True:
             try:
                 fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-                break
+                return
             except OSError as e:
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN) and time.monotonic() < deadline:
-                    time.sleep(0.05)
-                    continue
-                os.close(fd)
-                if e.errno in (errno.EWOULDBLOCK, errno.EAGAIN):
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
                     msg = (
-                        f"{self.root} is locked by another writer ({self.path}): another job "
-                        "writing it, or a maintenance command at work (`ckptstore prune`, "
-                        "`gc`, `rm`); two jobs must not write one store. Stop the other job "
-                        "or give this one its own directory, or retry once the command ended"
+                        f"cannot write to the store {self.root}: locking {self.path} failed "
+                        f"({e.strerror or e}); the filesystem must support flock(2)"
                     )
-                    raise StoreLockedError(msg) from None
+                    raise CommitError(msg) from e
+            now = time.monotonic()
+            if now < deadline:
+                time.sleep(0.05)
+                continue
+            if maintenance_wait <= 0:
+                break
+            if self._maintenance_at_work():
+                if until is None:
+                    until = now + maintenance_wait
+                    log.warning(
+                        "%s: a maintenance command (`ckptstore prune`, `gc`, `rm`) "
+                        "holds the writer lock; waiting up to %gs for it to end",
+                        self.root,
+                        maintenance_wait,
+                    )
+                if now < until:
+                    time.sleep(0.1)
+                    continue
                 msg = (
-                    f"cannot write to the store {self.root}: locking {self.path} failed "
-                    f"({e.strerror or e}); the filesystem must support flock(2)"
+                    f"{self.root} is locked by a maintenance command (`ckptstore prune`, "
+                    f"`gc`, `rm`) that held it for over {maintenance_wait:g}s "
+                    f"({self.path}); nothing was written. Let it finish (or stop it), then "
+                    "start again"
                 )
-                raise CommitError(msg) from e
+                raise StoreLockedError(msg)
+            if looked_again:
+                break
+            # The command gives back its writer lock before its marker: one that just ended
+            # left the writer lock free by now.
+            looked_again = True
+        msg = (
+            f"{self.root} is locked by another writer ({self.path}): another job "
+            "writing it, or a maintenance command at work (`ckptstore prune`, "
+            "`gc`, `rm`); two jobs must not write one store. Stop the other job "
+            "or give this one its own directory, or retry once the command ended"
+        )
+        raise StoreLockedError(msg)
+
+    def _open_root(self) -> int | None:
+        """The root directory, opened for its ``flock`` (None: it cannot be)."""
+        try:
+            return os.open(self.root, os.O_RDONLY | os.O_DIRECTORY | os.O_CLOEXEC)
+        except OSError as e:
+            log.debug("cannot open %s for its maintenance marker: %s", self.root, e)
+            return None
+
+    def _take_marker(self) -> int | None:
+        """A maintenance command's marker, held; None where it cannot be had.
+
+        Without it no waiting job knows the command, which goes on as before the marker.
+        """
+        fd = self._open_root()
+        if fd is None:
+            return None
+        # A job looking whether a command is at work holds it shared for an instant.
+        deadline = time.monotonic() + 2.0
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                return fd
+            except OSError as e:
+                if e.errno not in (errno.EWOULDBLOCK, errno.EAGAIN):
+                    os.close(fd)  # a filesystem without flock on directories
+                    return None
+                if time.monotonic() >= deadline:
+                    os.close(fd)  # another command holds it: the writer lock says so
+                    return None
+                time.sleep(0.01)
+
+    def _maintenance_at_work(self) -> bool:
+        """Whether a maintenance command holds its marker now (see the class)."""
+        fd = self._open_root()
+        if fd is None:
+            return False
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError as e:
+            return e.errno in (errno.EWOULDBLOCK, errno.EAGAIN)
+        finally:
+            os.close(fd)  # closing the only descriptor of the description unlocks it
+        return False
+
+    def _held(self, fd: int) -> None:
         self._fd = fd
-        self._box = [fd]
+        self._box[0] = fd
         self._finalizer = weakref.finalize(self, _unlock_box, self._box)
         _HELD.add(self)
 
-    def _open(self) -> int:
+    def _open(self, path: str) -> int:
         try:
             _makedirs_durable(self.root)
             # O_NONBLOCK: a FIFO planted at the path must not block the open.
             flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-            fd = os.open(self.path, flags, 0o644)
+            fd = os.open(path, flags, 0o644)
         except (FileExistsError, NotADirectoryError):
             msg = (
                 f"{self.root} is not a directory, so it cannot be a checkpoint store; give "
@@ -562,27 +676,27 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
             raise CommitError(msg) from None
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EISDIR):
-                raise self._not_a_file() from None
+                raise self._not_a_file(path) from None
             msg = (
-                f"cannot write to the store {self.root}: taking its writer lock {self.path} "
+                f"cannot write to the store {self.root}: taking its writer lock {path} "
                 f"failed ({e.strerror or e}); a writer needs write access to the directory"
             )
             raise CommitError(msg) from e
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise self._not_a_file()
+            raise self._not_a_file(path)
         return fd
 
-    def _not_a_file(self) -> CommitError:
+    def _not_a_file(self, path: str) -> CommitError:
         return CommitError(
-            f"cannot write to the store {self.root}: its writer lock {self.path} is a symlink "
+            f"cannot write to the store {self.root}: its writer lock {path} is a symlink "
             "or not a regular file, and ckptstore never follows or opens anything else there "
             "(a link could make it lock or damage another file). Remove it; the next writer "
             "creates a plain lock file"
         )
 
     def release(self) -> None:
-        """Give the lock back (a no-op when not held)."""
+        """Give the lock back (a no-op when not held); a command's marker after it."""
         self._fd = None
         if self._finalizer is not None:
             self._finalizer.detach()
@@ -591,19 +705,20 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
         _unlock_box(self._box)
 
     def _forget_in_child(self) -> None:
-        """In a forked child: close this process's copy of the descriptor, never unlocking.
+        """In a forked child: close this process's copy of the descriptors, never unlocking.
 
         ``flock`` locks the open file description the child shares: its unlock (a ``with``
         block left, ``close()``) released the parent's lock and let a second job write the
         store, and a child outliving its parent kept the lock from the next job (found by
         review). The parent alone holds it; the child may take it only after the parent.
         """
-        fd, self._box[0] = self._box[0], None
+        fds = [fd for fd in self._box if fd is not None]
+        self._box[:] = [None, None]
         self._fd = None
         if self._finalizer is not None:
             self._finalizer.detach()
             self._finalizer = None
-        if fd is not None:
+        for fd in fds:
             with contextlib.suppress(OSError):
                 os.close(fd)
 
@@ -620,10 +735,15 @@ _HELD: weakref.WeakSet[_WriterLock] = weakref.WeakSet()
 
 
 def _unlock_box(box: list[int | None]) -> None:
-    """Unlock and close the descriptor in ``box`` (emptied first), if any."""
-    fd, box[0] = box[0], None
-    if fd is None:
-        return
+    """Unlock and close the descriptors in ``box`` (emptied first), in order."""
+    fds = list(box)
+    box[:] = [None] * len(box)
+    for fd in fds:
+        if fd is not None:
+            _unlock(fd)
+
+
+def _unlock(fd: int) -> None:
     try:
         # Unlock before closing: a child forked before the fork hook existed shares the
         # open file description, and a close alone would leave the lock held.

@@ -34,8 +34,15 @@ class WriterLock(Protocol):
         """Whether this process holds it."""
         ...
 
-    def acquire(self, timeout: float = 0) -> None:
-        """Take the lock or raise StoreLockedError."""
+    def acquire(self, timeout: float = 0, *, maintenance_wait: float = 0.0) -> None:
+        """Take the lock or raise StoreLockedError.
+
+        A maintenance command holding it is waited for up to ``maintenance_wait`` seconds.
+        """
+        ...
+
+    def acquire_maintenance(self) -> None:
+        """Take the lock for a maintenance command (a job's first save waits for it)."""
         ...
 
     def release(self) -> None:
