@@ -208,6 +208,22 @@ class CheckpointManager:
         return self._saver.last_save_cpu
 
     @property
+    def last_restore_phases(self) -> dict[str, float]:
+        """Seconds per phase of the last ``restore`` (or ``resume``) that returned on this rank.
+
+        ``x:enter``, ``x:choose``, then (summed over the steps tried) ``fetch`` (from the
+        replica, or rank 0's broadcast), ``state``, ``check``, ``x:check``, ``plan`` and
+        ``read`` (DTensor leaves), ``decode``, ``x:load``, ``apply``, ``x:applied``. An
+        ``x:`` phase waits in an exchange with the other ranks.
+        """
+        return self._reader.last_restore_phases
+
+    @property
+    def last_restore_cpu(self) -> dict[str, float]:
+        """CPU seconds of this process per phase of that restore."""
+        return self._reader.last_restore_cpu
+
+    @property
     def last_blocked_s(self) -> float:
         """Seconds the last ``save`` call blocked its caller."""
         return self._saver.last_blocked_s

@@ -189,6 +189,14 @@ def test_bench_sharded_smoke(tmp_path: Path) -> None:
     steady = {t["target"]: t for t in sh["targets"] if "steady" in t["target"]}
     assert len(steady) == 3
     assert all(t["value"] is None and t["pass"] is None for t in steady.values())  # 1 round
+    # Where each ckptstore restore's time went, on every restoring rank: planning and reads.
+    for op, world in (("restore-2to1", 1), ("restore-2to3", 3), ("restore-4to2", 2)):
+        for c in ("ckpt", "ckpt-live"):
+            ranks = sh["restore_phases"][op][c]
+            assert len(ranks) == world
+            assert all({"plan", "read", "apply"} <= set(ph) for ph in ranks), ranks
+            assert all(w >= 0 and cpu >= 0 for ph in ranks for w, cpu in ph.values())
+    assert "ckpt-live restore-2to3 phases, median ms per rank" in res.stdout
 
 
 @pytest.mark.timeout(200)

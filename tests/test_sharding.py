@@ -17,6 +17,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from ckptstore import StateMismatchError
 from ckptstore.codec import safetensors as st
 from ckptstore.integrity import crc32c_of
 from ckptstore.sharded import plan as sharding
@@ -294,6 +295,46 @@ def test_a_sharded_save_reports_where_its_time_went(mesh: object, tmp_path: Path
         assert set(cpu) == set(phases)
         assert all(v >= 0 for v in (*phases.values(), *cpu.values()))
         assert sum(phases.values()) <= took
+
+
+def test_a_restore_reports_where_its_time_went(mesh: object, tmp_path: Path) -> None:
+    """last_restore_phases / last_restore_cpu: a DTensor restore's planning and reading
+    apart, a plain one's decode; each adding up to no more than the restore's own time."""
+    import time
+
+    from torch.distributed.tensor import DTensor, Shard
+
+    from ckptstore import CheckpointManager
+
+    w = DTensor.from_local(torch.randn(64, 32), mesh, [Shard(0)])  # type: ignore[arg-type]
+    with CheckpointManager(tmp_path / "store") as mgr:
+        mgr.save(1, {"model": {"w": w}, "step": 1})
+        assert mgr.last_restore_phases == {}
+        target = {"model": {"w": DTensor.from_local(torch.zeros(64, 32), mesh, [Shard(0)])}}
+        t0 = time.perf_counter()
+        assert mgr.restore(target, step=1) == 1
+        took = time.perf_counter() - t0
+        assert torch.equal(target["model"]["w"].to_local(), w.to_local())
+        phases, cpu = mgr.last_restore_phases, mgr.last_restore_cpu
+        want = {"x:enter", "x:choose", "state", "x:check", "plan", "read", "decode", "x:load"}
+        assert want | {"apply", "x:applied"} <= set(phases), phases
+        assert "fetch" not in phases  # no replica, no broadcast
+        assert set(cpu) == set(phases)
+        assert all(v >= 0 for v in (*phases.values(), *cpu.values()))
+        assert sum(phases.values()) <= took
+    plain = tmp_path / "plain"
+    with CheckpointManager(plain) as mgr:
+        mgr.save(1, {"x": torch.arange(4.0)})
+        got = {"x": torch.zeros(4)}
+        assert mgr.resume(got) == 2
+        assert torch.equal(got["x"], torch.arange(4.0))
+        assert {"state", "decode", "apply"} <= set(mgr.last_restore_phases)
+        assert "plan" not in mgr.last_restore_phases  # no DTensor leaf
+        # A restore that fails keeps the last one's phases: they describe a restore that ran.
+        before = dict(mgr.last_restore_phases)
+        with pytest.raises(StateMismatchError):
+            mgr.restore({"y": torch.zeros(1)})
+        assert mgr.last_restore_phases == before
 
 
 class _Mesh:

@@ -18,6 +18,7 @@ from typing import Any
 import torch
 
 from .. import ranktable
+from .._phases import PhaseClock, mark
 from ..codec import payload as payload_codec
 from ..codec import strictjson
 from ..codec.tree import STATE_FORMAT, TreeDecoder, is_key, stored_tensors
@@ -71,6 +72,7 @@ def decode_files(
     touched: dict[int, str] | None = None,
     report: dict[str, Any] | None = None,
     checked: Callable[[BaseException | None], None] | None = None,
+    clock: PhaseClock | None = None,
 ) -> tuple[dict[Any, Any], dict[Any, str | None]]:
     """Decode the entries ``wanted`` (all if None) of ``step`` as ``rank`` sees them.
 
@@ -96,6 +98,11 @@ def decode_files(
 
     ``checked`` is called once the targets passed their checks, before any payload is read
     (a restore's ranks agree there that none refused: ``restore:check``); it may raise.
+
+    ``clock`` (a restore's) gets the phases: ``state`` (the manifest and ``state.json``),
+    ``check`` (the targets against it), ``x:check``, for DTensor leaves ``plan`` (the
+    chunk index, this rank's boxes and reads) and ``read`` (their bytes, checked, in their
+    targets), and ``decode`` (the tree rebuilt, other payloads read).
     """
     explicit = rank is not None
     rank = session.coord.rank if rank is None else rank
@@ -134,6 +141,7 @@ def decode_files(
     bad = next((k for k in keys if not is_key(k)), None)
     if bad is not None:
         raise IntegrityError(f"{where}/{sname}: top-level key {bad!r} is not str or int")
+    mark(clock, "state")
     wanted_set = None if wanted is None else set(wanted)
     if report is not None:
         report["whole"] = wanted_set is None or wanted_set.issuperset(keys)
@@ -159,8 +167,10 @@ def decode_files(
         )
         if touched is not None:
             touched.update(persistent_targets(targets, keys, vals))
+        mark(clock, "check")
     if checked is not None:
         checked(None)
+        mark(clock, "x:check")
     sharded_leaves: dict[str, torch.Tensor] = {}
     if manifest.dtensor:
         sharded_leaves = read_sharded(
@@ -173,6 +183,7 @@ def decode_files(
             targets,
             in_place=in_place is not False,
             touched=touched,
+            clock=clock,
         )
     cache: dict[str, dict[str, torch.Tensor]] = {}
     # What each group's tensors take, from state.json alone: a compressed payload never
@@ -282,6 +293,7 @@ def decode_files(
             value = rng_for_rank(value, index, target=target, warn=targets is not None)
         out[k] = value
         kinds[k] = kind
+    mark(clock, "decode")
     return out, kinds
 
 
@@ -296,6 +308,7 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
     *,
     in_place: bool = False,
     touched: dict[int, str] | None = None,
+    clock: PhaseClock | None = None,
 ) -> dict[str, torch.Tensor]:
     """Read this rank's part of every DTensor leaf of the entries to decode.
 
@@ -370,6 +383,7 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         # Whole runs of a file with O_DIRECT, or box by box through the page cache: as the
         # store says or, measured, as its device reads faster (``extents``, ``iomode``).
         mode = reader.read_mode()
+        mark(clock, "plan")
         t0 = time.perf_counter()
         nbytes = targets_mod.read_into(
             index,
@@ -383,6 +397,7 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         )
         if mode is not None:
             reader.record_read(mode, nbytes, time.perf_counter() - t0)
+    mark(clock, "read")
     return flat
 
 

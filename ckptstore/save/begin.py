@@ -10,11 +10,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from .._phases import PhaseClock, mark
 from ..errors import CommitError
 from ..session import Session
 from ..storage import Pending
 from .failures import commit_error, plain_oserror
-from .phases import PhaseClock, mark
 
 __all__ = ["open_everywhere", "open_here", "open_verdict", "opened", "post_dirname"]
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any
 
+from .._phases import PhaseClock, mark
 from ..dist import Coordinator
 from ..errors import BarrierTimeout, CommitError
 from ..manifest import Manifest
@@ -19,7 +20,6 @@ from ..session import Session
 from .after_commit import after_commit
 from .failures import commit_error, plain_oserror
 from .jobs import SaveJob, SaveOptions, Written
-from .phases import PhaseClock, mark
 from .write import make_manifest, write_files
 
 __all__ = [

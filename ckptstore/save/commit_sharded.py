@@ -14,6 +14,7 @@ from collections.abc import Mapping
 from typing import Any
 
 from .. import ranktable
+from .._phases import PhaseClock, mark
 from ..dist import Coordinator
 from ..errors import BarrierTimeout, CommitError
 from ..manifest import RANK_TABLE_NAME, FileEntry, Manifest
@@ -27,7 +28,6 @@ from .after_commit import after_commit
 from .commit import announce, outgoing
 from .failures import commit_error, plain_oserror, shard_error
 from .jobs import SaveOptions
-from .phases import PhaseClock, mark
 from .write import make_manifest
 
 __all__ = ["commit_split", "finish_sharded"]

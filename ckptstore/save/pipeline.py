@@ -19,6 +19,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from .._log import logger as log
+from .._phases import PhaseClock, mark
 from ..dist import Call, Coordinator, same_call, told_by
 from ..errors import BarrierTimeout, CkptStoreError, CommitError, ReplicaError, UsageError
 from ..manifest import Manifest
@@ -34,7 +35,6 @@ from .begin import open_everywhere
 from .encode import encode
 from .failures import shard_error
 from .jobs import SaveJob, SaveOptions, ShardJob
-from .phases import PhaseClock, mark
 from .plan import PlanCache, plan_dtensor
 from .staging import BackgroundWriter, SaveHandle, StagingPool
 from .write import write_dtensor, write_files

@@ -25,6 +25,7 @@ from typing import Any
 import torch
 
 from .._log import logger as log
+from .._phases import PhaseClock, mark
 from ..errors import BarrierTimeout, UnsafeCheckpointError
 from ..session import Session
 from ..sharded import plan as sharding
@@ -34,7 +35,6 @@ from ..storage import Pending
 from .begin import open_here, open_verdict, opened, post_dirname
 from .encode import Encoded, encode, stage_group
 from .jobs import SaveOptions, ShardJob
-from .phases import PhaseClock, mark
 from .staging import StagingPool
 
 __all__ = ["PlanCache", "plan_dtensor"]

@@ -39,9 +39,9 @@ intra-op thread (``OMP_NUM_THREADS=1``, as torchrun sets it). Before every resto
 file of the checkpoint is fsynced and evicted with ``posix_fadvise(DONTNEED)`` (checked
 with ``mincore``), as the rest of the bench does. After every restore, float64 sums of
 the model parameters and of both AdamW moments are compared with those of the saved state
-(the restore really loaded every byte, or the bench fails). Each ckptstore save's phases
-(``last_save_phases``: wall and CPU seconds per phase on each rank) are printed under the
-table, medians per rank.
+(the restore really loaded every byte, or the bench fails). Each ckptstore save's and
+restore's phases (``last_save_phases``, ``last_restore_phases``: wall and CPU seconds per
+phase on each rank) are printed under the table, medians per rank.
 """
 
 from __future__ import annotations
@@ -67,7 +67,7 @@ from benchkit import harness
 from benchkit.disk import drop_cache, du, fsync_dir, fsync_tree, huge_share
 from benchkit.harness import log
 from benchkit.sharded_raw import Raw, raw_spans
-from benchkit.sharded_trace import decided, record
+from benchkit.sharded_trace import decided, phase_medians, print_phases, record, record_restore
 from benchkit.state import N_LAYER, GPT2Like, Shape
 from benchkit.units import GB, fmt, human
 
@@ -315,6 +315,7 @@ def restore_op(
         def ckpt() -> None:
             mgr.restore({"model": model, "optimizer": opt})
 
+        ckpt.manager = mgr  # type: ignore[attr-defined]
         return ckpt, mgr.close
     if c in ("dcp", "dcp-ckpt"):
         from torch.distributed.checkpoint.filesystem import FileSystemReader
@@ -441,6 +442,7 @@ def restore_job(job: dict[str, Any]) -> dict[str, Any]:
             cpu0 = time.process_time()  # this process, all its threads, user + system
             seconds = timed(op)
             cpu = time.process_time() - cpu0
+            record_restore(out, c, op)
             done()
             out["times"].setdefault(c, []).append(seconds)
             out["cpu"].setdefault(c, []).append(cpu)
@@ -561,6 +563,7 @@ def run(
     resident: list[float | None] = []
     raw_bytes: dict[str, int] = {}
     per_save: dict[int, list[dict[str, Any]]] = {}
+    restore_phases: dict[str, Any] = {}
     with start_server() as server:
         for saving, worlds, rounds in (
             (SAVE_WORLD, RESTORE_WORLDS, repeats),
@@ -611,6 +614,7 @@ def run(
                     per_rank = [r["cpu"][c] for r in res]
                     cpu[(c, op)] = [sum(x) for x in zip(*per_rank, strict=True)]
                 resident += res[0]["resident"]
+                restore_phases[op] = phase_medians(res, "restore_phases")
                 raw_bytes[op] = sum(r["raw_bytes"][0] for r in res) if res[0]["raw_bytes"] else 0
             shutil.rmtree(base / f"ckpts-{saving}", ignore_errors=True)
     saved = per_save[SAVE_WORLD]
@@ -620,16 +624,7 @@ def run(
     # The 4-rank save holds the same model and optimizer, and AdamW's "step" scalar of
     # every parameter on each rank: a few bytes more. Each op's GB/s uses its own save's.
     bytes_of = {w: sum(r["local_bytes"] for r in per_save[w]) for w in (SAVE_WORLD, SAVE_WORLD_4)}
-    phases: dict[str, list[dict[str, list[float]]]] = {}
-    for r in saved:  # by rank: the median of each phase over the saves, wall and CPU
-        for c, runs in r.get("phases", {}).items():
-            names = list(dict.fromkeys(k for run in runs for k in run))
-            zero = [0.0, 0.0]
-            phase_med = {
-                k: [statistics.median(x.get(k, zero)[i] for x in runs) for i in (0, 1)]
-                for k in names
-            }
-            phases.setdefault(c, []).append(phase_med)
+    phases = phase_medians(saved, "phases")
     rows = []
     med = {k: statistics.median(v) for k, v in times.items()}
     for (c, op), ts in times.items():
@@ -675,6 +670,7 @@ def run(
         "threads_per_process": 1,
         "rows": rows,
         "phases": phases,
+        "restore_phases": restore_phases,
         "targets": targets(rows),
         "descriptions": {
             c: DESCRIPTIONS[c]
@@ -781,11 +777,7 @@ def print_report(res: dict[str, Any]) -> None:
             f"warning: load average reached {max(res['loadavg_1min_seen']):.1f} on {cpus} CPUs: "
             "other work shared the CPUs and the disk, so medians are noisy (see max/min)"
         )
-    for c, ranks in res.get("phases", {}).items():
-        print(f"{c} save phases, median ms per rank (wall/cpu; x: = waiting in an exchange):")
-        for rank, ph in enumerate(ranks):
-            shown = [f"{k} {w * 1e3:.0f}/{u * 1e3:.0f}" for k, (w, u) in ph.items() if w >= 0.001]
-            print(f"  rank {rank}: " + ", ".join(shown))
+    print_phases(res)
     print("sharded targets:")
     for t in res["targets"]:
         verdict = {True: "PASS", False: "FAIL", None: "n/a "}[t["pass"]]

@@ -1,11 +1,12 @@
-"""Where the time of one save goes, phase by phase, on each rank.
+"""Where the time of one save or restore goes, phase by phase, on each rank.
 
-A :class:`PhaseClock` is started when a save starts; the code marks the end of each phase
-(``clock.mark("encode")``), and the seconds since the previous mark are added to that
-phase. The manager keeps the last save's clock as ``CheckpointManager.last_save_phases`` and
-logs it at DEBUG (``logging.getLogger("ckptstore").setLevel(logging.DEBUG)``), so a slow
-save can be taken apart on every rank without a profiler: ``tools/bench.py --sharded``
-prints it beside the timings.
+A :class:`PhaseClock` is started when a save (a restore) starts; the code marks the end of
+each phase (``clock.mark("encode")``), and the seconds since the previous mark are added to
+that phase. The manager keeps the last save's clock as ``CheckpointManager.last_save_phases``
+(the last restore's as ``last_restore_phases``) and logs it at DEBUG
+(``logging.getLogger("ckptstore").setLevel(logging.DEBUG)``), so a slow save or restore can
+be taken apart on every rank without a profiler: ``tools/bench.py --sharded`` prints both
+beside the timings.
 """
 
 from __future__ import annotations
@@ -49,6 +50,6 @@ class PhaseClock:
 
 
 def mark(clock: PhaseClock | None, phase: str) -> None:
-    """End ``phase`` on ``clock``: the synchronous save in progress, if any (None: no-op)."""
+    """End ``phase`` on ``clock``: the save or restore in progress, if any (None: no-op)."""
     if clock is not None:
         clock.mark(phase)
