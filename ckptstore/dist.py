@@ -38,7 +38,7 @@ import threading
 import time
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 import torch.distributed as dist
 
@@ -46,6 +46,8 @@ from ._gc import gc_paused
 from .errors import BarrierTimeout, CkptStoreError, CommitError, UsageError
 
 __all__ = ["Call", "CollectiveStats", "Coordinator", "same_call", "told_by"]
+
+T = TypeVar("T")
 
 _RANKS_RE = re.compile(r"Ranks? ([\d, ]+) failed to pass monitoredBarrier")
 #: How long a survivor waits for rank 0's verdict on who is missing.
@@ -564,6 +566,29 @@ class Coordinator:
         sent, received = (len(data), 0) if self.rank == src else (0, len(got))
         self.stats.add(phase, "broadcast", sent, received, 2, time.perf_counter() - t0)
         return out
+
+    def leader_value(self, fn: Callable[[], T], phase: str, step: int | None = None) -> T:
+        """``fn()`` run on rank 0, its value on every rank; its error raised on every rank.
+
+        Rank 0 answers even when ``fn`` raised: its exception travels in the broadcast, and
+        every rank raises it (rank 0 its own; the others as :func:`told_by` words it). A
+        rank 0 that raised before its broadcast (a store it could not list) left the others
+        waiting in it for ``barrier_timeout`` while it went on, or until it died.
+        """
+        answer: tuple[str, Any] = ("ok", None)
+        mine: BaseException | None = None
+        if self.is_leader:
+            try:
+                answer = ("ok", fn())
+            except BaseException as e:
+                mine = e
+                answer = ("error", e)
+        status, value = self.broadcast(answer, phase, step)
+        if status == "error":
+            if mine is not None:
+                raise mine
+            raise told_by(0, value)
+        return value  # type: ignore[no-any-return]
 
     def _broadcast_bytes(self, data: bytes, src: int) -> bytes:
         """``data`` from ``src`` on every rank: its length, then its bytes, each down a tree."""

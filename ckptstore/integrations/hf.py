@@ -155,17 +155,17 @@ def _replace_if_corrupt(mgr: CheckpointManager, step: int, *, skip_if_saved: boo
     A committed ``step`` that fails deep verification is left to ``CheckpointManager.save``,
     which replaces it; one that verifies raises ``StepExistsError``.
     """
-    verdict: str | None = None
-    if mgr.coord.is_leader:
-        verdict = "free"
-        if step in mgr.steps():
-            if skip_if_saved:
-                verdict = "skip"
-            else:
-                report = mgr.verify(step, deep=True)
-                verdict = "exists" if report.ok else "corrupt: " + "; ".join(report.problems)
-    verdict = mgr.coord.broadcast(verdict, "hf:step", step)
-    assert verdict is not None
+
+    def judge() -> str:
+        if step not in mgr.steps():
+            return "free"
+        if skip_if_saved:
+            return "skip"
+        report = mgr.verify(step, deep=True)
+        return "exists" if report.ok else "corrupt: " + "; ".join(report.problems)
+
+    # Rank 0 judges; its error (a store it cannot list) is raised on every rank at once.
+    verdict = mgr.coord.leader_value(judge, "hf:step", step)
     if verdict == "exists":
         raise StepExistsError(
             f"{mgr.storage.describe(step)} is already committed and verifies; steps are "
@@ -558,7 +558,7 @@ class CkptStoreCallback(TrainerCallback):
         start = int(state.global_step)
         if self.resumed_step is not None and self.resumed_step == start:
             return  # resumed through resume_checkpoint: the newest step that verifies
-        newest = mgr.coord.broadcast(mgr.latest_step() if mgr.coord.is_leader else None, "hf:begin")
+        newest = mgr.coord.leader_value(mgr.latest_step, "hf:begin")
         if newest is not None and newest > start:
             raise ConfigError(
                 f"{mgr.storage.describe(newest)} is committed, and this run starts at step "
@@ -602,7 +602,7 @@ class CkptStoreCallback(TrainerCallback):
         trainer = trainer if trainer is not None else self.trainer
         mgr = self.manager
         self.resumed_step = None
-        if not mgr.coord.broadcast(bool(mgr.steps()) if mgr.coord.is_leader else None, "hf:list"):
+        if not mgr.coord.leader_value(lambda: bool(mgr.steps()), "hf:list"):
             yield None
             return
         fsdp2 = _is_fsdp2(trainer)

@@ -987,6 +987,32 @@ def rank_dies_mid_reduce(ctx: Ctx) -> dict[str, Any]:
     return outcome(lambda: coord.reduce(ctx.rank, sum, "save:ready", 7))
 
 
+def leader_value_fails(ctx: Ctx) -> dict[str, Any]:
+    """``Coordinator.leader_value``: rank 0's value everywhere, then rank 0's error everywhere
+    (the store it lists is unreachable), then the coordinator still works: each rank's
+    outcome of each, with its seconds."""
+    from ckptstore.dist import Coordinator
+    from ckptstore.errors import StoreUnreachableError
+
+    coord = Coordinator(ctx.args["timeout"])
+
+    def listing() -> list[int]:
+        if ctx.rank != 0:
+            raise AssertionError("only rank 0 computes the value")
+        return [1, 2, 3]
+
+    def unreachable() -> int:
+        if ctx.rank != 0:
+            raise AssertionError("only rank 0 computes the value")
+        raise StoreUnreachableError("s3://bucket/run: the endpoint does not answer")
+
+    return {
+        "value": outcome(lambda: coord.leader_value(listing, "t:list")),
+        "error": outcome(lambda: coord.leader_value(unreachable, "t:newest", 4)),
+        "after": outcome(lambda: coord.reduce(ctx.rank, sum, "t:after")),
+    }
+
+
 def tree_exchange(ctx: Ctx) -> dict[str, Any]:
     """``Coordinator.scatter`` and ``broadcast_tree`` on 4 ranks, then a member dies in one.
 

@@ -52,6 +52,20 @@ def test_unpicklable_exception_reaches_every_rank_as_the_same_error(tmp_path: Pa
             assert v[mode + "_next"]["value"] == 2
 
 
+def test_an_error_of_rank0_before_its_broadcast_reaches_every_rank_at_once(tmp_path: Path):
+    """A rank 0 that raised where it alone computes a value (the HF callback's listing of the
+    store) left the other ranks in the broadcast until ``barrier_timeout``."""
+    res = launch("leader_value_fails", 3, tmp_path, args={"timeout": LONG})
+    for rank, v in enumerate(values(res)):
+        assert (v["value"]["ok"], v["value"].get("value")) == (True, [1, 2, 3]), describe(res)
+        err = v["error"]
+        assert err["error_type"] == "StoreUnreachableError", describe(res)
+        assert "the endpoint does not answer" in err["message"]
+        assert err["message"].startswith("rank 0: ") == (rank != 0), err["message"]
+        assert err["seconds"] < PROMPT, describe(res)  # not after a timeout
+        assert (v["after"]["ok"], v["after"].get("value")) == (True, 3), describe(res)
+
+
 @pytest.mark.parametrize(
     "scenario",
     [
