@@ -735,12 +735,21 @@ _HELD: weakref.WeakSet[_WriterLock] = weakref.WeakSet()
 
 
 def _unlock_box(box: list[int | None]) -> None:
-    """Unlock and close the descriptors in ``box`` (emptied first), in order."""
+    """Unlock and close the descriptors in ``box`` (emptied first), in order.
+
+    Each one even where an earlier one failed; the first failure is raised after.
+    """
     fds = list(box)
     box[:] = [None] * len(box)
+    failed: OSError | None = None
     for fd in fds:
         if fd is not None:
-            _unlock(fd)
+            try:
+                _unlock(fd)
+            except OSError as e:
+                failed = failed or e
+    if failed is not None:
+        raise failed
 
 
 def _unlock(fd: int) -> None:
