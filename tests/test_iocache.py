@@ -265,6 +265,20 @@ def test_a_corrupt_or_hostile_cache_is_ignored_with_a_warning(
         assert doc["devices"][iocache.device_key(dev)]["read"] == {"direct": float(1 << 30)}
 
 
+def test_the_document_is_the_checked_cache_or_none(tmp_path: Path, cache: Path) -> None:
+    """What the bench reports of the cache (``iocache.document``): the file as a reader
+    takes it, never a hostile or corrupt one."""
+    assert iocache.document() is None  # no file yet
+    dev = os.stat(tmp_path).st_dev
+    _cached(cache, dev, "read", 2e9, 1e9)
+    doc = iocache.document()
+    assert doc is not None
+    assert doc["devices"][iocache.device_key(dev)]["read"] == {"direct": 2e9, "buffered": 1e9}
+    for bad in HOSTILE.values():
+        cache.write_bytes(bad)
+        assert iocache.document() is None
+
+
 def test_the_cache_can_be_turned_off(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("CKPTSTORE_IO_CACHE", "off")
     assert iocache.cache_path() is None

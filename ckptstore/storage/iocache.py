@@ -48,6 +48,7 @@ __all__ = [
     "MAX_BYTES",
     "cache_path",
     "device_key",
+    "document",
     "flush",
     "forget",
     "load",
@@ -152,6 +153,12 @@ def _read(path: str) -> dict[str, Any] | None:
         _warn(path, why)
         return None
     return doc  # type: ignore[no-any-return]
+
+
+def document() -> dict[str, Any] | None:
+    """The cache file's document, checked as every reader checks it (None: none, or refused)."""
+    path = cache_path()
+    return _read(path) if path else None
 
 
 def _is_time(t: Any) -> bool:

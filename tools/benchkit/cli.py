@@ -108,12 +108,7 @@ def _cached_modes() -> object:
     from ckptstore.storage import iocache
 
     iocache.flush()
-    path = iocache.cache_path()
-    try:
-        with open(path or "", encoding="utf-8") as f:
-            return json.loads(f.read(1 << 20))
-    except (OSError, ValueError):
-        return None
+    return iocache.document()
 
 
 def main(argv: list[str] | None = None) -> int:
