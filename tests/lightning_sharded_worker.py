@@ -13,10 +13,11 @@ every rank waits for it. ``tp`` (default 1) ranks of the job's form each tensor-
 group (the model's ``hidden`` width, default 5, must then split evenly). The run fits
 ``epochs`` epochs from ``ckpt`` (a path relative to
 OUT, ``"last"`` or ``null``), checkpointing into ``OUT/<dir or name>/`` (the two newest
-epochs and ``last.ckpt``), with an object only pickle could store if ``unsafe``. Every
-rank writes ``OUT/<name>.rank<R>.json``: the global step, epoch and digests of the full
-parameters and optimizer state when training starts, at the end of every epoch and when
-it ends; or, when ``fit`` raised, the error's type and message.
+epochs and ``last.ckpt``), with an object only pickle could store if ``unsafe``, with one
+more layer if ``extra``. Every rank writes ``OUT/<name>.rank<R>.json``: the global step,
+epoch and digests of the full parameters and optimizer state when training starts, at the
+end of every epoch and when it ends; or, when ``fit`` raised, the error's type and message
+(and, with ``extra``, the digests of the parameters it left).
 """
 
 from __future__ import annotations
@@ -102,12 +103,14 @@ class Opaque:
 
 
 class Model(pl.LightningModule):
-    def __init__(self, unsafe: bool | str = False, hidden: int = 5) -> None:
+    def __init__(self, unsafe: bool | str = False, hidden: int = 5, extra: bool = False) -> None:
         super().__init__()
         self.unsafe = unsafe
         # 5 and 3 rows: uneven shards on 2 and on 3 ranks (``hidden=6`` for tensor
-        # parallelism, whose column-wise outputs torch splits evenly only).
-        self.net = nn.Sequential(nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3))
+        # parallelism, whose column-wise outputs torch splits evenly only). ``extra``: one
+        # more layer than the checkpoints of the other runs hold.
+        layers: list[nn.Module] = [nn.Linear(4, hidden), nn.ReLU(), nn.Linear(hidden, 3)]
+        self.net = nn.Sequential(*layers, *([nn.Linear(3, 3)] if extra else []))
 
     def configure_model(self) -> None:
         from torch.distributed.fsdp import fully_shard
@@ -194,15 +197,22 @@ def fit(out: Path, n: int, run: dict[str, Any]) -> None:
             )
         )
     ckpt = run.get("ckpt")
+    model = Model(
+        unsafe=run.get("unsafe", False), hidden=run.get("hidden", 5), extra=run.get("extra", False)
+    )
     try:
         trainer.fit(
-            Model(unsafe=run.get("unsafe", False), hidden=run.get("hidden", 5)),
+            model,
             # 2 steps an epoch on any data-parallel size (tensor-parallel ranks share a batch)
             DataLoader(data, batch_size=24 // (n // tp)),
             ckpt_path=None if ckpt is None else ckpt if ckpt == "last" else str(out / ckpt),
         )
     except Exception as e:
         probe.row["error"] = {"type": type(e).__name__, "message": str(e)}
+        if run.get("extra"):  # what the failed load left in the model (collective)
+            probe.row["after_error"] = {
+                f"param/{n}": _sha(_full(p)) for n, p in model.named_parameters()
+            }
         probe.write()
 
 

@@ -81,6 +81,7 @@ def _jobs(out: Path) -> None:
     plan = [
         {"name": FIT, "epochs": 3},
         {"name": "resume", "epochs": 3, "ckpt": f"{FIT}/epoch=1-step=4.ckpt"},
+        {"name": "extra", "epochs": 3, "extra": True, "ckpt": f"{FIT}/epoch=1-step=4.ckpt"},
         {
             "name": "explicit",
             "epochs": 3,
@@ -250,6 +251,25 @@ def test_a_checkpoint_saved_without_sharding_is_refused_as_such_and_untouched(
     assert "start" not in row  # training never started
     with CheckpointManager(ckpt, distributed=False, create=False) as mgr:
         assert mgr.verify().ok
+
+
+@pytest.mark.timeout(JOB_TIMEOUT)
+def test_a_model_with_another_layer_is_refused_before_anything_is_read(job: Path) -> None:
+    # strict_loading: the restore read the layers both have into the model's own shards,
+    # then Lightning's load_state_dict raised torch's RuntimeError on the missing keys.
+    fit = rows(job, FIT, 2)
+    for rank, row in enumerate(rows(job, "extra", 2)):
+        assert "start" not in row  # training never began
+        assert row["error"]["type"] == "StateMismatchError", row["error"]
+        msg = row["error"]["message"]
+        assert "net.3.weight" in msg, msg
+        assert "which the checkpoint lacks" in msg
+        assert "strict_loading" in msg
+        # Untouched: the layers both have hold their initial values, not the checkpoint's.
+        saved = fit[rank]["epochs"]["1"]
+        common = [k for k in row["after_error"] if k in saved]
+        assert sorted(common) == [f"param/net.{i}.{p}" for i in (0, 2) for p in ("bias", "weight")]
+        assert all(row["after_error"][k] != saved[k] for k in common)
 
 
 @pytest.mark.timeout(JOB_TIMEOUT)

@@ -42,6 +42,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._log import logger as log
+from ..codec import strictjson
 from ..errors import (
     CkptStoreError,
     CommitError,
@@ -54,6 +55,7 @@ from ..errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
+from ..layout import STATE_NAME
 from ..manager import CheckpointManager
 from ..ops.verify import verify_file
 from .lightning import (
@@ -395,6 +397,76 @@ def _rest_keys(mgr: CheckpointManager, root: str, step: int) -> list[str]:
     return [k for k in keys if isinstance(k, str) and k not in _TENSOR_KEYS]
 
 
+def _stored_keys(mgr: CheckpointManager, step: int, entry: str) -> list[str] | None:
+    """The keys of the dict ``entry`` of ``step`` (from ``state.json``, checksum checked).
+
+    None where that cannot be told (no such dict, a file that does not read): the restore
+    judges those.
+    """
+    manifest = mgr.manifest(step)
+    f = manifest.files.get(STATE_NAME)
+    if f is None:
+        return None
+    try:
+        tree = strictjson.loads(mgr.storage.read_file(step, STATE_NAME, f))
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        return None
+    root = tree.get("root") if isinstance(tree, dict) else None
+    keys = root.get("keys") if isinstance(root, dict) else None
+    vals = root.get("vals") if isinstance(root, dict) else None
+    if not isinstance(keys, list) or not isinstance(vals, list) or entry not in keys:
+        return None
+    node = vals[keys.index(entry)] if len(vals) == len(keys) else None
+    if not isinstance(node, dict) or node.get("t") not in ("dict", "odict"):
+        return None
+    stored = node.get("keys")
+    if not isinstance(stored, list) or not all(isinstance(k, str) for k in stored):
+        return None
+    return stored
+
+
+def _check_model_keys(
+    mgr: CheckpointManager, root: str, step: int, state_dict: dict[str, Any]
+) -> None:
+    """Refuse, before anything is read, a checkpoint whose model keys are not the model's.
+
+    Under ``strict_loading`` Lightning's ``load_state_dict`` raised torch's RuntimeError
+    (missing or unexpected keys) only after the restore had read the other tensors into the
+    model's own shards. Every rank reads the same verified ``state.json``, so every rank
+    raises alike.
+    """
+    with contextlib.suppress(IntegrityError, ManifestError, OSError):
+        stored = _stored_keys(mgr, step, "state_dict")
+        if stored is None:
+            return
+        have = set(stored)
+        missing = sorted(k for k, v in state_dict.items() if k not in have and _is_tensor(v))
+        unexpected = sorted(have.difference(state_dict))
+        if not missing and not unexpected:
+            return
+        parts = []
+        if missing:
+            parts.append(
+                f"the model has {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                "which the checkpoint lacks"
+            )
+        if unexpected:
+            parts.append(
+                f"the checkpoint has {unexpected[:8]}"
+                f"{' ...' if len(unexpected) > 8 else ''}, which the model lacks"
+            )
+        raise StateMismatchError(
+            f"{root} step {step} does not fit the model: {'; '.join(parts)}. Nothing was "
+            "loaded. Build the model the checkpoint was saved from, or set "
+            "strict_loading = False on the LightningModule to load the keys both have",
+            missing=missing,
+        )
+
+
+def _is_tensor(value: Any) -> bool:
+    return isinstance(value, torch.Tensor)
+
+
 def _everyone(strategy: Any, ok: bool) -> bool:
     """Whether ``ok`` holds on every rank (collective where there is a process group)."""
     dist = torch.distributed
@@ -465,6 +537,7 @@ def _restore(
     model = strategy.model
     optimizers = _optimizers(strategy)
     fsdp1 = _is_fsdp1(strategy)
+    strict = bool(getattr(strategy.lightning_module, "strict_loading", True))
     with _manager(io, root, allow_pickle=allow_pickle, create=False) as mgr:
         newest = mgr.latest_step()
         if newest is None:
@@ -473,10 +546,12 @@ def _restore(
         own: dict[str, Any] = {"state_dict": get_model_state_dict(model)}
         if optimizers:
             own["optimizer_states"] = [get_optimizer_state_dict(model, o) for o in optimizers]
-        # A checkpoint of another kind is refused before anything is read into the model
-        # (a manifest that does not read is the restore's to judge).
+        # A checkpoint of another kind, or of another model, is refused before anything is
+        # read into the model (a manifest that does not read is the restore's to judge).
         with contextlib.suppress(IntegrityError, ManifestError):
             _rest_keys(mgr, root, newest)
+        if strict:
+            _check_model_keys(mgr, root, newest, own["state_dict"])
         # FSDP1's ShardedTensors are filled through DTensor views of their shards.
         targets = as_dtensors(own, "state") if fsdp1 else own
         step = mgr.restore(targets, None if newest_good else newest)
@@ -484,7 +559,6 @@ def _restore(
         if fsdp1:
             own = back_to_shards(own, targets)
     checkpoint = _decode_checkpoint(raw)
-    strict = bool(getattr(strategy.lightning_module, "strict_loading", True))
     if fsdp1:  # FSDP1 loads sharded state only through the state-dict API
         set_model_state_dict(model, own["state_dict"], options=StateDictOptions(strict=strict))
     else:
