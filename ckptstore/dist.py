@@ -579,7 +579,14 @@ class Coordinator:
         mine: BaseException | None = None
         if self.is_leader:
             try:
-                answer = ("ok", fn())
+                value = fn()
+                if self.enabled and self.world_size > 1:
+                    try:
+                        _dumps(value)  # a value that cannot travel is an error, not a value
+                    except Exception as e:
+                        msg = f"rank 0's answer in {phase} cannot be sent to the other ranks: {e}"
+                        raise CkptStoreError(msg) from e
+                answer = ("ok", value)
             except BaseException as e:
                 mine = e
                 answer = ("error", e)
@@ -588,7 +595,7 @@ class Coordinator:
             if mine is not None:
                 raise mine
             raise told_by(0, value)
-        return value  # type: ignore[no-any-return]
+        return value
 
     def _broadcast_bytes(self, data: bytes, src: int) -> bytes:
         """``data`` from ``src`` on every rank: its length, then its bytes, each down a tree."""

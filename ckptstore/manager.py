@@ -211,10 +211,12 @@ class CheckpointManager:
     def last_restore_phases(self) -> dict[str, float]:
         """Seconds per phase of the last ``restore`` (or ``resume``) that returned on this rank.
 
-        ``x:enter``, ``x:choose``, then (summed over the steps tried) ``fetch`` (from the
-        replica, or rank 0's broadcast), ``state``, ``check``, ``x:check``, ``plan`` and
-        ``read`` (DTensor leaves), ``decode``, ``x:load``, ``apply``, ``x:applied``. An
-        ``x:`` phase waits in an exchange with the other ranks.
+        ``x:enter``, ``x:choose``, then (summed over the steps tried) ``x:kind`` (node-local
+        roots), ``fetch`` (from the replica, or rank 0's broadcast), ``state``, ``check``,
+        ``x:check``, ``plan`` and ``read`` (DTensor leaves), ``decode``, ``failed`` (a step's
+        work up to its failure), ``x:load``, ``x:replica``, ``x:vanished``, ``x:rechoose``,
+        ``apply``, ``x:applied``; a resume's begin with its ``x:resume`` and ``x:list`` (alone
+        on an empty store). An ``x:`` phase waits in an exchange with the other ranks.
         """
         return self._reader.last_restore_phases
 

@@ -330,11 +330,24 @@ def test_a_restore_reports_where_its_time_went(mesh: object, tmp_path: Path) -> 
         assert torch.equal(got["x"], torch.arange(4.0))
         assert {"state", "decode", "apply"} <= set(mgr.last_restore_phases)
         assert "plan" not in mgr.last_restore_phases  # no DTensor leaf
+        assert {"x:resume", "x:list"} <= set(mgr.last_restore_phases)  # the resume's own
         # A restore that fails keeps the last one's phases: they describe a restore that ran.
         before = dict(mgr.last_restore_phases)
         with pytest.raises(StateMismatchError):
             mgr.restore({"y": torch.zeros(1)})
         assert mgr.last_restore_phases == before
+        # A step that fails its checks: its work is "failed", not a wait in an exchange.
+        mgr.save(2, {"x": torch.arange(4.0) + 1})
+        step2 = plain / "step-000000000002"
+        payload = next(p for p in step2.iterdir() if p.name.endswith(".safetensors"))
+        data = bytearray(payload.read_bytes())
+        data[-1] ^= 0xFF
+        payload.write_bytes(bytes(data))
+        assert mgr.restore(got) == 1
+        assert {"failed", "state", "decode", "apply"} <= set(mgr.last_restore_phases)
+    with CheckpointManager(tmp_path / "empty") as mgr:
+        assert mgr.resume({"x": torch.zeros(4)}) == 0
+        assert set(mgr.last_restore_phases) == {"x:resume", "x:list"}
 
 
 class _Mesh:

@@ -350,7 +350,20 @@ def _fall_back(
     """The newest other checkpoint beside ``path`` that loads (every rank tries the same)."""
     tried = [f"{path}: {error}"]
     parent = os.path.dirname(path)
-    candidates = _broadcast(strategy, io._siblings(path) if strategy.is_global_zero else None)
+    # Rank 0 lists them; its failure (a directory it cannot list) is raised on every rank,
+    # which otherwise waited in the broadcast for the strategy's timeout (found by review).
+    listed: tuple[str, Any] = ("ok", None)
+    if strategy.is_global_zero:
+        try:
+            listed = ("ok", io._siblings(path))
+        except Exception as e:
+            listed = ("error", f"{type(e).__name__}: {e}")
+    status, candidates = _broadcast(strategy, listed)
+    if status == "error":
+        raise type(error)(
+            f"Lightning checkpoint {path} does not verify ({error}), and rank 0 could not "
+            f"list the checkpoints beside it in {parent}: {candidates}"
+        )
     for candidate, global_step in candidates:
         try:
             out = _restore(strategy, io, candidate, allow_pickle=allow_pickle, newest_good=True)

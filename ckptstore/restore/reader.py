@@ -79,6 +79,7 @@ class Reader:
         strict: bool = True,
         broadcast: bool = False,
         in_place: bool | None = None,
+        clock: PhaseClock | None = None,
     ) -> int:
         """``CheckpointManager.restore`` once the manager is open and no save is in flight.
 
@@ -86,14 +87,19 @@ class Reader:
         restore makes and frees many small objects (the index's chunks, the tree's nodes,
         ``load_state_dict``'s), and a full collection walking every live object of the job
         ran on them in every other sharded restore of the bench (0.24 s of 1.5 s).
+        ``clock``: a resume's, already running.
         """
-        clock = PhaseClock()
+        clock = clock or PhaseClock()
         with gc_paused():
             restored = self._restore(state, step, strict, broadcast, in_place, clock=clock)
+        self._keep(clock, f"restore of step {restored}")
+        return restored
+
+    def _keep(self, clock: PhaseClock, what: str) -> None:
+        """``clock``'s phases as the last restore's (see ``last_restore_phases``)."""
         self.last_restore_phases = dict(clock.phases)
         self.last_restore_cpu = dict(clock.cpu)
-        log.debug("restore of step %d, phases: %s", restored, clock.describe())
-        return restored
+        log.debug("%s, phases: %s", what, clock.describe())
 
     def _restore(
         self,
@@ -155,6 +161,8 @@ class Reader:
                     send = True  # node-local roots: only rank 0's node holds this step
                 else:
                     send = broadcast
+                if session.split and not broadcast:
+                    mark(clock, "x:kind")
                 if send:
                     if session.coord.is_leader:
                         try:
@@ -185,6 +193,7 @@ class Reader:
                 raise
             except BaseException as e:
                 caught = e
+                mark(clock, "failed")  # this step's work up to its failure, not an exchange
             if not checks.done:  # this rank never reached its targets' checks
                 try:
                     checks(caught)
@@ -210,6 +219,7 @@ class Reader:
                 if session.coord.is_leader and s not in refetched:
                     there = ("ok", tiers.on_replica(session.replica_storage, s))
                 _, retry = session.coord.broadcast(there, "restore:replica", s)
+                mark(clock, "x:replica")
                 if retry:
                     why = "; ".join(f"rank {r}: {v}" for r, v in soft)
                     log.warning("step %d: the local copy failed (%s); using the replica's", s, why)
@@ -222,7 +232,9 @@ class Reader:
                 gone: tuple[str, Any] = ("ok", False)
                 if session.coord.is_leader:
                     gone = ("ok", vanished(session, s))
-                if session.coord.broadcast(gone, "restore:vanished", s)[1]:
+                vanished_here = session.coord.broadcast(gone, "restore:vanished", s)[1]
+                mark(clock, "x:vanished")
+                if vanished_here:
                     raise NoCheckpointError(_deleted_while_read(session, s))
                 r, err = soft[0]
                 raise err if r == session.coord.rank else told_by(r, err)
@@ -237,6 +249,7 @@ class Reader:
                     except BaseException as e:
                         again = ("error", e)
                 status, fresh = session.coord.broadcast(again, "restore:rechoose", s)
+                mark(clock, "x:rechoose")
                 if status == "error":
                     raise fresh
                 if fresh is not None:
@@ -324,7 +337,9 @@ class Reader:
             "resume",
             (("strict", strict), ("broadcast", broadcast), ("in_place", in_place)),
         )
+        clock = PhaseClock()
         session.coord.reduce(call, same_call, "resume:enter")
+        mark(clock, "x:resume")
         listed: tuple[str, Any] = ("ok", None)
         if session.coord.is_leader:
             try:
@@ -333,11 +348,16 @@ class Reader:
             except BaseException as e:
                 listed = ("error", e)
         status, empty = session.coord.broadcast(listed, "resume:list")
+        mark(clock, "x:list")
         if status == "error":
             raise empty
         if empty:
+            self._keep(clock, "resume of an empty store")
             return 0
-        return self.restore(state, strict=strict, broadcast=broadcast, in_place=in_place) + 1
+        step = self.restore(
+            state, strict=strict, broadcast=broadcast, in_place=in_place, clock=clock
+        )
+        return step + 1
 
     def load(self, step: int | None, rank: int | None, wanted: list[Any] | None) -> dict[Any, Any]:
         """``CheckpointManager.load``, its arguments checked (its docstring says what it reads).

@@ -501,6 +501,8 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
     work is waited for, up to that bound, and another job is refused at once as before. A
     job started while a cron ``prune`` ran failed its first save with ``StoreLockedError``.
     Where directories cannot be locked (NFS), no command is known and none is waited for.
+    Any other process's exclusive ``flock`` on the root (a ``flock DIR cmd`` wrapper) is
+    taken for a command too: a second job then waits the bound before it is refused.
     """
 
     def __init__(self, path: str, root: str) -> None:
@@ -584,8 +586,9 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
                 if until is None:
                     until = now + maintenance_wait
                     log.warning(
-                        "%s: a maintenance command (`ckptstore prune`, `gc`, `rm`) "
-                        "holds the writer lock; waiting up to %gs for it to end",
+                        "%s: a maintenance command (`ckptstore prune`, `gc`, `rm`) holds the "
+                        "writer lock (or another process flocks the directory); waiting up "
+                        "to %gs for it to end",
                         self.root,
                         maintenance_wait,
                     )
@@ -596,7 +599,8 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
                     f"{self.root} is locked by a maintenance command (`ckptstore prune`, "
                     f"`gc`, `rm`) that held it for over {maintenance_wait:g}s "
                     f"({self.path}); nothing was written. Let it finish (or stop it), then "
-                    "start again"
+                    "start again. (Another process holding a flock on the directory itself, "
+                    "such as a `flock DIR` wrapper, looks like such a command)"
                 )
                 raise StoreLockedError(msg)
             if looked_again:

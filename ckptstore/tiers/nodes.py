@@ -106,18 +106,24 @@ def peers(storage: Storage, coord: Coordinator) -> tuple[list[int], Links | None
     Raises:
         ConfigError: the views disagree (rank A sees rank B's probe, B does not see A's): the
             roots are neither one shared store nor disjoint ones.
-        OSError: the probe could not be written (the root is read-only, say).
+        OSError: the probe could not be written (the root is read-only, say): on every
+            rank, rank 0's.
     """
     if not coord.enabled:
         return [0], None
     if not storage.atomic_rename:  # an object store (a local path is the only other kind)
         return list(range(coord.world_size)), None
     token = uuid.uuid4().hex
-    first = f"{_PROBE}{token}"
-    if coord.is_leader:
-        _make_probe(storage, first)
+
+    def probe() -> str:
+        name = f"{_PROBE}{token}"
+        _make_probe(storage, name)
+        return name
+
+    # Rank 0's failure to make its probe (a read-only root) is raised on every rank at
+    # once: the others waited in the broadcast until barrier_timeout (found by review).
+    first = coord.leader_value(probe, "init:probe")
     try:
-        first = coord.broadcast(first, "init:probe")
         shared = coord.reduce(coord.is_leader or storage._exists(first), all, "init:shared")
     finally:
         if coord.is_leader:

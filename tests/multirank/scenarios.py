@@ -987,10 +987,26 @@ def rank_dies_mid_reduce(ctx: Ctx) -> dict[str, Any]:
     return outcome(lambda: coord.reduce(ctx.rank, sum, "save:ready", 7))
 
 
+def manager_on_readonly_store(ctx: Ctx) -> dict[str, Any]:
+    """Every rank builds a manager on a store whose root cannot be written (the test makes it
+    immutable, as a read-only mount is); rank 0, having failed, goes on for a while, as a
+    job that catches the error does. Each rank's outcome."""
+    out = outcome(
+        lambda: CheckpointManager(
+            ctx.workdir / "ro", barrier_timeout=ctx.args["timeout"], create=False
+        ).close()
+    )
+    if not out["ok"] and ctx.rank == 0:
+        time.sleep(ctx.args["linger"])
+    return out
+
+
 def leader_value_fails(ctx: Ctx) -> dict[str, Any]:
     """``Coordinator.leader_value``: rank 0's value everywhere, then rank 0's error everywhere
     (the store it lists is unreachable), then the coordinator still works: each rank's
     outcome of each, with its seconds."""
+    import threading
+
     from ckptstore.dist import Coordinator
     from ckptstore.errors import StoreUnreachableError
 
@@ -1010,6 +1026,8 @@ def leader_value_fails(ctx: Ctx) -> dict[str, Any]:
         "value": outcome(lambda: coord.leader_value(listing, "t:list")),
         "error": outcome(lambda: coord.leader_value(unreachable, "t:newest", 4)),
         "after": outcome(lambda: coord.reduce(ctx.rank, sum, "t:after")),
+        # A value that cannot travel is an error on every rank, not a stand-in as a value.
+        "unpicklable": outcome(lambda: coord.leader_value(threading.Lock, "t:lock")),
     }
 
 

@@ -52,6 +52,32 @@ def test_unpicklable_exception_reaches_every_rank_as_the_same_error(tmp_path: Pa
             assert v[mode + "_next"]["value"] == 2
 
 
+def test_a_store_rank0_cannot_write_fails_the_manager_on_every_rank_at_once(tmp_path: Path):
+    """Rank 0 alone makes the probe that tells shared from node-local roots: on a read-only
+    root it raised, and the other ranks waited in the broadcast until barrier_timeout, then
+    blamed rank 0 for not arriving (found by review)."""
+    import subprocess
+
+    import torch
+
+    from ckptstore import CheckpointManager
+
+    root = tmp_path / "ro"
+    with CheckpointManager(root, distributed=False) as mgr:
+        mgr.save(1, {"x": torch.ones(2)})
+    if subprocess.run(["chattr", "+i", str(root)], capture_output=True, check=False).returncode:
+        pytest.skip("chattr +i is not available here: no read-only root to test on")
+    try:
+        # Rank 0 lingers 10 s after its failure: rank 1 learns of it well before that.
+        res = launch("manager_on_readonly_store", 2, tmp_path, args={"timeout": LONG, "linger": 10})
+    finally:
+        subprocess.run(["chattr", "-i", str(root)], check=False)
+    for v in values(res):
+        assert v["ok"] is False, describe(res)
+        assert v["error_type"] == "PermissionError", describe(res)
+        assert v["seconds"] < 5, describe(res)  # not when rank 0 exits, nor after a timeout
+
+
 def test_an_error_of_rank0_before_its_broadcast_reaches_every_rank_at_once(tmp_path: Path):
     """A rank 0 that raised where it alone computes a value (the HF callback's listing of the
     store) left the other ranks in the broadcast until ``barrier_timeout``."""
@@ -64,6 +90,9 @@ def test_an_error_of_rank0_before_its_broadcast_reaches_every_rank_at_once(tmp_p
         assert err["message"].startswith("rank 0: ") == (rank != 0), err["message"]
         assert err["seconds"] < PROMPT, describe(res)  # not after a timeout
         assert (v["after"]["ok"], v["after"].get("value")) == (True, 3), describe(res)
+        bad = v["unpicklable"]
+        assert bad["error_type"] == "CkptStoreError", describe(res)
+        assert "cannot be sent to the other ranks" in bad["message"]
 
 
 @pytest.mark.parametrize(
