@@ -348,6 +348,14 @@ def test_a_restore_reports_where_its_time_went(mesh: object, tmp_path: Path) -> 
     with CheckpointManager(tmp_path / "empty") as mgr:
         assert mgr.resume({"x": torch.zeros(4)}) == 0
         assert set(mgr.last_restore_phases) == {"x:resume", "x:list"}
+    # With a replica, bringing the step into the local store is "fetch".
+    with CheckpointManager(tmp_path / "local", replica=str(tmp_path / "replica")) as mgr:
+        mgr.save(1, {"x": torch.arange(4.0)})
+        mgr.wait()
+        got = {"x": torch.zeros(4)}
+        assert mgr.restore(got) == 1
+        assert torch.equal(got["x"], torch.arange(4.0))
+        assert "fetch" in mgr.last_restore_phases
 
 
 class _Mesh:

@@ -157,6 +157,7 @@ class Reader:
                         # rank 0's error alike): no copy there to fall back on.
                         refetched.add(s)
                         raise
+                    mark(clock, "fetch")
                 if session.split and not broadcast and written_by_rank0(session, s):
                     send = True  # node-local roots: only rank 0's node holds this step
                 else:
@@ -173,7 +174,6 @@ class Reader:
                     blobs = session.coord.broadcast_bytes(blobs, "restore:broadcast", s)
                     if not blobs:
                         raise IntegrityError(f"step {s}: rank 0 could not read it")
-                if send or session.replica_storage is not None:
                     mark(clock, "fetch")
                 stored, kinds = decode(
                     session,
