@@ -42,7 +42,6 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from .._log import logger as log
-from ..codec import strictjson
 from ..errors import (
     CkptStoreError,
     CommitError,
@@ -55,8 +54,8 @@ from ..errors import (
     StateMismatchError,
     UnsafeCheckpointError,
 )
-from ..layout import STATE_NAME
 from ..manager import CheckpointManager
+from ..ops.inspect import read_state_root
 from ..ops.verify import verify_file
 from .lightning import (
     _LAST_RE,
@@ -411,25 +410,15 @@ def _rest_keys(mgr: CheckpointManager, root: str, step: int) -> list[str]:
 
 
 def _stored_keys(mgr: CheckpointManager, step: int, entry: str) -> list[str] | None:
-    """The keys of the dict ``entry`` of ``step`` (from ``state.json``, checksum checked).
+    """The keys of the dict ``entry`` of ``step``, from its ``state.json``.
 
-    None where that cannot be told (no such dict, a file that does not read): the restore
-    judges those.
+    None where the entry is no dict of string keys: the restore judges it.
+
+    Raises:
+        IntegrityError, ManifestError: the manifest or ``state.json`` does not read.
     """
-    manifest = mgr.manifest(step)
-    f = manifest.files.get(STATE_NAME)
-    if f is None:
-        return None
-    try:
-        tree = strictjson.loads(mgr.storage.read_file(step, STATE_NAME, f))
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        return None
-    root = tree.get("root") if isinstance(tree, dict) else None
-    keys = root.get("keys") if isinstance(root, dict) else None
-    vals = root.get("vals") if isinstance(root, dict) else None
-    if not isinstance(keys, list) or not isinstance(vals, list) or entry not in keys:
-        return None
-    node = vals[keys.index(entry)] if len(vals) == len(keys) else None
+    _, keys, vals = read_state_root(mgr.storage, mgr.manifest(step))
+    node = vals[keys.index(entry)] if entry in keys else None
     if not isinstance(node, dict) or node.get("t") not in ("dict", "odict"):
         return None
     stored = node.get("keys")
@@ -453,7 +442,9 @@ def _check_model_keys(
         if stored is None:
             return
         have = set(stored)
-        missing = sorted(k for k, v in state_dict.items() if k not in have and _is_tensor(v))
+        missing = sorted(
+            k for k, v in state_dict.items() if k not in have and isinstance(v, torch.Tensor)
+        )
         unexpected = sorted(have.difference(state_dict))
         if not missing and not unexpected:
             return
@@ -474,10 +465,6 @@ def _check_model_keys(
             "strict_loading = False on the LightningModule to load the keys both have",
             missing=missing,
         )
-
-
-def _is_tensor(value: Any) -> bool:
-    return isinstance(value, torch.Tensor)
 
 
 def _everyone(strategy: Any, ok: bool) -> bool:

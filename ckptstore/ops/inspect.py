@@ -33,6 +33,7 @@ __all__ = [
     "TensorInfo",
     "inspect_step",
     "read_state_entries",
+    "read_state_root",
 ]
 
 
@@ -319,6 +320,24 @@ def read_state_entries(storage: Storage, manifest: Manifest) -> list[EntryInfo]:
     Raises:
         IntegrityError: ``state.json`` is missing, corrupt or malformed.
     """
+    where, keys, vals = read_state_root(storage, manifest)
+    walker = _TreeWalker(where)
+    out = []
+    for k, v in zip(keys, vals, strict=True):
+        if isinstance(k, bool) or not isinstance(k, str | int):
+            raise IntegrityError(f"{where}: top-level key {k!r} is not str or int")
+        out.append(walker.entry(k, v))
+    return out
+
+
+def read_state_root(storage: Storage, manifest: Manifest) -> tuple[str, list[Any], list[Any]]:
+    """The top-level keys and nodes of a checkpoint's ``state.json``, its checksum checked.
+
+    Returns ``(where, keys, vals)``: the file's name for messages, the keys, their nodes.
+
+    Raises:
+        IntegrityError: ``state.json`` is missing, corrupt or malformed.
+    """
     # Per-rank state has one tree per rank: rank 0's shows the structure.
     name = state_file(0) if manifest.sharding_kind == "sharded" else STATE_NAME
     where = storage.describe(manifest.step, name)
@@ -335,10 +354,4 @@ def read_state_entries(storage: Storage, manifest: Manifest) -> list[EntryInfo]:
     vals = root.get("vals") if isinstance(root, dict) else None
     if not isinstance(keys, list) or not isinstance(vals, list) or len(keys) != len(vals):
         raise IntegrityError(f"{where}: malformed root; the checkpoint is corrupt")
-    walker = _TreeWalker(where)
-    out = []
-    for k, v in zip(keys, vals, strict=True):
-        if isinstance(k, bool) or not isinstance(k, str | int):
-            raise IntegrityError(f"{where}: top-level key {k!r} is not str or int")
-        out.append(walker.entry(k, v))
-    return out
+    return where, keys, vals

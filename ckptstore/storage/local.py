@@ -535,7 +535,7 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
         """
         if self._fd is not None:
             return
-        fd = self._open(self.path)
+        fd = self._open()
         try:
             self._take(fd, timeout, maintenance_wait)
         except BaseException:
@@ -666,12 +666,12 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
         self._finalizer = weakref.finalize(self, _unlock_box, self._box)
         _HELD.add(self)
 
-    def _open(self, path: str) -> int:
+    def _open(self) -> int:
         try:
             _makedirs_durable(self.root)
             # O_NONBLOCK: a FIFO planted at the path must not block the open.
             flags = os.O_RDWR | os.O_CREAT | os.O_NOFOLLOW | os.O_CLOEXEC | os.O_NONBLOCK
-            fd = os.open(path, flags, 0o644)
+            fd = os.open(self.path, flags, 0o644)
         except (FileExistsError, NotADirectoryError):
             msg = (
                 f"{self.root} is not a directory, so it cannot be a checkpoint store; give "
@@ -680,20 +680,20 @@ class _WriterLock(contextlib.AbstractContextManager[Any]):
             raise CommitError(msg) from None
         except OSError as e:
             if e.errno in (errno.ELOOP, errno.EISDIR):
-                raise self._not_a_file(path) from None
+                raise self._not_a_file() from None
             msg = (
-                f"cannot write to the store {self.root}: taking its writer lock {path} "
+                f"cannot write to the store {self.root}: taking its writer lock {self.path} "
                 f"failed ({e.strerror or e}); a writer needs write access to the directory"
             )
             raise CommitError(msg) from e
         if not stat.S_ISREG(os.fstat(fd).st_mode):
             os.close(fd)
-            raise self._not_a_file(path)
+            raise self._not_a_file()
         return fd
 
-    def _not_a_file(self, path: str) -> CommitError:
+    def _not_a_file(self) -> CommitError:
         return CommitError(
-            f"cannot write to the store {self.root}: its writer lock {path} is a symlink "
+            f"cannot write to the store {self.root}: its writer lock {self.path} is a symlink "
             "or not a regular file, and ckptstore never follows or opens anything else there "
             "(a link could make it lock or damage another file). Remove it; the next writer "
             "creates a plain lock file"
