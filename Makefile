@@ -42,8 +42,9 @@ PYTEST_ARGS ?= -n 3 --dist worksteal
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider $(PYTEST_ARGS)
 
-# Where the suite's time goes: every test alone (-n 0, ~20 min), with the CPU it cost the
-# whole machine (tools/testcpu.py); the heaviest tests and files are printed at the end.
+# Where the suite's time goes: every test alone (-n 0, ~20 min), with the CPU it cost (its own
+# cgroup where it may make one, else the whole machine: tools/testcpu.py); the heaviest tests and
+# files are printed at the end.
 test-cpu: $(STAMP)
 	PYTHONPATH=tools $(BIN)/python -m pytest -q -p no:cacheprovider -n 0 -p testcpu $(TESTCPU_ARGS)
 

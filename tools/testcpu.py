@@ -1,12 +1,15 @@
-"""A pytest plugin: the CPU each test cost the whole machine, for finding what makes the suite
-slow (``make test-cpu``).
+"""A pytest plugin: the CPU each test cost, for finding what makes the suite slow
+(``make test-cpu``).
 
-Reads the machine's CPU counters (``/proc/stat``: user, nice, system, irq, softirq) around
-each test, setup and teardown included, so the CPU of every process the test started (ranks
-forked by the zygote, tools, moto's server) counts, which ``RUSAGE_CHILDREN`` misses for
-processes that are not the test's own children. Meaningful only in a serial run (``-n 0``)
-on an otherwise idle machine. Prints the heaviest tests and test files at the end, and
-writes every row to ``$TESTCPU_OUT`` (JSON: ``[nodeid, cpu_s, wall_s]``) when that is set.
+Where it may (root, a cgroup-v1 ``cpuacct`` hierarchy), pytest moves itself into a cgroup of
+its own before the first test and reads that cgroup's ``cpuacct.usage`` around each test,
+setup and teardown included: every process the test started (ranks forked by the zygote,
+tools, moto's server) counts, which ``RUSAGE_CHILDREN`` misses for processes that are not
+the test's own children, and nothing else running on the machine does. Elsewhere it reads
+the machine's counters (``/proc/stat``: user, nice, system, irq, softirq), which mean
+something only on an otherwise idle machine. Either way only a serial run (``-n 0``) gives
+each test its own figure. Prints the heaviest tests and test files at the end, and writes
+every row to ``$TESTCPU_OUT`` (JSON: ``[nodeid, cpu_s, wall_s]``) when that is set.
 
     .venv/bin/python -m pytest -n 0 -p testcpu tests/   # with tools/ on PYTHONPATH
 """
@@ -14,6 +17,7 @@ writes every row to ``$TESTCPU_OUT`` (JSON: ``[nodeid, cpu_s, wall_s]``) when th
 from __future__ import annotations
 
 import collections
+import contextlib
 import json
 import os
 import time
@@ -23,14 +27,43 @@ from typing import Any
 import pytest
 
 _TICK = os.sysconf("SC_CLK_TCK")
+_CPUACCT = "/sys/fs/cgroup/cpuacct"
 _rows: list[tuple[str, float, float]] = []
+_group: list[str] = []  # the cgroup of this run, once made
 
 
 def _busy() -> float:
-    """Seconds the machine's CPUs have been busy since boot."""
+    """CPU seconds this run's cgroup has used, or the machine's CPUs since boot."""
+    if _group:
+        with open(os.path.join(_group[0], "cpuacct.usage")) as f:
+            return int(f.read()) / 1e9
     with open("/proc/stat") as f:
         v = [int(x) for x in f.readline().split()[1:]]
     return (v[0] + v[1] + v[2] + v[5] + v[6]) / _TICK
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Move pytest into a cgroup of its own, where it may: its children inherit it."""
+    path = os.path.join(_CPUACCT, f"ckptstore-testcpu-{os.getpid()}")
+    try:
+        os.mkdir(path)
+        with open(os.path.join(path, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+    except OSError:
+        with contextlib.suppress(OSError):
+            os.rmdir(path)
+        return
+    _group.append(path)
+
+
+def pytest_unconfigure(config: pytest.Config) -> None:
+    """Leave the cgroup; it is removed unless a process the tests left behind is in it."""
+    if not _group:
+        return
+    with contextlib.suppress(OSError):
+        with open(os.path.join(_CPUACCT, "cgroup.procs"), "w") as f:
+            f.write(str(os.getpid()))
+        os.rmdir(_group[0])
 
 
 @pytest.hookimpl(hookwrapper=True)
@@ -47,7 +80,8 @@ def pytest_terminal_summary(terminalreporter: Any) -> None:
         return
     tr = terminalreporter
     total = sum(r[1] for r in _rows)
-    tr.section(f"CPU by test (machine-wide, {total:.0f} s in all)")
+    scope = "this run's cgroup" if _group else "machine-wide"
+    tr.section(f"CPU by test ({scope}, {total:.0f} s in all)")
     for node, cpu, wall in sorted(_rows, key=lambda r: -r[1])[:30]:
         tr.write_line(f"{cpu:7.1f} s cpu {wall:7.1f} s wall  {node}")
     files: dict[str, list[float]] = collections.defaultdict(lambda: [0.0, 0.0])
