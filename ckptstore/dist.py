@@ -27,6 +27,7 @@ of node-local roots). No all-gather is left. Every collective is counted in
 from __future__ import annotations
 
 import contextlib
+import copy
 import datetime
 import itertools
 import json
@@ -1023,11 +1024,21 @@ def _spell(call: Any) -> str:
 def told_by(rank: int, err: BaseException) -> BaseException:
     """``err``, raised on rank ``rank``, as the other ranks raise it once rank 0 told them.
 
-    ckptstore's own errors keep their type and say which rank raised them; anything else
-    (an interrupt, a user's exception from a state's hook) is raised as it is.
+    ``err`` is the other ranks' own copy (it came in an exchange). ckptstore's own errors
+    keep their type and attributes (``missing``, ``missing_ranks``, ``path``: a caller that
+    reads them sees rank ``rank``'s) and their message starts with ``rank N:``; anything
+    else (an interrupt, an ``OSError`` of the store, a user's exception from a state's hook)
+    keeps its type and message and gets a note ``raised on rank N`` (``__notes__``, printed
+    under its traceback).
     """
     if isinstance(err, CkptStoreError):
-        return type(err)(f"rank {rank}: {err}")
+        told = copy.copy(err)  # CkptStoreError.__reduce__: the type and every attribute
+        told.message = f"rank {rank}: {err.message}"
+        told.args = (told.message,)
+        return told
+    note = f"raised on rank {rank}"
+    if note not in getattr(err, "__notes__", ()):
+        err.add_note(note)
     return err
 
 

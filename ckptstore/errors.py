@@ -53,13 +53,23 @@ class CkptStoreError(Exception):
     def __reduce__(self) -> tuple[Any, ...]:
         # Subclasses with extra attributes keep them in __dict__; restoring the dict after
         # construction from the message keeps pickling correct for all of them at once.
-        return (_rebuild, (type(self), self.message, dict(self.__dict__)))
+        # OSError's own (errno, filename: PathExistsError's) are not in __dict__.
+        state = dict(self.__dict__)
+        if isinstance(self, OSError):
+            for name in _OSERROR_FIELDS:
+                if getattr(self, name) is not None:
+                    state[name] = getattr(self, name)
+        return (_rebuild, (type(self), self.message, state))
+
+
+_OSERROR_FIELDS = ("errno", "strerror", "filename", "filename2")
 
 
 def _rebuild(cls: type[CkptStoreError], message: str, state: dict[str, Any]) -> CkptStoreError:
     exc = cls.__new__(cls)
     Exception.__init__(exc, message)
-    exc.__dict__.update(state)
+    for name, value in state.items():
+        setattr(exc, name, value)
     return exc
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+import errno
 import pickle
 from typing import Any
 
@@ -142,6 +143,18 @@ def test_extra_attributes_of_any_subclass_survive_pickle() -> None:
     assert back.path == "/x/y"
 
 
+def test_the_os_error_fields_of_a_path_error_survive_pickle() -> None:
+    # errno and filename live in OSError's slots, not in __dict__: pickling dropped them.
+    exc = PathNotFoundError("/out: no such directory", path="/out")
+    back = pickle.loads(pickle.dumps(exc))
+    assert (back.path, back.filename, back.errno, str(back)) == (
+        "/out",
+        "/out",
+        errno.ENOENT,
+        "/out: no such directory",
+    )
+
+
 def test_chained_cause_is_not_required_to_pickle() -> None:
     try:
         try:
@@ -152,3 +165,29 @@ def test_chained_cause_is_not_required_to_pickle() -> None:
         back = pickle.loads(pickle.dumps(exc))
     assert str(back) == "saving step 3 failed: the disk is full"
     assert isinstance(back, OSError)
+
+
+def test_an_error_told_by_another_rank_keeps_its_attributes_and_names_the_rank() -> None:
+    """``dist.told_by``: how the other ranks raise rank 0's error (it dropped ``missing``,
+    ``missing_ranks``, ``path``: rebuilt from the message alone)."""
+    from ckptstore.dist import told_by
+
+    sent = BarrierTimeout("step 7: ranks [3] never arrived", missing_ranks=[3], phase="s", step=7)
+    got = told_by(0, pickle.loads(pickle.dumps(sent)))
+    assert type(got) is BarrierTimeout
+    assert str(got) == got.message == got.args[0] == "rank 0: step 7: ranks [3] never arrived"
+    assert (got.missing_ranks, got.phase, got.step) == ([3], "s", 7)
+    assert str(sent) == "step 7: ranks [3] never arrived"  # the original is not changed
+    path = told_by(2, PathExistsError("/out/m.safetensors: exists", path="/out/m.safetensors"))
+    assert (type(path), path.filename, str(path)) == (
+        PathExistsError,
+        "/out/m.safetensors",
+        "rank 2: /out/m.safetensors: exists",
+    )
+    foreign = told_by(1, PermissionError(13, "Permission denied", "/ckpt"))
+    assert (type(foreign), str(foreign)) == (
+        PermissionError,
+        "[Errno 13] Permission denied: '/ckpt'",
+    )
+    assert foreign.__notes__ == ["raised on rank 1"]
+    assert told_by(1, foreign).__notes__ == ["raised on rank 1"]  # told twice, noted once

@@ -337,28 +337,26 @@ class CkptStoreCheckpointManager(_TitanManager):  # type: ignore[misc]  # torcht
         from ..ops.export import export_hf_step
 
         assert self.store is not None
+        store = self.store
         out = filesystem.join(self.hf_folder, f"step-{step}")
-        error: BaseException | None = None
-        if self.store.coord.rank == 0:
-            try:
-                if not filesystem.is_remote(self.hf_folder):
-                    os.makedirs(self.hf_folder, exist_ok=True)
-                assets = getattr(self.sd_adapter, "hf_assets_path", None)
-                config = os.path.join(assets, "config.json") if assets else None
-                res = export_hf_step(
-                    self.store.root,
-                    step,
-                    out,
-                    key=MODEL,
-                    storage_options=None,
-                    config=config if config and os.path.isfile(config) else None,
-                )
-                logger.info("exported step %d as Hugging Face safetensors to %s", step, res.out)
-            except Exception as e:
-                error = e
-        error = self.store.coord.broadcast(error, "torchtitan:export-hf", step)
-        if error is not None:
-            raise error
+
+        def export() -> None:
+            if not filesystem.is_remote(self.hf_folder):
+                os.makedirs(self.hf_folder, exist_ok=True)
+            assets = getattr(self.sd_adapter, "hf_assets_path", None)
+            config = os.path.join(assets, "config.json") if assets else None
+            res = export_hf_step(
+                store.root,
+                step,
+                out,
+                key=MODEL,
+                storage_options=None,
+                config=config if config and os.path.isfile(config) else None,
+            )
+            logger.info("exported step %d as Hugging Face safetensors to %s", step, res.out)
+
+        # Rank 0 exports; its error (an interrupt included) is raised on every rank at once.
+        store.coord.leader_value(export, "torchtitan:export-hf", step)
 
     # ---- load -------------------------------------------------------------------------
 

@@ -12,6 +12,7 @@ checked (at the cost of a second copy of the state in memory).
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Collection, MutableMapping
 from typing import Any
 
@@ -229,10 +230,11 @@ class Reader:
             if soft and step is not None:
                 # An explicit step: raised only once the replica's copy was tried too (above);
                 # one deleted while it was read (retention) is gone, not corrupt.
-                gone: tuple[str, Any] = ("ok", False)
-                if session.coord.is_leader:
-                    gone = ("ok", vanished(session, s))
-                vanished_here = session.coord.broadcast(gone, "restore:vanished", s)[1]
+                # Rank 0's error in its listing (one vanished() does not take for "not
+                # deleted") reaches every rank at once: leader_value.
+                vanished_here = session.coord.leader_value(
+                    functools.partial(vanished, session, s), "restore:vanished", s
+                )
                 mark(clock, "x:vanished")
                 if vanished_here:
                     raise NoCheckpointError(_deleted_while_read(session, s))
@@ -241,17 +243,13 @@ class Reader:
             if soft and relists < _RELISTS:
                 # Deleted while we read it (a running job's retention), not corrupt: rank 0
                 # looks again, and every rank goes on with the new newest.
-                again: tuple[str, Any] = ("ok", None)
-                if session.coord.is_leader:
-                    try:
-                        if vanished(session, s):
-                            again = ("ok", [c for c in candidates(session, None) if c not in bad])
-                    except BaseException as e:
-                        again = ("error", e)
-                status, fresh = session.coord.broadcast(again, "restore:rechoose", s)
+                def rechoose(s: int = s) -> list[int] | None:
+                    if not vanished(session, s):
+                        return None
+                    return [c for c in candidates(session, None) if c not in bad]
+
+                fresh = session.coord.leader_value(rechoose, "restore:rechoose", s)
                 mark(clock, "x:rechoose")
-                if status == "error":
-                    raise fresh
                 if fresh is not None:
                     # What the deleted step already wrote in place stays to be overwritten
                     # by the step restored, as after a corrupt one (checked below).

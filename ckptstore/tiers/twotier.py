@@ -252,7 +252,7 @@ def open_replica(
     try:
         if rank == 0:
             up.clean()
-    except (OSError, CkptStoreError) as e:
+    except Exception as e:  # any: the other ranks wait in the barrier below for rank 0
         log.error("could not clean the replica %s: %s", url, e)
     if rank is not None and barrier is not None:
         barrier()

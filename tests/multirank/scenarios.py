@@ -78,6 +78,8 @@ def failure(e: BaseException) -> dict[str, Any]:
         "missing_ranks": list(getattr(e, "missing_ranks", []) or []),
         "phase": getattr(e, "phase", None),
         "step": getattr(e, "step", None),
+        "missing": list(getattr(e, "missing", []) or []),
+        "notes": list(getattr(e, "__notes__", [])),
     }
 
 
@@ -484,6 +486,33 @@ def corrupt_newest(ctx: Ctx) -> dict[str, Any]:
     fresh = make_model(seed=7)
     step = mgr.restore({"model": fresh})
     return {"step": step, "digest": digest(fresh), "verify2": mgr.verify(2).ok}
+
+
+def corrupt_step_rank0_cannot_list(ctx: Ctx) -> dict[str, Any]:
+    """Step 2 is corrupt on every rank; rank 0's look at the store (was it deleted while it
+    was read?) raises a foreign error: every rank's outcome of ``restore(step=2)`` and of
+    ``restore()``, with its seconds."""
+    from ckptstore.restore import reader
+
+    model = make_model()
+    mgr = CheckpointManager(ctx.root, barrier_timeout=float(ctx.args["timeout"]))
+    mgr.save(1, {"model": model})
+    mgr.save(2, {"model": model})
+    if ctx.rank == 0:
+        p = ctx.root / "step-000000000002" / "model.safetensors"
+        data = bytearray(p.read_bytes())
+        data[-5] ^= 0xFF
+        p.write_bytes(bytes(data))
+
+        def broken(session: Any, step: int) -> bool:
+            raise RuntimeError("the listing broke")
+
+        reader.vanished = broken  # the fault: rank 0 alone looks
+    dist.barrier()
+    return {
+        "explicit": outcome(lambda: mgr.restore({"model": make_model(seed=7)}, step=2)),
+        "newest": outcome(lambda: mgr.restore({"model": make_model(seed=7)})),
+    }
 
 
 def broadcast_restore(ctx: Ctx) -> dict[str, Any]:
@@ -1008,7 +1037,7 @@ def leader_value_fails(ctx: Ctx) -> dict[str, Any]:
     import threading
 
     from ckptstore.dist import Coordinator
-    from ckptstore.errors import StoreUnreachableError
+    from ckptstore.errors import StateMismatchError, StoreUnreachableError
 
     coord = Coordinator(ctx.args["timeout"])
 
@@ -1022,9 +1051,18 @@ def leader_value_fails(ctx: Ctx) -> dict[str, Any]:
             raise AssertionError("only rank 0 computes the value")
         raise StoreUnreachableError("s3://bucket/run: the endpoint does not answer")
 
+    def mismatch() -> int:
+        raise StateMismatchError("the checkpoint lacks 'w'", missing=["w"])
+
+    def denied() -> int:
+        raise PermissionError(13, "Permission denied", "/ckpt/run")
+
     return {
         "value": outcome(lambda: coord.leader_value(listing, "t:list")),
         "error": outcome(lambda: coord.leader_value(unreachable, "t:newest", 4)),
+        # A ckptstore error keeps its attributes on every rank; any other, a note of its rank.
+        "attrs": outcome(lambda: coord.leader_value(mismatch, "t:keys")),
+        "foreign": outcome(lambda: coord.leader_value(denied, "t:perm")),
         "after": outcome(lambda: coord.reduce(ctx.rank, sum, "t:after")),
         # A value that cannot travel is an error on every rank, not a stand-in as a value.
         "unpicklable": outcome(lambda: coord.leader_value(threading.Lock, "t:lock")),

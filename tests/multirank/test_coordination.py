@@ -89,10 +89,33 @@ def test_an_error_of_rank0_before_its_broadcast_reaches_every_rank_at_once(tmp_p
         assert "the endpoint does not answer" in err["message"]
         assert err["message"].startswith("rank 0: ") == (rank != 0), err["message"]
         assert err["seconds"] < PROMPT, describe(res)  # not after a timeout
+        keys = v["attrs"]
+        assert (keys["error_type"], keys["missing"]) == ("StateMismatchError", ["w"]), keys
+        assert keys["message"] == ("rank 0: " if rank else "") + "the checkpoint lacks 'w'"
+        foreign = v["foreign"]
+        assert foreign["error_type"] == "PermissionError", describe(res)
+        assert foreign["message"] == "[Errno 13] Permission denied: '/ckpt/run'", foreign
+        assert foreign["notes"] == (["raised on rank 0"] if rank else []), foreign
         assert (v["after"]["ok"], v["after"].get("value")) == (True, 3), describe(res)
         bad = v["unpicklable"]
         assert bad["error_type"] == "CkptStoreError", describe(res)
         assert "cannot be sent to the other ranks" in bad["message"]
+
+
+def test_rank0_failing_to_look_for_a_corrupt_step_fails_every_rank_at_once(tmp_path: Path):
+    """A corrupt step's restore asks rank 0 whether the step was deleted meanwhile; an error
+    other than an ``OSError`` there left the other ranks in the broadcast until
+    ``barrier_timeout`` (``restore(step=2)``)."""
+    res = launch("corrupt_step_rank0_cannot_list", 2, tmp_path, args={"timeout": LONG})
+    for rank, v in enumerate(values(res)):
+        for case in ("explicit", "newest"):
+            got = v[case]
+            assert (got["error_type"], got["message"]) == (
+                "RuntimeError",
+                "the listing broke",
+            ), describe(res)
+            assert got["notes"] == (["raised on rank 0"] if rank else []), describe(res)
+            assert got["seconds"] < PROMPT, describe(res)
 
 
 @pytest.mark.parametrize(
