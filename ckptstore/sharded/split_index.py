@@ -414,8 +414,7 @@ class Layout:
         name: str,
         lo: Sequence[int],
         hi: Sequence[int],
-        cache: dict[Any, list[tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]]]
-        | None = None,
+        cache: dict[Any, Any] | None = None,
     ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
         """``(offsets, sizes, writer)`` of each non-empty saved box of ``name`` in ``[lo, hi)``.
 
@@ -452,6 +451,15 @@ class Layout:
                 )
             if cache is not None:
                 cache[key] = found
+        if not any(p.is_replicate() and n > 1 for p, n in zip(objs, shape, strict=True)):
+            # No replicas: each box has one writer, the same for every tensor of this shape,
+            # mesh and placements (the name picks among replicas only).
+            writers = cache.get((key, "writers")) if cache is not None else None
+            if writers is None:
+                writers = [_writer(name, c, shape, objs, mesh) for _, _, c in found]
+                if cache is not None:
+                    cache[(key, "writers")] = writers
+            return [(o, s, w) for (o, s, _), w in zip(found, writers, strict=True)]
         return [(o, s, _writer(name, c, shape, objs, mesh)) for o, s, c in found]
 
     def resolve(

@@ -185,10 +185,14 @@ def local_of(t: torch.Tensor) -> torch.Tensor:
 def _span(t: torch.Tensor) -> tuple[int, int]:
     """``(first, end)`` addresses of the memory of ``t``'s local data (contiguous or not)."""
     loc = local_of(t)
-    if loc.numel() == 0:
+    numel = loc.numel()
+    if numel == 0:
         return 0, 0
+    first = loc.data_ptr()
+    if loc.is_contiguous():  # nearly every target: no walk over the strides
+        return first, first + numel * loc.element_size()
     reach = sum((n - 1) * abs(st) for n, st in zip(loc.shape, loc.stride(), strict=True))
-    return loc.data_ptr(), loc.data_ptr() + (reach + 1) * loc.element_size()
+    return first, first + (reach + 1) * loc.element_size()
 
 
 def live_targets(
