@@ -382,6 +382,23 @@ def test_a_failure_before_the_save_reaches_every_rank_with_who_failed(tmp_path: 
             assert two["message"] == named
 
 
+@pytest.mark.timeout(120)
+def test_rank0_failing_to_list_the_fall_backs_fails_every_rank_at_once(tmp_path: Path) -> None:
+    # A checkpoint that does not verify sends every rank to the newest one beside it, which
+    # rank 0 lists; its failure there left the others in the broadcast for the strategy's
+    # timeout (30 minutes by default; found by review).
+    from tests.multirank.launch import launch as launch_ranks
+    from tests.multirank.launch import values
+
+    got = values(launch_ranks("lightning_fall_back_unlisted", 2, tmp_path, timeout=60))
+    for v in got:
+        assert v["error_type"] == "IntegrityError", v
+        assert "does not match its crc32c" in v["message"], v
+        assert "rank 0 could not list the checkpoints beside it" in v["message"], v
+        assert "FileNotFoundError" in v["message"], v
+        assert v["seconds"] < 20, v  # not after a gloo timeout
+
+
 @pytest.mark.timeout(JOB_TIMEOUT)
 def test_fsdp2_over_tensor_parallel_resumes_on_data_parallel_alone(job: Path) -> None:
     # ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=2): the model's

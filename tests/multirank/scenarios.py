@@ -1140,3 +1140,25 @@ def lightning_agree(ctx: Ctx) -> dict[str, Any]:
         err = ValueError(f"boom on {ctx.rank}") if ctx.rank in failing else None
         out[case] = outcome(lambda err=err: _agree(Strategy(), err, "saving X"))  # type: ignore[misc]
     return out
+
+
+def lightning_fall_back_unlisted(ctx: Ctx) -> dict[str, Any]:
+    """``lightning_sharded._fall_back`` after a checkpoint failed to verify, where rank 0
+    cannot list the directory beside it (it is gone): each rank's outcome, with its
+    seconds. The strategy's ``broadcast`` is Lightning's own, without a Trainer."""
+    from ckptstore.errors import IntegrityError
+    from ckptstore.integrations.lightning import CkptStoreIO
+    from ckptstore.integrations.lightning_sharded import _fall_back
+
+    class Strategy:
+        root_device = torch.device("cpu")
+        is_global_zero = ctx.rank == 0
+
+        def broadcast(self, obj: Any, src: int = 0) -> Any:
+            box = [obj]
+            dist.broadcast_object_list(box, src=src)
+            return box[0]
+
+    path = str(ctx.workdir / "gone" / "epoch=1.ckpt")
+    error = IntegrityError(f"{path}: model.safetensors does not match its crc32c")
+    return outcome(lambda: _fall_back(Strategy(), CkptStoreIO(), path, error, allow_pickle=False))
