@@ -362,8 +362,11 @@ def test_fsdp2_over_tensor_parallel_restores_on_other_meshes_and_back(tmp_path):
     # (2 and 3 ranks), on TP alone (1x2) and in one process; a replicated save and an
     # FSDP2-alone save restored into FSDP2 over TP. Every full tensor, parameters and AdamW
     # moments alike.
-    def run(scenario: str, world: int, where: Path, mesh: list[int] | None) -> list[Any]:
-        return values(launch(scenario, world, where, args={"mesh": mesh}, timeout=180))
+    def run(
+        scenario: str, world: int, where: Path, mesh: list[int] | None, train: bool = False
+    ) -> list[Any]:
+        args = {"mesh": mesh, "train": train}
+        return values(launch(scenario, world, where, args=args, timeout=180))
 
     saved = run("dtensor_scenarios:fsdp_tp_save", 4, tmp_path, [2, 2])[0]
     assert saved["layout"]["up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
@@ -381,7 +384,7 @@ def test_fsdp2_over_tensor_parallel_restores_on_other_meshes_and_back(tmp_path):
     rows = [[(c["offsets"][0], c["sizes"][0]) for c in p["model/up.weight"]] for p in parts]
     assert rows == [[(0, 3)], [(5, 3)], [(3, 2)], [(8, 2)]]
     for world, mesh in [(4, [2, 2]), (2, None), (3, None), (2, [1, 2])]:
-        vals = run("dtensor_scenarios:fsdp_tp_restore", world, tmp_path, mesh)
+        vals = run("dtensor_scenarios:fsdp_tp_restore", world, tmp_path, mesh, train=True)
         for v in vals:
             assert v["step"] == 2
             assert v["digests"] == saved["digests"], (world, mesh)
