@@ -57,13 +57,18 @@ def pytest_configure(config: pytest.Config) -> None:
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Leave the cgroup; it is removed unless a process the tests left behind is in it."""
+    """Leave the cgroup; it is removed once the processes the tests started are gone (a
+    few seconds at most: a fork server exiting after its pipe closed), else left behind."""
     if not _group:
         return
-    with contextlib.suppress(OSError):
-        with open(os.path.join(_CPUACCT, "cgroup.procs"), "w") as f:
-            f.write(str(os.getpid()))
-        os.rmdir(_group[0])
+    with contextlib.suppress(OSError), open(os.path.join(_CPUACCT, "cgroup.procs"), "w") as f:
+        f.write(str(os.getpid()))
+    for _ in range(50):
+        try:
+            os.rmdir(_group[0])
+            return
+        except OSError:
+            time.sleep(0.1)
 
 
 @pytest.hookimpl(hookwrapper=True)
