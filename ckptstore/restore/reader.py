@@ -122,19 +122,15 @@ class Reader:
         session.coord.reduce(call, same_call, "restore:enter", step)
         mark(clock, "x:enter")
         keys = list(state.keys())
-        listing: tuple[str, Any] = ("ok", None)
-        if session.coord.is_leader:
-            try:
-                # A failed async save (only rank 0 writes) is raised on every rank, carried
-                # by this first exchange, as save carries it by "save:enter".
-                self.raise_bg_error(everywhere=True)
-                listing = ("ok", candidates(session, step))
-            except BaseException as e:
-                listing = ("error", e)
-        status, value = session.coord.broadcast(listing, "restore:choose", step)
+
+        def choose() -> list[int]:
+            # A failed async save (only rank 0 writes) is raised on every rank, carried by
+            # this first exchange, as save carries it by "save:enter".
+            self.raise_bg_error(everywhere=True)
+            return candidates(session, step)
+
+        value = session.coord.leader_value(choose, "restore:choose", step)
         mark(clock, "x:choose")
-        if status == "error":
-            raise value
         skipped: list[str] = []
         queue, bad, relists = list(value), set(), 0
         refetched: set[int] = set()
@@ -338,17 +334,13 @@ class Reader:
         clock = PhaseClock()
         session.coord.reduce(call, same_call, "resume:enter")
         mark(clock, "x:resume")
-        listed: tuple[str, Any] = ("ok", None)
-        if session.coord.is_leader:
-            try:
-                self.raise_bg_error(everywhere=True)  # on every rank, as in restore
-                listed = ("ok", not restore_steps(session))
-            except BaseException as e:
-                listed = ("error", e)
-        status, empty = session.coord.broadcast(listed, "resume:list")
+
+        def listing() -> bool:
+            self.raise_bg_error(everywhere=True)  # on every rank, as in restore
+            return not restore_steps(session)
+
+        empty = session.coord.leader_value(listing, "resume:list")
         mark(clock, "x:list")
-        if status == "error":
-            raise empty
         if empty:
             self._keep(clock, "resume of an empty store")
             return 0

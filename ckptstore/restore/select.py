@@ -11,7 +11,7 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
-from ..errors import CkptStoreError, IntegrityError, NoCheckpointError
+from ..errors import IntegrityError, NoCheckpointError
 from ..session import Session
 from ..tiers import twotier as tiers
 
@@ -60,15 +60,9 @@ def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) 
     copy that failed, or that holds only some ranks' files), the others wait for it.
     """
     assert session.replica_storage is not None
-    outcome: tuple[str, Any] = ("ok", None)
-    if session.coord.is_leader:
-        try:
-            ensure_local(session, step, replace=replace)
-        except BaseException as e:
-            outcome = ("error", e)
-    status, value = session.coord.broadcast(outcome, "restore:fetch", step)
-    if status == "error":
-        raise value if isinstance(value, BaseException) else IntegrityError(str(value))
+    session.coord.leader_value(
+        lambda: ensure_local(session, step, replace=replace), "restore:fetch", step
+    )
     if session.split:
         mine: tuple[str, Any] = ("ok", None)
         if session.node_leader and not session.coord.is_leader and not broadcast:
@@ -91,8 +85,9 @@ def written_by_rank0(session: Session, step: int) -> bool:
     """
     plain: tuple[str, Any] = ("ok", False)
     if session.coord.is_leader:
-        # Unreadable: every rank reads its own copy, and the verdicts say why.
-        with contextlib.suppress(OSError, CkptStoreError):
+        # Unreadable (whatever the store raised): every rank reads its own copy, and the
+        # verdicts say why.
+        with contextlib.suppress(Exception):
             plain = ("ok", not session.storage.read_manifest(step).sharded)
     _, value = session.coord.broadcast(plain, "restore:kind", step)
     return bool(value)
