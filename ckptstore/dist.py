@@ -591,7 +591,14 @@ class Coordinator:
             except BaseException as e:
                 mine = e
                 answer = ("error", e)
-        status, value = self.broadcast(answer, phase, step)
+        try:
+            status, value = self.broadcast(answer, phase, step)
+        except BaseException as e:
+            if mine is None or e is mine:
+                raise
+            # A peer died in the broadcast: its BarrierTimeout, with rank 0's own error as
+            # its cause (the reason rank 0 had nothing to send).
+            raise e from mine
         if status == "error":
             if mine is not None:
                 raise mine

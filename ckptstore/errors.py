@@ -55,14 +55,22 @@ class CkptStoreError(Exception):
         # construction from the message keeps pickling correct for all of them at once.
         # OSError's own (errno, filename: PathExistsError's) are not in __dict__.
         state = dict(self.__dict__)
-        if isinstance(self, OSError):
-            for name in _OSERROR_FIELDS:
-                if getattr(self, name) is not None:
-                    state[name] = getattr(self, name)
+        if "__notes__" in state:  # a copy's notes are its own (copy.copy goes through here)
+            state["__notes__"] = list(state["__notes__"])
+        for base, names in _SLOT_FIELDS:
+            if isinstance(self, base):
+                for name in names:
+                    if getattr(self, name) is not None:
+                        state[name] = getattr(self, name)
         return (_rebuild, (type(self), self.message, state))
 
 
-_OSERROR_FIELDS = ("errno", "strerror", "filename", "filename2")
+#: The fields builtin bases keep outside ``__dict__`` (OSError's ``errno`` and
+#: ``filename``, ImportError's ``name`` and ``path``).
+_SLOT_FIELDS: tuple[tuple[type[BaseException], tuple[str, ...]], ...] = (
+    (OSError, ("errno", "strerror", "filename", "filename2")),
+    (ImportError, ("name", "path")),
+)
 
 
 def _rebuild(cls: type[CkptStoreError], message: str, state: dict[str, Any]) -> CkptStoreError:

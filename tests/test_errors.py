@@ -191,3 +191,20 @@ def test_an_error_told_by_another_rank_keeps_its_attributes_and_names_the_rank()
     )
     assert foreign.__notes__ == ["raised on rank 1"]
     assert told_by(1, foreign).__notes__ == ["raised on rank 1"]  # told twice, noted once
+    noted = IntegrityError("bad block")
+    noted.add_note("while restoring step 3")
+    told = told_by(1, noted)
+    told.add_note("in the manager's exit")
+    assert noted.__notes__ == ["while restoring step 3"]  # the copy's notes are its own
+    assert told.__notes__ == ["while restoring step 3", "in the manager's exit"]
+
+
+def test_the_import_error_fields_of_a_missing_dependency_survive_pickle() -> None:
+    exc = MissingDependencyError("s3:// needs s3fs: pip install s3fs")
+    exc.name = "s3fs"
+    back = pickle.loads(pickle.dumps(exc))
+    assert (type(back), back.name, str(back)) == (
+        MissingDependencyError,
+        "s3fs",
+        "s3:// needs s3fs: pip install s3fs",
+    )

@@ -29,7 +29,7 @@ import pytest
 _TICK = os.sysconf("SC_CLK_TCK")
 _CPUACCT = "/sys/fs/cgroup/cpuacct"
 _rows: list[tuple[str, float, float]] = []
-_group: list[str] = []  # the cgroup of this run, once made
+_group: list[str] = []  # [the cgroup of this run, the one pytest came from], once made
 
 
 def _busy() -> float:
@@ -42,9 +42,31 @@ def _busy() -> float:
     return (v[0] + v[1] + v[2] + v[5] + v[6]) / _TICK
 
 
+def _own_cpuacct() -> str | None:
+    """The directory of this process's cpuacct cgroup (v1), or None."""
+    with contextlib.suppress(OSError), open("/proc/self/cgroup") as f:
+        for line in f:
+            _, controllers, path = line.rstrip("\n").split(":", 2)
+            if "cpuacct" in controllers.split(","):
+                return os.path.join(_CPUACCT, path.lstrip("/"))
+    return None
+
+
 def pytest_configure(config: pytest.Config) -> None:
-    """Move pytest into a cgroup of its own, where it may: its children inherit it."""
-    path = os.path.join(_CPUACCT, f"ckptstore-testcpu-{os.getpid()}")
+    """Move pytest into a cgroup of its own, where it may: its children inherit it.
+
+    Made inside the cgroup pytest runs in (so its limits and shares still hold), and left
+    for that one at the end. Empty groups that earlier runs left behind are removed first.
+    """
+    parent = _own_cpuacct()
+    if parent is None or not os.path.isdir(parent):
+        return
+    with contextlib.suppress(OSError):
+        for name in os.listdir(parent):
+            if name.startswith("ckptstore-testcpu-"):
+                with contextlib.suppress(OSError):
+                    os.rmdir(os.path.join(parent, name))  # refused while a process is in it
+    path = os.path.join(parent, f"ckptstore-testcpu-{os.getpid()}")
     try:
         os.mkdir(path)
         with open(os.path.join(path, "cgroup.procs"), "w") as f:
@@ -53,19 +75,21 @@ def pytest_configure(config: pytest.Config) -> None:
         with contextlib.suppress(OSError):
             os.rmdir(path)
         return
-    _group.append(path)
+    _group[:] = [path, parent]
 
 
 def pytest_unconfigure(config: pytest.Config) -> None:
-    """Leave the cgroup; it is removed once the processes the tests started are gone (a
-    few seconds at most: a fork server exiting after its pipe closed), else left behind."""
+    """Go back to the cgroup pytest came from; this run's is removed once the processes the
+    tests started are gone (a few seconds at most: a fork server exiting after its pipe
+    closed), else left behind for the next run to remove."""
     if not _group:
         return
-    with contextlib.suppress(OSError), open(os.path.join(_CPUACCT, "cgroup.procs"), "w") as f:
+    path, parent = _group
+    with contextlib.suppress(OSError), open(os.path.join(parent, "cgroup.procs"), "w") as f:
         f.write(str(os.getpid()))
     for _ in range(50):
         try:
-            os.rmdir(_group[0])
+            os.rmdir(path)
             return
         except OSError:
             time.sleep(0.1)

@@ -208,7 +208,9 @@ class Reader:
                 raise CkptStoreError(f"step {s}: another rank refused its targets")
             if hard:
                 r, err = hard[0]
-                raise err if r == session.coord.rank else told_by(r, err)
+                # This rank's own exception (its traceback and cause), not the copy the
+                # exchange unpickled.
+                raise caught if r == session.coord.rank and caught is not None else told_by(r, err)
             if soft and session.replica_storage is not None:
                 # The local copy failed: rank 0 looks for the replica's, which replaces it
                 # (rank 0 decides whether one was tried already, so every rank agrees).
@@ -226,8 +228,9 @@ class Reader:
             if soft and step is not None:
                 # An explicit step: raised only once the replica's copy was tried too (above);
                 # one deleted while it was read (retention) is gone, not corrupt.
-                # Rank 0's error in its listing (one vanished() does not take for "not
-                # deleted") reaches every rank at once: leader_value.
+                # Rank 0 looks; where it cannot tell (the store does not answer), the
+                # step's own error stands (vanished()). leader_value: an exception of rank
+                # 0 there reaches every rank at once.
                 vanished_here = session.coord.leader_value(
                     functools.partial(vanished, session, s), "restore:vanished", s
                 )
@@ -235,7 +238,7 @@ class Reader:
                 if vanished_here:
                     raise NoCheckpointError(_deleted_while_read(session, s))
                 r, err = soft[0]
-                raise err if r == session.coord.rank else told_by(r, err)
+                raise caught if r == session.coord.rank and caught is not None else told_by(r, err)
             if soft and relists < _RELISTS:
                 # Deleted while we read it (a running job's retention), not corrupt: rank 0
                 # looks again, and every rank goes on with the new newest.

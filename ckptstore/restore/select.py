@@ -11,6 +11,8 @@ from __future__ import annotations
 import contextlib
 from typing import Any
 
+from .._log import logger as log
+from ..dist import told_by
 from ..errors import IntegrityError, NoCheckpointError
 from ..session import Session
 from ..tiers import twotier as tiers
@@ -26,10 +28,20 @@ __all__ = [
 
 
 def vanished(session: Session, step: int) -> bool:
-    """Whether ``step`` is no longer committed: deleted (by retention), not corrupt."""
+    """Whether ``step`` is no longer committed: deleted (by retention), not corrupt.
+
+    False where the store cannot say (any error listing it, an object store's included):
+    the step's own failure is then the error to raise, not the listing's.
+    """
     try:
         return step not in session.storage.list_steps()
-    except OSError:
+    except Exception as e:
+        log.warning(
+            "could not list %s to tell a deleted step %d from a corrupt one: %s",
+            session.root,
+            step,
+            e,
+        )
         return False
 
 
@@ -65,15 +77,20 @@ def bring_local(session: Session, step: int, *, replace: bool, broadcast: bool) 
     )
     if session.split:
         mine: tuple[str, Any] = ("ok", None)
+        own: BaseException | None = None
         if session.node_leader and not session.coord.is_leader and not broadcast:
             try:
                 ensure_local(session, step, replace=replace)
             except BaseException as e:
-                mine = ("error", e)
+                mine, own = ("error", e), e
         failed = session.coord.reduce(mine, _first_failure, "restore:fetched", step)
         if failed is not None:
             r, err = failed
-            raise err if isinstance(err, BaseException) else IntegrityError(f"rank {r}: {err}")
+            if r == session.coord.rank and own is not None:
+                raise own
+            if not isinstance(err, BaseException):
+                raise IntegrityError(f"rank {r}: {err}")
+            raise told_by(r, err)
     elif not session.coord.is_leader and not broadcast:
         ensure_local(session, step)
 

@@ -418,9 +418,10 @@ class Layout:
     ) -> list[tuple[tuple[int, ...], tuple[int, ...], int]]:
         """``(offsets, sizes, writer)`` of each non-empty saved box of ``name`` in ``[lo, hi)``.
 
-        ``cache`` (one per restore) keeps the boxes and mesh coordinates of each shape, mesh,
-        placements and interval: the layers of a model repeat a few; only the writer of a
-        replicated box depends on the name.
+        ``cache`` (one per restore, never shared between two layouts: its keys name a mesh
+        by its number in this layout) keeps the boxes, mesh coordinates and writers of each
+        shape, mesh, placements and interval: the layers of a model repeat a few; only the
+        writer of a replicated box depends on the name.
         """
         entry = self.tensors[name]
         mid = self.mesh_of[name]

@@ -710,6 +710,10 @@ def _parallelize_mlp(model: MLP, args: dict[str, Any]) -> None:
         _fsdp_only(model)
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if hasattr(t, "to_local") else t
+
+
 def _mlp_layout(model: MLP) -> dict[str, str]:
     return {k: str(getattr(v, "placements", "plain")) for k, v in model.state_dict().items()}
 
@@ -749,6 +753,17 @@ def fsdp_tp_restore(ctx: Ctx) -> dict[str, Any]:
     with _mgr(ctx) as mgr:
         step = mgr.restore({"model": model, "optim": opt})
     out = {"step": step, "digests": digests(model, opt), "layout": _mlp_layout(model)}
+    # Each moment laid out as its parameter (its placements, its local shape): what the
+    # training step below would trip over otherwise, checked without one.
+    out["moments"] = sorted(
+        {
+            f"{getattr(v, 'placements', None) == getattr(p, 'placements', None)}:"
+            f"{_local(v).shape == _local(p).shape}"
+            for p in model.parameters()
+            for v in opt.state[p].values()
+            if isinstance(v, torch.Tensor) and v.dim() > 0
+        }
+    )
     if ctx.args.get("train"):
         # Training goes on: one more step, alike on every rank. DTensor's sharding
         # propagation of a first AdamW step over TP costs seconds of CPU a rank: only the

@@ -490,29 +490,46 @@ def corrupt_newest(ctx: Ctx) -> dict[str, Any]:
 
 def corrupt_step_rank0_cannot_list(ctx: Ctx) -> dict[str, Any]:
     """Step 2 is corrupt on every rank; rank 0's look at the store (was it deleted while it
-    was read?) raises a foreign error: every rank's outcome of ``restore(step=2)`` and of
-    ``restore()``, with its seconds."""
+    was read?) fails: its listing raises a foreign error, then (``look``) the look itself.
+    Every rank's outcome of ``restore(step=2)`` and ``restore()`` in each case, with its
+    seconds."""
     from ckptstore.restore import reader
 
     model = make_model()
     mgr = CheckpointManager(ctx.root, barrier_timeout=float(ctx.args["timeout"]))
     mgr.save(1, {"model": model})
     mgr.save(2, {"model": model})
+    calls = [0]
     if ctx.rank == 0:
         p = ctx.root / "step-000000000002" / "model.safetensors"
         data = bytearray(p.read_bytes())
         data[-5] ^= 0xFF
         p.write_bytes(bytes(data))
+        real = mgr.storage.list_steps
+
+        def flaky() -> list[int]:  # the choice of step lists; the look after it fails
+            calls[0] += 1
+            if calls[0] > 1:
+                raise RuntimeError("the listing broke")
+            return real()
+
+        mgr.storage.list_steps = flaky  # type: ignore[method-assign]
+    dist.barrier()
+
+    def restore(**kw: Any) -> Any:
+        calls[0] = 0
+        return mgr.restore({"model": make_model(seed=7)}, **kw)
+
+    out = {"explicit": outcome(lambda: restore(step=2)), "newest": outcome(restore)}
+    if ctx.rank == 0:
 
         def broken(session: Any, step: int) -> bool:
-            raise RuntimeError("the listing broke")
+            raise RuntimeError("the look broke")
 
-        reader.vanished = broken  # the fault: rank 0 alone looks
-    dist.barrier()
-    return {
-        "explicit": outcome(lambda: mgr.restore({"model": make_model(seed=7)}, step=2)),
-        "newest": outcome(lambda: mgr.restore({"model": make_model(seed=7)})),
-    }
+        reader.vanished = broken  # a fault in the look itself
+    out["look_explicit"] = outcome(lambda: restore(step=2))
+    out["look_newest"] = outcome(restore)
+    return out
 
 
 def broadcast_restore(ctx: Ctx) -> dict[str, Any]:
@@ -1162,3 +1179,32 @@ def lightning_fall_back_unlisted(ctx: Ctx) -> dict[str, Any]:
     path = str(ctx.workdir / "gone" / "epoch=1.ckpt")
     error = IntegrityError(f"{path}: model.safetensors does not match its crc32c")
     return outcome(lambda: _fall_back(Strategy(), CkptStoreIO(), path, error, allow_pickle=False))
+
+
+def hard_error_on_rank1(ctx: Ctx) -> dict[str, Any]:
+    """Rank 1's read of the step fails with an error that has a cause (the fault: its decode
+    raises): what each rank raises, its cause, notes and seconds."""
+    from ckptstore.restore import reader
+
+    mgr = CheckpointManager(ctx.root, barrier_timeout=float(ctx.args["timeout"]))
+    mgr.save(1, {"model": make_model()})
+    if ctx.rank == 1:
+
+        def decode(*a: Any, **k: Any) -> Any:
+            try:
+                raise ValueError("the root cause")
+            except ValueError as e:
+                raise OSError(5, "I/O error reading the shard") from e
+
+        reader.decode = decode
+    dist.barrier()
+    t0 = time.monotonic()
+    try:
+        mgr.restore({"model": make_model(seed=7)})
+        return {"ok": True}
+    except Exception as e:
+        return {
+            **failure(e),
+            "cause": repr(e.__cause__),
+            "seconds": time.monotonic() - t0,
+        }

@@ -103,19 +103,38 @@ def test_an_error_of_rank0_before_its_broadcast_reaches_every_rank_at_once(tmp_p
 
 
 def test_rank0_failing_to_look_for_a_corrupt_step_fails_every_rank_at_once(tmp_path: Path):
-    """A corrupt step's restore asks rank 0 whether the step was deleted meanwhile; an error
-    other than an ``OSError`` there left the other ranks in the broadcast until
-    ``barrier_timeout`` (``restore(step=2)``)."""
+    """A corrupt step's restore asks rank 0 whether the step was deleted meanwhile. A listing
+    that raised something other than an ``OSError`` there left the other ranks in the
+    broadcast until ``barrier_timeout`` (``restore(step=2)``); now it means "cannot tell":
+    the step's own error stands, and ``restore()`` goes on to step 1. An exception of the
+    look itself reaches every rank at once."""
     res = launch("corrupt_step_rank0_cannot_list", 2, tmp_path, args={"timeout": LONG})
     for rank, v in enumerate(values(res)):
-        for case in ("explicit", "newest"):
+        got = v["explicit"]
+        assert got["error_type"] == "IntegrityError", describe(res)
+        assert "does not match the manifest" in got["message"], got
+        assert got["message"].startswith("rank 0: ") == (rank == 1), got
+        assert got["seconds"] < PROMPT, describe(res)
+        assert (v["newest"]["ok"], v["newest"].get("value")) == (True, 1), describe(res)
+        for case in ("look_explicit", "look_newest"):
             got = v[case]
-            assert (got["error_type"], got["message"]) == (
-                "RuntimeError",
-                "the listing broke",
-            ), describe(res)
+            assert (got["error_type"], got["message"]) == ("RuntimeError", "the look broke"), got
             assert got["notes"] == (["raised on rank 0"] if rank else []), describe(res)
             assert got["seconds"] < PROMPT, describe(res)
+
+
+def test_the_rank_whose_read_failed_raises_its_own_exception(tmp_path: Path):
+    """It raised the copy the exchange unpickled: no cause, a traceback from the exchange."""
+    res = launch("hard_error_on_rank1", 2, tmp_path, args={"timeout": LONG})
+    zero, one = values(res)
+    for v in (zero, one):
+        assert (v["error_type"], v["message"]) == (
+            "OSError",
+            "[Errno 5] I/O error reading the shard",
+        ), describe(res)
+        assert v["seconds"] < PROMPT, describe(res)
+    assert (one["cause"], one["notes"]) == ("ValueError('the root cause')", []), one
+    assert (zero["cause"], zero["notes"]) == ("None", ["raised on rank 1"]), zero
 
 
 @pytest.mark.parametrize(

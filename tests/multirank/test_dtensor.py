@@ -407,10 +407,12 @@ def test_fsdp2_over_tensor_parallel_restores_on_other_meshes_and_back(tmp_path):
         mgr.save(2, {"model": model, "optim": opt})
     vals = run("dtensor_scenarios:fsdp_tp_restore", 4, whole, [2, 2])
     assert all(v["digests"] == digests(model, opt) for v in vals)
+    assert all(v["moments"] == ["True:True"] for v in vals)
     back = tmp_path / "back"
     saved = run("dtensor_scenarios:fsdp_tp_save", 2, back, None)[0]
     vals = run("dtensor_scenarios:fsdp_tp_restore", 4, back, [2, 2])
     assert all(v["digests"] == saved["digests"] for v in vals)
+    assert all(v["moments"] == ["True:True"] for v in vals)
     assert vals[0]["layout"]["up.weight"] == "(_StridedShard(dim=0, sf=2), Shard(dim=0))"
 
 
@@ -438,6 +440,7 @@ def test_torchtitan_meshes_with_flattened_dims_are_written_with_the_split_index(
         for v in run("dtensor_scenarios:fsdp_tp_restore", world, tmp_path, **args):
             assert v["step"] == 2
             assert v["digests"] == saved["digests"], args
+            assert v["moments"] == ["True:True"], args
     model = make_mlp(seed=1)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     CheckpointManager(tmp_path / "store").restore({"model": model, "optim": opt})
@@ -452,6 +455,7 @@ def test_torchtitan_meshes_with_flattened_dims_are_written_with_the_split_index(
     assert len(held) == len(set(held))
     for v in run("dtensor_scenarios:fsdp_tp_restore", 4, hsdp, titan=[1, 2, 1, 2]):
         assert v["digests"] == saved["digests"]
+        assert v["moments"] == ["True:True"]
 
 
 def test_a_strided_shard_that_is_no_box_is_refused_both_ways(tmp_path):
