@@ -31,6 +31,17 @@ def test_operation_names_and_sizes_are_read_as_the_bench_spells_them() -> None:
     ]
 
 
+def test_the_verdict_is_noise_unless_the_rounds_say_otherwise() -> None:
+    # The sign test, two-sided: 6 of 6 rounds one way is p = 2/64; 5 of 6 is 14/64.
+    assert bench_ab.sign_test(6, 6) == pytest.approx(2 / 64)
+    assert bench_ab.sign_test(0, 6) == pytest.approx(2 / 64)
+    assert bench_ab.sign_test(5, 6) == pytest.approx(14 / 64)
+    assert bench_ab.sign_test(3, 6) == 1.0
+    assert bench_ab.sign_test(0, 0) == 1.0
+    assert [bench_ab.verdict(w, 6) for w in (6, 0, 5, 3)] == ["faster", "slower", "noise", "noise"]
+    assert bench_ab.verdict(5, 5) == "noise"  # 5 rounds cannot tell at the 5% level
+
+
 def test_an_unknown_operation_is_refused_by_name() -> None:
     with pytest.raises(SystemExit):
         bench_ab.main(["--baseline", "HEAD", "--ops", "restore-2to7"])
@@ -62,6 +73,8 @@ def test_both_versions_restore_their_own_store_and_are_timed_side_by_side(
         assert all(t > 0 for t in row["times"][version])
         assert all(c > 0 for c in row["cpus"][version])
     assert row["speed_ratio"] == pytest.approx(row["baseline_s"] / row["current_s"])
+    assert (row["sign_test_p"], row["verdict"]) == (1.0, "noise")  # one round tells nothing
+    assert row["spread"] == {"current": 1.0, "baseline": 1.0}
     lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("round ")]
     assert [ln.split()[3] for ln in lines] == ["current", "baseline"]
     assert list(tmp_path.glob("ckpt-ab-*")) == []  # its stores and the baseline's code removed

@@ -29,6 +29,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import json
+import math
 import os
 import shutil
 import statistics
@@ -63,6 +64,26 @@ def parse_size(text: str) -> int:
         if text.upper().endswith(suffix):
             return int(float(text[: -len(suffix)]) * mult)
     return int(text)
+
+
+def sign_test(wins: int, rounds: int) -> float:
+    """Two-sided sign test: how likely ``wins`` of ``rounds`` (or a split as lopsided) is
+    when neither version is faster. On the 2-core VM one code's rounds spread 0.63-0.99 s of
+    CPU for one restore (2026-11-30): a median ratio alone, 1.04x for a tree against
+    itself, reads as a difference it is not. 1.0 without rounds."""
+    if rounds <= 0:
+        return 1.0
+    tail = min(wins, rounds - wins)
+    p = 2 * sum(math.comb(rounds, k) for k in range(tail + 1)) / (1 << rounds)
+    return min(1.0, p)
+
+
+def verdict(wins: int, rounds: int) -> str:
+    """``faster``, ``slower`` or ``noise``: the current tree's, at the 5% level (the sign test
+    needs 6 rounds, all one way)."""
+    if sign_test(wins, rounds) > 0.05:
+        return "noise"
+    return "faster" if wins * 2 > rounds else "slower"
 
 
 def order_of(r: int) -> list[str]:
@@ -223,6 +244,12 @@ def main(argv: list[str] | None = None) -> int:
                     "speed_ratio": statistics.median(old) / statistics.median(cur),
                     "current_faster_rounds": wins,
                     "rounds": len(cur),
+                    "sign_test_p": sign_test(wins, len(cur)),
+                    "verdict": verdict(wins, len(cur)),
+                    "spread": {
+                        "current": max(cur) / min(cur),
+                        "baseline": max(old) / min(old),
+                    },
                     "times": {"current": cur, "baseline": old},
                     "cpus": {"current": cpus[("current", op)], "baseline": cpus[("baseline", op)]},
                 }
@@ -230,14 +257,20 @@ def main(argv: list[str] | None = None) -> int:
         print(f"\ncurrent tree vs {args.baseline} (medians of {args.rounds} rounds, alternating)")
         print(
             f"{'op':<13} {'current s':>9} {'baseline s':>10} {'speed':>6} {'faster':>6} "
-            f"{'cpu cur':>7} {'cpu base':>8}"
+            f"{'p':>5} {'verdict':>7} {'spread':>11} {'cpu cur':>7} {'cpu base':>8}"
         )
         for row in rows:
+            spread = f"{row['spread']['current']:.2f}/{row['spread']['baseline']:.2f}"
             print(
                 f"{row['op']:<13} {row['current_s']:9.3f} {row['baseline_s']:10.3f} "
                 f"{row['speed_ratio']:5.2f}x {row['current_faster_rounds']:>3}/{row['rounds']:<2} "
+                f"{row['sign_test_p']:5.2f} {row['verdict']:>7} {spread:>11} "
                 f"{row['current_cpu']:7.3f} {row['baseline_cpu']:8.3f}"
             )
+        print(
+            "p: the sign test's chance of such a split of the rounds with no difference; "
+            "spread: max/min of each version's times"
+        )
         if args.json is not None:
             doc = {
                 "baseline": args.baseline,
