@@ -1086,6 +1086,26 @@ def leader_value_fails(ctx: Ctx) -> dict[str, Any]:
     }
 
 
+def leader_value_peer_away(ctx: Ctx) -> dict[str, Any]:
+    """Rank 0's value fails while rank 1 stays out of the broadcast: what rank 0 raises
+    (its ``BarrierTimeout``, and under it as its cause rank 0's own error)."""
+    from ckptstore.dist import Coordinator
+
+    coord = Coordinator(float(ctx.args["timeout"]))
+    if ctx.rank == 1:
+        wait_for_outcomes(ctx, [0])
+        return {"away": True}
+
+    def fn() -> int:
+        raise RuntimeError("rank 0's own failure: the store is unreachable")
+
+    try:
+        coord.leader_value(fn, "t:away")
+    except Exception as e:
+        return {**failure(e), "cause": repr(e.__cause__)}
+    return {"ok": True}
+
+
 def tree_exchange(ctx: Ctx) -> dict[str, Any]:
     """``Coordinator.scatter`` and ``broadcast_tree`` on 4 ranks, then a member dies in one.
 

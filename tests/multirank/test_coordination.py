@@ -102,6 +102,18 @@ def test_an_error_of_rank0_before_its_broadcast_reaches_every_rank_at_once(tmp_p
         assert "cannot be sent to the other ranks" in bad["message"]
 
 
+def test_rank0_s_error_is_the_cause_of_the_timeout_of_its_broadcast(tmp_path: Path):
+    """A peer gone from ``leader_value``'s broadcast after rank 0's value failed: rank 0
+    raised the ``BarrierTimeout`` alone, its own error lost."""
+    res = launch("leader_value_peer_away", 2, tmp_path, args={"timeout": TIMEOUT})
+    zero = values(res)[0]
+    assert zero["error_type"] == "BarrierTimeout", describe(res)
+    assert zero["missing_ranks"] == [1], describe(res)
+    assert zero["cause"] == ('RuntimeError("rank 0\'s own failure: the store is unreachable")'), (
+        describe(res)
+    )
+
+
 def test_rank0_failing_to_look_for_a_corrupt_step_fails_every_rank_at_once(tmp_path: Path):
     """A corrupt step's restore asks rank 0 whether the step was deleted meanwhile. A listing
     that raised something other than an ``OSError`` there left the other ranks in the
