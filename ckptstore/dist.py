@@ -1040,7 +1040,9 @@ def told_by(rank: int, err: BaseException) -> BaseException:
     """
     if isinstance(err, CkptStoreError):
         told = copy.copy(err)  # CkptStoreError.__reduce__: the type and every attribute
-        told.message = f"rank {rank}: {err.message}"
+        prefix = f"rank {rank}: "
+        if not err.message.startswith(prefix):  # told once more: not "rank 0: rank 0: ..."
+            told.message = prefix + err.message
         told.args = (told.message,)
         return told
     note = f"raised on rank {rank}"

@@ -178,6 +178,8 @@ def test_an_error_told_by_another_rank_keeps_its_attributes_and_names_the_rank()
     assert str(got) == got.message == got.args[0] == "rank 0: step 7: ranks [3] never arrived"
     assert (got.missing_ranks, got.phase, got.step) == ([3], "s", 7)
     assert str(sent) == "step 7: ranks [3] never arrived"  # the original is not changed
+    assert str(told_by(0, got)) == str(got)  # told again: one prefix, not "rank 0: rank 0:"
+    assert str(told_by(1, got)) == "rank 1: " + str(got)  # relayed: who told whom
     path = told_by(2, PathExistsError("/out/m.safetensors: exists", path="/out/m.safetensors"))
     assert (type(path), path.filename, str(path)) == (
         PathExistsError,
