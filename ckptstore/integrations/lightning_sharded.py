@@ -72,6 +72,7 @@ from .lightning import (
 if TYPE_CHECKING:
     from collections.abc import Callable
 
+    from ..manifest import Manifest
     from .lightning import CkptStoreIO
 
 __all__ = ["load_sharded", "save_sharded", "unserved_reason"]
@@ -388,13 +389,13 @@ def _fall_back(
     )
 
 
-def _rest_keys(mgr: CheckpointManager, root: str, step: int) -> list[str]:
+def _rest_keys(manifest: Manifest, root: str, step: int) -> list[str]:
     """The entries of ``step`` besides the model and optimizer states, as listed in its manifest.
 
     Those are Lightning's loops, callbacks and the like. StateMismatchError for a step that
     CkptStoreIO did not save under ModelParallelStrategy.
     """
-    info = mgr.manifest(step).metadata.get("lightning")
+    info = manifest.metadata.get("lightning")
     keys = info.get("keys") if isinstance(info, dict) else None
     if not isinstance(keys, list):
         how = (
@@ -409,15 +410,15 @@ def _rest_keys(mgr: CheckpointManager, root: str, step: int) -> list[str]:
     return [k for k in keys if isinstance(k, str) and k not in _TENSOR_KEYS]
 
 
-def _stored_keys(mgr: CheckpointManager, step: int, entry: str) -> list[str] | None:
-    """The keys of the dict ``entry`` of ``step``, from its ``state.json``.
+def _stored_keys(mgr: CheckpointManager, manifest: Manifest, entry: str) -> list[str] | None:
+    """The keys of the dict ``entry`` of the step of ``manifest``, from its ``state.json``.
 
     None where the entry is no dict of string keys: the restore judges it.
 
     Raises:
         IntegrityError, ManifestError: the manifest or ``state.json`` does not read.
     """
-    _, keys, vals = read_state_root(mgr.storage, mgr.manifest(step))
+    _, keys, vals = read_state_root(mgr.storage, manifest)
     node = vals[keys.index(entry)] if entry in keys else None
     if not isinstance(node, dict) or node.get("t") not in ("dict", "odict"):
         return None
@@ -428,7 +429,7 @@ def _stored_keys(mgr: CheckpointManager, step: int, entry: str) -> list[str] | N
 
 
 def _check_model_keys(
-    mgr: CheckpointManager, root: str, step: int, state_dict: dict[str, Any]
+    mgr: CheckpointManager, manifest: Manifest, root: str, step: int, state_dict: dict[str, Any]
 ) -> None:
     """Refuse, before anything is read, a checkpoint whose model keys are not the model's.
 
@@ -438,7 +439,7 @@ def _check_model_keys(
     raises alike.
     """
     with contextlib.suppress(IntegrityError, ManifestError, OSError):
-        stored = _stored_keys(mgr, step, "state_dict")
+        stored = _stored_keys(mgr, manifest, "state_dict")
         if stored is None:
             return
         have = set(stored)
@@ -494,7 +495,7 @@ def _load_rest(
     while True:
         failed: CkptStoreError | None = None
         try:
-            rest = _rest_keys(mgr, root, step)
+            rest = _rest_keys(mgr.manifest(step), root, step)
             raw = mgr.load(step, keys=rest) if rest else {}
         except (IntegrityError, ManifestError) as e:
             failed = e
@@ -548,10 +549,14 @@ def _restore(
             own["optimizer_states"] = [get_optimizer_state_dict(model, o) for o in optimizers]
         # A checkpoint of another kind, or of another model, is refused before anything is
         # read into the model (a manifest that does not read is the restore's to judge).
+        # The newest manifest read once for both checks.
+        manifest: Manifest | None = None
         with contextlib.suppress(IntegrityError, ManifestError):
-            _rest_keys(mgr, root, newest)
-        if strict:
-            _check_model_keys(mgr, root, newest, own["state_dict"])
+            manifest = mgr.manifest(newest)
+        if manifest is not None:
+            _rest_keys(manifest, root, newest)
+            if strict:
+                _check_model_keys(mgr, manifest, root, newest, own["state_dict"])
         # FSDP1's ShardedTensors are filled through DTensor views of their shards.
         targets = as_dtensors(own, "state") if fsdp1 else own
         step = mgr.restore(targets, None if newest_good else newest)
