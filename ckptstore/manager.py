@@ -476,7 +476,8 @@ class CheckpointManager:
 
         Raises:
             CommitError: the last async save failed.
-            ReplicaError: an upload failed (the step stays in the local store).
+            ReplicaError: an upload failed (the step stays in the local store), or uploads
+                are paused (``replica.pause()``) with steps still to upload.
         """
         self.wait_save()
         if self.replica is not None:

@@ -1093,3 +1093,146 @@ def test_a_step_replaced_from_the_replica_keeps_its_pin(
         wait_for_deletions()
         assert mgr.steps() == [1, 3]
         assert mgr.verify(1).ok
+
+
+def _trained(tmp_path: Path, s3: S3Endpoint, url: str) -> dict[int, dict[str, Any]]:
+    """A job that saved steps 1..3 to the local store at ``a`` and the replica, then ended."""
+    states = {s: make_state(s) for s in (1, 2, 3)}
+    with tiered(tmp_path / "a", s3, url, keep=3) as mgr:
+        for s, st in states.items():
+            mgr.save(s, st)
+        mgr.wait()
+    assert replica_steps(s3, url) == [1, 2, 3]
+    return states
+
+
+def test_a_replica_that_stops_listing_after_start_up_still_resumes_its_newest_step(
+    tmp_path: Path, s3: S3Endpoint, url: str, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Review (s39) F1: on a new node, the replica's listing failing after the manager started
+    made resume() take the empty local store for the whole run: it returned 0, and the job's
+    next saves replaced the replica's trained steps. The replica is taken to hold what the
+    uploader saw there at start-up; the fetch of its newest step succeeds."""
+    states = _trained(tmp_path, s3, url)
+    with tiered(tmp_path / "b", s3, url, keep=3) as mgr:
+        fresh = fresh_like(states[3])
+        with (
+            s3.refusing("GET", f"/{s3.bucket}", 503),
+            caplog.at_level(logging.WARNING, "ckptstore"),
+        ):
+            assert mgr.resume(fresh) == 4
+        assert_same(snapshot(fresh), snapshot(states[3]))
+        assert "taking it to hold the steps it was last seen to ([1, 2, 3])" in caplog.text
+        assert mgr.steps() == [3]  # fetched into the local store
+
+
+def test_a_replica_that_never_listed_stops_a_restore_instead_of_going_back(
+    tmp_path: Path, s3: S3Endpoint, url: str
+) -> None:
+    """The replica does not list and nobody saw what it holds: no step is chosen (the local
+    store's newest could be older than the replica's), and the error says what to do."""
+    from ckptstore.tiers.twotier import all_steps
+
+    _trained(tmp_path, s3, url)
+    local = open_storage(tmp_path / "a")
+    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    assert all_steps(local, replica) == [1, 2, 3]
+    with s3.refusing("GET", f"/{s3.bucket}", 503), pytest.raises(ReplicaUnavailableError) as info:
+        all_steps(local, replica)
+    msg = str(info.value)
+    assert msg.startswith(f"could not list the replica {replica.root}: ")
+    assert "it may hold newer steps than the local store" in msg
+    assert "(steps up to 3)" in msg
+    assert "open the local store without replica= to restore from it alone" in msg
+    # With what it was last seen to hold, the union; a step only seen there is fetched later.
+    with s3.refusing("GET", f"/{s3.bucket}", 503):
+        assert all_steps(local, replica, {3, 4}) == [1, 2, 3, 4]
+
+
+def test_a_new_node_saving_without_resume_does_not_replace_the_replicas_steps(
+    tmp_path: Path, s3: S3Endpoint, url: str
+) -> None:
+    """Review (s39) F2: the "restarted without resume()" guard looked at the local store only:
+    a new node's empty disk let save(1..3) through, and their uploads replaced the replica's
+    trained copies. Refused now, as on one tier; a resume then finds the trained steps."""
+    from ckptstore.errors import UsageError
+
+    states = _trained(tmp_path, s3, url)
+    before = s3.client.cat_file(f"{url}/{step_dir(3)}/manifest.json")
+    with tiered(tmp_path / "b", s3, url, keep=3) as mgr:
+        with pytest.raises(UsageError) as older:
+            mgr.save(1, make_state(11))
+        with pytest.raises(UsageError) as same:
+            mgr.save(3, make_state(13))
+        assert mgr.steps() == []  # nothing was written
+        mgr.wait()
+        assert mgr.save(1, make_state(11), allow_older=True) is not None
+    assert str(older.value).startswith(
+        f"refusing to save step 1 in {tmp_path / 'b'}: the replica {url} holds newer "
+        "checkpoints (steps 1..3); nothing was written"
+    )
+    assert "call mgr.resume(state) before training to continue after step 3" in str(older.value)
+    assert f"the replica {url} holds step 3 already (steps 1..3)" in str(same.value)
+    assert s3.client.cat_file(f"{url}/{step_dir(3)}/manifest.json") == before
+    with tiered(tmp_path / "c", s3, url, keep=3) as mgr:
+        got = fresh_like(states[3])
+        assert mgr.resume(got) == 4
+        assert_same(snapshot(got), snapshot(states[3]))
+        mgr.save(4, make_state(4))  # after the replica's newest: admitted
+        mgr.wait()
+    assert replica_steps(s3, url) == [2, 3, 4]  # replica_keep: 3
+
+
+def test_steps_the_replica_lost_are_uploaded_again_not_called_safe(
+    tmp_path: Path, s3: S3Endpoint, url: str, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Review (s39) F3: steps recorded safe were never looked for again: with the replica's
+    prefix emptied, ``replicate`` said "nothing to upload; safe on URL: 1, 2, 3" and local
+    retention was free to delete the only copies. A recorded step gone with nothing newer
+    there cannot be the replica's retention (it keeps the newest step known safe)."""
+    import json
+
+    from ckptstore.ops.verify import verify_checkpoint
+
+    _trained(tmp_path, s3, url)
+    root = tmp_path / "a"
+    s3.client.rm(f"{url}/{step_dir(3)}", recursive=True)  # the newest alone: 1, 2 stay
+    with CheckpointManager(root, keep=1) as plain:  # no replica: the records only
+        assert plain.replica is None
+    up = Replicator(open_storage(root), open_storage(url, s3.storage_options), url=url)
+    up.pause()
+    assert up.recover() == [3]  # 1 and 2 are there: safe as recorded
+    assert [up.is_safe(s) for s in (1, 2, 3)] == [True, True, False]
+    assert up.deletable([1, 2, 3]) == [1, 2]
+    assert not (root / step_dir(3) / REPLICATED_NAME).exists()  # its record dropped
+    assert (root / step_dir(2) / REPLICATED_NAME).exists()
+    up.close(wait=False)
+
+    s3.client.rm(url, recursive=True)  # the whole prefix: nothing newer than any of them
+    rc, out = cli(capsys, "ls", root, "--json")
+    assert rc == 0
+    assert [d["tiers"] for d in json.loads(out)] == [["local", "replica"]] * 2 + [["local"]]
+    rc, out = cli(capsys, "replicate", root, url, *s3.cli_options)
+    assert rc == 0, out
+    assert out.splitlines()[0] == f"uploaded 3, 2, 1; safe on {url}: 1, 2, 3"
+    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    assert replica.list_steps() == [1, 2, 3]
+    assert all(verify_checkpoint(replica, s).ok for s in (1, 2, 3))
+
+
+def test_wait_while_uploads_are_paused_raises_instead_of_waiting_for_ever(
+    tmp_path: Path, s3: S3Endpoint, url: str
+) -> None:
+    """Review (s39) F4: ``mgr.wait()`` with the uploader paused never returned."""
+    with tiered(tmp_path / "a", s3, url) as mgr:
+        assert mgr.replica is not None
+        mgr.replica.pause()
+        mgr.save(1, make_state(1))
+        t0 = time.monotonic()
+        with pytest.raises(ReplicaError, match=r"are paused \(replica.pause\(\)\): steps \[1\]"):
+            mgr.wait()
+        assert time.monotonic() - t0 < 10
+        assert replica_steps(s3, url) == []
+        mgr.replica.resume()
+        mgr.wait()
+        assert replica_steps(s3, url) == [1]

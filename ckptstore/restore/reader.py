@@ -40,6 +40,7 @@ from .select import (
     candidates,
     ensure_local,
     restore_steps,
+    seen_there,
     vanished,
     written_by_rank0,
 )
@@ -216,7 +217,8 @@ class Reader:
                 # (rank 0 decides whether one was tried already, so every rank agrees).
                 there: tuple[str, Any] = ("ok", False)
                 if session.coord.is_leader and s not in refetched:
-                    there = ("ok", tiers.on_replica(session.replica_storage, s))
+                    seen = seen_there(session)
+                    there = ("ok", tiers.on_replica(session.replica_storage, s, seen))
                 _, retry = session.coord.broadcast(there, "restore:replica", s)
                 mark(clock, "x:replica")
                 if retry:
@@ -385,7 +387,9 @@ class Reader:
                     report=covered,
                 )
             except (IntegrityError, ManifestError) as e:
-                if s not in refetched and tiers.on_replica(session.replica_storage, s):
+                if s not in refetched and tiers.on_replica(
+                    session.replica_storage, s, seen_there(session)
+                ):
                     log.warning("step %d: the local copy failed (%s); using the replica's", s, e)
                     refetched.add(s)
                     queue.insert(0, s)

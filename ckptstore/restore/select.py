@@ -22,6 +22,7 @@ __all__ = [
     "candidates",
     "ensure_local",
     "restore_steps",
+    "seen_there",
     "vanished",
     "written_by_rank0",
 ]
@@ -46,10 +47,20 @@ def vanished(session: Session, step: int) -> bool:
 
 
 def restore_steps(session: Session) -> list[int]:
-    """The committed steps a restore chooses from: both tiers' when there is a replica."""
+    """The committed steps a restore chooses from: both tiers' when there is a replica.
+
+    Raises:
+        ReplicaUnavailableError: the replica does not list, and this process never saw
+            what it holds (:func:`ckptstore.tiers.twotier.all_steps`).
+    """
     if session.replica_storage is None:
         return session.steps()
-    return tiers.all_steps(session.storage, session.replica_storage)
+    return tiers.all_steps(session.storage, session.replica_storage, seen_there(session))
+
+
+def seen_there(session: Session) -> set[int] | None:
+    """The steps this process last saw the replica hold (None: it never listed it)."""
+    return session.replica.seen_there() if session.replica is not None else None
 
 
 def ensure_local(session: Session, step: int, *, replace: bool = False) -> bool:

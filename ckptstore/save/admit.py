@@ -38,6 +38,7 @@ def admit(
             known = session.known()
             if not allow_older:
                 _check_order(session, step, known)
+                _check_replica(session, step, known)
             return None, _claim_step(session, step, known)
     except BaseException as e:  # raised on every rank by save()
         if plain_oserror(e):  # listing the store or taking its lock failed
@@ -93,6 +94,37 @@ def _check_order(session: Session, step: int, known: RetentionPlanner) -> None:
         "restarted without resume(): call mgr.resume(state) before training to continue "
         f"after step {newest}, or save(..., allow_older=True) to save it anyway "
         "(retention may delete it at once: it is not the newest)"
+    )
+    raise UsageError(msg)
+
+
+def _check_replica(session: Session, step: int, known: RetentionPlanner) -> None:
+    """Refuse a step the replica holds already, or one older than the replica's newest.
+
+    A new node's empty disk says nothing of the run: a job started there without
+    ``resume()`` saved steps 1, 2, ... and its uploads replaced the replica's trained
+    copies of them, the run's only ones (found by review). What the replica holds is what
+    this process last saw it hold (its uploader's listing at start-up, kept current); a
+    step a restore of this job skipped there as corrupt does not count, as locally.
+    """
+    seen = session.replica.seen_there() if session.replica is not None else None
+    if not seen:
+        return
+    there = sorted(s for s in seen if s not in session.known_bad)
+    newest = there[-1] if there else None
+    if newest is None or step > newest or (step == newest and step in known):
+        return
+    assert session.replica is not None
+    url = session.replica.url
+    if step < newest:
+        what = f"the replica {url} holds newer checkpoints (steps {there[0]}..{newest})"
+    else:
+        what = f"the replica {url} holds step {step} already (steps {there[0]}..{newest})"
+    msg = (
+        f"refusing to save step {step} in {session.root}: {what}; nothing was written, and "
+        "its upload would replace the replica's copies. Training probably restarted without "
+        f"resume() (on a new node, say): call mgr.resume(state) before training to continue "
+        f"after step {newest}, or save(..., allow_older=True) to save it anyway"
     )
     raise UsageError(msg)
 

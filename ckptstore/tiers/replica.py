@@ -71,6 +71,7 @@ from . import nodes, upload_parts
 from .copy import _ATTEMPTS, _BACKOFF, DEFAULT_THREADS, _lower_priority, copy_files, fetch_step
 from .safety import (
     LEGACY,
+    forget_replicated,
     manifest_digest,
     mark_replicated,
     read_replica_url,
@@ -188,6 +189,12 @@ class Replicator:
         self.uploaded_bytes = 0
         #: Local retention held back a step for the replica (see :meth:`deletable`).
         self.holding = False
+        #: The steps the replica held at this uploader's last full listing, with those it
+        #: committed since and less those its retention deleted (None: never listed).
+        self._seen: set[int] | None = None
+        #: Steps recorded safe whose copy :meth:`recover` found gone from the replica with
+        #: nothing newer there: their records are not to be trusted until uploaded again.
+        self._lost: set[int] = set()
 
     # ---- the gate (pause/resume) -------------------------------------------------------
 
@@ -195,9 +202,12 @@ class Replicator:
         """Hold uploads: the one in flight stops before its next slice of bytes.
 
         For tests and for jobs that want the network to themselves for a while; nothing is
-        lost, :meth:`resume` goes on where it stopped.
+        lost, :meth:`resume` goes on where it stopped. :meth:`wait` raises meanwhile
+        instead of waiting for uploads that cannot go on.
         """
         self.gate.pause()
+        with self._cond:
+            self._cond.notify_all()  # a wait() in progress raises
 
     def resume(self) -> None:
         """Let uploads go on after :meth:`pause`."""
@@ -217,6 +227,29 @@ class Replicator:
         """Whether ``step`` was committed and verified on the replica (as the local save)."""
         with self._cond:
             return step in self.safe
+
+    @property
+    def url(self) -> str:
+        """The replica's URL, as the job named it."""
+        return self._url
+
+    def seen_there(self) -> set[int] | None:
+        """The committed steps the replica was last seen to hold (None: never listed).
+
+        From this uploader's last full listing of the replica (:meth:`recover`, then each
+        later one), with the steps it committed there since and less those its retention
+        deleted: what a restore or an admitted save takes the replica to hold when a
+        listing of it fails.
+        """
+        with self._cond:
+            return None if self._seen is None else set(self._seen)
+
+    def list_replica(self) -> list[int]:
+        """The replica's committed steps, listed now (remembered for :meth:`seen_there`)."""
+        steps = self.replica.list_steps()
+        with self._cond:
+            self._seen = set(steps)
+        return steps
 
     def pending(self) -> list[int]:
         """Steps waiting for (or in) their upload, newest first."""
@@ -253,7 +286,7 @@ class Replicator:
             # these roots): the local marker says this very save is there, verified. This
             # uploader never uploaded it, so it kept the step for the whole job.
             with contextlib.suppress(OSError, CkptStoreError):
-                if not known and self._recorded(s, manifest) == "yes":
+                if not known and s not in self._lost and self._recorded(s, manifest) == "yes":
                     self._set_safe(s, manifest)
         with self._cond:
             unsure = [s for s in doomed if s not in self.safe]
@@ -299,7 +332,7 @@ class Replicator:
         copy there is not taken as safe. An unreachable replica changes nothing.
         """
         try:
-            remote = set(self.replica.list_steps())
+            remote = set(self.list_replica())
             mine = set(self.local.list_steps() if steps is None else steps)
         except Exception as e:  # botocore's errors are no OSError
             log.debug("could not list the replica %s: %s", self.replica.root, e)
@@ -317,7 +350,8 @@ class Replicator:
             if there.to_bytes() != manifest.to_bytes():
                 continue
             digest = manifest_digest(manifest)
-            if self._part_of.get(s) == digest or self._recorded(s, manifest) == "yes":
+            recorded = s not in self._lost and self._recorded(s, manifest) == "yes"
+            if self._part_of.get(s) == digest or recorded:
                 self._set_safe(s, manifest)
                 mark_replicated(self.local, s, self.replica, manifest)
 
@@ -338,6 +372,7 @@ class Replicator:
         with self._cond:
             self.safe.add(step)
             self._safe_as[step] = manifest_digest(manifest)
+            self._lost.discard(step)
 
     # ---- work --------------------------------------------------------------------------
 
@@ -368,12 +403,17 @@ class Replicator:
         With ``clean``, incomplete multipart uploads under the replica's root are aborted and
         manifest-less steps removed (:meth:`clean`); local steps not recorded safe on this
         replica as this very save are queued, newest first (a step recorded safe that the
-        replica no longer has was deleted by its retention: not uploaded again). A queued step
-        the replica already holds is checked there, not uploaded again, when it verifies.
+        replica no longer has was deleted by its retention, which a newer step there
+        shows: not uploaded again). A step recorded safe that is gone with nothing newer
+        there was lost (the prefix emptied, the bucket made anew): retention never deletes
+        the newest step known safe. Its record is dropped and it is queued again. A queued
+        step the replica already holds is checked there, not uploaded again, when it
+        verifies.
         """
         if clean:
             self.clean()
-        remote = set(self.replica.list_steps())
+        remote = set(self.list_replica())
+        newest_there = max(remote, default=-1)
         steps = list(self.local.list_steps() if local_steps is None else local_steps)
         todo = []
         for s in steps:
@@ -386,7 +426,19 @@ class Replicator:
             # deleted it since). An old marker counts only for a step the replica no longer
             # has; a copy it has is checked by the upload (upload_step), as is any other.
             said = self._recorded(s, manifest)
-            if said == "yes" or (said == "legacy" and s not in remote):
+            if said != "no" and s not in remote and s > newest_there:
+                log.warning(
+                    "replica %s: step %d is recorded safe there, but the replica no longer "
+                    "holds it nor any newer step (its retention keeps the newest one known "
+                    "safe: the replica lost it); uploading it again",
+                    self.replica.root,
+                    s,
+                )
+                with self._cond:
+                    self._lost.add(s)
+                forget_replicated(self.local, s, self.replica)
+                todo.append(s)
+            elif said == "yes" or (said == "legacy" and s not in remote):
                 self._set_safe(s, manifest)
             elif self.rank is None and s not in remote and self._partial(s):
                 # A node's partial copy (node-local roots) is uploaded by the job's own
@@ -842,6 +894,9 @@ class Replicator:
 
     def _safe(self, step: int, manifest: Manifest) -> None:
         self._set_safe(step, manifest)
+        with self._cond:
+            if self._seen is not None:
+                self._seen.add(step)
         # The local marker, the replica's retention and the callback (local retention)
         # write and delete: they wait while a save runs (a stopping uploader goes on).
         with contextlib.suppress(ReplicaError):
@@ -872,7 +927,7 @@ class Replicator:
         """
         if self.policy is None:
             return []
-        steps = self.replica.list_steps()
+        steps = self.list_replica()
         metrics: dict[int, Mapping[str, float]] = {}
         if self.policy.needs_metrics:
             for s, m in self.replica.read_manifests(steps).items():
@@ -895,6 +950,9 @@ class Replicator:
             except FileNotFoundError:
                 pass
             deleted.append(s)
+        with self._cond:
+            if self._seen is not None:
+                self._seen.difference_update(deleted)
         if deleted:
             log.info("replica retention deleted steps %s from %s", deleted, self.replica.root)
         return deleted
@@ -905,7 +963,8 @@ class Replicator:
         """Wait until every queued upload has finished; raise the first failure since.
 
         Raises:
-            ReplicaError: an upload failed (its step is still in the local store).
+            ReplicaError: an upload failed (its step is still in the local store), or the
+                uploads are paused (:meth:`pause`) with steps still to upload.
             TimeoutError: ``timeout`` seconds passed first.
         """
         deadline = None if timeout is None else time.monotonic() + timeout
@@ -913,6 +972,13 @@ class Replicator:
             while (self._pending or self._busy is not None or self._lookups or self._looking) and (
                 self._thread is not None and self._thread.is_alive()
             ):
+                if self.gate.paused and (self._pending or self._busy is not None):
+                    # Paused uploads never finish: this wait would never return.
+                    raise ReplicaError(
+                        f"uploads to {self.replica.root} are paused (replica.pause()): steps "
+                        f"{self.pending()} wait for replica.resume(); nothing was lost, and "
+                        "close() resumes them before it waits"
+                    )
                 left = None if deadline is None else deadline - time.monotonic()
                 if left is not None and left <= 0:
                     raise ReplicaTimeoutError(

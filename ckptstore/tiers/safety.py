@@ -25,6 +25,7 @@ from ..storage import Storage
 
 __all__ = [
     "LEGACY",
+    "forget_replicated",
     "manifest_digest",
     "mark_replicated",
     "read_replica_url",
@@ -108,6 +109,33 @@ def mark_replicated(local: Storage, step: int, replica: Storage | str, manifest:
         local._fsync_dir(d)
     except (OSError, CkptStoreError) as e:  # deleted meanwhile, the disk full, another rank
         log.debug("could not mark %s replicated: %s", local.describe(step), e)
+
+
+def forget_replicated(local: Storage, step: int, replica: Storage | str) -> None:
+    """Drop the record that ``replica`` holds the local ``step`` (it was found gone there).
+
+    Best effort, as :func:`mark_replicated`: a record that stays is distrusted by the
+    uploader that found the step gone, and the next one finds it gone again. An old marker
+    that names no replica goes whole.
+    """
+    d = step_dirname(step)
+    rel = f"{d}/{REPLICATED_NAME}"
+    key = replica_key(replica)
+    try:
+        rec = safe_on(local, step)
+        if rec is None:
+            return
+        rest = {k: v for k, v in rec.items() if k not in (key, LEGACY)}
+        if rest == rec:
+            return
+        with contextlib.suppress(FileNotFoundError):
+            local._remove(rel)
+        if rest:
+            body = json.dumps({"safe_on": rest}, sort_keys=True).encode() + b"\n"
+            local._put_small(rel, body)
+        local._fsync_dir(d)
+    except (OSError, CkptStoreError) as e:  # deleted meanwhile, the disk full
+        log.debug("could not drop the replica record of %s: %s", local.describe(step), e)
 
 
 def replicated_steps(

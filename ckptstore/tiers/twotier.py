@@ -267,28 +267,56 @@ def open_replica(
     return replica, up
 
 
-def all_steps(local: Storage, replica: Storage | None) -> list[int]:
+def all_steps(local: Storage, replica: Storage | None, seen: set[int] | None = None) -> list[int]:
     """The committed steps of both tiers, ascending.
 
-    A replica that fails to list is skipped with a warning: the local steps still restore.
+    A replica that fails to list counts as holding ``seen``, the steps it was last seen to
+    hold (:meth:`~ckptstore.tiers.replica.Replicator.seen_there`), with a warning; a step
+    of those not local is then fetched, and the fetch says whether the replica answers.
+
+    Raises:
+        ReplicaUnavailableError: the replica does not list and was never seen to: its
+            steps may be newer than the local ones, and a restore from the local tier
+            alone would silently go back (a new node's empty disk: to step 0).
     """
     steps = set(local.list_steps())
     if replica is not None:
         try:
             steps.update(replica.list_steps())
-        except Exception as e:  # botocore's errors are no OSError; the local tier still works
-            log.warning("could not list the replica %s: %s; using the local steps", replica.root, e)
+        except Exception as e:  # botocore's errors are no OSError
+            if seen is None:
+                newest = max(steps, default=None)
+                have = "no step" if newest is None else f"steps up to {newest}"
+                raise ReplicaUnavailableError(
+                    f"could not list the replica {replica.root}: {e}; it may hold newer steps "
+                    f"than the local store {local.root} ({have}), so none is chosen: retry "
+                    "once the replica answers, or open the local store without replica= to "
+                    "restore from it alone"
+                ) from e
+            log.warning(
+                "could not list the replica %s: %s; taking it to hold the steps it was last "
+                "seen to (%s)",
+                replica.root,
+                e,
+                sorted(seen)[-8:] or "none",
+            )
+            steps.update(seen)
     return sorted(steps)
 
 
-def on_replica(replica: Storage | None, step: int) -> bool:
-    """Whether ``step`` is committed on the replica (False without one, or unreachable)."""
+def on_replica(replica: Storage | None, step: int, seen: set[int] | None = None) -> bool:
+    """Whether ``step`` is committed on the replica (False without one).
+
+    A replica that fails to list holds ``step`` if it was last seen to (``seen``): the
+    fetch that follows says whether it answers.
+    """
     if replica is None:
         return False
     try:
         return step in replica.list_steps()
-    except Exception:  # unreachable (botocore's errors are no OSError): not to be had there
-        return False
+    except Exception as e:  # botocore's errors are no OSError
+        log.warning("could not list the replica %s: %s", replica.root, e)
+        return seen is not None and step in seen
 
 
 def ensure_local(local: Storage, replica: Storage, step: int, *, replace: bool = False) -> bool:

@@ -63,6 +63,11 @@ class UploadGate:
             self._paused = True
             self._update()
 
+    @property
+    def paused(self) -> bool:
+        """Whether :meth:`pause` closed the gate (a save's hold aside)."""
+        return self._paused
+
     def resume(self) -> None:
         """Undo :meth:`pause` (the gate stays closed while a hold is in place)."""
         with self._lock:
