@@ -24,10 +24,11 @@ from typing import Any
 import torch
 
 from ._log import logger as log
+from .codec.strictjson import deeper_than
 from .dist import Coordinator
 from .errors import ConfigError, ConfigTypeError, ManifestError, NoCheckpointError
 from .integrity import VerifyReport
-from .manifest import Manifest
+from .manifest import MAX_MANIFEST_DEPTH, Manifest
 from .ops.verify import verify_unless_deleted
 from .restore.reader import Reader
 from .retention import RetentionPolicy, as_policy
@@ -659,6 +660,11 @@ def _check_metrics(metrics: Mapping[str, float] | None) -> dict[str, float]:
 
 
 def _check_metadata(metadata: Mapping[str, Any] | None) -> dict[str, Any]:
+    # Readers refuse a manifest nested deeper than MAX_MANIFEST_DEPTH as hostile; its
+    # metadata sits two levels down. Checked first, iteratively: the copy below recurses.
+    if deeper_than(dict(metadata or {}), MAX_MANIFEST_DEPTH - 2):
+        msg = f"metadata must not nest lists and objects more than {MAX_MANIFEST_DEPTH - 2} levels"
+        raise ConfigError(msg)
     # A deep copy: an async save writes the manifest later, and what the caller changes
     # after save returns must not end up in it.
     d = copy.deepcopy(dict(metadata or {}))

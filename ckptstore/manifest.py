@@ -16,6 +16,7 @@ import re
 from collections.abc import Mapping
 from typing import Any
 
+from .codec.strictjson import deeper_than
 from .errors import ManifestError
 from .integrity import BLOCK, block_count, crc32c_of, format_crc, parse_crc
 
@@ -63,6 +64,10 @@ MAX_RANKS = 1 << 24
 MAX_RANK_LINE = 16 << 20
 #: A manifest larger than this is refused unread (a hostile or corrupt file).
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
+#: Levels of lists and objects a manifest may nest (its ``metadata`` two fewer): a deeper one
+#: is hostile (``save`` refuses such metadata), and one nested just under the interpreter's
+#: recursion limit parsed, then overflowed the stack when its checksum re-encoded it.
+MAX_MANIFEST_DEPTH = 64
 #: Largest size a manifest may claim for one file (1 PiB): beyond it, it is lying.
 MAX_FILE_BYTES = 1 << 50
 #: Largest JSON file of a step (``state.json``, the chunk index and its parts): a save
@@ -297,11 +302,20 @@ class Manifest:
             ) from None
         return cls.from_json(doc, where=where)
 
+    @staticmethod
+    def _check_depth(doc: object, where: str) -> None:
+        if deeper_than(doc, MAX_MANIFEST_DEPTH):
+            raise ManifestError(
+                f"{where}: JSON nested more than {MAX_MANIFEST_DEPTH} levels deep (ckptstore "
+                "writes none); the manifest is hostile"
+            )
+
     @classmethod
     def from_json(cls, doc: object, *, where: str = "manifest.json") -> Manifest:
         """Validate a decoded manifest object (see :meth:`from_bytes`)."""
         if not isinstance(doc, dict):
             raise ManifestError(f"{where}: a manifest is a JSON object")
+        cls._check_depth(doc, where)
         version = doc.get("format_version")
         if isinstance(version, bool) or not isinstance(version, int) or version < 1:
             raise ManifestError(f"{where}: format_version missing or not a positive integer")

@@ -234,6 +234,48 @@ def test_deeply_nested_json() -> None:
     refuse(b'{"a":' * 100_000 + b"1" + b"}" * 100_000, "nested too deeply")
 
 
+@pytest.mark.parametrize("depth", [63, 900, 980])
+def test_metadata_nested_under_the_parsers_limit_is_refused_not_a_recursion_error(
+    depth: int,
+) -> None:
+    """Review (s39) #4: a manifest nested ~980 levels parsed, then its checksum's json.dumps
+    overflowed the stack: a raw RecursionError out of verify, ls and restore (no fall-back)."""
+    import sys
+
+    node: Any = 1
+    for _ in range(depth):
+        node = [node]
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        data = edited(metadata={"x": node})  # signed by a writer with a deeper stack
+    finally:
+        sys.setrecursionlimit(limit)
+    # Where the parser itself gives up depends on the caller's stack: either way, one error.
+    msg = refuse(data, "hostile")
+    assert "JSON nested more than 64 levels deep (ckptstore writes none)" in msg or (
+        depth > 64 and "JSON nested too deeply" in msg
+    )
+    ok: Any = 1
+    for _ in range(61):  # 64 levels with the manifest's own two and the metadata's dict
+        ok = [ok]
+    assert Manifest.from_bytes(edited(metadata={"x": ok})).metadata == {"x": ok}
+
+
+def test_save_refuses_metadata_readers_would_refuse(tmp_path: Any) -> None:
+    import torch
+
+    from ckptstore import CheckpointManager, ConfigError
+
+    deep: Any = {}
+    for _ in range(2000):  # deeper than copy.deepcopy and json.dumps can recurse
+        deep = {"a": deep}
+    with CheckpointManager(tmp_path) as mgr:
+        with pytest.raises(ConfigError, match="must not nest lists and objects more than 62"):
+            mgr.save(1, {"w": torch.ones(2)}, metadata={"d": deep})
+        assert mgr.steps() == []
+
+
 @pytest.mark.parametrize("data", [b"\xff\xfe{}", b"", b"{", b"{'step': 1}", b"\x00" * 10], ids=repr)
 def test_not_json(data: bytes) -> None:
     refuse(data, "not valid JSON", "the checkpoint is torn or corrupt")

@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 from typing import Any
 
-__all__ = ["loads"]
+__all__ = ["deeper_than", "loads"]
 
 
 def _refuse(name: str) -> Any:
@@ -32,3 +32,25 @@ def loads(data: bytes | bytearray | memoryview | str, **kwargs: Any) -> Any:
     """
     text = data if isinstance(data, str) else bytes(data).decode("utf-8")
     return json.loads(text, parse_constant=_refuse, **kwargs)
+
+
+def deeper_than(obj: Any, limit: int) -> bool:
+    """Whether decoded JSON ``obj`` nests lists and objects more than ``limit`` levels deep.
+
+    Iterative: what ``json.loads`` built just under the interpreter's recursion limit made a
+    later ``json.dumps`` of it (a checksum, a broadcast) raise ``RecursionError`` a few
+    frames deeper.
+    """
+    todo: list[tuple[Any, int]] = [(obj, 1)]
+    while todo:
+        node, level = todo.pop()
+        if isinstance(node, dict):
+            items: Any = node.values()
+        elif isinstance(node, list | tuple):
+            items = node
+        else:
+            continue
+        if level > limit:
+            return True
+        todo.extend((v, level + 1) for v in items if isinstance(v, dict | list | tuple))
+    return False
