@@ -441,7 +441,9 @@ class _SafetensorsCheck:
             )
 
 
-def check_compressed(storage: Any, step: int, name: str, entry: FileEntry, limit: int) -> None:
+def check_compressed(
+    storage: Any, step: int, name: str, entry: FileEntry, limit: int
+) -> st.Header | None:
     """Stream a compressed payload of a store and check what is inside (``verify``).
 
     The compressed bytes are checked before they inflate where the manifest has block CRCs
@@ -453,11 +455,15 @@ def check_compressed(storage: Any, step: int, name: str, entry: FileEntry, limit
     its end: a mismatch is reported as such, before what the bad bytes did to the
     inflater (which stops inflating at its first error, while the checksum reads on).
 
+    Returns:
+        A safetensors file's header, validated (None for a zip).
+
     Raises:
         IntegrityError: a block, the checksum, the stream or the content is corrupt.
     """
     where = storage.describe(step, name)
     inflater: zstd.Inflater
+    declared = _declared(entry, where)
     if entry.codec == "torch":
         zc = zipstream.ZipStreamChecker(where)
 
@@ -467,7 +473,7 @@ def check_compressed(storage: Any, step: int, name: str, entry: FileEntry, limit
         inflater = zstd.Inflater(consume, where, limit=limit, why=_WHY)
     else:
         sc = _SafetensorsCheck(where)
-        inflater = zstd.Inflater(sc, where, limit=limit, why=_WHY, declared=_declared(entry, where))
+        inflater = zstd.Inflater(sc, where, limit=limit, why=_WHY, declared=declared)
         sc.inflater = inflater
     failed: list[IntegrityError] = []
 
@@ -490,8 +496,9 @@ def check_compressed(storage: Any, step: int, name: str, entry: FileEntry, limit
         inflater.close()
     if entry.codec == "torch":
         zc.finish()
-    else:
-        sc.finish()
+        return None
+    sc.finish()
+    return declared.header if declared is not None else None
 
 
 def _decode_buffer(
