@@ -65,7 +65,12 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
         help="with --hf: the model's config.json (default: the config the HF integrations "
         "recorded in the checkpoint)",
     )
-    parser.add_argument("--force", action="store_true", help="overwrite OUT if it exists")
+    parser.add_argument(
+        "--force",
+        action="store_true",
+        help="overwrite OUT (a .safetensors or .pt file) if it exists; --hf and --dcp never "
+        "overwrite a directory",
+    )
 
 
 def _consolidated_text(world: int | None) -> str:
