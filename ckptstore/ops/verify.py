@@ -7,7 +7,9 @@ validated as hostile input) and that every sharded tensor of ``state.json`` is i
 also the CRC32C of every file and the CRC-32 of every zip member; compressed payloads are
 inflated (never past what their tensors in the state file can take, nor past what a
 safetensors header declares) and checked the same way; for DTensor shard files the CRC32C of
-every block of every chunk, computed in the same single read of the file as its CRC32C.
+every block of every chunk, computed in the same single read of the file as its CRC32C; and
+every state file walked as a restore decodes it, each tensor it references held against its
+payload's header (``codec/treecheck.py``): a step that verifies is one that restores.
 
 A file inside a step directory is checked against the manifest beside it (its size and
 CRC32C, then its structure); a lone file on its own structure. Nothing here imports torch.
@@ -23,8 +25,9 @@ from collections.abc import Collection, Mapping
 from typing import Any
 
 from .._progress import Progress
-from ..codec import payload, strictjson, torchzip
+from ..codec import payload, strictjson, torchzip, treecheck
 from ..codec import safetensors as st
+from ..codec.dtypes import SAFETENSORS_CODES
 from ..codec.payload import stored_tensors
 from ..errors import (
     CkptStoreError,
@@ -55,17 +58,19 @@ __all__ = [
 _LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"
 
 
-def _check_header(f: Any, size: int, codec: str, where: str, deep: bool) -> None:
+def _check_header(f: Any, size: int, codec: str, where: str, deep: bool) -> st.Header | None:
+    """Check a payload's header (a zip's directory and, ``deep``, members); a safetensors one."""
     if codec == "safetensors":
         head = f.read(8)
         if len(head) == 8:
             n = int.from_bytes(head, "little")
             if 8 + n <= size and n <= st.MAX_HEADER_BYTES:
                 head += f.read(n)
-        st.parse_header(head, size, where)
-    elif codec == "torch":
+        return st.parse_header(head, size, where)
+    if codec == "torch":
         f.seek(0)
         torchzip.check_zip(f, where, deep=deep)
+    return None
 
 
 _PAYLOADS = ("safetensors", "torch")
@@ -125,10 +130,16 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
     limits = _Limits(storage, manifest)
     index = _check_index(storage, manifest, report, away) if manifest.dtensor else None
     blocks = _blocks_by_file(index) if deep and index is not None else {}
+    headers: dict[str, st.Header] = {}
     for name, entry in sorted(manifest.files.items()):
         if entry.rank in away:
             continue
-        _check_entry(storage, manifest, name, entry, report, deep, limits, blocks)
+        _check_entry(storage, manifest, name, entry, report, deep, limits, blocks, headers)
+    if deep:
+        for name in wanted:
+            sentry = manifest.files.get(name)
+            if sentry is not None and name != INDEX_FILE and sentry.rank not in away:
+                _check_state(storage, manifest, name, report, headers)
     # The index and state.json are read before the file loop too: say each problem once.
     report.problems[:] = list(dict.fromkeys(report.problems))
     return report
@@ -156,8 +167,13 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
     deep: bool,
     limits: _Limits,
     blocks: Mapping[str, list[_Block]],
+    headers: dict[str, st.Header],
 ) -> None:
-    """Check one file of a checkpoint against its manifest entry; problems go to ``report``."""
+    """Check one file of a checkpoint against its manifest entry; problems go to ``report``.
+
+    A safetensors payload's header, once it checked, goes into ``headers`` (by file name):
+    what :func:`_check_state` holds the state's tensor references against.
+    """
     step = manifest.step
     where = storage.describe(step, name)
     report.files += 1
@@ -181,9 +197,11 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
             # checksum at its end), inflated (as far as it may) and its content checked as
             # it goes by; a few frames held, not the file nor its content.
             try:
-                payload.check_compressed(storage, step, name, entry, limit)
+                header = payload.check_compressed(storage, step, name, entry, limit)
             finally:
                 report.bytes_checked += entry.bytes
+            if header is not None:
+                headers[name] = header
             return
         if deep and name in blocks:
             # One read of the shard file: its CRC32C and every chunk block's at once.
@@ -227,7 +245,9 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
                 return
         if entry.compression is None and entry.codec in ("safetensors", "torch"):
             with storage.open_file(step, name) as f:
-                _check_header(f, size, entry.codec, where, deep)
+                header = _check_header(f, size, entry.codec, where, deep)
+            if header is not None:
+                headers[name] = header
         elif entry.codec == "json" and deep and name == RANK_TABLE_NAME:
             pass  # JSON lines, each parsed and checked when the manifest was read
         elif entry.codec == "json" and deep:
@@ -240,6 +260,47 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
         if isinstance(e, StoreUnreachableError):
             raise  # the store did not answer: nothing is known of the file (design rule 1)
         report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
+
+
+def _check_state(
+    storage: Storage,
+    manifest: Manifest,
+    sname: str,
+    report: VerifyReport,
+    headers: Mapping[str, st.Header],
+) -> None:
+    """Check the state file ``sname`` as a restore decodes it (:mod:`ckptstore.codec.treecheck`).
+
+    Every node well formed, every tensor it references in a payload of its group whose
+    header holds that key with the dtype and shape the state says (a ``torch.save`` zip's
+    tensors, described in its pickle, and a payload whose own check failed are taken on
+    trust here). A step that fails here would fail its restore: it must not count as the
+    newest good one, for which retention deletes older steps.
+    """
+    step = manifest.step
+    entry = manifest.files[sname]
+    try:
+        doc = strictjson.loads(storage.read_file(step, sname, entry))
+    except (CkptStoreError, OSError, UnicodeDecodeError, ValueError, RecursionError):
+        return  # reported by the file loop with its cause
+    rank = entry.rank if manifest.sharded and not manifest.dtensor else None
+    files = manifest.files if rank is not None else manifest.plain_files()
+    groups: dict[str, list[str]] = {}
+    for name, fe in files.items():
+        if fe.codec != "json" and fe.rank == rank:
+            groups.setdefault(payload.group_of(name), []).append(name)
+    contents: dict[str, treecheck.Contents] = {}
+    for group, names in groups.items():
+        if all(n in headers for n in names):
+            merged: dict[str, tuple[str, list[int]]] = {}
+            for n in sorted(names):
+                for key, (code, shape, _a, _b) in headers[n].codes.items():
+                    merged[key] = (SAFETENSORS_CODES[code], shape)
+            contents[group] = merged
+        else:
+            contents[group] = None  # a zip, or a payload reported already
+    for problem in treecheck.check_state(doc, contents, storage.describe(step, sname)):
+        report.add(problem)
 
 
 def _check_index(
@@ -478,7 +539,8 @@ def verify_stored_file(
         away = nodes.elsewhere(manifest, _present(storage, manifest, aside))
         index = _check_index(storage, manifest, aside, away)
     blocks = _blocks_by_file(index) if index is not None else {}
-    _check_entry(storage, manifest, name, entry, report, deep, _Limits(storage, manifest), blocks)
+    limits = _Limits(storage, manifest)
+    _check_entry(storage, manifest, name, entry, report, deep, limits, blocks, {})
     return report
 
 
