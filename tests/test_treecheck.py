@@ -30,7 +30,7 @@ from ckptstore.codec import safetensors as st
 from ckptstore.codec.dtypes import SAFETENSORS_CODES
 from ckptstore.codec.tree import TreeDecoder
 from ckptstore.codec.treecheck import check_state
-from ckptstore.errors import CkptStoreError, IntegrityError
+from ckptstore.errors import CkptStoreError, IntegrityError, StateMismatchError
 from ckptstore.ops.verify import verify_checkpoint
 from ckptstore.restore.plan import unwrap
 from ckptstore.storage import open_storage
@@ -251,8 +251,19 @@ def test_prune_keeps_the_older_step_a_step_that_cannot_restore_would_have_cost(
     with CheckpointManager(root) as mgr:
         assert mgr.steps() == [1, 2]  # step 1 is the newest that restores: kept
         got = nn.Linear(4, 3)
-        assert mgr.restore({"model": got}, step=1) == 1
+        # Review (s39) #5: a state its own payload contradicts blamed the model
+        # (StateMismatchError, "build the model as it was when saved") and restore()
+        # stopped there; it is the step that is corrupt, and restore() goes on to step 1.
+        assert mgr.restore({"model": got}) == 1
         assert torch.equal(got.weight, model.weight)
+        with pytest.raises(IntegrityError, match=says):
+            mgr.restore({"model": nn.Linear(4, 3)}, step=2)
+    # A model that truly differs is still told so.
+    with (
+        CheckpointManager(root) as mgr,
+        pytest.raises(StateMismatchError, match="build the model as it was when saved"),
+    ):
+        mgr.restore({"model": nn.Linear(4, 5)}, step=1)
 
 
 def test_verify_still_imports_no_torch(

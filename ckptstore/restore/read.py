@@ -20,15 +20,17 @@ import torch
 from .. import ranktable
 from .._phases import PhaseClock, mark
 from ..codec import payload as payload_codec
-from ..codec import strictjson
+from ..codec import safetensors as st
+from ..codec import strictjson, treecheck
+from ..codec.dtypes import SAFETENSORS_CODES
 from ..codec.tree import STATE_FORMAT, TreeDecoder, is_key, stored_tensors
-from ..errors import IntegrityError, ManifestError, StateMismatchError
+from ..errors import CkptStoreError, IntegrityError, ManifestError, StateMismatchError
 from ..integrity import crc32c_of
 from ..manifest import FileEntry, Manifest
 from ..session import Session
 from ..sharded import split_index
 from ..sharded import targets as targets_mod
-from ..sharded.chunks import INDEX_FILE, ChunkIndex, TensorEntry
+from ..sharded.chunks import INDEX_FILE, ChunkIndex, TensorEntry, check_entries
 from ..state.modules import rng_for_rank
 from ..tiers import nodes
 from . import partial
@@ -156,15 +158,20 @@ def decode_files(
             )
     into: dict[str, dict[str, torch.Tensor]] = {}
     if targets is not None:
-        into = check_targets(
-            targets,
-            keys=keys,
-            vals=vals,
-            where_state=f"{where}/{sname}",
-            strict=strict,
-            where=where,
-            pair=in_place is not False and not manifest.dtensor,
-        )
+        try:
+            into = check_targets(
+                targets,
+                keys=keys,
+                vals=vals,
+                where_state=f"{where}/{sname}",
+                strict=strict,
+                where=where,
+                pair=in_place is not False and not manifest.dtensor,
+            )
+        except StateMismatchError as e:
+            if blobs is None:
+                _blame_the_step(session, step, manifest, tree, groups, f"{where}/{sname}", e)
+            raise
         if touched is not None:
             touched.update(persistent_targets(targets, keys, vals))
         mark(clock, "check")
@@ -297,6 +304,51 @@ def decode_files(
     return out, kinds
 
 
+def _blame_the_step(  # noqa: PLR0917 - private, one call site
+    session: Session,
+    step: int,
+    manifest: Manifest,
+    tree: Any,
+    groups: Mapping[str, list[str]],
+    where: str,
+    mismatch: StateMismatchError,
+) -> None:
+    """Raise an IntegrityError where the step contradicts itself, not the targets.
+
+    The targets are checked against the state file alone, before any payload is read. A
+    state file that its own payloads' headers contradict (a dtype, a shape, a tensor none
+    holds: a writer's bug, or a forgery with its checksum) then blamed the model ("build
+    the model as it was when saved"), and restore() stopped there instead of going on to
+    the step before (found by review). Read on this failure path only: each uncompressed
+    safetensors payload's header, held against the state as ``verify`` holds it.
+    """
+    contents: dict[str, treecheck.Contents] = {}
+    for group, names in groups.items():
+        merged: dict[str, tuple[str, list[int]]] | None = {}
+        for name in sorted(names):
+            entry = manifest.files[name]
+            if merged is None or entry.codec != "safetensors" or entry.compression is not None:
+                merged = None  # a zip's or a compressed file's contents: not looked into
+                continue
+            try:
+                with session.storage.open_file(step, name) as f:
+                    head = f.read(8)
+                    n = int.from_bytes(head, "little") if len(head) == 8 else 0
+                    if n <= st.MAX_HEADER_BYTES and 8 + n <= entry.bytes:
+                        head += f.read(n)
+                header = st.parse_header(head, entry.bytes, session.storage.describe(step, name))
+            except OSError:
+                return  # unreadable now: the mismatch stands as it was found
+            except (CkptStoreError, ValueError) as e:  # a header that does not parse
+                raise IntegrityError(str(e)) from mismatch
+            for key, (code, shape, _a, _b) in header.codes.items():
+                merged[key] = (SAFETENSORS_CODES[code], shape)
+        contents[group] = merged
+    problems = treecheck.check_state(tree, contents, where)
+    if problems:
+        raise IntegrityError(problems[0]) from mismatch
+
+
 def read_sharded(  # noqa: PLR0917 - private, one call site
     session: Session,
     manifest: Manifest,
@@ -376,8 +428,12 @@ def read_sharded(  # noqa: PLR0917 - private, one call site
         # Every file this rank reads is checked against its manifest size before any
         # target is made: chunks inside a forged size (rank table and index agreeing on a
         # 32 TiB tensor over a 256 KB file) must not get that tensor allocated first.
-        for name in targets_mod.files_read(index, leaves, boxes):
+        reads = targets_mod.chunks_read(index, leaves, boxes)
+        for name in sorted({c.file for _, _, c in reads}):
             reader.check_size(name)
+        # Each chunk read is its shard file's own entry (byte range, dtype, shape): a small
+        # read of each file's header, then a dict lookup a chunk.
+        check_entries(reads, reader.read, where)
         flat = targets_mod.fresh_targets(leaves, templates, skip=live)
         flat.update(live)
         # Whole runs of a file with O_DIRECT, or box by box through the page cache: as the
