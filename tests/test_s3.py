@@ -878,9 +878,11 @@ def test_cli_ls_verify_prune(
     assert lines[1].rstrip().endswith("yes"), "step 1 is pinned"
     assert "val_loss=0.5" in lines[2]
     assert lines[4].startswith("3 checkpoints, ")
+    # Review (s39, docs #2): ls said "`ckptstore gc` removes them", and plain gc keeps it.
     assert lines[5] == (
-        f"1 stale entry (interrupted saves or deletions): {step_dir(4)}; "
-        "`ckptstore gc` removes them"
+        "1 pending entry (manifest-less, at or above the newest committed step: an upload may "
+        f"still finish it): {step_dir(4)}; `ckptstore gc --pending` removes it (only for a "
+        "prefix no job uploads to any more)"
     )
     # Step 4 is above the newest committed step: on an object store (no writer lock) an
     # uploader may still finish it, so plain gc keeps it and says so; --pending removes it.
