@@ -1,4 +1,4 @@
-"""What the documentation review found the command line to say wrongly, kept fixed.
+"""What the command line tells a user to run is what works (found by review, s39 docs).
 
 - ``ckptstore ls`` of an object store named ``ckptstore gc`` for every stale entry, though
   ``gc`` keeps the pending steps at or above the newest committed step (an uploader may
