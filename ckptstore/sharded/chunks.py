@@ -29,7 +29,8 @@ from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
 from ..codec import strictjson
-from ..codec.dtypes import ITEMSIZE
+from ..codec.dtypes import ITEMSIZE, SAFETENSORS_CODES
+from ..codec.safetensors import MAX_HEADER_BYTES
 from ..errors import IntegrityError, ManifestError
 from ..integrity import crc32c_of, format_crc, parse_crc
 from ..manifest import FileEntry, validate_file_name
@@ -46,7 +47,9 @@ __all__ = [
     "block_crcs",
     "box_byte_range",
     "check_disjoint",
+    "check_entries",
     "check_tiling",
+    "entry_key",
     "parse_chunk",
     "read_box",
     "shard_file",
@@ -478,6 +481,115 @@ def check_disjoint(chunks: Iterable[tuple[str, Chunk]], where: str) -> None:
                     "the chunk index is corrupt or hostile (no two chunks share a byte)"
                 )
         prev = (name, c)
+
+
+def entry_key(name: str, offsets: Iterable[int]) -> str:
+    """The name of a chunk's entry in its shard file's safetensors header: ``name@o0,o1``.
+
+    Every writer of shard files names a box so (``plan.write_shards``, ``import``); no
+    state key holds an ``@`` there, and no padding entry (``_pad.N``) does.
+    """
+    return f"{name}@{','.join(str(int(o)) for o in offsets)}"
+
+
+#: The first bytes of a shard file read for its header in one request (more only where the
+#: header is longer: a rank's file of thousands of boxes).
+HEAD_BYTES = 64 << 10
+
+
+def check_entries(
+    chunks: Iterable[tuple[str, str, Chunk]],
+    read: Callable[[str, int, int], bytes | bytearray],
+    where: str,
+) -> None:
+    """Refuse a chunk that is not its shard file's own safetensors entry for it.
+
+    A chunk row says where its bytes are (``file``, ``start``, ``bytes``) and the layout
+    says their dtype; only their CRC32Cs were checked, and those an index forged or mixed
+    up carries along. The shard file's own header names each box ``name@offsets``
+    (:func:`entry_key`) with its dtype, shape and byte range: a chunk must be exactly that
+    entry. Without this a row pointed at the header (CRCs recomputed) returned the header
+    as weights, and a layout and ``state.json`` both saying ``int32`` over ``F32`` entries
+    returned float bits as integers, with verify passing both (found by review).
+
+    Each file's header is read once (its first :data:`HEAD_BYTES`, or up to the first
+    chunk's start where that is nearer; the rest only where the header is longer) and
+    parsed once; each chunk is then a dict lookup. The header's own bytes need no CRC
+    here: a damaged one can only fail to match, never make a chunk read other bytes.
+
+    Args:
+        chunks: ``(tensor name, its dtype name, chunk)`` of every chunk to check.
+        read: ``read(file, offset, length)``: exactly those bytes (``RangeReader.read``),
+            the file's size checked against the manifest.
+        where: names the checkpoint in messages (each also names the file and tensor).
+
+    Raises:
+        IntegrityError: a file's header is not a safetensors header, or a chunk's byte
+            range, dtype or shape is not its entry's.
+    """
+    by_file: dict[str, list[tuple[str, str, Chunk]]] = {}
+    for row in chunks:
+        by_file.setdefault(row[2].file, []).append(row)
+    for file, rows in by_file.items():
+        first = min(rows, key=lambda r: r[2].start)
+        data_start, entries = _shard_header(file, first[0], first[2], read, where)
+        for name, dtype, c in rows:
+            key = entry_key(name, c.offsets)
+            found = entries.get(key)
+            at = c.start - data_start
+            if (
+                type(found) is dict
+                and type(code := found.get("dtype")) is str
+                and SAFETENSORS_CODES.get(code) == dtype
+                and found.get("shape") == list(c.sizes)
+                and found.get("data_offsets") == [at, at + c.nbytes]
+            ):
+                continue
+            if type(found) is dict:
+                says = (
+                    f"its entry {key!r} is {found.get('dtype')!r} {found.get('shape')!r} at "
+                    f"data offsets {found.get('data_offsets')!r} (from byte {data_start})"
+                )
+            else:
+                says = f"its header has no entry {key!r}"
+            raise IntegrityError(
+                f"{where}: tensor {name!r}: the chunk at {list(c.offsets)} is {dtype} "
+                f"{list(c.sizes)} at bytes [{c.start}, {c.start + c.nbytes}) of {file}, but "
+                f"{says}; the chunk index is forged or not this save's"
+            )
+
+
+def _shard_header(
+    file: str,
+    name: str,
+    chunk: Chunk,
+    read: Callable[[str, int, int], bytes | bytearray],
+    where: str,
+) -> tuple[int, dict[str, Any]]:
+    """``(data start, entries)`` of a shard file's header, parsed.
+
+    ``chunk`` (of tensor ``name``) is the first of the file to check: in a file as
+    written, the header ends at or before it.
+    """
+    at = f"{where}: {file}"
+    first = chunk.start
+    head = bytearray(read(file, 0, min(first, HEAD_BYTES))) if first >= 8 else bytearray()
+    n = int.from_bytes(head[:8], "little") if first >= 8 else 0
+    if first < 8 or n > MAX_HEADER_BYTES or 8 + n > first:
+        raise IntegrityError(
+            f"{where}: tensor {name!r}: the chunk at {list(chunk.offsets)} starts at byte "
+            f"{first} of {file}, inside its safetensors header; the chunk index is forged or "
+            "not this save's"
+        )
+    if 8 + n > len(head):
+        head += read(file, len(head), 8 + n - len(head))
+    try:
+        doc = strictjson.loads(memoryview(head)[8 : 8 + n])
+    except (UnicodeDecodeError, ValueError, RecursionError) as e:
+        raise IntegrityError(f"{at}: not a valid safetensors header ({e})") from None
+    if not isinstance(doc, dict):
+        raise IntegrityError(f"{at}: not a valid safetensors header (not a JSON object)")
+    return 8 + n, doc
 
 
 def box_byte_range(

@@ -49,6 +49,7 @@ from .chunks import (
     TensorEntry,
     block_crcs,
     dtype_name,
+    entry_key,
 )
 from .chunks import shard_file as shard_file_name
 
@@ -527,10 +528,6 @@ def state_digest(flat: Mapping[str, Any]) -> tuple[int, str, str]:
     return len(flat), first[:200], h.hexdigest()
 
 
-def _chunk_key(name: str, offsets: Iterable[int]) -> str:
-    return f"{name}@{','.join(str(int(o)) for o in offsets)}"
-
-
 def box_specs(plan: Any) -> list[tuple[str, str, tuple[int, ...], Any]]:
     """``(name, key in the shard file, offsets, DCP index)`` of every item of a local plan.
 
@@ -539,7 +536,7 @@ def box_specs(plan: Any) -> list[tuple[str, str, tuple[int, ...], Any]]:
     out = []
     for item in plan.items:
         offsets = tuple(int(o) for o in item.index.offset)
-        out.append((item.index.fqn, _chunk_key(item.index.fqn, offsets), offsets, item.index))
+        out.append((item.index.fqn, entry_key(item.index.fqn, offsets), offsets, item.index))
     return out
 
 

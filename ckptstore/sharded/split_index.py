@@ -479,29 +479,15 @@ class Layout:
         Raises:
             IntegrityError: a part is missing, malformed or lacks a chunk.
         """
-        want: dict[int, set[tuple[str, tuple[int, ...]]]] = {}
-        sizes: dict[tuple[str, tuple[int, ...]], tuple[int, ...]] = {}
-        cache: dict[Any, Any] = {}
-        for name, (lo, hi) in targets.items():
-            for offsets, box, writer in self.boxes(name, lo, hi, cache):
-                want.setdefault(writer, set()).add((name, offsets))
-                sizes[(name, offsets)] = box
+        want, sizes = self._written(targets)
         found: dict[str, list[Chunk]] = {n: [] for n in targets}
         read: list[tuple[str, Chunk]] = []
         for writer in sorted(want):
-            pname = part_file(writer)
-            if pname not in files:
-                raise IntegrityError(f"{where}: the manifest lists no {pname}")
+            pname = _listed_part(writer, files, where)
             chunks = self._parse_part(read_part(writer), writer, files, f"{where}/{pname}")
             read += ((name, c) for (name, _), c in chunks.items())
-            for key in want[writer]:
-                chunk = chunks.get(key)
-                if chunk is None or chunk.sizes != sizes[key]:
-                    raise IntegrityError(
-                        f"{where}/{pname}: no chunk of {key[0]!r} at {list(key[1])}, which rank "
-                        f"{writer} wrote; the index part is not this save's"
-                    )
-                found[key[0]].append(chunk)
+            for name, chunk in _boxes_of(chunks, writer, want[writer], sizes, f"{where}/{pname}"):
+                found[name].append(chunk)
         # No two chunks of the parts read share a byte, whatever tensor they belong to. That
         # covers every chunk this rank reads, against each other and against the rest of
         # those parts, so what it allocates is bounded by bytes it reads (the boxes of a
@@ -522,6 +508,23 @@ class Layout:
             if n in targets
         }
         return ChunkIndex(tensors=tensors, block=self.block)
+
+    def _written(
+        self, targets: Mapping[str, tuple[Sequence[int], Sequence[int]]]
+    ) -> tuple[dict[int, set[_Key]], dict[_Key, tuple[int, ...]]]:
+        """The boxes of ``targets`` each rank wrote, from the layout alone, and their sizes.
+
+        ``({writer: {(name, offsets)}}, {(name, offsets): sizes})``: what a restore reads
+        (:meth:`resolve`) and what verify requires of every part (:meth:`merged`).
+        """
+        want: dict[int, set[_Key]] = {}
+        sizes: dict[_Key, tuple[int, ...]] = {}
+        cache: dict[Any, Any] = {}
+        for name, (lo, hi) in targets.items():
+            for offsets, box, writer in self.boxes(name, lo, hi, cache):
+                want.setdefault(writer, set()).add((name, offsets))
+                sizes[(name, offsets)] = box
+        return want, sizes
 
     def _parse_part(
         self,
@@ -591,9 +594,11 @@ class Layout:
         """
         ranks = sorted(int(n[11:16]) for n in files if is_part(n) and n[11:16].isdigit())
         found: dict[str, list[Chunk]] = {n: [] for n in self.tensors}
+        parts: dict[int, dict[_Key, Chunk]] = {}
         for rank in (r for r in ranks if r not in away):
             pname = part_file(rank)
             chunks = self._parse_part(read_part(rank), rank, files, f"{where}/{pname}")
+            parts[rank] = chunks
             for (name, _), chunk in chunks.items():
                 found[name].append(chunk)
         tensors = {
@@ -606,9 +611,74 @@ class Layout:
                 if len(n) > 4096:  # as format 2 bounds a name
                     raise IntegrityError(f"{at}: a tensor name is a non-empty string")
                 check_tiling(e.chunks, e.shape, at)
+        # Tiling is not enough: the chunks must be the boxes the mesh and placements lay out,
+        # each in the part of the rank that wrote it, as a restore finds them (the same rule:
+        # ``_written``, ``_listed_part``, ``_boxes_of``). A layout saying S(1) over parts of
+        # S(0) boxes, or a mesh of ranks [0, 7], [0, 0] or of 4 ranks on a 2-rank job, passed
+        # here while every restore refused it, and retention then deleted the older steps
+        # (found by review).
+        want, sizes = self._written(
+            {n: ((0,) * len(e.shape), e.shape) for n, e in self.tensors.items()}
+        )
+        for writer in sorted(want):
+            if writer in away:
+                continue  # its node checks its own part
+            pname = _listed_part(writer, files, where)
+            held = parts.get(writer)
+            if held is None:  # listed, yet not found by its name's digits
+                held = self._parse_part(read_part(writer), writer, files, f"{where}/{pname}")
+            _boxes_of(held, writer, want[writer], sizes, f"{where}/{pname}")
+        for rank, chunks in parts.items():
+            mine = want.get(rank, set())
+            for key, chunk in chunks.items():
+                if chunk.nbytes and key not in mine:
+                    raise IntegrityError(
+                        f"{where}/{part_file(rank)}: a chunk of {key[0]!r} at {list(key[1])}, "
+                        f"which rank {rank} did not write; the index part is not this save's"
+                    )
         # No two chunks share a byte (with nodes away: those here; theirs are theirs to check).
         check_disjoint(((n, c) for n, e in tensors.items() for c in e.chunks), where)
         return ChunkIndex(tensors=tensors, block=self.block)
+
+
+#: A box of a tensor: ``(name, offsets)``.
+_Key = tuple[str, tuple[int, ...]]
+
+
+def _listed_part(writer: int, files: Mapping[str, FileEntry], where: str) -> str:
+    """The index part of ``writer``, a rank the layout says wrote a box; the manifest must list it.
+
+    Raises:
+        IntegrityError: it does not (a mesh naming a rank the job did not have).
+    """
+    pname = part_file(writer)
+    if pname not in files:
+        raise IntegrityError(f"{where}: the manifest lists no {pname}")
+    return pname
+
+
+def _boxes_of(
+    chunks: Mapping[_Key, Chunk],
+    writer: int,
+    keys: Iterable[_Key],
+    sizes: Mapping[_Key, tuple[int, ...]],
+    where: str,
+) -> list[tuple[str, Chunk]]:
+    """``(name, chunk)`` of each box of ``keys`` (written by ``writer``) in its part ``chunks``.
+
+    Raises:
+        IntegrityError: the part lacks one, or holds it at another size.
+    """
+    out = []
+    for key in keys:
+        chunk = chunks.get(key)
+        if chunk is None or chunk.sizes != sizes[key]:
+            raise IntegrityError(
+                f"{where}: no chunk of {key[0]!r} at {list(key[1])}, which rank "
+                f"{writer} wrote; the index part is not this save's"
+            )
+        out.append((key[0], chunk))
+    return out
 
 
 def merged(
@@ -795,16 +865,25 @@ def read_index(
 ) -> ChunkIndex:
     """The whole chunk index of a DTensor step (format 2, or split and merged), checked.
 
+    Every chunk is also checked against its shard file's own safetensors header
+    (:func:`~ckptstore.sharded.chunks.check_entries`: the entry ``name@offsets`` at exactly
+    its bytes, of the layout's dtype and the chunk's shape), so what ``verify``, ``inspect``,
+    ``export`` and consolidation read from the index is what a restore reads.
+
     ``away``: ranks whose files another node holds (see :meth:`Layout.merged`).
     """
-    from .chunks import INDEX_FILE
+    from .chunks import INDEX_FILE, check_entries
 
     step, files = manifest.step, manifest.files
     entry = files.get(INDEX_FILE)
     if entry is None:
         raise IntegrityError(f"{storage.describe(step)}: the manifest lists no {INDEX_FILE}")
     raw = storage.read_file(step, INDEX_FILE, entry)
-    return merged(raw, part_reader(storage, step, files), manifest, where, away)
+    index = merged(raw, part_reader(storage, step, files), manifest, where, away)
+    rows = ((n, e.dtype, c) for n, e in index.tensors.items() for c in e.chunks)
+    with storage.range_reader(step, files) as reader:
+        check_entries(rows, reader.read, storage.describe(step))
+    return index
 
 
 def _offsets(c: Chunk) -> tuple[int, ...]:

@@ -43,6 +43,7 @@ __all__ = [
     "Box",
     "Item",
     "batches",
+    "chunks_read",
     "files_read",
     "fresh_targets",
     "live_targets",
@@ -335,15 +336,26 @@ def files_read(index: ChunkIndex, leaves: Collection[str], boxes: Mapping[str, B
     What a restoring rank will read, known before any target is made (``boxes`` holds
     every leaf's box): its sizes are checked first (``RangeReader.check_size``).
     """
-    out: set[str] = set()
+    return sorted({c.file for _, _, c in chunks_read(index, leaves, boxes)})
+
+
+def chunks_read(
+    index: ChunkIndex, leaves: Collection[str], boxes: Mapping[str, Box]
+) -> list[tuple[str, str, Chunk]]:
+    """``(name, dtype, chunk)`` of each stored chunk that overlaps the box of one of ``leaves``.
+
+    What :func:`read_into` will read of them, known before any target is made: a restore
+    checks each against its shard file's header first (``chunks.check_entries``).
+    """
+    out: list[tuple[str, str, Chunk]] = []
     for name in leaves:
         entry = index.tensors.get(name)
         box = boxes.get(name)
         if entry is None or box is None:
             continue  # read_items names it
         lo, hi = box
-        out.update(c.file for c in entry.chunks if _overlap(lo, hi, c) is not None)
-    return sorted(out)
+        out += ((name, entry.dtype, c) for c in entry.chunks if _overlap(lo, hi, c) is not None)
+    return out
 
 
 def _overlap(
@@ -484,6 +496,10 @@ def read_into(
     each, into a stage, each block checked there and then copied into its target, fresh or
     live. Without it, the files whose every box goes to a GPU target so are read by extent
     too, each run with one buffered ``read_to``.
+
+    The caller has checked that each chunk read is its shard file's own entry
+    (``chunks.check_entries``: :func:`chunks_read` of a restore's targets, or the whole
+    index as ``split_index.read_index`` reads it).
 
     Returns:
         The number of bytes read.
