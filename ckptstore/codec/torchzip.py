@@ -1,8 +1,9 @@
 """``.pt`` payloads: ``torch.save`` zip archives, read only with ``weights_only=True``.
 
 ``torch.load`` does not check the CRC-32 its zip stores per member, so a flipped byte loads
-silently; ckptstore checks its own CRC32C first, and ``verify`` also walks the zip central
-directory and member CRCs without unpickling anything (and without importing torch).
+silently; ckptstore checks its own CRC32C first, then every member's CRC-32 before
+``torch.load`` sees the archive (:func:`load_tensor_dict`), and ``verify`` walks the zip
+central directory and member CRCs without unpickling anything (and without importing torch).
 
 Restores stream the archive instead of handing it whole to ``torch.load``: see
 :mod:`ckptstore.codec.zipstream`.
@@ -10,9 +11,13 @@ Restores stream the archive instead of handing it whole to ``torch.load``: see
 
 from __future__ import annotations
 
+import errno
 import io
+import os
 import pickle
+import struct
 import zipfile
+import zlib
 from collections.abc import Mapping
 from typing import IO, TYPE_CHECKING, Any, cast
 
@@ -71,10 +76,19 @@ class _Recording:
 
 
 def load_tensor_dict(data: bytes | bytearray | memoryview, where: str) -> dict[str, torch.Tensor]:
-    """Load a flat tensor dict saved by :func:`write_torch`, never unpickling code."""
+    """Load a flat tensor dict saved by :func:`write_torch`, never unpickling code.
+
+    Every member's CRC-32 is checked first (:func:`check_zip` with ``deep``), over the
+    bytes where they lie.
+
+    Raises:
+        IntegrityError: the archive is malformed, a member fails its CRC-32, or what it
+            holds is not a flat dict of tensors.
+        UnsafeCheckpointError: its pickle asks for more than tensors and plain data.
+    """
     import torch
 
-    check_zip(data, where, deep=False)
+    check_zip(data, where, deep=True)
     try:
         reader = cast(IO[bytes], MemoryReader(data))
         obj = torch.load(reader, map_location="cpu", weights_only=True)
@@ -138,6 +152,9 @@ _METHODS = {
 def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, deep: bool) -> int:
     """Check a ``.pt`` zip: its central directory, and with ``deep`` every member's CRC-32.
 
+    The CRC-32s of an archive in memory are computed over the bytes where they lie
+    (:func:`_first_bad`); a file object's are read through ``zipfile``'s ``testzip``.
+
     Returns:
         The number of members.
 
@@ -146,6 +163,7 @@ def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, d
             a name, a member is compressed (:func:`check_stored`) or, with ``deep``, fails
             its CRC.
     """
+    mv = memoryview(data).cast("B") if isinstance(data, bytes | bytearray | memoryview) else None
     fobj = MemoryReader(data) if isinstance(data, bytes | bytearray | memoryview) else data
     try:
         with zipfile.ZipFile(fobj) as zf:
@@ -159,7 +177,7 @@ def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, d
                 raise IntegrityError(f"{where}: zip archive has no data.pkl; not a torch.save file")
             check_stored(zf, where)
             if deep:
-                bad = zf.testzip()
+                bad = zf.testzip() if mv is None else _first_bad(zf, mv)
                 if bad is not None:
                     raise IntegrityError(f"{where}: zip member {bad!r} fails its CRC-32 check")
             return len(names)
@@ -173,6 +191,32 @@ def check_zip(data: bytes | bytearray | memoryview | IO[bytes], where: str, *, d
         raise IntegrityError(msg) from None
     except (EOFError, OSError, ValueError) as e:
         raise IntegrityError(f"{where}: zip archive unreadable ({e})") from None
+
+
+def _first_bad(zf: zipfile.ZipFile, mv: memoryview) -> str | None:
+    """The first member of an archive in ``mv`` that ``testzip`` would fail, without a copy.
+
+    As ``ZipFile.open`` does on a file: its local header must be one, and name the member;
+    its bytes (stored: :func:`check_stored` ran) must lie in the archive and match their
+    CRC-32; an offset before the file's start is an ``OSError``.
+    """
+    for info in zf.infolist():
+        lho = info.header_offset
+        if lho < 0:  # a file cannot seek there: testzip raises what its seek does
+            raise OSError(errno.EINVAL, os.strerror(errno.EINVAL))
+        head = bytes(mv[lho : lho + 30])
+        if len(head) < 30 or head[:4] != b"PK\x03\x04":
+            return info.filename
+        nlen, xlen = struct.unpack("<HH", head[26:30])
+        fname = bytes(mv[lho + 30 : lho + 30 + nlen])
+        encoding = "utf-8" if info.flag_bits & 0x800 else "cp437"
+        if fname.decode(encoding, "replace") != info.orig_filename:
+            return info.filename
+        start = lho + 30 + nlen + xlen
+        end = start + info.compress_size
+        if end > len(mv) or zlib.crc32(mv[start:end]) != info.CRC:
+            return info.filename
+    return None
 
 
 class MemoryReader(io.RawIOBase):

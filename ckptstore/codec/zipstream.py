@@ -6,7 +6,10 @@ uncompressed, so each tensor's storage is a byte range of the file. The central 
 by block checked: ``data.pkl`` (written first) is unpickled by torch's ``weights_only``
 unpickler with storages on the ``meta`` device (no memory), which says which storage each
 tensor views, and every storage's bytes go straight from the read buffers into the target
-tensor, or a fresh one. An archive not laid out so is read whole and given to ``torch.load``.
+tensor, or a fresh one. Every member's CRC-32 runs along the bytes as they are copied and
+must match the central directory's before the member is used (``data.pkl`` unpickled, a
+tensor handed out); ``torch.load`` never checks them. An archive not laid out so is read
+whole, its CRC-32s checked, and given to ``torch.load``.
 
 The content of a compressed payload has no central directory to read first:
 :class:`SequentialDecoder` follows it front to back and checks the directory last, and
@@ -21,8 +24,9 @@ import io
 import math
 import pickle
 import struct
+import zipfile
 import zlib
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import TYPE_CHECKING, Any
 
 from ..errors import IntegrityError, UnsafeCheckpointError
@@ -74,7 +78,8 @@ class StreamDecoder:
     ``(offset, slice)`` in file order (``Storage.stream_file`` passes checked blocks only);
     :meth:`result` gives the tensors. Each storage is copied once, from the slice into a
     tensor of ``into`` (same dtype and shape, contiguous, CPU, the storage's only tensor) or
-    a fresh one.
+    a fresh one, its CRC-32 computed along the copy and compared with the central
+    directory's when the member ends (an ``IntegrityError`` naming the member otherwise).
     """
 
     def __init__(
@@ -102,6 +107,7 @@ class StreamDecoder:
         self._views: list[tuple[str, str, Any]] = []  # name, key, meta tensor
         self._filled: set[str] = set()  # storages whose member was found
         self.reused = 0
+        self._crc = 0  # the CRC-32 of the current member's bytes so far
         #: What data.pkl's storages may take in all, where the members' sizes are not
         #: known before it (``SequentialDecoder``); here each is checked against its member.
         self.limit: int | None = None
@@ -116,9 +122,9 @@ class StreamDecoder:
     ) -> StreamDecoder | None:
         """A decoder of a whole (checked) archive in memory; None: use ``torch.load``."""
         mv = memoryview(data).cast("B")
+        seen = _Seen(len(mv), lambda o, n: mv[o : o + n])
         try:
-            members = parse_directory(len(mv), lambda o, n: mv[o : o + n], where)
-            return cls(members, where, into)
+            return cls(seen.agree(parse_directory(len(mv), seen.fetch, where)), where, into)
         except NotStreamable:
             return None
 
@@ -144,8 +150,11 @@ class StreamDecoder:
                 continue
             stop = m.data_start + m.size
             a, b = max(pos, m.data_start), min(end, stop)
-            if a < b and m.dest is not None:
-                m.dest[a - m.data_start : b - m.data_start] = chunk[a - offset : b - offset]
+            if a < b:
+                piece = chunk[a - offset : b - offset]
+                if m.dest is not None:
+                    m.dest[a - m.data_start : b - m.data_start] = piece
+                self._crc = zlib.crc32(piece, self._crc)
             pos = max(pos, b)
             if b == stop or m.size == 0:
                 self._finish(m)
@@ -162,6 +171,7 @@ class StreamDecoder:
             raise _bad(self.where, f"member {m.name!r} overlaps the next one")
         m.head = bytearray()
         m.dest = self._dest(m)
+        self._crc = 0
 
     def _dest(self, m: _Member) -> memoryview | None:
         rel = m.name[len(self._prefix) :] if m.name.startswith(self._prefix) else None
@@ -180,6 +190,8 @@ class StreamDecoder:
         return memoryview(bytearray(m.size))
 
     def _finish(self, m: _Member) -> None:
+        if self._crc != m.crc:  # before anything of it is used
+            raise IntegrityError(f"{self.where}: zip member {m.name!r} fails its CRC-32 check")
         rel = m.name[len(self._prefix) :]
         if m is self._pickle:
             assert m.dest is not None
@@ -348,10 +360,84 @@ def open_stream(
             check_blocks(entry, lo, buf, where)
             return memoryview(buf)[offset - lo : offset - lo + length]
 
+        seen = _Seen(entry.bytes, read)
         try:
-            return StreamDecoder(parse_directory(entry.bytes, read, where), where, into)
+            return StreamDecoder(
+                seen.agree(parse_directory(entry.bytes, seen.fetch, where)), where, into
+            )
         except NotStreamable:
             return None
+
+
+class _Seen(io.RawIOBase):
+    """What :func:`parse_directory` read of an archive (its tail, its directory), as a file.
+
+    ``verify`` reads an uncompressed archive's directory with ``zipfile``
+    (:func:`~.torchzip.check_zip`), whose rules for the end records differ from
+    :func:`parse_directory`'s on hostile files: which end record counts, where the
+    directory must end, a zip64 locator's disk fields. ``zipfile`` opens these same bytes
+    (it reads nothing else of a ``torch.save`` archive) and must list the same members,
+    offsets, sizes and CRC-32s; otherwise the archive is read whole, where ``check_zip``
+    speaks, so restore and verify agree. No byte of the file is read twice for this.
+    """
+
+    def __init__(self, size: int, read: Callable[[int, int], memoryview]) -> None:
+        super().__init__()
+        self.size = size
+        self._read = read
+        self._pieces: list[tuple[int, memoryview]] = []
+        self._pos = 0
+
+    def fetch(self, offset: int, length: int) -> memoryview:
+        """``read(offset, length)``, kept for ``zipfile``: the ``read`` of the parse."""
+        got = self._read(offset, length)
+        self._pieces.append((offset, got))
+        return got
+
+    def agree(self, members: list[_Member]) -> list[_Member]:
+        """``members``, or :class:`NotStreamable` where ``zipfile`` reads another directory."""
+        try:
+            with zipfile.ZipFile(self) as zf:
+                infos = zf.infolist()
+        except Exception:  # zipfile refuses it: check_zip says why, reading it whole
+            raise NotStreamable from None
+        theirs = sorted((i.header_offset, i.filename, i.file_size, i.CRC) for i in infos)
+        if theirs != [(m.lho, m.name, m.size, m.crc) for m in members]:
+            raise NotStreamable
+        return members
+
+    def readable(self) -> bool:
+        """Always true."""
+        return True
+
+    def seekable(self) -> bool:
+        """Always true."""
+        return True
+
+    def tell(self) -> int:
+        """The current position."""
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        """Move the position like a file does."""
+        pos = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: self.size}[whence] + offset
+        if pos < 0:
+            raise OSError("seek before the start of the file")
+        self._pos = pos
+        return pos
+
+    def readinto(self, b: Any) -> int:
+        """The next bytes, from what was read; ``OSError`` for bytes that were not."""
+        out = memoryview(b).cast("B")
+        n = max(0, min(len(out), self.size - self._pos))
+        if not n:
+            return 0
+        for at, got in self._pieces:
+            if at <= self._pos and self._pos + n <= at + len(got):
+                out[:n] = got[self._pos - at : self._pos - at + n]
+                self._pos += n
+                return n
+        raise OSError("bytes of the archive that its directory's parse did not read")
 
 
 # ---- streaming a compressed archive: no central directory first -------------------------
@@ -366,9 +452,11 @@ class SequentialDecoder(StreamDecoder):
     first, and unpickled as soon as it is in) and goes straight into its tensor, while a
     small record (``data.pkl``, ``byteorder``, ...) is held until its descriptor is found
     (bounded by :data:`MAX_RECORD_BYTES`; the descriptor must give the bytes before it and
-    their CRC-32). The central directory at the end (bounded by
-    :data:`MAX_DIRECTORY_BYTES`) must then list exactly the members followed, or the
-    archive is refused. Held at once: one record, the directory, and the last 64 KiB.
+    their CRC-32). Every member's CRC-32 runs along its bytes and must match its local
+    header's or descriptor's when it ends. The central directory at the end (bounded by
+    :data:`MAX_DIRECTORY_BYTES`) must then list exactly the members followed, with those
+    CRC-32s, or the archive is refused. Held at once: one record, the directory, and the
+    last 64 KiB.
 
     Raises (from ``__call__`` and :meth:`result`):
         IntegrityError: the archive is malformed or its directory disagrees.
@@ -394,6 +482,8 @@ class SequentialDecoder(StreamDecoder):
         self._views = []
         self._filled = set()
         self.reused = 0
+        self._crc = 0  # the CRC-32 of the current member's bytes so far
+        self._want_crc = 0  # the CRC-32 the current member's local header gives
         self._pos = 0  # content bytes consumed
         self._state = "head"
         self._cur: _Member | None = None
@@ -446,6 +536,7 @@ class SequentialDecoder(StreamDecoder):
             if m.dest is not None:
                 done = m.size - self._left
                 m.dest[done : done + n] = mv[:n]
+            self._crc = zlib.crc32(mv[:n], self._crc)
             self._left -= n
             self._remember(mv[:n])
             if not self._left:
@@ -478,7 +569,9 @@ class SequentialDecoder(StreamDecoder):
         return take
 
     def _open_member(self, lho: int, head: bytes) -> None:
-        (flags, method, _, _, _, csize, usize, nlen, xlen) = struct.unpack("<HHHHIIIHH", head[6:30])
+        (flags, method, _, _, crc, csize, usize, nlen, xlen) = struct.unpack(
+            "<HHHHIIIHH", head[6:30]
+        )
         name = head[30 : 30 + nlen].decode("utf-8", "replace")
         extra = head[30 + nlen : 30 + nlen + xlen]
         if method != 0:
@@ -501,6 +594,7 @@ class SequentialDecoder(StreamDecoder):
         self._by_name[name] = m
         self._cur = m
         self._sized = not flags & 8
+        self._want_crc = crc
         if self._sized:
             if self._zip64:
                 usize, csize = _zip64_extra(extra, 2, self.where)
@@ -525,6 +619,7 @@ class SequentialDecoder(StreamDecoder):
     def _begin_data(self, m: _Member, size: int) -> None:
         m.size = size
         m.dest = self._dest(m)
+        self._crc = 0
         self._left = size
         self._state = "data"
         if not size:
@@ -532,6 +627,7 @@ class SequentialDecoder(StreamDecoder):
 
     def _data_done(self, m: _Member) -> None:
         if self._sized:
+            m.crc = self._want_crc  # checked against the bytes by _finish
             self._member_done(m)
         else:
             self._state = "desc"
@@ -557,11 +653,12 @@ class SequentialDecoder(StreamDecoder):
         take = min(self._desc_len() - len(self._buf), len(mv))
         self._buf += mv[:take]
         if len(self._buf) == self._desc_len():
-            sig, _, csize, usize = self._desc_sizes(self._buf)
+            sig, crc, csize, usize = self._desc_sizes(self._buf)
             if sig != _DD:
                 raise NotStreamable  # a descriptor without its signature
             if csize != m.size or usize != m.size:
                 raise _bad(self.where, f"member {m.name!r}: its descriptor says {usize} bytes")
+            m.crc = crc  # checked against the bytes by _finish
             self._buf.clear()
             self._member_done(m)
         return take
@@ -592,6 +689,7 @@ class SequentialDecoder(StreamDecoder):
             if csize == usize == p:
                 if zlib.crc32(buf[:p]) != crc:
                     raise NotStreamable  # a record that holds a look-alike descriptor
+                m.crc = self._crc = crc
                 m.size = p
                 m.dest = memoryview(bytearray(buf[:p]))
                 buf.clear()
@@ -607,7 +705,8 @@ class SequentialDecoder(StreamDecoder):
 
         Raises:
             IntegrityError: the stream ended inside the archive, or its central directory
-                disagrees with the members that streamed by.
+                disagrees with the members that streamed by (a CRC-32 too: each member's
+                bytes matched their local one already).
         """
         if self._state != "dir":
             raise _bad(self.where, "the stream ended before the archive did")
@@ -616,4 +715,7 @@ class SequentialDecoder(StreamDecoder):
         seen = [(m.name, m.lho, m.size) for m in self.members]
         if listed != seen:
             raise _bad(self.where, "the central directory disagrees with the local headers")
+        for m, h in zip(self.members, held, strict=True):
+            if m.crc != h.crc:
+                raise IntegrityError(f"{self.where}: zip member {m.name!r} fails its CRC-32 check")
         return super().result()
