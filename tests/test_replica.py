@@ -1131,11 +1131,15 @@ def test_a_replica_that_never_listed_stops_a_restore_instead_of_going_back(
 ) -> None:
     """The replica does not list and nobody saw what it holds: no step is chosen (the local
     store's newest could be older than the replica's), and the error says what to do."""
-    from ckptstore.tiers.twotier import all_steps
+    from ckptstore.tiers.twotier import _bound_fs, all_steps, bounded_options
 
     _trained(tmp_path, s3, url)
     local = open_storage(tmp_path / "a")
-    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    # Bounded as a manager's replica is: a 503 fails after 2 attempts, not after botocore's
+    # and s3fs's retries (~20 s a listing on a loaded host).
+    opts = bounded_options(url, {**s3.storage_options, "skip_instance_cache": True}, 10)
+    replica = open_storage(url, opts)
+    _bound_fs(replica)
     assert all_steps(local, replica) == [1, 2, 3]
     with s3.refusing("GET", f"/{s3.bucket}", 503), pytest.raises(ReplicaUnavailableError) as info:
         all_steps(local, replica)

@@ -116,12 +116,12 @@ class _Walker:
             elif t == "tuple":
                 v = n["v"]
                 if not isinstance(v, list | str | dict):  # what the decoder can iterate
-                    raise TypeError(f"{type(v).__name__!r} object is not iterable")
+                    raise _Bad(path, f"malformed 'tuple' node ({type(v).__name__} 'v')")
                 for i, x in enumerate(v):
                     self.node(x, (*path, i), depth + 1)
             elif t == "float":
                 if len(bytes.fromhex(n["bits"])) != 8:
-                    raise ValueError("unpack requires a buffer of 8 bytes")
+                    raise _Bad(path, "malformed 'float' node (not 8 bytes)")
             elif t in ("bytes", "bytearray"):
                 base64.b64decode(n["b64"], validate=True)
             elif t == "dtype":
@@ -130,7 +130,7 @@ class _Walker:
             elif t == "size":
                 [int(x) for x in n["v"]]
             elif t == "device":
-                _device(n["v"])
+                _device(n["v"], path)
             elif t == "npscalar":
                 np = _numeric_numpy(str(n["dtype"]), path)
                 raw = bytes.fromhex(n["hex"])
@@ -239,16 +239,16 @@ def _torch_dtype_names(torch: Any) -> frozenset[str]:
     )
 
 
-def _device(v: object) -> None:
-    """Raise what ``torch.device(str(v))`` raises (its form, where torch is not loaded)."""
+def _device(v: object, path: tuple[Any, ...]) -> None:
+    """Refuse what ``torch.device(str(v))`` refuses (its form, where torch is not loaded)."""
     torch = sys.modules.get("torch")
     if torch is not None:
         try:
             torch.device(str(v))
         except RuntimeError as e:
-            raise ValueError(str(e)) from None
+            raise _Bad(path, f"malformed 'device' node (RuntimeError: {e})") from None
     elif _DEVICE.fullmatch(str(v)) is None:
-        raise ValueError(f"{str(v)!r} is not a device string")
+        raise _Bad(path, f"malformed 'device' node ({str(v)!r} is not a device string)")
 
 
 def _numeric_numpy(name: str, path: tuple[Any, ...]) -> Any:
