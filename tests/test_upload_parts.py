@@ -42,7 +42,9 @@ def sharded_step(local: Storage, step: int, salt: str = "") -> Manifest:
     """Commit a sharded step of 2 ranks into ``local``: each rank's state and rank 1's blob."""
     pending = local.begin(step)
     for rank in (0, 1):
-        body = json.dumps({"rank": rank, "step": step, "salt": salt}).encode()
+        # A state file a restore reads (deep verify decodes it): a dict of three values.
+        root = {"t": "dict", "keys": ["rank", "step", "salt"], "vals": [rank, step, salt]}
+        body = json.dumps({"ckptstore_state": 1, "root": root}).encode()
         pending.write_bytes(f"state.rank{rank:05d}.json", body, codec="json", rank=rank)
     blob = json.dumps(list(range(2000))).encode()
     pending.write_bytes("blob.rank00001.json", blob, codec="json", rank=1)

@@ -131,15 +131,14 @@ def verify_checkpoint(storage: Storage, step: int, *, deep: bool = True) -> Veri
     index = _check_index(storage, manifest, report, away) if manifest.dtensor else None
     blocks = _blocks_by_file(index) if deep and index is not None else {}
     headers: dict[str, st.Header] = {}
+    states: dict[str, Any] = {}
     for name, entry in sorted(manifest.files.items()):
         if entry.rank in away:
             continue
-        _check_entry(storage, manifest, name, entry, report, deep, limits, blocks, headers)
-    if deep:
-        for name in wanted:
-            sentry = manifest.files.get(name)
-            if sentry is not None and name != INDEX_FILE and sentry.rank not in away:
-                _check_state(storage, manifest, name, report, headers)
+        _check_entry(storage, manifest, name, entry, report, deep, limits, blocks, headers, states)
+    for name in wanted:
+        if name in states and name != INDEX_FILE:  # deep, and it parsed
+            _check_state(storage, manifest, name, states[name], report, headers)
     # The index and state.json are read before the file loop too: say each problem once.
     report.problems[:] = list(dict.fromkeys(report.problems))
     return report
@@ -168,11 +167,13 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
     limits: _Limits,
     blocks: Mapping[str, list[_Block]],
     headers: dict[str, st.Header],
+    states: dict[str, Any],
 ) -> None:
     """Check one file of a checkpoint against its manifest entry; problems go to ``report``.
 
-    A safetensors payload's header, once it checked, goes into ``headers`` (by file name):
-    what :func:`_check_state` holds the state's tensor references against.
+    A safetensors payload's header, once it checked, goes into ``headers`` (by file name),
+    and a JSON file's document, once it parsed (deep), into ``states``: what
+    :func:`_check_state` walks, and holds the state's tensor references against.
     """
     step = manifest.step
     where = storage.describe(step, name)
@@ -253,19 +254,23 @@ def _check_entry(  # noqa: PLR0917 - private, the body of verify_checkpoint's lo
         elif entry.codec == "json" and deep:
             data = storage.read_file(step, name, entry)
             try:
-                strictjson.loads(data)
+                doc = strictjson.loads(data)
             except (UnicodeDecodeError, ValueError, RecursionError) as e:
                 report.add(f"{where}: not valid JSON ({e})")
+            else:
+                if name == state_file(entry.rank) or name == STATE_NAME:
+                    states[name] = doc  # walked by _check_state, not read again
     except (CkptStoreError, OSError) as e:
         if isinstance(e, StoreUnreachableError):
             raise  # the store did not answer: nothing is known of the file (design rule 1)
         report.add(str(e) if isinstance(e, CkptStoreError) else f"{where}: unreadable ({e})")
 
 
-def _check_state(
+def _check_state(  # noqa: PLR0917 - private, one call site
     storage: Storage,
     manifest: Manifest,
     sname: str,
+    doc: Any,
     report: VerifyReport,
     headers: Mapping[str, st.Header],
 ) -> None:
@@ -279,10 +284,6 @@ def _check_state(
     """
     step = manifest.step
     entry = manifest.files[sname]
-    try:
-        doc = strictjson.loads(storage.read_file(step, sname, entry))
-    except (CkptStoreError, OSError, UnicodeDecodeError, ValueError, RecursionError):
-        return  # reported by the file loop with its cause
     rank = entry.rank if manifest.sharded and not manifest.dtensor else None
     files = manifest.files if rank is not None else manifest.plain_files()
     groups: dict[str, list[str]] = {}
@@ -540,7 +541,7 @@ def verify_stored_file(
         index = _check_index(storage, manifest, aside, away)
     blocks = _blocks_by_file(index) if index is not None else {}
     limits = _Limits(storage, manifest)
-    _check_entry(storage, manifest, name, entry, report, deep, limits, blocks, {})
+    _check_entry(storage, manifest, name, entry, report, deep, limits, blocks, {}, {})
     return report
 
 
