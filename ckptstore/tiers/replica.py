@@ -437,7 +437,8 @@ class Replicator:
                 with self._cond:
                     self._lost.add(s)
                 forget_replicated(self.local, s, self.replica)
-                todo.append(s)
+                if not (self.rank is None and self._partial(s)):  # a node's copy: see below
+                    todo.append(s)
             elif said == "yes" or (said == "legacy" and s not in remote):
                 self._set_safe(s, manifest)
             elif self.rank is None and s not in remote and self._partial(s):
