@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 from ..errors import IntegrityError
 from ..integrity import BLOCK
-from ..manifest import FileEntry
+from ..manifest import FileEntry, Manifest
 from . import safetensors as st
 from . import torchzip, zipstream, zstd
 from .dtypes import ITEMSIZE
@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 __all__ = [
     "group_of",
+    "groups_of",
     "max_payload_bytes",
     "payload_name",
     "read_group",
@@ -42,6 +43,19 @@ def payload_name(group: str, fmt: str, compression: str | None, rank: int | None
 def group_of(name: str) -> str:
     """The group a payload file name belongs to (its first dot-separated part)."""
     return name.split(".", 1)[0]
+
+
+def groups_of(manifest: Manifest, rank: int | None) -> dict[str, list[str]]:
+    """The payload files of ``rank``'s state (None: the files of no rank), by group.
+
+    What a restore reads for a state file and what ``verify`` holds it against. Files of no
+    rank come from the manifest itself: a lean manifest's rank table stays unread.
+    """
+    groups: dict[str, list[str]] = {}
+    for name, fe in (manifest.files if rank is not None else manifest.plain_files()).items():
+        if fe.codec != "json" and fe.rank == rank:
+            groups.setdefault(group_of(name), []).append(name)
+    return groups
 
 
 def _covering(t: torch.Tensor) -> torch.Tensor:

@@ -42,6 +42,7 @@ __all__ = [
     "encode_header",
     "file_order",
     "parse_header",
+    "read_header",
     "read_tensors",
     "tensor_bytes",
     "write_laid_out",
@@ -316,6 +317,19 @@ def parse_header(head: bytes | bytearray | memoryview, file_size: int, where: st
         msg = "parse_header needs the whole header"
         raise ValueError(msg)
     return _check_header(_header_json(head, n, where), n, file_size, where)
+
+
+def read_header(f: Any, file_size: int, where: str) -> Header:
+    """Read and validate the header of the safetensors file ``f`` (at its start).
+
+    Its length first, then no more than the file and :data:`MAX_HEADER_BYTES` allow.
+    """
+    head = f.read(8)
+    if len(head) == 8:
+        n = int.from_bytes(head, "little")
+        if 8 + n <= file_size and n <= MAX_HEADER_BYTES:
+            head += f.read(n)
+    return parse_header(head, file_size, where)
 
 
 #: No tensor holds as many bytes (its sizes as int64, with every zero dim taken as 1).

@@ -21,12 +21,12 @@ import functools
 import math
 import re
 import sys
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
-from .dtypes import ITEMSIZE
+from .dtypes import ITEMSIZE, SAFETENSORS_CODES
 
-__all__ = ["TREE_MAX_DEPTH", "Contents", "check_state"]
+__all__ = ["TREE_MAX_DEPTH", "Contents", "check_state", "group_contents"]
 
 #: As ``codec/tree.py``'s decoder: nodes nested deeper are refused (its ``_MAX_DEPTH + 5``).
 TREE_MAX_DEPTH = 205
@@ -46,6 +46,31 @@ class _Bad(Exception):
     def __init__(self, path: tuple[Any, ...], what: str) -> None:
         super().__init__(what)
         self.path = path
+
+
+def group_contents(
+    groups: Mapping[str, list[str]],
+    codes_of: Callable[[str], Mapping[str, tuple[str, list[int], int, int]] | None],
+) -> dict[str, Contents]:
+    """What each payload group holds, from its files' safetensors headers.
+
+    ``codes_of(file)``: the file's header entries (``Header.codes``: key -> (safetensors
+    code, shape, start, end)), or None where only its own decoder can tell (a zip, a
+    compressed file, one whose check failed): its whole group is then unknown.
+    """
+    out: dict[str, Contents] = {}
+    for group, names in groups.items():
+        merged: dict[str, tuple[str, list[int]]] = {}
+        for name in sorted(names):
+            codes = codes_of(name)
+            if codes is None:
+                out[group] = None
+                break
+            for key, (code, shape, _a, _b) in codes.items():
+                merged[key] = (SAFETENSORS_CODES[code], shape)
+        else:
+            out[group] = merged
+    return out
 
 
 def check_state(doc: Any, groups: Mapping[str, Contents], where: str) -> list[str]:

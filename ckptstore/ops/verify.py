@@ -27,7 +27,6 @@ from typing import Any
 from .._progress import Progress
 from ..codec import payload, strictjson, torchzip, treecheck
 from ..codec import safetensors as st
-from ..codec.dtypes import SAFETENSORS_CODES
 from ..codec.payload import stored_tensors
 from ..errors import (
     CkptStoreError,
@@ -61,12 +60,7 @@ _LEGACY_TORCH_MAGIC = b"\x80\x02\x8a\x0a"
 def _check_header(f: Any, size: int, codec: str, where: str, deep: bool) -> st.Header | None:
     """Check a payload's header (a zip's directory and, ``deep``, members); a safetensors one."""
     if codec == "safetensors":
-        head = f.read(8)
-        if len(head) == 8:
-            n = int.from_bytes(head, "little")
-            if 8 + n <= size and n <= st.MAX_HEADER_BYTES:
-                head += f.read(n)
-        return st.parse_header(head, size, where)
+        return st.read_header(f, size, where)
     if codec == "torch":
         f.seek(0)
         torchzip.check_zip(f, where, deep=deep)
@@ -285,21 +279,10 @@ def _check_state(  # noqa: PLR0917 - private, one call site
     step = manifest.step
     entry = manifest.files[sname]
     rank = entry.rank if manifest.sharded and not manifest.dtensor else None
-    files = manifest.files if rank is not None else manifest.plain_files()
-    groups: dict[str, list[str]] = {}
-    for name, fe in files.items():
-        if fe.codec != "json" and fe.rank == rank:
-            groups.setdefault(payload.group_of(name), []).append(name)
-    contents: dict[str, treecheck.Contents] = {}
-    for group, names in groups.items():
-        if all(n in headers for n in names):
-            merged: dict[str, tuple[str, list[int]]] = {}
-            for n in sorted(names):
-                for key, (code, shape, _a, _b) in headers[n].codes.items():
-                    merged[key] = (SAFETENSORS_CODES[code], shape)
-            contents[group] = merged
-        else:
-            contents[group] = None  # a zip, or a payload reported already
+    # A zip's, or a payload reported already, is unknown (no header kept for it).
+    contents = treecheck.group_contents(
+        payload.groups_of(manifest, rank), lambda n: headers[n].codes if n in headers else None
+    )
     for problem in treecheck.check_state(doc, contents, storage.describe(step, sname)):
         report.add(problem)
 

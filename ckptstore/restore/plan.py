@@ -47,11 +47,7 @@ def layout_of(
                 f"{where} has shards for ranks 0..{manifest.world_size - 1}, not {rank}"
             )
     want_rank = rank if per_rank else None
-    groups: dict[str, list[str]] = {}
-    # Files of no rank from the manifest itself: a lean manifest's rank table stays unread.
-    for name, fe in (manifest.files if per_rank else manifest.plain_files()).items():
-        if fe.codec != "json" and fe.rank == want_rank:
-            groups.setdefault(payload_codec.group_of(name), []).append(name)
+    groups = payload_codec.groups_of(manifest, want_rank)
     sname = state_file(want_rank)
     if sname not in manifest.files:
         raise ManifestError(f"{where}: manifest lists no {sname}")

@@ -22,7 +22,6 @@ from .._phases import PhaseClock, mark
 from ..codec import payload as payload_codec
 from ..codec import safetensors as st
 from ..codec import strictjson, treecheck
-from ..codec.dtypes import SAFETENSORS_CODES
 from ..codec.tree import STATE_FORMAT, TreeDecoder, is_key, stored_tensors
 from ..errors import CkptStoreError, IntegrityError, ManifestError, StateMismatchError
 from ..integrity import crc32c_of
@@ -322,28 +321,24 @@ def _blame_the_step(  # noqa: PLR0917 - private, one call site
     the step before (found by review). Read on this failure path only: each uncompressed
     safetensors payload's header, held against the state as ``verify`` holds it.
     """
-    contents: dict[str, treecheck.Contents] = {}
-    for group, names in groups.items():
-        merged: dict[str, tuple[str, list[int]]] | None = {}
-        for name in sorted(names):
-            entry = manifest.files[name]
-            if merged is None or entry.codec != "safetensors" or entry.compression is not None:
-                merged = None  # a zip's or a compressed file's contents: not looked into
-                continue
-            try:
-                with session.storage.open_file(step, name) as f:
-                    head = f.read(8)
-                    n = int.from_bytes(head, "little") if len(head) == 8 else 0
-                    if n <= st.MAX_HEADER_BYTES and 8 + n <= entry.bytes:
-                        head += f.read(n)
-                header = st.parse_header(head, entry.bytes, session.storage.describe(step, name))
-            except OSError:
-                return  # unreadable now: the mismatch stands as it was found
-            except (CkptStoreError, ValueError) as e:  # a header that does not parse
-                raise IntegrityError(str(e)) from mismatch
-            for key, (code, shape, _a, _b) in header.codes.items():
-                merged[key] = (SAFETENSORS_CODES[code], shape)
-        contents[group] = merged
+    unreadable: list[OSError] = []
+
+    def codes_of(name: str) -> Mapping[str, tuple[str, list[int], int, int]] | None:
+        entry = manifest.files[name]
+        if unreadable or entry.codec != "safetensors" or entry.compression is not None:
+            return None  # a zip's or a compressed file's contents: not looked into
+        try:
+            with session.storage.open_file(step, name) as f:
+                return st.read_header(f, entry.bytes, session.storage.describe(step, name)).codes
+        except OSError as e:
+            unreadable.append(e)
+            return None
+        except (CkptStoreError, ValueError) as e:  # a header that does not parse
+            raise IntegrityError(str(e)) from mismatch
+
+    contents = treecheck.group_contents(groups, codes_of)
+    if unreadable:
+        return  # unreadable now: the mismatch stands as it was found
     problems = treecheck.check_state(tree, contents, where)
     if problems:
         raise IntegrityError(problems[0]) from mismatch

@@ -286,7 +286,7 @@ class Replicator:
             # these roots): the local marker says this very save is there, verified. This
             # uploader never uploaded it, so it kept the step for the whole job.
             with contextlib.suppress(OSError, CkptStoreError):
-                if not known and s not in self._lost and self._recorded(s, manifest) == "yes":
+                if not known and self._recorded(s, manifest) == "yes":
                     self._set_safe(s, manifest)
         with self._cond:
             unsure = [s for s in doomed if s not in self.safe]
@@ -350,13 +350,19 @@ class Replicator:
             if there.to_bytes() != manifest.to_bytes():
                 continue
             digest = manifest_digest(manifest)
-            recorded = s not in self._lost and self._recorded(s, manifest) == "yes"
-            if self._part_of.get(s) == digest or recorded:
+            if self._part_of.get(s) == digest or self._recorded(s, manifest) == "yes":
                 self._set_safe(s, manifest)
                 mark_replicated(self.local, s, self.replica, manifest)
 
     def _recorded(self, step: int, manifest: Manifest) -> str:
-        """What the local marker says of this save on this replica: "yes", "legacy", "no"."""
+        """What the local marker says of this save on this replica: "yes", "legacy", "no".
+
+        "no" for a step :meth:`recover` found lost there: its record is not to be trusted
+        (should dropping it have failed) until the step is uploaded again.
+        """
+        with self._cond:
+            if step in self._lost:
+                return "no"
         rec = safe_on(self.local, step)
         if rec is None:
             return "no"
