@@ -363,3 +363,43 @@ def test_a_payload_named_like_a_marker_is_refused(marker: str) -> None:
     doc = json.loads(sample().to_bytes())
     doc["files"][marker] = doc["files"]["state.json"]
     refuse(resign(doc), f"file name {marker!r}", "marker the store writes itself")
+
+
+def test_a_step_whose_manifest_nests_too_deeply_is_skipped_and_the_one_before_restores(
+    tmp_path: Any,
+) -> None:
+    """Review (s39) #4 end to end: ``restore()`` raised the RecursionError instead of going
+    on to step 1; ``verify`` printed a traceback."""
+    import sys
+
+    import torch
+    from _helpers import forge_manifest, step_path
+
+    from ckptstore import CheckpointManager
+    from ckptstore.ops.verify import verify_checkpoint
+    from ckptstore.storage import open_storage
+
+    with CheckpointManager(tmp_path, keep=None) as mgr:
+        mgr.save(1, {"w": torch.full((3,), 1.0)})
+        mgr.save(2, {"w": torch.full((3,), 2.0)})
+    node: Any = 1
+    for _ in range(900):
+        node = [node]
+    path = step_path(tmp_path, 2) / "manifest.json"
+    limit = sys.getrecursionlimit()
+    sys.setrecursionlimit(max(limit, 10_000))
+    try:
+        path.write_bytes(
+            forge_manifest(path.read_bytes(), lambda d: d.update(metadata={"x": node}))
+        )
+    finally:
+        sys.setrecursionlimit(limit)
+    report = verify_checkpoint(open_storage(tmp_path), 2)
+    assert not report.ok
+    assert any("nested" in p and "hostile" in p for p in report.problems), report.problems
+    with CheckpointManager(tmp_path) as mgr:
+        got = {"w": torch.zeros(3)}
+        assert mgr.restore(got) == 1
+        assert torch.equal(got["w"], torch.full((3,), 1.0))
+        with pytest.raises(ManifestError, match="hostile"):
+            mgr.restore({"w": torch.zeros(3)}, step=2)
