@@ -426,6 +426,94 @@ def test_ema_saved_as_a_plain_module_is_restored_not_rebuilt(tmp_path: Path, sav
     assert int(ema2.n_averaged) == (3 if saved == "averaged_model" else 1)
 
 
+def _averaged(model: nn.Module) -> AveragedModel:
+    return AveragedModel(model, multi_avg_fn=get_ema_multi_avg_fn(0.9))
+
+
+def _averaged_bytes(avg: AveragedModel) -> dict[str, torch.Tensor]:
+    return module_bytes(de_parallel(avg.module))
+
+
+@pytest.mark.parametrize("strict", [True, False], ids=["strict", "lenient"])
+@pytest.mark.parametrize(
+    ("saved_ddp", "target_ddp"), [(False, True), (True, False), (True, True)], ids=str
+)
+def test_a_plain_averaged_model_of_a_ddp_model_restores_either_way(
+    tmp_path: Path, saved_ddp: bool, target_ddp: bool, strict: bool
+) -> None:
+    """``{"ema": AveragedModel(ddp_model)}`` (a DDP script's EMA, saved without ``EMA``)
+    stores ``module.module.*`` keys; one averaging a plain model ``module.*``. Each restores
+    into the other with its stored averages and ``n_averaged``: the wrapper inside the
+    averaged model was taken for a different model (a StateMismatchError, and with the
+    strict=False it advised, the counter restored and none of the averages)."""
+    model = Net(1)
+    wrapped: nn.Module = DDP(model) if saved_ddp else model
+    ema = _averaged(wrapped)
+    for i in range(3):
+        perturb(model, 0.5 + i)
+        ema.update_parameters(wrapped)
+    saved = _averaged_bytes(ema)
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": wrapped, "ema": ema})
+        keys = set(mgr.load()["ema"])
+        assert ("module.module.head.weight" in keys) == saved_ddp
+        model2 = Net(2)
+        target: nn.Module = DDP(model2) if target_ddp else model2
+        ema2 = _averaged(target)
+        assert not torch.equal(_averaged_bytes(ema2)["head.weight"], saved["head.weight"])
+        assert mgr.restore({"model": target, "ema": EMA(ema2, source=target)}, strict=strict) == 1
+    assert_same(_averaged_bytes(ema2), saved)  # the stored averages, not the model's weights
+    assert int(ema2.n_averaged) == 3
+
+
+def test_a_plain_ema_whose_counter_does_not_fit_is_refused_before_anything_changes(
+    tmp_path: Path,
+) -> None:
+    model = Net(1)
+    ema = _averaged(model)
+    ema.update_parameters(model)
+    stored = dict(ema.state_dict())
+    stored["n_averaged"] = torch.tensor([3, 4])
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": model, "ema": stored})
+        model2, ema2 = Net(2), _averaged(Net(3))
+        before, before_ema = module_bytes(model2), _averaged_bytes(ema2)
+        with pytest.raises(StateMismatchError, match=r"EMA counters do not fit: n_averaged"):
+            mgr.restore({"model": model2, "ema": EMA(ema2, source=model2)})
+    assert_same(module_bytes(model2), before)
+    assert_same(_averaged_bytes(ema2), before_ema)
+    assert int(ema2.n_averaged) == 0
+
+
+def test_an_ema_is_not_rebuilt_from_a_source_this_restore_does_not_restore(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A checkpoint without an EMA rebuilds it from the restored model; from a model the
+    restore did not touch (an evaluation script asking for the EMA alone) it copied
+    untrained weights and returned the step. Refused now, before anything changes;
+    strict=False leaves the EMA as it was; ``rebuild=True`` still copies the source."""
+    with CheckpointManager(tmp_path / "s") as mgr:
+        mgr.save(1, {"model": Net(1)})
+        model, ema = Net(2), _averaged(Net(3))
+        before = _averaged_bytes(ema)
+        with pytest.raises(StateMismatchError, match="source model is not restored by this call"):
+            mgr.restore({"ema": EMA(ema, source=model)})
+        assert_same(_averaged_bytes(ema), before)
+        with pytest.raises(StateMismatchError, match="no source model to rebuild from"):
+            mgr.restore({"model": Net(4), "ema": EMA(_averaged(Net(3)))})
+        with caplog.at_level("WARNING", logger="ckptstore"):
+            assert mgr.restore({"ema": EMA(ema, source=model)}, strict=False) == 1
+        assert "leaves the EMA as it is" in caplog.text
+        assert_same(_averaged_bytes(ema), before)
+        assert int(ema.n_averaged) == 0
+        # A submodule of a restored model is restored too: the EMA of the backbone alone.
+        whole, ema_b = Net(5), _averaged(nn.Linear(4, 6))
+        mgr.restore({"model": whole, "ema": EMA(ema_b, source=whole.backbone)})
+        assert_same(_averaged_bytes(ema_b), module_bytes(Net(1).backbone))
+        mgr.restore({"ema": EMA(ema, source=model, rebuild=True)})
+    assert_same(_averaged_bytes(ema), module_bytes(model))
+
+
 def test_rng_derive_is_deterministic_and_distinct_per_rank() -> None:
     torch.manual_seed(5)
     saved = RNGState().state_dict()

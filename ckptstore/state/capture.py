@@ -20,7 +20,7 @@ from torch import nn
 
 from .._log import logger as log
 from ..errors import CkptStoreError, StateMismatchError
-from .modules import EMA, RNGState, load_module_state, module_state
+from .modules import EMA, RNGState, de_parallel, load_module_state, module_state
 from .redistribute import is_dtensor, laid_out_like, optimizer_state
 
 __all__ = ["apply_state", "capture", "kind_of"]
@@ -154,6 +154,16 @@ def _load_the_rest(
         elif key in stored and not ema.rebuild and _holds_weights(stored[key], kind):
             # Saved as a plain module ({"ema": averaged_model}): its weights are the EMA.
             ema.load_weights(stored[key], strict=strict)
+        elif not ema.rebuild and not _source_restored(ema, restored_modules(state, stored)):
+            if strict:  # precheck refused it already, before anything changed
+                raise StateMismatchError(_unrestored_source(ema, f"{where}[{key!r}]"))
+            log.warning(
+                "%s[%r]: the checkpoint holds no EMA weights and the EMA's source is not "
+                "restored by this call; strict=False leaves the EMA as it is",
+                where,
+                key,
+            )
+            loaded.remove(key)
         else:
             if key in stored and not ema.rebuild:
                 log.warning(
@@ -254,12 +264,13 @@ def precheck(
         )
         raise StateMismatchError(msg, missing=[str(k) for k in missing])
     # Check every target before loading any, so a mismatch leaves the state untouched.
+    restored = restored_modules(state, stored)
     for key, target in state.items():
         at = f"{where}[{key!r}]"
         if key in stored and isinstance(target, nn.Module):
             _check_module(target, stored[key], strict=strict, where=at)
         elif isinstance(target, EMA):  # an EMA loads last: check it first all the same
-            _check_ema(target, stored.get(key), kinds.get(key), strict=strict, where=at)
+            _check_ema(target, stored.get(key), kinds.get(key), restored, strict=strict, where=at)
         elif key in stored and stored[key] is not None and kind_of(target) == "stateful":
             _check_stateful(target, stored[key], where=at)
 
@@ -274,19 +285,74 @@ def _check_module(target: nn.Module, value: Any, *, strict: bool, where: str) ->
     load_module_state(probe, value, strict=strict, where=where)
 
 
-def _check_ema(ema: EMA, value: Any, kind: str | None, *, strict: bool, where: str) -> None:
-    """Raise StateMismatchError if ``ema`` can be neither loaded nor rebuilt as it will be."""
+def _check_ema(
+    ema: EMA,
+    value: Any,
+    kind: str | None,
+    restored: list[nn.Module],
+    *,
+    strict: bool,
+    where: str,
+) -> None:
+    """Raise StateMismatchError if ``ema`` can be neither loaded nor rebuilt as it will be.
+
+    ``restored``: the modules this restore loads (a fall-back rebuild copies its source
+    only when the source is one of them, or inside one).
+    """
     if kind == "ema" and not ema.rebuild:
         weights = value.get("weights") if isinstance(value, Mapping) else None
         _check_module(ema.module, weights, strict=strict, where=where)
+        counters = value.get("counters") if isinstance(value, Mapping) else None
+        _check_counters(ema, counters if isinstance(counters, Mapping) else {}, where=where)
     elif value is not None and not ema.rebuild and _holds_weights(value, kind):
-        _check_module(ema.weights_target(value), value, strict=strict, where=where)
+        weights, counters = ema.split_plain(value)
+        _check_module(ema.module, weights, strict=strict, where=where)
+        _check_counters(ema, counters, where=where)
+    elif not ema.rebuild and not _source_restored(ema, restored):
+        if strict:
+            raise StateMismatchError(_unrestored_source(ema, where))
     elif ema.source is not None:  # rebuilt from the source, whose shapes the restore keeps
         source = module_state(ema.source)
         _refuse_shards_into_whole(ema.module, source)
         _check_module(ema.module, source, strict=True, where="ema (rebuilt)")
     else:
         ema.rebuild_from_source()  # raises: nothing to rebuild from
+
+
+def _check_counters(ema: EMA, counters: Mapping[str, Any], *, where: str) -> None:
+    problems = ema.counter_problems(counters)
+    if problems:
+        msg = f"{where}: the checkpoint's EMA counters do not fit: {'; '.join(problems)}"
+        raise StateMismatchError(msg)
+
+
+def restored_modules(state: Mapping[Any, Any], stored: Mapping[Any, Any]) -> list[nn.Module]:
+    """The de-parallelized modules of ``state`` that ``stored`` holds an entry for."""
+    return [de_parallel(t) for k, t in state.items() if isinstance(t, nn.Module) and k in stored]
+
+
+def _source_restored(ema: EMA, restored: list[nn.Module]) -> bool:
+    """Whether the EMA's source is one of ``restored`` or a submodule of one."""
+    if ema.source is None:
+        return False
+    src = de_parallel(ema.source)
+    return any(src is m or any(src is sub for sub in m.modules()) for m in restored)
+
+
+def _unrestored_source(ema: EMA, where: str) -> str:
+    """Why a checkpoint without the EMA cannot rebuild it from a source it does not restore."""
+    if ema.source is None:
+        return (
+            f"{where}: the checkpoint holds no EMA weights, and the EMA has no source model to "
+            "rebuild from; pass EMA(ema, source=model) with the model in the same restore"
+        )
+    return (
+        f"{where}: the checkpoint holds no EMA weights, and the EMA's source model is not "
+        "restored by this call, so a rebuild would copy weights that did not come from the "
+        "checkpoint; restore the model in the same call ({'model': model, ...: EMA(ema, "
+        "source=model)}), pass EMA(..., rebuild=True) to copy the source as it is, or "
+        "restore with strict=False to leave the EMA as it is; nothing was changed"
+    )
 
 
 def _refuse_shards_into_whole(module: nn.Module, source: Mapping[str, Any]) -> None:

@@ -126,13 +126,6 @@ def _strip_leading(keys: list[str], target: set[str]) -> str:
     return stripped
 
 
-def _matching_keys(target: nn.Module, stored: Mapping[str, Any]) -> int:
-    """How many keys of ``stored`` name an entry of ``target`` (after prefix stripping)."""
-    tkeys = {normalize_key(k) for k in de_parallel(target).state_dict(keep_vars=True)}
-    prefix = _strip_leading(list(stored), tkeys)
-    return sum(normalize_key(k[len(prefix) :] if prefix else k) in tkeys for k in stored)
-
-
 def load_module_state(
     target: nn.Module, stored: Mapping[str, Any], *, strict: bool = True, where: str = "model"
 ) -> None:
@@ -232,7 +225,10 @@ class EMA:
     On restore the stored EMA is loaded if present, also when it was saved as a plain module
     (``{"ema": averaged_model}``, without ``EMA``); if the checkpoint has none (or
     ``rebuild=True``) its weights are rebuilt from the de-parallelized ``source`` after the
-    model is restored. Counters (``n_averaged``, ``updates``, ``decay``) are saved too.
+    model is restored. Without ``rebuild=True`` the source must be restored by the same call
+    (it, or a module holding it, is in the state): a checkpoint without an EMA raises
+    ``StateMismatchError`` rather than copy weights it did not give (``strict=False`` leaves
+    the EMA as it is). Counters (``n_averaged``, ``updates``, ``decay``) are saved too.
     """
 
     def __init__(self, ema: Any, source: nn.Module | None = None, *, rebuild: bool = False) -> None:
@@ -281,8 +277,11 @@ class EMA:
     def load_state_dict(self, state_dict: Mapping[str, Any], *, strict: bool = True) -> None:
         """Load stored EMA weights and counters."""
         load_module_state(self.module, state_dict["weights"], strict=strict, where="ema")
+        self._load_counters(dict(state_dict.get("counters", {})))
+
+    def _load_counters(self, counters: Mapping[str, Any]) -> None:
         owner = self._counter_owner()
-        for name, v in dict(state_dict.get("counters", {})).items():
+        for name, v in counters.items():
             if name not in _COUNTERS:
                 continue
             cur = getattr(owner, name, None)
@@ -292,30 +291,46 @@ class EMA:
             elif cur is not None and not isinstance(cur, torch.Tensor):
                 setattr(owner, name, v)
 
-    def weights_target(self, stored: Mapping[str, Any]) -> nn.Module:
-        """The module that weights saved as a plain module load into.
-
-        ``{"ema": averaged_model}`` stores the object given as ``ema`` (an ``AveragedModel``
-        with its ``n_averaged``, a timm ``ModelEmaV2``); ``{"ema": averaged_model.module}``
-        the averaged module itself. The one whose keys ``stored`` matches best is chosen.
-        """
-        inner = self.module
+    def counter_problems(self, counters: Mapping[str, Any]) -> list[str]:
+        """Why stored counters would not load (a tensor counter of another shape), if any."""
         owner = self._counter_owner()
-        if (
-            isinstance(owner, nn.Module)
-            and owner is not inner
-            and _matching_keys(owner, stored) > _matching_keys(inner, stored)
-        ):
-            return owner
-        return inner
+        problems = []
+        for name, v in counters.items():
+            cur = getattr(owner, name, None) if name in _COUNTERS else None
+            fits = not isinstance(v, torch.Tensor) or v.shape == getattr(cur, "shape", v.shape)
+            if isinstance(cur, torch.Tensor) and not fits:
+                problems.append(f"{name}: checkpoint {tuple(v.shape)}, EMA {tuple(cur.shape)}")
+        return problems
+
+    def split_plain(self, stored: Mapping[str, Any]) -> tuple[dict[str, Any], dict[str, Any]]:
+        """The averaged module's weights and the counters of an EMA saved as a plain module.
+
+        ``{"ema": averaged_model}`` stores the object given as ``ema``: an ``AveragedModel``'s
+        ``module.``-prefixed weights (``module.module.`` where it averages a DDP model) and
+        its ``n_averaged``, a timm ``ModelEmaV2``'s ``module.`` weights;
+        ``{"ema": averaged_model.module}`` the averaged module's own keys. The weights load
+        into :attr:`module` (the wrapper prefixes stripped as for any module, so either side
+        may have averaged a DDP or compiled model); the top-level counters into their owner.
+        """
+        own = {normalize_key(k) for k in self.module.state_dict(keep_vars=True)}
+        counters = {k: v for k, v in stored.items() if k in _COUNTERS and k not in own}
+        weights: collections.OrderedDict[str, Any] = collections.OrderedDict(
+            (k, v) for k, v in stored.items() if k not in counters
+        )
+        meta = getattr(stored, "_metadata", None)
+        if isinstance(meta, dict):
+            weights._metadata = dict(meta)  # type: ignore[attr-defined]
+        return weights, counters
 
     def load_weights(self, stored: Mapping[str, Any], *, strict: bool = True) -> None:
-        """Load an EMA saved as a plain module (see :meth:`weights_target`).
+        """Load an EMA saved as a plain module (see :meth:`split_plain`).
 
         Raises:
             StateMismatchError: the stored weights do not fit.
         """
-        load_module_state(self.weights_target(stored), stored, strict=strict, where="ema")
+        weights, counters = self.split_plain(stored)
+        load_module_state(self.module, weights, strict=strict, where="ema")
+        self._load_counters(counters)
         self._continue_averaging()
 
     def _continue_averaging(self) -> None:
