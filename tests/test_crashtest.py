@@ -1,117 +1,121 @@
 """A short run of the crash campaign (tools/crashtest.py), and its checker catching damage.
 
 ``make crashtest`` runs the long campaign (300 kills per store, 20 distributed jobs); here it
-runs 16 kills on a local store with 2 distributed jobs and 6 kills on S3 (moto on loopback)
-in one campaign, and 6 kills of the replica tier's uploader mid-upload to S3 in another,
-each as a subprocess with a hard timeout.
+runs 16 kills on a local store with 2 distributed jobs and 4 kills on S3 (moto on loopback)
+in one campaign, and 4 kills of the replica tier's uploader mid-upload to S3 in another.
+
+Each campaign is the tool's ``main`` run in this process, which imported torch already (the
+campaign's checker needs it; a fresh interpreter spent 3.5 s of CPU on the import, 2026-11-30);
+its fork server, writers, ranks, uploaders and moto's server are still processes of their own.
+A hang is caught by the campaign's own waits (each bounded) and by the test's timeout.
 """
 
 from __future__ import annotations
 
+import importlib
 import importlib.util
 import json
-import subprocess
 import sys
 from pathlib import Path
 from types import ModuleType
 from typing import Any
 
 import pytest
-from _helpers import REPO, subprocess_env
+import torch
+from _helpers import REPO
 
 from ckptstore import CheckpointManager
 from tests.timing import FACTOR, healthy
 
-TOOL = REPO / "tools" / "crashtest.py"
 
-
-def start(tmp_path: Path, name: str, *args: str) -> tuple[subprocess.Popen[str], Path]:
+def campaign(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    capsys: pytest.CaptureFixture[str],
+    name: str,
+    *args: str,
+) -> dict[str, Any]:
+    """Run tools/crashtest.py's ``main`` with ``args`` here; its JSON, once it reported no
+    violation and exited 0."""
     out = tmp_path / f"{name}.json"
-    proc = subprocess.Popen(
-        [sys.executable, str(TOOL), *args, "--json", str(out)],
-        # The campaign's slack for a survivor's exit is scaled like the tests' waits.
-        env={**subprocess_env(), "CKPTSTORE_TEST_SLOWDOWN": str(FACTOR)},
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-    )
-    return proc, out
-
-
-def finish(proc: subprocess.Popen[str], out: Path, timeout: float) -> dict[str, Any]:
+    monkeypatch.syspath_prepend(str(REPO / "tools"))  # as crashtest.py has it; undone after
+    # The campaign's slack for a survivor's exit is scaled like the tests' waits: in the fork
+    # server's children (read from the environment) and here (read when crashkit.common was
+    # first imported, maybe by another test without it).
+    monkeypatch.setenv("CKPTSTORE_TEST_SLOWDOWN", str(FACTOR))
+    for mod in ("crashkit.common", "crashkit.dist", "crashkit.campaign"):
+        monkeypatch.setattr(importlib.import_module(mod), "DIST_SLACK", 5.0 * FACTOR)
+    main = importlib.import_module("crashkit.campaign").main
+    threads = torch.get_num_threads()
     try:
-        text, _ = proc.communicate(timeout=timeout)
-    except subprocess.TimeoutExpired:
-        proc.kill()
-        text, _ = proc.communicate()
-        raise AssertionError(f"the campaign hung past {timeout:.0f}s:\n{text[-4000:]}") from None
-    assert proc.returncode == 0, text[-4000:]
+        with torch.random.fork_rng(devices=[]):  # its checker seeds torch's generator
+            rc = main([*args, "--json", str(out)])
+    finally:
+        torch.set_num_threads(threads)  # the campaign runs on one, as its own process did
+    text = capsys.readouterr().out
+    assert rc == 0, text[-4000:]
     assert "violations: 0" in text
     return dict(json.loads(out.read_text()))
 
 
 @pytest.mark.timeout(healthy(150))  # campaigns: minutes on a busy host
-def test_short_campaigns(tmp_path: Path) -> None:
-    # The local and S3 campaigns in one process, one after the other: both keep the CPU busy
+def test_short_campaigns(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    # The local and S3 campaigns in one run, one after the other: both keep the CPU busy
     # (the S3 one in moto and s3fs), and one campaign and one fork server, each importing
     # torch, cost less than two of each.
     with_s3 = bool(importlib.util.find_spec("moto") and importlib.util.find_spec("s3fs"))
-    proc, out = start(
+    doc = campaign(
         tmp_path,
+        monkeypatch,
+        capsys,
         "campaigns",
         *("--store", "both" if with_s3 else "local", "--trials", "16", "--s3-trials", "4"),
         *("--dist-trials", "2", "--upload-trials", "0"),
     )
-    try:
-        doc = finish(proc, out, timeout=healthy(140))
-        assert doc["violations"] == []
-        stats = doc["stores"][0]
-        assert stats["store"] == "local"
-        assert stats["kills"] == stats["trials"] == 16
-        assert len(stats["configs"]) == 8  # sync/async x safetensors/torch x keep 1/2
-        # The second round of the 8 configurations kills each writer only after a save
-        # returned (on any host), the first at any moment from its start.
-        assert stats["saves_returned"] >= 8
-        dist = doc["dist"]
-        assert dist["trials"] == dist["kills"] == dist["survivor_timeouts"] == 2
-        assert dist["max_exit_after_kill"] < 3.0 + healthy(5.0)
-        if not with_s3:  # pragma: no cover
-            pytest.skip("moto or s3fs missing: no S3 campaign")
-        (s3,) = doc["stores"][1:]
-        assert s3["store"] == "s3"
-        assert s3["kills"] == s3["trials"] == 4
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
+    assert doc["violations"] == []
+    stats = doc["stores"][0]
+    assert stats["store"] == "local"
+    assert stats["kills"] == stats["trials"] == 16
+    assert len(stats["configs"]) == 8  # sync/async x safetensors/torch x keep 1/2
+    # The second round of the 8 configurations kills each writer only after a save
+    # returned (on any host), the first at any moment from its start.
+    assert stats["saves_returned"] >= 8
+    dist = doc["dist"]
+    assert dist["trials"] == dist["kills"] == dist["survivor_timeouts"] == 2
+    assert dist["max_exit_after_kill"] < 3.0 + healthy(5.0)
+    if not with_s3:  # pragma: no cover
+        pytest.skip("moto or s3fs missing: no S3 campaign")
+    (s3,) = doc["stores"][1:]
+    assert s3["store"] == "s3"
+    assert s3["kills"] == s3["trials"] == 4
 
 
 @pytest.mark.timeout(300)
-def test_short_upload_campaign(tmp_path: Path) -> None:
+def test_short_upload_campaign(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
     """The replica tier's uploader SIGKILLed mid-upload to S3 (its own test: the suite's two
     workers run it beside the campaigns above instead of after them)."""
     pytest.importorskip("moto.server")
     pytest.importorskip("s3fs")
-    up = start(
+    # Not scaled: on a busy host its time is the uploads', which run at nice 19 (IO_NICE)
+    # and yield to every busy process. Under 4 busy loops at nice 0, one whole upload
+    # of the 2 steps took 31 s against 0.9 s idle (2026-11-28), and each trial's
+    # recovery uploads again: the campaign did not finish in 500 s there (2026-11-23).
+    doc = campaign(
         tmp_path,
+        monkeypatch,
+        capsys,
         "upload",
         *("--store", "local", "--trials", "0", "--dist-trials", "0", "--upload-trials", "4"),
     )
-    try:
-        # Not scaled: on a busy host its time is the uploads', which run at nice 19 (IO_NICE)
-        # and yield to every busy process. Under 4 busy loops at nice 0, one whole upload
-        # of the 2 steps took 31 s against 0.9 s idle (2026-11-28), and each trial's
-        # recovery uploads again: the campaign did not finish in 500 s there (2026-11-23).
-        doc = finish(*up, timeout=250)
-        assert doc["violations"] == []
-        ups = doc["uploads"]
-        assert ups["trials"] == 4
-        assert ups["kills"] >= 2  # a few uploads may finish before their kill
-        assert ups["killed_mid_upload"] + ups["complete_at_kill"] > 0
-    finally:
-        if up[0].poll() is None:
-            up[0].kill()
-            up[0].wait()
+    assert doc["violations"] == []
+    ups = doc["uploads"]
+    assert ups["trials"] == 4
+    assert ups["kills"] >= 2  # a few uploads may finish before their kill
+    assert ups["killed_mid_upload"] + ups["complete_at_kill"] > 0
 
 
 # ---- the checker has teeth --------------------------------------------------------------------
