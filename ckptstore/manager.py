@@ -38,6 +38,7 @@ from .save.pipeline import Saver
 from .save.staging import SaveHandle
 from .session import Session
 from .storage import Storage, open_storage, wait_for_deletions
+from .storage.base import step_gone
 from .tiers import nodes
 from .tiers import twotier as tiers
 from .tiers.replica import Replicator
@@ -265,11 +266,7 @@ class CheckpointManager:
                 return self.storage.read_manifest(s)
             except ManifestError:
                 # Deleted while it was read (a running job's retention): not unreadable.
-                try:
-                    gone = s not in self.storage.list_steps()
-                except OSError:
-                    gone = False
-                if not gone:
+                if not step_gone(self.storage, s):
                     raise
                 if step is not None or attempt == 2:
                     raise NoCheckpointError(

@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 import torch
-from _helpers import index_chunks, run_cli, step_path
+from _helpers import index_chunks, run_cli, step_dir, step_path
 from safetensors.torch import load_file
 from torch import nn
 
@@ -818,9 +819,12 @@ def test_diff_tells_apart_what_an_approximate_comparison_took_for_equal(
         "betas": (0.9, math.nan),
         # Integers went through float64: 2**62 + 1 and 2**62 differed by 0.
         "ids": torch.tensor([2**62], dtype=torch.int64),
+        # uint64 too, which took the float64 path: 2**63 and 2**63 + 1 differed by 0.
+        "uids": torch.tensor([2**63, 5], dtype=torch.uint64),
     }
     b = dict(a)
     b["ids"] = torch.tensor([2**62 + 1], dtype=torch.int64)
+    b["uids"] = torch.tensor([2**63 + 1, 2**64 - 1], dtype=torch.uint64)
     b["inf"] = torch.tensor([big, 1.0, -big])
     b["wide"] = wide.copy()
     b["wide"][1000] = 5.0
@@ -832,9 +836,18 @@ def test_diff_tells_apart_what_an_approximate_comparison_took_for_equal(
     code, out, _ = run_cli(capsys, "--json", "diff", str(root), "1", "2")
     assert code == 1
     doc = json.loads(out)
-    assert sorted(d["path"] for d in doc["differences"]) == ["close", "ids", "inf", "wide"]
+    paths = ["close", "ids", "inf", "uids", "wide"]
+    assert sorted(d["path"] for d in doc["differences"]) == paths
     ids = next(d for d in doc["differences"] if d["path"] == "ids")
     assert ids["max_abs_diff"] == 1.0
+    uids = next(d for d in doc["differences"] if d["path"] == "uids")
+    assert uids["max_abs_diff"] == float(2**64 - 6)
+    one = {"u": torch.tensor([2**63], dtype=torch.uint64)}
+    with CheckpointManager(root) as mgr:
+        mgr.save(3, one)
+        mgr.save(4, {"u": torch.tensor([2**63 + 1], dtype=torch.uint64)})
+    code, out, _ = run_cli(capsys, "--json", "diff", str(root), "3", "4")
+    assert [d["max_abs_diff"] for d in json.loads(out)["differences"]] == [1.0]
     # The complex and float8 tensors, the list and the tuple: NaNs in the same places.
     assert doc["same"] == 4
     code, out, _ = run_cli(capsys, "diff", str(root), "1", "1")
@@ -1127,6 +1140,71 @@ def test_export_hf_usage_errors(store: Path, tmp_path: Path, argv: list[str], ca
     assert out == ""
     assert "usage: ckptstore export" in err
     assert [p.name for p in tmp_path.iterdir()] == ["ckpt"]
+
+
+def test_export_never_replaces_a_file_made_while_it_ran(
+    store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """The "does OUT exist" check ran once, before the step was read; the final rename then
+    replaced a file made meanwhile (another export, the user's). Published with link(2)
+    now: that file is kept, PathExistsError says so; --force still replaces."""
+    from ckptstore.errors import PathExistsError
+    from ckptstore.ops.export import export_step
+
+    for name in ("a.pt", "a.safetensors"):
+        out = tmp_path / name
+
+        def meanwhile(done: int, total: int | None, what: str, out: Path = out) -> None:
+            if done == 1:  # the step is read, the file not written yet
+                out.write_bytes(b"the user's file")
+
+        with pytest.raises(PathExistsError, match="made while the export ran") as e:
+            export_step(store, 10, out, progress=meanwhile)
+        assert e.value.path == str(out)
+        assert out.read_bytes() == b"the user's file"
+        assert [p.name for p in tmp_path.iterdir() if ".tmp-" in p.name] == []
+        export_step(store, 10, out, force=True, progress=meanwhile)
+        assert out.read_bytes() != b"the user's file"
+
+
+def test_export_of_a_step_deleted_meanwhile_says_deleted_not_corrupt(
+    store: Path, tmp_path: Path
+) -> None:
+    from ckptstore.errors import NoCheckpointError
+    from ckptstore.ops.export import export_step
+
+    gone = 10
+
+    def retention(done: int, total: int | None, what: str) -> None:
+        if done == 0:  # the manifest is read: a running job's retention deletes the step
+            shutil.rmtree(store / step_dir(gone))
+
+    with pytest.raises(NoCheckpointError, match="was deleted while it was exported"):
+        export_step(store, gone, tmp_path / "a.safetensors", progress=retention)
+    assert not (tmp_path / "a.safetensors").exists()
+
+
+@pytest.mark.parametrize("kind", ["fifo", "device", "huge"])
+def test_export_hf_config_that_is_no_regular_file_is_refused_without_blocking(
+    store: Path, tmp_path: Path, capsys: pytest.CaptureFixture[str], kind: str
+) -> None:
+    # A FIFO hung the export for ever, a device was read as a file.
+    config = tmp_path / "config.json"
+    if kind == "fifo":
+        os.mkfifo(config)
+    elif kind == "huge":
+        config.write_bytes(b'{"a": "' + b"x" * (16 << 20) + b'"}')
+    else:
+        config = Path("/dev/null")  # a device: /dev/zero was read without end
+    rc, out, err = run_cli(
+        capsys, "export", store, "--step", "10", "--hf", tmp_path / "hf", "--config", config
+    )
+    assert rc == 1
+    assert "Traceback" not in out + err
+    why = "larger than 16777216 bytes" if kind == "huge" else "not a regular file"
+    assert f"{config}: cannot read the model config" in err
+    assert why in err
+    assert not (tmp_path / "hf").exists()
 
 
 def test_ls_ranks_text_collapses_runs() -> None:

@@ -18,7 +18,7 @@ import torch
 from .._fmt import key_text
 from ..codec.tree import np
 from ..sharded.consolidate import StepTensors, TensorRef
-from .stores import committed_step, open_store, reaching
+from .stores import committed_step, open_store, partial_copies_explained, reaching
 
 __all__ = ["DiffResult", "DiffRow", "diff_steps"]
 
@@ -201,10 +201,16 @@ def _max_diff(x: torch.Tensor, y: torch.Tensor) -> float:
     """
     if x.numel() == 0:
         return 0.0
-    if x.is_floating_point() or x.is_complex() or x.dtype == torch.uint64:
+    if x.is_floating_point() or x.is_complex():
         wide = torch.complex128 if x.is_complex() else torch.float64
         return float((x.to(wide) - y.to(wide)).abs().nan_to_num(nan=math.inf).max())
-    xi, yi = x.to(torch.int64), y.to(torch.int64)
+    if x.dtype == torch.uint64:
+        # Its bits as int64 with the top bit flipped: u - 2**63, in the same order, so
+        # every difference is exact (through float64, 2**63 and 2**63 + 1 differed by 0).
+        top = torch.tensor(-(2**63), dtype=torch.int64)
+        xi, yi = x.view(torch.int64) ^ top, y.view(torch.int64) ^ top
+    else:
+        xi, yi = x.to(torch.int64), y.to(torch.int64)
     hi, lo = torch.maximum(xi, yi), torch.minimum(xi, yi)
     d = hi - lo  # below 0 where it wrapped (a difference of 2**63 or more)
     wrapped = d < 0
@@ -248,6 +254,7 @@ def diff_steps(
         ma = storage.read_manifest(committed_step(storage, a))
         mb = storage.read_manifest(committed_step(storage, b))
     with (
+        partial_copies_explained(storage, ma, mb),
         StepTensors(storage, a, manifest=ma) as sa,
         StepTensors(storage, b, manifest=mb) as sb,
     ):

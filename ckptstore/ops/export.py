@@ -8,22 +8,33 @@ consolidated into full tensors on any world size.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Mapping
+import stat
+from collections.abc import Callable, Iterator, Mapping
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from .._progress import Progress
-from ..errors import CkptStoreError, ConfigError, PathExistsError, PathNotFoundError
+from ..errors import (
+    CkptStoreError,
+    ConfigError,
+    IntegrityError,
+    ManifestError,
+    NoCheckpointError,
+    PathExistsError,
+    PathNotFoundError,
+)
 from ..manager import CheckpointManager
 from ..manifest import Manifest
 from ..sharded.consolidate import DEFAULT_MAX_SHARD, HFExportResult, choose_entry, export_hf
+from ..storage.base import step_gone
 from .inspect import EntryInfo, read_state_entries
 from .single import atomic_save, atomic_write
-from .stores import committed_step, open_store, reaching
+from .stores import committed_step, open_store, partial_copies_explained, reaching
 
 if TYPE_CHECKING:
     from .export_dcp import DCPExportResult
@@ -95,11 +106,48 @@ def _flat_tensors(value: Any, key: str, where: str) -> dict[str, Any]:
     return out
 
 
-def _atomic_save_safetensors(tensors: dict[str, Any], out: str, metadata: dict[str, str]) -> None:
+def _atomic_save_safetensors(
+    tensors: dict[str, Any], out: str, metadata: dict[str, str], *, replace: bool
+) -> None:
     """``safetensors.torch.save_file`` that is never seen half-written (tmp, fsync, replace)."""
     from safetensors.torch import save_file
 
-    atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=metadata))
+    atomic_write(out, lambda tmp: save_file(tensors, tmp, metadata=metadata), replace=replace)
+
+
+@contextlib.contextmanager
+def _not_deleted(mgr: CheckpointManager, step: int) -> Iterator[None]:
+    """Say a step deleted while it was exported was deleted, not that it is corrupt.
+
+    Raises:
+        NoCheckpointError: what failed was a read of a step no longer in the store.
+    """
+    try:
+        yield
+    except (IntegrityError, ManifestError):
+        if not step_gone(mgr.storage, step):
+            raise
+        raise NoCheckpointError(
+            f"{mgr.storage.describe(step)} was deleted while it was exported (a running "
+            "job's retention, `ckptstore prune` or `rm`); it was not corrupt"
+        ) from None
+
+
+def _publish(out: str, force: bool, write: Callable[[], None]) -> None:
+    """Run ``write``; a file made at ``out`` while the export ran is kept, not replaced.
+
+    Raises:
+        PathExistsError: without ``force``, ``out`` appeared meanwhile (nothing replaced).
+    """
+    try:
+        write()
+    except PathExistsError:
+        if force:
+            raise
+        raise PathExistsError(
+            f"{out}: made while the export ran, and not replaced; pass --force to overwrite it",
+            path=out,
+        ) from None
 
 
 def _manifest(root: str | os.PathLike[str], step: int, so: Mapping[str, Any] | None) -> Manifest:
@@ -179,25 +227,23 @@ def export_step(
                 chosen = _choose_key(read_state_entries(mgr.storage, manifest), key, where).key
                 data = mgr.load(step, keys=[chosen])[chosen]
             report(1, 2, f"writing {os.path.basename(out)}")
-            atomic_save(data, out)
+            _publish(out, force, lambda: atomic_save(data, out, replace=force))
             report(2, 2, "done")
             n = _count_tensors(data)
             size = os.path.getsize(out)
             return ExportResult(
                 out, step, "torch", None if chosen is None else str(chosen), n, size, consolidated
             )
-        entry = _choose_key(read_state_entries(mgr.storage, manifest), key, where)
-        # That entry alone: a model's weights are a third of a step with AdamW's moments.
-        value = mgr.load(step, keys=[entry.key])[entry.key]
+        with _not_deleted(mgr, step):
+            entry = _choose_key(read_state_entries(mgr.storage, manifest), key, where)
+            # That entry alone: a model's weights are a third of a step with AdamW's moments.
+            value = mgr.load(step, keys=[entry.key])[entry.key]
         if entry.kind == "ema" and isinstance(value, Mapping) and "weights" in value:
             value = value["weights"]  # EMA state: {"weights": state dict, "counters": ...}
         tensors = _flat_tensors(value, str(entry.key), where)
         report(1, 2, f"writing {os.path.basename(out)}")
-        _atomic_save_safetensors(
-            tensors,
-            out,
-            {"format": "pt", "ckptstore_step": str(step), "ckptstore_key": str(entry.key)},
-        )
+        meta = {"format": "pt", "ckptstore_step": str(step), "ckptstore_key": str(entry.key)}
+        _publish(out, force, lambda: _atomic_save_safetensors(tensors, out, meta, replace=force))
         report(2, 2, "done")
         return ExportResult(
             out,
@@ -258,16 +304,17 @@ def export_hf_step(
         if progress is not None:
             progress(written[0], None, _name)
 
-    return export_hf(
-        storage,
-        step,
-        os.fspath(out_dir),
-        key=key,
-        max_shard_size=max_shard_size,
-        manifest=manifest,
-        progress=advance,
-        config=given,
-    )
+    with partial_copies_explained(storage, manifest):
+        return export_hf(
+            storage,
+            step,
+            os.fspath(out_dir),
+            key=key,
+            max_shard_size=max_shard_size,
+            manifest=manifest,
+            progress=advance,
+            config=given,
+        )
 
 
 def export_dcp_step(
@@ -297,7 +344,36 @@ def export_dcp_step(
     with reaching(storage.root):
         manifest = storage.read_manifest(committed_step(storage, step))
     _refuse_per_rank(manifest, storage.describe(step))
-    return export_dcp(storage, step, out_dir, manifest=manifest, allow_pickle=allow_pickle)
+    with partial_copies_explained(storage, manifest):
+        return export_dcp(storage, step, out_dir, manifest=manifest, allow_pickle=allow_pickle)
+
+
+#: The largest model config ``export --hf --config`` reads (HF configs are kilobytes).
+MAX_CONFIG_BYTES = 16 << 20
+
+
+def _read_config_file(where: str) -> bytes:
+    """A regular file's bytes, up to :data:`MAX_CONFIG_BYTES`.
+
+    A FIFO or a device is refused without blocking (``/dev/zero`` was read without end, a
+    FIFO hung the export).
+
+    Raises:
+        OSError: it cannot be opened or read.
+        ConfigError: it is not a regular file, or too large.
+    """
+    from ..storage.directio import open_nonblocking
+
+    fd = open_nonblocking(where, os.O_RDONLY)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise ConfigError(f"{where}: cannot read the model config (not a regular file)")
+        data = f.read(MAX_CONFIG_BYTES + 1)
+    if len(data) > MAX_CONFIG_BYTES:
+        raise ConfigError(
+            f"{where}: cannot read the model config (larger than {MAX_CONFIG_BYTES} bytes)"
+        )
+    return data
 
 
 def _load_config(
@@ -312,8 +388,7 @@ def _load_config(
     else:
         where = os.fspath(config)
         try:
-            with open(where, encoding="utf-8") as f:
-                doc = json.load(f)
+            doc = json.loads(_read_config_file(where).decode("utf-8"))
         except (OSError, UnicodeDecodeError, ValueError, RecursionError) as e:
             msg = f"{where}: cannot read the model config ({e})"
             raise ConfigError(msg) from None

@@ -295,6 +295,8 @@ def _bound_work(obj: Any, path: str) -> None:
                 "shared many times over, nested): the file is hostile or damaged"
             )
         if isinstance(v, torch.Tensor):
+            if v.is_nested or v.layout != torch.strided:
+                continue  # no data_ptr or strides; the save refuses it in its own words
             key = (v.data_ptr(), tuple(v.shape), tuple(v.stride()), int(v.storage_offset()))
             if key not in seen:
                 seen.add(key)
@@ -848,6 +850,37 @@ def prepare_import(
     return state, notes
 
 
+def _check_storable(state: Mapping[Any, Any]) -> None:
+    """Encode ``state``'s tree as a save does (no tensor is copied), for its refusals.
+
+    Raises:
+        UnsafeCheckpointError: what the save would refuse.
+    """
+    from ..codec.tree import TreeEncoder
+    from ..save.encode import group_name
+
+    enc = TreeEncoder()
+    for i, (key, value) in enumerate(state.items()):
+        if isinstance(key, bool) or not isinstance(key, str | int):
+            raise UnsafeCheckpointError(f"state keys must be str or int, got {key!r}")
+        enc.encode(value, group=group_name(key, i), path=(key,))
+
+
+def _refusal(source: str, e: UnsafeCheckpointError) -> UnsafeCheckpointError:
+    """The save's refusal of an imported state, in an import's words."""
+    if " cannot be stored without pickle" not in str(e):
+        # Another refusal (a dtype no format stores): in its own words.
+        return UnsafeCheckpointError(f"{source}: {e}")
+    # mgr.save's advice (allow_pickle=True) is no option of an import: say what is.
+    what = str(e).split(" cannot be stored without pickle", 1)[0]
+    return UnsafeCheckpointError(
+        f"{source}: {what} load (torch.load(weights_only=True) reads them) but cannot "
+        "be stored without pickle, and an import stores no pickles (--skip-unsafe "
+        "drops only what needs code to load); convert that entry in the source (a "
+        "set to a list, say) and import again"
+    )
+
+
 def import_file(
     source: str | os.PathLike[str],
     root: str | os.PathLike[str],
@@ -896,6 +929,13 @@ def import_file(
     state, notes = prepare_import(src.obj, key=key, strip=src.kind != "lightning")
     notes = src.notes + notes
     report(1, 2, f"writing step {step}")
+    # What the save's encoding refuses (a dtype no format stores, a sparse tensor, a
+    # value that needs pickle), refused before the manager creates the root and its lock:
+    # a refused import into a new root left an empty store behind (found by review).
+    try:
+        _check_storable(state)
+    except UnsafeCheckpointError as e:
+        raise _refusal(source, e) from None
     mgr = CheckpointManager(
         root,
         keep=None,
@@ -911,17 +951,7 @@ def import_file(
         try:
             manifest = mgr.save(step, state, metadata=metadata, allow_older=True).wait()
         except UnsafeCheckpointError as e:
-            if " cannot be stored without pickle" not in str(e):
-                # Another refusal (a dtype no format stores): in its own words.
-                raise UnsafeCheckpointError(f"{source}: {e}") from None
-            # mgr.save's advice (allow_pickle=True) is no option of an import: say what is.
-            what = str(e).split(" cannot be stored without pickle", 1)[0]
-            raise UnsafeCheckpointError(
-                f"{source}: {what} load (torch.load(weights_only=True) reads them) but cannot "
-                "be stored without pickle, and an import stores no pickles (--skip-unsafe "
-                "drops only what needs code to load); convert that entry in the source (a "
-                "set to a list, say) and import again"
-            ) from None
+            raise _refusal(source, e) from None
         where = mgr.storage.describe(step)
         report(2, 2, "done")
     return ImportResult(

@@ -24,7 +24,7 @@ from ..manifest import Manifest
 from ..sharded import split_index
 from ..sharded.chunks import INDEX_FILE
 from ..storage import Storage
-from .stores import committed_step, open_store, reaching
+from .stores import committed_step, open_store, partial_copies_explained, reaching
 
 __all__ = [
     "EntryInfo",
@@ -281,13 +281,14 @@ def inspect_step(
     with reaching(storage.root):
         s = committed_step(storage, step)
         manifest = storage.read_manifest(s)
-        return InspectResult(
-            storage.describe(s),
-            manifest,
-            storage.is_pinned(s),
-            read_state_entries(storage, manifest),
-            _sharded_tensors(storage, manifest),
-        )
+        with partial_copies_explained(storage, manifest):
+            return InspectResult(
+                storage.describe(s),
+                manifest,
+                storage.is_pinned(s),
+                read_state_entries(storage, manifest),
+                _sharded_tensors(storage, manifest),
+            )
 
 
 def _sharded_tensors(storage: Storage, manifest: Manifest) -> list[ShardedTensorInfo]:

@@ -19,12 +19,13 @@ Nothing here imports torch.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import posixpath
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
-from ..errors import NoCheckpointError
+from ..errors import IntegrityError, NoCheckpointError
 from ..layout import (
     INDEX_NAME,
     LOCK_NAME,
@@ -33,8 +34,10 @@ from ..layout import (
     parse_old_dirname,
     parse_step_dirname,
 )
+from ..manifest import Manifest
 from ..storage import LocalStorage, Storage, open_storage
 from ..storage.reach import reaching, remote_error
+from ..tiers import nodes
 
 __all__ = [
     "committed_step",
@@ -212,3 +215,31 @@ def committed_step(storage: Storage, step: int | None) -> int:
             "`ckptstore ls` lists them"
         )
     return step
+
+
+#: What a command run on a node's partial copy can do instead.
+_COMMAND_ADVICE = (
+    "Run it on the replica (the manager's replica= URL), or on a directory holding every "
+    "node's files of the step"
+)
+
+
+@contextlib.contextmanager
+def partial_copies_explained(storage: Storage, *manifests: Manifest) -> Iterator[None]:
+    """Say so when a read fails on a node's partial copy of a step (node-local roots).
+
+    ``inspect``, ``diff`` and the HF and DCP exports read a DTensor step's index parts and
+    shards: on one node's root, the other nodes' ranks' files are elsewhere, and their
+    absence read as damage ("missing or not a regular file") where ``verify`` said OK.
+
+    Raises:
+        IntegrityError: naming the ranks whose files live on other nodes; else the error.
+    """
+    try:
+        yield
+    except (FileNotFoundError, IntegrityError) as e:
+        for m in manifests:
+            err = nodes.missing_error(storage, m.step, m, e, advice=_COMMAND_ADVICE)
+            if err is not e:
+                raise err from e
+        raise

@@ -41,7 +41,7 @@ from ..layout import LOCAL_RANKS_NAME, MANIFEST_NAME, STATE_NAME, parse_step_dir
 from ..manifest import RANK_TABLE_NAME, FileEntry, Manifest
 from ..sharded import split_index
 from ..sharded.chunks import INDEX_FILE, ChunkIndex
-from ..storage.base import Storage
+from ..storage.base import Storage, step_gone
 from ..tiers import nodes
 
 __all__ = [
@@ -540,14 +540,9 @@ def verify_unless_deleted(storage: Storage, step: int, deep: bool) -> VerifyRepo
     missing is no problem of the store's.
     """
     report = verify_checkpoint(storage, step, deep=deep)
-    if not report.ok:
-        try:
-            gone = step not in storage.list_steps()
-        except OSError:
-            gone = False
-        if gone:
-            report.problems.clear()
-            report.deleted = True
+    if not report.ok and step_gone(storage, step):
+        report.problems.clear()
+        report.deleted = True
     return report
 
 

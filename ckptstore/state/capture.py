@@ -149,7 +149,7 @@ def _load_the_rest(
         at.append(key)
         loaded.append(key)
         kind = kinds.get(key)
-        if key in stored and kind == "ema" and not ema.rebuild:
+        if key in stored and _ema_state(stored[key], kind) and not ema.rebuild:
             ema.load_state_dict(stored[key], strict=strict)
         elif key in stored and not ema.rebuild and _holds_weights(stored[key], kind):
             # Saved as a plain module ({"ema": averaged_model}): its weights are the EMA.
@@ -223,6 +223,23 @@ def _load_stateful(
             raise StateMismatchError(msg) from e
         done += began
     return done
+
+
+def _ema_state(value: Any, kind: str | None) -> bool:
+    """Whether a stored entry is an :class:`EMA`'s state (``{"weights", "counters"}``).
+
+    Saved as an ``EMA``, its kind says so; the same dict with no kind is one that lost it
+    on the way (``export OUT.pt`` then ``import OUT.pt``, a DCP export and import), and is
+    restored as one instead of rebuilding the averages from the model.
+    """
+    if kind == "ema":
+        return True
+    return (
+        isinstance(value, Mapping)
+        and set(value) == {"weights", "counters"}
+        and isinstance(value["weights"], Mapping)
+        and isinstance(value["counters"], Mapping)
+    )
 
 
 def _holds_weights(value: Any, kind: str | None) -> bool:
@@ -299,7 +316,7 @@ def _check_ema(
     ``restored``: the modules this restore loads (a fall-back rebuild copies its source
     only when the source is one of them, or inside one).
     """
-    if kind == "ema" and not ema.rebuild:
+    if _ema_state(value, kind) and not ema.rebuild:
         weights = value.get("weights") if isinstance(value, Mapping) else None
         _check_module(ema.module, weights, strict=strict, where=where)
         counters = value.get("counters") if isinstance(value, Mapping) else None

@@ -126,6 +126,16 @@ def _strip_leading(keys: list[str], target: set[str]) -> str:
     return stripped
 
 
+def _meta_key(key: str, stripped: str, added: str) -> str:
+    """A stored ``_metadata`` key (a module path) as the target names it."""
+    if stripped and key.startswith(stripped):
+        key = key[len(stripped) :]
+    key = normalize_key(key)
+    if added:
+        return added[:-1] + ("." + key if key else "")
+    return key
+
+
 def load_module_state(
     target: nn.Module, stored: Mapping[str, Any], *, strict: bool = True, where: str = "model"
 ) -> None:
@@ -142,6 +152,12 @@ def load_module_state(
     tsd = base.state_dict(keep_vars=True)  # names, shapes and dtypes only
     tmap = {normalize_key(k): k for k in tsd}
     prefix = _strip_leading(list(stored), set(tmap))
+    # The other way round: a target whose keys all carry a wrapper prefix its checkpoint's
+    # keys lack (a timm ModelEmaV2 or a model holding its network as ``self.module``, whose
+    # weights an import stored with that prefix stripped as a DDP model's).
+    added = "" if prefix else _strip_leading(list(tmap), {normalize_key(k) for k in stored})
+    if added:
+        tmap = {k[len(added) :]: v for k, v in tmap.items()}
     mapped: collections.OrderedDict[str, Any] = collections.OrderedDict()
     unexpected: list[str] = []
     for k, v in stored.items():
@@ -194,8 +210,7 @@ def load_module_state(
     meta = getattr(stored, "_metadata", None)
     if isinstance(meta, dict):
         mapped._metadata = {  # type: ignore[attr-defined]
-            normalize_key(k[len(prefix) :] if prefix and k.startswith(prefix) else k): v
-            for k, v in meta.items()
+            _meta_key(k, prefix, added): v for k, v in meta.items()
         }
     # Every value the module's own tensor (a sharded restore read each into its memory):
     # loading is the identity. ``assign`` has torch register the same objects again instead

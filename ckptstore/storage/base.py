@@ -53,6 +53,7 @@ __all__ = [
     "Storage",
     "WriterLock",
     "step_exists_message",
+    "step_gone",
     "wait_for_deletions",
 ]
 
@@ -66,6 +67,17 @@ _SCAN_TRIES = 5
 #: deleter that spares pins puts a step it renamed away back within a rename or two.
 _PIN_CONFIRM_TRIES = 20
 _PIN_CONFIRM_WAIT = 0.05
+
+
+def step_gone(storage: Storage, step: int) -> bool:
+    """Whether ``step`` is no longer committed (deleted while it was read, not corrupt).
+
+    False where the store cannot be listed (an ``OSError``): the read's own error stands.
+    """
+    try:
+        return step not in storage.list_steps()
+    except OSError:
+        return False
 
 
 def step_exists_message(storage: Storage, step: int) -> str:

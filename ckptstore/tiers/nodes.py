@@ -365,8 +365,19 @@ def elsewhere(manifest: Manifest, present: Collection[int] | None) -> list[int]:
     return sorted({e.rank for e in manifest.files.values() if e.rank is not None} - set(present))
 
 
+#: What a restore of a node's partial copy can do instead (:func:`missing_error`).
+RESTORE_ADVICE = (
+    "Restore it with the ranks of that save, or give the manager its replica (replica=...)"
+)
+
+
 def missing_error(
-    storage: Storage, step: int, manifest: Manifest | None, cause: BaseException
+    storage: Storage,
+    step: int,
+    manifest: Manifest | None,
+    cause: BaseException,
+    *,
+    advice: str = RESTORE_ADVICE,
 ) -> BaseException:
     """The error for a read of ``step`` that found a file missing.
 
@@ -395,6 +406,5 @@ def missing_error(
     return IntegrityError(
         f"{storage.describe(step)} on this node holds only rank(s) {present}'s files (node-local "
         f"roots); the read needs files of rank(s) {away}, which live on the other nodes' local "
-        f"roots ({cause}). Restore it with the ranks of that save, or give the manager its "
-        "replica (replica=...)"
+        f"roots ({cause}). {advice}"
     )

@@ -23,6 +23,9 @@ import torch
 from ckptstore import CheckpointManager
 from ckptstore.cli import main
 from ckptstore.errors import IntegrityError
+from ckptstore.ops.diff import diff_steps
+from ckptstore.ops.export import export_dcp_step, export_hf_step
+from ckptstore.ops.inspect import inspect_step
 from ckptstore.ops.verify import verify_checkpoint
 from ckptstore.storage import open_storage
 from tests.faults import Injector, injected
@@ -111,6 +114,19 @@ def test_node_local_sharded_saves_upload_per_rank_and_restore_anywhere(
             raw = mgr.load()
             assert raw["step"] == 1
             assert torch.equal(raw["w"], torch.arange(4.0))
+        # The commands that read a DTensor step's index and shards say so too: they called
+        # rank 1's missing index part "missing or not a regular file" (read as damage).
+        node0 = tmp_path / "node0"
+        for command in (
+            lambda: inspect_step(node0, 3),
+            lambda: diff_steps(node0, 2, 3),
+            lambda: export_hf_step(node0, 3, tmp_path / "hf"),
+            lambda: export_dcp_step(node0, 3, tmp_path / "dcp"),
+        ):
+            with pytest.raises(IntegrityError, match=only0 + r".*Run it on the replica"):
+                command()
+        assert not (tmp_path / "hf").exists()
+        assert not (tmp_path / "dcp").exists()
         # A corrupt shard of the node's own rank is a problem, not "elsewhere".
         shutil.copytree(tmp_path / "node1", tmp_path / "copy1")
         (tmp_path / "copy1" / "step-000000000003" / SHARDS[1]).write_bytes(b"x")
