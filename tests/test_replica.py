@@ -28,6 +28,7 @@ from ckptstore import CheckpointManager
 from ckptstore.errors import IntegrityError, ReplicaUnavailableError
 from ckptstore.layout import REPLICATED_NAME
 from ckptstore.storage import open_storage, wait_for_deletions
+from ckptstore.storage.remote import FsspecStorage
 from ckptstore.tiers.replica import ReplicaError, Replicator, fetch_step
 
 pytestmark = pytest.mark.timeout(90)
@@ -43,7 +44,9 @@ def tiered(root: Path, s3: S3Endpoint, url: str, **kwargs: Any) -> CheckpointMan
 
 
 def replica_steps(s3: S3Endpoint, url: str) -> list[int]:
-    return open_storage(url, {**s3.storage_options, "skip_instance_cache": True}).list_steps()
+    """The steps on the replica, as another process sees them: through ``s3.client`` (a
+    client of its own; a storage's listing always asks the store, never a cached one)."""
+    return FsspecStorage(s3.client, url.removeprefix("s3://"), url).list_steps()
 
 
 def snapshot(state: dict[str, Any]) -> dict[str, Any]:
@@ -154,7 +157,7 @@ def test_recover_cleans_a_crashed_upload_and_uploads_newest_first(
     other = fs.call_s3("create_multipart_upload", Bucket=bucket, Key="elsewhere/x")
 
     local = open_storage(root)
-    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    replica = open_storage(url, s3.other_options)
     up = Replicator(local, replica)
     up.pause()
     assert up.recover() == [3, 2, 1]
@@ -769,7 +772,7 @@ def test_a_restore_from_the_replica_keeps_the_callers_priority(
         assert mgr.steps() == [1]  # fetched into the local store
     assert nice() == before
     # The same with one copy thread: the files are copied on the caller's own thread.
-    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    replica = open_storage(url, s3.other_options)
     fetch_step(replica, open_storage(str(tmp_path / "c")), 1, threads=1)
     assert nice() == before
     # An upload called from this thread reads its files on threads at nice 19, this one's
@@ -840,7 +843,7 @@ def test_a_save_stops_the_upload_in_flight(
         mgr.wait()
         assert gate.sent == m1.total_bytes + m2.total_bytes  # every byte once, then all of it
     assert replica_steps(s3, url) == [1, 2]
-    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    replica = open_storage(url, s3.other_options)
     for step, m in ((1, m1), (2, m2)):
         for name, entry in m.files.items():
             assert replica.checksum_file(step, name) == (entry.bytes, entry.crc32c)
@@ -966,7 +969,7 @@ def test_a_resaved_step_replaces_the_replicas_corrupt_copy(
             mgr.save(s, make_state(s))
     flip_last_byte(root / step_dir(2) / "model.safetensors")
     flip_replica_byte(s3, url, 2, "model.safetensors")
-    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    replica = open_storage(url, s3.other_options)
     assert not verify_checkpoint(replica, 2).ok
     replica.set_pinned(2, True)  # pinned there: the replacement keeps the pin
 
@@ -1020,7 +1023,7 @@ def test_a_corrupt_replica_copy_of_this_save_is_never_called_safe(
             plain.save(s, make_state(s))
     assert cli(capsys, "replicate", root, url, *s3.cli_options)[0] == 0
     flip_replica_byte(s3, url, 2, "model.safetensors")
-    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    replica = open_storage(url, s3.other_options)
     assert not verify_checkpoint(replica, 2).ok
     for s in (1, 2):  # an old version's marker: no URL, no manifest in it
         marker = root / step_dir(s) / REPLICATED_NAME
@@ -1085,7 +1088,7 @@ def test_a_step_replaced_from_the_replica_keeps_its_pin(
         mgr.pin(1)
     flip_last_byte(root / step_dir(1) / "model.safetensors")
     local = open_storage(root)
-    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    replica = open_storage(url, s3.other_options)
     fetch_step(replica, local, 1, replace=True)
     assert local.is_pinned(1)
     with CheckpointManager(root, keep=1) as mgr:  # reopened: retention keeps only pins
@@ -1137,7 +1140,7 @@ def test_a_replica_that_never_listed_stops_a_restore_instead_of_going_back(
     local = open_storage(tmp_path / "a")
     # Bounded as a manager's replica is: a 503 fails after 2 attempts, not after botocore's
     # and s3fs's retries (~20 s a listing on a loaded host).
-    opts = bounded_options(url, {**s3.storage_options, "skip_instance_cache": True}, 10)
+    opts = bounded_options(url, s3.other_options, 10)
     replica = open_storage(url, opts)
     _bound_fs(replica)
     assert all_steps(local, replica) == [1, 2, 3]
@@ -1219,7 +1222,7 @@ def test_steps_the_replica_lost_are_uploaded_again_not_called_safe(
     rc, out = cli(capsys, "replicate", root, url, *s3.cli_options)
     assert rc == 0, out
     assert out.splitlines()[0] == f"uploaded 3, 2, 1; safe on {url}: 1, 2, 3"
-    replica = open_storage(url, {**s3.storage_options, "skip_instance_cache": True})
+    replica = open_storage(url, s3.other_options)
     assert replica.list_steps() == [1, 2, 3]
     assert all(verify_checkpoint(replica, s).ok for s in (1, 2, 3))
 

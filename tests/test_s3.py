@@ -5,8 +5,9 @@ this module (``tests/s3server.py``), which also logs the requests it receives, s
 can assert what reached the wire (the order of PUTs and DELETEs, the number of listings).
 
 "Another process" is played by a second s3fs filesystem instance
-(``skip_instance_cache=True``): its own listing cache and connection pool, which is all the
-state a second process would have that this one does not.
+(``s3.other_options``: ``skip_instance_cache=True``): its own listing cache and connection
+pool, which is all the state a second process would have that this one does not (the
+botocore session it shares holds only the static service models).
 
 At the end, the storage conformance suite of ``test_storage.py`` runs against S3 as well:
 its tests are collected here with an ``s3`` ``store`` fixture, nothing else added.
@@ -70,9 +71,7 @@ def url(s3: S3Endpoint, prefix: str) -> str:
 
 def manager(s3: S3Endpoint, url: str, *, other: bool = False, **kwargs: Any) -> CheckpointManager:
     """A manager on ``url``; ``other=True``: with its own s3fs instance and listing cache."""
-    opts = s3.storage_options
-    if other:
-        opts["skip_instance_cache"] = True
+    opts = s3.other_options if other else s3.storage_options
     return CheckpointManager(url, storage_options=opts, **kwargs)
 
 
