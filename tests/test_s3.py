@@ -1026,13 +1026,19 @@ def test_range_reader_read_into_fills_the_callers_buffers_from_one_get(
     ids=["manifest-403", "manifest-503", "manifest-get-403", "manifest-get-500", "payload-503"],
 )
 def test_a_request_the_store_refuses_is_never_taken_for_a_bad_step(
-    s3: S3Endpoint, url: str, refused: tuple[str, str, int], caplog: pytest.LogCaptureFixture
+    s3: S3Endpoint,
+    url: str,
+    refused: tuple[str, str, int],
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # The newest step's manifest look-up refused (403 AccessDenied: credentials or a bucket
     # policy) or failing (503 SlowDown, still after the client's retries), or a GET of its
     # payload failing so. Any such error read as a missing manifest ("missing or not a
     # regular file") or a damaged file ("unreadable"): resume skipped step 20 with a warning
     # and restored 10, ten steps lost on a store that was only throttling.
+    import s3fs
+
     from ckptstore import StoreUnreachableError
 
     method, name, status = refused
@@ -1042,6 +1048,9 @@ def test_a_request_the_store_refuses_is_never_taken_for_a_bad_step(
             mgr.save(s, st)
     before = objects(s3, url.rsplit("/", 1)[1])
     opts = {**s3.storage_options, "config_kwargs": {"retries": {"max_attempts": 1}}}
+    # One try a request (s3fs makes 5, ~1.9 s of back-off for each refused 503 or 500): the
+    # error that reaches ckptstore after the client's retries is the same after one.
+    monkeypatch.setattr(s3fs.S3FileSystem, "retries", 1)
     with s3.refusing(method, f"{step_dir(20)}/{name}", status):
         with (
             caplog.at_level(logging.WARNING, logger="ckptstore"),
