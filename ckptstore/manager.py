@@ -17,6 +17,7 @@ import functools
 import json
 import math
 import os
+import threading
 from collections.abc import Iterable, Mapping, MutableMapping
 from types import EllipsisType
 from typing import Any
@@ -175,6 +176,7 @@ class CheckpointManager:
         # Read by tests and tools: the node-local topology, the lock, the staging buffers.
         self._peers, self._split = peers, self._session.split
         self._lock, self._staging = self._session.lock, self._saver.staging
+        self._one_save = threading.Lock()
         #: The replica tier (``replica=``): its uploader on the rank that uploads, else None.
         self.replica: Replicator | None = None
         self.replica_storage: Storage | None = None
@@ -347,13 +349,17 @@ class CheckpointManager:
             if not isinstance(step, int) or isinstance(step, bool):
                 step = -1
             state = {}
-        self.wait_save()  # at most one save in flight
-        # The save's writes go before the uploads of earlier steps (which wait at their next
-        # slice of bytes); an async save keeps them waiting until it commits.
-        with self.replica.held() if self.replica is not None else contextlib.nullcontext():
-            return self._saver.save(
-                step, state, metrics_d, metadata_d, sharded, allow_older, refused=refused
-            )
+        # One save at a time: two threads' saves staged into the one staging pool while
+        # the writer still read it, and committed steps holding each other's tensors
+        # under matching checksums (found by review). A second thread's save waits here.
+        with self._one_save:
+            self.wait_save()  # at most one save in flight
+            # The save's writes go before the uploads of earlier steps (which wait at their
+            # next slice of bytes); an async save keeps them waiting until it commits.
+            with self.replica.held() if self.replica is not None else contextlib.nullcontext():
+                return self._saver.save(
+                    step, state, metrics_d, metadata_d, sharded, allow_older, refused=refused
+                )
 
     def restore(
         self,

@@ -45,6 +45,9 @@ class Session:
     replica: Replicator | None = None
     replica_storage: Storage | None = None
     mutex: threading.RLock = field(default_factory=threading.RLock)
+    #: Held while this process takes or tests the writer lock: two threads of one manager
+    #: each took it, and the second was refused as "another writer" (found by review).
+    claim_mutex: threading.RLock = field(default_factory=threading.RLock)
     #: Steps that verify (on node-local roots: on every node; committed by every node, read
     #: by a restore on every rank, or agreed by ``prune``).
     known_good: set[int] = field(default_factory=set)
@@ -112,13 +115,14 @@ class Session:
         Raises:
             StoreLockedError: another process writes the store.
         """
-        if self.claimed:
-            return
-        if self.lock is not None:
-            # A maintenance command (`ckptstore prune` from cron) at work is waited for,
-            # within the other ranks' wait for this one's verdict (``barrier_timeout``).
-            self.lock.acquire(maintenance_wait=self.coord.timeout / 2)
-        self.claimed = self.node_leader
+        with self.claim_mutex:
+            if self.claimed:
+                return
+            if self.lock is not None:
+                # A maintenance command (`ckptstore prune` from cron) at work is waited for,
+                # within the other ranks' wait for this one's verdict (``barrier_timeout``).
+                self.lock.acquire(maintenance_wait=self.coord.timeout / 2)
+            self.claimed = self.node_leader
 
     @contextlib.contextmanager
     def fetching(self) -> Iterator[None]:
@@ -134,22 +138,25 @@ class Session:
         """
         lock = self.lock
         took = False
-        if lock is not None and not lock.is_locked:
-            try:
-                lock.acquire()
-                took = True
-            except (StoreLockedError, CommitError) as e:
-                log.debug("fetching into %s without its writer lock: %s", self.storage.root, e)
+        with self.claim_mutex:
+            if lock is not None and not lock.is_locked:
+                try:
+                    lock.acquire()
+                    took = True
+                except (StoreLockedError, CommitError) as e:
+                    log.debug("fetching into %s without its writer lock: %s", self.storage.root, e)
         try:
             yield
         finally:
-            if took and lock is not None and not self.claimed:
-                lock.release()
+            with self.claim_mutex:
+                if took and lock is not None and not self.claimed:
+                    lock.release()
 
     def take_lock(self) -> None:
         """Become the writer before a save; a lock just taken also clears crashed saves."""
-        fresh = self.lock is not None and not self.lock.is_locked
-        self.acquire()
+        with self.claim_mutex:
+            fresh = self.lock is not None and not self.lock.is_locked
+            self.acquire()
         if fresh:
             # We are now the only writer: leftovers of crashed saves are garbage.
             with contextlib.suppress(OSError):

@@ -24,6 +24,7 @@ from _helpers import (
     memory_view,
     plant_zstd_bomb,
     replace_payload,
+    run_forked,
     step_dir,
     zeros_frame,
 )
@@ -916,3 +917,26 @@ def test_restore_falls_back_from_a_stream_of_many_empty_frames(tmp_path: Path) -
         assert mgr.restore(fresh) == 1
         assert_same(dict(fresh["model"].state_dict()), dict(states[1]["model"].state_dict()))
         assert not mgr.verify(2).ok
+
+
+def test_a_forked_child_loads_and_saves_zstd_steps(tmp_path: Path) -> None:
+    """A DataLoader worker (a forked child) of a process that had decoded a zstd step: the
+    frame pool's idle count came along without its threads, frames were queued for no
+    thread, and every zstd load or save of the child hung (found by review)."""
+    w = torch.arange(3 << 20, dtype=torch.float32)  # 12 MiB: 3 frames, through the pool
+    root = tmp_path / "s"
+    with CheckpointManager(root, compression="zstd") as mgr:
+        mgr.save(1, {"w": w})
+        mgr.load(1)  # the pool's threads exist now
+    want = w.numpy().tobytes()
+
+    def child() -> None:
+        torch.set_num_threads(1)  # as a DataLoader worker: no OpenMP region after the fork
+        got = CheckpointManager(root).load(1)["w"]
+        assert got.numpy().tobytes() == want
+        with CheckpointManager(tmp_path / "child", compression="zstd") as m:
+            m.save(1, {"w": got})
+
+    assert run_forked(child, 60, "the forked child hung on the zstd frame pool") == 0
+    with CheckpointManager(tmp_path / "child") as m:
+        assert torch.equal(m.load(1)["w"], w)

@@ -340,3 +340,72 @@ def test_the_cli_does_not_call_a_step_deleted_meanwhile_broken(
     assert "BROKEN" not in out
     assert [line.split()[0] for line in out.splitlines()[1:-1]] == ["3"]
     writer.close()
+
+
+# ---- threads of one process ----------------------------------------------------------------
+
+
+@pytest.mark.timeout(120)
+def test_two_threads_saving_on_one_manager_commit_each_step_its_own_data(tmp_path: Path) -> None:
+    """Two threads' saves went into the one staging pool while the writer still read it:
+    22-29 of 30 async steps held another step's tensors under matching checksums, or failed
+    them, and no call raised (found by review). A second thread's save waits for the first."""
+    import threading
+
+    n = 1 << 18
+    errors: list[BaseException] = []
+    with CheckpointManager(tmp_path / "s", keep=None, async_save=True) as mgr:
+
+        def saves(first: int) -> None:
+            try:
+                for s in range(first, 17, 2):
+                    mgr.save(s, {"a": torch.full((n,), float(s)), "n": s}, allow_older=True)
+            except BaseException as e:  # pragma: no cover - the failure reported below
+                errors.append(e)
+
+        saves_made = mgr.save(0, {"a": torch.full((n,), 0.0), "n": 0})  # the lock taken
+        saves_made.wait()
+        threads = [threading.Thread(target=saves, args=(first,)) for first in (1, 2)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        mgr.wait()
+        assert errors == []
+        assert mgr.steps() == list(range(17))
+        for s in mgr.steps():
+            assert mgr.verify(s).ok, (s, mgr.verify(s).problems)
+            got = mgr.load(s)
+            assert got["n"] == s
+            assert bool((got["a"] == s).all()), (s, float(got["a"][0]))
+
+
+@pytest.mark.timeout(120)
+def test_two_threads_making_a_managers_first_saves_take_its_lock_once(tmp_path: Path) -> None:
+    """Both threads saw the writer lock free and took it: the second flock was refused, and
+    its save raised StoreLockedError ("another job writing it") from its own manager."""
+    import threading
+
+    def first_saves(root: Path) -> list[BaseException]:
+        errors: list[BaseException] = []
+        with CheckpointManager(root) as mgr:
+            go = threading.Barrier(2)
+
+            def save(step: int) -> None:
+                go.wait()
+                try:
+                    mgr.save(step, {"a": torch.full((4,), float(step))}, allow_older=True)
+                except BaseException as e:  # pragma: no cover - the failure reported below
+                    errors.append(e)
+
+            threads = [threading.Thread(target=save, args=(s,)) for s in (1, 2)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join()
+            if not errors:
+                assert mgr.steps() == [1, 2]
+        return errors
+
+    for trial in range(8):
+        assert first_saves(tmp_path / f"s{trial}") == []

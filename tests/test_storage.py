@@ -442,6 +442,46 @@ def test_failed_write_is_cleaned_up(store: StoreView, monkeypatch: pytest.Monkey
         assert mgr.steps() == [1, 2]
 
 
+@pytest.mark.parametrize("how", ["interrupt", "answer lost"])
+def test_a_manifest_put_that_lands_after_its_failure_leaves_a_whole_step(
+    how: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """On a store without rename the manifest put is the commit. A Ctrl-C ended the wait for
+    it, not the request (s3fs runs it on its own thread), and the save's abort removed the
+    payloads before the manifest landed: the newest step was visible and had no files
+    (found by review). A put whose answer was lost landed too, and was aborted the same way.
+    Now the first is left as it is, the second is read back and committed."""
+    view = memory_view()
+    try:
+        states = saved(view, [1])
+        with CheckpointManager(view.url) as mgr:
+            real = mgr.storage._put_small
+
+            def put_small(rel: str, data: bytes) -> None:
+                real(rel, data)  # the request reaches the store ...
+                if rel.endswith("/manifest.json"):  # ... and its caller hears no answer
+                    raise KeyboardInterrupt if how == "interrupt" else OSError(5, "timed out")
+
+            monkeypatch.setattr(mgr.storage, "_put_small", put_small)
+            if how == "interrupt":
+                with pytest.raises(KeyboardInterrupt):
+                    mgr.save(2, make_state(2))
+            else:
+                mgr.save(2, make_state(2))
+            monkeypatch.undo()
+            wait_for_deletions()
+        with CheckpointManager(view.url) as mgr:
+            assert mgr.steps() == [1, 2]
+            assert mgr.verify(2).ok, mgr.verify(2).problems
+            state = make_state(2)
+            fresh = fresh_like(states[1])
+            assert mgr.restore(fresh) == 2
+            assert_same(dict(fresh["model"].state_dict()), model_sd(state))
+            assert_same(fresh["extra"], state["extra"])
+    finally:
+        drop_memory(view)
+
+
 def test_garbage_is_ignored_and_collected(store: StoreView) -> None:
     states = saved(store, [1])
     good = store.read(f"{step_dir(1)}/model.safetensors")

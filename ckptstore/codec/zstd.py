@@ -49,6 +49,13 @@ def _pool() -> concurrent.futures.ThreadPoolExecutor:
     return concurrent.futures.ThreadPoolExecutor(THREADS, thread_name_prefix="ckptstore-zstd")
 
 
+# A forked child (DataLoader workers) has none of the parent's threads, but the pool's count
+# of idle workers came along: its frames were queued for threads that did not exist, and
+# every zstd load or save of the child hung (found by review). The child makes its own.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_pool.cache_clear)
+
+
 def _compress(data: Any, level: int) -> bytes:
     """One independent frame of ``data`` (content size and checksum in it)."""
     cctx = getattr(_local, f"c{level}", None)

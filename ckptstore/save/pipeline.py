@@ -179,7 +179,7 @@ class Saver:
             return SaveHandle(step, result=None)
         assert job is not None
         if self.writer is None:
-            self.writer = BackgroundWriter()
+            self.writer = self._start_writer()
         blocked = self.last_blocked_s
         ready = job
 
@@ -377,7 +377,7 @@ class Saver:
         bg = self.bg_coord
         coord = session.coord
         if self.writer is None:
-            self.writer = BackgroundWriter()
+            self.writer = self._start_writer()
         t0 = time.perf_counter()
 
         def run() -> Manifest:
@@ -462,6 +462,15 @@ class Saver:
             if self.inflight is h:  # not a save another thread started since
                 self.inflight = None
 
+    def _start_writer(self) -> BackgroundWriter:
+        """A background writer for this saver, stopped when the saver is collected.
+
+        A manager dropped without ``close()`` left its thread waiting for a job for good.
+        """
+        writer = BackgroundWriter()
+        weakref.finalize(self, writer.shutdown, wait=False)
+        return writer
+
     def close(self) -> None:
         """``CheckpointManager.close``: finish the save and uploads, release the lock and groups.
 
@@ -491,6 +500,10 @@ class Saver:
                 # The wait above was cut short (a Ctrl-C): the writer still commits, with
                 # the lock and the groups released below only once it is over.
                 h._settle()
+            if self.writer is not None:
+                # Stopped here too: a Ctrl-C before the shutdown above left its thread and
+                # the staging buffers it holds alive, and a second close() returns at once.
+                self.writer.shutdown()
             if session.replica is not None:
                 session.replica.close(wait=False)  # a no-op once closed above
             session.closed = True

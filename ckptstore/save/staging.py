@@ -220,17 +220,24 @@ class BackgroundWriter:
             item = self._queue.get()
             if item is None:
                 return
-            future, fn = item
-            try:
-                if not future.set_running_or_notify_cancel():
-                    continue  # cancelled before it started (see submit_to)
-                result = fn()
-            except BaseException as e:  # handed to the future
-                with contextlib.suppress(BaseException):
-                    future.set_exception(e)
-            else:
-                with contextlib.suppress(BaseException):
-                    future.set_result(result)
+            self._run(*item)
+            # Nothing of the job is kept while the thread waits for the next: the loop held
+            # the last job's closure (the saver, its session and writer lock, the staging
+            # buffers), so a manager dropped without close() kept its lock for good.
+            del item
+
+    @staticmethod
+    def _run(future: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:
+        try:
+            if not future.set_running_or_notify_cancel():
+                return  # cancelled before it started (see submit_to)
+            result = fn()
+        except BaseException as e:  # handed to the future
+            with contextlib.suppress(BaseException):
+                future.set_exception(e)
+        else:
+            with contextlib.suppress(BaseException):
+                future.set_result(result)
 
     def submit_to(self, future: concurrent.futures.Future[Any], fn: Callable[[], Any]) -> None:
         """Run ``fn`` in the background; its outcome goes to ``future``.
@@ -243,13 +250,13 @@ class BackgroundWriter:
                 raise CommitError("the background writer is stopped; the save was not started")
             self._queue.put((future, fn))
 
-    def shutdown(self) -> None:
-        """Finish queued work and stop the thread."""
+    def shutdown(self, *, wait: bool = True) -> None:
+        """Finish queued work and stop the thread (with ``wait``, joined)."""
         with self._lock:
             if not self._stopped:
                 self._stopped = True
                 self._queue.put(None)
-        if self._thread is not threading.current_thread():
+        if wait and self._thread is not threading.current_thread():
             self._thread.join()
 
 

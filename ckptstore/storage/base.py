@@ -611,10 +611,40 @@ class Storage(abc.ABC):
             self._replace_by_copy(pending, body)
             return
         if not self.atomic_rename:
-            self._put_small(f"{pending.dirname}/{MANIFEST_NAME}", body)
+            self._put_manifest(pending, body)
             return  # the manifest put was the commit
         self.prepare(pending, manifest)
         self.publish(pending)
+
+    def _put_manifest(self, pending: Pending, body: bytes) -> None:
+        """The commit of a store without rename: put ``step-N/manifest.json``.
+
+        A put that failed may have landed all the same (its answer lost): the manifest is
+        read back, and if it is there the step is committed, not aborted (which removed the
+        payloads of a visible step). One cut short by an interrupt runs on in the client's
+        thread: the step is ``in_doubt`` and ``abort`` leaves it as it is.
+
+        Raises:
+            OSError: the put failed and its manifest is not there.
+        """
+        rel = f"{pending.dirname}/{MANIFEST_NAME}"
+        try:
+            self._put_small(rel, body)
+        except OSError:
+            if not self._holds(rel, body):
+                raise
+            log.warning("%s: its manifest put failed but the manifest landed", rel)
+        except BaseException:
+            pending.in_doubt = True
+            raise
+
+    def _holds(self, rel: str, body: bytes) -> bool:
+        """Whether ``rel`` exists and holds exactly ``body`` (False where it cannot be read)."""
+        try:
+            with self._open_read(rel) as f:
+                return bool(f.read(len(body) + 1) == body)
+        except OSError:
+            return False
 
     def _check_payloads(self, pending: Pending, manifest: Manifest) -> None:
         """Before the manifest put of a store without rename: every payload is there whole.
@@ -784,7 +814,20 @@ class Storage(abc.ABC):
         _deleter.submit(self, pending.dirname)
 
     def abort(self, pending: Pending) -> None:
-        """Throw away a save in flight; best effort (``gc`` removes what is left)."""
+        """Throw away a save in flight; best effort (``gc`` removes what is left).
+
+        Not once its manifest put was issued (``pending.in_doubt``): the put may still land
+        (it runs on in the client's own thread after a Ctrl-C, or landed before its answer
+        was lost), and removing the payloads then left a visible step without them.
+        """
+        if pending.in_doubt:
+            log.warning(
+                "%s: the save stopped while its manifest was being put; the step is left as it "
+                "is: committed whole if the put landed, else invisible and cleaned up like any "
+                "unfinished save (`ckptstore gc --pending`)",
+                self.describe(pending.step),
+            )
+            return
         try:
             self._rmtree(pending.dirname)
         except OSError as e:

@@ -38,6 +38,10 @@ class Pending:
         #: The save replaces a committed (corrupt) ``step-N``, which stays until the commit.
         self.replace = replace
         self.files: dict[str, FileEntry] = {}
+        #: The commit's manifest put (a store without rename) was issued: it may land
+        #: whatever this process saw of it (a Ctrl-C ends the wait, not the request), so
+        #: ``abort`` leaves ``step-N/`` to ``gc``, which takes it only if it stayed unseen.
+        self.in_doubt = False
         self._lock = threading.Lock()
 
     @contextlib.contextmanager

@@ -43,6 +43,7 @@ import concurrent.futures
 import contextlib
 import functools
 import io
+import os
 import posixpath
 import re
 import threading
@@ -99,6 +100,11 @@ def _reaching(method: _F) -> _F:
 def _getters() -> concurrent.futures.ThreadPoolExecutor:
     """The GET workers: they only fetch, never wait on each other, so sharing them is safe."""
     return concurrent.futures.ThreadPoolExecutor(GET_THREADS, thread_name_prefix="ckptstore-get")
+
+
+# A forked child has none of the parent's GET threads (see codec.zstd's pool): its own.
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_getters.cache_clear)
 
 
 class _RangeGets(RangeReader):
