@@ -879,7 +879,11 @@ def test_restore_of_an_explicit_step_falls_back_to_the_replicas_copy(
 
 
 def test_a_corrupt_replica_copy_is_not_called_a_local_one(
-    tmp_path: Path, s3: S3Endpoint, url: str, caplog: pytest.LogCaptureFixture
+    tmp_path: Path,
+    s3: S3Endpoint,
+    url: str,
+    caplog: pytest.LogCaptureFixture,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     # issue 22 #6: "step 2: the local copy failed (... s3://...)" was logged on a new node
     # that had no local copy: the replica's copy had failed while it was fetched.
@@ -891,8 +895,19 @@ def test_a_corrupt_replica_copy_is_not_called_a_local_one(
     data = bytearray(s3.client.cat_file(remote))
     data[-1] ^= 0xFF
     s3.client.pipe_file(remote, bytes(data))
+    from ckptstore.tiers import twotier
+
+    fetches: list[int] = []
+    fetch = twotier.ensure_local
+
+    def counted(local: Any, replica: Any, step: int, **kw: Any) -> bool:
+        fetches.append(step)
+        return fetch(local, replica, step, **kw)
+
+    monkeypatch.setattr(twotier, "ensure_local", counted)
     for n, read in enumerate(("load", "restore")):
         caplog.clear()
+        fetches.clear()
         with tiered(tmp_path / f"b{n}", s3, url, keep=3) as mgr:
             with caplog.at_level(logging.WARNING, "ckptstore"):
                 if read == "load":
@@ -910,6 +925,9 @@ def test_a_corrupt_replica_copy_is_not_called_a_local_one(
             assert len(skipped) == 1, read
             assert f"{remote}: crc32c" in skipped[0], read
             assert mgr.steps() == [1]  # nothing of step 2 was committed locally
+            # Fetched once, not taken for deleted (it is not local) and fetched again 17
+            # times: the replica lists it.
+            assert fetches.count(2) == 1, (read, fetches)
 
 
 def test_a_store_on_a_stopped_server_raises_one_line_naming_the_endpoint(tmp_path: Path) -> None:
