@@ -31,14 +31,11 @@ __all__ = [
 def vanished(session: Session, step: int) -> bool:
     """Whether ``step`` is no longer committed: deleted (by retention), not corrupt.
 
-    In either tier: a step only the replica holds, whose copy failed its checks as it was
-    fetched, is not in the local store, and was taken for deleted, listed again and fetched
-    again, 17 times over (found by review). False where the store cannot say (any error
-    listing it, an object store's included): the step's own failure is then the error to
-    raise, not the listing's.
+    False where the store cannot say (any error listing it, an object store's included):
+    the step's own failure is then the error to raise, not the listing's.
     """
     try:
-        return step not in restore_steps(session)
+        return step not in session.storage.list_steps()
     except Exception as e:
         log.warning(
             "could not list %s to tell a deleted step %d from a corrupt one: %s",
