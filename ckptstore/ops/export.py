@@ -133,17 +133,16 @@ def _not_deleted(mgr: CheckpointManager, step: int) -> Iterator[None]:
         ) from None
 
 
-def _publish(out: str, force: bool, write: Callable[[], None]) -> None:
+def _publish(out: str, write: Callable[[], None]) -> None:
     """Run ``write``; a file made at ``out`` while the export ran is kept, not replaced.
 
     Raises:
-        PathExistsError: without ``force``, ``out`` appeared meanwhile (nothing replaced).
+        PathExistsError: ``out`` appeared meanwhile (``write`` publishes without replacing
+            unless ``--force``: nothing was replaced).
     """
     try:
         write()
     except PathExistsError:
-        if force:
-            raise
         raise PathExistsError(
             f"{out}: made while the export ran, and not replaced; pass --force to overwrite it",
             path=out,
@@ -227,7 +226,7 @@ def export_step(
                 chosen = _choose_key(read_state_entries(mgr.storage, manifest), key, where).key
                 data = mgr.load(step, keys=[chosen])[chosen]
             report(1, 2, f"writing {os.path.basename(out)}")
-            _publish(out, force, lambda: atomic_save(data, out, replace=force))
+            _publish(out, lambda: atomic_save(data, out, replace=force))
             report(2, 2, "done")
             n = _count_tensors(data)
             size = os.path.getsize(out)
@@ -243,7 +242,7 @@ def export_step(
         tensors = _flat_tensors(value, str(entry.key), where)
         report(1, 2, f"writing {os.path.basename(out)}")
         meta = {"format": "pt", "ckptstore_step": str(step), "ckptstore_key": str(entry.key)}
-        _publish(out, force, lambda: _atomic_save_safetensors(tensors, out, meta, replace=force))
+        _publish(out, lambda: _atomic_save_safetensors(tensors, out, meta, replace=force))
         report(2, 2, "done")
         return ExportResult(
             out,

@@ -857,12 +857,11 @@ def _check_storable(state: Mapping[Any, Any]) -> None:
         UnsafeCheckpointError: what the save would refuse.
     """
     from ..codec.tree import TreeEncoder
-    from ..save.encode import group_name
+    from ..save.encode import check_state_key, group_name
 
     enc = TreeEncoder()
     for i, (key, value) in enumerate(state.items()):
-        if isinstance(key, bool) or not isinstance(key, str | int):
-            raise UnsafeCheckpointError(f"state keys must be str or int, got {key!r}")
+        check_state_key(key)
         enc.encode(value, group=group_name(key, i), path=(key,))
 
 

@@ -47,6 +47,16 @@ def group_name(key: Any, index: int) -> str:
     return f"_{index}"
 
 
+def check_state_key(key: Any) -> None:
+    """Refuse a top-level state key no store names (only ``str`` and ``int`` keys are).
+
+    Raises:
+        UnsafeCheckpointError: naming the key.
+    """
+    if isinstance(key, bool) or not isinstance(key, str | int):
+        raise UnsafeCheckpointError(f"state keys must be str or int, got {key!r}")
+
+
 def encode(
     state: Mapping[Any, Any],
     rng: Mapping[Any, Any] | None,
@@ -72,9 +82,7 @@ def encode(
     keys: list[Any] = []
     vals: list[Any] = []
     for i, (key, value) in enumerate(state.items()):
-        if isinstance(key, bool) or not isinstance(key, str | int):
-            msg = f"state keys must be str or int, got {key!r}"
-            raise UnsafeCheckpointError(msg)
+        check_state_key(key)
         kind = kind_of(value)
         owner = None
         if dtensors is not None and isinstance(value, torch.optim.Optimizer):
