@@ -201,8 +201,10 @@ def test_bench_sharded_smoke(
         "DCP API over ckptstore: save >= 1.0x DCP",
         "DCP API over ckptstore: load 2->3 >= 1.0x DCP",
     }
-    # Before every restore: each contender's, raw-fresh's where raw runs, and ckpt-live's.
-    assert len(sh["resident_after_drop"]) == 3 * (len(contenders) + ("raw" in contenders) + 1)
+    # Before every restore: each contender's, the three raw-only ones' where raw runs, and
+    # ckpt-live's.
+    raw_only = 3 if "raw" in contenders else 0
+    assert len(sh["resident_after_drop"]) == 3 * (len(contenders) + raw_only + 1)
     for op in ("restore-2to1", "restore-2to3", "restore-4to2"):  # into live targets
         assert rows[("ckpt-live", op)]["median_s"] > 0
         assert rows[("ckpt-live", op)]["vs_dcp"] > 0
@@ -211,6 +213,25 @@ def test_bench_sharded_smoke(
         for op in ("restore-2to1", "restore-2to3", "restore-4to2"):
             assert rows[("raw-fresh", op)]["median_s"] > 0
             assert rows[("ckpt", op)]["vs_raw_fresh"] > 0
+            # The two ways to the floor of a checked restore into live tensors, and the
+            # floor's lines among the targets (the faster way against raw and ckpt-live).
+            for way in ("raw-checked", "raw-checked-buffered"):
+                assert rows[(way, op)]["median_s"] > 0
+                assert (way, "save-2") not in rows
+        named = {t["target"]: t for t in sh["targets"]}
+        ceiling = named["ceiling: 3x DCP's save within raw's speed"]
+        assert ceiling["value"] == pytest.approx(
+            rows[("dcp", "save-2")]["median_s"] / (3 * rows[("raw", "save-2")]["median_s"])
+        )
+        for op in ("2->1", "2->3", "4->2"):
+            floor = named[f"floor: checked restore {op} >= 0.8x raw read"]
+            key = f"restore-{op.replace('->', 'to')}"
+            ways = ("raw-checked", "raw-checked-buffered")
+            fastest = min(rows[(w, key)]["median_s"] for w in ways)
+            assert floor["value"] == pytest.approx(rows[("raw", key)]["median_s"] / fastest)
+            assert floor["pass"] is (floor["value"] >= 0.8)
+            live = named[f"ckpt-live {op} vs its floor (info)"]
+            assert live["value"] == pytest.approx(fastest / rows[("ckpt-live", key)]["median_s"])
     steady = {t["target"]: t for t in sh["targets"] if "steady" in t["target"]}
     assert len(steady) == 3
     assert all(t["value"] is None and t["pass"] is None for t in steady.values())  # 1 round
