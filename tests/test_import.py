@@ -555,6 +555,21 @@ def test_an_ema_exported_and_imported_restores_its_averages(
     assert int(ema2.n_averaged) == 5
     for name, t in ema.module.state_dict().items():
         assert torch.equal(ema2.module.state_dict()[name], t), name
+    # Exported to .safetensors, the imported step's EMA gives its averaged weights under the
+    # same names as the step saved with its kind (the file held "weights.*" and
+    # "counters.*" names: a file no model loads).
+    from safetensors.torch import load_file
+
+    files = {}
+    for step in (1, 2):
+        files[step] = tmp_path / f"ema{step}.safetensors"
+        args = ("export", root, "--step", str(step), "--key", "ema", files[step])
+        rc, _, err = run_cli(capsys, *args)
+        assert rc == 0, err
+    direct, imported = load_file(files[1]), load_file(files[2])
+    assert sorted(imported) == sorted(direct) == sorted(ema.module.state_dict())
+    for name, t in direct.items():
+        assert torch.equal(imported[name], t), name
 
 
 def test_an_entry_held_as_self_module_round_trips_through_export_and_import(

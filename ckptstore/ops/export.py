@@ -31,6 +31,7 @@ from ..errors import (
 from ..manager import CheckpointManager
 from ..manifest import Manifest
 from ..sharded.consolidate import DEFAULT_MAX_SHARD, HFExportResult, choose_entry, export_hf
+from ..state.capture import is_ema_state
 from ..storage.base import step_gone
 from .inspect import EntryInfo, read_state_entries
 from .single import atomic_save, atomic_write
@@ -237,8 +238,10 @@ def export_step(
             entry = _choose_key(read_state_entries(mgr.storage, manifest), key, where)
             # That entry alone: a model's weights are a third of a step with AdamW's moments.
             value = mgr.load(step, keys=[entry.key])[entry.key]
-        if entry.kind == "ema" and isinstance(value, Mapping) and "weights" in value:
-            value = value["weights"]  # EMA state: {"weights": state dict, "counters": ...}
+        if is_ema_state(value, entry.kind) and isinstance(value, Mapping):
+            # An EMA's state, {"weights": state dict, "counters": ...}, with its kind or
+            # without (one that lost it through export and import, as a restore reads it).
+            value = value["weights"]
         tensors = _flat_tensors(value, str(entry.key), where)
         report(1, 2, f"writing {os.path.basename(out)}")
         meta = {"format": "pt", "ckptstore_step": str(step), "ckptstore_key": str(entry.key)}

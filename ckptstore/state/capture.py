@@ -23,7 +23,7 @@ from ..errors import CkptStoreError, StateMismatchError
 from .modules import EMA, RNGState, de_parallel, load_module_state, module_state
 from .redistribute import is_dtensor, laid_out_like, optimizer_state
 
-__all__ = ["apply_state", "capture", "kind_of"]
+__all__ = ["apply_state", "capture", "is_ema_state", "kind_of"]
 
 
 def kind_of(value: Any) -> str | None:
@@ -149,7 +149,7 @@ def _load_the_rest(
         at.append(key)
         loaded.append(key)
         kind = kinds.get(key)
-        if key in stored and _ema_state(stored[key], kind) and not ema.rebuild:
+        if key in stored and is_ema_state(stored[key], kind) and not ema.rebuild:
             ema.load_state_dict(stored[key], strict=strict)
         elif key in stored and not ema.rebuild and _holds_weights(stored[key], kind):
             # Saved as a plain module ({"ema": averaged_model}): its weights are the EMA.
@@ -225,7 +225,7 @@ def _load_stateful(
     return done
 
 
-def _ema_state(value: Any, kind: str | None) -> bool:
+def is_ema_state(value: Any, kind: str | None) -> bool:
     """Whether a stored entry is an :class:`EMA`'s state (``{"weights", "counters"}``).
 
     Saved as an ``EMA``, its kind says so; the same dict with no kind is one that lost it
@@ -316,7 +316,7 @@ def _check_ema(
     ``restored``: the modules this restore loads (a fall-back rebuild copies its source
     only when the source is one of them, or inside one).
     """
-    if _ema_state(value, kind) and not ema.rebuild:
+    if is_ema_state(value, kind) and not ema.rebuild:
         weights = value.get("weights") if isinstance(value, Mapping) else None
         _check_module(ema.module, weights, strict=strict, where=where)
         counters = value.get("counters") if isinstance(value, Mapping) else None
