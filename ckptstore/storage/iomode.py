@@ -8,9 +8,9 @@ measurement, per device (``st_dev``), for the life of the process: the first lar
 (at least :data:`MEASURED_BYTES`) try each mode once, later ones use the faster (by bytes
 over the time from open to the last byte consumed, or to fsync), and every
 :data:`EXPLORE_EVERY`-th file tries the other again, since conditions change; so does the
-first file after a figure grew older than :data:`REFRESH_S`. Files written side by side (a
-rank's shard parts, :func:`side_by_side`) are one file to this: one mode, one figure. No
-extra I/O.
+first file after a figure grew older than :data:`REFRESH_S` (a far-behind one: older than
+:data:`FAR_REFRESH_S`). Files written side by side (a rank's shard parts,
+:func:`side_by_side`) are one file to this: one mode, one figure. No extra I/O.
 
 Why not a probe: on the shared test machine, a probe read of 3 x 32 MiB each way (the first
 slices of a file) chose buffered reads, which then ran the 3 GB state at half O_DIRECT's
@@ -119,19 +119,22 @@ def _next(table: _Table, op: str, dev: int) -> str:
             return untried[0]
         best = _best(table, stats)
         other = "buffered" if best == "direct" else "direct"
-        # A figure measured long ago (in an earlier process, read from the cache) is tried
-        # again now, once, and the new figure replaces it: one slow measurement (a disk
-        # busy with another job) would otherwise decide for every process that saves fewer
-        # files than the count below before it exits.
-        times = table.times.setdefault(dev, {})
-        if _stale(times, other) and (dev, other) not in table.refreshing:
-            table.refreshing.add((dev, other))  # tried now: the next file need not try it
-            return other
         # A mode measured at under half the other's speed is re-tried far less often: one
         # such file costs several times its own write (buffered writes ran at 0.25-0.3 GB/s
         # where O_DIRECT reached 1.4 on the idle test VM, and one tried 1 GB file in eight
         # spread a 3 GB save's time over 3x between rounds).
         far = stats[other] * FAR_BEHIND < stats[best]
+        # A figure measured long ago (in an earlier process, read from the cache) is tried
+        # again now, once, and the new figure replaces it: one slow measurement (a disk
+        # busy with another job) would otherwise decide for every process that saves fewer
+        # files than the count below before it exits. A far-behind figure grows old sooner
+        # (FAR_REFRESH_S): it is the one a busy disk leaves, and the one the count re-tries
+        # least.
+        times = table.times.setdefault(dev, {})
+        limit = FAR_REFRESH_S if far else REFRESH_S
+        if _stale(times, other, limit) and (dev, other) not in table.refreshing:
+            table.refreshing.add((dev, other))  # tried now: the next file need not try it
+            return other
         every = EXPLORE_EVERY * (FAR_EXPLORE_FACTOR if far else 1)
         return other if n % every == 0 else best
 
@@ -147,9 +150,11 @@ def _record(  # noqa: PLR0917 - private, three call sites
         stats = table.speeds.setdefault(dev, {})
         times = table.times.setdefault(dev, {})
         old = stats.get(mode)
-        # A figure older than REFRESH_S is replaced, however this file came to run in its
-        # mode: averaged, a figure from a busy disk a day ago would still weigh half.
-        stats[mode] = bps if old is None or _stale(times, mode) else (old + bps) / 2
+        # A figure older than REFRESH_S, or one being re-tried as stale (a far-behind one
+        # after FAR_REFRESH_S), is replaced, however this file came to run in its mode:
+        # averaged, a figure from a busy disk hours ago would still weigh half.
+        stale = _stale(times, mode) or (dev, mode) in table.refreshing
+        stats[mode] = bps if old is None or stale else (old + bps) / 2
         table.refreshing.discard((dev, mode))
         times[mode] = time.time()  # the only place a figure gets a time: when measured
         _history.append({"op": op, "dev": dev, "mode": mode, "bytes_per_s": bps})
@@ -159,9 +164,12 @@ def _record(  # noqa: PLR0917 - private, three call sites
     log.debug("%s on device %#x: %s %.2f GB/s", op, dev, mode, bps / 1e9)
 
 
-def _stale(times: dict[str, float], mode: str) -> bool:
-    """Whether ``mode``'s figure was measured more than REFRESH_S ago (or at no known time)."""
-    return time.time() - times.get(mode, 0.0) > REFRESH_S
+def _stale(times: dict[str, float], mode: str, limit: float | None = None) -> bool:
+    """Whether ``mode``'s figure is older than ``limit`` seconds (or has no known time).
+
+    ``limit`` defaults to :data:`REFRESH_S`.
+    """
+    return time.time() - times.get(mode, 0.0) > (REFRESH_S if limit is None else limit)
 
 
 def forget() -> None:
@@ -185,6 +193,13 @@ FAR_EXPLORE_FACTOR = 8
 #: A figure measured more than this many seconds ago (wall clock, kept in the cache) is
 #: re-tried at the next large file, whatever the count, and replaced by what it measures.
 REFRESH_S = 24 * 3600.0
+#: A figure more than FAR_BEHIND times slower than the other mode's is re-tried once it is
+#: this old. Such a figure is what one file measured while another job loaded the disk
+#: leaves: on the test VM a cache holding O_DIRECT reads at 0.24 GB/s (six hours old) kept
+#: every process reading buffered, its sharded restores' read phase at 1.27 s where
+#: O_DIRECT took 0.60 s (2026-11-30). A mode truly that slow costs one file of a process an
+#: hour (its new figure, in the cache, is fresh for the processes after it).
+FAR_REFRESH_S = 3600.0
 
 _reads = _Table()
 _writes = _Table()
