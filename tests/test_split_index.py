@@ -550,3 +550,67 @@ def test_chunks_of_two_tensors_that_share_bytes_are_refused() -> None:
         ],
         away=(writer + 1) % 4,
     )
+
+
+class _RankMesh:
+    """What ``_mesh_spec`` reads of a DeviceMesh: the tensor of its ranks."""
+
+    def __init__(self, ranks: list[Any]) -> None:
+        import torch
+
+        self.mesh = torch.tensor(ranks)
+
+
+@pytest.mark.parametrize(
+    "ranks",
+    [
+        [0, 1, 2, 3],
+        [1, 0],
+        [3, 2, 1, 0],
+        [[0, 1], [2, 3]],
+        [[2, 3], [0, 1]],  # a root whose rank list runs downwards along dim 0
+        [[1, 0], [3, 2]],
+        [[3, 1], [2, 0]],
+        [[0, 2], [1, 3]],
+        [0, 2, 1, 3],  # not affine
+    ],
+)
+def test_every_mesh_is_written_as_readers_take_it(ranks: list[Any]) -> None:
+    """A mesh whose ranks run downwards (``DeviceMesh("cpu", [1, 0])``) was written with a
+    stride of -1, which readers refuse: the step committed and nothing read it."""
+    import torch
+
+    spec = si._mesh_spec(_RankMesh(ranks))
+    checked = si._check_mesh(json.loads(json.dumps(spec)), "mesh 0")
+    flat = torch.tensor(ranks).reshape(-1).tolist()
+    shape = checked["shape"]
+    for i, coord in enumerate(itertools.product(*(range(n) for n in shape))):
+        if "ranks" in checked:
+            got = checked["ranks"][i]
+        else:
+            got = checked["start"] + sum(
+                c * s for c, s in zip(coord, checked["strides"], strict=True)
+            )
+        assert got == flat[i], (coord, spec)
+
+
+def test_a_layout_no_reader_takes_is_never_committed(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Rank 0 reads the split index back as a reader will, once per layout, before the step
+    can commit: a layout the readers refuse fails the save (CommitError) instead."""
+    from ckptstore.errors import CommitError
+    from ckptstore.save import plan as save_plan
+
+    bad = json.dumps(
+        {
+            "ckptstore_chunks": si.SPLIT_FORMAT,
+            "block": BLOCK,
+            "meshes": [{"shape": [2], "start": 1, "strides": [-1]}],
+            "tensors": {},
+        }
+    ).encode()
+    monkeypatch.setattr(si, "global_bytes", lambda flat: bad)
+    md: dict[str, Any] = {"meta": None, "global": None, "strided": False}
+    with pytest.raises(CommitError, match="strides must hold integers") as e:
+        save_plan._describe(md, {}, True)
+    assert "nothing was committed" in str(e.value)
+    assert md["meta"] is None  # not described: the writes that wait for it fail the save

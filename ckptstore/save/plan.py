@@ -26,10 +26,11 @@ import torch
 
 from .._log import logger as log
 from .._phases import PhaseClock, mark
-from ..errors import BarrierTimeout, UnsafeCheckpointError
+from ..errors import BarrierTimeout, CommitError, IntegrityError, UnsafeCheckpointError
 from ..session import Session
 from ..sharded import plan as sharding
 from ..sharded import split_index
+from ..sharded.chunks import INDEX_FILE
 from ..state.redistribute import shard_is_box
 from ..storage import Pending
 from .begin import open_here, open_verdict, opened, post_dirname
@@ -278,6 +279,19 @@ def _describe(md: dict[str, Any], flat: Mapping[str, Any], split: bool) -> None:
     meta = sharding.tensor_meta(flat)
     glob = split_index.global_bytes(flat) if split else None
     strided = split and split_index.is_strided(flat)
+    if glob is not None:
+        # Read back as a reader will, once per layout (kept with the plan), beside the shard
+        # writes: a layout no reader takes must never commit (one with a mesh stride of -1
+        # did, and resume() went back to the step before it without a word).
+        try:
+            split_index.Layout.from_bytes(glob, INDEX_FILE, strided=strided)
+        except IntegrityError as e:
+            msg = (
+                f"the chunk index this save made is one no reader would take ({e}); nothing "
+                "was committed (a ckptstore bug: please report it with the DTensors' meshes "
+                "and placements)"
+            )
+            raise CommitError(msg) from None
     md["global"], md["strided"] = glob, strided
     md["meta"] = meta  # last: None until the whole description is made
 

@@ -54,6 +54,7 @@ from .chunks import (
 from .chunks import shard_file as shard_file_name
 
 __all__ = [
+    "BoxSpec",
     "DTensorCollector",
     "box_specs",
     "build_index",
@@ -528,40 +529,63 @@ def state_digest(flat: Mapping[str, Any]) -> tuple[int, str, str]:
     return len(flat), first[:200], h.hexdigest()
 
 
-def box_specs(plan: Any) -> list[tuple[str, str, tuple[int, ...], Any]]:
-    """``(name, key in the shard file, offsets, DCP index)`` of every item of a local plan.
+#: ``(name, key in the shard file, offsets, sizes, DCP index)`` of a box (:func:`box_specs`).
+BoxSpec = tuple[str, str, tuple[int, ...], tuple[int, ...] | None, Any]
 
+
+def box_specs(plan: Any) -> list[BoxSpec]:
+    """``(name, key in the shard file, offsets, sizes, DCP index)`` of a local plan's items.
+
+    The sizes are those the DTensor's placements give (``None`` where DCP's item has none).
     Computed once per plan: a manager keeps them with its cached plan.
     """
     out = []
     for item in plan.items:
         offsets = tuple(int(o) for o in item.index.offset)
-        out.append((item.index.fqn, entry_key(item.index.fqn, offsets), offsets, item.index))
+        chunk = getattr(getattr(item, "tensor_data", None), "chunk", None)
+        sizes = tuple(int(n) for n in chunk.sizes) if chunk is not None else None
+        key = entry_key(item.index.fqn, offsets)
+        out.append((item.index.fqn, key, offsets, sizes, item.index))
     return out
 
 
 def local_boxes(
     plan: Any,
     flat: Mapping[str, Any],
-    specs: list[tuple[str, str, tuple[int, ...], Any]] | None = None,
+    specs: list[BoxSpec] | None = None,
 ) -> dict[str, tuple[str, tuple[int, ...], Any]]:
     """The boxes this rank writes: ``{key in its shard file: (name, offsets, local tensor)}``.
 
     The tensors are the DTensors' local shards, where they live (a device, a view): a
     synchronous save copies them to CPU as it writes, an async save stages them.
     ``specs`` are :func:`box_specs` of ``plan``, where the caller kept them.
+
+    Raises:
+        UnsafeCheckpointError: a DTensor's local shard is not the size its placements give
+            (``DTensor.from_local(..., run_check=False, shape=...)`` checks nothing): its
+            box would be written where its placements put it, overlapping another rank's
+            or past the tensor's end, in a step no reader takes.
     """
     from torch.distributed.checkpoint.utils import find_state_dict_object
 
     out: dict[str, tuple[str, tuple[int, ...], Any]] = {}
     sd = dict(flat)
     with torch.no_grad():  # to_local() without an autograd function (see save_plans)
-        for name, key, offsets, index in specs if specs is not None else box_specs(plan):
+        for name, key, offsets, sizes, index in specs if specs is not None else box_specs(plan):
             t = sd[name]
             local = t.to_local() if is_dtensor(t) else None
             if local is None or type(local) is not torch.Tensor:
                 # Not a plain DTensor: DCP finds the chunk its plan item names.
                 local = find_state_dict_object(sd, index)
+            elif sizes is not None and tuple(local.shape) != sizes:
+                msg = (
+                    f"{name}: this rank's local shard is {list(local.shape)}, but the "
+                    f"DTensor's placements {list(t.placements)} give it {list(sizes)} of "
+                    f"{list(t.shape)} (a DTensor made by from_local(..., run_check=False, "
+                    "shape=...) whose shards are not that split); its box would overlap "
+                    "another rank's or lie outside the tensor"
+                )
+                raise UnsafeCheckpointError(msg)
             # A plain DTensor holds one chunk on a rank, the one its own plan item names
             # (``find_state_dict_object`` would compute the layout again to find it).
             out[key] = (name, offsets, local.detach())

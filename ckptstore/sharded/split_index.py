@@ -191,7 +191,10 @@ def _mesh_spec(mesh: Any) -> dict[str, Any]:
     strides.reverse()
     start = ranks[0]
     real = [ranks[s] - start if n > 1 else 0 for s, n in zip(strides, shape, strict=True)]
-    affine = all(
+    # Readers take strides in [0, 2**48] (``_check_mesh``): a mesh whose ranks run downwards
+    # along a dim (``DeviceMesh("cpu", [1, 0])``) is written as its list of ranks, which
+    # every reader takes; with its stride of -1 the step committed and no reader took it.
+    affine = all(st >= 0 for st in real) and all(
         ranks[i] == start + sum(c * st for c, st in zip(coord, real, strict=True))
         for i, coord in enumerate(itertools.product(*(range(n) for n in shape)))
     )

@@ -524,7 +524,52 @@ def fsdp_refused(ctx: Ctx) -> dict[str, Any]:
         fresh_opt = torch.optim.AdamW(fresh.parameters(), lr=1e-2)
         out["restored"] = mgr.restore({"model": fresh, "optimizer": fresh_opt})
         out["exact"] = digests(fresh, fresh_opt) == saved
+        # Local shards that are not the split their placements give (from_local with
+        # run_check=False checks nothing: rows [2, 3] of 5 where Shard(0) gives [3, 2]).
+        # Rank 0's commit check counts elements (4 + 6 = 10): the step committed, rank 1's
+        # box past the tensor's end, and no reader took it.
+        from torch.distributed.tensor import Shard
+
+        rows = torch.arange(10.0).reshape(5, 2)
+        local = rows[:2] if ctx.rank == 0 else rows[2:]
+        shape = {"run_check": False, "shape": (5, 2), "stride": (2, 1)}
+        bad = DTensor.from_local(local, mesh, [Shard(0)], **shape)
+        out["missized"] = outcome(lambda: mgr.save(4, {"model": model, "bad": bad}) and None)
+        out["after_missized"] = mgr.steps()
     out["leftovers"] = sorted(n for n in os.listdir(ctx.root) if n.startswith(".tmp"))
+    return out
+
+
+def reversed_mesh(ctx: Ctx) -> dict[str, Any]:
+    """A mesh whose ranks run downwards (``DeviceMesh("cpu", [1, 0])``): the save commits a
+    step every reader takes, restored exactly on that mesh and on the usual one."""
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    full = torch.arange(10.0).reshape(5, 2)
+    rev = DeviceMesh("cpu", list(range(ctx.world))[::-1])
+    fwd = init_device_mesh("cpu", (ctx.world,))
+
+    # torch's own scatter and gather go wrong on such a mesh under gloo: every rank cuts
+    # its shard from the whole tensor (src_data_rank=None), and shards are compared locally.
+    def dt(t: torch.Tensor, mesh: Any) -> Any:
+        return distribute_tensor(t, mesh, [Shard(0)], src_data_rank=None)
+
+    out: dict[str, Any] = {}
+    with _mgr(ctx, keep=1) as mgr:
+        mgr.save(1, {"t": dt(full, fwd)})
+        mgr.save(2, {"t": dt(full * 2, rev)})
+        out["steps"] = mgr.steps()
+        on_rev = {"t": dt(torch.zeros(5, 2), rev)}
+        out["resumed"] = mgr.resume(on_rev)
+        out["rev_exact"] = torch.equal(on_rev["t"].to_local(), dt(full * 2, rev).to_local())
+        on_fwd = {"t": dt(torch.zeros(5, 2), fwd)}
+        out["restored_fwd"] = mgr.restore(on_fwd)
+        out["fwd_exact"] = torch.equal(on_fwd["t"].to_local(), dt(full * 2, fwd).to_local())
+    if ctx.rank == 0:
+        from ckptstore import verify_path
+
+        out["verified"] = [(r.step, r.problems) for r in verify_path(ctx.root, all_steps=True)]
     return out
 
 

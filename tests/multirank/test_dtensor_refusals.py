@@ -44,4 +44,28 @@ def test_refused_dtensor_state_raises_unsafe_on_every_rank(tmp_path):
         assert v["after_stages"] == [2]
         assert v["restored"] == 2
         assert v["exact"] is True
+        # Local shards that are not the split their placements give: refused on the rank
+        # that holds one (both here), before a byte is written.
+        got = v["missized"]
+        assert got["error_type"] == "UnsafeCheckpointError", got
+        assert "bad: this rank's local shard is [" in got["message"], got
+        assert "but the DTensor's placements [Shard(dim=0)] give it [" in got["message"], got
+        assert "nothing of it is visible and step 2 is still the newest" in got["message"]
+        assert v["after_missized"] == [2]
         assert v["leftovers"] == []
+
+
+def test_a_mesh_whose_ranks_run_downwards_commits_a_step_every_reader_takes(tmp_path):
+    """DeviceMesh("cpu", [1, 0]) was written with a mesh stride of -1, which readers
+    refuse: the step committed, retention (keep=1) deleted the one before it, and resume()
+    found nothing."""
+    res = launch("dtensor_scenarios:reversed_mesh", 2, tmp_path)
+    assert all(r.ok for r in res), describe(res)
+    for r in res:
+        v = r.value
+        assert v["steps"] == [2]
+        assert v["resumed"] == 3
+        assert v["rev_exact"] is True
+        assert v["restored_fwd"] == 2
+        assert v["fwd_exact"] is True
+    assert res[0].value["verified"] == [[2, []]]  # (step, problems), through JSON
