@@ -930,6 +930,46 @@ def test_a_corrupt_replica_copy_is_not_called_a_local_one(
             assert fetches.count(2) == 1, (read, fetches)
 
 
+@pytest.mark.parametrize("read", ["load", "restore"])
+def test_a_step_the_replicas_retention_deletes_as_a_new_node_fetches_it_is_chosen_again(
+    tmp_path: Path, s3: S3Endpoint, url: str, monkeypatch: pytest.MonkeyPatch, read: str
+) -> None:
+    """A new node restores step 1 from the replica while the job saves step 2 and the
+    replica's retention (replica_keep=1) deletes step 1: the fetch fails, and the restore
+    raised "no checkpoint verifies" though step 2 verifies there. Listed anew, step 2 is
+    restored."""
+    from ckptstore.tiers import twotier
+
+    states = {s: make_state(s) for s in (1, 2)}
+    job = tiered(tmp_path / "a", s3, url, keep=1, replica_keep=1)
+    try:
+        job.save(1, states[1])
+        job.wait()
+        fetch = twotier.ensure_local
+        fetches: list[int] = []
+
+        def meanwhile(local: Any, replica: Any, step: int, **kw: Any) -> bool:
+            fetches.append(step)
+            if step == 1:  # the job saves step 2; its retention deletes step 1 there
+                job.save(2, states[2])
+                job.wait()
+                assert replica_steps(s3, url) == [2]
+            return fetch(local, replica, step, **kw)
+
+        monkeypatch.setattr(twotier, "ensure_local", meanwhile)
+        with tiered(tmp_path / "b", s3, url, keep=3) as mgr:
+            if read == "load":
+                got = dict(mgr.load()["model"])
+            else:
+                fresh = fresh_like(states[1])
+                assert mgr.restore(fresh) == 2
+                got = snapshot(fresh)["model"]
+        assert_same(got, snapshot(states[2])["model"])
+        assert fetches == [1, 2]
+    finally:
+        job.close()
+
+
 def test_a_store_on_a_stopped_server_raises_one_line_naming_the_endpoint(tmp_path: Path) -> None:
     # issue 22 #5: resume() raised a 149-line chained botocore EndpointConnectionError.
     from s3server import s3_server

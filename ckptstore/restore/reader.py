@@ -479,12 +479,30 @@ def _load_verdict(
 
 
 def _vanished(session: Session, step: int, refetched: set[int]) -> bool:
-    """:func:`vanished`, unless the failure was the replica's copy's, fetched this restore.
+    """Whether ``step`` was deleted while it was read, not corrupt: the candidates are listed anew.
 
-    Such a step was never in the local store: it was taken for deleted, listed again and
-    fetched again, 17 times over, before it was skipped (found trimming the S3 tests).
+    A step read from the local store: :func:`vanished`. One whose replica copy failed as
+    this restore fetched it was never local (or its local copy failed too): deleted only
+    where neither tier lists it any more (the replica's retention, while a new node
+    fetched it: "no checkpoint verifies" was raised though a newer step had landed there).
+    Taken for deleted while the replica still listed it, it was listed again and fetched
+    again, 17 times over, before it was skipped (found trimming the S3 tests).
     """
-    return step not in refetched and vanished(session, step)
+    if step not in refetched:
+        return vanished(session, step)
+    replica = session.replica_storage
+    if replica is None:
+        return False
+    try:
+        return step not in session.storage.list_steps() and step not in replica.list_steps()
+    except Exception as e:  # botocore's errors are no OSError
+        log.warning(
+            "could not list the replica %s to tell a deleted step %d from a corrupt one: %s",
+            replica.root,
+            step,
+            e,
+        )
+        return False
 
 
 def _warn_if_none_restored(
