@@ -162,11 +162,16 @@ def test_recover_cleans_a_crashed_upload_and_uploads_newest_first(
     up.pause()
     assert up.recover() == [3, 2, 1]
     uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket)["Uploads"]
-    assert [u["UploadId"] for u in uploads] == [other["UploadId"]]  # only ours aborted
+    # Only ours aborted: under a step nothing was written to for a day (moto dates every
+    # upload 2010; step 2 has no object).
+    assert [u["UploadId"] for u in uploads] == [other["UploadId"]]
     assert replica.list_steps() == []
-    assert replica.list_garbage() == []  # the manifest-less step is gone
+    # The manifest-less step 3 was written to just now: it may be another process's upload
+    # in flight, so it stays, and this uploader's step 3 writes over it.
+    assert replica.list_garbage() == [step_dir(3)]
     up.resume()
     up.close()
+    assert replica.list_garbage() == []
     assert replica.list_steps() == [1, 2, 3]
     for s in (1, 2, 3):
         assert (root / step_dir(s) / REPLICATED_NAME).exists()
@@ -968,6 +973,42 @@ def test_a_step_the_replicas_retention_deletes_as_a_new_node_fetches_it_is_chose
         assert fetches == [1, 2]
     finally:
         job.close()
+
+
+def test_a_second_manager_leaves_an_upload_in_flight_alone(
+    tmp_path: Path, s3: S3Endpoint, url: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Any manager opening the replica (an evaluation job, another node) cleaned the prefix
+    at once: it deleted the step the job was uploading, whose manifest landed between the
+    listing and the delete (recorded safe, then on neither tier), and aborted the job's
+    multipart uploads in flight. What was written to within STALE_UPLOAD_S stays; once
+    stale, a crash's leftovers are cleaned as before."""
+    from ckptstore.tiers import replica as replica_mod
+
+    with tiered(tmp_path / "a", s3, url, keep=None) as mgr:
+        mgr.save(1, make_state(1))
+        mgr.wait()
+    fs = s3.client
+    bucket, _, prefix = url.removeprefix("s3://").partition("/")
+    # The job's upload of step 2 in flight: a file landed, another still sending parts.
+    fs.pipe_file(f"{bucket}/{prefix}/{step_dir(2)}/state.json", b"{}")
+    fs.pipe_file(f"{bucket}/{prefix}/{step_dir(0)}/model.safetensors", b"half")  # older
+    sending = fs.call_s3(
+        "create_multipart_upload", Bucket=bucket, Key=f"{prefix}/{step_dir(2)}/model.safetensors"
+    )
+    with tiered(tmp_path / "eval", s3, url, keep=None):  # its constructor cleans
+        pass
+    uploads = fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", [])
+    assert [u["UploadId"] for u in uploads] == [sending["UploadId"]]
+    replica = open_storage(url, s3.other_options)
+    assert replica.list_garbage() == [step_dir(0), step_dir(2)]
+    # Stale (nothing written for a day, here: at once), a crash's leftovers go.
+    monkeypatch.setattr(replica_mod, "STALE_UPLOAD_S", 0.0)
+    with tiered(tmp_path / "later", s3, url, keep=None):
+        pass
+    assert fs.call_s3("list_multipart_uploads", Bucket=bucket).get("Uploads", []) == []
+    assert replica.list_garbage() == []
+    assert replica.list_steps() == [1]
 
 
 def test_a_store_on_a_stopped_server_raises_one_line_naming_the_endpoint(tmp_path: Path) -> None:

@@ -215,6 +215,14 @@ class Storage(abc.ABC):
         """Root entries that are not committed checkpoints: tmp, trash, manifest-less steps."""
         return self.scan()[1]
 
+    def entry_age(self, name: str) -> float | None:
+        """Seconds since anything under the root entry ``name`` was last written.
+
+        None where the store cannot say (or the entry is gone): callers then take it for
+        one still being written.
+        """
+        return None
+
     def scan(self) -> tuple[list[int], list[str]]:
         """One pass over the root: ``(committed steps ascending, garbage names sorted)``.
 
@@ -977,8 +985,13 @@ class Storage(abc.ABC):
                 removed.append(name)
         return removed
 
-    def abort_incomplete_uploads(self) -> int:
+    def abort_incomplete_uploads(
+        self, older_than: float | None = None, keep: Callable[[str], bool] | None = None
+    ) -> int:
         """Abort multipart uploads left under the root by a crash; returns how many.
+
+        ``older_than``: only those begun at least that many seconds ago; ``keep``: given the
+        root entry one is under, whether to leave it.
 
         Only object stores have them (billed until aborted); elsewhere there is nothing to do.
         """

@@ -283,6 +283,20 @@ class LocalStorage(Storage):
         finally:
             os.close(dfd)
 
+    def entry_age(self, name: str) -> float | None:
+        """Seconds since the newest mtime under the root entry ``name`` (links not followed)."""
+        newest: float | None = None
+        try:
+            top = os.lstat(self._p(name))
+        except OSError:
+            return None
+        newest = top.st_mtime
+        for base, dirs, files in os.walk(self._p(name)):  # does not follow links
+            for n in dirs + files:
+                with contextlib.suppress(OSError):
+                    newest = max(newest, os.lstat(os.path.join(base, n)).st_mtime)
+        return max(0.0, time.time() - newest)
+
     def _rmtree(self, rel: str) -> None:
         p = self._p(rel)
         st = os.lstat(p)

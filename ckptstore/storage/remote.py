@@ -47,6 +47,7 @@ import os
 import posixpath
 import re
 import threading
+import time
 from collections.abc import Callable, Iterator, Mapping
 from typing import IO, Any, ClassVar, TypeVar
 
@@ -561,11 +562,36 @@ class FsspecStorage(Storage):
         return f  # type: ignore[no-any-return]
 
     @_reaching
-    def abort_incomplete_uploads(self) -> int:
+    def entry_age(self, name: str) -> float | None:
+        """Seconds since the newest object under the root entry ``name`` was written.
+
+        From each object's ``LastModified`` (or the filesystem's ``mtime``/``created``);
+        None where an object does not say, or there are none.
+        """
+        try:
+            found = self.fs.find(self._fresh(self._p(name)), detail=True)
+        except FileNotFoundError:
+            return None
+        except OSError as e:
+            raise self._refused(e, self._p(name)) from e
+        stamps = [_stamp(info) for info in found.values()]
+        known = [t for t in stamps if t is not None]
+        if not known or len(known) < len(stamps):
+            return None  # an object of unknown age may be the one just written
+        return max(0.0, time.time() - max(known))
+
+    @_reaching
+    def abort_incomplete_uploads(
+        self, older_than: float | None = None, keep: Callable[[str], bool] | None = None
+    ) -> int:
         """Abort the S3 multipart uploads under the root (a crashed upload's parts).
 
         Lists them with the root as prefix (``ListMultipartUploads``), so uploads of other
         stores in the bucket are never touched. Filesystems other than s3fs have none.
+        ``older_than``: only uploads initiated at least that many seconds ago (a younger
+        one may be another process's, still sending its parts). ``keep``: given the root
+        entry an upload is under (``step-…``), whether to leave its uploads alone (one
+        still being written to: moto gives every upload the same ``Initiated`` of 2010).
         """
         raw = getattr(self.fs, "call_s3", None)
         if raw is None:
@@ -591,6 +617,13 @@ class FsspecStorage(Storage):
         while True:
             out = call("list_multipart_uploads", **kw)
             for up in out.get("Uploads", []):
+                if older_than is not None:
+                    began = _stamp({"LastModified": up.get("Initiated")})
+                    if began is None or time.time() - began < older_than:
+                        continue
+                entry = str(up["Key"])[len(prefix) :].partition("/")[0]
+                if keep is not None and keep(entry):
+                    continue
                 # The prefix is literal for S3; check again so a store never reaches outside.
                 if str(up["Key"]).startswith(prefix):
                     call(
@@ -636,3 +669,18 @@ class FsspecStorage(Storage):
         for d in sorted(dirs, key=len, reverse=True):  # deepest first; none on S3
             with contextlib.suppress(OSError):
                 self.fs.rmdir(d)
+
+
+def _stamp(info: Mapping[str, Any]) -> float | None:
+    """When an object was written (seconds since the epoch), from a listing's details."""
+    import datetime
+
+    for key in ("LastModified", "mtime", "created"):
+        value = info.get(key)
+        if isinstance(value, datetime.datetime):
+            if value.tzinfo is None:
+                value = value.replace(tzinfo=datetime.timezone.utc)
+            return value.timestamp()
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return float(value)
+    return None

@@ -63,6 +63,7 @@ from ..errors import (
     StepExistsError,
     StoreUnreachableError,
 )
+from ..layout import is_garbage_name, parse_step_dirname
 from ..manifest import Manifest
 from ..retention import CheckpointInfo, RetentionPolicy, plan_deletions
 from ..storage import Storage
@@ -85,6 +86,14 @@ __all__ = ["ReplicaError", "Replicator", "fetch_step"]
 
 #: Seconds the uploader's thread waits at a closed gate before it looks for lookups again.
 _GATE_POLL = 0.2
+#: A manifest-less step or a multipart upload on the replica is taken for what a crashed
+#: upload left (removed, aborted) only once nothing was written to it for this long. A
+#: second manager on the prefix cleaned it at once: it deleted the step another process was
+#: uploading, whose manifest landed between the listing and the delete (recorded safe,
+#: then on neither tier), and aborted its multipart uploads in flight. A day: the shortest
+#: AbortIncompleteMultipartUpload rule S3 takes; a crashed upload's leftovers cost storage
+#: until then, and the step's next upload writes over them.
+STALE_UPLOAD_S = 24 * 3600.0
 
 
 class Replicator:
@@ -385,15 +394,35 @@ class Replicator:
     def clean(self) -> None:
         """Clean what a crash left on the replica (see :meth:`recover`).
 
-        With per-rank uploads (``rank`` set) only pending steps older than the newest
-        committed one are removed (:func:`ckptstore.tiers.upload_parts.clean`); call it on one
-        rank while no uploader of the job runs (the manager: rank 0, in its constructor).
+        Only what nothing was written to for :data:`STALE_UPLOAD_S`: any process may share
+        the prefix (the job's other nodes, an evaluation job opening the same replica, a
+        ``ckptstore replicate`` sidecar), and what it is uploading is a manifest-less step
+        and multipart uploads too. With per-rank uploads (``rank`` set) only pending steps
+        older than the newest committed one are removed
+        (:func:`ckptstore.tiers.upload_parts.clean`); call it on one rank while no uploader
+        of the job runs (the manager: rank 0, in its constructor).
         """
-        aborted = self.replica.abort_incomplete_uploads()
+        ages: dict[str, float | None] = {}
+
+        def busy(entry: str) -> bool:
+            """Whether ``entry`` got an object within STALE_UPLOAD_S (its uploads stay)."""
+            if entry not in ages:
+                ages[entry] = self.replica.entry_age(entry) if entry else None
+            age = ages[entry]
+            return age is not None and age < STALE_UPLOAD_S
+
+        aborted = self.replica.abort_incomplete_uploads(older_than=STALE_UPLOAD_S, keep=busy)
         if self.rank is None:
-            removed = self.replica.gc(include_tmp=True)
+            # Manifest-less steps, tmp and trash entries; never a replacement cut short
+            # (``.old-step-N``: the checkpoint itself where step N is absent, gc's to mend).
+            garbage = [
+                n
+                for n in self.replica.list_garbage()
+                if parse_step_dirname(n) is not None or is_garbage_name(n)
+            ]
+            removed = upload_parts.remove(self.replica, garbage, idle=STALE_UPLOAD_S)
         else:
-            removed = upload_parts.clean(self.replica)
+            removed = upload_parts.clean(self.replica, idle=STALE_UPLOAD_S)
         if aborted or removed:
             log.warning(
                 "replica %s: aborted %d incomplete upload(s), removed %s left by an "

@@ -55,7 +55,7 @@ from ..manifest import FileEntry, Manifest
 from ..storage import Pending, Storage
 from .nodes import ranks_with_files
 
-__all__ = ["clean", "files_of", "held", "is_per_rank", "upload_part"]
+__all__ = ["clean", "files_of", "held", "is_per_rank", "remove", "upload_part"]
 
 _DONE_RE = re.compile(r"upload\.rank([0-9]{5,})\.([0-9a-f]{32})\.done")
 _TMP_STEP_RE = re.compile(r"\.(?:tmp|trash)-step-([0-9]+)-")
@@ -316,17 +316,34 @@ def _committed_soon(replica: Storage, step: int, manifest: Manifest) -> bool:
     return False
 
 
-def clean(replica: Storage) -> list[str]:
+def clean(replica: Storage, idle: float | None = None) -> list[str]:
     """Remove the pending steps older than the newest committed one; returns their names.
 
     The rule when several uploaders share a prefix (see the module docstring): a pending
     step at or above the newest committed step may still be finished by the ranks'
-    uploaders, so it stays (:func:`held` names those).
+    uploaders, so it stays (:func:`held` names those). ``idle``: only those nothing was
+    written to for that many seconds (:meth:`~ckptstore.storage.Storage.entry_age`; an age
+    the store cannot tell keeps the step): an older step may still be uploading, another
+    process's backlog. A step whose manifest appeared meanwhile is committed, and stays.
     """
-    older, _ = _pending(replica)
+    return remove(replica, _pending(replica)[0], idle)
+
+
+def remove(replica: Storage, names: list[str], idle: float | None = None) -> list[str]:
+    """Remove the garbage entries ``names`` of ``replica`` (see :func:`clean`); the removed.
+
+    ``idle``: only those nothing was written to for that many seconds. An entry whose
+    manifest appeared since it was listed is committed, and stays.
+    """
     removed = []
-    for name in older:
+    for name in names:
+        if idle is not None:
+            age = replica.entry_age(name)
+            if age is None or age < idle:
+                continue
         try:
+            if replica._exists(f"{name}/{MANIFEST_NAME}"):
+                continue  # committed since the listing: a step now, not garbage
             replica._rmtree(name)
         except FileNotFoundError:
             continue
