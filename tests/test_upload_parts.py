@@ -347,3 +347,37 @@ def test_a_rank_whose_part_is_in_never_redoes_it(tmp_path: Path) -> None:
     assert replica.list_steps() == [2]
     assert verify_checkpoint(replica, 2, deep=True).ok
     assert not os.path.exists(pending)
+
+
+def test_a_local_replica_is_cleaned_of_what_is_a_day_old_only(tmp_path: Path) -> None:
+    """A replica on a local path (another disk, a network mount): a manifest-less step
+    written to just now may be another process's upload in flight and stays; one nothing
+    was written to for a day (its files' mtimes) is a crash's and goes."""
+    import os
+    import time
+
+    from ckptstore import CheckpointManager
+    from ckptstore.tiers import replica as replica_mod
+
+    with CheckpointManager(tmp_path / "job") as mgr:
+        mgr.save(3, {"w": 1})
+    replica = open_storage(str(tmp_path / "replica"))
+    up = Replicator(open_storage(str(tmp_path / "job")), replica)
+    up.recover()
+    up.close()
+    assert replica.list_steps() == [3]
+    for s in (1, 2):  # pending steps, older than the committed one
+        d = tmp_path / "replica" / step_dirname(s) / "sub"
+        d.mkdir(parents=True)
+        (d / "model.safetensors").write_bytes(b"half")
+    old = time.time() - replica_mod.STALE_UPLOAD_S - 60
+    for p in (tmp_path / "replica" / step_dirname(1)).rglob("*"):
+        os.utime(p, (old, old))
+    os.utime(tmp_path / "replica" / step_dirname(1), (old, old))
+    assert replica.entry_age(step_dirname(2)) < 60
+    assert replica.entry_age(step_dirname(1)) > replica_mod.STALE_UPLOAD_S
+    again = Replicator(open_storage(str(tmp_path / "other")), replica)
+    again.clean()
+    again.close(wait=False)
+    assert replica.list_garbage() == [step_dirname(2)]
+    assert replica.list_steps() == [3]
