@@ -74,6 +74,7 @@ from benchkit.sharded_raw import Raw, raw_spans
 from benchkit.sharded_trace import decided, phase_medians, print_phases, record, record_restore
 from benchkit.state import N_LAYER, GPT2Like, Shape
 from benchkit.units import GB, fmt, human
+from ckptstore.storage import iomode
 
 TOOLS = Path(__file__).resolve().parent.parent
 REPO = TOOLS.parent
@@ -640,8 +641,10 @@ def run(
                         "contenders": contenders,
                         "dirs": dirs,
                         "sums": saved[0]["sums"],
-                        # The run's first restores measure both read modes, untimed.
-                        "warm": not restore_phases,
+                        # The run's first restores measure both read modes, untimed (a
+                        # read phase under MEASURED_BYTES is no measurement: smoke runs).
+                        "warm": not restore_phases
+                        and sum(r["local_bytes"] for r in saved) >= iomode.MEASURED_BYTES,
                     },
                     timeout,
                 )
