@@ -559,6 +559,7 @@ def reversed_mesh(ctx: Ctx) -> dict[str, Any]:
     with _mgr(ctx, keep=1) as mgr:
         mgr.save(1, {"t": dt(full, fwd)})
         mgr.save(2, {"t": dt(full * 2, rev)})
+        dist.barrier()  # rank 0's retention (keep=1) is done once its save() returned
         out["steps"] = mgr.steps()
         on_rev = {"t": dt(torch.zeros(5, 2), rev)}
         out["resumed"] = mgr.resume(on_rev)
