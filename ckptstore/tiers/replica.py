@@ -85,6 +85,12 @@ __all__ = ["ReplicaError", "Replicator", "fetch_step"]
 
 #: Seconds the uploader's thread waits at a closed gate before it looks for lookups again.
 _GATE_POLL = 0.2
+#: Seconds :meth:`Replicator.close` waits for its thread once it is stopped (after the
+#: queued uploads, or at once without waiting): a stopped upload ends within about a second
+#: (its copy threads and S3 requests look at the stop that often); a request the stop
+#: cannot cancel (a listing, a delete: the client's own calls) is not waited for past this.
+#: The thread is a daemon: left alone, it ends with that request, or with the process.
+STOP_JOIN = 2.0
 
 
 class Replicator:
@@ -565,7 +571,10 @@ class Replicator:
             try:
                 self._upload(step)
             except BaseException as e:  # kept for wait(); the step stays safe locally
-                log.error("upload of step %d to %s failed: %s", step, self.replica.root, e)
+                if self.gate.stopped:  # close() without waiting, or interrupted
+                    log.info("upload of step %d to %s stopped: %s", step, self.replica.root, e)
+                else:
+                    log.error("upload of step %d to %s failed: %s", step, self.replica.root, e)
                 with self._cond:
                     self._failed[step] = e
                     self._error = e
@@ -1015,32 +1024,55 @@ class Replicator:
         """Stop the thread, first finishing the queued uploads unless ``wait`` is False.
 
         Without ``wait`` the upload in flight is abandoned (nothing of it is visible on the
-        replica; the next uploader on these roots does it again).
+        replica; the next uploader on these roots does it again): its copy threads stop
+        before their next slice and its S3 requests are cancelled. An interrupt while this
+        waits (Ctrl-C: any exception but an upload's failure) takes that path too, so it
+        stops at once instead of after every queued upload (found by review). No step is
+        recorded safe that was not uploaded whole and checked. The thread is waited for at
+        most :data:`STOP_JOIN` seconds after the stop (a request the client cannot cancel,
+        a listing, waits on its timeouts; the thread is a daemon and goes on alone).
         """
+        stopped_before = self._stop  # a second close(): the first waited for the thread
         try:
-            if wait:
+            if wait and not stopped_before:
                 self.resume()  # a paused uploader would never finish
-                self.wait()
+                try:
+                    self.wait()
+                except ReplicaError:
+                    raise  # an upload failed: the queue was drained all the same
+                except BaseException:
+                    wait = False  # interrupted (Ctrl-C): drop what is left, see below
+                    raise
         finally:
             with self._cond:
                 self._stop = True
                 self.gate.stop()
-                if not wait:
-                    if self._pending:
+                if not wait and not stopped_before:
+                    left = set(self._pending)
+                    if self._busy is not None:
+                        left.add(self._busy)
+                    if left:
                         log.warning(
                             "the uploader to %s was closed without waiting: steps %s were not "
                             "uploaded (they stay in the local store %s; the next manager, or "
                             "`ckptstore replicate`, uploads them)",
                             self.replica.root,
-                            sorted(self._pending, reverse=True),
+                            sorted(left, reverse=True),
                             self.local.root,
                         )
                     self._pending.clear()
                     self._lookups.clear()
                 self._cond.notify_all()
             t = self._thread
-            if t is not None and t is not threading.current_thread():
-                t.join()
+            if t is not None and t is not threading.current_thread() and not stopped_before:
+                t.join(STOP_JOIN)
+                if t.is_alive():
+                    log.warning(
+                        "the uploader to %s did not stop within %gs (a request to the replica "
+                        "waits on its timeouts); it is left to end on its own",
+                        self.replica.root,
+                        STOP_JOIN,
+                    )
 
 
 def _store_failed(e: BaseException) -> bool:
