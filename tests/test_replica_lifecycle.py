@@ -175,3 +175,57 @@ def test_an_exit_without_close_does_not_wait_for_the_upload_in_flight(
         pass
     assert replica_steps(ep, url) == [1, 2]
     assert replicated(root, 2)
+
+
+def test_a_hung_endpoint_holds_resume_and_close_only_about_replica_timeout(
+    tmp_path: Path, ep: S3Endpoint, caplog: pytest.LogCaptureFixture
+) -> None:
+    """Finding 7: listings of the replica were bounded only by the client's read timeouts
+    and attempts: a resume whose steps were all local listed a hung replica twice and took
+    3 minutes, and close() 93 s, with ``replica_timeout=10``. Each listing is given up after
+    ``replica_timeout`` now (the replica is then taken to hold what the uploader last saw
+    there), a resume lists it once, and close() raises within about the timeout."""
+    import logging
+
+    from ckptstore.errors import ReplicaUnavailableError
+
+    timeout = healthy(1.0)
+    root = tmp_path / "a"
+    mgr = CheckpointManager(
+        root, keep=None, replica=ep.url("run"), replica_options=slow_options(ep),
+        replica_timeout=timeout,
+    )  # fmt: skip
+    for s in (1, 2):
+        mgr.save(s, {"w": torch.rand(1 << 10)})
+    mgr.wait()
+    os.kill(ep.pid, signal.SIGSTOP)
+
+    def bounded(call: Any, bound: float) -> Any:
+        box: list[tuple[bool, Any]] = []
+
+        def run() -> None:
+            try:
+                box.append((True, call()))
+            except BaseException as e:
+                box.append((False, e))
+
+        t = threading.Thread(target=run, daemon=True)
+        t0 = time.monotonic()
+        t.start()
+        t.join(bound)
+        assert box, f"{call} still waits {time.monotonic() - t0:.1f}s in"
+        return box[0]
+
+    fresh = {"w": torch.zeros(1 << 10)}
+    with caplog.at_level(logging.WARNING, "ckptstore"):
+        ok, got = bounded(lambda: mgr.resume(fresh), timeout + healthy(3.0))
+    assert ok, got
+    assert got == 3
+    said = "taking it to hold the steps it was last seen to ([1, 2])"
+    assert caplog.text.count(said) == 1, caplog.text  # listed once, not twice
+    mgr.save(3, {"w": torch.rand(1 << 10)})
+    ok, got = bounded(mgr.close, timeout + healthy(3.0))
+    assert not ok
+    assert isinstance(got, ReplicaUnavailableError), got
+    assert f"no answer within {timeout:g}s (replica_timeout)" in str(got)
+    assert not replicated(root, 3)

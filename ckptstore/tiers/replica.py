@@ -49,6 +49,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from .._log import logger as log
 from ..errors import (
@@ -81,7 +82,7 @@ from .safety import (
 )
 from .uploadgate import UploadGate
 
-__all__ = ["ReplicaError", "Replicator", "fetch_step"]
+__all__ = ["ReplicaError", "Replicator", "fetch_step", "list_within"]
 
 #: Seconds the uploader's thread waits at a closed gate before it looks for lookups again.
 _GATE_POLL = 0.2
@@ -251,8 +252,12 @@ class Replicator:
             return None if self._seen is None else set(self._seen)
 
     def list_replica(self) -> list[int]:
-        """The replica's committed steps, listed now (remembered for :meth:`seen_there`)."""
-        steps = self.replica.list_steps()
+        """The replica's committed steps, listed now (remembered for :meth:`seen_there`).
+
+        Given up after :attr:`timeout` seconds (``ReplicaUnavailableError``), as every
+        listing of the uploader: see :func:`list_within`.
+        """
+        steps = list_within(self.replica, self.timeout)
         with self._cond:
             self._seen = set(steps)
         return steps
@@ -652,7 +657,7 @@ class Replicator:
         from ..ops.verify import verify_checkpoint  # ops imports the tiers
 
         try:
-            if step not in self.replica.list_steps():
+            if step not in list_within(self.replica, self.timeout):
                 return False
             return verify_checkpoint(self.replica, step, deep=True).ok
         except (OSError, CkptStoreError):
@@ -759,7 +764,7 @@ class Replicator:
             safe, nothing to upload. False: it holds no ``step``: upload. True: it holds
             another save of it, or this one corrupt: upload, replacing that copy.
         """
-        if step not in self.replica.list_steps():
+        if step not in list_within(self.replica, self.timeout):
             return False
         try:
             there = self.replica.read_manifest(step)
@@ -815,7 +820,7 @@ class Replicator:
             ReplicaError: it holds this save, but a file of this rank's does not verify
                 there (rank by rank, a committed step is not uploaded again in part).
         """
-        if step not in self.replica.list_steps():
+        if step not in list_within(self.replica, self.timeout):
             return False
         try:
             there = self.replica.read_manifest(step)
@@ -1073,6 +1078,44 @@ class Replicator:
                         self.replica.root,
                         STOP_JOIN,
                     )
+
+
+def list_within(replica: Storage, timeout: float | None) -> list[int]:
+    """``replica.list_steps()``, given up after ``timeout`` seconds (None: no bound).
+
+    The listing runs on a daemon thread of its own, as the manager's probe does
+    (``twotier.probe_replica``): an endpoint that accepts a connection and never answers
+    held one listing for the client's read timeouts and attempts (6 connections, 35 s at a
+    5 s read timeout), so a resume whose steps were all local took 3 minutes and close()
+    93 s with ``replica_timeout=10`` (found by review). A listing given up goes on alone
+    until the client gives up too.
+
+    Raises:
+        StoreUnreachableError: no answer within ``timeout`` seconds.
+        Exception: what the listing raised.
+    """
+    if timeout is None:
+        return replica.list_steps()
+    box: list[tuple[bool, Any]] = []
+
+    def look() -> None:
+        try:
+            box.append((True, replica.list_steps()))
+        except BaseException as e:  # handed to the caller's thread
+            box.append((False, e))
+
+    t = threading.Thread(target=look, name="ckptstore-replica-list", daemon=True)
+    t.start()
+    t.join(timeout)
+    if not box:
+        raise StoreUnreachableError(
+            f"{replica.root}: no answer within {timeout:g}s (replica_timeout); check the "
+            "endpoint_url storage option, the network, and that the service is up"
+        )
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return list(value)
 
 
 def _store_failed(e: BaseException) -> bool:
