@@ -177,6 +177,111 @@ def test_an_exit_without_close_does_not_wait_for_the_upload_in_flight(
     assert replicated(root, 2)
 
 
+def _store(root: Path, steps: tuple[int, ...], numel: int = 1 << 18) -> None:
+    """A local store that knows nothing of replicas, holding ``steps``."""
+    with CheckpointManager(root, keep=None) as plain:
+        for s in steps:
+            plain.save(s, {"w": torch.rand(numel)})
+
+
+def test_replicate_watch_stops_on_sigint_with_an_upload_in_flight(
+    tmp_path: Path, ep: S3Endpoint
+) -> None:
+    """Finding 6: ``ckptstore replicate --watch`` looked at its stop flag only once every
+    queued upload was done: SIGINT and SIGTERM were ignored for as long as that took (here:
+    a hung endpoint's read timeouts). It stops within about a second now, abandoning the
+    upload in flight, with no step recorded safe that is not on the replica."""
+    root = tmp_path / "a"
+    url = ep.url("run")
+    _store(root, (1, 2))
+    _store(root, (3,), numel=8 << 20)
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "ckptstore.cli",
+            "replicate",
+            str(root),
+            url,
+            "--watch",
+            "--interval",
+            "0.2",
+            *ep.cli_options,
+            f"--storage-option=config_kwargs.read_timeout={READ_TIMEOUT}",
+        ],
+        cwd=REPO,
+        env={**os.environ, "PYTHONPATH": str(REPO)},
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        in_flight(ep, 3)  # the newest step goes first
+        os.kill(ep.pid, signal.SIGSTOP)
+        time.sleep(0.3)
+        proc.send_signal(signal.SIGINT)
+        t0 = time.monotonic()
+        try:
+            out, err = proc.communicate(timeout=healthy(5.0))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"replicate --watch still runs {time.monotonic() - t0:.1f}s after SIGINT")
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+    assert proc.returncode == 0, err
+    assert f"safe on {url}:" in out
+    os.kill(ep.pid, signal.SIGCONT)
+    there = replica_steps(ep, url)
+    for s in (1, 2, 3):
+        assert replicated(root, s) == (s in there), s  # nothing falsely recorded safe
+    assert 3 not in there  # its upload was abandoned
+
+
+def test_a_second_signal_interrupts_a_stopping_watch() -> None:
+    """Finding 6: the handler swallowed every signal; a second one now interrupts."""
+    from ckptstore.cli.replicate import stopper
+
+    stop = threading.Event()
+    handler = stopper(stop)
+    handler(signal.SIGTERM, None)
+    assert stop.is_set()
+    with pytest.raises(KeyboardInterrupt):
+        handler(signal.SIGINT, None)
+
+
+def test_replicate_on_a_hung_endpoint_fails_within_its_timeout(
+    tmp_path: Path, ep: S3Endpoint, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Finding 8: ``ckptstore replicate`` opened the replica with the client's defaults
+    (retries of 60 s read timeouts, no probe): on an endpoint that accepts connections and
+    never answers it was still silent after 300 s. It is opened as the manager opens it now,
+    probed within ``--timeout``, and fails with one line saying what to check."""
+    from ckptstore.cli import main
+
+    root = tmp_path / "a"
+    _store(root, (1,), numel=1 << 10)
+    url = ep.url("run")
+    main(["replicate", str(root), url, *ep.cli_options])  # the client is made: healthy work
+    capsys.readouterr()
+    os.kill(ep.pid, signal.SIGSTOP)
+    box: list[int] = []
+    t = threading.Thread(
+        target=lambda: box.append(
+            main(["replicate", str(root), ep.url("other"), *ep.cli_options, "--timeout", "2"])
+        ),
+        daemon=True,
+    )
+    t0 = time.monotonic()
+    t.start()
+    t.join(2 + healthy(5.0))
+    assert box, f"replicate still runs {time.monotonic() - t0:.1f}s in, with --timeout 2"
+    assert box[0] == 1
+    err = capsys.readouterr().err
+    assert f"replica {ep.url('other')}: no answer within 2s (replica_timeout)" in err, err
+    assert "nothing was uploaded; fix it and run `ckptstore replicate` again" in err
+
+
 def test_a_hung_endpoint_holds_resume_and_close_only_about_replica_timeout(
     tmp_path: Path, ep: S3Endpoint, caplog: pytest.LogCaptureFixture
 ) -> None:

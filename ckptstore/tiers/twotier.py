@@ -34,6 +34,7 @@ __all__ = [
     "bounded_options",
     "check_distinct",
     "ensure_local",
+    "open_bounded",
     "open_replica",
     "probe_replica",
 ]
@@ -87,11 +88,18 @@ def _bound_fs(replica: Storage) -> None:
         fs.retries = min(fs.retries, _S3_ATTEMPTS)
 
 
-def probe_replica(replica: Storage, url: str, timeout: float) -> None:
+#: What the manager's constructor says to do about a replica it refuses.
+MANAGER_HINT = (
+    "nothing was saved; fix it, or construct the manager without replica= to save locally only"
+)
+
+
+def probe_replica(replica: Storage, url: str, timeout: float, *, hint: str = MANAGER_HINT) -> None:
     """Check that the replica answers (a listing, and its bucket exists) within ``timeout``.
 
     What can be known before a step is saved: a bucket that does not exist, no or bad
-    credentials, access denied, an endpoint that does not answer.
+    credentials, access denied, an endpoint that does not answer. ``hint`` ends each
+    message (what to do next).
 
     Raises:
         ReplicaUnavailableError: one line naming ``url`` and what to check; the client's
@@ -126,9 +134,6 @@ def probe_replica(replica: Storage, url: str, timeout: float) -> None:
 
     t = threading.Thread(target=look, name="ckptstore-replica-probe", daemon=True)
     t.start()
-    hint = (
-        "nothing was saved; fix it, or construct the manager without replica= to save locally only"
-    )
     start_max = max(timeout, CLIENT_START_MAX)
     if not started.wait(start_max):
         raise ReplicaUnavailableError(
@@ -192,6 +197,26 @@ def check_distinct(local: Storage, replica: Storage, url: str) -> None:
         raise ReplicaConfigError(msg)
 
 
+def open_bounded(
+    local: Storage, url: str, options: Mapping[str, Any] | None, timeout: float
+) -> Storage:
+    """The replica store at ``url``, its client bounded by ``timeout`` (not probed yet).
+
+    :func:`bounded_options`, :func:`_bound_fs`, and a request body the endpoint stops
+    taking fails its upload after ``timeout`` seconds (``upload_stall``): what the manager
+    and ``ckptstore replicate`` open a replica with.
+
+    Raises:
+        ReplicaConfigError: ``url`` is the local store itself (:func:`check_distinct`).
+    """
+    replica = open_storage(url, bounded_options(url, options, timeout))
+    check_distinct(local, replica, url)
+    _bound_fs(replica)
+    if hasattr(replica, "upload_stall"):
+        replica.upload_stall = timeout  # a body the endpoint stops taking fails the upload
+    return replica
+
+
 def open_replica(
     local: Storage,
     url: str,
@@ -228,11 +253,7 @@ def open_replica(
     if not isinstance(url, str) or not url:
         msg = f"replica must be an fsspec URL string (e.g. 's3://bucket/run1'), got {url!r}"
         raise ConfigError(msg)
-    replica = open_storage(url, bounded_options(url, options, timeout))
-    check_distinct(local, replica, url)
-    _bound_fs(replica)
-    if hasattr(replica, "upload_stall"):
-        replica.upload_stall = timeout  # a body the endpoint stops taking fails the upload
+    replica = open_bounded(local, url, options, timeout)
     # Refused here, before a step is saved, on every rank alike (``agree``): a replica that
     # cannot be written would otherwise cost local steps or surface only at close().
     problem: BaseException | None = None
