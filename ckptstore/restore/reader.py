@@ -32,15 +32,16 @@ from ..errors import (
 from ..session import Session
 from ..state.capture import apply_state
 from ..state.modules import EMA
-from ..tiers import twotier as tiers
+from ..tiers.replica import list_within
 from .load import collect_targets
 from .read import decode, read_blobs
 from .select import (
     bring_local,
     candidates,
     ensure_local,
+    on_replica,
+    replica_timeout,
     restore_steps,
-    seen_there,
     vanished,
     written_by_rank0,
 )
@@ -82,6 +83,7 @@ class Reader:
         broadcast: bool = False,
         in_place: bool | None = None,
         clock: PhaseClock | None = None,
+        listed: list[int] | None = None,
     ) -> int:
         """``CheckpointManager.restore`` once the manager is open and no save is in flight.
 
@@ -89,11 +91,14 @@ class Reader:
         restore makes and frees many small objects (the index's chunks, the tree's nodes,
         ``load_state_dict``'s), and a full collection walking every live object of the job
         ran on them in every other sharded restore of the bench (0.24 s of 1.5 s).
-        ``clock``: a resume's, already running.
+        ``clock``: a resume's, already running; ``listed``: the resume's listing of the
+        steps (rank 0's; the replica is listed once per restore).
         """
         clock = clock or PhaseClock()
         with gc_paused():
-            restored = self._restore(state, step, strict, broadcast, in_place, clock=clock)
+            restored = self._restore(
+                state, step, strict, broadcast, in_place, clock=clock, listed=listed
+            )
         self._keep(clock, f"restore of step {restored}")
         return restored
 
@@ -112,6 +117,7 @@ class Reader:
         in_place: bool | None,
         *,
         clock: PhaseClock | None = None,
+        listed: list[int] | None = None,
     ) -> int:
         session = self.session
         # The first exchange (its barrier names the ranks that never came): every rank
@@ -128,7 +134,7 @@ class Reader:
             # A failed async save (only rank 0 writes) is raised on every rank, carried by
             # this first exchange, as save carries it by "save:enter".
             self.raise_bg_error(everywhere=True)
-            return candidates(session, step)
+            return candidates(session, step, listed)
 
         value = session.coord.leader_value(choose, "restore:choose", step)
         mark(clock, "x:choose")
@@ -217,8 +223,7 @@ class Reader:
                 # (rank 0 decides whether one was tried already, so every rank agrees).
                 there: tuple[str, Any] = ("ok", False)
                 if session.coord.is_leader and s not in refetched:
-                    seen = seen_there(session)
-                    there = ("ok", tiers.on_replica(session.replica_storage, s, seen))
+                    there = ("ok", on_replica(session, s))
                 _, retry = session.coord.broadcast(there, "restore:replica", s)
                 mark(clock, "x:replica")
                 if retry:
@@ -340,17 +345,24 @@ class Reader:
         session.coord.reduce(call, same_call, "resume:enter")
         mark(clock, "x:resume")
 
-        def listing() -> bool:
+        def listing() -> list[int]:
             self.raise_bg_error(everywhere=True)  # on every rank, as in restore
-            return not restore_steps(session)
+            return restore_steps(session)
 
-        empty = session.coord.leader_value(listing, "resume:list")
+        # Rank 0's listing, kept for the restore's choice: the replica was listed twice,
+        # each waiting on an endpoint that does not answer (found by review).
+        listed = session.coord.leader_value(listing, "resume:list")
         mark(clock, "x:list")
-        if empty:
+        if not listed:
             self._keep(clock, "resume of an empty store")
             return 0
         step = self.restore(
-            state, strict=strict, broadcast=broadcast, in_place=in_place, clock=clock
+            state,
+            strict=strict,
+            broadcast=broadcast,
+            in_place=in_place,
+            clock=clock,
+            listed=list(listed) if session.coord.is_leader else None,
         )
         return step + 1
 
@@ -387,9 +399,7 @@ class Reader:
                     report=covered,
                 )
             except (IntegrityError, ManifestError) as e:
-                if s not in refetched and tiers.on_replica(
-                    session.replica_storage, s, seen_there(session)
-                ):
+                if s not in refetched and on_replica(session, s):
                     log.warning("step %d: the local copy failed (%s); using the replica's", s, e)
                     refetched.add(s)
                     queue.insert(0, s)
@@ -494,8 +504,10 @@ def _vanished(session: Session, step: int, refetched: set[int]) -> bool:
     if replica is None:
         return False
     try:
-        return step not in session.storage.list_steps() and step not in replica.list_steps()
-    except Exception as e:  # botocore's errors are no OSError
+        if step in session.storage.list_steps():
+            return False
+        return step not in list_within(replica, replica_timeout(session))
+    except Exception as e:  # botocore's errors are no OSError; a listing given up
         log.warning(
             "could not list the replica %s to tell a deleted step %d from a corrupt one: %s",
             replica.root,

@@ -21,6 +21,8 @@ __all__ = [
     "bring_local",
     "candidates",
     "ensure_local",
+    "on_replica",
+    "replica_timeout",
     "restore_steps",
     "seen_there",
     "vanished",
@@ -49,13 +51,37 @@ def vanished(session: Session, step: int) -> bool:
 def restore_steps(session: Session) -> list[int]:
     """The committed steps a restore chooses from: both tiers' when there is a replica.
 
+    The replica's listing is given up after ``replica_timeout`` (then it is taken to hold
+    what this process last saw there).
+
     Raises:
         ReplicaUnavailableError: the replica does not list, and this process never saw
             what it holds (:func:`ckptstore.tiers.twotier.all_steps`).
     """
     if session.replica_storage is None:
         return session.steps()
-    return tiers.all_steps(session.storage, session.replica_storage, seen_there(session))
+    return tiers.all_steps(
+        session.storage,
+        session.replica_storage,
+        seen_there(session),
+        timeout=replica_timeout(session),
+    )
+
+
+def replica_timeout(session: Session) -> float:
+    """Seconds a listing of the replica may take (``replica_timeout``)."""
+    up = session.replica
+    return up.timeout if up is not None else tiers.DEFAULT_REPLICA_TIMEOUT
+
+
+def on_replica(session: Session, step: int) -> bool:
+    """Whether the replica holds ``step`` (:func:`ckptstore.tiers.twotier.on_replica`).
+
+    Listed within ``replica_timeout``; else what this process last saw there decides.
+    """
+    return tiers.on_replica(
+        session.replica_storage, step, seen_there(session), timeout=replica_timeout(session)
+    )
 
 
 def seen_there(session: Session) -> set[int] | None:
@@ -121,9 +147,13 @@ def written_by_rank0(session: Session, step: int) -> bool:
     return bool(value)
 
 
-def candidates(session: Session, step: int | None) -> list[int]:
-    """The steps to try, newest first: exactly ``step``, or every committed one."""
-    steps = restore_steps(session)
+def candidates(session: Session, step: int | None, listed: list[int] | None = None) -> list[int]:
+    """The steps to try, newest first: exactly ``step``, or every committed one.
+
+    ``listed``: :func:`restore_steps` already called (a resume's listing: the replica is
+    listed once per restore, not twice).
+    """
+    steps = restore_steps(session) if listed is None else listed
     if step is not None:
         if step not in steps:
             session.resolve(step)  # raises NoCheckpointError with context

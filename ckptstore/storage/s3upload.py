@@ -89,9 +89,9 @@ import weakref
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
-from ..errors import IntegrityError, StoreUnreachableError
+from ..errors import IntegrityError, ReplicaError, StoreUnreachableError
 from ..integrity import BlockCRC, BlockSums, SubBlocks, crc32c_combine, crc32c_of
-from ..tiers.uploadgate import UploadGate
+from ..tiers.uploadgate import STOPPED, UploadGate
 from .reach import is_unreachable
 from .s3client import _asking_crc32c, is_s3, upload_fs, upload_loop
 
@@ -509,7 +509,7 @@ class S3Upload(BlockSums):
                 fut.result(timeout=60)
         self._sent.clear()
         upload_id, self._upload_id = self._upload_id, None
-        if upload_id is not None and ask:
+        if upload_id is not None and ask and not self._stopped():
             with contextlib.suppress(Exception):  # recover() aborts what is left
                 self._call(
                     "abort_multipart_upload", Bucket=self.bucket, Key=self.key, UploadId=upload_id
@@ -517,9 +517,15 @@ class S3Upload(BlockSums):
 
     # ---- requests ----------------------------------------------------------------------
 
+    def _stopped(self) -> bool:
+        """Whether the uploader whose gate this upload passes was stopped."""
+        return self.gate is not None and self.gate.stopped
+
     def _submit(
         self, method: str, *, ask_crc32c: bool = False, **kw: Any
     ) -> concurrent.futures.Future[Any]:
+        if self._stopped():  # no new request for an upload being abandoned
+            raise ReplicaError(f"s3://{self.path}: {STOPPED}")
         coro = self._fs._call_s3(method, **kw)
         if ask_crc32c:
             coro = _asking(coro)
@@ -551,19 +557,26 @@ class S3Upload(BlockSums):
         Waiting for an answer is bounded by the client (``read_timeout``); writing a body
         to a socket the endpoint no longer reads is not, and ``close()`` hung for good.
 
+        The uploader's stop (:meth:`~ckptstore.tiers.uploadgate.UploadGate.stop`) cancels
+        the request as well: a Ctrl-C or a ``close()`` without waiting does not wait for it.
+
         Raises:
             StoreUnreachableError: a body sat unsent for :attr:`stall` seconds (the request
                 is cancelled; the caller aborts the upload).
+            ReplicaError: the uploader was stopped (the request is cancelled).
         """
-        if self.stall is None:
+        if self.stall is None and self.gate is None:
             return fut.result()
         while True:
             try:
-                return fut.result(timeout=min(1.0, self.stall))
+                return fut.result(timeout=min(1.0, self.stall or 1.0))
             except concurrent.futures.TimeoutError:
                 if fut.done():
                     raise
-            if self._stalled(self.stall):
+            if self._stopped():
+                fut.cancel()
+                raise ReplicaError(f"s3://{self.path}: {STOPPED}")
+            if self.stall is not None and self._stalled(self.stall):
                 fut.cancel()
                 raise StoreUnreachableError(
                     f"s3://{self.path}: the object store took less than 1 MiB of a request "

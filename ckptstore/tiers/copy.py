@@ -8,12 +8,11 @@ copied into the local store with the local commit protocol) are built on it.
 
 from __future__ import annotations
 
-import concurrent.futures
 import contextlib
 import contextvars
 import os
 import threading
-from collections.abc import Collection
+from collections.abc import Callable, Collection
 
 from .._log import logger as log
 from ..errors import (
@@ -160,18 +159,10 @@ def copy_files(
                 for name, entry in items:  # on the caller's thread, at its priority
                     one(name, entry)
             elif items:
-                # Pool threads, never the caller's own: lowering a thread's priority is for good
-                # (per thread on Linux), and the caller's (a training thread) must keep its own.
-                with concurrent.futures.ThreadPoolExecutor(
-                    max(1, min(threads, len(items))),
-                    thread_name_prefix="ckptstore-copy",
-                    initializer=_lower_priority if lowest else None,
-                ) as pool:
-                    # In the caller's context: its write group (iomode) holds for the files.
-                    futures = [
-                        pool.submit(contextvars.copy_context().run, one, n, e) for n, e in items
-                    ]
-                    errors = [f.exception() for f in futures]
+                # Threads of its own, never the caller's: lowering a thread's priority is for
+                # good (per thread on Linux), and the caller's (a training thread) must keep
+                # its own.
+                errors = _on_threads(one, items, threads, lowest)
                 first = next((e for e in errors if e is not None), None)
                 if first is not None:
                     raise first
@@ -179,7 +170,12 @@ def copy_files(
             dst.commit(pending, manifest)
     except BaseException as e:
         if into is None:
-            if is_unreachable(e) and not isinstance(dst, LocalStorage):
+            if gate is not None and gate.stopped and not isinstance(dst, LocalStorage):
+                # The uploader stops (close() without waiting, a Ctrl-C, the process
+                # exiting): removing what was sent would wait on the store; nothing of it is
+                # visible (no manifest), and the next upload of the step replaces it.
+                log.info("upload of step %d stopped; what was sent stays", pending.step)
+            elif is_unreachable(e) and not isinstance(dst, LocalStorage):
                 # Removing what was sent would wait on the endpoint that stopped answering
                 # (30 s and more at the client's timeouts); the next uploader's recover()
                 # removes it, and nothing of it is visible meanwhile (no manifest).
@@ -192,6 +188,50 @@ def copy_files(
             else:
                 dst.abort(pending)
         raise
+
+
+def _on_threads(
+    one: Callable[[str, FileEntry], None],
+    items: list[tuple[str, FileEntry]],
+    threads: int,
+    lowest: bool,
+) -> list[BaseException | None]:
+    """Run ``one`` on each of ``items`` on up to ``threads`` daemon threads; their errors.
+
+    Daemon threads, not a ``concurrent.futures`` pool: the interpreter's exit joins every
+    pool's workers (its own exit hook), so a process that ended without ``close()`` waited
+    there for the uploads in flight (94 s on an endpoint that stopped answering), only to
+    drop them anyway (found by review). An upload abandoned so is invisible on the replica
+    (no manifest) and is done again by the next uploader. Each thread runs in the caller's
+    context: its write group (iomode) holds for the files.
+    """
+    todo = [(i, name, entry, contextvars.copy_context()) for i, (name, entry) in enumerate(items)]
+    todo.reverse()  # popped from the end: the largest file first
+    errors: list[BaseException | None] = [None] * len(items)
+    lock = threading.Lock()
+
+    def work() -> None:
+        if lowest:
+            _lower_priority()
+        while True:
+            with lock:
+                if not todo:
+                    return
+                i, name, entry, ctx = todo.pop()
+            try:
+                ctx.run(one, name, entry)
+            except BaseException as e:  # handed to the caller's thread
+                errors[i] = e
+
+    workers = [
+        threading.Thread(target=work, name=f"ckptstore-copy_{k}", daemon=True)
+        for k in range(max(1, min(threads, len(items))))
+    ]
+    for t in workers:
+        t.start()
+    for t in workers:
+        t.join()
+    return errors
 
 
 def fetch_step(

@@ -49,6 +49,7 @@ import functools
 import threading
 import time
 from collections.abc import Callable, Iterable, Mapping
+from typing import Any
 
 from .._log import logger as log
 from ..errors import (
@@ -82,7 +83,7 @@ from .safety import (
 )
 from .uploadgate import UploadGate
 
-__all__ = ["ReplicaError", "Replicator", "fetch_step"]
+__all__ = ["ReplicaError", "Replicator", "fetch_step", "list_within"]
 
 #: Seconds the uploader's thread waits at a closed gate before it looks for lookups again.
 _GATE_POLL = 0.2
@@ -94,6 +95,12 @@ _GATE_POLL = 0.2
 #: AbortIncompleteMultipartUpload rule S3 takes; a crashed upload's leftovers cost storage
 #: until then, and the step's next upload writes over them.
 STALE_UPLOAD_S = 24 * 3600.0
+#: Seconds :meth:`Replicator.close` waits for its thread once it is stopped (after the
+#: queued uploads, or at once without waiting): a stopped upload ends within about a second
+#: (its copy threads and S3 requests look at the stop that often); a request the stop
+#: cannot cancel (a listing, a delete: the client's own calls) is not waited for past this.
+#: The thread is a daemon: left alone, it ends with that request, or with the process.
+STOP_JOIN = 2.0
 
 
 class Replicator:
@@ -254,8 +261,12 @@ class Replicator:
             return None if self._seen is None else set(self._seen)
 
     def list_replica(self) -> list[int]:
-        """The replica's committed steps, listed now (remembered for :meth:`seen_there`)."""
-        steps = self.replica.list_steps()
+        """The replica's committed steps, listed now (remembered for :meth:`seen_there`).
+
+        Given up after :attr:`timeout` seconds (``ReplicaUnavailableError``), as every
+        listing of the uploader: see :func:`list_within`.
+        """
+        steps = list_within(self.replica, self.timeout)
         with self._cond:
             self._seen = set(steps)
         return steps
@@ -594,7 +605,10 @@ class Replicator:
             try:
                 self._upload(step)
             except BaseException as e:  # kept for wait(); the step stays safe locally
-                log.error("upload of step %d to %s failed: %s", step, self.replica.root, e)
+                if self.gate.stopped:  # close() without waiting, or interrupted
+                    log.info("upload of step %d to %s stopped: %s", step, self.replica.root, e)
+                else:
+                    log.error("upload of step %d to %s failed: %s", step, self.replica.root, e)
                 with self._cond:
                     self._failed[step] = e
                     self._error = e
@@ -672,7 +686,7 @@ class Replicator:
         from ..ops.verify import verify_checkpoint  # ops imports the tiers
 
         try:
-            if step not in self.replica.list_steps():
+            if step not in list_within(self.replica, self.timeout):
                 return False
             return verify_checkpoint(self.replica, step, deep=True).ok
         except (OSError, CkptStoreError):
@@ -779,7 +793,7 @@ class Replicator:
             safe, nothing to upload. False: it holds no ``step``: upload. True: it holds
             another save of it, or this one corrupt: upload, replacing that copy.
         """
-        if step not in self.replica.list_steps():
+        if step not in list_within(self.replica, self.timeout):
             return False
         try:
             there = self.replica.read_manifest(step)
@@ -835,7 +849,7 @@ class Replicator:
             ReplicaError: it holds this save, but a file of this rank's does not verify
                 there (rank by rank, a committed step is not uploaded again in part).
         """
-        if step not in self.replica.list_steps():
+        if step not in list_within(self.replica, self.timeout):
             return False
         try:
             there = self.replica.read_manifest(step)
@@ -1044,32 +1058,93 @@ class Replicator:
         """Stop the thread, first finishing the queued uploads unless ``wait`` is False.
 
         Without ``wait`` the upload in flight is abandoned (nothing of it is visible on the
-        replica; the next uploader on these roots does it again).
+        replica; the next uploader on these roots does it again): its copy threads stop
+        before their next slice and its S3 requests are cancelled. An interrupt while this
+        waits (Ctrl-C: any exception but an upload's failure) takes that path too, so it
+        stops at once instead of after every queued upload (found by review). No step is
+        recorded safe that was not uploaded whole and checked. The thread is waited for at
+        most :data:`STOP_JOIN` seconds after the stop (a request the client cannot cancel,
+        a listing, waits on its timeouts; the thread is a daemon and goes on alone).
         """
+        stopped_before = self._stop  # a second close(): the first waited for the thread
         try:
-            if wait:
+            if wait and not stopped_before:
                 self.resume()  # a paused uploader would never finish
-                self.wait()
+                try:
+                    self.wait()
+                except ReplicaError:
+                    raise  # an upload failed: the queue was drained all the same
+                except BaseException:
+                    wait = False  # interrupted (Ctrl-C): drop what is left, see below
+                    raise
         finally:
             with self._cond:
                 self._stop = True
                 self.gate.stop()
-                if not wait:
-                    if self._pending:
+                if not wait and not stopped_before:
+                    left = set(self._pending)
+                    if self._busy is not None:
+                        left.add(self._busy)
+                    if left:
                         log.warning(
                             "the uploader to %s was closed without waiting: steps %s were not "
                             "uploaded (they stay in the local store %s; the next manager, or "
                             "`ckptstore replicate`, uploads them)",
                             self.replica.root,
-                            sorted(self._pending, reverse=True),
+                            sorted(left, reverse=True),
                             self.local.root,
                         )
                     self._pending.clear()
                     self._lookups.clear()
                 self._cond.notify_all()
             t = self._thread
-            if t is not None and t is not threading.current_thread():
-                t.join()
+            if t is not None and t is not threading.current_thread() and not stopped_before:
+                t.join(STOP_JOIN)
+                if t.is_alive():
+                    log.warning(
+                        "the uploader to %s did not stop within %gs (a request to the replica "
+                        "waits on its timeouts); it is left to end on its own",
+                        self.replica.root,
+                        STOP_JOIN,
+                    )
+
+
+def list_within(replica: Storage, timeout: float | None) -> list[int]:
+    """``replica.list_steps()``, given up after ``timeout`` seconds (None: no bound).
+
+    The listing runs on a daemon thread of its own, as the manager's probe does
+    (``twotier.probe_replica``): an endpoint that accepts a connection and never answers
+    held one listing for the client's read timeouts and attempts (6 connections, 35 s at a
+    5 s read timeout), so a resume whose steps were all local took 3 minutes and close()
+    93 s with ``replica_timeout=10`` (found by review). A listing given up goes on alone
+    until the client gives up too.
+
+    Raises:
+        StoreUnreachableError: no answer within ``timeout`` seconds.
+        Exception: what the listing raised.
+    """
+    if timeout is None:
+        return replica.list_steps()
+    box: list[tuple[bool, Any]] = []
+
+    def look() -> None:
+        try:
+            box.append((True, replica.list_steps()))
+        except BaseException as e:  # handed to the caller's thread
+            box.append((False, e))
+
+    t = threading.Thread(target=look, name="ckptstore-replica-list", daemon=True)
+    t.start()
+    t.join(timeout)
+    if not box:
+        raise StoreUnreachableError(
+            f"{replica.root}: no answer within {timeout:g}s (replica_timeout); check the "
+            "endpoint_url storage option, the network, and that the service is up"
+        )
+    ok, value = box[0]
+    if not ok:
+        raise value
+    return list(value)
 
 
 def _store_failed(e: BaseException) -> bool:

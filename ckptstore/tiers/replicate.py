@@ -13,12 +13,11 @@ from collections.abc import Mapping
 from typing import Any
 
 from .._log import logger as log
-from ..errors import (
-    ReplicaError,
-)
+from ..errors import ReplicaError, ReplicaTimeoutError
 from ..retention import RetentionPolicy
 from .copy import DEFAULT_THREADS
 from .replica import Replicator
+from .twotier import DEFAULT_REPLICA_TIMEOUT
 
 __all__ = ["ReplicateResult", "replicate"]
 
@@ -38,6 +37,12 @@ class ReplicateResult:
     failed: dict[int, str]
 
 
+#: Seconds between two looks at the stop flag while ``--watch`` waits for its uploads.
+_STOP_POLL = 0.2
+#: What ``ckptstore replicate`` says to do about a replica it refuses.
+_HINT = "nothing was uploaded; fix it and run `ckptstore replicate` again"
+
+
 def replicate(
     local_root: str | os.PathLike[str],
     url: str,
@@ -48,37 +53,55 @@ def replicate(
     interval: float = 10.0,
     stop: threading.Event | None = None,
     threads: int = DEFAULT_THREADS,
+    timeout: float = DEFAULT_REPLICA_TIMEOUT,
 ) -> ReplicateResult:
     """Upload a local store's committed steps to a replica, from outside the training job.
 
-    The same uploader as ``CheckpointManager(..., replica=url)``: what a crash left on the
-    replica is cleaned first, then the steps it lacks are uploaded newest first. With
-    ``watch``, the local store is listed again every ``interval`` seconds and new steps are
-    uploaded until ``stop`` is set (or the process is interrupted). It never deletes a local
+    The same uploader as ``CheckpointManager(..., replica=url)``, its replica opened the same
+    way (:func:`~ckptstore.tiers.twotier.open_bounded`: the client's timeouts and attempts
+    bounded by ``timeout``, probed first, a body the endpoint stops taking failing its
+    upload): what a crash left on the replica is cleaned first, then the steps it lacks are
+    uploaded newest first. With ``watch``, the local store is listed again every
+    ``interval`` seconds and new steps are uploaded until ``stop`` is set (or the process is
+    interrupted); once it is set, the upload in flight is abandoned (the next run does it
+    again) and the queued steps are left, within about a second. It never deletes a local
     step; ``keep`` is the replica's retention (None: keep every step there).
 
     Raises:
         NoCheckpointError: ``local_root`` is not a store.
         ReplicaConfigError: ``url`` is the local store itself (under whatever name).
+        ReplicaUnavailableError: the replica does not answer within ``timeout`` seconds,
+            or its bucket does not exist.
         ReplicaError: (without ``watch``) an upload failed.
     """
     from ..storage import open_storage
-    from .twotier import check_distinct
+    from .twotier import open_bounded, probe_replica
 
     local = open_storage(local_root)
     local.check_root(create=False)
-    replica = open_storage(url, replica_options)
-    check_distinct(local, replica, url)
+    replica = open_bounded(local, url, replica_options, timeout)
+    replica.check_root(create=True)
+    probe_replica(replica, url, timeout, hint=_HINT)
     failed: dict[int, str] = {}
     up = Replicator(
-        local, replica, policy=keep, threads=threads, retention=keep is not None, url=url
+        local,
+        replica,
+        policy=keep,
+        threads=threads,
+        retention=keep is not None,
+        url=url,
+        timeout=timeout,
     )
     stop = stop or threading.Event()
     try:
         up.recover()
-        while True:
+        while not stop.is_set():
             try:
-                up.wait()
+                # In short waits: a stop (SIGINT, SIGTERM) is seen at once, not once the
+                # whole queue is uploaded (found by review: 24 s for 3 steps on a slow link).
+                up.wait(_STOP_POLL)
+            except ReplicaTimeoutError:
+                continue
             except ReplicaError as e:
                 if not watch:
                     raise

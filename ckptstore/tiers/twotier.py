@@ -25,7 +25,7 @@ from ..errors import (
 from ..retention import RetentionPolicy
 from ..storage import LocalStorage, Storage, open_storage
 from . import node_fill
-from .replica import Replicator, fetch_step
+from .replica import Replicator, fetch_step, list_within
 
 __all__ = [
     "DEFAULT_REPLICA_TIMEOUT",
@@ -34,6 +34,7 @@ __all__ = [
     "bounded_options",
     "check_distinct",
     "ensure_local",
+    "open_bounded",
     "open_replica",
     "probe_replica",
 ]
@@ -48,6 +49,9 @@ REPLICA_EVERY = ("all", "latest")
 #: with back-off): with the connect timeout below, one request that cannot connect fails
 #: within about ``replica_timeout / 3``.
 _S3_ATTEMPTS = 2
+#: The shortest read timeout :func:`bounded_options` sets: a healthy store under load (a
+#: large part checked and stored) may take seconds to answer.
+_READ_TIMEOUT_MIN = 5.0
 #: Seconds the probe allows an S3 replica's client to be made (imports, a session, the
 #: service model: local work, seconds on a loaded host) before ``replica_timeout`` starts.
 CLIENT_START_MAX = 120.0
@@ -56,16 +60,20 @@ CLIENT_START_MAX = 120.0
 def bounded_options(url: str, options: Mapping[str, Any] | None, timeout: float) -> dict[str, Any]:
     """``options`` for an S3 replica, bounded so an endpoint that does not answer fails fast.
 
-    botocore's ``connect_timeout`` (``min(5, timeout / 12)`` s) and its attempts (2,
-    standard mode) are set unless the options set them (``config_kwargs``); s3fs's own
-    retry loop is bounded after the filesystem is made (:func:`_bound_fs`). Other URLs'
-    options are returned as given.
+    botocore's ``connect_timeout`` (``min(5, timeout / 12)`` s), ``read_timeout``
+    (``timeout / 4``, at least 5 and at most 60 s: botocore's own is 60 s, and a request
+    to an endpoint that took it and never answers waited that long on each of its attempts,
+    so ``close()`` took 93 s with ``replica_timeout=10``) and its attempts (2, standard
+    mode) are set unless the options set them (``config_kwargs``); s3fs's own retry loop is
+    bounded after the filesystem is made (:func:`_bound_fs`). Other URLs' options are
+    returned as given.
     """
     out = dict(options or {})
     if url.partition("://")[0] not in ("s3", "s3a"):
         return out
     config = dict(out.get("config_kwargs") or {})
     config.setdefault("connect_timeout", min(5.0, timeout / 12))
+    config.setdefault("read_timeout", min(60.0, max(_READ_TIMEOUT_MIN, timeout / 4)))
     config.setdefault("retries", {"max_attempts": _S3_ATTEMPTS, "mode": "standard"})
     out["config_kwargs"] = config
     return out
@@ -80,11 +88,18 @@ def _bound_fs(replica: Storage) -> None:
         fs.retries = min(fs.retries, _S3_ATTEMPTS)
 
 
-def probe_replica(replica: Storage, url: str, timeout: float) -> None:
+#: What the manager's constructor says to do about a replica it refuses.
+MANAGER_HINT = (
+    "nothing was saved; fix it, or construct the manager without replica= to save locally only"
+)
+
+
+def probe_replica(replica: Storage, url: str, timeout: float, *, hint: str = MANAGER_HINT) -> None:
     """Check that the replica answers (a listing, and its bucket exists) within ``timeout``.
 
     What can be known before a step is saved: a bucket that does not exist, no or bad
-    credentials, access denied, an endpoint that does not answer.
+    credentials, access denied, an endpoint that does not answer. ``hint`` ends each
+    message (what to do next).
 
     Raises:
         ReplicaUnavailableError: one line naming ``url`` and what to check; the client's
@@ -119,9 +134,6 @@ def probe_replica(replica: Storage, url: str, timeout: float) -> None:
 
     t = threading.Thread(target=look, name="ckptstore-replica-probe", daemon=True)
     t.start()
-    hint = (
-        "nothing was saved; fix it, or construct the manager without replica= to save locally only"
-    )
     start_max = max(timeout, CLIENT_START_MAX)
     if not started.wait(start_max):
         raise ReplicaUnavailableError(
@@ -185,6 +197,26 @@ def check_distinct(local: Storage, replica: Storage, url: str) -> None:
         raise ReplicaConfigError(msg)
 
 
+def open_bounded(
+    local: Storage, url: str, options: Mapping[str, Any] | None, timeout: float
+) -> Storage:
+    """The replica store at ``url``, its client bounded by ``timeout`` (not probed yet).
+
+    :func:`bounded_options`, :func:`_bound_fs`, and a request body the endpoint stops
+    taking fails its upload after ``timeout`` seconds (``upload_stall``): what the manager
+    and ``ckptstore replicate`` open a replica with.
+
+    Raises:
+        ReplicaConfigError: ``url`` is the local store itself (:func:`check_distinct`).
+    """
+    replica = open_storage(url, bounded_options(url, options, timeout))
+    check_distinct(local, replica, url)
+    _bound_fs(replica)
+    if hasattr(replica, "upload_stall"):
+        replica.upload_stall = timeout  # a body the endpoint stops taking fails the upload
+    return replica
+
+
 def open_replica(
     local: Storage,
     url: str,
@@ -221,11 +253,7 @@ def open_replica(
     if not isinstance(url, str) or not url:
         msg = f"replica must be an fsspec URL string (e.g. 's3://bucket/run1'), got {url!r}"
         raise ConfigError(msg)
-    replica = open_storage(url, bounded_options(url, options, timeout))
-    check_distinct(local, replica, url)
-    _bound_fs(replica)
-    if hasattr(replica, "upload_stall"):
-        replica.upload_stall = timeout  # a body the endpoint stops taking fails the upload
+    replica = open_bounded(local, url, options, timeout)
     # Refused here, before a step is saved, on every rank alike (``agree``): a replica that
     # cannot be written would otherwise cost local steps or surface only at close().
     problem: BaseException | None = None
@@ -267,12 +295,20 @@ def open_replica(
     return replica, up
 
 
-def all_steps(local: Storage, replica: Storage | None, seen: set[int] | None = None) -> list[int]:
+def all_steps(
+    local: Storage,
+    replica: Storage | None,
+    seen: set[int] | None = None,
+    *,
+    timeout: float | None = None,
+) -> list[int]:
     """The committed steps of both tiers, ascending.
 
-    A replica that fails to list counts as holding ``seen``, the steps it was last seen to
-    hold (:meth:`~ckptstore.tiers.replica.Replicator.seen_there`), with a warning; a step
-    of those not local is then fetched, and the fetch says whether the replica answers.
+    A replica that fails to list (or does not answer within ``timeout`` seconds:
+    :func:`~ckptstore.tiers.replica.list_within`) counts as holding ``seen``, the steps it
+    was last seen to hold (:meth:`~ckptstore.tiers.replica.Replicator.seen_there`), with a
+    warning; a step of those not local is then fetched, and the fetch says whether the
+    replica answers.
 
     Raises:
         ReplicaUnavailableError: the replica does not list and was never seen to: its
@@ -282,7 +318,7 @@ def all_steps(local: Storage, replica: Storage | None, seen: set[int] | None = N
     steps = set(local.list_steps())
     if replica is not None:
         try:
-            steps.update(replica.list_steps())
+            steps.update(list_within(replica, timeout))
         except Exception as e:  # botocore's errors are no OSError
             if seen is None:
                 newest = max(steps, default=None)
@@ -304,16 +340,23 @@ def all_steps(local: Storage, replica: Storage | None, seen: set[int] | None = N
     return sorted(steps)
 
 
-def on_replica(replica: Storage | None, step: int, seen: set[int] | None = None) -> bool:
+def on_replica(
+    replica: Storage | None,
+    step: int,
+    seen: set[int] | None = None,
+    *,
+    timeout: float | None = None,
+) -> bool:
     """Whether ``step`` is committed on the replica (False without one).
 
-    A replica that fails to list holds ``step`` if it was last seen to (``seen``): the
-    fetch that follows says whether it answers.
+    A replica that fails to list (or does not answer within ``timeout`` seconds) holds
+    ``step`` if it was last seen to (``seen``): the fetch that follows says whether it
+    answers.
     """
     if replica is None:
         return False
     try:
-        return step in replica.list_steps()
+        return step in list_within(replica, timeout)
     except Exception as e:  # botocore's errors are no OSError
         log.warning("could not list the replica %s: %s", replica.root, e)
         return seen is not None and step in seen

@@ -25,10 +25,12 @@ from collections.abc import Iterator
 
 from ..errors import ReplicaError
 
-__all__ = ["MAX_STALL", "UploadGate"]
+__all__ = ["MAX_STALL", "STOPPED", "UploadGate"]
 
 #: Seconds a request body waits at a closed gate before it sends its next slice anyway.
 MAX_STALL = 10.0
+#: What a copy thread at a stopped gate raises (a :class:`~ckptstore.errors.ReplicaError`).
+STOPPED = "the uploader was stopped; the step's upload is abandoned"
 
 
 class UploadGate:
@@ -96,7 +98,14 @@ class UploadGate:
             self._update()
 
     def stop(self) -> None:
-        """The uploader stops: waiters at the gate go on (copy threads raise)."""
+        """The uploader stops: every later :meth:`wait` raises, open gate or not.
+
+        The upload in flight is abandoned there (its copy threads raise before their next
+        slice; its S3 requests are cancelled by the writer,
+        :class:`~ckptstore.storage.s3upload.S3Upload`): a ``close()`` without waiting, a
+        Ctrl-C in ``close()``, or a stopped ``ckptstore replicate --watch`` ends at once
+        instead of after the step's upload (found by review).
+        """
         with self._lock:
             self.stopped = True
             self._wake()
@@ -125,11 +134,15 @@ class UploadGate:
         """Block the calling thread while the gate is closed.
 
         Raises:
-            ReplicaError: the uploader was stopped meanwhile.
+            ReplicaError: the uploader was stopped (before or meanwhile).
         """
-        while not self._open.wait(0.5):
+        while True:
             if self.stopped:
-                raise ReplicaError("the uploader was stopped while paused")
+                raise ReplicaError(STOPPED)
+            if self._open.wait(0.5):
+                if self.stopped:  # stopped while it waited, the gate open or not
+                    raise ReplicaError(STOPPED)
+                return
 
     def wait_open(self, timeout: float) -> bool:
         """Block at most ``timeout`` seconds while the gate is closed; whether it is open.
