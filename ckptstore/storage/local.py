@@ -285,13 +285,14 @@ class LocalStorage(Storage):
 
     def entry_age(self, name: str) -> float | None:
         """Seconds since the newest mtime under the root entry ``name`` (links not followed)."""
-        newest: float | None = None
         try:
             top = os.lstat(self._p(name))
         except OSError:
             return None
         newest = top.st_mtime
-        for base, dirs, files in os.walk(self._p(name)):  # does not follow links
+        if not stat.S_ISDIR(top.st_mode):  # a link (never followed) or a file: itself
+            return max(0.0, time.time() - newest)
+        for base, dirs, files in os.walk(self._p(name)):  # below: links not followed
             for n in dirs + files:
                 with contextlib.suppress(OSError):
                     newest = max(newest, os.lstat(os.path.join(base, n)).st_mtime)
