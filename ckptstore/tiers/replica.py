@@ -263,7 +263,7 @@ class Replicator:
     def list_replica(self) -> list[int]:
         """The replica's committed steps, listed now (remembered for :meth:`seen_there`).
 
-        Given up after :attr:`timeout` seconds (``ReplicaUnavailableError``), as every
+        Given up after :attr:`timeout` seconds (``StoreUnreachableError``), as every
         listing of the uploader: see :func:`list_within`.
         """
         steps = list_within(self.replica, self.timeout)
