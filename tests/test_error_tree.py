@@ -58,6 +58,9 @@ ALLOWED: dict[tuple[str, str, str], str] = {
         "the file protocol zipfile reads through; a read past what was parsed: not streamable"
     ),
     ("codec/zipstream.py", "__call__", "ValueError"): "internal precondition: feed in order",
+    ("cli/replicate.py", "handler", "KeyboardInterrupt"): (
+        "a second SIGINT/SIGTERM to `replicate --watch`: the interrupt Python itself raises"
+    ),
     ("dist.py", "scatter", "ValueError"): "internal precondition (a bug), before any wait",
     ("dist.py", "_new_group", "TimeoutError"): (
         "internal: Coordinator.__init__ turns it into BarrierTimeout naming the missing ranks"
