@@ -615,13 +615,16 @@ class CheckpointManager:
 
         A save's or an upload's failure that ``close`` raises is then logged and added to it
         as a note: raised, it replaced the user's own error (which only showed as its
-        ``__context__``).
+        ``__context__``). A block left by a Ctrl-C (``KeyboardInterrupt``) does not wait for
+        the replica's uploads: the in-flight save still commits locally, the queued uploads
+        are dropped with a warning naming them, and the next manager on these roots uploads
+        them (it waited for every one, and a second Ctrl-C was needed to stop).
         """
         if exc is None:
             self.close()
             return
         try:
-            self.close()
+            self._saver.close(uploads=not isinstance(exc, KeyboardInterrupt))
         except Exception as e:
             log.error("closing %s after %s: %s", self.root, type(exc).__name__, e)
             exc.add_note(f"ckptstore: closing {self.root} also failed: {e}")

@@ -110,6 +110,42 @@ def test_ctrl_c_in_close_stops_the_uploads_at_once(tmp_path: Path, ep: S3Endpoin
     assert all(replicated(root, s) for s in (1, 2, 3, 4))
 
 
+def test_a_ctrl_c_in_a_with_block_does_not_wait_for_the_uploads(
+    tmp_path: Path, ep: S3Endpoint
+) -> None:
+    """A Ctrl-C in the training loop inside ``with CheckpointManager(...)``: ``__exit__``
+    waited for every queued upload (here: the hung endpoint's read timeouts), and a second
+    Ctrl-C was needed. The local saves are committed, the uploads dropped; no step is
+    recorded safe that is not on the replica, and the next manager uploads them."""
+    root = tmp_path / "a"
+    url = ep.url("run")
+    t0 = time.monotonic()
+    options = slow_options(ep)
+    with (  # noqa: PT012 - the with block is the subject
+        pytest.raises(KeyboardInterrupt),
+        CheckpointManager(
+            root, keep=None, replica=url, replica_options=options, replica_timeout=60
+        ) as mgr,
+    ):
+        mgr.save(1, {"w": torch.rand(1 << 16)})
+        mgr.wait()
+        os.kill(ep.pid, signal.SIGSTOP)  # the endpoint hangs from here on
+        for s in (2, 3, 4):
+            mgr.save(s, {"w": torch.rand(1 << 18)})
+        t0 = time.monotonic()
+        raise KeyboardInterrupt  # what a Ctrl-C raises in the main thread
+    took = time.monotonic() - t0
+    assert took < healthy(5.0), f"__exit__ went on {took:.1f}s after the Ctrl-C"
+    assert sorted(int(p.name.split("-")[1]) for p in root.glob("step-*")) == [1, 2, 3, 4]
+    assert replicated(root, 1)
+    assert not any(replicated(root, s) for s in (2, 3, 4))  # nothing falsely safe
+    os.kill(ep.pid, signal.SIGCONT)
+    with CheckpointManager(root, keep=None, replica=url, replica_options=ep.storage_options):
+        pass  # close() waits for the uploads the interrupt dropped
+    assert replica_steps(ep, url) == [1, 2, 3, 4]
+    assert all(replicated(root, s) for s in (1, 2, 3, 4))
+
+
 _EXIT_JOB = textwrap.dedent(
     """
     import json, sys, time

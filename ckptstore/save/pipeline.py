@@ -471,8 +471,11 @@ class Saver:
         weakref.finalize(self, writer.shutdown, wait=False)
         return writer
 
-    def close(self) -> None:
+    def close(self, *, uploads: bool = True) -> None:
         """``CheckpointManager.close``: finish the save and uploads, release the lock and groups.
+
+        ``uploads=False``: the in-flight save still finishes, but the replica's queued
+        uploads are dropped, the one in flight abandoned (the next manager uploads them).
 
         Raises:
             CommitError: the last async save failed.
@@ -488,7 +491,7 @@ class Saver:
             upload_error: ReplicaError | None = None
             if session.replica is not None:
                 try:
-                    session.replica.close()
+                    session.replica.close(wait=uploads)
                 except ReplicaError as e:
                     upload_error = e
             self.raise_bg_error()
