@@ -34,11 +34,14 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-# Three workers on the CI machine's 2 cores: much of the suite waits on processes, fsync and
+# Four workers on the CI machine's 2 cores: much of the suite waits on processes, fsync and
 # timeouts, not on the CPU. Measured here on 2 cores (2026-11-26, the same tree): -n 2 ran
-# 623 s, -n 3 546 s (16.8 CPU minutes: 1.83 cores busy on average). worksteal keeps the long
-# multi-rank tests from ending on one worker. PYTEST_ARGS="-n 0" runs it in one process.
-PYTEST_ARGS ?= -n 3 --dist worksteal
+# 623 s, -n 3 546 s (16.8 CPU minutes: 1.83 cores busy on average). Again on 2026-11-30
+# (74da9af, fresh clones, `time make test`): -n 3 ran pytest in 619 s (make test 10:27),
+# -n 4 in 545 s (9:10), the suite's new tests waiting on real timeouts and signals.
+# worksteal keeps the long multi-rank tests from ending on one worker. PYTEST_ARGS="-n 0"
+# runs it in one process.
+PYTEST_ARGS ?= -n 4 --dist worksteal
 unit: $(STAMP)
 	$(BIN)/python -m pytest -q -x -p no:cacheprovider $(PYTEST_ARGS)
 
