@@ -32,7 +32,6 @@ from ..errors import (
 from ..session import Session
 from ..state.capture import apply_state
 from ..state.modules import EMA
-from ..tiers.replica import list_within
 from .load import collect_targets
 from .read import decode, read_blobs
 from .select import (
@@ -40,7 +39,6 @@ from .select import (
     candidates,
     ensure_local,
     on_replica,
-    replica_timeout,
     restore_steps,
     vanished,
     written_by_rank0,
@@ -239,7 +237,9 @@ class Reader:
                 # step's own error stands (vanished()). leader_value: an exception of rank
                 # 0 there reaches every rank at once.
                 vanished_here = session.coord.leader_value(
-                    functools.partial(_vanished, session, s, refetched), "restore:vanished", s
+                    functools.partial(vanished, session, s, fetched=s in refetched),
+                    "restore:vanished",
+                    s,
                 )
                 mark(clock, "x:vanished")
                 if vanished_here:
@@ -250,7 +250,7 @@ class Reader:
                 # Deleted while we read it (a running job's retention), not corrupt: rank 0
                 # looks again, and every rank goes on with the new newest.
                 def rechoose(s: int = s) -> list[int] | None:
-                    if not _vanished(session, s, refetched):
+                    if not vanished(session, s, fetched=s in refetched):
                         return None
                     return [c for c in candidates(session, None) if c not in bad]
 
@@ -404,13 +404,19 @@ class Reader:
                     refetched.add(s)
                     queue.insert(0, s)
                     continue
-                if step is None and relists < _RELISTS and _vanished(session, s, refetched):
+                if (
+                    step is None
+                    and relists < _RELISTS
+                    and vanished(session, s, fetched=s in refetched)
+                ):
                     # Deleted while we read it (a running job's retention), not corrupt.
                     relists += 1
                     queue = [c for c in candidates(session, None) if c not in bad]
                     continue
                 if step is not None:
-                    if _vanished(session, s, refetched):  # retention deleted it: not corrupt
+                    if vanished(
+                        session, s, fetched=s in refetched
+                    ):  # retention deleted it: not corrupt
                         raise NoCheckpointError(_deleted_while_read(session, s)) from e
                     raise
                 bad.add(s)
@@ -486,35 +492,6 @@ def _load_verdict(
     hard = [(r, v) for r, (st, v) in enumerate(every) if st == "error"]
     soft = [(r, v) for r, (st, v) in enumerate(every) if st == "skip"]
     return hard[:SHOWN], soft[:SHOWN]
-
-
-def _vanished(session: Session, step: int, refetched: set[int]) -> bool:
-    """Whether ``step`` was deleted while it was read, not corrupt: the candidates are listed anew.
-
-    A step read from the local store: :func:`vanished`. One whose replica copy failed as
-    this restore fetched it was never local (or its local copy failed too): deleted only
-    where neither tier lists it any more (the replica's retention, while a new node
-    fetched it: "no checkpoint verifies" was raised though a newer step had landed there).
-    Taken for deleted while the replica still listed it, it was listed again and fetched
-    again, 17 times over, before it was skipped (found trimming the S3 tests).
-    """
-    if step not in refetched:
-        return vanished(session, step)
-    replica = session.replica_storage
-    if replica is None:
-        return False
-    try:
-        if step in session.storage.list_steps():
-            return False
-        return step not in list_within(replica, replica_timeout(session))
-    except Exception as e:  # botocore's errors are no OSError; a listing given up
-        log.warning(
-            "could not list the replica %s to tell a deleted step %d from a corrupt one: %s",
-            replica.root,
-            step,
-            e,
-        )
-        return False
 
 
 def _warn_if_none_restored(

@@ -16,6 +16,7 @@ from ..dist import told_by
 from ..errors import IntegrityError, NoCheckpointError
 from ..session import Session
 from ..tiers import twotier as tiers
+from ..tiers.replica import list_within
 
 __all__ = [
     "bring_local",
@@ -30,18 +31,30 @@ __all__ = [
 ]
 
 
-def vanished(session: Session, step: int) -> bool:
+def vanished(session: Session, step: int, *, fetched: bool = False) -> bool:
     """Whether ``step`` is no longer committed: deleted (by retention), not corrupt.
 
-    False where the store cannot say (any error listing it, an object store's included):
-    the step's own failure is then the error to raise, not the listing's.
+    ``fetched``: its replica copy failed as this restore fetched it, so it was never local
+    (or its local copy failed too): deleted only where neither tier lists it any more (the
+    replica's retention, while a new node fetched it: "no checkpoint verifies" was raised
+    though a newer step had landed there). Taken for deleted while the replica still listed
+    it, it was listed again and fetched again, 17 times over, before it was skipped.
+
+    False where the stores cannot say (any error listing them, a replica's listing given
+    up after ``replica_timeout`` included): the step's own failure is then the error to
+    raise, not the listing's.
     """
+    replica = session.replica_storage if fetched else None
+    if fetched and replica is None:
+        return False
     try:
-        return step not in session.storage.list_steps()
-    except Exception as e:
+        if step in session.storage.list_steps():
+            return False
+        return replica is None or step not in list_within(replica, replica_timeout(session))
+    except Exception as e:  # botocore's errors are no OSError
         log.warning(
             "could not list %s to tell a deleted step %d from a corrupt one: %s",
-            session.root,
+            session.root if replica is None else f"{session.root} or the replica {replica.root}",
             step,
             e,
         )

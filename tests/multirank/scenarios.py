@@ -523,7 +523,7 @@ def corrupt_step_rank0_cannot_list(ctx: Ctx) -> dict[str, Any]:
     out = {"explicit": outcome(lambda: restore(step=2)), "newest": outcome(restore)}
     if ctx.rank == 0:
 
-        def broken(session: Any, step: int) -> bool:
+        def broken(session: Any, step: int, *, fetched: bool = False) -> bool:
             raise RuntimeError("the look broke")
 
         reader.vanished = broken  # a fault in the look itself
