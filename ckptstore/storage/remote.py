@@ -617,22 +617,19 @@ class FsspecStorage(Storage):
         while True:
             out = call("list_multipart_uploads", **kw)
             for up in out.get("Uploads", []):
+                key = str(up["Key"])
+                # The prefix is literal for S3; check again so a store never reaches outside
+                # (and an entry's age is never asked of a key outside the root).
+                if not key.startswith(prefix):
+                    continue
                 if older_than is not None:
                     began = _stamp({"LastModified": up.get("Initiated")})
                     if began is None or time.time() - began < older_than:
                         continue
-                entry = str(up["Key"])[len(prefix) :].partition("/")[0]
-                if keep is not None and keep(entry):
+                if keep is not None and keep(key[len(prefix) :].partition("/")[0]):
                     continue
-                # The prefix is literal for S3; check again so a store never reaches outside.
-                if str(up["Key"]).startswith(prefix):
-                    call(
-                        "abort_multipart_upload",
-                        Bucket=bucket,
-                        Key=up["Key"],
-                        UploadId=up["UploadId"],
-                    )
-                    aborted += 1
+                call("abort_multipart_upload", Bucket=bucket, Key=key, UploadId=up["UploadId"])
+                aborted += 1
             if not out.get("IsTruncated"):
                 return aborted
             kw["KeyMarker"] = out.get("NextKeyMarker", "")
