@@ -74,6 +74,18 @@ def in_flight(ep: S3Endpoint, step: int) -> None:
         time.sleep(0.005)
 
 
+def uploaded_after_the_interrupt(root: Path, ep: S3Endpoint, url: str) -> None:
+    """After a Ctrl-C that dropped the uploads of steps 2-4 (step 1 was uploaded): none of
+    them is recorded safe; once the endpoint answers again, the next manager uploads them."""
+    assert replicated(root, 1)
+    assert not any(replicated(root, s) for s in (2, 3, 4))  # nothing falsely safe
+    os.kill(ep.pid, signal.SIGCONT)
+    with CheckpointManager(root, keep=None, replica=url, replica_options=ep.storage_options):
+        pass  # close() waits for the uploads the interrupt dropped
+    assert replica_steps(ep, url) == [1, 2, 3, 4]
+    assert all(replicated(root, s) for s in (1, 2, 3, 4))
+
+
 def test_ctrl_c_in_close_stops_the_uploads_at_once(tmp_path: Path, ep: S3Endpoint) -> None:
     """Finding 5: a Ctrl-C while close() waited for the uploads did not stop them: the
     step in flight went on to its end (here: the client's read timeouts) and every queued
@@ -101,13 +113,7 @@ def test_ctrl_c_in_close_stops_the_uploads_at_once(tmp_path: Path, ep: S3Endpoin
         timer.cancel()
         signal.signal(signal.SIGINT, old)
     assert took < healthy(5.0), f"close() went on {took:.1f}s after the Ctrl-C"
-    assert replicated(root, 1)
-    assert not any(replicated(root, s) for s in (2, 3, 4))  # nothing falsely safe
-    os.kill(ep.pid, signal.SIGCONT)
-    with CheckpointManager(root, keep=None, replica=url, replica_options=ep.storage_options):
-        pass  # close() waits for the uploads the interrupt dropped
-    assert replica_steps(ep, url) == [1, 2, 3, 4]
-    assert all(replicated(root, s) for s in (1, 2, 3, 4))
+    uploaded_after_the_interrupt(root, ep, url)
 
 
 def test_a_ctrl_c_in_a_with_block_does_not_wait_for_the_uploads(
@@ -137,13 +143,7 @@ def test_a_ctrl_c_in_a_with_block_does_not_wait_for_the_uploads(
     took = time.monotonic() - t0
     assert took < healthy(5.0), f"__exit__ went on {took:.1f}s after the Ctrl-C"
     assert sorted(int(p.name.split("-")[1]) for p in root.glob("step-*")) == [1, 2, 3, 4]
-    assert replicated(root, 1)
-    assert not any(replicated(root, s) for s in (2, 3, 4))  # nothing falsely safe
-    os.kill(ep.pid, signal.SIGCONT)
-    with CheckpointManager(root, keep=None, replica=url, replica_options=ep.storage_options):
-        pass  # close() waits for the uploads the interrupt dropped
-    assert replica_steps(ep, url) == [1, 2, 3, 4]
-    assert all(replicated(root, s) for s in (1, 2, 3, 4))
+    uploaded_after_the_interrupt(root, ep, url)
 
 
 _EXIT_JOB = textwrap.dedent(
