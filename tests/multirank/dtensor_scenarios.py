@@ -536,6 +536,12 @@ def fsdp_refused(ctx: Ctx) -> dict[str, Any]:
         bad = DTensor.from_local(local, mesh, [Shard(0)], **shape)
         out["missized"] = outcome(lambda: mgr.save(4, {"model": model, "bad": bad}) and None)
         out["after_missized"] = mgr.steps()
+        # The refused save lost nothing: step 2 still restores exactly.
+        again = make_net(seed=11)
+        shard(again)
+        again_opt = torch.optim.AdamW(again.parameters(), lr=1e-2)
+        out["restored_after_missized"] = mgr.restore({"model": again, "optimizer": again_opt})
+        out["exact_after_missized"] = digests(again, again_opt) == saved
     out["leftovers"] = sorted(n for n in os.listdir(ctx.root) if n.startswith(".tmp"))
     return out
 

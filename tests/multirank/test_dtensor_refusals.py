@@ -52,6 +52,8 @@ def test_refused_dtensor_state_raises_unsafe_on_every_rank(tmp_path):
         assert "but the DTensor's placements [Shard(dim=0)] give it [" in got["message"], got
         assert "nothing of it is visible and step 2 is still the newest" in got["message"]
         assert v["after_missized"] == [2]
+        assert v["restored_after_missized"] == 2
+        assert v["exact_after_missized"] is True
         assert v["leftovers"] == []
 
 
