@@ -27,6 +27,10 @@ from .plan import unwrap
 
 __all__ = ["check_targets", "collect_targets", "indexed_optimizer", "persistent_targets"]
 
+#: For ``isinstance`` once a node (a tuple: ``A | B`` builds a union object every call).
+_SEQUENCES = (list, tuple)
+_KEY_TYPES = (str, int)
+
 
 def check_targets(
     targets: Mapping[Any, Any],
@@ -143,7 +147,7 @@ def collect_targets(
     (:func:`persistent_targets`), never for an in-place read.
     """
     if isinstance(node, list):
-        if isinstance(current, list | tuple):
+        if isinstance(current, _SEQUENCES):
             for n, c in zip(node, current, strict=False):
                 collect_targets(n, c, out, shards=shards)
         return
@@ -159,11 +163,11 @@ def collect_targets(
         elif shards and is_dtensor(current):
             # A plain stored tensor never goes in place into a DTensor (it holds one shard).
             out.setdefault(group, {})[key] = local_of(current)
-    elif t in ("dict", "odict") and isinstance(current, Mapping):
+    elif t in ("dict", "odict") and (type(current) is dict or isinstance(current, Mapping)):
         keys, vals = node.get("keys"), node.get("vals")
         if isinstance(keys, list) and isinstance(vals, list):
             for k, v in zip(keys, vals, strict=False):
-                if isinstance(k, str | int) and k in current:
+                if isinstance(k, _KEY_TYPES) and k in current:
                     collect_targets(v, current[k], out, shards=shards)
-    elif t == "tuple" and isinstance(current, tuple | list):
+    elif t == "tuple" and isinstance(current, _SEQUENCES):
         collect_targets(node.get("v"), list(current), out, shards=shards)

@@ -87,7 +87,23 @@ def block_crcs(data: memoryview | bytes | bytearray, block: int = BLOCK) -> list
     return [crc32c_of(mv[i : i + block]) for i in range(0, len(mv), block)]
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+#: ``codec.tree.SUPPORTED_DTYPES`` once a tensor entry's torch dtype was first asked for
+#: (torch is imported only then: ``ls`` and ``verify`` read indexes without it).
+_TORCH_DTYPES: dict[str, torch.dtype] = {}
+
+
+def _torch_dtypes() -> dict[str, torch.dtype]:
+    from ..codec.tree import SUPPORTED_DTYPES
+
+    _TORCH_DTYPES.update(SUPPORTED_DTYPES)
+    return _TORCH_DTYPES
+
+
+#: Chunks and tensor entries compare and hash by value, as frozen dataclasses do, but are
+#: built without a frozen class's ``object.__setattr__`` per field (2.0 us an object against
+#: 0.5): a restoring rank makes two of them per chunk it reads, ~3,500 for the bench's 2 -> 1
+#: restore. Nothing assigns to one once made.
+@dataclasses.dataclass(slots=True, unsafe_hash=True)
 class Chunk:
     """One saved shard of a tensor: a box of the full tensor, stored contiguously."""
 
@@ -110,7 +126,7 @@ class Chunk:
         }
 
 
-@dataclasses.dataclass(frozen=True)
+@dataclasses.dataclass(slots=True, unsafe_hash=True)
 class TensorEntry:
     """A sharded tensor: dtype, full shape, how it was laid out, and its chunks."""
 
@@ -124,9 +140,7 @@ class TensorEntry:
     @property
     def torch_dtype(self) -> torch.dtype:
         """The dtype as a torch dtype."""
-        from ..codec.tree import SUPPORTED_DTYPES
-
-        return SUPPORTED_DTYPES[self.dtype]
+        return (_TORCH_DTYPES or _torch_dtypes())[self.dtype]
 
     @property
     def nbytes(self) -> int:

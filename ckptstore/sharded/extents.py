@@ -69,7 +69,7 @@ GAP = 128 << 10
 _STAGES_MAX = 8
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class Piece:
     """Blocks ``k0 .. k1 - 1`` of a chunk of tensor ``name``, read to fill one box.
 
@@ -95,7 +95,7 @@ class Piece:
         return self.chunk.start + min(self.k1 * block, self.chunk.nbytes)
 
 
-@dataclasses.dataclass(frozen=True, slots=True)
+@dataclasses.dataclass(slots=True, eq=False)
 class Run:
     """Pieces of one file read with one request: bytes ``start`` (aligned) to ``end``."""
 
@@ -194,24 +194,31 @@ def plan(
         if per and mem is not None:
             src = _one_range(chunk.sizes, src_at, lengths, mem[2])
             dst = _one_range(mem[1], dest_at, lengths, mem[2])
-        if src is None or dst is None or mem is None or not files(file):
+        pieces = by_file.get(file)
+        if pieces is None and src is not None and dst is not None and files(file):
+            pieces = by_file[file] = []  # files() asked once a file
+        if src is None or dst is None or mem is None or pieces is None:
             refused.add(file)
             by_file.pop(file, None)
             continue
         first, end = src
         b0, b1 = first // block, -(-end // block)
-        pieces = by_file.setdefault(file, [])
         for k in range(b0, b1, per):
             pieces.append(
                 Piece(name, chunk, k, min(b1, k + per), first, end, mem[0] + dst[0], mem[3])
             )
     runs: list[Run] = []
     for file, pieces in by_file.items():
-        pieces.sort(key=lambda p: p.lo(block))
+        # Each piece's first block's offset, by offset (ties in the order made), and one past
+        # its last block's end: Piece.lo and Piece.hi without two calls a piece.
+        bounds = sorted(
+            (p.chunk.start + p.k0 * block, i, p.chunk.start + min(p.k1 * block, p.chunk.nbytes))
+            for i, p in enumerate(pieces)
+        )
         group: list[Piece] = []
         start = last = 0
-        for p in pieces:
-            lo, hi = p.lo(block), p.hi(block)
+        for lo, i, hi in bounds:
+            p = pieces[i]
             if group and (hi - start > span or lo - last > GAP):
                 runs.append(Run(file, start, last, tuple(group)))
                 group = []

@@ -68,10 +68,14 @@ PREFAULT = True
 STAGE_MAX = 64 << 20
 
 
+#: For ``isinstance`` once a leaf (a tuple: ``A | B`` builds a union object every call).
+_SEQUENCES = (list, tuple)
+
+
 def _lookup(value: Any, path: tuple[Any, ...]) -> Any:
     for p in path:
-        if (isinstance(value, Mapping) and p in value) or (
-            isinstance(value, list | tuple) and isinstance(p, int) and 0 <= p < len(value)
+        if ((type(value) is dict or isinstance(value, Mapping)) and p in value) or (
+            isinstance(value, _SEQUENCES) and isinstance(p, int) and 0 <= p < len(value)
         ):
             value = value[p]
         else:
