@@ -301,13 +301,13 @@ def template_box(template: Any, shape: tuple[int, ...], cache: dict[Any, Box] | 
     ~60 us a call.
     """
     if is_dtensor(template) and tuple(template.shape) == shape:
-        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
-
         dt: Any = template
         key = (shape, id(dt.device_mesh), tuple(dt.placements))
         got = cache.get(key) if cache is not None else None
         if got is not None:
             return got
+        from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
         if dt.device_mesh.get_coordinate() is None:  # not in its mesh: holds nothing
             zero = tuple(0 for _ in shape)
             box: Box = (zero, zero)
