@@ -59,6 +59,10 @@ _madvise: Callable[[int, int, int], int] | None = None  # where MADV_POPULATE_WR
 _probed = False
 
 
+#: Every byte value with bit 0 set (a page in memory, as ``mincore`` reports it).
+_ODD_BYTES = bytes(range(1, 256, 2))
+
+
 def _libc_madvise() -> Callable[[int, int, int], int] | None:
     """The C library's ``madvise`` (Linux only), or None; looked up once."""
     return libc_function("madvise", (ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int))
@@ -77,7 +81,10 @@ def resident(address: int, nbytes: int) -> bool:
     vec = (ctypes.c_ubyte * pages)()
     if fn(address, nbytes, vec) != 0:
         return False
-    return all(b & 1 for b in bytes(vec))
+    # Bit 0 of each byte says the page is in memory (the others are reserved): deleting the
+    # odd bytes leaves nothing. In C: a generator over the bytes held the GIL for ~10 ms of
+    # a 768 MB restore into live targets, while the read threads waited for it.
+    return not bytes(vec).translate(None, _ODD_BYTES)
 
 
 def _probe() -> Callable[[int, int, int], int] | None:
