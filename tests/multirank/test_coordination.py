@@ -174,24 +174,25 @@ def test_manager_built_on_some_ranks_names_the_missing_ones(tmp_path: Path, scen
 def test_a_rank_that_dies_inside_the_groups_creation_is_named_within_the_timeout(
     tmp_path: Path,
 ):
-    # Rank 2 dies inside the real new_group, waiting there for ranks 0 and 1, who come 0.4 s
-    # later. gloo's connect does not take the group's timeout: before, a survivor waited
-    # 15.4 s for gloo's own (5 of 8 runs), and in 2 of 8 rank 0 had exited by then and the
-    # other survivor named no rank. Twice, as the stall needs a survivor on the accepting
-    # side of its pair with rank 2.
-    late = 0.4
+    # Rank 2 dies inside the real new_group, 0.15 s into it, waiting there for ranks 0 and 1,
+    # who come 0.4 s after it died (they wait for its last file: with a fixed wait, a loaded
+    # rank 2 reached the group after them and died only once it was made). gloo's connect
+    # does not take the group's timeout: before, a survivor waited 15.4 s for gloo's own (5
+    # of 8 runs), and in 2 of 8 rank 0 had exited by then and the other survivor named no
+    # rank. Twice, as the stall needs a survivor on the accepting side of its pair with rank 2.
+    late, after = 0.4, 0.15
     for attempt in range(2):
         res = launch(
             "rank_dies_inside_group_creation",
             3,
             tmp_path / str(attempt),
-            args={"timeout": TIMEOUT, "after": 0.15, "late": late},
+            args={"timeout": TIMEOUT, "after": after, "late": late},
         )
         assert res[2].returncode == 3, describe(res)
         for v in timeouts_naming(res, 2):
             assert v["phase"] == "init"
             assert "rank(s) 2 did not construct the CheckpointManager" in v["message"]
-            assert v["seconds"] < late + TIMEOUT + SLACK, describe(res)
+            assert v["seconds"] < after + late + TIMEOUT + SLACK, describe(res)
 
 
 def test_a_rank_that_gets_no_verdict_still_names_the_dead_rank(tmp_path: Path):
