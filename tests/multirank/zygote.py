@@ -132,18 +132,34 @@ def _run_script(req: dict[str, Any], fds: tuple[int, ...]) -> None:
     _forked(fds, req["log"], req["cwd"], run, env=req["env"], exit_none=0)
 
 
+def _pidfd(pid: int) -> int | None:
+    """A descriptor that becomes readable when child ``pid`` exits (Linux 5.3+), or None."""
+    try:
+        return os.pidfd_open(pid)
+    except (AttributeError, OSError):
+        return None
+
+
 def main() -> None:
-    """Serve fork requests until stdin closes."""
+    """Serve fork requests until stdin closes.
+
+    Waits in ``poll`` on the requests and on a pidfd of each child, so an idle server costs
+    no CPU (it looked every 20 ms before: 0.7% of a core for each pytest worker's server,
+    ~4 s of CPU over a run of the suite). Where a child has no pidfd, it looks every 20 ms.
+    """
     freeze()  # what the imports made, out of the children's collections
     requests = sys.stdin.fileno()
     replies = os.dup(sys.stdout.fileno())
     os.dup2(sys.stderr.fileno(), sys.stdout.fileno())  # stray prints must not reach the pipe
     buf = b""
-    children: set[int] = set()
+    children: dict[int, int | None] = {}  # pid -> its pidfd
+    poller = select.poll()
+    poller.register(requests, select.POLLIN)
     while True:
-        ready, _, _ = select.select([requests], [], [], 0.02)
+        polled = all(fd is not None for fd in children.values())
+        ready = {fd for fd, _ in poller.poll(None if polled else 20)}
         eof = False
-        if ready:
+        if requests in ready:
             data = os.read(requests, 1 << 16)
             eof = not data
             buf += data
@@ -160,15 +176,23 @@ def main() -> None:
                 freeze()
             pid = os.fork()
             if pid == 0:
+                inherited = (requests, replies, *(fd for fd in children.values() if fd is not None))
                 if "run" in req:
-                    _run_script(req, (requests, replies))
-                _child(req["argv"], req["log"], req["cwd"], (requests, replies), req["set"])
-            children.add(pid)
+                    _run_script(req, inherited)
+                _child(req["argv"], req["log"], req["cwd"], inherited, req["set"])
+            fd = children[pid] = _pidfd(pid)
+            if fd is not None:
+                poller.register(fd, select.POLLIN)
             os.write(replies, json.dumps({"id": req["id"], "pid": pid}).encode() + b"\n")
-        for pid in list(children):
+        for pid, fd in list(children.items()):
+            if fd is not None and fd not in ready:
+                continue  # still running: its pidfd would have said
             done, status = os.waitpid(pid, os.WNOHANG)
             if done:
-                children.discard(pid)
+                del children[pid]
+                if fd is not None:
+                    poller.unregister(fd)
+                    os.close(fd)
                 code = os.waitstatus_to_exitcode(status)
                 os.write(replies, json.dumps({"pid": pid, "status": code}).encode() + b"\n")
         if eof:
