@@ -317,13 +317,19 @@ def spawn_piped(cmd: list[str], env: dict[str, str], merge_stderr: bool) -> _Pip
     ``tools/linechild.py``). None where it cannot be (no fork server running, another
     command): start it as before.
 
-    It never starts a fork server itself: a test that changed the environment would start
+    Nor where its ``PYTHONPATH`` names another tree's ckptstore. It never starts a fork
+    server itself: a test that changed the environment would start
     one that fits no later launch (:meth:`_ForkServer.fits`), whose ranks would all start
     fresh; :func:`piped_spawner` starts it first.
     """
     server = _server
     if server is None or server.dead or len(cmd) < 2 or cmd[0] != sys.executable:
         return None
+    # Another tree's ckptstore on its PYTHONPATH (bench_ab's baseline): a fresh interpreter
+    # imports that one, a fork would keep this tree's.
+    for entry in env.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and (Path(entry) / "ckptstore").is_dir() and Path(entry).resolve() != REPO:
+            return None
     if cmd[1] == "-m" and len(cmd) < 3:
         return None
     if cmd[1].startswith("-") and cmd[1] != "-m":
