@@ -65,6 +65,55 @@ def run_tool(name: str, *argv: object, timeout: float) -> subprocess.CompletedPr
     return proc
 
 
+def run_tool_forked(name: str, *argv: object, timeout: float) -> subprocess.CompletedProcess[str]:
+    """:func:`run_tool`, the tool forked from the test fork server
+    (``tests/multirank/launch.py``), which imported torch, torch.distributed and ckptstore
+    once (a fresh interpreter's 4-6 s of CPU before a tool's own work), and runs it as
+    ``__main__`` in its own process: its stdout and stderr together are the result's
+    ``stdout``. A fresh interpreter where there is no fork server (``CKPTSTORE_TEST_FORK=0``,
+    or the environment changed since it started)."""
+    import tempfile
+
+    from tests.multirank.launch import _Forked, script_server
+
+    server = script_server()
+    if server is None:
+        return run_tool(name, *argv, timeout=timeout)
+    cmd = [str(a) for a in argv]
+    env = dict(os.environ)  # what run_tool's interpreter has
+    with tempfile.TemporaryDirectory(prefix="ckptstore-tool-") as tmp:
+        log = Path(tmp) / "out.log"
+        pid = server.spawn_script(REPO / "tools" / name, env, log, Path.cwd(), args=cmd)
+        if pid is None:
+            return run_tool(name, *argv, timeout=timeout)
+        proc = _Forked(server, pid)
+        try:
+            code = proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+            msg = f"{name} ran past {timeout}s:\n{log.read_text()[-5000:]}"
+            raise AssertionError(msg) from None
+        out = log.read_text()
+    assert code == 0, out[-5000:]
+    return subprocess.CompletedProcess([name, *cmd], code, out, "")
+
+
+def fork_tool_servers(monkeypatch: Any) -> None:
+    """The fork servers a tool run in this test starts (``tools/linechild.py``: the rank
+    server, the crash campaigns' servers), forked from the test fork server instead of
+    fresh interpreters (``launch.spawn_piped``): each imported torch and ckptstore, 4-6 s
+    of CPU. Call it before the test changes the environment (it starts the test fork
+    server where there is none yet); undone after the test."""
+    import importlib
+
+    from tests.multirank.launch import piped_spawner
+
+    spawner = piped_spawner()
+    monkeypatch.syspath_prepend(str(REPO / "tools"))
+    monkeypatch.setattr(importlib.import_module("linechild"), "SPAWN", spawner)
+
+
 def _touch(path: str) -> None:
     Path(path).write_text("code ran")
 

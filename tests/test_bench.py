@@ -20,7 +20,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import benchkit
+from _helpers import benchkit, fork_tool_servers
 
 REPO = Path(__file__).resolve().parent.parent
 ONLY = (
@@ -160,6 +160,7 @@ def test_bench_sharded_smoke(
     AdamW moments against the saved state), so a run that completes restored real data.
     """
     out = tmp_path / "bench.json"
+    fork_tool_servers(monkeypatch)  # its rank server
     stdout = run_main(
         monkeypatch,
         capsys,

@@ -7,7 +7,7 @@ import sys
 from pathlib import Path
 
 import pytest
-from _helpers import run_tool
+from _helpers import fork_tool_servers
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tools"))
@@ -55,14 +55,19 @@ def test_baseline_extraction_holds_that_commits_package(tmp_path: Path) -> None:
 
 @pytest.mark.timeout(240)
 def test_both_versions_restore_their_own_store_and_are_timed_side_by_side(
-    tmp_path: Path,
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     """A 2-rank save restored into one process, by this tree and by HEAD, each checked."""
     out = tmp_path / "ab.json"
     # The tool exits non-zero where a rank imported another version's ckptstore than the
-    # one it was given, or a restore loaded other values than its version saved.
-    args = ["--baseline", "HEAD", "--size", "1MB", "--rounds", 1, "--ops", "restore-2to1"]
-    proc = run_tool("bench_ab.py", *args, "--dir", tmp_path, "--json", out, timeout=220)
+    # one it was given, or a restore loaded other values than its version saved. Its main
+    # runs here (it imports no torch itself): this tree's rank server is forked from the
+    # test fork server (fork_tool_servers), HEAD's is a fresh interpreter importing HEAD's
+    # ckptstore (launch.spawn_piped refuses another tree's).
+    fork_tool_servers(monkeypatch)
+    args = ["--baseline", "HEAD", "--size", "1MB", "--rounds", "1", "--ops", "restore-2to1"]
+    assert bench_ab.main([*args, "--dir", str(tmp_path), "--json", str(out)]) == 0
+    stdout = capsys.readouterr().out
     doc = json.loads(out.read_text())
     assert doc["baseline"] == "HEAD"
     (row,) = doc["results"]
@@ -75,6 +80,6 @@ def test_both_versions_restore_their_own_store_and_are_timed_side_by_side(
     assert row["speed_ratio"] == pytest.approx(row["baseline_s"] / row["current_s"])
     assert (row["sign_test_p"], row["verdict"]) == (1.0, "noise")  # one round tells nothing
     assert row["spread"] == {"current": 1.0, "baseline": 1.0}
-    lines = [ln for ln in proc.stdout.splitlines() if ln.startswith("round ")]
+    lines = [ln for ln in stdout.splitlines() if ln.startswith("round ")]
     assert [ln.split()[3] for ln in lines] == ["current", "baseline"]
     assert list(tmp_path.glob("ckpt-ab-*")) == []  # its stores and the baseline's code removed

@@ -8,7 +8,8 @@ that returned is lost; retention kept what it must; ``gc`` leaves no ``.tmp-``/`
 a new manager saves the next step.
 
 The writers are forked by one fork server (``crash_writer.py --serve``) so that torch is
-imported once, not once per kill.
+imported once, not once per kill; the server itself is forked from the test fork server
+(``tests/multirank/launch.py``, ``spawn_piped``) where there is one.
 """
 
 from __future__ import annotations
@@ -56,8 +57,14 @@ class Server:
     """The fork server and the output of the writers it forks."""
 
     def __init__(self) -> None:
-        self.proc = subprocess.Popen(
-            [sys.executable, str(WRITER), "--serve"],
+        from tests.multirank.launch import piped_spawner
+
+        cmd = [sys.executable, str(WRITER), "--serve"]
+        # Forked from the test fork server where there is one (torch and ckptstore imported
+        # there once: 4 s of CPU a fresh interpreter), else a fresh interpreter.
+        spawn = piped_spawner()
+        self.proc: Any = (spawn and spawn(cmd, subprocess_env(), True)) or subprocess.Popen(
+            cmd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,

@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import REPO
+from _helpers import REPO, fork_tool_servers
 
 from ckptstore import CheckpointManager
 from tests.timing import FACTOR, healthy
@@ -38,6 +38,7 @@ def test_short_sharded_campaign(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
 ) -> None:
     out = tmp_path / "sharded.json"
+    fork_tool_servers(monkeypatch)  # its fork server, before the environment changes
     # The campaign's slack for a survivor's report is scaled like the tests' waits (read when
     # the tool is loaded, and by its fork server from the environment).
     monkeypatch.setenv("CKPTSTORE_TEST_SLOWDOWN", str(FACTOR))

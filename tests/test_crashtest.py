@@ -22,7 +22,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import REPO
+from _helpers import REPO, fork_tool_servers
 
 from ckptstore import CheckpointManager
 from tests.timing import FACTOR, healthy
@@ -66,6 +66,7 @@ def test_short_campaigns(
     # (the S3 one in moto and s3fs), and one campaign and one fork server, each importing
     # torch, cost less than two of each.
     with_s3 = bool(importlib.util.find_spec("moto") and importlib.util.find_spec("s3fs"))
+    fork_tool_servers(monkeypatch)  # its fork server (torch imported), before campaign()
     doc = campaign(
         tmp_path,
         monkeypatch,

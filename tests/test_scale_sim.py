@@ -6,13 +6,13 @@ import json
 from pathlib import Path
 
 import pytest
-from _helpers import run_tool
+from _helpers import run_tool_forked
 
 
 @pytest.mark.timeout(300)
 def test_a_non_zero_rank_exchanges_as_much_at_32_ranks_as_at_8(tmp_path: Path) -> None:
     out = tmp_path / "sim.json"
-    run_tool(
+    run_tool_forked(
         "scale_sim.py",
         "--worlds",
         8,
@@ -49,7 +49,7 @@ def test_fsdp2_over_tp_is_split_and_flat_in_the_world_size(tmp_path: Path) -> No
     # restoring rank read all of dtensors.json).
     out = tmp_path / "sim.json"
     args = ["--worlds", 8, 32, "--layout", "fsdp-tp", "--tp", 4, "--json", out, "--fork"]
-    run_tool("scale_sim.py", *args, timeout=280)
+    run_tool_forked("scale_sim.py", *args, timeout=280)
     small, large = json.loads(out.read_text())
     assert (small["format_version"], large["format_version"]) == (5, 5)
     for key in ("sent", "received", "collectives"):

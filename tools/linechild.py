@@ -15,9 +15,18 @@ import queue
 import subprocess
 import threading
 import time
+from collections.abc import Callable
 from typing import Any
 
-__all__ = ["LineChild"]
+__all__ = ["SPAWN", "LineChild"]
+
+#: Where set, starts the child in place of ``subprocess.Popen``: ``SPAWN(cmd, env,
+#: merge_stderr)`` returns an object with what a ``Popen(stdin=PIPE, stdout=PIPE,
+#: text=True)`` has that :class:`LineChild` uses (``stdin``, ``stdout``, ``wait``,
+#: ``kill``), or None (then ``Popen``). The test suite sets it to fork the servers from a
+#: process that imported torch and ckptstore already (``tests/multirank/launch.py``,
+#: ``spawn_piped``): each is still a process of its own, with its own children.
+SPAWN: Callable[[list[str], dict[str, str], bool], Any] | None = None
 
 
 class LineChild:
@@ -27,7 +36,8 @@ class LineChild:
     """
 
     def __init__(self, cmd: list[str], env: dict[str, str], *, merge_stderr: bool) -> None:
-        self.proc = subprocess.Popen(
+        spawned = SPAWN(cmd, env, merge_stderr) if SPAWN is not None else None
+        self.proc: subprocess.Popen[str] = spawned or subprocess.Popen(
             cmd,
             stdin=subprocess.PIPE,
             stdout=subprocess.PIPE,

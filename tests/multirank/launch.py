@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import io
 import json
 import os
+import select
+import shutil
 import signal
 import subprocess
 import sys
@@ -127,13 +130,19 @@ class _ForkServer:
         *,
         args: list[str] | None = None,
         preload: tuple[str, ...] = (),
+        module: bool = False,
+        pipes: tuple[str, str] | None = None,
     ) -> int | None:
         """Fork ``python SCRIPT ARGS...`` with ``env`` (all of it) in ``cwd``; its pid, or None.
 
         ``preload``: modules the server imports before it forks (once: its later children
-        have them too).
+        have them too). ``module``: ``script`` names a module, run as ``python -m``.
+        ``pipes``: FIFOs for its stdin and stdout (``spawn_piped``), stderr still to ``log``.
         """
-        req = {"run": str(script), "env": env, "log": str(log), "cwd": str(cwd)}
+        req: dict[str, Any] = {"env": env, "log": str(log), "cwd": str(cwd)}
+        req["module" if module else "run"] = str(script)
+        if pipes is not None:
+            req["stdin"], req["stdout"] = pipes
         return self._request({**req, "args": args or [], "preload": list(preload)})
 
     def _request(self, req: dict[str, Any]) -> int | None:
@@ -195,6 +204,147 @@ class _Forked:
     def kill(self) -> None:
         with contextlib.suppress(ProcessLookupError):
             os.kill(self.pid, signal.SIGKILL)
+
+
+class _FifoOut(io.RawIOBase):
+    """The read end of a forked child's stdout FIFO.
+
+    Opened before the child exists (without blocking), it reads as EOF until the child
+    opens its end: the first read waits until the child has written or gone (``poll``), or
+    has exited without opening it (then EOF), and calls ``connected`` once.
+    """
+
+    def __init__(self, fd: int, gone: Any, connected: Any) -> None:
+        super().__init__()
+        self.fd = fd
+        self._gone = gone
+        self._connected = connected
+        self._open = False
+
+    def readable(self) -> bool:
+        return True
+
+    def fileno(self) -> int:
+        return self.fd
+
+    def readinto(self, buf: Any) -> int:
+        if not self._open:
+            poller = select.poll()
+            poller.register(self.fd, select.POLLIN)
+            while not poller.poll(100):
+                if self._gone() and not poller.poll(0):
+                    return 0  # it exited before it opened its stdout
+            os.set_blocking(self.fd, True)
+            self._open = True
+            self._connected()
+        data = os.read(self.fd, len(buf))
+        buf[: len(data)] = data
+        return len(data)
+
+    def close(self) -> None:
+        if not self.closed:
+            os.close(self.fd)
+        super().close()
+
+
+class _Piped(_Forked):
+    """What :class:`subprocess.Popen` (``stdin=PIPE, stdout=PIPE, text=True``) gives of a
+    child, for one forked by the fork server with FIFOs for its stdin and stdout
+    (:func:`spawn_piped`). Its stderr, when not merged into stdout, is written to this
+    process's stderr once it has exited."""
+
+    def __init__(self, server: _ForkServer, cmd: list[str], env: dict[str, str], merge: bool):
+        self._dir = tempfile.mkdtemp(prefix="ckptstore-piped-")
+        self._fifo_in = os.path.join(self._dir, "stdin")
+        fifo_out = os.path.join(self._dir, "stdout")
+        os.mkfifo(self._fifo_in)
+        os.mkfifo(fifo_out)
+        # Neither open blocks: a FIFO opened for reading and writing has a reader (the
+        # child's open for reading does not wait either), and one opened for reading
+        # without blocking waits for no writer. Both are closed on exec (PEP 446).
+        self._in_fd = os.open(self._fifo_in, os.O_RDWR)
+        out_fd = os.open(fifo_out, os.O_RDONLY | os.O_NONBLOCK)
+        self._err = None if merge else os.path.join(self._dir, "stderr")
+        module = cmd[1] == "-m"
+        target, args = (cmd[2], cmd[3:]) if module else (cmd[1], cmd[2:])
+        pid = server.spawn_script(
+            Path(target),
+            env,
+            Path(self._err or fifo_out),
+            Path.cwd(),
+            args=args,
+            module=module,
+            pipes=(self._fifo_in, fifo_out),
+        )
+        if pid is None:
+            os.close(self._in_fd)
+            os.close(out_fd)
+            shutil.rmtree(self._dir, ignore_errors=True)
+            raise OSError("the fork server is gone")
+        super().__init__(server, pid)
+        writer = io.BufferedWriter(io.FileIO(self._in_fd, "w"))
+        self.stdin = io.TextIOWrapper(writer, encoding="utf-8")
+        raw = _FifoOut(out_fd, lambda: self.poll() is not None, self._connected)
+        self.stdout = io.TextIOWrapper(io.BufferedReader(raw), encoding="utf-8")
+
+    def _connected(self) -> None:
+        """The child has opened both ends (stdin first): from now on this process is no
+        reader of its stdin, so a write after the child has gone fails (EPIPE) as it does on
+        a pipe. The FIFOs' names are no longer needed."""
+        fd = os.open(self._fifo_in, os.O_WRONLY | os.O_NONBLOCK)
+        os.set_blocking(fd, True)
+        os.dup2(fd, self._in_fd, inheritable=False)
+        os.close(fd)
+        for name in ("stdin", "stdout"):
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(self._dir, name))
+
+    def wait(self, timeout: float | None = None) -> int:
+        code = super().wait(timeout)
+        if self._err is not None and os.path.exists(self._err):
+            with open(self._err, errors="replace") as f:
+                sys.stderr.write(f.read())
+            os.unlink(self._err)
+        shutil.rmtree(self._dir, ignore_errors=True)
+        return code
+
+
+def spawn_piped(cmd: list[str], env: dict[str, str], merge_stderr: bool) -> _Piped | None:
+    """``subprocess.Popen(cmd, env=env, stdin=PIPE, stdout=PIPE, text=True, stderr=STDOUT
+    if merge_stderr)`` for ``cmd`` = ``[python, SCRIPT, ...]`` or ``[python, -m, MODULE,
+    ...]``, forked from this process's fork server instead of a fresh interpreter (the
+    tools' fork servers import torch and ckptstore: 4-6 s of CPU each, see
+    ``tools/linechild.py``). None where it cannot be (no fork server running, another
+    command): start it as before.
+
+    Nor where its ``PYTHONPATH`` names another tree's ckptstore. It never starts a fork
+    server itself: a test that changed the environment would start
+    one that fits no later launch (:meth:`_ForkServer.fits`), whose ranks would all start
+    fresh; :func:`piped_spawner` starts it first.
+    """
+    server = _server
+    if server is None or server.dead or len(cmd) < 2 or cmd[0] != sys.executable:
+        return None
+    # Another tree's ckptstore on its PYTHONPATH (bench_ab's baseline): a fresh interpreter
+    # imports that one, a fork would keep this tree's.
+    for entry in env.get("PYTHONPATH", "").split(os.pathsep):
+        if entry and (Path(entry) / "ckptstore").is_dir() and Path(entry).resolve() != REPO:
+            return None
+    if cmd[1] == "-m" and len(cmd) < 3:
+        return None
+    if cmd[1].startswith("-") and cmd[1] != "-m":
+        return None
+    try:
+        return _Piped(server, cmd, env, merge_stderr)
+    except OSError:
+        return None
+
+
+def piped_spawner() -> Any:
+    """:func:`spawn_piped`, with this process's fork server started (in the environment as
+    it is now: call it before the test changes it); None where there is none to fork from.
+    For ``linechild.SPAWN``."""
+    return spawn_piped if script_server() is not None else None
 
 
 _server: _ForkServer | None = None
