@@ -61,12 +61,22 @@ class _ForkServer:
     # Variables read only when they are used, never on import, that the test process sets
     # as it goes: the inductor's cache directory (torch writes its default into os.environ
     # the first time anything asks for it: a DTensor op in the test process is enough),
-    # MASTER_ADDR (conftest's ``mesh``) and the proxy exemption of moto's server
-    # (s3server.py). A forked rank is given the launcher's values of these (or has them
-    # unset), as a fresh interpreter would, so they need not match the server's. Compared,
-    # they made every later launch of that pytest process start fresh interpreters, each
-    # importing torch again.
-    PASSED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "MASTER_ADDR", "NO_PROXY", "no_proxy"})
+    # MASTER_ADDR (conftest's ``mesh``), the proxy exemption of moto's server
+    # (s3server.py) and PYTORCH_NVML_BASED_CUDA_CHECK (set by importing Lightning, which the
+    # tests that use it do as they run; torch.cuda.is_available reads it on each call). A
+    # forked rank is given the launcher's values of these (or has them unset), as a fresh
+    # interpreter would, so they need not match the server's. Compared, they made every
+    # later launch of that pytest process start fresh interpreters, each importing torch
+    # again.
+    PASSED = frozenset(
+        {
+            "TORCHINDUCTOR_CACHE_DIR",
+            "MASTER_ADDR",
+            "NO_PROXY",
+            "no_proxy",
+            "PYTORCH_NVML_BASED_CUDA_CHECK",
+        }
+    )
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
