@@ -480,6 +480,34 @@ def run_python(code: str, *args: str, timeout: float = 60) -> subprocess.Complet
     )
 
 
+def popen_python(code: str, *args: str, stdin: bool = False) -> Any:
+    """``python -c CODE ARGS...`` with the repository importable (:func:`subprocess_env`),
+    its stdout (stderr merged) a text pipe, and its stdin one where ``stdin``: the
+    :class:`subprocess.Popen` of a test's second process.
+
+    Forked from the test fork server (``tests/multirank/launch.py``, ``spawn_piped``),
+    which imported torch and ckptstore once, where this process runs one already: a fresh
+    interpreter spent 3.5 s of CPU on those before the code ran (starting the server, 7 s,
+    would cost more, and delay the child on a busy host). Still a process of its own, whose
+    exit code is its own; for code whose subject is the interpreter itself (its exit, its
+    imports, its memory) start a fresh one instead.
+    """
+    from tests.multirank.launch import spawn_piped
+
+    cmd = [sys.executable, "-c", code, *args]
+    proc = spawn_piped(cmd, subprocess_env(), True)
+    if proc is None:
+        proc = subprocess.Popen(
+            cmd,
+            stdin=subprocess.PIPE if stdin else None,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+            env=subprocess_env(),
+        )
+    return proc
+
+
 class LineReader:
     """Lines of a child process's stdout, read by a thread, waited for with a timeout."""
 

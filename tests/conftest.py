@@ -48,10 +48,14 @@ def roundtrip(tmp_path: Path, codec: dict[str, Any]) -> Callable[..., dict[Any, 
 
 @pytest.fixture(scope="session")
 def mixed_store_master(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, dict[str, Any]]:
-    """Made once per session (see ``_helpers.make_mixed_store``); never modify it: copy it."""
+    """Made once per pytest run (see ``_helpers.make_mixed_store``; ``_once.made_once``: not
+    once for each xdist worker that runs a test of it, 3 of 4 in a run of the suite, each
+    running its two jobs); never modify it: copy it."""
     from _helpers import make_mixed_store
+    from _once import made_once
 
-    return make_mixed_store(tmp_path_factory.mktemp("mixed"))
+    made, digests = made_once(tmp_path_factory, "mixed-store", lambda d: make_mixed_store(d)[1])
+    return made / "store", digests
 
 
 @pytest.fixture

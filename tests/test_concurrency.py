@@ -12,8 +12,6 @@
 from __future__ import annotations
 
 import logging
-import subprocess
-import sys
 import time
 from collections import Counter
 from pathlib import Path
@@ -21,7 +19,7 @@ from typing import Any
 
 import pytest
 import torch
-from _helpers import LineReader, run_cli, subprocess_env
+from _helpers import LineReader, popen_python, run_cli
 from torch import nn
 
 from ckptstore import (
@@ -68,13 +66,7 @@ def test_reader_restores_while_writer_saves_and_prunes(
     tmp_path: Path, capsys: pytest.CaptureFixture[str], caplog: pytest.LogCaptureFixture
 ) -> None:
     root = tmp_path / "store"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", WRITER, str(root), str(SAVES)],
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=subprocess_env(),
-    )
+    proc = popen_python(WRITER, str(root), str(SAVES))
     out = LineReader(proc.stdout)
     restores: Counter[str] = Counter()
     errors: list[str] = []

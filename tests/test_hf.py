@@ -6,33 +6,36 @@ to an uninterrupted run, also when the newest checkpoints are corrupt and resume
 
 from __future__ import annotations
 
+import importlib.util
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import pytest
 import torch
+from _helpers import TokenData, step_dir
 from torch import nn
 
-pytest.importorskip("accelerate")
-pytest.importorskip("transformers")
-
-import transformers
-from _helpers import TokenData, step_dir
-from accelerate import Accelerator
-from accelerate.utils import DataLoaderConfiguration
-from transformers import (
-    GPT2Config,
-    GPT2LMHeadModel,
-    Trainer,
-    TrainerCallback,
-    TrainingArguments,
-)
-
 from ckptstore import CheckpointManager, ConfigError, StateMismatchError, StepExistsError
-from ckptstore.integrations.hf import AcceleratorCheckpointer, CkptStoreCallback
 
-transformers.logging.set_verbosity_error()
+if TYPE_CHECKING:
+    from transformers import GPT2LMHeadModel, Trainer, TrainingArguments
+
+    from ckptstore.integrations.hf import AcceleratorCheckpointer
+
+# accelerate and transformers (with ckptstore.integrations.hf, which imports transformers)
+# are imported by the tests that use them, not here: every xdist worker collects this module,
+# and these imports, with Lightning's (tests/test_lightning.py), cost each worker 7 s of CPU
+# before its first test; the TrainerCallbacks are in tests/hf_callbacks.py for that.
+if not (importlib.util.find_spec("accelerate") and importlib.util.find_spec("transformers")):
+    pytest.skip("needs accelerate and transformers", allow_module_level=True)
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _quiet_transformers() -> None:
+    import transformers
+
+    transformers.logging.set_verbosity_error()
 
 
 def corrupt(root: Path, step: int, name: str) -> None:
@@ -77,6 +80,9 @@ class AccRun:
     """
 
     def __init__(self, seed: int) -> None:
+        from accelerate import Accelerator
+        from accelerate.utils import DataLoaderConfiguration
+
         torch.manual_seed(seed)
         model = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 1))
         opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
@@ -130,6 +136,8 @@ def acc_reference() -> AccRun:
 
 
 def test_accelerate_resume_is_bit_identical(tmp_path: Path, acc_reference: AccRun) -> None:
+    from ckptstore.integrations.hf import AcceleratorCheckpointer
+
     root = tmp_path / "ckpt"
     first = AccRun(0)
     with AcceleratorCheckpointer(first.acc, root, keep=3) as ckpt:
@@ -165,6 +173,8 @@ def test_accelerate_resume_is_bit_identical(tmp_path: Path, acc_reference: AccRu
 def test_accelerate_falls_back_past_a_corrupt_step(
     tmp_path: Path, acc_reference: AccRun, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from ckptstore.integrations.hf import AcceleratorCheckpointer
+
     root = tmp_path / "ckpt"
     first = AccRun(0)
     with AcceleratorCheckpointer(first.acc, root) as ckpt:
@@ -192,6 +202,7 @@ def test_engines_that_keep_their_own_state_are_refused_and_fsdp2_is_served(
     from accelerate.utils import DistributedType
 
     from ckptstore.errors import ConfigError
+    from ckptstore.integrations.hf import AcceleratorCheckpointer
 
     class Engine:
         def __init__(self, dtype: DistributedType, fsdp2: bool) -> None:
@@ -209,6 +220,8 @@ def test_engines_that_keep_their_own_state_are_refused_and_fsdp2_is_served(
 
 
 def test_accelerate_refuses_other_registered_objects(tmp_path: Path) -> None:
+    from ckptstore.integrations.hf import AcceleratorCheckpointer
+
     root = tmp_path / "ckpt"
     run = AccRun(0)
     with AcceleratorCheckpointer(run.acc, root) as ckpt:
@@ -226,6 +239,8 @@ def test_accelerate_refuses_other_registered_objects(tmp_path: Path) -> None:
 
 
 def test_accelerate_names_a_store_another_writer_committed(tmp_path: Path) -> None:
+    from ckptstore.integrations.hf import AcceleratorCheckpointer
+
     root = tmp_path / "ckpt"
     with CheckpointManager(root) as mgr:  # what CkptStoreCallback commits, in small
         mgr.save(2, {"model": {"w": torch.ones(2)}, "trainer_state": {"global_step": 2}})
@@ -244,25 +259,17 @@ def test_accelerate_names_a_store_another_writer_committed(tmp_path: Path) -> No
 # ---- transformers Trainer ----------------------------------------------------------------
 
 
-class StopAfter(TrainerCallback):
-    """Ends training after ``step`` steps, as if the job had been killed there."""
-
-    def __init__(self, step: int) -> None:
-        self.step = step
-
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step >= self.step:
-            control.should_training_stop = True
-        return control
-
-
 def gpt2(seed: int) -> GPT2LMHeadModel:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
     torch.manual_seed(seed)
     config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=100, n_positions=32)
     return GPT2LMHeadModel(config)  # dropout on: the RNG state matters
 
 
 def trainer(out: Path, seed: int, callbacks: list[Any]) -> Trainer:
+    from transformers import Trainer, TrainingArguments
+
     args = TrainingArguments(
         output_dir=str(out),
         use_cpu=True,
@@ -284,6 +291,10 @@ def weights(t: Trainer) -> dict[str, torch.Tensor]:
 
 
 def test_trainer_saves_and_resumes(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
+    from hf_callbacks import StopAfter
+
+    from ckptstore.integrations.hf import CkptStoreCallback
+
     reference = trainer(tmp_path / "ref", 0, [])
     reference.train()
     assert reference.state.global_step == 6
@@ -332,6 +343,11 @@ def test_trainer_saves_and_resumes(tmp_path: Path, caplog: pytest.LogCaptureFixt
 
 
 def test_trainer_resume_checks_the_model(tmp_path: Path) -> None:
+    from hf_callbacks import StopAfter
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from ckptstore.integrations.hf import CkptStoreCallback
+
     root = tmp_path / "ckpt"
     cb = CkptStoreCallback(root)
     first = trainer(tmp_path / "a", 0, [cb, StopAfter(2)])
@@ -349,6 +365,8 @@ def test_trainer_resume_checks_the_model(tmp_path: Path) -> None:
 
 def _hf_dir_loads(out_dir: Path, model: GPT2LMHeadModel) -> None:
     """``out_dir`` has a config.json and weights that ``from_pretrained`` loads exactly."""
+    from transformers import GPT2LMHeadModel
+
     assert (out_dir / "config.json").is_file()
     loaded = GPT2LMHeadModel.from_pretrained(str(out_dir))
     assert loaded.config.n_embd == model.config.n_embd == 32
@@ -363,6 +381,9 @@ def test_trainer_export_hf_writes_the_config_from_pretrained_loads(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from _helpers import run_cli
+    from hf_callbacks import StopAfter
+
+    from ckptstore.integrations.hf import CkptStoreCallback
 
     root = tmp_path / "ckpt"
     cb = CkptStoreCallback(root)
@@ -385,6 +406,9 @@ def test_accelerate_export_hf_writes_the_config(
     tmp_path: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from _helpers import run_cli
+    from accelerate import Accelerator
+
+    from ckptstore.integrations.hf import AcceleratorCheckpointer
 
     acc = Accelerator(cpu=True)
     model = acc.prepare(gpt2(3))
@@ -440,35 +464,15 @@ def test_export_hf_config_flag_for_other_stores(
     assert rc == 2, err
 
 
-class HoldUploads(TrainerCallback):
-    """Pauses the store's uploads when training starts; notes what the replica had at each
-    step's end; lets them go at the end (or after ``release_s``, so a callback that waits
-    for the uploads cannot hang the test)."""
-
-    def __init__(self, cb: CkptStoreCallback, release_s: float) -> None:
-        self.cb = cb
-        self.release_s = release_s
-        self.seen: list[tuple[int, list[int]]] = []
-
-    def on_train_begin(self, args, state, control, **kwargs):
-        import threading
-
-        replica = self.cb.manager.replica
-        replica.pause()
-        threading.Timer(self.release_s, replica.resume).start()
-
-    def on_step_end(self, args, state, control, **kwargs):
-        replica = self.cb.manager.replica
-        self.seen.append((state.global_step, [s for s in (2, 4, 6) if replica.is_safe(s)]))
-        if state.global_step == 6:
-            replica.resume()
-
-
 @pytest.mark.timeout(120)
 def test_trainer_saves_go_on_while_the_replica_uploads(tmp_path: Path) -> None:
     # Removing the Trainer's checkpoint-N twin of a step waited for every upload
     # (CheckpointManager.wait): training stood still at each save until the replica had
     # every step. It needs only the step committed locally.
+    from hf_callbacks import HoldUploads
+
+    from ckptstore.integrations.hf import CkptStoreCallback
+
     root, replica = tmp_path / "ckpt", tmp_path / "replica"
     cb = CkptStoreCallback(root, replica=str(replica), replica_keep=None)
     hold = HoldUploads(cb, release_s=60)
@@ -486,8 +490,10 @@ def test_a_failed_async_save_keeps_the_trainers_own_checkpoint(tmp_path: Path) -
     # Step 2's background save runs out of disk: its checkpoint-2 twin is then the only
     # copy of step 2, so it stays; the failure is raised (here by close at the end).
     from faults import Injector, injected
+    from hf_callbacks import StopAfter
 
     from ckptstore import CommitError
+    from ckptstore.integrations.hf import CkptStoreCallback
 
     root = tmp_path / "ckpt"
     cb = CkptStoreCallback(root, async_save=True)
@@ -505,6 +511,8 @@ def test_a_failed_async_save_keeps_the_trainers_own_checkpoint(tmp_path: Path) -
 
 
 def _best_args(out: Path, max_steps: int) -> TrainingArguments:
+    from transformers import TrainingArguments
+
     return TrainingArguments(
         output_dir=str(out),
         use_cpu=True,
@@ -528,6 +536,10 @@ def test_a_checkpoint_dir_that_was_the_best_goes_once_another_is(tmp_path: Path)
     # load_best_model_at_end keeps the best model's checkpoint-N for the Trainer. One that
     # was the best when saved stayed for good once a better one came: with an improving
     # metric every folder stayed, each step's state on disk twice.
+    from transformers import Trainer
+
+    from ckptstore.integrations.hf import CkptStoreCallback
+
     args = _best_args(tmp_path / "out", 8)
     cb = CkptStoreCallback(tmp_path / "ckpt", keep=3)
     t = Trainer(
@@ -552,6 +564,11 @@ def test_a_restart_neither_strands_the_best_folder_nor_rewinds_to_it(tmp_path: P
     trainer.train(resume_from_checkpoint=True) took that folder, the newest left, went
     back to its step without a word and failed steps later on a committed step (found by
     review). The score of each evaluation is scripted: step 2 is the best until step 8."""
+    from hf_callbacks import StopAfter
+    from transformers import Trainer
+
+    from ckptstore.integrations.hf import CkptStoreCallback
+
     out, root = tmp_path / "out", tmp_path / "ckpt"
     score = {2: 1.0, 4: 0.0, 6: 0.0, 8: 5.0}
 
@@ -592,6 +609,10 @@ def test_a_restart_neither_strands_the_best_folder_nor_rewinds_to_it(tmp_path: P
 
 
 def test_trainer_checkpoint_dirs_are_removed_by_default(tmp_path: Path) -> None:
+    from hf_callbacks import StopAfter
+
+    from ckptstore.integrations.hf import CkptStoreCallback
+
     root = tmp_path / "ckpt"
     cb = CkptStoreCallback(root)
     assert cb.keep_hf_checkpoints is False

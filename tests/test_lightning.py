@@ -24,18 +24,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from _helpers import REPO, run_job_ranks
-from lightning.fabric.utilities.data import AttributeDict
-from lightning.pytorch.callbacks import Callback, ModelCheckpoint
-from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
 
 from ckptstore import CheckpointManager, IntegrityError, UnsafeCheckpointError, atomic_save
 from ckptstore.errors import ConfigError, StateMismatchError
-from ckptstore.integrations.lightning import CkptStoreIO
 from ckptstore.storage import wait_for_deletions
 from ckptstore.storage.base import Storage
 
@@ -47,118 +41,21 @@ pytestmark = [
 ]
 
 WORKER = REPO / "tests" / "lightning_ddp_worker.py"
-BATCHES = 4  # training steps per epoch
+
+# Lightning, its job (Model, trainer(), fit(), ...) and CkptStoreIO come from
+# tests/lightning_parts.py, imported by each test as it runs, not here: every xdist worker
+# collects this module, and importing Lightning (with transformers, tests/test_hf.py) cost
+# each one 7 s of CPU before its first test.
 
 
 # ---- a small job ----------------------------------------------------------------------
 
 
-class Model(pl.LightningModule):
-    def __init__(
-        self,
-        lr: float = 0.05,
-        args: argparse.Namespace | None = None,
-        tags: frozenset[str] = frozenset(),
-        root: pathlib.Path | None = None,
-    ) -> None:
-        super().__init__()
-        self.save_hyperparameters()
-        self.layer = nn.Linear(4, 1)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        x, y = batch
-        loss = nn.functional.mse_loss(self.layer(x), y)
-        self.log("train_loss", loss)
-        return loss
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.mse_loss(self.layer(x), y))
-
-    def configure_optimizers(self) -> Any:
-        opt = torch.optim.Adam(self.parameters(), lr=self.hparams.lr)
-        return {"optimizer": opt, "lr_scheduler": torch.optim.lr_scheduler.StepLR(opt, 1, 0.5)}
-
-
-def new_model() -> Model:
-    return Model(
-        args=argparse.Namespace(width=4, name="tiny", nested=AttributeDict(a=1)),
-        tags=frozenset({"cpu", "test"}),
-        root=pathlib.Path("/data/x"),
-    )
-
-
-def loaders() -> tuple[DataLoader[Any], DataLoader[Any]]:
-    g = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(64, 4, generator=g), torch.randn(64, 1, generator=g))
-    return DataLoader(data, batch_size=8), DataLoader(data, batch_size=8)
-
-
-class Recorder(CkptStoreIO):
-    """The plugin, keeping a deep copy of every checkpoint dict Lightning hands it."""
-
-    def __init__(self, **kwargs: Any) -> None:
-        super().__init__(**kwargs)
-        self.saved: list[tuple[str, dict[str, Any]]] = []
-        self.removed: list[str] = []
-
-    def save_checkpoint(self, checkpoint: Any, path: Any, storage_options: Any = None) -> None:
-        self.saved.append((os.fspath(path), copy.deepcopy(checkpoint)))
-        super().save_checkpoint(checkpoint, path, storage_options)
-
-    def remove_checkpoint(self, path: Any) -> None:
-        self.removed.append(os.fspath(path))
-        super().remove_checkpoint(path)
-
-    def last_saved(self, path: Path) -> dict[str, Any]:
-        return next(c for p, c in reversed(self.saved) if p == str(path))
-
-
-class AtStart(Callback):
-    """What the trainer holds when training (re)starts."""
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self.global_step = trainer.global_step
-        self.epoch = trainer.current_epoch
-        self.weights = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
-        self.optimizer = copy.deepcopy(trainer.optimizers[0].state_dict())
-
-
-def trainer(
-    dirpath: Path,
-    epochs: int,
-    plugin: CkptStoreIO | None = None,
-    *,
-    extra: list[Callback] | None = None,
-    **ckpt: Any,
-) -> pl.Trainer:
-    options: dict[str, Any] = {"save_top_k": 2, "monitor": "step", "mode": "max", "save_last": True}
-    options.update(ckpt)
-    return pl.Trainer(
-        accelerator="cpu",
-        devices=1,
-        max_epochs=epochs,
-        limit_train_batches=BATCHES,
-        limit_val_batches=2,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        num_sanity_val_steps=0,
-        plugins=[plugin or CkptStoreIO()],
-        callbacks=[ModelCheckpoint(dirpath=dirpath, **options), *(extra or [])],
-    )
-
-
-def fit(tr: pl.Trainer, model: Model | None = None, ckpt_path: str | None = None) -> Model:
-    model = model or new_model()
-    train, val = loaders()
-    tr.fit(model, train, val, ckpt_path=ckpt_path)
-    return model
-
-
 @pytest.fixture(scope="module")
 def run(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """3 epochs, top-2 by step plus last: epoch=1-step=8, epoch=2-step=12, last (12)."""
+    from lightning_parts import Recorder, fit, trainer
+
     root = tmp_path_factory.mktemp("run")
     plugin = Recorder()
     model = fit(trainer(root / "ckpt", 3, plugin))
@@ -227,6 +124,8 @@ def corrupt(path: Path) -> None:
 
 
 def test_fit_commits_every_checkpoint_as_a_verified_store(tmp_path: Path) -> None:
+    from lightning_parts import AttributeDict, ModelCheckpoint, Recorder, fit, trainer
+
     plugin = Recorder()
     tr = trainer(tmp_path, 3, plugin, monitor="val_loss", mode="min")
     model = fit(tr)
@@ -281,6 +180,8 @@ def test_fit_commits_every_checkpoint_as_a_verified_store(tmp_path: Path) -> Non
 def test_monitored_metric_goes_into_the_manifest(tmp_path: Path, mode: str) -> None:
     # Monitoring the global step itself makes the values known in advance (steps 4, 8, 12),
     # so every store's metric must be the step it was saved at.
+    from lightning_parts import fit, trainer
+
     fit(trainer(tmp_path, 3, monitor="step", mode=mode, save_top_k=2))
     got = {}
     for path in sorted(tmp_path.iterdir()):
@@ -310,6 +211,8 @@ def test_a_stale_monitored_value_is_left_out(tmp_path: Path) -> None:
     # A save that is no top-k save of its step (last.ckpt after a deferred or failed step,
     # and on every epoch in older Lightning) carries the callback's current_score of an
     # earlier step: that value would be wrong for this checkpoint, so none is stored.
+    from lightning_parts import CkptStoreIO
+
     plugin = CkptStoreIO()
     top = str(tmp_path / "epoch=0-step=4.ckpt")
     last = str(tmp_path / "last.ckpt")
@@ -336,6 +239,8 @@ def test_a_stale_monitored_value_is_left_out(tmp_path: Path) -> None:
 
 
 def test_fit_resumes_from_last(run: dict[str, Any], ckdir: Path) -> None:
+    from lightning_parts import BATCHES, AtStart, fit, trainer
+
     saved = run["plugin"].last_saved(run["dir"] / "last.ckpt")
     start = AtStart()
     tr = trainer(ckdir, 4, extra=[start])
@@ -356,6 +261,8 @@ def test_fit_resumes_from_last(run: dict[str, Any], ckdir: Path) -> None:
 def test_corrupt_last_falls_back_to_the_newest_good_checkpoint(
     run: dict[str, Any], ckdir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from lightning_parts import AtStart, fit, trainer
+
     corrupt(ckdir / "last.ckpt")
     start = AtStart()
     tr = trainer(ckdir, 4, extra=[start])
@@ -377,6 +284,8 @@ def test_corrupt_last_falls_back_to_the_newest_good_checkpoint(
 def test_fallback_skips_every_corrupt_checkpoint(
     run: dict[str, Any], ckdir: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from lightning_parts import CkptStoreIO
+
     corrupt(ckdir / "last.ckpt")
     corrupt(ckdir / "epoch=2-step=12.ckpt")
     plugin = CkptStoreIO()
@@ -394,6 +303,8 @@ def test_fallback_prefers_a_full_checkpoint_to_a_newer_weights_only_one(tmp_path
     fell back to its newer weights-only step, and fit(ckpt_path="last") then failed inside
     Lightning ("contains only the model") though a full checkpoint verified (found by
     review)."""
+    from lightning_parts import CkptStoreIO
+
     plugin = CkptStoreIO()
 
     def checkpoint(step: int, *, full: bool) -> dict[str, Any]:
@@ -417,6 +328,8 @@ def test_fallback_prefers_a_full_checkpoint_to_a_newer_weights_only_one(tmp_path
 
 
 def test_explicit_corrupt_checkpoint_raises(ckdir: Path) -> None:
+    from lightning_parts import CkptStoreIO, fit, trainer
+
     path = ckdir / "epoch=1-step=8.ckpt"
     corrupt(path)
     with pytest.raises(IntegrityError) as info:
@@ -452,6 +365,8 @@ def killed_at_commit(monkeypatch: pytest.MonkeyPatch, why: str) -> Iterator[None
 def test_crash_during_save_keeps_the_previous_checkpoint(
     run: dict[str, Any], ckdir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    from lightning_parts import AtStart, CkptStoreIO, fit, trainer
+
     last = ckdir / "last.ckpt"
     before = run["plugin"].last_saved(run["dir"] / "last.ckpt")
     newer = copy.deepcopy(before)
@@ -490,6 +405,8 @@ def test_a_killed_hpc_save_leaves_slurm_requeue_the_previous_checkpoint(
     # entry of default_root_dir holding "hpc_ckpt_" run together. A save of hpc_ckpt_2.ckpt
     # killed mid-way left .hpc_ckpt_2.ckpt.tmp-<uuid>: every requeued job then looked for
     # hpc_ckpt_2<the uuid's digits>.ckpt, which does not exist, and failed to start.
+    from lightning_parts import CkptStoreIO, pl
+
     state = {"global_step": 10, "epoch": 0, "state_dict": {"w": torch.ones(2)}}
     CkptStoreIO().save_checkpoint(state, tmp_path / "hpc_ckpt_1.ckpt")
 
@@ -507,6 +424,8 @@ def test_a_killed_hpc_save_leaves_slurm_requeue_the_previous_checkpoint(
 
 
 def test_save_last_link(tmp_path: Path) -> None:
+    from lightning_parts import AtStart, CkptStoreIO, Recorder, fit, trainer
+
     plugin = Recorder()
     fit(trainer(tmp_path, 3, plugin, save_last="link"))
     last = tmp_path / "last.ckpt"
@@ -534,6 +453,8 @@ def test_save_last_link(tmp_path: Path) -> None:
 
 
 def test_round_trip_of_converted_types(tmp_path: Path) -> None:
+    from lightning_parts import AttributeDict, CkptStoreIO
+
     od: collections.OrderedDict[str, Any] = collections.OrderedDict(w=torch.arange(6.0))
     od._metadata = {"": {"version": 1}}  # type: ignore[attr-defined]
     ckpt = {
@@ -580,6 +501,8 @@ class Opaque:
 
 
 def test_objects_need_allow_pickle(tmp_path: Path) -> None:
+    from lightning_parts import CkptStoreIO
+
     ckpt = {"global_step": 1, "hyper_parameters": {"obj": Opaque(3)}}
     path = tmp_path / "x.ckpt"
     with pytest.raises(UnsafeCheckpointError) as info:
@@ -604,6 +527,8 @@ def test_objects_need_allow_pickle(tmp_path: Path) -> None:
 def test_keep_versions_and_fall_back_within_last(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
+    from lightning_parts import CkptStoreIO
+
     io = CkptStoreIO(keep=2)
     last = tmp_path / "last.ckpt"
     for step in (5, 10, 15):
@@ -620,6 +545,8 @@ def test_keep_versions_and_fall_back_within_last(
 
 
 def test_remove_checkpoint(tmp_path: Path) -> None:
+    from lightning_parts import CkptStoreIO
+
     io = CkptStoreIO()
     target = tmp_path / "epoch=0-step=1.ckpt"
     io.save_checkpoint({"global_step": 1}, target)
@@ -637,6 +564,8 @@ def test_remove_checkpoint(tmp_path: Path) -> None:
 
 
 def test_torch_save_file_is_replaced_and_loads_verified(tmp_path: Path) -> None:
+    from lightning_parts import CkptStoreIO
+
     path = tmp_path / "last.ckpt"
     atomic_save({"global_step": 7, "state_dict": {"w": torch.ones(2)}}, path)
     io = CkptStoreIO()
@@ -655,6 +584,8 @@ def test_torch_save_file_is_replaced_and_loads_verified(tmp_path: Path) -> None:
 
 def test_a_store_another_writer_committed_is_named(tmp_path: Path) -> None:
     """Lightning failed on it with a bare KeyError ('pytorch-lightning_version')."""
+    from lightning_parts import CkptStoreIO
+
     path = tmp_path / "acc.ckpt"
     with CheckpointManager(path) as mgr:  # an AcceleratorCheckpointer's store, in small
         mgr.save(3, {"model": {"w": torch.ones(2)}, "rng": {"seed": 1}})
@@ -674,6 +605,8 @@ def test_a_store_another_writer_committed_is_named(tmp_path: Path) -> None:
 
 
 def test_fsspec_url(tmp_path: Path) -> None:
+    from lightning_parts import CkptStoreIO
+
     io = CkptStoreIO()
     url = f"memory://ckptstore-lightning-{os.getpid()}/epoch=0-step=3.ckpt"
     io.save_checkpoint({"global_step": 3, "w": torch.ones(2)}, url)
@@ -687,6 +620,8 @@ def test_fsspec_url(tmp_path: Path) -> None:
 
 
 def test_arguments_are_checked() -> None:
+    from lightning_parts import CkptStoreIO
+
     with pytest.raises(ValueError, match="keep"):
         CkptStoreIO(keep=0)
     with pytest.raises(ValueError, match="format"):
@@ -698,6 +633,8 @@ def test_arguments_are_checked() -> None:
 
 
 def test_standalone_lightning_package_accepts_the_plugin() -> None:
+    from lightning_parts import CkptStoreIO
+
     fabric_io = pytest.importorskip("lightning_fabric.plugins.io.checkpoint_io")
     assert isinstance(CkptStoreIO(), fabric_io.CheckpointIO)
 
@@ -711,6 +648,7 @@ def test_model_parallel_strategy_is_served_or_refused_at_construction(tmp_path: 
     # Its sharded save is now CkptStoreIO's (tests/test_lightning_sharded.py); the full one
     # (save_distributed_checkpoint=False) is refused before anything runs.
     from lightning.pytorch.strategies import ModelParallelStrategy
+    from lightning_parts import CkptStoreIO, pl
 
     def build(strategy: ModelParallelStrategy, plugin: CkptStoreIO) -> pl.Trainer:
         return pl.Trainer(
@@ -736,6 +674,8 @@ def test_model_parallel_strategy_is_served_or_refused_at_construction(tmp_path: 
 def test_strategies_refuse_the_plugin_where_it_cannot_serve(package: str) -> None:
     # Their Trainer wants a GPU (FSDP) or deepspeed; the setter the Trainer hands the plugin
     # through is what refuses, in either Lightning package.
+    from lightning_parts import CkptStoreIO
+
     strategies = pytest.importorskip(f"{package}.strategies")
     CkptStoreIO()  # guards the package's Strategy (imported now)
     # FSDPStrategy: served with sharded state dicts (saved and loaded through the plugin),
@@ -805,6 +745,8 @@ def calls(out: Path, rank: int) -> list[dict[str, Any]]:
 
 @pytest.mark.timeout(240)
 def test_ddp_two_ranks_rank0_writes_every_rank_resumes(tmp_path: Path) -> None:
+    from lightning_parts import CkptStoreIO
+
     launch(tmp_path, "fit", 2, timeout=110)
     ckpt = tmp_path / "ckpt"
     first = [json.loads((tmp_path / f"fit.rank{r}.json").read_text()) for r in (0, 1)]

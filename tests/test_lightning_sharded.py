@@ -19,16 +19,19 @@ import sys
 from pathlib import Path
 from typing import Any
 
-import lightning.pytorch as pl
 import pytest
 import torch
 from _helpers import REPO, run_cli, run_job_ranks
 from _once import made_once
-from lightning.pytorch.strategies import ModelParallelStrategy
 
 from ckptstore import CheckpointManager
 from ckptstore.errors import ConfigError
-from ckptstore.integrations.lightning import CkptStoreIO
+
+# Lightning (and ckptstore.integrations.lightning, which imports it) is imported by the
+# tests that use it in this process, not here: every xdist worker collects this module, and
+# importing Lightning, with tests/test_lightning.py's and tests/test_hf.py's imports, cost
+# each worker 7 s of CPU before its first test (the jobs' ranks import it in their own
+# processes).
 
 pytestmark = [
     pytest.mark.filterwarnings("ignore:.*does not have many workers.*"),
@@ -176,6 +179,8 @@ def test_fit_saves_every_rank_shards_through_ckptstore(
     sys.path.insert(0, str(WORKER.parent))
     from lightning_sharded_worker import _sha
 
+    from ckptstore.integrations.lightning import CkptStoreIO
+
     full = CkptStoreIO().load_checkpoint(ckpt / "last.ckpt")
     assert full["global_step"] == 6
     end = fit[0]["end"]
@@ -237,6 +242,8 @@ def test_a_checkpoint_saved_without_sharding_is_refused_as_such_and_untouched(
     # CkptStoreIO under another strategy writes one full checkpoint; loaded under
     # ModelParallelStrategy it was called corrupt ("does not verify"), after the restore had
     # written its tensors into the model. It is refused by what it is, before any read.
+    from ckptstore.integrations.lightning import CkptStoreIO
+
     ckpt = tmp_path / "plain" / "last.ckpt"
     CkptStoreIO().save_checkpoint(
         {"state_dict": {"net.0.weight": torch.ones(5, 4)}, "global_step": 2, "epoch": 0},
@@ -323,6 +330,11 @@ def test_an_object_that_needs_pickle_fails_the_save_on_every_rank(job: Path) -> 
 
 
 def test_model_parallel_options_ckptstore_cannot_serve_are_refused(tmp_path: Path) -> None:
+    import lightning.pytorch as pl
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from ckptstore.integrations.lightning import CkptStoreIO
+
     def build(strategy: ModelParallelStrategy, io: CkptStoreIO) -> pl.Trainer:
         return pl.Trainer(
             strategy=strategy,
@@ -345,6 +357,7 @@ def test_model_parallel_without_the_plugin_keeps_lightnings_own_checkpoints(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     from lightning.fabric.plugins.io.torch_io import TorchCheckpointIO
+    from lightning.pytorch.strategies import ModelParallelStrategy
 
     import ckptstore.integrations.lightning_sharded as sharded
 

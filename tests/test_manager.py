@@ -7,8 +7,6 @@ import errno
 import logging
 import os
 import random
-import subprocess
-import sys
 from collections import Counter
 from pathlib import Path
 from typing import Any
@@ -24,9 +22,9 @@ from _helpers import (
     assert_same,
     fresh_like,
     make_state,
+    popen_python,
     run_forked,
     step_dir,
-    subprocess_env,
 )
 
 from ckptstore import (
@@ -224,14 +222,7 @@ sys.stdin.readline()
 @pytest.mark.timeout(60)
 def test_second_writer_process_is_locked_out(tmp_path: Path) -> None:
     root = tmp_path / "s"
-    proc = subprocess.Popen(
-        [sys.executable, "-c", HOLDER, str(root)],
-        stdin=subprocess.PIPE,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.STDOUT,
-        text=True,
-        env=subprocess_env(),
-    )
+    proc = popen_python(HOLDER, str(root), stdin=True)
     assert proc.stdin is not None
     try:
         out = LineReader(proc.stdout)

@@ -61,12 +61,22 @@ class _ForkServer:
     # Variables read only when they are used, never on import, that the test process sets
     # as it goes: the inductor's cache directory (torch writes its default into os.environ
     # the first time anything asks for it: a DTensor op in the test process is enough),
-    # MASTER_ADDR (conftest's ``mesh``) and the proxy exemption of moto's server
-    # (s3server.py). A forked rank is given the launcher's values of these (or has them
-    # unset), as a fresh interpreter would, so they need not match the server's. Compared,
-    # they made every later launch of that pytest process start fresh interpreters, each
-    # importing torch again.
-    PASSED = frozenset({"TORCHINDUCTOR_CACHE_DIR", "MASTER_ADDR", "NO_PROXY", "no_proxy"})
+    # MASTER_ADDR (conftest's ``mesh``), the proxy exemption of moto's server
+    # (s3server.py) and PYTORCH_NVML_BASED_CUDA_CHECK (set by importing Lightning, which the
+    # tests that use it do as they run; torch.cuda.is_available reads it on each call). A
+    # forked rank is given the launcher's values of these (or has them unset), as a fresh
+    # interpreter would, so they need not match the server's. Compared, they made every
+    # later launch of that pytest process start fresh interpreters, each importing torch
+    # again.
+    PASSED = frozenset(
+        {
+            "TORCHINDUCTOR_CACHE_DIR",
+            "MASTER_ADDR",
+            "NO_PROXY",
+            "no_proxy",
+            "PYTORCH_NVML_BASED_CUDA_CHECK",
+        }
+    )
 
     def __init__(self, env: dict[str, str]) -> None:
         self.env = env
@@ -131,16 +141,21 @@ class _ForkServer:
         args: list[str] | None = None,
         preload: tuple[str, ...] = (),
         module: bool = False,
+        code: str | None = None,
         pipes: tuple[str, str] | None = None,
     ) -> int | None:
         """Fork ``python SCRIPT ARGS...`` with ``env`` (all of it) in ``cwd``; its pid, or None.
 
         ``preload``: modules the server imports before it forks (once: its later children
-        have them too). ``module``: ``script`` names a module, run as ``python -m``.
+        have them too). ``module``: ``script`` names a module, run as ``python -m``;
+        ``code``: ``python -c CODE`` (``script`` unused).
         ``pipes``: FIFOs for its stdin and stdout (``spawn_piped``), stderr still to ``log``.
         """
         req: dict[str, Any] = {"env": env, "log": str(log), "cwd": str(cwd)}
         req["module" if module else "run"] = str(script)
+        if code is not None:
+            del req["run"]
+            req["code"] = code
         if pipes is not None:
             req["stdin"], req["stdout"] = pipes
         return self._request({**req, "args": args or [], "preload": list(preload)})
@@ -265,8 +280,8 @@ class _Piped(_Forked):
         self._in_fd = os.open(self._fifo_in, os.O_RDWR)
         out_fd = os.open(fifo_out, os.O_RDONLY | os.O_NONBLOCK)
         self._err = None if merge else os.path.join(self._dir, "stderr")
-        module = cmd[1] == "-m"
-        target, args = (cmd[2], cmd[3:]) if module else (cmd[1], cmd[2:])
+        module, code = cmd[1] == "-m", cmd[2] if cmd[1] == "-c" else None
+        target, args = (cmd[2], cmd[3:]) if module or code else (cmd[1], cmd[2:])
         pid = server.spawn_script(
             Path(target),
             env,
@@ -274,6 +289,7 @@ class _Piped(_Forked):
             Path.cwd(),
             args=args,
             module=module,
+            code=code,
             pipes=(self._fifo_in, fifo_out),
         )
         if pid is None:
@@ -311,16 +327,16 @@ class _Piped(_Forked):
 
 def spawn_piped(cmd: list[str], env: dict[str, str], merge_stderr: bool) -> _Piped | None:
     """``subprocess.Popen(cmd, env=env, stdin=PIPE, stdout=PIPE, text=True, stderr=STDOUT
-    if merge_stderr)`` for ``cmd`` = ``[python, SCRIPT, ...]`` or ``[python, -m, MODULE,
-    ...]``, forked from this process's fork server instead of a fresh interpreter (the
-    tools' fork servers import torch and ckptstore: 4-6 s of CPU each, see
-    ``tools/linechild.py``). None where it cannot be (no fork server running, another
-    command): start it as before.
+    if merge_stderr)`` for ``cmd`` = ``[python, SCRIPT, ...]``, ``[python, -m, MODULE,
+    ...]`` or ``[python, -c, CODE, ...]``, forked from this process's fork server instead of
+    a fresh interpreter (the tools' fork servers import torch and ckptstore: 4-6 s of CPU
+    each, see ``tools/linechild.py``). None where it cannot be (no fork server running,
+    another command): start it as before.
 
     Nor where its ``PYTHONPATH`` names another tree's ckptstore. It never starts a fork
-    server itself: a test that changed the environment would start
-    one that fits no later launch (:meth:`_ForkServer.fits`), whose ranks would all start
-    fresh; :func:`piped_spawner` starts it first.
+    server itself: a test that changed the environment would start one that fits no later
+    launch (:meth:`_ForkServer.fits`), whose ranks would all start fresh;
+    :func:`piped_spawner` starts it first.
     """
     server = _server
     if server is None or server.dead or len(cmd) < 2 or cmd[0] != sys.executable:
@@ -330,9 +346,9 @@ def spawn_piped(cmd: list[str], env: dict[str, str], merge_stderr: bool) -> _Pip
     for entry in env.get("PYTHONPATH", "").split(os.pathsep):
         if entry and (Path(entry) / "ckptstore").is_dir() and Path(entry).resolve() != REPO:
             return None
-    if cmd[1] == "-m" and len(cmd) < 3:
+    if cmd[1] in ("-m", "-c") and len(cmd) < 3:
         return None
-    if cmd[1].startswith("-") and cmd[1] != "-m":
+    if cmd[1].startswith("-") and cmd[1] not in ("-m", "-c"):
         return None
     try:
         return _Piped(server, cmd, env, merge_stderr)

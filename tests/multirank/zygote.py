@@ -12,9 +12,10 @@ on stdin (``set``: the launcher's values of the few variables a rank may differ 
 unset); the server answers ``{"id", "pid"}`` when the child is forked and
 ``{"pid", "status"}`` (``os.waitstatus_to_exitcode``) when it ends. EOF on stdin ends the
 server (children it has forked keep running until they finish or are killed). A request
-with ``"run": SCRIPT`` or ``"module": NAME`` (and ``"args"``, ``"env"``, optionally
-``"stdin"``/``"stdout"`` FIFOs and ``"preload"``) forks ``python SCRIPT`` or
-``python -m NAME`` instead of a rank (``launch._ForkServer.spawn_script``, ``spawn_piped``).
+with ``"run": SCRIPT``, ``"module": NAME`` or ``"code": CODE`` (and ``"args"``, ``"env"``,
+optionally ``"stdin"``/``"stdout"`` FIFOs and ``"preload"``) forks ``python SCRIPT``,
+``python -m NAME`` or ``python -c CODE`` instead of a rank
+(``launch._ForkServer.spawn_script``, ``launch.spawn_piped``).
 """
 
 from __future__ import annotations
@@ -28,6 +29,7 @@ import runpy
 import select
 import sys
 import traceback
+import types
 from collections.abc import Callable
 from typing import Any
 
@@ -133,17 +135,26 @@ def _child(
 
 
 def _run_script(req: dict[str, Any], fds: tuple[int, ...]) -> None:
-    """Become ``python SCRIPT ARGS...`` or ``python -m MODULE ARGS...`` (a docs snippet, a
-    rank of a Lightning job, a tool's fork server): its environment, directory and stdio.
+    """Become ``python SCRIPT ARGS...``, ``python -m MODULE ARGS...`` or ``python -c CODE
+    ARGS...`` (a docs snippet, a rank of a Lightning job, a tool's fork server, a test's
+    second process): its environment, directory and stdio.
 
     The entries of its ``PYTHONPATH`` that this process's ``sys.path`` lacks are put in
     front, as a fresh interpreter would have them."""
     script = req.get("run")
     module = req.get("module")
+    code = req.get("code")
 
     def run() -> None:
         paths = req["env"].get("PYTHONPATH", "").split(os.pathsep)
         sys.path[:0] = [p for p in paths if p and p not in sys.path]
+        if code is not None:
+            sys.argv = ["-c", *req.get("args", ())]
+            sys.path.insert(0, "")  # as `python -c`
+            main = types.ModuleType("__main__")
+            sys.modules["__main__"] = main
+            exec(compile(code, "<string>", "exec"), main.__dict__)
+            return
         if module is not None:
             sys.argv = [module, *req.get("args", ())]
             sys.path.insert(0, req["cwd"])  # as `python -m MODULE`
@@ -202,7 +213,7 @@ def main() -> None:
             pid = os.fork()
             if pid == 0:
                 inherited = (requests, replies, *(fd for fd in children.values() if fd is not None))
-                if "run" in req or "module" in req:
+                if "run" in req or "module" in req or "code" in req:
                     _run_script(req, inherited)
                 _child(req["argv"], req["log"], req["cwd"], inherited, req["set"])
             fd = children[pid] = _pidfd(pid)
